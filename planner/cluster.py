@@ -1,0 +1,304 @@
+"""cluster.yaml: nodes of (possibly emulated) GPUs and the links between them.
+
+Example (the HetPipe paper's cluster, ``examples/paper_cluster.yaml``)::
+
+    name: hetpipe-paper
+    nodes:
+      - {name: V, gpu: TITAN V, count: 4}
+      - {name: R, gpu: TITAN RTX, count: 4}
+      - {name: G, gpu: GeForce RTX 2060, count: 4}
+      - {name: Q, gpu: Quadro P4000, count: 4}
+    links:
+      intra_node: {bandwidth: 15.75GB/s, latency: 5us}
+      inter_node: {bandwidth: 56Gbit/s, latency: 2us}
+
+A node may set ``memory`` (overrides the catalog) and ``host`` (address for multi-host
+runs). ``emulate: {speed: 0.25, memory: 64MiB}`` runs the node's GPUs as CPU processes
+whose layers are paced to ``calibrated CPU time / speed`` and whose memory is capped.
+The file is validated with pydantic and turned into frozen dataclasses; every error is
+one line naming the file, the field and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from profiler.catalog import lookup_gpu
+from profiler.errors import ConfigError
+from profiler.units import parse_bandwidth, parse_bytes, parse_seconds
+
+__all__ = ["Cluster", "Device", "Emulation", "Link", "Node", "load_cluster", "parse_cluster"]
+
+
+# ---------------------------------------------------------------- typed, frozen result
+
+
+@dataclass(frozen=True)
+class Emulation:
+    """How a CPU process stands in for a GPU.
+
+    Attributes:
+        speed: relative speed; each layer takes ``calibrated CPU time / speed``.
+        memory_bytes: memory cap enforced by byte accounting at run time.
+    """
+
+    speed: float
+    memory_bytes: int
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link class modelled as ``latency_s + bytes / bandwidth_bps`` seconds per message."""
+
+    bandwidth_bps: float
+    latency_s: float
+
+    def time_s(self, nbytes: float) -> float:
+        """Seconds to move ``nbytes`` over this link (0 bytes cost nothing)."""
+        return 0.0 if nbytes <= 0 else self.latency_s + nbytes / self.bandwidth_bps
+
+
+@dataclass(frozen=True)
+class Node:
+    """A machine with ``count`` identical GPUs."""
+
+    name: str
+    host: str
+    gpu_type: str
+    letter: str
+    count: int
+    memory_bytes: int
+    emulation: Emulation | None = None
+
+
+@dataclass(frozen=True)
+class Device:
+    """One GPU of the cluster: ``node`` name, ``index`` on that node, catalog ``type``."""
+
+    node: str
+    index: int
+    type: str
+    letter: str
+    memory_bytes: int
+    emulation: Emulation | None = None
+
+    @property
+    def label(self) -> str:
+        """Short unique label, e.g. ``V:2``."""
+        return f"{self.node}:{self.index}"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A parsed cluster.yaml."""
+
+    name: str
+    nodes: tuple[Node, ...]
+    intra_node: Link
+    inter_node: Link
+    source: str = "<memory>"
+
+    @property
+    def devices(self) -> tuple[Device, ...]:
+        """All GPUs, node by node."""
+        return tuple(
+            Device(n.name, i, n.gpu_type, n.letter, n.memory_bytes, n.emulation)
+            for n in self.nodes
+            for i in range(n.count)
+        )
+
+    @property
+    def emulated(self) -> bool:
+        """True when every node is emulated on CPU processes."""
+        return all(n.emulation is not None for n in self.nodes)
+
+    def node(self, name: str) -> Node:
+        """The node called ``name``."""
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise ConfigError(f"{self.source}: no node named {name!r}")
+
+    def link(self, a: Device, b: Device) -> Link:
+        """The link between two devices: intra-node when they share a node."""
+        return self.intra_node if a.node == b.node else self.inter_node
+
+    def to_dict(self) -> dict[str, Any]:
+        """A cluster.yaml-shaped dict (plain units) that :func:`parse_cluster` reads back."""
+        nodes = []
+        for n in self.nodes:
+            d: dict[str, Any] = {
+                "name": n.name,
+                "host": n.host,
+                "gpu": n.gpu_type,
+                "count": n.count,
+                "memory": n.memory_bytes,
+            }
+            if n.emulation is not None:
+                d["emulate"] = {"speed": n.emulation.speed, "memory": n.emulation.memory_bytes}
+            nodes.append(d)
+        links = {
+            k: {"bandwidth": v.bandwidth_bps, "latency": v.latency_s}
+            for k, v in (("intra_node", self.intra_node), ("inter_node", self.inter_node))
+        }
+        return {"name": self.name, "nodes": nodes, "links": links}
+
+
+# ---------------------------------------------------------------- pydantic schema
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _LinkIn(_Strict):
+    bandwidth: float
+    latency: float = 0.0
+
+    @field_validator("bandwidth", mode="before")
+    @classmethod
+    def _bw(cls, v: object) -> float:
+        bw = parse_bandwidth(v)
+        if bw <= 0:
+            raise ValueError("bandwidth must be positive (e.g. 15.75GB/s)")
+        return bw
+
+    @field_validator("latency", mode="before")
+    @classmethod
+    def _lat(cls, v: object) -> float:
+        return parse_seconds(v)
+
+
+class _LinksIn(_Strict):
+    intra_node: _LinkIn = _LinkIn(bandwidth=15.75e9 * 0.8, latency=5e-6)
+    inter_node: _LinkIn = _LinkIn(bandwidth=56e9 / 8 * 0.8, latency=5e-6)
+
+
+class _EmulateIn(_Strict):
+    speed: float = Field(gt=0, le=8)
+    memory: int
+
+    @field_validator("memory", mode="before")
+    @classmethod
+    def _mem(cls, v: object) -> int:
+        m = parse_bytes(v)
+        if m <= 0:
+            raise ValueError("memory must be positive (e.g. 64MiB)")
+        return m
+
+
+class _NodeIn(_Strict):
+    name: str = Field(min_length=1)
+    host: str | None = None
+    gpu: str = Field(min_length=1)
+    count: int = Field(ge=1, le=1024)
+    memory: int | None = None
+    emulate: _EmulateIn | None = None
+
+    @field_validator("count", mode="before")
+    @classmethod
+    def _count(cls, v: object) -> object:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"count must be a whole number of GPUs, got {v!r}")
+        return v
+
+    @field_validator("memory", mode="before")
+    @classmethod
+    def _mem(cls, v: object) -> int | None:
+        if v is None:
+            return None
+        m = parse_bytes(v)
+        if m <= 0:
+            raise ValueError("memory must be positive (e.g. 12GiB)")
+        return m
+
+
+class _ClusterIn(_Strict):
+    name: str = "cluster"
+    nodes: list[_NodeIn] = Field(min_length=1)
+    links: _LinksIn = _LinksIn()
+
+
+def _loc(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "<document>"
+
+
+def parse_cluster(data: object, source: str = "<memory>") -> Cluster:
+    """Validate a cluster.yaml document (already parsed from YAML).
+
+    Raises:
+        ConfigError: one line naming ``source``, the field and the fix.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{source}: the document must be a mapping with 'nodes:' (and optional 'links:'), "
+            f"got {type(data).__name__}"
+        )
+    try:
+        parsed = _ClusterIn.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        hint = ""
+        if err["type"] == "missing":
+            hint = " (add it)"
+        elif err["type"] == "extra_forbidden":
+            hint = " (unknown field: remove it or fix its spelling)"
+        raise ConfigError(f"{source}: {_loc(tuple(err['loc']))}: {msg}{hint}") from None
+    nodes = []
+    seen: set[str] = set()
+    for i, n in enumerate(parsed.nodes):
+        if n.name in seen:
+            raise ConfigError(f"{source}: nodes[{i}].name: duplicate node name {n.name!r} (names must be unique)")
+        seen.add(n.name)
+        try:
+            spec = lookup_gpu(n.gpu)
+            gpu_type, letter, memory = spec.name, spec.letter, spec.memory_bytes
+        except ConfigError as exc:
+            if n.memory is None:
+                raise ConfigError(f"{source}: nodes[{i}].gpu: {exc}") from None
+            gpu_type, letter, memory = n.gpu, n.gpu[:1].upper(), n.memory
+        memory = n.memory if n.memory is not None else memory
+        emu = Emulation(n.emulate.speed, n.emulate.memory) if n.emulate is not None else None
+        nodes.append(Node(n.name, n.host or n.name, gpu_type, letter, n.count, memory, emu))
+    emulated = [n.emulation is not None for n in nodes]
+    if any(emulated) and not all(emulated):
+        raise ConfigError(f"{source}: nodes: either every node has 'emulate:' or none does (mixed clusters cannot run)")
+    links = parsed.links
+    return Cluster(
+        parsed.name,
+        tuple(nodes),
+        Link(links.intra_node.bandwidth, links.intra_node.latency),
+        Link(links.inter_node.bandwidth, links.inter_node.latency),
+        source,
+    )
+
+
+def load_cluster(path: str | os.PathLike[str]) -> Cluster:
+    """Read and validate a cluster.yaml file.
+
+    Raises:
+        ConfigError: unreadable file, YAML syntax error or invalid content.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read cluster file ({exc.strerror or exc})") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise ConfigError(f"{p}: YAML syntax error{where}: {problem}") from None
+    return parse_cluster(data, str(p))

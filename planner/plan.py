@@ -1,0 +1,298 @@
+"""The plan file: the one contract between planner and runtime (and the simulator's input).
+
+A plan is versioned and self-contained: it embeds the cluster, the model reference and
+batch size, each virtual worker's GPUs in pipeline order with its stages (layer ranges by
+name and index, per-stage times, transfer times and memory), Nm, D, the parameter-server
+shard placement and the predictions. It is stored as YAML (``plan.yaml``) or JSON; both
+hold the same document, whose shape is what :meth:`Plan.to_dict` returns.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from planner.cluster import Cluster, parse_cluster
+from profiler.errors import PlanError
+from profiler.table import atomic_write_text
+
+__all__ = ["PLAN_VERSION", "GpuSlot", "Plan", "Prediction", "ShardPlan", "StagePlan", "VirtualWorker", "load_plan"]
+
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True)
+class GpuSlot:
+    """One GPU of a virtual worker, in pipeline order.
+
+    Attributes:
+        node: node name in the cluster.
+        index: GPU index on that node.
+        type: catalog GPU type.
+        memory_bytes: usable memory (the emulated cap for emulated devices).
+        speed: emulated relative speed, or 0.0 for a real GPU.
+    """
+
+    node: str
+    index: int
+    type: str
+    memory_bytes: int
+    speed: float = 0.0
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: a contiguous range of layers on one GPU.
+
+    Attributes:
+        gpu: position of the stage's GPU in ``VirtualWorker.gpus``.
+        first_layer, last_layer: names of the first and last layer (inclusive).
+        first_index, last_index: their positions in the model graph's linear order.
+        fwd_ms, bwd_ms: compute time of one minibatch on this GPU type.
+        recv_fwd_ms: time to receive the activations crossing the stage's first cut.
+        recv_bwd_ms: time to receive the gradients crossing its last cut.
+        recv_bytes: bytes crossing the first cut (activations in, gradients back out).
+        send_bytes: bytes crossing the last cut.
+        param_bytes: bytes of the stage's parameters.
+        in_flight: most minibatches this stage holds at once (Sec. 4 scheduling rules).
+        memory_bytes: estimated peak memory with ``in_flight`` minibatches.
+        capacity_bytes: the GPU's usable memory.
+    """
+
+    gpu: int
+    first_layer: str
+    last_layer: str
+    first_index: int
+    last_index: int
+    fwd_ms: float
+    bwd_ms: float
+    recv_fwd_ms: float
+    recv_bwd_ms: float
+    recv_bytes: int
+    send_bytes: int
+    param_bytes: int
+    in_flight: int
+    memory_bytes: int
+    capacity_bytes: int
+
+    @property
+    def time_ms(self) -> float:
+        """Stage execution time per minibatch: compute plus receiving activations and gradients."""
+        return self.fwd_ms + self.bwd_ms + self.recv_fwd_ms + self.recv_bwd_ms
+
+
+@dataclass(frozen=True)
+class VirtualWorker:
+    """A group of GPUs running one pipeline.
+
+    Attributes:
+        id: 0-based virtual-worker number.
+        gpus: GPUs in pipeline order (stage ``j`` runs on ``gpus[stages[j].gpu]``).
+        stages: the pipeline stages.
+        nm_max: the largest Nm whose memory fits this VW.
+        throughput: predicted samples/s of this VW alone at the plan's Nm.
+        cross_node_bytes_per_wave: bytes this VW moves across nodes per wave
+            (activations/gradients between stages on different nodes plus push/pull).
+    """
+
+    id: int
+    gpus: tuple[GpuSlot, ...]
+    stages: tuple[StagePlan, ...]
+    nm_max: int
+    throughput: float
+    cross_node_bytes_per_wave: int = 0
+
+    @property
+    def signature(self) -> str:
+        """GPU letters in pipeline order, e.g. ``VRGQ`` (the paper's Table 3 notation)."""
+        return "".join(_letter(g.type) for g in self.gpus)
+
+
+def _letter(gpu_type: str) -> str:
+    from profiler.catalog import CATALOG
+
+    spec = CATALOG.get(gpu_type)
+    return spec.letter if spec is not None else gpu_type[:1].upper()
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """One parameter-server shard: where it runs and which layers' parameters it holds."""
+
+    id: int
+    node: str
+    layers: tuple[str, ...]
+    param_bytes: int
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted performance (samples/s, the same definition the runtime measures).
+
+    Attributes:
+        throughput: whole-cluster samples/s under WSP (straggler-bound).
+        per_vw: samples/s of each VW alone.
+        allreduce_throughput: data-parallel AllReduce BSP baseline on the GPUs that can hold
+            the whole model (0.0 when none can).
+        allreduce_gpus: how many GPUs that baseline uses.
+        method: ``analytic`` or ``simulated``.
+    """
+
+    throughput: float
+    per_vw: tuple[float, ...]
+    allreduce_throughput: float = 0.0
+    allreduce_gpus: int = 0
+    method: str = "analytic"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A complete HetPipe plan. ``D`` is the WSP staleness threshold (clock distance bound)."""
+
+    model: str
+    batch_size: int
+    policy: str
+    nm: int
+    D: int
+    placement: str
+    cluster: Cluster
+    virtual_workers: tuple[VirtualWorker, ...]
+    shards: tuple[ShardPlan, ...]
+    predicted: Prediction
+    num_layers: int
+    profiles: dict[str, str] = field(default_factory=dict)  # GPU type -> provenance
+    optimizer_state_factor: float = 1.0
+    version: int = PLAN_VERSION
+
+    @property
+    def local_staleness(self) -> int:
+        """s_local = Nm - 1 (paper Sec. 4)."""
+        return self.nm - 1
+
+    @property
+    def global_staleness(self) -> int:
+        """s_global = (D + 1) * Nm + Nm - 2 (paper Sec. 5, see shared/seeds/README.md)."""
+        return (self.D + 1) * self.nm + self.nm - 2
+
+    # ------------------------------------------------------------ (de)serialisation
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as plain data (the documented plan-file format)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["cluster"] = self.cluster.to_dict()
+        d["virtual_workers"] = [
+            {**asdict(vw), "signature": vw.signature, "stages": [{**asdict(s), "time_ms": s.time_ms} for s in vw.stages]}
+            for vw in self.virtual_workers
+        ]
+        d["shards"] = [asdict(s) for s in self.shards]
+        d["predicted"] = asdict(self.predicted)
+        d["local_staleness"] = self.local_staleness
+        d["global_staleness"] = self.global_staleness
+        return _plain(d)  # type: ignore[no-any-return]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "<memory>") -> Plan:
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            PlanError: wrong version or a missing/invalid field, naming it.
+        """
+        try:
+            if d.get("version") != PLAN_VERSION:
+                raise PlanError(
+                    f"{source}: plan version {d.get('version')!r} is not supported (this hetpipe reads "
+                    f"version {PLAN_VERSION}); re-run 'hetpipe plan'"
+                )
+            vws = tuple(
+                VirtualWorker(
+                    id=int(v["id"]),
+                    gpus=tuple(GpuSlot(**g) for g in v["gpus"]),
+                    stages=tuple(StagePlan(**{k: s[k] for k in _names(StagePlan)}) for s in v["stages"]),
+                    nm_max=int(v["nm_max"]),
+                    throughput=float(v["throughput"]),
+                    cross_node_bytes_per_wave=int(v.get("cross_node_bytes_per_wave", 0)),
+                )
+                for v in d["virtual_workers"]
+            )
+            pred = d["predicted"]
+            return cls(
+                model=str(d["model"]),
+                batch_size=int(d["batch_size"]),
+                policy=str(d["policy"]),
+                nm=int(d["nm"]),
+                D=int(d["D"]),
+                placement=str(d["placement"]),
+                cluster=parse_cluster(d["cluster"], f"{source}: cluster"),
+                virtual_workers=vws,
+                shards=tuple(ShardPlan(int(s["id"]), str(s["node"]), tuple(s["layers"]), int(s["param_bytes"])) for s in d["shards"]),
+                predicted=Prediction(
+                    float(pred["throughput"]),
+                    tuple(float(x) for x in pred["per_vw"]),
+                    float(pred.get("allreduce_throughput", 0.0)),
+                    int(pred.get("allreduce_gpus", 0)),
+                    str(pred.get("method", "analytic")),
+                ),
+                num_layers=int(d["num_layers"]),
+                profiles={str(k): str(v) for k, v in d.get("profiles", {}).items()},
+                optimizer_state_factor=float(d.get("optimizer_state_factor", 1.0)),
+            )
+        except KeyError as exc:
+            raise PlanError(f"{source}: plan lacks field {exc} (truncated or not a hetpipe plan)") from None
+        except (TypeError, ValueError) as exc:
+            raise PlanError(f"{source}: malformed plan ({exc})") from None
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the plan atomically, as JSON if the name ends in ``.json``, else YAML."""
+        p = Path(path)
+        d = self.to_dict()
+        text = json.dumps(d, indent=2) if p.suffix == ".json" else yaml.safe_dump(d, sort_keys=False)
+        return atomic_write_text(p, text)
+
+    def to_json(self) -> str:
+        """The plan as a JSON string."""
+        return json.dumps(self.to_dict(), indent=2)
+
+
+def _names(cls: type) -> list[str]:
+    return [f.name for f in fields(cls)]
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, float):
+        return float(x)
+    if isinstance(x, bool) or x is None or isinstance(x, (int, str)):
+        return x
+    if hasattr(x, "item"):
+        return x.item()
+    if hasattr(x, "to_dict"):
+        return _plain(x.to_dict())
+    return x
+
+
+def load_plan(path: str | os.PathLike[str]) -> Plan:
+    """Read a plan file (YAML or JSON).
+
+    Raises:
+        PlanError: unreadable, not a mapping, or invalid.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PlanError(f"{p}: cannot read plan file ({exc.strerror or exc})") from exc
+    try:
+        data = yaml.safe_load(text)  # JSON is YAML
+    except yaml.YAMLError as exc:
+        raise PlanError(f"{p}: plan file is not valid YAML/JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise PlanError(f"{p}: a plan file must be a mapping, got {type(data).__name__}")
+    return Plan.from_dict(data, str(p))
