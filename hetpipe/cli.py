@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import typer
 
+from hetpipe.commands import cluster as cluster_cmd
 from hetpipe.commands import plan as plan_cmd
 from hetpipe.commands import profile as profile_cmd
 from hetpipe.commands import run as run_cmd
@@ -28,6 +29,7 @@ app.command("profile", help=profile_cmd.HELP)(profile_cmd.profile)
 app.command("plan", help=plan_cmd.HELP)(plan_cmd.plan)
 app.command("simulate", help=simulate_cmd.HELP)(simulate_cmd.simulate)
 app.command("run", help=run_cmd.HELP)(run_cmd.run)
+app.command("cluster", help=cluster_cmd.HELP)(cluster_cmd.cluster)
 
 
 def main() -> None:

@@ -258,7 +258,9 @@ def parse_cluster(data: object, source: str = "<memory>") -> Cluster:
     seen: set[str] = set()
     for i, n in enumerate(parsed.nodes):
         if n.name in seen:
-            raise ConfigError(f"{source}: nodes[{i}].name: duplicate node name {n.name!r} (names must be unique)")
+            raise ConfigError(
+                f"{source}: nodes[{i}].name: duplicate node name {n.name!r} (names must be unique)"
+            )
         seen.add(n.name)
         try:
             spec = lookup_gpu(n.gpu)
@@ -272,7 +274,9 @@ def parse_cluster(data: object, source: str = "<memory>") -> Cluster:
         nodes.append(Node(n.name, n.host or n.name, gpu_type, letter, n.count, memory, emu))
     emulated = [n.emulation is not None for n in nodes]
     if any(emulated) and not all(emulated):
-        raise ConfigError(f"{source}: nodes: either every node has 'emulate:' or none does (mixed clusters cannot run)")
+        raise ConfigError(
+            f"{source}: nodes: either every node has 'emulate:' or none does (mixed clusters cannot run)"
+        )
     links = parsed.links
     return Cluster(
         parsed.name,

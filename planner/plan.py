@@ -21,7 +21,16 @@ from planner.cluster import Cluster, parse_cluster
 from profiler.errors import PlanError
 from profiler.table import atomic_write_text
 
-__all__ = ["PLAN_VERSION", "GpuSlot", "Plan", "Prediction", "ShardPlan", "StagePlan", "VirtualWorker", "load_plan"]
+__all__ = [
+    "PLAN_VERSION",
+    "GpuSlot",
+    "Plan",
+    "Prediction",
+    "ShardPlan",
+    "StagePlan",
+    "VirtualWorker",
+    "load_plan",
+]
 
 PLAN_VERSION = 1
 
@@ -186,7 +195,11 @@ class Plan:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["cluster"] = self.cluster.to_dict()
         d["virtual_workers"] = [
-            {**asdict(vw), "signature": vw.signature, "stages": [{**asdict(s), "time_ms": s.time_ms} for s in vw.stages]}
+            {
+                **asdict(vw),
+                "signature": vw.signature,
+                "stages": [{**asdict(s), "time_ms": s.time_ms} for s in vw.stages],
+            }
             for vw in self.virtual_workers
         ]
         d["shards"] = [asdict(s) for s in self.shards]
@@ -212,7 +225,9 @@ class Plan:
                 VirtualWorker(
                     id=int(v["id"]),
                     gpus=tuple(GpuSlot(**g) for g in v["gpus"]),
-                    stages=tuple(StagePlan(**{k: s[k] for k in _names(StagePlan)}) for s in v["stages"]),
+                    stages=tuple(
+                        StagePlan(**{k: s[k] for k in _names(StagePlan)}) for s in v["stages"]
+                    ),
                     nm_max=int(v["nm_max"]),
                     throughput=float(v["throughput"]),
                     cross_node_bytes_per_wave=int(v.get("cross_node_bytes_per_wave", 0)),
@@ -229,7 +244,12 @@ class Plan:
                 placement=str(d["placement"]),
                 cluster=parse_cluster(d["cluster"], f"{source}: cluster"),
                 virtual_workers=vws,
-                shards=tuple(ShardPlan(int(s["id"]), str(s["node"]), tuple(s["layers"]), int(s["param_bytes"])) for s in d["shards"]),
+                shards=tuple(
+                    ShardPlan(
+                        int(s["id"]), str(s["node"]), tuple(s["layers"]), int(s["param_bytes"])
+                    )
+                    for s in d["shards"]
+                ),
                 predicted=Prediction(
                     float(pred["throughput"]),
                     tuple(float(x) for x in pred["per_vw"]),
@@ -242,7 +262,9 @@ class Plan:
                 optimizer_state_factor=float(d.get("optimizer_state_factor", 1.0)),
             )
         except KeyError as exc:
-            raise PlanError(f"{source}: plan lacks field {exc} (truncated or not a hetpipe plan)") from None
+            raise PlanError(
+                f"{source}: plan lacks field {exc} (truncated or not a hetpipe plan)"
+            ) from None
         except (TypeError, ValueError) as exc:
             raise PlanError(f"{source}: malformed plan ({exc})") from None
 
@@ -250,7 +272,9 @@ class Plan:
         """Write the plan atomically, as JSON if the name ends in ``.json``, else YAML."""
         p = Path(path)
         d = self.to_dict()
-        text = json.dumps(d, indent=2) if p.suffix == ".json" else yaml.safe_dump(d, sort_keys=False)
+        text = (
+            json.dumps(d, indent=2) if p.suffix == ".json" else yaml.safe_dump(d, sort_keys=False)
+        )
         return atomic_write_text(p, text)
 
     def to_json(self) -> str:

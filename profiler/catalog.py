@@ -93,4 +93,6 @@ def lookup_gpu(name: str) -> GPUSpec:
     if wanted in _ALIASES:
         return CATALOG[_ALIASES[wanted]]
     known = ", ".join(CATALOG)
-    raise ConfigError(f"unknown GPU type {name!r}; known types: {known} (or give memory explicitly)")
+    raise ConfigError(
+        f"unknown GPU type {name!r}; known types: {known} (or give memory explicitly)"
+    )

@@ -15,9 +15,10 @@ first rewritten into tiny holder modules so each parameter is owned by exactly o
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import networkx as nx
 import torch
@@ -74,7 +75,9 @@ def crossing_sets(inputs: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
     for j, preds in enumerate(inputs):
         for i in preds:
             if i >= j:
-                raise ModelError(f"layer {j} reads layer {i}, which is not earlier: the order is not topological")
+                raise ModelError(
+                    f"layer {j} reads layer {i}, which is not earlier: the order is not topological"
+                )
             last_use[i] = max(last_use[i], j)
     result: list[tuple[int, ...]] = [()]
     live: set[int] = set()
@@ -92,7 +95,9 @@ def _meta_bytes(meta: Any) -> tuple[int, list[tuple[int, ...]]]:
         numel = 1
         for d in meta.shape:
             numel *= int(d)
-        return numel * torch.empty((), dtype=meta.dtype).element_size(), [tuple(int(d) for d in meta.shape)]
+        return numel * torch.empty((), dtype=meta.dtype).element_size(), [
+            tuple(int(d) for d in meta.shape)
+        ]
     if isinstance(meta, (tuple, list)):
         total, shapes = 0, []
         for m in meta:
@@ -189,7 +194,9 @@ class StageModule(nn.Module):
 
     def forward(self, *inputs: Any) -> Any:
         if len(inputs) != len(self.input_names):
-            raise ModelError(f"stage expects {len(self.input_names)} inputs {self.input_names}, got {len(inputs)}")
+            raise ModelError(
+                f"stage expects {len(self.input_names)} inputs {self.input_names}, got {len(inputs)}"
+            )
         env: dict[str, Any] = dict(zip(self.input_names, inputs, strict=True))
         if self.inner is not None:
             result = self.inner(*(env[n] for n in self.inner_inputs))
@@ -242,21 +249,33 @@ class ModelGraph:
             if node.op == "output":
                 nbytes, shapes = 0, []
             layers.append(
-                Layer(i, node.name, _op_name(node, gm), preds, tuple(shapes), nbytes, pbytes, bbytes, tuple(names))
+                Layer(
+                    i,
+                    node.name,
+                    _op_name(node, gm),
+                    preds,
+                    tuple(shapes),
+                    nbytes,
+                    pbytes,
+                    bbytes,
+                    tuple(names),
+                )
             )
         self.layers: tuple[Layer, ...] = tuple(layers)
         self.crossing = crossing_sets([lay.inputs for lay in layers])
         dag = nx.DiGraph()
         for lay in layers:
             dag.add_node(lay.index, name=lay.name, op=lay.op)
-            for p in lay.inputs:
-                dag.add_edge(p, lay.index, bytes=layers[p].act_bytes)
+            for src in lay.inputs:
+                dag.add_edge(src, lay.index, bytes=layers[src].act_bytes)
         self.dag = dag
 
     # ------------------------------------------------------------ construction
 
     @classmethod
-    def from_module(cls, module: nn.Module, inputs: tuple[Tensor, ...], *, fake: bool = True) -> ModelGraph:
+    def from_module(
+        cls, module: nn.Module, inputs: tuple[Tensor, ...], *, fake: bool = True
+    ) -> ModelGraph:
         """Trace ``module`` with ``torch.fx`` and propagate the shapes of ``inputs``.
 
         Args:
@@ -280,12 +299,16 @@ class ModelGraph:
             if fake:
                 from torch._subclasses.fake_tensor import FakeTensorMode
 
-                ShapeProp(gm, fake_mode=FakeTensorMode(allow_non_fake_inputs=True)).propagate(*inputs)
+                ShapeProp(gm, fake_mode=FakeTensorMode(allow_non_fake_inputs=True)).propagate(
+                    *inputs
+                )
             else:
                 with torch.no_grad():
                     ShapeProp(gm).propagate(*inputs)
         except Exception as exc:  # shape errors surface as RuntimeError/TypeError from user code
-            raise ModelError(f"running {type(module).__name__} on the sample input failed: {exc}") from exc
+            raise ModelError(
+                f"running {type(module).__name__} on the sample input failed: {exc}"
+            ) from exc
         return cls(gm, renames)
 
     @classmethod
@@ -322,7 +345,7 @@ class ModelGraph:
 
     def _check_cuts(self, cuts: Sequence[int]) -> list[int]:
         bounds = [0, *cuts, len(self.layers)]
-        for a, b in zip(bounds, bounds[1:], strict=False):
+        for a, b in itertools.pairwise(bounds):
             if not a < b:
                 raise ModelError(
                     f"cut points must be strictly increasing within 1..{len(self.layers) - 1}, got {list(cuts)}"
@@ -353,7 +376,10 @@ class ModelGraph:
         stage = self.stage_of_layer(cuts)
         n_stages = len(cuts) + 1
         split = split_module(
-            self.gm, None, lambda node: stage[self._index[node]], keep_original_node_name=True  # type: ignore[arg-type]
+            self.gm,
+            self.gm,
+            lambda node: stage[self._index[node]],
+            keep_original_node_name=True,
         )
         children = dict(split.named_children())
         self._check_param_ownership(children)
@@ -362,17 +388,19 @@ class ModelGraph:
         result = []
         wanted = range(n_stages) if only is None else [only]
         for s in wanted:
-            inner = children.get(f"submod_{s}")
+            inner = cast("fx.GraphModule | None", children.get(f"submod_{s}"))
             inner_in: tuple[str, ...] = ()
             inner_out: tuple[str, ...] = ()
             if inner is not None:
-                sub_graph = inner.graph  # type: ignore[union-attr]
+                sub_graph = inner.graph
                 inner_in = tuple(n.name for n in sub_graph.nodes if n.op == "placeholder")
                 out_arg = next(n for n in sub_graph.nodes if n.op == "output").args[0]
                 outs = out_arg if isinstance(out_arg, (tuple, list)) else (out_arg,)
                 inner_out = tuple(o.name for o in outs)
-            in_names = self.cut_names(bounds[s]) if s > 0 else tuple(
-                lay.name for lay in self.layers if lay.op == "placeholder"
+            in_names = (
+                self.cut_names(bounds[s])
+                if s > 0
+                else tuple(lay.name for lay in self.layers if lay.op == "placeholder")
             )
             last = s == n_stages - 1
             out_names = () if last else self.cut_names(bounds[s + 1])
@@ -395,4 +423,3 @@ class ModelGraph:
         """Map a stage parameter name (``inner.layers.0.conv1.weight``) to the original model's name."""
         name = stage_param_name.removeprefix("inner.")
         return self.param_renames.get(name, name)
-

@@ -50,7 +50,9 @@ class ModelSpec:
 # ---------------------------------------------------------------- built-in modules
 
 
-def mlp(in_features: int = 64, hidden: int = 256, depth: int = 4, classes: int = 10) -> nn.Sequential:
+def mlp(
+    in_features: int = 64, hidden: int = 256, depth: int = 4, classes: int = 10
+) -> nn.Sequential:
     """A plain multi-layer perceptron; the default for the digits data set (8x8 = 64 inputs)."""
     layers: list[nn.Module] = []
     width = in_features
@@ -72,7 +74,9 @@ class BasicBlock(nn.Module):
         self.bn2 = nn.BatchNorm2d(cout)
         self.short: nn.Module = nn.Identity()
         if stride != 1 or cin != cout:
-            self.short = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+            self.short = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
 
     def forward(self, x: Tensor) -> Tensor:
         out = F.relu(self.bn1(self.conv1(x)))
@@ -96,7 +100,9 @@ class Bottleneck(nn.Module):
         self.bn3 = nn.BatchNorm2d(cout)
         self.short: nn.Module = nn.Identity()
         if stride != 1 or cin != cout:
-            self.short = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+            self.short = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
 
     def forward(self, x: Tensor) -> Tensor:
         out = F.relu(self.bn1(self.conv1(x)))
@@ -130,7 +136,9 @@ class ResNet(nn.Module):
                 nn.MaxPool2d(3, 2, 1),
             )
         else:
-            self.stem = nn.Sequential(nn.Conv2d(3, stem_out, 3, 1, 1, bias=False), nn.BatchNorm2d(stem_out), nn.ReLU())
+            self.stem = nn.Sequential(
+                nn.Conv2d(3, stem_out, 3, 1, 1, bias=False), nn.BatchNorm2d(stem_out), nn.ReLU()
+            )
         expansion = 4 if block is Bottleneck else 1
         cin = stem_out
         stages: list[nn.Module] = []
@@ -204,7 +212,9 @@ class TransformerBlock(nn.Module):
 class TinyTransformer(nn.Module):
     """A small GPT-style language model; its positional embedding is a bare parameter."""
 
-    def __init__(self, vocab: int = 256, dim: int = 64, heads: int = 4, depth: int = 2, seq: int = 32) -> None:
+    def __init__(
+        self, vocab: int = 256, dim: int = 64, heads: int = 4, depth: int = 2, seq: int = 32
+    ) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.zeros(1, seq, dim))
@@ -278,7 +288,9 @@ def _load_factory(ref: str) -> Callable[..., object]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ModelError(f"model {ref!r}: cannot import module {module_name!r} ({exc}); check PYTHONPATH") from exc
+        raise ModelError(
+            f"model {ref!r}: cannot import module {module_name!r} ({exc}); check PYTHONPATH"
+        ) from exc
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ModelError(f"model {ref!r}: {module_name!r} has no callable {attr!r}")

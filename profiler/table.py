@@ -38,7 +38,14 @@ import pandas as pd
 from profiler.errors import ProfileError
 from profiler.graph import crossing_sets
 
-__all__ = ["COLUMNS", "Profile", "ProfileMeta", "atomic_write_text", "load_profile", "load_profile_set"]
+__all__ = [
+    "COLUMNS",
+    "Profile",
+    "ProfileMeta",
+    "atomic_write_text",
+    "load_profile",
+    "load_profile_set",
+]
 
 COLUMNS: dict[str, str] = {
     "layer": "str",
@@ -132,7 +139,9 @@ class Profile:
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the profile as CSV with a metadata header, atomically (write, then rename)."""
         meta = {k: v for k, v in self.meta.__dict__.items()}
-        body = self.table[list(COLUMNS)].to_csv(index=False, float_format="%.17g", lineterminator="\n")
+        body = self.table[list(COLUMNS)].to_csv(
+            index=False, float_format="%.17g", lineterminator="\n"
+        )
         text = _MAGIC + json.dumps(meta, sort_keys=True) + "\n" + body
         return atomic_write_text(Path(path), text)
 
@@ -162,12 +171,21 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
         with p.open(encoding="utf-8") as fh:
             first = fh.readline()
             if not first.startswith(_MAGIC):
-                raise ProfileError(f"{p}: not a hetpipe profile (first line must start with {_MAGIC.strip()!r})")
+                raise ProfileError(
+                    f"{p}: not a hetpipe profile (first line must start with {_MAGIC.strip()!r})"
+                )
             meta_raw = json.loads(first[len(_MAGIC) :])
-            table = pd.read_csv(fh, dtype={"layer": str, "op": str, "inputs": str}, keep_default_na=False)
+            table = pd.read_csv(
+                fh, dtype={"layer": str, "op": str, "inputs": str}, keep_default_na=False
+            )
     except OSError as exc:
         raise ProfileError(f"{p}: cannot read profile ({exc.strerror or exc})") from exc
-    except (json.JSONDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
+    except (
+        json.JSONDecodeError,
+        pd.errors.ParserError,
+        pd.errors.EmptyDataError,
+        UnicodeDecodeError,
+    ) as exc:
         raise ProfileError(f"{p}: malformed profile ({type(exc).__name__}: {exc})") from exc
     try:
         meta = ProfileMeta(**meta_raw)

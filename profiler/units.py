@@ -67,7 +67,7 @@ def _parse(value: object, units: dict[str, float] | dict[str, int], what: str) -
 
 def parse_bytes(value: object) -> int:
     """Parse a size such as ``12GiB``, ``8 GB``, ``512MiB`` or a plain number of bytes."""
-    return int(round(_parse(value, _BYTE_UNITS, "size in bytes (e.g. 12GiB)")))
+    return round(_parse(value, _BYTE_UNITS, "size in bytes (e.g. 12GiB)"))
 
 
 def parse_bandwidth(value: object) -> float:

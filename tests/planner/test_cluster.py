@@ -1,0 +1,179 @@
+"""cluster.yaml parsing: the examples load; bad input is one clear line and exit code 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from hetpipe.cli import app
+from planner.cluster import load_cluster, parse_cluster
+from profiler.catalog import CATALOG, lookup_gpu
+from profiler.errors import ConfigError
+from profiler.units import parse_bandwidth, parse_bytes, parse_seconds
+from tests.conftest import EXAMPLES
+
+GOOD = """
+name: t
+nodes:
+  - {name: a, gpu: TITAN V, count: 2}
+  - {name: b, gpu: Quadro P4000, count: 1, memory: 4GiB}
+links:
+  intra_node: {bandwidth: 10GB/s, latency: 5us}
+  inter_node: {bandwidth: 56Gbit/s, latency: 2us}
+"""
+
+
+def test_paper_cluster_matches_table_1() -> None:
+    c = load_cluster(EXAMPLES / "paper_cluster.yaml")
+    assert [n.gpu_type for n in c.nodes] == [
+        "TITAN V",
+        "TITAN RTX",
+        "GeForce RTX 2060",
+        "Quadro P4000",
+    ]
+    assert [n.memory_bytes // 2**30 for n in c.nodes] == [12, 24, 6, 8]
+    assert len(c.devices) == 16
+    assert not c.emulated
+    a, b = c.devices[0], c.devices[5]
+    assert c.link(a, c.devices[1]) is c.intra_node
+    assert c.link(a, b) is c.inter_node
+
+
+def test_emulated_cluster_is_runnable_here() -> None:
+    c = load_cluster(EXAMPLES / "emulated_cluster.yaml")
+    assert c.emulated
+    demand = sum(n.emulation.speed * n.count for n in c.nodes if n.emulation)
+    assert demand < 2 / 2.5  # well under the 2 cores, so pacing stays accurate
+    speeds = {n.letter: n.emulation.speed for n in c.nodes if n.emulation}
+    assert speeds["R"] > speeds["V"] > speeds["G"] > speeds["Q"]
+
+
+def test_good_cluster_and_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(GOOD)
+    c = load_cluster(path)
+    assert c.nodes[1].memory_bytes == 4 * 2**30  # override beats the catalog
+    assert c.inter_node.bandwidth_bps == pytest.approx(7e9)
+    assert c.inter_node.latency_s == pytest.approx(2e-6)
+    assert parse_cluster(c.to_dict()) == parse_cluster(c.to_dict())
+    assert parse_cluster(c.to_dict()).nodes == c.nodes
+
+
+def test_catalog_has_the_required_types() -> None:
+    for name in [
+        "TITAN V",
+        "TITAN RTX",
+        "GeForce RTX 2060",
+        "Quadro P4000",
+        "V100",
+        "T4",
+        "A100",
+        "H100",
+        "K80",
+        "P100",
+    ]:
+        assert lookup_gpu(name).name in CATALOG
+    assert lookup_gpu("titan-v").name == "TITAN V"
+    assert lookup_gpu("rtx 2060").name == "GeForce RTX 2060"
+
+
+def test_units() -> None:
+    assert parse_bytes("12GiB") == 12 * 2**30
+    assert parse_bytes("1.5 MB") == 1_500_000
+    assert parse_bandwidth("56Gbit/s") == pytest.approx(7e9)
+    assert parse_seconds("250us") == pytest.approx(250e-6)
+    with pytest.raises(ValueError, match="unknown unit"):
+        parse_bytes("12 parsecs")
+
+
+BAD = [
+    # (file content, expected fragment of the one-line message)
+    ("nodes: [", "YAML syntax error at line"),
+    ("- a\n- b\n", "must be a mapping"),
+    ("42\n", "must be a mapping"),
+    ("name: x\n", "nodes: Field required (add it)"),
+    ("nodes: []\n", "nodes: List should have at least 1 item"),
+    ("nodes:\n  - {gpu: TITAN V, count: 1}\n", "nodes[0].name: Field required"),
+    ("nodes:\n  - {name: a, count: 1}\n", "nodes[0].gpu: Field required"),
+    ("nodes:\n  - {name: a, gpu: TITAN V}\n", "nodes[0].count: Field required"),
+    ("nodes:\n  - {name: a, gpu: TITAN Z, count: 1}\n", "nodes[0].gpu: unknown GPU type 'TITAN Z'"),
+    (
+        "nodes:\n  - {name: a, gpu: TITAN V, count: -2}\n",
+        "nodes[0].count: Input should be greater than or equal to 1",
+    ),
+    (
+        "nodes:\n  - {name: a, gpu: TITAN V, count: 2.5}\n",
+        "nodes[0].count: count must be a whole number",
+    ),
+    (
+        "nodes:\n  - {name: a, gpu: TITAN V, count: 1, memory: 12 parsecs}\n",
+        "nodes[0].memory: unknown unit 'parsecs'",
+    ),
+    (
+        "nodes:\n  - {name: a, gpu: TITAN V, count: 1, memory: -1GiB}\n",
+        "nodes[0].memory: cannot read '-1GiB'",
+    ),
+    (
+        "nodes:\n  - {name: a, gpu: TITAN V, count: 1, colour: red}\n",
+        "nodes[0].colour: Extra inputs are not permitted (unknown field",
+    ),
+    (
+        "nodes:\n  - {name: a, gpu: TITAN V, count: 1}\nlinks:\n  inter_node: {bandwidth: 56 furlongs}\n",
+        "links.inter_node.bandwidth: unknown unit 'furlongs'",
+    ),
+    (
+        "nodes:\n  - {name: a, gpu: TITAN V, count: 1}\nlinks:\n  inter_node: {bandwidth: 0GB/s}\n",
+        "links.inter_node.bandwidth: bandwidth must be positive",
+    ),
+    (
+        "nodes:\n  - {name: a, gpu: TITAN V, count: 1}\nlinks:\n  intra_node: {bandwidth: 1GB/s, latency: 3 fortnights}\n",
+        "links.intra_node.latency: unknown unit",
+    ),
+    (
+        "nodes:\n  - {name: a, gpu: TITAN V, count: 1}\n  - {name: a, gpu: T4, count: 1}\n",
+        "nodes[1].name: duplicate node name 'a'",
+    ),
+    (
+        "nodes:\n  - {name: a, gpu: T4, count: 1, emulate: {speed: 0.2, memory: 8MiB}}\n  - {name: b, gpu: T4, count: 1}\n",
+        "either every node has 'emulate:' or none",
+    ),
+    (
+        "nodes:\n  - {name: a, gpu: T4, count: 1, emulate: {speed: 0, memory: 8MiB}}\n",
+        "nodes[0].emulate.speed: Input should be greater than 0",
+    ),
+    (
+        "nodes:\n  - {name: a, gpu: T4, count: 1, emulate: {speed: 0.2}}\n",
+        "nodes[0].emulate.memory: Field required",
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "fragment"), BAD, ids=[f"bad{i}" for i in range(len(BAD))])
+def test_bad_cluster_is_one_clear_line(tmp_path: Path, text: str, fragment: str) -> None:
+    path = tmp_path / "cluster.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_cluster(path)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(str(path))
+    assert fragment in message
+
+
+def test_bad_cluster_through_the_cli_exits_2_without_traceback(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.yaml"
+    path.write_text(BAD[8][0])
+    result = CliRunner().invoke(app, ["cluster", str(path)])
+    assert result.exit_code == 2
+    assert "unknown GPU type 'TITAN Z'" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_unknown_type_with_explicit_memory_is_accepted() -> None:
+    c = parse_cluster(
+        {"nodes": [{"name": "x", "gpu": "MyAccel 9000", "count": 2, "memory": "3GiB"}]}
+    )
+    assert c.nodes[0].memory_bytes == 3 * 2**30
+    assert c.devices[1].label == "x:1"
