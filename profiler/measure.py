@@ -1,0 +1,390 @@
+"""Measured per-layer profiles: run every layer of the model graph on its real inputs.
+
+The traced graph is interpreted node by node (:func:`run_layers`). Each layer gets its
+inputs as detached leaves (so its backward stops at its own boundary), runs forward
+``warmup + repeats`` times and backward (with a ones-like output gradient, graph
+retained) as often; the profile keeps the medians. Times come from
+``time.perf_counter`` on CPU and CUDA events on GPU. Saved-for-backward bytes are
+counted exactly with :class:`profiler.memory.SavedTensorCounter`; FLOPs with
+``torch.utils.flop_counter.FlopCounterMode``.
+
+The honesty check (:func:`step_time_ms`) times a whole-model training step
+(forward + loss + backward) for comparison with the per-layer sums.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import pandas as pd
+import torch
+import torch.fx as fx
+from torch import Tensor, nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from profiler.errors import ConfigError, ModelError
+from profiler.graph import ModelGraph
+from profiler.memory import SavedTensorCounter, cuda_peak_bytes, reset_cuda_peak
+from profiler.models import ModelSpec
+from profiler.table import COLUMNS, Profile, ProfileMeta
+
+__all__ = [
+    "LayerCall",
+    "backward_call",
+    "measure_profile",
+    "parse_device",
+    "profile_rows",
+    "run_layers",
+    "step_time_ms",
+]
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int, int, str], None]
+
+
+@dataclass(frozen=True)
+class LayerCall:
+    """One layer ready to run on its (detached) inputs.
+
+    Attributes:
+        index: layer index in the graph's linear order.
+        node: the fx node.
+        forward: runs the layer's forward once and returns its output.
+        grad_inputs: tensors the backward differentiates for (input leaves and owned parameters).
+    """
+
+    index: int
+    node: fx.Node
+    forward: Callable[[], Any]
+    grad_inputs: tuple[Tensor, ...]
+
+
+def _leaf(value: Any) -> Any:
+    """Detach every tensor in ``value``; floating tensors become leaves requiring grad."""
+    if isinstance(value, Tensor):
+        out = value.detach()
+        return out.requires_grad_(True) if out.is_floating_point() else out
+    if isinstance(value, tuple):
+        return tuple(_leaf(v) for v in value)
+    if isinstance(value, list):
+        return [_leaf(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _leaf(v) for k, v in value.items()}
+    return value
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def run_layers(graph: ModelGraph, inputs: Sequence[Any], visit: Callable[[LayerCall], Any]) -> None:
+    """Interpret the graph layer by layer, letting ``visit`` run each layer.
+
+    Args:
+        graph: the model graph (its ``gm`` is interpreted).
+        inputs: positional model inputs.
+        visit: called once per non-``output`` layer with a :class:`LayerCall`; returns the
+            layer's output (normally ``call.forward()``), which becomes the next layers' input.
+
+    Raises:
+        ModelError: a layer fails on its inputs.
+    """
+    gm = graph.gm
+    env: dict[fx.Node, Any] = {}
+    args_iter = iter(inputs)
+    for index, node in enumerate(gm.graph.nodes):
+        if node.op == "output":
+            break
+        if node.op == "placeholder":
+            value = next(args_iter)
+            leaf = (
+                value.detach() if isinstance(value, Tensor) else value
+            )  # model inputs need no grad
+            env[node] = leaf
+
+            def identity(v: Any = leaf) -> Any:
+                return v
+
+            visit(LayerCall(index, node, identity, ()))
+            continue
+        args = fx.node.map_arg(node.args, env.__getitem__)
+        kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+        params: tuple[Tensor, ...] = ()
+        if node.op == "call_module" and graph.layers[index].param_bytes:
+            sub = gm.get_submodule(str(node.target))
+            params = tuple(p for p in sub.parameters() if p.requires_grad)
+        leaves = tuple(t for t in _tensors((args, kwargs)) if t.requires_grad)
+
+        def forward(node: fx.Node = node, args: Any = args, kwargs: Any = kwargs) -> Any:
+            return _call_node(gm, node, args, kwargs)
+
+        try:
+            out = visit(LayerCall(index, node, forward, leaves + params))
+        except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+            raise ModelError(f"layer {index} ({node.name}) failed on its inputs: {exc}") from exc
+        env[node] = _leaf(out)
+
+
+def _call_node(gm: fx.GraphModule, node: fx.Node, args: Any, kwargs: Any) -> Any:
+    if node.op == "call_module":
+        return gm.get_submodule(str(node.target))(*args, **kwargs)
+    if node.op == "call_function":
+        return node.target(*args, **kwargs)  # type: ignore[operator]
+    if node.op == "call_method":
+        self_obj, *rest = args
+        return getattr(self_obj, str(node.target))(*rest, **kwargs)
+    if node.op == "get_attr":
+        obj: Any = gm
+        for part in str(node.target).split("."):
+            obj = getattr(obj, part)
+        return obj
+    raise ModelError(f"unsupported fx node op {node.op!r} at {node.name}")
+
+
+def backward_call(
+    out: Any, wrt: Sequence[Tensor], retain: bool = True
+) -> Callable[[], None] | None:
+    """A callable running the layer's backward once (ones-like output gradient).
+
+    Returns ``None`` when nothing differentiable flows through the layer.
+    """
+    outs = [t for t in _tensors(out) if t.requires_grad and t.grad_fn is not None]
+    if not outs or not wrt:
+        return None
+    grads = [torch.ones_like(t) for t in outs]
+    wrt = list(wrt)
+
+    def run() -> None:
+        torch.autograd.grad(outs, wrt, grads, retain_graph=retain, allow_unused=True)
+
+    return run
+
+
+# ---------------------------------------------------------------- devices and clocks
+
+
+def parse_device(name: str) -> torch.device:
+    """Parse ``cpu``, ``cuda`` or ``cuda:N`` and check the device exists on this machine.
+
+    Raises:
+        ConfigError: malformed name, or a CUDA device that is not present.
+    """
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as exc:
+        raise ConfigError(
+            f"--device {name!r} is not a device name; use cpu, cuda or cuda:N"
+        ) from exc
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ConfigError(f"--device {name!r}: only cpu and cuda devices can be profiled")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = device.index or 0
+    if index >= count:
+        raise ConfigError(
+            f"--device {name!r} does not exist on this machine ({count} CUDA devices); "
+            "use --device cpu, or --analytic --device-type TYPE to estimate without the GPU"
+        )
+    return torch.device("cuda", index)
+
+
+def _timed_ms(device: torch.device, fn: Callable[[], Any]) -> tuple[float, Any]:
+    """Run ``fn`` once and return (milliseconds, result): CUDA events on GPU, perf_counter on CPU."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return float(start.elapsed_time(end)), result
+    t0 = time.perf_counter()
+    result = fn()
+    return (time.perf_counter() - t0) * 1e3, result
+
+
+# ---------------------------------------------------------------- per-layer measurement
+
+
+@dataclass(frozen=True)
+class _Row:
+    fwd_ms: float
+    bwd_ms: float
+    saved_bytes: int
+    peak_bytes: int
+    flops: float
+
+
+def _measure_call(
+    call: LayerCall, device: torch.device, counter: SavedTensorCounter, repeats: int, warmup: int
+) -> tuple[_Row, Any]:
+    """Time one layer: ``warmup`` + ``repeats`` forward/backward pairs, then one counted forward."""
+    fwd: list[float] = []
+    bwd: list[float] = []
+    for r in range(warmup + repeats):
+        f_ms, out = _timed_ms(device, call.forward)
+        run = backward_call(out, call.grad_inputs, retain=False)
+        b_ms = _timed_ms(device, run)[0] if run is not None else 0.0
+        if r >= warmup:
+            fwd.append(f_ms)
+            bwd.append(b_ms)
+        del out, run
+    reset_cuda_peak(device)
+    with counter, FlopCounterMode(display=False) as flops:
+        out = call.forward()
+    saved = counter.take()
+    run = backward_call(out, call.grad_inputs, retain=True)
+    if run is not None:
+        run()
+    peak = cuda_peak_bytes(device)
+    row = _Row(
+        statistics.median(fwd), statistics.median(bwd), saved, peak, float(flops.get_total_flops())
+    )
+    return row, out
+
+
+def profile_rows(
+    graph: ModelGraph,
+    inputs: Sequence[Any],
+    device: torch.device,
+    repeats: int = 5,
+    warmup: int = 2,
+    progress: Progress | None = None,
+) -> pd.DataFrame:
+    """Measure every layer of ``graph`` on ``inputs`` (already on ``device``) as a profile table."""
+    params = list(graph.gm.parameters())
+    counter = SavedTensorCounter(exclude=params)
+    rows: dict[int, _Row] = {}
+    n = len(graph.layers)
+
+    def visit(call: LayerCall) -> Any:
+        if progress is not None:
+            progress(call.index, n, call.node.name)
+        if call.node.op == "placeholder":
+            return call.forward()
+        row, out = _measure_call(call, device, counter, repeats, warmup)
+        rows[call.index] = row
+        return out
+
+    run_layers(graph, inputs, visit)
+    if progress is not None:
+        progress(n, n, "done")
+    names = graph.names
+    table = []
+    for lay in graph.layers:
+        row = rows.get(lay.index, _Row(0.0, 0.0, 0, 0, 0.0))
+        table.append(
+            {
+                "layer": lay.name,
+                "op": lay.op,
+                "inputs": ";".join(names[i] for i in lay.inputs),
+                "fwd_ms": row.fwd_ms,
+                "bwd_ms": row.bwd_ms,
+                "act_bytes": lay.act_bytes,
+                "saved_bytes": row.saved_bytes,
+                "param_bytes": lay.param_bytes,
+                "buffer_bytes": lay.buffer_bytes,
+                "mem_per_mb_bytes": row.saved_bytes + lay.param_bytes,
+                "peak_bytes": row.peak_bytes,
+                "flops": row.flops,
+            }
+        )
+    return pd.DataFrame(table, columns=list(COLUMNS)).astype(COLUMNS)
+
+
+def _check_counts(repeats: int, warmup: int) -> None:
+    if repeats < 1:
+        raise ConfigError(f"--repeats must be >= 1, got {repeats}")
+    if warmup < 0:
+        raise ConfigError(f"--warmup must be >= 0, got {warmup}")
+
+
+def measure_profile(
+    spec: ModelSpec,
+    device: str | torch.device = "cpu",
+    device_type: str | None = None,
+    repeats: int = 5,
+    warmup: int = 2,
+    progress: Progress | None = None,
+) -> Profile:
+    """Measure a per-layer profile of a resolved model.
+
+    Args:
+        spec: the model and its sample minibatch (from :func:`profiler.models.resolve_model`).
+        device: ``cpu``, ``cuda`` or ``cuda:N``.
+        device_type: the GPU type to record (catalog name); defaults to the CUDA device
+            name, or ``cpu``.
+        repeats: timed forward/backward repetitions per layer (the median is kept).
+        warmup: untimed repetitions before them.
+        progress: ``progress(done, total, layer_name)`` callback.
+
+    Raises:
+        ConfigError: bad device or counts.
+        ModelError: the model cannot be traced or run.
+    """
+    _check_counts(repeats, warmup)
+    dev = parse_device(device) if isinstance(device, str) else device
+    module = spec.module.to(dev).train()
+    inputs = tuple(t.to(dev) for t in spec.inputs)
+    graph = ModelGraph.from_module(module, inputs)
+    table = profile_rows(graph, inputs, dev, repeats, warmup, progress)
+    if device_type is None:
+        device_type = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    meta = ProfileMeta(
+        model=spec.name,
+        device_type=device_type,
+        batch_size=spec.batch_size,
+        source="measured",
+        dtype=str(next(iter(module.parameters()), torch.empty(0)).dtype).removeprefix("torch."),
+        torch_version=torch.__version__,
+        host=platform.node(),
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        extra={
+            "repeats": repeats,
+            "warmup": warmup,
+            "device": str(dev),
+            "threads": torch.get_num_threads(),
+        },
+    )
+    return Profile(table, meta)
+
+
+def step_time_ms(
+    spec: ModelSpec, device: str | torch.device = "cpu", repeats: int = 5, warmup: int = 2
+) -> float:
+    """Median time of one whole-model training step (forward, loss, backward), milliseconds.
+
+    The optimizer update is not included: per-layer profiles do not time it either.
+    """
+    _check_counts(repeats, warmup)
+    dev = parse_device(device) if isinstance(device, str) else device
+    module: nn.Module = spec.module.to(dev).train()
+    inputs = tuple(t.to(dev) for t in spec.inputs)
+    targets = spec.targets.to(dev)
+
+    def step() -> None:
+        loss = spec.loss(module(*inputs), targets)
+        loss.backward()
+
+    times = []
+    for r in range(warmup + repeats):
+        module.zero_grad(set_to_none=True)
+        ms = _timed_ms(dev, step)[0]
+        if r >= warmup:
+            times.append(ms)
+    module.zero_grad(set_to_none=True)
+    return statistics.median(times)

@@ -1,0 +1,126 @@
+"""Exact memory accounting: bytes autograd saves for backward, and the CUDA peak.
+
+RSS and ``tracemalloc`` are both wrong for torch (the caching allocator and
+out-of-Python allocations hide the real figure), so on CPU the bytes a layer keeps
+alive until its backward are counted exactly with
+``torch.autograd.graph.saved_tensors_hooks``: every tensor autograd packs is recorded
+once per storage. Parameters are excluded (they are accounted as weights). The same
+counter works on ``meta`` tensors, so analytic profiles get exact saved bytes without
+computing anything. On CUDA the measured allocator peak is available as well.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["SavedTensorCounter", "cuda_peak_bytes", "reset_cuda_peak", "tensor_bytes"]
+
+log = logging.getLogger(__name__)
+
+
+def tensor_bytes(value: Any) -> int:
+    """Bytes of every tensor in a (nested) tuple/list/dict ``value``; 0 for non-tensors."""
+    if isinstance(value, Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(tensor_bytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(tensor_bytes(v) for v in value.values())
+    return 0
+
+
+def _storage_key(t: Tensor) -> tuple[str, int]:
+    """Identity of the memory behind ``t``: the storage pointer, or the base object on ``meta``."""
+    if t.device.type != "meta":
+        ptr = t.untyped_storage().data_ptr()
+        if ptr:
+            return ("ptr", ptr)
+    base = t._base if t._base is not None else t
+    return ("obj", id(base))
+
+
+class SavedTensorCounter:
+    """Context manager counting the bytes autograd saves for backward inside it.
+
+    Use one counter across a whole model run and :meth:`take` after each layer: a storage
+    saved by several layers is charged once, to the first one. Tensors listed with
+    :meth:`exclude` (the parameters) are never charged.
+
+    Example::
+
+        counter = SavedTensorCounter(exclude=model.parameters())
+        with counter:
+            y = layer(x)
+        saved_bytes = counter.take()
+    """
+
+    def __init__(self, exclude: Any = ()) -> None:
+        self._seen: set[tuple[str, int]] = set()
+        self._keep: list[Tensor] = []  # keeps ids stable while counting (meta tensors)
+        self._pending = 0
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        for p in exclude:
+            self.exclude(p)
+
+    def exclude(self, t: Tensor) -> None:
+        """Never charge the storage of ``t`` (e.g. a parameter)."""
+        self._seen.add(_storage_key(t))
+        self._keep.append(t)
+
+    def _pack(self, t: Tensor) -> Tensor:
+        key = _storage_key(t)
+        if key not in self._seen:
+            self._seen.add(key)
+            self._keep.append(t)
+            base = t._base if t._base is not None else t
+            nbytes = (
+                base.untyped_storage().nbytes()
+                if base.device.type != "meta"
+                else tensor_bytes(base)
+            )
+            self._pending += int(nbytes)
+        return t
+
+    @staticmethod
+    def _unpack(t: Tensor) -> Tensor:
+        return t
+
+    def take(self) -> int:
+        """Bytes newly saved since the last call."""
+        value, self._pending = self._pending, 0
+        return value
+
+    def __enter__(self) -> SavedTensorCounter:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._hooks is not None:
+            self._hooks.__exit__(exc_type, exc, tb)
+            self._hooks = None
+
+
+def reset_cuda_peak(device: torch.device) -> None:
+    """Reset the allocator peak of a CUDA device (no-op on other devices)."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def cuda_peak_bytes(device: torch.device) -> int:
+    """Allocator peak since the last reset on a CUDA device, 0 elsewhere (bytes)."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device))
+    return 0
