@@ -1,0 +1,584 @@
+"""WSP parameter-server shards (paper Sec. 5 and 8.1): pure shard logic and the shard process loop.
+
+A shard holds the global weights of its layers as one flat tensor. Every stage of every
+virtual worker (VW) that owns some of those layers is a *client* of the shard. At the end
+of wave ``c`` (``Nm`` minibatches) each client pushes its aggregated update for wave ``c``
+as one flat message (its slice of the shard, in shard order). The shard
+
+- keeps an exactly-once *ledger* keyed ``(vw, stage, wave)``: a duplicate tag is rejected,
+  a push of a later wave while an earlier one is missing is buffered, and a push further
+  ahead than WSP allows (``wave > global_clock + D``) is rejected as a protocol violation;
+- applies wave ``c`` once every client of every VW has pushed wave ``c``: the per-wave sum
+  (VWs in id order, so the result does not depend on arrival order) is added to the global
+  weights, optionally through server-side momentum, and the global clock becomes ``c + 1``;
+- answers a pull ``(min_clock)`` once its global clock is ``>= min_clock`` with the client's
+  slice of the global weights, which then hold exactly the updates of waves ``0..clock-1``.
+
+The global clock is per shard (GeePS's per-shard clocks): a VW's clock at a shard is the
+number of consecutive waves all of its clients there have pushed, the shard's global clock
+is the minimum over VWs (:class:`planner.wsp.GlobalClock` semantics). With clients that admit
+minibatch ``p`` only when :func:`planner.wsp.required_global_clock` holds, a push of wave ``c``
+happens at global clock ``>= c - D``, so the clock distance (fastest VW clock minus global
+clock) never exceeds ``D + 1``; every accepted push is recorded in :attr:`ShardCore.trace` so
+tests can check that bound.
+
+:class:`ShardCore` is pure (no processes, no I/O) and unit-tested on its own;
+:class:`ShardServer` runs it in a shard process over torch.distributed point-to-point
+messages (gloo), one reader thread per client. The wire protocol is shared with
+:mod:`runtime.ps_client`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import queue
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from planner.wsp import GlobalClock
+from profiler.errors import ConfigError, HetPipeRuntimeError
+from runtime.checkpoint import LedgerEntry, ShardState, save_shard_state
+
+__all__ = [
+    "ClientSpec",
+    "ClockEvent",
+    "Op",
+    "ParamSlot",
+    "PushResult",
+    "ShardCore",
+    "ShardServer",
+    "ShardSpec",
+    "Status",
+    "irecv",
+    "isend",
+    "make_shard_specs",
+    "round_robin_assignment",
+]
+
+log = logging.getLogger(__name__)
+
+# ------------------------------------------------------------------ wire protocol
+TAG_BASE = 7_000_000  # far from any tag the pipeline runtime uses between stages
+TAG_REQUEST = TAG_BASE + 1  # client -> shard: int64 header [op, arg, seq, 0]
+TAG_PUSH_DATA = TAG_BASE + 2  # client -> shard: the flat update, right after a PUSH header
+TAG_ACK = TAG_BASE + 3  # shard -> client: int64 [status, wave, global clock, 0] per push
+TAG_PULL_HEADER = TAG_BASE + 4  # shard -> client: int64 [status, global clock, min_clock, 0]
+TAG_PULL_DATA = TAG_BASE + 5  # shard -> client: the client's flat slice of the weights
+HEADER_LEN = 4
+
+
+class Op(IntEnum):
+    """Request kinds a client sends."""
+
+    PUSH = 1  # arg = wave
+    PULL = 2  # arg = minimum global clock
+    BYE = 3  # the client is done; no more requests follow
+
+
+class Status(IntEnum):
+    """Outcome of a push or pull."""
+
+    OK = 0
+    DUPLICATE = 1  # this (vw, stage, wave) was already received: not applied again
+    TOO_FAR_AHEAD = 2  # wave > global clock + D: the client broke the WSP admission rule
+    BAD_WAVE = 3  # negative wave, or a wave already folded into the global weights
+    BAD_SIZE = 4  # payload length does not match the client's slice
+
+
+# ------------------------------------------------------------------ static layout
+@dataclass(frozen=True)
+class ParamSlot:
+    """One parameter tensor inside a shard's flat weight tensor.
+
+    Attributes:
+        name: parameter name in the model's ``state_dict`` (e.g. ``fc1.weight``).
+        shape: tensor shape.
+        offset: first element in the shard's flat tensor.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class ClientSpec:
+    """A stage of a VW that owns some of a shard's parameters.
+
+    Attributes:
+        vw: virtual-worker id.
+        stage: stage index inside the VW.
+        rank: the stage's rank in the process group.
+        params: names of the shard's parameters this stage holds, in shard order.
+    """
+
+    vw: int
+    stage: int
+    rank: int
+    params: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Static description of one shard: its parameters and clients (validated on creation).
+
+    Attributes:
+        id: shard id (``ShardPlan.id``).
+        rank: the shard process's rank in the process group.
+        params: the shard's parameters, in flat order.
+        clients: every (vw, stage) that pushes to and pulls from this shard, sorted.
+        D: WSP staleness threshold; pushes of waves ``> clock + D`` are rejected.
+            ``None`` disables that check (and bounds nothing).
+    """
+
+    id: int
+    rank: int
+    params: tuple[ParamSlot, ...]
+    clients: tuple[ClientSpec, ...]
+    D: int | None = None
+
+    def __post_init__(self) -> None:
+        names = [p.name for p in self.params]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"shard {self.id}: duplicate parameter names in {names}")
+        by_vw: dict[int, list[str]] = {}
+        for c in self.clients:
+            unknown = set(c.params) - set(names)
+            if unknown:
+                raise ConfigError(f"shard {self.id}: client vw {c.vw} stage {c.stage} names unknown parameters {sorted(unknown)}")
+            by_vw.setdefault(c.vw, []).extend(c.params)
+        for vw, held in by_vw.items():
+            if sorted(held) != sorted(names):
+                missing = sorted(set(names) - set(held))
+                twice = sorted({n for n in held if held.count(n) > 1})
+                raise ConfigError(
+                    f"shard {self.id}: the stages of vw {vw} must hold each of the shard's parameters exactly "
+                    f"once (missing {missing}, held twice {twice}); fix the stage partition"
+                )
+        if self.D is not None and self.D < 0:
+            raise ConfigError(f"shard {self.id}: D must be >= 0, got {self.D}")
+
+    @property
+    def numel(self) -> int:
+        """Elements of the flat weight tensor."""
+        return sum(p.numel for p in self.params)
+
+    @property
+    def vws(self) -> tuple[int, ...]:
+        """Ids of the VWs using this shard, sorted."""
+        return tuple(sorted({c.vw for c in self.clients}))
+
+    def slot(self, name: str) -> ParamSlot:
+        """The slot of parameter ``name``."""
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def segments(self, client: ClientSpec) -> list[tuple[int, int]]:
+        """``(offset, numel)`` ranges of ``client``'s parameters in the flat tensor, in its message order."""
+        return [(s.offset, s.numel) for s in (self.slot(n) for n in client.params)]
+
+    def client_numel(self, client: ClientSpec) -> int:
+        """Length of ``client``'s flat push/pull message."""
+        return sum(n for _, n in self.segments(client))
+
+    def client(self, vw: int, stage: int) -> ClientSpec:
+        """The client spec of stage ``stage`` of VW ``vw``."""
+        for c in self.clients:
+            if (c.vw, c.stage) == (vw, stage):
+                return c
+        raise KeyError((vw, stage))
+
+
+def round_robin_assignment(layers: Sequence[Sequence[str]], n_shards: int) -> dict[str, int]:
+    """The paper's ``default`` placement: layer ``i``'s parameters go to shard ``i mod n``.
+
+    Args:
+        layers: parameter names per layer, in model order (layers without parameters
+            are skipped, so they do not unbalance the round robin).
+        n_shards: number of shards.
+
+    Returns:
+        parameter name -> shard id.
+    """
+    if n_shards < 1:
+        raise ConfigError(f"need at least one parameter-server shard, got {n_shards}")
+    out: dict[str, int] = {}
+    for i, names in enumerate([ls for ls in layers if ls]):
+        for n in names:
+            out[n] = i % n_shards
+    return out
+
+
+def make_shard_specs(
+    param_shapes: Mapping[str, Sequence[int]],
+    assignment: Mapping[str, int],
+    shard_ranks: Sequence[int],
+    clients: Sequence[tuple[int, int, int, Sequence[str]]],
+    D: int | None = None,
+) -> tuple[ShardSpec, ...]:
+    """Build every shard's spec from a parameter placement and the stages' parameter sets.
+
+    Args:
+        param_shapes: parameter name -> shape, in model order (this fixes the flat order).
+        assignment: parameter name -> shard id (e.g. :func:`round_robin_assignment`).
+        shard_ranks: process-group rank of shard ``i`` at position ``i``.
+        clients: ``(vw, stage, rank, parameter names)`` for every stage of every VW.
+        D: WSP staleness threshold, enforced by every shard.
+
+    Raises:
+        ConfigError: a parameter without a shard, an unknown shard id, or a VW whose stages
+            do not hold every parameter exactly once.
+    """
+    slots: list[list[ParamSlot]] = [[] for _ in shard_ranks]
+    offsets = [0] * len(shard_ranks)
+    for name, shape in param_shapes.items():
+        sid = assignment.get(name)
+        if sid is None or not 0 <= sid < len(shard_ranks):
+            raise ConfigError(f"parameter {name!r} is assigned to shard {sid!r}, not one of 0..{len(shard_ranks) - 1}")
+        slot = ParamSlot(name, tuple(int(s) for s in shape), offsets[sid])
+        slots[sid].append(slot)
+        offsets[sid] += slot.numel
+    specs = []
+    for sid, rank in enumerate(shard_ranks):
+        mine = {p.name for p in slots[sid]}
+        cs = sorted(
+            (ClientSpec(vw, stage, r, tuple(p.name for p in slots[sid] if p.name in set(names))) for vw, stage, r, names in clients if mine & set(names)),
+            key=lambda c: (c.vw, c.stage),
+        )
+        specs.append(ShardSpec(sid, rank, tuple(slots[sid]), tuple(cs), D))
+    return tuple(specs)
+
+
+# ------------------------------------------------------------------ pure shard state machine
+@dataclass(frozen=True)
+class ClockEvent:
+    """Clock state right after an accepted push (the trace the WSP bound is checked on).
+
+    Attributes:
+        seq: arrival order of the push.
+        vw, stage, wave: the push.
+        local: every VW's clock at this shard (waves fully pushed), in VW id order.
+        global_clock: the shard's global clock (min of ``local``) after applying ready waves.
+    """
+
+    seq: int
+    vw: int
+    stage: int
+    wave: int
+    local: tuple[int, ...]
+    global_clock: int
+
+    @property
+    def distance(self) -> int:
+        """Clock distance: fastest VW clock minus the global (slowest) clock."""
+        return max(self.local) - self.global_clock
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """What :meth:`ShardCore.push` did: ``status``, a message when rejected, waves applied."""
+
+    status: Status
+    message: str = ""
+    applied: int = 0
+
+
+class ShardCore:
+    """The shard's WSP state machine (pure: no processes, no I/O).
+
+    Args:
+        spec: the shard's static layout and clients.
+        weights: initial flat weights (``spec.numel`` elements); copied.
+        state: resume from this state instead (its clock, weights, ledger, optimizer state).
+        momentum: server-side momentum ``mu``: ``m = mu*m + u; w += m`` per wave (0 disables).
+    """
+
+    def __init__(self, spec: ShardSpec, weights: torch.Tensor | None = None, state: ShardState | None = None, momentum: float = 0.0) -> None:
+        self.spec = spec
+        if state is not None:
+            if state.shard_id != spec.id:
+                raise ConfigError(f"checkpoint is for shard {state.shard_id}, not shard {spec.id}; pass the right file")
+            weights, self._clock, self._ledger = state.weights, state.clock, list(state.ledger)
+            momentum, self._opt = state.momentum, {k: v.clone() for k, v in state.optimizer.items()}
+        else:
+            self._clock, self._ledger, self._opt = 0, [], {}
+        if weights is None or weights.dim() != 1 or weights.numel() != spec.numel:
+            got = None if weights is None else tuple(weights.shape)
+            raise ConfigError(f"shard {spec.id}: initial weights must be flat with {spec.numel} elements, got shape {got}")
+        if weights.dtype != torch.float32:
+            raise ConfigError(f"shard {spec.id}: weights must be float32 (the wire format), got {weights.dtype}")
+        self._w = weights.detach().clone()
+        self.momentum = momentum
+        if momentum and "momentum" not in self._opt:
+            self._opt["momentum"] = torch.zeros_like(self._w)
+        self._keys = [(c.vw, c.stage) for c in spec.clients]
+        self._vw_index = {vw: i for i, vw in enumerate(spec.vws)}
+        self._vw_keys = [[k for k in self._keys if k[0] == vw] for vw in spec.vws]
+        self._gclock = GlobalClock(max(1, len(spec.vws)))  # the shared WSP rule: global = min of VW clocks
+        for _ in range(self._clock):
+            for i in range(len(spec.vws)):
+                self._gclock.push(i, self._gclock.local(i))
+        self._pending: dict[int, dict[tuple[int, int], tuple[torch.Tensor, int]]] = {}
+        self._seq = len(self._ledger)
+        self.trace: list[ClockEvent] = []
+        self.rejected: list[tuple[int, int, int, Status]] = []
+
+    @property
+    def clock(self) -> int:
+        """Global clock: the weights include waves ``0..clock-1`` of every VW."""
+        return self._clock
+
+    @property
+    def ledger(self) -> tuple[LedgerEntry, ...]:
+        """Applied updates, in application order."""
+        return tuple(self._ledger)
+
+    def local_clocks(self) -> tuple[int, ...]:
+        """Each VW's clock at this shard (consecutive waves pushed by all its clients), VW id order."""
+        return tuple(self._gclock.local(i) for i in range(len(self.spec.vws)))
+
+    def push(self, vw: int, stage: int, wave: int, update: torch.Tensor) -> PushResult:
+        """Receive client ``(vw, stage)``'s aggregated update of ``wave`` (flat, in its slice order).
+
+        Applies every wave that became complete. Never raises on a bad push: it returns the
+        rejection (and records it in :attr:`rejected`) so the server can tell the client.
+        """
+        key = (vw, stage)
+        if key not in self._keys:
+            return self._reject(vw, stage, wave, Status.BAD_WAVE, f"shard {self.spec.id} has no client vw {vw} stage {stage}")
+        if wave < 0 or wave < self._clock:
+            status = Status.DUPLICATE if wave >= 0 and self._applied(key, wave) else Status.BAD_WAVE
+            return self._reject(vw, stage, wave, status, f"wave {wave} is already folded into the global weights (clock {self._clock})")
+        if key in self._pending.get(wave, {}):
+            return self._reject(vw, stage, wave, Status.DUPLICATE, "this tag was already received")
+        if self.spec.D is not None and wave > self._clock + self.spec.D:
+            return self._reject(
+                vw, stage, wave, Status.TOO_FAR_AHEAD,
+                f"wave {wave} is more than D={self.spec.D} waves ahead of the global clock {self._clock} "
+                "(the client did not wait for planner.wsp.required_global_clock)",
+            )
+        numel = self.spec.client_numel(self.spec.client(vw, stage))
+        if update.dim() != 1 or update.numel() != numel:
+            return self._reject(vw, stage, wave, Status.BAD_SIZE, f"update has shape {tuple(update.shape)}, expected ({numel},)")
+        self._pending.setdefault(wave, {})[key] = (update.detach().to(self._w.dtype).clone(), self._seq)
+        self._seq += 1
+        vi = self._vw_index[vw]
+        while all(k in self._pending.get(self._gclock.local(vi), {}) for k in self._vw_keys[vi]):
+            self._gclock.push(vi, self._gclock.local(vi))
+        applied = 0
+        while self._clock < self._gclock.global_clock:
+            self._apply(self._pending.pop(self._clock))
+            applied += 1
+        self.trace.append(ClockEvent(self._seq - 1, vw, stage, wave, self.local_clocks(), self._clock))
+        return PushResult(Status.OK, "", applied)
+
+    def _applied(self, key: tuple[int, int], wave: int) -> bool:
+        return any((e.vw, e.stage, e.wave) == (*key, wave) for e in self._ledger)
+
+    def _reject(self, vw: int, stage: int, wave: int, status: Status, why: str) -> PushResult:
+        self.rejected.append((vw, stage, wave, status))
+        msg = f"shard {self.spec.id}: push (vw {vw}, stage {stage}, wave {wave}) rejected ({status.name}): {why}"
+        log.warning(msg)
+        return PushResult(status, msg)
+
+    def _apply(self, wave_updates: dict[tuple[int, int], tuple[torch.Tensor, int]]) -> None:
+        total = torch.zeros_like(self._w)
+        for c in self.spec.clients:  # sorted by (vw, stage): a deterministic summation order
+            upd, seq = wave_updates[(c.vw, c.stage)]
+            pos = 0
+            for off, n in self.spec.segments(c):
+                total[off : off + n] += upd[pos : pos + n]
+                pos += n
+            self._ledger.append(LedgerEntry(c.vw, c.stage, self._clock, seq, float(upd.double().sum())))
+        if self.momentum:
+            buf = self._opt["momentum"]
+            buf.mul_(self.momentum).add_(total)
+            total = buf
+        self._w.add_(total)
+        self._clock += 1
+
+    def can_pull(self, min_clock: int) -> bool:
+        """Whether a pull asking for global clock ``>= min_clock`` can be answered now."""
+        return self._clock >= min_clock
+
+    def read(self, vw: int, stage: int) -> torch.Tensor:
+        """Client ``(vw, stage)``'s slice of the global weights (flat, in its message order)."""
+        segs = self.spec.segments(self.spec.client(vw, stage))
+        return torch.cat([self._w[off : off + n] for off, n in segs]) if segs else self._w[:0].clone()
+
+    def weights(self) -> torch.Tensor:
+        """A copy of the flat global weights."""
+        return self._w.clone()
+
+    def state(self) -> ShardState:
+        """A snapshot for checkpointing (pending pushes of incomplete waves are not included:
+        on resume every VW restarts at wave ``clock`` and pushes them again)."""
+        return ShardState(self.spec.id, self._clock, self._w.clone(), tuple(self._ledger), {k: v.clone() for k, v in self._opt.items()}, self.momentum)
+
+
+# ------------------------------------------------------------------ the shard process
+@dataclass(frozen=True)
+class _Event:
+    kind: str  # push | pull | bye | error
+    client: int
+    arg: int = 0
+    payload: torch.Tensor | None = None
+    error: str = ""
+
+
+def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None, tag: int) -> dist.Work:
+    """``dist.isend`` that never returns ``None`` (which means this rank is not in ``group``)."""
+    work = dist.isend(tensor, dst=dst, group=group, tag=tag)
+    if work is None:
+        raise HetPipeRuntimeError(f"this rank is not in the parameter-server process group (send to rank {dst})")
+    return work
+
+
+def irecv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None, tag: int) -> dist.Work:
+    """``dist.irecv`` that never returns ``None`` (which means this rank is not in ``group``)."""
+    work = dist.irecv(tensor, src=src, group=group, tag=tag)
+    if work is None:
+        raise HetPipeRuntimeError(f"this rank is not in the parameter-server process group (recv from rank {src})")
+    return work
+
+
+def _wait(work: dist.Work, timeout_s: float) -> None:
+    work.wait(datetime.timedelta(seconds=timeout_s))
+
+
+class ShardServer:
+    """Runs a :class:`ShardCore` in the shard's process, serving its clients over gloo p2p.
+
+    One daemon thread per client blocks on that client's next request header (then its
+    payload) and queues it; the calling thread owns the core, applies pushes, acknowledges
+    each push and answers pulls, per client in request order, once the clock allows.
+
+    Args:
+        core: the shard state machine.
+        group: process group holding the shard and its clients (``None``: the default group).
+        timeout_s: longest silence tolerated from every client at once, and per message; a
+            client that dies is detected at once (its connection closes).
+        checkpoint_dir: where to write checkpoints (``None``: never).
+        checkpoint_every: checkpoint each time the global clock reaches a multiple of this.
+        keep: checkpoint files kept per shard.
+    """
+
+    def __init__(
+        self,
+        core: ShardCore,
+        group: dist.ProcessGroup | None = None,
+        timeout_s: float = 60.0,
+        checkpoint_dir: str | Path | None = None,
+        checkpoint_every: int = 0,
+        keep: int = 2,
+    ) -> None:
+        self.core, self.group, self.timeout_s = core, group, timeout_s
+        self.checkpoint_dir, self.checkpoint_every, self.keep = checkpoint_dir, checkpoint_every, keep
+        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self._prefix = f"[shard {core.spec.id} | rank {core.spec.rank}]"
+
+    def _reader(self, idx: int, client: ClientSpec, events: queue.Queue[_Event]) -> None:
+        numel = self.core.spec.client_numel(client)
+        dtype = self.core.weights().dtype
+        try:
+            while True:
+                hdr = torch.zeros(HEADER_LEN, dtype=torch.int64)
+                _wait(irecv(hdr, src=client.rank, group=self.group, tag=TAG_REQUEST), self.timeout_s)
+                op = int(hdr[0])
+                if op == Op.PUSH:
+                    buf = torch.empty(numel, dtype=dtype)
+                    _wait(irecv(buf, src=client.rank, group=self.group, tag=TAG_PUSH_DATA), self.timeout_s)
+                    events.put(_Event("push", idx, int(hdr[1]), buf))
+                elif op == Op.PULL:
+                    events.put(_Event("pull", idx, int(hdr[1])))
+                elif op == Op.BYE:
+                    events.put(_Event("bye", idx))
+                    return
+                else:
+                    events.put(_Event("error", idx, error=f"unknown request op {op}"))
+                    return
+        except (RuntimeError, HetPipeRuntimeError) as exc:  # gloo: connection closed by peer, or timeout
+            events.put(_Event("error", idx, error=str(exc).splitlines()[0][:300]))
+
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        self._sends.append((isend(tensor, dst=dst, group=self.group, tag=tag), tensor))
+
+    def _drain_sends(self, block: bool) -> None:
+        still = []
+        for work, t in self._sends:
+            if block:
+                _wait(work, self.timeout_s)
+            elif not work.is_completed():
+                still.append((work, t))
+        self._sends = still
+
+    def serve(self) -> ShardState:
+        """Serve until every client said BYE; return the final state.
+
+        Raises:
+            HetPipeRuntimeError: a client died or went silent, naming it (the caller exits
+                non-zero so the launcher stops the run).
+        """
+        spec, core = self.core.spec, self.core
+        events: queue.Queue[_Event] = queue.Queue()
+        for i, c in enumerate(spec.clients):
+            threading.Thread(target=self._reader, args=(i, c, events), daemon=True, name=f"ps{spec.id}-vw{c.vw}s{c.stage}").start()
+        pulls: list[list[int]] = [[] for _ in spec.clients]
+        done: set[int] = set()
+        log.info("%s serving %d clients, %d elements, clock %d", self._prefix, len(spec.clients), spec.numel, core.clock)
+        while len(done) < len(spec.clients) or any(pulls):
+            try:
+                ev = events.get(timeout=self.timeout_s)
+            except queue.Empty:
+                raise HetPipeRuntimeError(
+                    f"{self._prefix} no request from any client for {self.timeout_s:.0f} s (global clock {core.clock}, "
+                    f"VW clocks {core.local_clocks()}); a stage is stuck: stop the run and resume from the last checkpoint"
+                ) from None
+            c = spec.clients[ev.client]
+            if ev.kind == "error":
+                raise HetPipeRuntimeError(
+                    f"{self._prefix} lost client vw {c.vw} stage {c.stage} (rank {c.rank}): {ev.error}; "
+                    "that stage process died or hung: stop the run and resume from the last checkpoint"
+                )
+            if ev.kind == "push" and ev.payload is not None:
+                res = core.push(c.vw, c.stage, ev.arg, ev.payload)
+                self._send(torch.tensor([int(res.status), ev.arg, core.clock, 0], dtype=torch.int64), c.rank, TAG_ACK)
+                if res.applied:
+                    self._maybe_checkpoint(res.applied)
+            elif ev.kind == "pull":
+                pulls[ev.client].append(ev.arg)
+            elif ev.kind == "bye":
+                done.add(ev.client)
+            for i, waiting in enumerate(pulls):
+                while waiting and core.can_pull(waiting[0]):
+                    ci = spec.clients[i]
+                    self._send(torch.tensor([int(Status.OK), core.clock, waiting.pop(0), 0], dtype=torch.int64), ci.rank, TAG_PULL_HEADER)
+                    self._send(core.read(ci.vw, ci.stage), ci.rank, TAG_PULL_DATA)
+            self._drain_sends(block=False)
+        self._drain_sends(block=True)
+        log.info("%s done at clock %d, %d updates applied, %d rejected", self._prefix, core.clock, len(core.ledger), len(core.rejected))
+        return core.state()
+
+    def _maybe_checkpoint(self, applied: int) -> None:
+        if self.checkpoint_dir is None or self.checkpoint_every <= 0:
+            return
+        clock = self.core.clock
+        if any((clock - k) % self.checkpoint_every == 0 for k in range(applied)):
+            save_shard_state(self.core.state(), self.checkpoint_dir, self.keep)

@@ -1,0 +1,292 @@
+"""Parameter-server shards: pure ledger/clock logic first, then real shard + client processes.
+
+The process tests live in ``tests/runtime/ps_procs.py`` helpers below this module's pure tests:
+spawned gloo processes, a file rendezvous in ``tmp_path``, small timeouts, so a hang fails
+within seconds.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from planner.wsp import required_global_clock
+from profiler.errors import ConfigError, HetPipeRuntimeError
+from runtime.checkpoint import ShardState, load_checkpoint, load_shard_state, resumable_clock, save_shard_state, shard_checkpoint_path
+from runtime.ps import ShardCore, ShardSpec, Status, make_shard_specs, round_robin_assignment
+
+# Four "layers" with one parameter each; two shards by the paper's default (round-robin) placement.
+SHAPES: dict[str, tuple[int, ...]] = {"a": (2, 3), "b": (4,), "c": (3, 2), "d": (5,)}
+# Stage partitions differ per VW (HD/NP-style heterogeneous partitions); VW 2 has one stage.
+PARTITIONS: dict[int, list[list[str]]] = {0: [["a", "b"], ["c", "d"]], 1: [["a"], ["b", "c", "d"]], 2: [["a", "b", "c", "d"]]}
+
+
+def client_list(partitions: dict[int, list[list[str]]] = PARTITIONS, first_rank: int = 2) -> list[tuple[int, int, int, list[str]]]:
+    out, rank = [], first_rank
+    for vw, stages in sorted(partitions.items()):
+        for s, names in enumerate(stages):
+            out.append((vw, s, rank, names))
+            rank += 1
+    return out
+
+
+def specs(D: int | None = None, partitions: dict[int, list[list[str]]] = PARTITIONS) -> tuple[ShardSpec, ...]:
+    assign = round_robin_assignment([[n] for n in SHAPES], 2)
+    return make_shard_specs(SHAPES, assign, [0, 1], client_list(partitions), D)
+
+
+def update(vw: int, stage: int, wave: int, numel: int) -> torch.Tensor:
+    """A deterministic integer-valued update: sums are exact in float32 whatever the order."""
+    g = torch.Generator().manual_seed(1000 * vw + 100 * stage + wave)
+    return torch.randint(-8, 9, (numel,), generator=g).float()
+
+
+def init_weights(spec: ShardSpec) -> torch.Tensor:
+    return torch.arange(spec.numel, dtype=torch.float32) * 0.5
+
+
+def expected(spec: ShardSpec, waves: int) -> torch.Tensor:
+    """w0 + every client's update of waves 0..waves-1, scattered into the shard's layout."""
+    w = init_weights(spec)
+    for c in spec.clients:
+        for wave in range(waves):
+            u, pos = update(c.vw, c.stage, wave, spec.client_numel(c)), 0
+            for off, n in spec.segments(c):
+                w[off : off + n] += u[pos : pos + n]
+                pos += n
+    return w
+
+
+# ------------------------------------------------------------------ layout
+
+
+def test_round_robin_layout_and_clients() -> None:
+    s0, s1 = specs()
+    assert [p.name for p in s0.params] == ["a", "c"] and [p.name for p in s1.params] == ["b", "d"]
+    assert [(p.offset, p.numel) for p in s0.params] == [(0, 6), (6, 6)]
+    assert s0.numel == 12 and s1.numel == 9
+    # VW 1 stage 0 holds only "a" -> it is a client of shard 0 but not of shard 1
+    assert (1, 0) in [(c.vw, c.stage) for c in s0.clients]
+    assert (1, 0) not in [(c.vw, c.stage) for c in s1.clients]
+    assert s0.client(1, 1).params == ("c",) and s0.segments(s0.client(1, 1)) == [(6, 6)]
+    assert s0.vws == (0, 1, 2)
+
+
+def test_round_robin_skips_parameterless_layers() -> None:
+    assert round_robin_assignment([["x"], [], ["y"], ["z"]], 2) == {"x": 0, "y": 1, "z": 0}
+    with pytest.raises(ConfigError, match="at least one"):
+        round_robin_assignment([["x"]], 0)
+
+
+def test_spec_rejects_partitions_that_do_not_cover_the_shard() -> None:
+    with pytest.raises(ConfigError, match=r"vw 0 .*exactly once.*missing \['c'\]"):
+        specs(partitions={0: [["a", "b"], ["d"]]})
+    with pytest.raises(ConfigError, match=r"held twice \['a'\]"):
+        specs(partitions={0: [["a", "b"], ["a", "c", "d"]]})
+    with pytest.raises(ConfigError, match="shard 5"):
+        make_shard_specs(SHAPES, {"a": 5, "b": 0, "c": 0, "d": 0}, [0], [(0, 0, 1, list(SHAPES))])
+
+
+# ------------------------------------------------------------------ exactly once
+
+
+def all_pushes(spec: ShardSpec, waves: int) -> list[tuple[int, int, int]]:
+    return [(c.vw, c.stage, w) for c in spec.clients for w in range(waves)]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_any_arrival_order_applies_each_tag_exactly_once_and_bitwise_deterministically(seed: int) -> None:
+    spec = specs()[0]
+    waves = 4
+    results = []
+    for order_seed in (seed, seed + 100):
+        core = ShardCore(spec, init_weights(spec))
+        pushes = all_pushes(spec, waves)
+        random.Random(order_seed).shuffle(pushes)
+        for vw, stage, w in pushes:
+            res = core.push(vw, stage, w, update(vw, stage, w, spec.client_numel(spec.client(vw, stage))))
+            assert res.status == Status.OK
+        assert core.clock == waves
+        tags = [(e.vw, e.stage, e.wave) for e in core.ledger]
+        assert sorted(tags) == sorted(all_pushes(spec, waves)) and len(set(tags)) == len(tags)
+        torch.testing.assert_close(core.weights(), expected(spec, waves), rtol=0, atol=0)
+        results.append(core.weights())
+    # random (non-integer) updates: the per-wave sum order is fixed, so arrival order cannot change bits
+    floats = []
+    for order_seed in (seed, seed + 7):
+        core = ShardCore(spec, init_weights(spec))
+        pushes = all_pushes(spec, waves)
+        random.Random(order_seed).shuffle(pushes)
+        for vw, stage, w in pushes:
+            g = torch.Generator().manual_seed(7 + 1000 * vw + 100 * stage + w)
+            core.push(vw, stage, w, torch.randn(spec.client_numel(spec.client(vw, stage)), generator=g))
+        floats.append(core.weights())
+    assert torch.equal(floats[0], floats[1])
+
+
+def test_global_clock_advances_only_when_every_vw_pushed_the_wave() -> None:
+    spec = specs()[0]
+    core = ShardCore(spec, init_weights(spec))
+    for c in spec.clients:
+        if c.vw != 2:
+            core.push(c.vw, c.stage, 0, update(c.vw, c.stage, 0, spec.client_numel(c)))
+    assert core.clock == 0 and core.local_clocks() == (1, 1, 0)
+    assert not core.can_pull(1)
+    torch.testing.assert_close(core.weights(), init_weights(spec))  # nothing applied yet
+    res = core.push(2, 0, 0, update(2, 0, 0, spec.client_numel(spec.client(2, 0))))
+    assert res.applied == 1 and core.clock == 1 and core.can_pull(1)
+    torch.testing.assert_close(core.weights(), expected(spec, 1), rtol=0, atol=0)
+    # a client's pull slice is its own parameters, in its order
+    c = spec.client(1, 1)
+    torch.testing.assert_close(core.read(1, 1), expected(spec, 1)[6:12], rtol=0, atol=0)
+    assert core.read(c.vw, c.stage).numel() == spec.client_numel(c)
+
+
+def test_duplicates_are_rejected_pending_or_applied() -> None:
+    spec = specs(D=None)[1]
+    core = ShardCore(spec, init_weights(spec))
+    n = spec.client_numel(spec.client(0, 0))
+    assert core.push(0, 0, 0, update(0, 0, 0, n)).status == Status.OK
+    again = core.push(0, 0, 0, torch.full((n,), 1000.0))  # still pending: duplicate
+    assert again.status == Status.DUPLICATE and "vw 0, stage 0, wave 0" in again.message
+    for c in spec.clients:
+        if (c.vw, c.stage) != (0, 0):
+            core.push(c.vw, c.stage, 0, update(c.vw, c.stage, 0, spec.client_numel(c)))
+    assert core.clock == 1
+    late = core.push(0, 0, 0, torch.full((n,), 1000.0))  # already applied: duplicate too
+    assert late.status == Status.DUPLICATE
+    torch.testing.assert_close(core.weights(), expected(spec, 1), rtol=0, atol=0)
+    assert core.rejected == [(0, 0, 0, Status.DUPLICATE), (0, 0, 0, Status.DUPLICATE)]
+    assert len(core.ledger) == len(spec.clients)
+
+
+def test_out_of_order_pushes_are_buffered_within_D_and_rejected_beyond() -> None:
+    spec = specs(D=1)[0]
+    core = ShardCore(spec, init_weights(spec))
+    n = spec.client_numel(spec.client(2, 0))
+    assert core.push(2, 0, 1, update(2, 0, 1, n)).status == Status.OK  # wave 1 before wave 0: buffered
+    assert core.local_clocks()[2] == 0  # not counted until wave 0 arrives
+    far = core.push(2, 0, 2, update(2, 0, 2, n))  # 2 > clock 0 + D 1
+    assert far.status == Status.TOO_FAR_AHEAD and "required_global_clock" in far.message
+    assert core.push(2, 0, 0, update(2, 0, 0, n)).status == Status.OK
+    assert core.local_clocks()[2] == 2
+    assert core.push(2, 0, -1, update(2, 0, 0, n)).status == Status.BAD_WAVE
+    assert core.push(2, 0, 5, torch.zeros(3)).status in (Status.BAD_SIZE, Status.TOO_FAR_AHEAD)
+    assert core.push(1, 0, 1, torch.zeros(n + 1)).status == Status.BAD_SIZE
+    assert core.push(7, 0, 0, torch.zeros(n)).status == Status.BAD_WAVE  # unknown client
+
+
+def test_rejects_wrong_initial_weights() -> None:
+    spec = specs()[0]
+    with pytest.raises(ConfigError, match="12 elements"):
+        ShardCore(spec, torch.zeros(11))
+    with pytest.raises(ConfigError, match="float32"):
+        ShardCore(spec, torch.zeros(12, dtype=torch.float64))
+
+
+def test_server_side_momentum_matches_reference() -> None:
+    spec = specs(partitions={0: [["a", "b", "c", "d"]]})[0]
+    core = ShardCore(spec, init_weights(spec), momentum=0.9)
+    w, m = init_weights(spec), torch.zeros(spec.numel)
+    for wave in range(5):
+        u = update(0, 0, wave, spec.numel)
+        core.push(0, 0, wave, u)
+        m = 0.9 * m + u
+        w = w + m
+    torch.testing.assert_close(core.weights(), w)
+    torch.testing.assert_close(core.state().optimizer["momentum"], m)
+
+
+# ------------------------------------------------------------------ WSP clock bound on a trace
+
+
+def simulate_obedient(spec: ShardSpec, nm: int, D: int, minibatches: int, rng: random.Random) -> ShardCore:
+    """VWs at random relative speeds, each admitting minibatch p only at the required global clock."""
+    core = ShardCore(spec, init_weights(spec))
+    next_mb = dict.fromkeys(spec.vws, 1)
+    while any(p <= minibatches for p in next_mb.values()):
+        ready = [v for v, p in next_mb.items() if p <= minibatches and core.can_pull(required_global_clock(p, nm, D))]
+        assert ready, "obedient VWs deadlocked"
+        # a biased choice: VW 0 is fast, so it runs ahead as far as WSP lets it
+        vw = ready[0] if rng.random() < 0.6 else rng.choice(ready)
+        p = next_mb[vw]
+        next_mb[vw] += 1
+        if p % nm == 0:
+            stages = [c for c in spec.clients if c.vw == vw]
+            rng.shuffle(stages)
+            for c in stages:
+                assert core.push(vw, c.stage, p // nm - 1, update(vw, c.stage, p // nm - 1, spec.client_numel(c))).status == Status.OK
+    return core
+
+
+@pytest.mark.parametrize(("nm", "D"), [(1, 0), (2, 0), (4, 0), (2, 1), (3, 2), (1, 4)])
+def test_clock_distance_never_exceeds_D_plus_1_and_reaches_it(nm: int, D: int) -> None:
+    spec = specs(D=D)[0]
+    worst = 0
+    for seed in range(4):
+        core = simulate_obedient(spec, nm, D, minibatches=12 * nm, rng=random.Random(seed))
+        assert core.clock == 12
+        worst = max(worst, max(e.distance for e in core.trace))
+        assert all(e.distance <= D + 1 for e in core.trace), [e.local for e in core.trace if e.distance > D + 1]
+        assert not core.rejected
+        torch.testing.assert_close(core.weights(), expected(spec, 12), rtol=0, atol=0)
+    assert worst == D + 1  # the bound is tight: a fast VW does get D + 1 waves ahead
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def test_checkpoint_round_trip_and_resume_equals_uninterrupted(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    spec = specs()[0]
+    core = ShardCore(spec, init_weights(spec), momentum=0.5)
+    pushes = sorted(all_pushes(spec, 6), key=lambda t: t[2])
+    half = [t for t in pushes if t[2] < 3]
+    for vw, st, w in half:
+        core.push(vw, st, w, update(vw, st, w, spec.client_numel(spec.client(vw, st))))
+    path = save_shard_state(core.state(), tmp_path)
+    assert path == shard_checkpoint_path(tmp_path, 0, 3) and not list(tmp_path.glob(".*tmp"))
+    state = load_shard_state(path)
+    assert state.clock == 3 and len(state.ledger) == len(core.ledger)
+    assert state.ledger == core.ledger
+    resumed = ShardCore(spec, state=state)
+    assert resumed.clock == 3 and resumed.local_clocks() == (3, 3, 3)
+    for vw, st, w in pushes[len(half) :]:
+        u = update(vw, st, w, spec.client_numel(spec.client(vw, st)))
+        core.push(vw, st, w, u)
+        resumed.push(vw, st, w, u)
+    torch.testing.assert_close(resumed.weights(), core.weights(), rtol=0, atol=0)
+    torch.testing.assert_close(resumed.state().optimizer["momentum"], core.state().optimizer["momentum"])
+    # a duplicate of a wave applied before the checkpoint is still rejected after resume
+    assert resumed.push(0, 0, 1, torch.zeros(spec.client_numel(spec.client(0, 0)))).status == Status.DUPLICATE
+
+
+def test_checkpoint_keeps_newest_files_and_finds_resumable_clock(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    s0, s1 = specs()
+    for clock in (1, 2, 3):
+        save_shard_state(ShardState(0, clock, init_weights(s0)), tmp_path, keep=2)
+    for clock in (1, 2):
+        save_shard_state(ShardState(1, clock, init_weights(s1)), tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-0-clock-2.pt", "shard-0-clock-3.pt", "shard-1-clock-1.pt", "shard-1-clock-2.pt"]
+    assert resumable_clock(tmp_path, 2) == 2  # shard 1 has not reached 3 yet
+    assert resumable_clock(tmp_path, 3) is None
+    assert resumable_clock(tmp_path / "nowhere", 1) is None
+
+
+def test_checkpoint_load_refuses_bad_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    bad = tmp_path / "shard-0-clock-1.pt"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(HetPipeRuntimeError, match="cannot load checkpoint"):
+        load_shard_state(bad)
+    with pytest.raises(HetPipeRuntimeError, match="not found"):
+        load_checkpoint(tmp_path / "missing.pt")
+    torch.save({"x": ConfigError("pickled object")}, bad)  # not loadable with weights_only=True
+    with pytest.raises(HetPipeRuntimeError, match="cannot load checkpoint"):
+        load_shard_state(bad)
+    torch.save({"kind": "something else"}, bad)
+    with pytest.raises(HetPipeRuntimeError, match="not a hetpipe parameter-server shard"):
+        load_shard_state(bad)
+    spec = specs()[0]
+    with pytest.raises(ConfigError, match="shard 1, not shard 0"):
+        ShardCore(spec, state=ShardCore(specs()[1], init_weights(specs()[1])).state())
