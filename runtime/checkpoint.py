@@ -111,9 +111,13 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Any:
     try:
         return torch.load(p, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise HetPipeRuntimeError(f"{p}: checkpoint not found; check the --resume directory") from None
+        raise HetPipeRuntimeError(
+            f"{p}: checkpoint not found; check the --resume directory"
+        ) from None
     except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError...
-        raise HetPipeRuntimeError(f"{p}: cannot load checkpoint ({type(exc).__name__}: {exc}); use an older one") from None
+        raise HetPipeRuntimeError(
+            f"{p}: cannot load checkpoint ({type(exc).__name__}: {exc}); use an older one"
+        ) from None
 
 
 def shard_checkpoint_path(directory: str | os.PathLike[str], shard_id: int, clock: int) -> Path:
@@ -149,7 +153,9 @@ def save_shard_state(state: ShardState, directory: str | os.PathLike[str], keep:
         "clock": state.clock,
         "weights": state.weights.detach().cpu(),
         # ledger as one int64 tensor [n, 4]: vw, stage, wave, seq; checksums float64 [n]
-        "ledger": torch.tensor([[e.vw, e.stage, e.wave, e.seq] for e in state.ledger], dtype=torch.int64).reshape(-1, 4),
+        "ledger": torch.tensor(
+            [[e.vw, e.stage, e.wave, e.seq] for e in state.ledger], dtype=torch.int64
+        ).reshape(-1, 4),
         "checksums": torch.tensor([e.checksum for e in state.ledger], dtype=torch.float64),
         "optimizer": {k: v.detach().cpu() for k, v in state.optimizer.items()},
         "momentum": float(state.momentum),
@@ -173,12 +179,26 @@ def load_shard_state(path: str | os.PathLike[str]) -> ShardState:
     if not isinstance(d, dict) or d.get("kind") != "hetpipe-ps-shard":
         raise HetPipeRuntimeError(f"{path}: not a hetpipe parameter-server shard checkpoint")
     if d.get("version") != CHECKPOINT_VERSION:
-        raise HetPipeRuntimeError(f"{path}: checkpoint version {d.get('version')!r} unsupported (expected {CHECKPOINT_VERSION})")
+        raise HetPipeRuntimeError(
+            f"{path}: checkpoint version {d.get('version')!r} unsupported (expected {CHECKPOINT_VERSION})"
+        )
     led, sums = d["ledger"], d["checksums"]
     if led.shape[0] != sums.shape[0]:
-        raise HetPipeRuntimeError(f"{path}: ledger has {led.shape[0]} tags but {sums.shape[0]} checksums (corrupt file)")
-    ledger = tuple(LedgerEntry(int(r[0]), int(r[1]), int(r[2]), int(r[3]), float(c)) for r, c in zip(led.tolist(), sums.tolist(), strict=True))
-    return ShardState(int(d["shard_id"]), int(d["clock"]), d["weights"], ledger, dict(d["optimizer"]), float(d["momentum"]))
+        raise HetPipeRuntimeError(
+            f"{path}: ledger has {led.shape[0]} tags but {sums.shape[0]} checksums (corrupt file)"
+        )
+    ledger = tuple(
+        LedgerEntry(int(r[0]), int(r[1]), int(r[2]), int(r[3]), float(c))
+        for r, c in zip(led.tolist(), sums.tolist(), strict=True)
+    )
+    return ShardState(
+        int(d["shard_id"]),
+        int(d["clock"]),
+        d["weights"],
+        ledger,
+        dict(d["optimizer"]),
+        float(d["momentum"]),
+    )
 
 
 def resumable_clock(directory: str | os.PathLike[str], n_shards: int) -> int | None:

@@ -34,7 +34,6 @@ import datetime
 import logging
 import queue
 import threading
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
@@ -45,6 +44,13 @@ import torch.distributed as dist
 from planner.wsp import GlobalClock
 from profiler.errors import ConfigError, HetPipeRuntimeError
 from runtime.checkpoint import LedgerEntry, ShardState, save_shard_state
+from runtime.ps_layout import (
+    ClientSpec,
+    ParamSlot,
+    ShardSpec,
+    make_shard_specs,
+    round_robin_assignment,
+)
 
 __all__ = [
     "ClientSpec",
@@ -92,180 +98,6 @@ class Status(IntEnum):
     BAD_SIZE = 4  # payload length does not match the client's slice
 
 
-# ------------------------------------------------------------------ static layout
-@dataclass(frozen=True)
-class ParamSlot:
-    """One parameter tensor inside a shard's flat weight tensor.
-
-    Attributes:
-        name: parameter name in the model's ``state_dict`` (e.g. ``fc1.weight``).
-        shape: tensor shape.
-        offset: first element in the shard's flat tensor.
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    offset: int
-
-    @property
-    def numel(self) -> int:
-        """Number of elements."""
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-
-@dataclass(frozen=True)
-class ClientSpec:
-    """A stage of a VW that owns some of a shard's parameters.
-
-    Attributes:
-        vw: virtual-worker id.
-        stage: stage index inside the VW.
-        rank: the stage's rank in the process group.
-        params: names of the shard's parameters this stage holds, in shard order.
-    """
-
-    vw: int
-    stage: int
-    rank: int
-    params: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """Static description of one shard: its parameters and clients (validated on creation).
-
-    Attributes:
-        id: shard id (``ShardPlan.id``).
-        rank: the shard process's rank in the process group.
-        params: the shard's parameters, in flat order.
-        clients: every (vw, stage) that pushes to and pulls from this shard, sorted.
-        D: WSP staleness threshold; pushes of waves ``> clock + D`` are rejected.
-            ``None`` disables that check (and bounds nothing).
-    """
-
-    id: int
-    rank: int
-    params: tuple[ParamSlot, ...]
-    clients: tuple[ClientSpec, ...]
-    D: int | None = None
-
-    def __post_init__(self) -> None:
-        names = [p.name for p in self.params]
-        if len(set(names)) != len(names):
-            raise ConfigError(f"shard {self.id}: duplicate parameter names in {names}")
-        by_vw: dict[int, list[str]] = {}
-        for c in self.clients:
-            unknown = set(c.params) - set(names)
-            if unknown:
-                raise ConfigError(f"shard {self.id}: client vw {c.vw} stage {c.stage} names unknown parameters {sorted(unknown)}")
-            by_vw.setdefault(c.vw, []).extend(c.params)
-        for vw, held in by_vw.items():
-            if sorted(held) != sorted(names):
-                missing = sorted(set(names) - set(held))
-                twice = sorted({n for n in held if held.count(n) > 1})
-                raise ConfigError(
-                    f"shard {self.id}: the stages of vw {vw} must hold each of the shard's parameters exactly "
-                    f"once (missing {missing}, held twice {twice}); fix the stage partition"
-                )
-        if self.D is not None and self.D < 0:
-            raise ConfigError(f"shard {self.id}: D must be >= 0, got {self.D}")
-
-    @property
-    def numel(self) -> int:
-        """Elements of the flat weight tensor."""
-        return sum(p.numel for p in self.params)
-
-    @property
-    def vws(self) -> tuple[int, ...]:
-        """Ids of the VWs using this shard, sorted."""
-        return tuple(sorted({c.vw for c in self.clients}))
-
-    def slot(self, name: str) -> ParamSlot:
-        """The slot of parameter ``name``."""
-        for p in self.params:
-            if p.name == name:
-                return p
-        raise KeyError(name)
-
-    def segments(self, client: ClientSpec) -> list[tuple[int, int]]:
-        """``(offset, numel)`` ranges of ``client``'s parameters in the flat tensor, in its message order."""
-        return [(s.offset, s.numel) for s in (self.slot(n) for n in client.params)]
-
-    def client_numel(self, client: ClientSpec) -> int:
-        """Length of ``client``'s flat push/pull message."""
-        return sum(n for _, n in self.segments(client))
-
-    def client(self, vw: int, stage: int) -> ClientSpec:
-        """The client spec of stage ``stage`` of VW ``vw``."""
-        for c in self.clients:
-            if (c.vw, c.stage) == (vw, stage):
-                return c
-        raise KeyError((vw, stage))
-
-
-def round_robin_assignment(layers: Sequence[Sequence[str]], n_shards: int) -> dict[str, int]:
-    """The paper's ``default`` placement: layer ``i``'s parameters go to shard ``i mod n``.
-
-    Args:
-        layers: parameter names per layer, in model order (layers without parameters
-            are skipped, so they do not unbalance the round robin).
-        n_shards: number of shards.
-
-    Returns:
-        parameter name -> shard id.
-    """
-    if n_shards < 1:
-        raise ConfigError(f"need at least one parameter-server shard, got {n_shards}")
-    out: dict[str, int] = {}
-    for i, names in enumerate([ls for ls in layers if ls]):
-        for n in names:
-            out[n] = i % n_shards
-    return out
-
-
-def make_shard_specs(
-    param_shapes: Mapping[str, Sequence[int]],
-    assignment: Mapping[str, int],
-    shard_ranks: Sequence[int],
-    clients: Sequence[tuple[int, int, int, Sequence[str]]],
-    D: int | None = None,
-) -> tuple[ShardSpec, ...]:
-    """Build every shard's spec from a parameter placement and the stages' parameter sets.
-
-    Args:
-        param_shapes: parameter name -> shape, in model order (this fixes the flat order).
-        assignment: parameter name -> shard id (e.g. :func:`round_robin_assignment`).
-        shard_ranks: process-group rank of shard ``i`` at position ``i``.
-        clients: ``(vw, stage, rank, parameter names)`` for every stage of every VW.
-        D: WSP staleness threshold, enforced by every shard.
-
-    Raises:
-        ConfigError: a parameter without a shard, an unknown shard id, or a VW whose stages
-            do not hold every parameter exactly once.
-    """
-    slots: list[list[ParamSlot]] = [[] for _ in shard_ranks]
-    offsets = [0] * len(shard_ranks)
-    for name, shape in param_shapes.items():
-        sid = assignment.get(name)
-        if sid is None or not 0 <= sid < len(shard_ranks):
-            raise ConfigError(f"parameter {name!r} is assigned to shard {sid!r}, not one of 0..{len(shard_ranks) - 1}")
-        slot = ParamSlot(name, tuple(int(s) for s in shape), offsets[sid])
-        slots[sid].append(slot)
-        offsets[sid] += slot.numel
-    specs = []
-    for sid, rank in enumerate(shard_ranks):
-        mine = {p.name for p in slots[sid]}
-        cs = sorted(
-            (ClientSpec(vw, stage, r, tuple(p.name for p in slots[sid] if p.name in set(names))) for vw, stage, r, names in clients if mine & set(names)),
-            key=lambda c: (c.vw, c.stage),
-        )
-        specs.append(ShardSpec(sid, rank, tuple(slots[sid]), tuple(cs), D))
-    return tuple(specs)
-
-
 # ------------------------------------------------------------------ pure shard state machine
 @dataclass(frozen=True)
 class ClockEvent:
@@ -310,20 +142,32 @@ class ShardCore:
         momentum: server-side momentum ``mu``: ``m = mu*m + u; w += m`` per wave (0 disables).
     """
 
-    def __init__(self, spec: ShardSpec, weights: torch.Tensor | None = None, state: ShardState | None = None, momentum: float = 0.0) -> None:
+    def __init__(
+        self,
+        spec: ShardSpec,
+        weights: torch.Tensor | None = None,
+        state: ShardState | None = None,
+        momentum: float = 0.0,
+    ) -> None:
         self.spec = spec
         if state is not None:
             if state.shard_id != spec.id:
-                raise ConfigError(f"checkpoint is for shard {state.shard_id}, not shard {spec.id}; pass the right file")
+                raise ConfigError(
+                    f"checkpoint is for shard {state.shard_id}, not shard {spec.id}; pass the right file"
+                )
             weights, self._clock, self._ledger = state.weights, state.clock, list(state.ledger)
             momentum, self._opt = state.momentum, {k: v.clone() for k, v in state.optimizer.items()}
         else:
             self._clock, self._ledger, self._opt = 0, [], {}
         if weights is None or weights.dim() != 1 or weights.numel() != spec.numel:
             got = None if weights is None else tuple(weights.shape)
-            raise ConfigError(f"shard {spec.id}: initial weights must be flat with {spec.numel} elements, got shape {got}")
+            raise ConfigError(
+                f"shard {spec.id}: initial weights must be flat with {spec.numel} elements, got shape {got}"
+            )
         if weights.dtype != torch.float32:
-            raise ConfigError(f"shard {spec.id}: weights must be float32 (the wire format), got {weights.dtype}")
+            raise ConfigError(
+                f"shard {spec.id}: weights must be float32 (the wire format), got {weights.dtype}"
+            )
         self._w = weights.detach().clone()
         self.momentum = momentum
         if momentum and "momentum" not in self._opt:
@@ -331,7 +175,9 @@ class ShardCore:
         self._keys = [(c.vw, c.stage) for c in spec.clients]
         self._vw_index = {vw: i for i, vw in enumerate(spec.vws)}
         self._vw_keys = [[k for k in self._keys if k[0] == vw] for vw in spec.vws]
-        self._gclock = GlobalClock(max(1, len(spec.vws)))  # the shared WSP rule: global = min of VW clocks
+        self._gclock = GlobalClock(
+            max(1, len(spec.vws))
+        )  # the shared WSP rule: global = min of VW clocks
         for _ in range(self._clock):
             for i in range(len(spec.vws)):
                 self._gclock.push(i, self._gclock.local(i))
@@ -362,22 +208,46 @@ class ShardCore:
         """
         key = (vw, stage)
         if key not in self._keys:
-            return self._reject(vw, stage, wave, Status.BAD_WAVE, f"shard {self.spec.id} has no client vw {vw} stage {stage}")
+            return self._reject(
+                vw,
+                stage,
+                wave,
+                Status.BAD_WAVE,
+                f"shard {self.spec.id} has no client vw {vw} stage {stage}",
+            )
         if wave < 0 or wave < self._clock:
             status = Status.DUPLICATE if wave >= 0 and self._applied(key, wave) else Status.BAD_WAVE
-            return self._reject(vw, stage, wave, status, f"wave {wave} is already folded into the global weights (clock {self._clock})")
+            return self._reject(
+                vw,
+                stage,
+                wave,
+                status,
+                f"wave {wave} is already folded into the global weights (clock {self._clock})",
+            )
         if key in self._pending.get(wave, {}):
             return self._reject(vw, stage, wave, Status.DUPLICATE, "this tag was already received")
         if self.spec.D is not None and wave > self._clock + self.spec.D:
             return self._reject(
-                vw, stage, wave, Status.TOO_FAR_AHEAD,
+                vw,
+                stage,
+                wave,
+                Status.TOO_FAR_AHEAD,
                 f"wave {wave} is more than D={self.spec.D} waves ahead of the global clock {self._clock} "
                 "(the client did not wait for planner.wsp.required_global_clock)",
             )
         numel = self.spec.client_numel(self.spec.client(vw, stage))
         if update.dim() != 1 or update.numel() != numel:
-            return self._reject(vw, stage, wave, Status.BAD_SIZE, f"update has shape {tuple(update.shape)}, expected ({numel},)")
-        self._pending.setdefault(wave, {})[key] = (update.detach().to(self._w.dtype).clone(), self._seq)
+            return self._reject(
+                vw,
+                stage,
+                wave,
+                Status.BAD_SIZE,
+                f"update has shape {tuple(update.shape)}, expected ({numel},)",
+            )
+        self._pending.setdefault(wave, {})[key] = (
+            update.detach().to(self._w.dtype).clone(),
+            self._seq,
+        )
         self._seq += 1
         vi = self._vw_index[vw]
         while all(k in self._pending.get(self._gclock.local(vi), {}) for k in self._vw_keys[vi]):
@@ -386,7 +256,9 @@ class ShardCore:
         while self._clock < self._gclock.global_clock:
             self._apply(self._pending.pop(self._clock))
             applied += 1
-        self.trace.append(ClockEvent(self._seq - 1, vw, stage, wave, self.local_clocks(), self._clock))
+        self.trace.append(
+            ClockEvent(self._seq - 1, vw, stage, wave, self.local_clocks(), self._clock)
+        )
         return PushResult(Status.OK, "", applied)
 
     def _applied(self, key: tuple[int, int], wave: int) -> bool:
@@ -406,7 +278,9 @@ class ShardCore:
             for off, n in self.spec.segments(c):
                 total[off : off + n] += upd[pos : pos + n]
                 pos += n
-            self._ledger.append(LedgerEntry(c.vw, c.stage, self._clock, seq, float(upd.double().sum())))
+            self._ledger.append(
+                LedgerEntry(c.vw, c.stage, self._clock, seq, float(upd.double().sum()))
+            )
         if self.momentum:
             buf = self._opt["momentum"]
             buf.mul_(self.momentum).add_(total)
@@ -421,7 +295,9 @@ class ShardCore:
     def read(self, vw: int, stage: int) -> torch.Tensor:
         """Client ``(vw, stage)``'s slice of the global weights (flat, in its message order)."""
         segs = self.spec.segments(self.spec.client(vw, stage))
-        return torch.cat([self._w[off : off + n] for off, n in segs]) if segs else self._w[:0].clone()
+        return (
+            torch.cat([self._w[off : off + n] for off, n in segs]) if segs else self._w[:0].clone()
+        )
 
     def weights(self) -> torch.Tensor:
         """A copy of the flat global weights."""
@@ -430,7 +306,14 @@ class ShardCore:
     def state(self) -> ShardState:
         """A snapshot for checkpointing (pending pushes of incomplete waves are not included:
         on resume every VW restarts at wave ``clock`` and pushes them again)."""
-        return ShardState(self.spec.id, self._clock, self._w.clone(), tuple(self._ledger), {k: v.clone() for k, v in self._opt.items()}, self.momentum)
+        return ShardState(
+            self.spec.id,
+            self._clock,
+            self._w.clone(),
+            tuple(self._ledger),
+            {k: v.clone() for k, v in self._opt.items()},
+            self.momentum,
+        )
 
 
 # ------------------------------------------------------------------ the shard process
@@ -447,7 +330,9 @@ def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None, tag: 
     """``dist.isend`` that never returns ``None`` (which means this rank is not in ``group``)."""
     work = dist.isend(tensor, dst=dst, group=group, tag=tag)
     if work is None:
-        raise HetPipeRuntimeError(f"this rank is not in the parameter-server process group (send to rank {dst})")
+        raise HetPipeRuntimeError(
+            f"this rank is not in the parameter-server process group (send to rank {dst})"
+        )
     return work
 
 
@@ -455,7 +340,9 @@ def irecv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None, tag: 
     """``dist.irecv`` that never returns ``None`` (which means this rank is not in ``group``)."""
     work = dist.irecv(tensor, src=src, group=group, tag=tag)
     if work is None:
-        raise HetPipeRuntimeError(f"this rank is not in the parameter-server process group (recv from rank {src})")
+        raise HetPipeRuntimeError(
+            f"this rank is not in the parameter-server process group (recv from rank {src})"
+        )
     return work
 
 
@@ -490,7 +377,11 @@ class ShardServer:
         keep: int = 2,
     ) -> None:
         self.core, self.group, self.timeout_s = core, group, timeout_s
-        self.checkpoint_dir, self.checkpoint_every, self.keep = checkpoint_dir, checkpoint_every, keep
+        self.checkpoint_dir, self.checkpoint_every, self.keep = (
+            checkpoint_dir,
+            checkpoint_every,
+            keep,
+        )
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
         self._prefix = f"[shard {core.spec.id} | rank {core.spec.rank}]"
 
@@ -500,11 +391,16 @@ class ShardServer:
         try:
             while True:
                 hdr = torch.zeros(HEADER_LEN, dtype=torch.int64)
-                _wait(irecv(hdr, src=client.rank, group=self.group, tag=TAG_REQUEST), self.timeout_s)
+                _wait(
+                    irecv(hdr, src=client.rank, group=self.group, tag=TAG_REQUEST), self.timeout_s
+                )
                 op = int(hdr[0])
                 if op == Op.PUSH:
                     buf = torch.empty(numel, dtype=dtype)
-                    _wait(irecv(buf, src=client.rank, group=self.group, tag=TAG_PUSH_DATA), self.timeout_s)
+                    _wait(
+                        irecv(buf, src=client.rank, group=self.group, tag=TAG_PUSH_DATA),
+                        self.timeout_s,
+                    )
                     events.put(_Event("push", idx, int(hdr[1]), buf))
                 elif op == Op.PULL:
                     events.put(_Event("pull", idx, int(hdr[1])))
@@ -514,7 +410,10 @@ class ShardServer:
                 else:
                     events.put(_Event("error", idx, error=f"unknown request op {op}"))
                     return
-        except (RuntimeError, HetPipeRuntimeError) as exc:  # gloo: connection closed by peer, or timeout
+        except (
+            RuntimeError,
+            HetPipeRuntimeError,
+        ) as exc:  # gloo: connection closed by peer, or timeout
             events.put(_Event("error", idx, error=str(exc).splitlines()[0][:300]))
 
     def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
@@ -539,10 +438,21 @@ class ShardServer:
         spec, core = self.core.spec, self.core
         events: queue.Queue[_Event] = queue.Queue()
         for i, c in enumerate(spec.clients):
-            threading.Thread(target=self._reader, args=(i, c, events), daemon=True, name=f"ps{spec.id}-vw{c.vw}s{c.stage}").start()
+            threading.Thread(
+                target=self._reader,
+                args=(i, c, events),
+                daemon=True,
+                name=f"ps{spec.id}-vw{c.vw}s{c.stage}",
+            ).start()
         pulls: list[list[int]] = [[] for _ in spec.clients]
         done: set[int] = set()
-        log.info("%s serving %d clients, %d elements, clock %d", self._prefix, len(spec.clients), spec.numel, core.clock)
+        log.info(
+            "%s serving %d clients, %d elements, clock %d",
+            self._prefix,
+            len(spec.clients),
+            spec.numel,
+            core.clock,
+        )
         while len(done) < len(spec.clients) or any(pulls):
             try:
                 ev = events.get(timeout=self.timeout_s)
@@ -559,7 +469,11 @@ class ShardServer:
                 )
             if ev.kind == "push" and ev.payload is not None:
                 res = core.push(c.vw, c.stage, ev.arg, ev.payload)
-                self._send(torch.tensor([int(res.status), ev.arg, core.clock, 0], dtype=torch.int64), c.rank, TAG_ACK)
+                self._send(
+                    torch.tensor([int(res.status), ev.arg, core.clock, 0], dtype=torch.int64),
+                    c.rank,
+                    TAG_ACK,
+                )
                 if res.applied:
                     self._maybe_checkpoint(res.applied)
             elif ev.kind == "pull":
@@ -569,11 +483,23 @@ class ShardServer:
             for i, waiting in enumerate(pulls):
                 while waiting and core.can_pull(waiting[0]):
                     ci = spec.clients[i]
-                    self._send(torch.tensor([int(Status.OK), core.clock, waiting.pop(0), 0], dtype=torch.int64), ci.rank, TAG_PULL_HEADER)
+                    self._send(
+                        torch.tensor(
+                            [int(Status.OK), core.clock, waiting.pop(0), 0], dtype=torch.int64
+                        ),
+                        ci.rank,
+                        TAG_PULL_HEADER,
+                    )
                     self._send(core.read(ci.vw, ci.stage), ci.rank, TAG_PULL_DATA)
             self._drain_sends(block=False)
         self._drain_sends(block=True)
-        log.info("%s done at clock %d, %d updates applied, %d rejected", self._prefix, core.clock, len(core.ledger), len(core.rejected))
+        log.info(
+            "%s done at clock %d, %d updates applied, %d rejected",
+            self._prefix,
+            core.clock,
+            len(core.ledger),
+            len(core.rejected),
+        )
         return core.state()
 
     def _maybe_checkpoint(self, applied: int) -> None:

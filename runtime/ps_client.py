@@ -75,7 +75,13 @@ class _Link:
 class PullHandle:
     """A pull in flight; :meth:`wait` returns its :class:`PullResult`."""
 
-    def __init__(self, client: PSClient, min_clock: int, include_own: bool, posted: list[tuple[dist.Work, dist.Work, torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(
+        self,
+        client: PSClient,
+        min_clock: int,
+        include_own: bool,
+        posted: list[tuple[dist.Work, dist.Work, torch.Tensor, torch.Tensor]],
+    ) -> None:
         self._client, self._min, self._own, self._posted = client, min_clock, include_own, posted
         self._result: PullResult | None = None
 
@@ -122,17 +128,32 @@ class PSClient:
                 continue
             for n in me.params:
                 if n not in index:
-                    raise ConfigError(f"shard {spec.id} expects parameter {n!r} from vw {vw} stage {stage}, which does not hold it")
+                    raise ConfigError(
+                        f"shard {spec.id} expects parameter {n!r} from vw {vw} stage {stage}, which does not hold it"
+                    )
                 seen.add(n)
             links.append(_Link(spec, tuple(index[n] for n in me.params), spec.client_numel(me)))
         orphans = sorted(set(index) - seen)
         if orphans:
-            raise ConfigError(f"vw {vw} stage {stage}: parameters {orphans} are on no parameter-server shard; fix the shard assignment")
+            raise ConfigError(
+                f"vw {vw} stage {stage}: parameters {orphans} are on no parameter-server shard; fix the shard assignment"
+            )
         self._links = tuple(links)
-        self._prefix = f"[vw {vw} | stage {stage} | rank {dist.get_rank() if dist.is_initialized() else '?'}]"
+        self._prefix = (
+            f"[vw {vw} | stage {stage} | rank {dist.get_rank() if dist.is_initialized() else '?'}]"
+        )
         self._pushed: set[int] = set()
         self._own: list[dict[int, torch.Tensor]] = [{} for _ in links]
-        self._inflight: list[tuple[int, int, dist.Work, torch.Tensor, list[dist.Work], tuple[torch.Tensor, torch.Tensor]]] = []
+        self._inflight: list[
+            tuple[
+                int,
+                int,
+                dist.Work,
+                torch.Tensor,
+                list[dist.Work],
+                tuple[torch.Tensor, torch.Tensor],
+            ]
+        ] = []
         self._closed = False
 
     @property
@@ -143,7 +164,11 @@ class PSClient:
     # -------------------------------------------------------------- errors
     def _fail(self, link: _Link, what: str, exc: BaseException) -> HetPipeRuntimeError:
         text = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-        why = "died (connection closed)" if "closed" in text or "reset" in text.lower() else f"did not answer ({text})"
+        why = (
+            "died (connection closed)"
+            if "closed" in text or "reset" in text.lower()
+            else f"did not answer ({text})"
+        )
         return HetPipeRuntimeError(
             f"{self._prefix} parameter-server shard {link.spec.id} (rank {link.spec.rank}) {why} during {what}; "
             "stop the run and resume from the last checkpoint (hetpipe run --resume DIR)"
@@ -170,13 +195,21 @@ class PSClient:
         """
         self._check_open()
         if wave in self._pushed:
-            raise HetPipeRuntimeError(f"{self._prefix} wave {wave} was already pushed; each wave is pushed exactly once")
+            raise HetPipeRuntimeError(
+                f"{self._prefix} wave {wave} was already pushed; each wave is pushed exactly once"
+            )
         if len(updates) != len(self._shapes):
-            raise HetPipeRuntimeError(f"{self._prefix} push of wave {wave} got {len(updates)} tensors, expected {len(self._shapes)}")
+            raise HetPipeRuntimeError(
+                f"{self._prefix} push of wave {wave} got {len(updates)} tensors, expected {len(self._shapes)}"
+            )
         self._check_acks(block=False)
         self._pushed.add(wave)
         for k, link in enumerate(self._links):
-            flat = torch.cat([updates[i].detach().reshape(-1).float() for i in link.order]) if link.order else torch.zeros(0)
+            flat = (
+                torch.cat([updates[i].detach().reshape(-1).float() for i in link.order])
+                if link.order
+                else torch.zeros(0)
+            )
             self._own[k][wave] = flat
             self._send_push(k, wave, flat)
 
@@ -186,7 +219,10 @@ class PSClient:
         ack = torch.zeros(HEADER_LEN, dtype=torch.int64)
         ack_work = irecv(ack, link.spec.rank, self.group, TAG_ACK)
         hdr = torch.tensor([int(Op.PUSH), wave, 0, 0], dtype=torch.int64)
-        sends = [isend(hdr, link.spec.rank, self.group, TAG_REQUEST), isend(flat, link.spec.rank, self.group, TAG_PUSH_DATA)]
+        sends = [
+            isend(hdr, link.spec.rank, self.group, TAG_REQUEST),
+            isend(flat, link.spec.rank, self.group, TAG_PUSH_DATA),
+        ]
         self._inflight.append((k, wave, ack_work, ack, sends, (hdr, flat)))
 
     def _check_acks(self, block: bool) -> None:
@@ -231,7 +267,12 @@ class PSClient:
             w_hdr = irecv(hdr, link.spec.rank, self.group, TAG_PULL_HEADER)
             w_data = irecv(data, link.spec.rank, self.group, TAG_PULL_DATA)
             req = torch.tensor([int(Op.PULL), min_clock, 0, 0], dtype=torch.int64)
-            self._wait(link, isend(req, link.spec.rank, self.group, TAG_REQUEST), f"pull of clock {min_clock}", self.timeout_s)
+            self._wait(
+                link,
+                isend(req, link.spec.rank, self.group, TAG_REQUEST),
+                f"pull of clock {min_clock}",
+                self.timeout_s,
+            )
             posted.append((w_hdr, w_data, hdr, data))
         return PullHandle(self, min_clock, include_own, posted)
 
@@ -239,16 +280,25 @@ class PSClient:
         """:meth:`pull_async` and wait: the stage's weights at global clock ``>= min_clock``."""
         return self.pull_async(min_clock, include_own).wait()
 
-    def _finish_pull(self, min_clock: int, include_own: bool, posted: list[tuple[dist.Work, dist.Work, torch.Tensor, torch.Tensor]]) -> PullResult:
+    def _finish_pull(
+        self,
+        min_clock: int,
+        include_own: bool,
+        posted: list[tuple[dist.Work, dist.Work, torch.Tensor, torch.Tensor]],
+    ) -> PullResult:
         out: list[torch.Tensor | None] = [None] * len(self._shapes)
         clocks = []
-        for k, (link, (w_hdr, w_data, hdr, data)) in enumerate(zip(self._links, posted, strict=True)):
+        for k, (link, (w_hdr, w_data, hdr, data)) in enumerate(
+            zip(self._links, posted, strict=True)
+        ):
             what = f"pull of clock {min_clock}"
             self._wait(link, w_hdr, what, self.pull_timeout_s)
             self._wait(link, w_data, what, self.timeout_s)
             clock = int(hdr[1])
             if int(hdr[0]) != Status.OK or clock < min_clock:
-                raise HetPipeRuntimeError(f"{self._prefix} shard {link.spec.id} answered the {what} with status {int(hdr[0])} at clock {clock}")
+                raise HetPipeRuntimeError(
+                    f"{self._prefix} shard {link.spec.id} answered the {what} with status {int(hdr[0])} at clock {clock}"
+                )
             own = self._own[k]
             for w in sorted(own):
                 if w < clock:
@@ -278,6 +328,8 @@ class PSClient:
         self.flush()
         for link in self._links:
             bye = torch.tensor([int(Op.BYE), 0, 0, 0], dtype=torch.int64)
-            self._wait(link, isend(bye, link.spec.rank, self.group, TAG_REQUEST), "close", self.timeout_s)
+            self._wait(
+                link, isend(bye, link.spec.rank, self.group, TAG_REQUEST), "close", self.timeout_s
+            )
         self._closed = True
         log.debug("%s parameter-server client closed", self._prefix)

@@ -14,16 +14,29 @@ import torch
 
 from planner.wsp import required_global_clock
 from profiler.errors import ConfigError, HetPipeRuntimeError
-from runtime.checkpoint import ShardState, load_checkpoint, load_shard_state, resumable_clock, save_shard_state, shard_checkpoint_path
+from runtime.checkpoint import (
+    ShardState,
+    load_checkpoint,
+    load_shard_state,
+    resumable_clock,
+    save_shard_state,
+    shard_checkpoint_path,
+)
 from runtime.ps import ShardCore, ShardSpec, Status, make_shard_specs, round_robin_assignment
 
 # Four "layers" with one parameter each; two shards by the paper's default (round-robin) placement.
 SHAPES: dict[str, tuple[int, ...]] = {"a": (2, 3), "b": (4,), "c": (3, 2), "d": (5,)}
 # Stage partitions differ per VW (HD/NP-style heterogeneous partitions); VW 2 has one stage.
-PARTITIONS: dict[int, list[list[str]]] = {0: [["a", "b"], ["c", "d"]], 1: [["a"], ["b", "c", "d"]], 2: [["a", "b", "c", "d"]]}
+PARTITIONS: dict[int, list[list[str]]] = {
+    0: [["a", "b"], ["c", "d"]],
+    1: [["a"], ["b", "c", "d"]],
+    2: [["a", "b", "c", "d"]],
+}
 
 
-def client_list(partitions: dict[int, list[list[str]]] = PARTITIONS, first_rank: int = 2) -> list[tuple[int, int, int, list[str]]]:
+def client_list(
+    partitions: dict[int, list[list[str]]] = PARTITIONS, first_rank: int = 2
+) -> list[tuple[int, int, int, list[str]]]:
     out, rank = [], first_rank
     for vw, stages in sorted(partitions.items()):
         for s, names in enumerate(stages):
@@ -32,7 +45,9 @@ def client_list(partitions: dict[int, list[list[str]]] = PARTITIONS, first_rank:
     return out
 
 
-def specs(D: int | None = None, partitions: dict[int, list[list[str]]] = PARTITIONS) -> tuple[ShardSpec, ...]:
+def specs(
+    D: int | None = None, partitions: dict[int, list[list[str]]] = PARTITIONS
+) -> tuple[ShardSpec, ...]:
     assign = round_robin_assignment([[n] for n in SHAPES], 2)
     return make_shard_specs(SHAPES, assign, [0, 1], client_list(partitions), D)
 
@@ -97,7 +112,9 @@ def all_pushes(spec: ShardSpec, waves: int) -> list[tuple[int, int, int]]:
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_any_arrival_order_applies_each_tag_exactly_once_and_bitwise_deterministically(seed: int) -> None:
+def test_any_arrival_order_applies_each_tag_exactly_once_and_bitwise_deterministically(
+    seed: int,
+) -> None:
     spec = specs()[0]
     waves = 4
     results = []
@@ -106,7 +123,9 @@ def test_any_arrival_order_applies_each_tag_exactly_once_and_bitwise_determinist
         pushes = all_pushes(spec, waves)
         random.Random(order_seed).shuffle(pushes)
         for vw, stage, w in pushes:
-            res = core.push(vw, stage, w, update(vw, stage, w, spec.client_numel(spec.client(vw, stage))))
+            res = core.push(
+                vw, stage, w, update(vw, stage, w, spec.client_numel(spec.client(vw, stage)))
+            )
             assert res.status == Status.OK
         assert core.clock == waves
         tags = [(e.vw, e.stage, e.wave) for e in core.ledger]
@@ -121,7 +140,9 @@ def test_any_arrival_order_applies_each_tag_exactly_once_and_bitwise_determinist
         random.Random(order_seed).shuffle(pushes)
         for vw, stage, w in pushes:
             g = torch.Generator().manual_seed(7 + 1000 * vw + 100 * stage + w)
-            core.push(vw, stage, w, torch.randn(spec.client_numel(spec.client(vw, stage)), generator=g))
+            core.push(
+                vw, stage, w, torch.randn(spec.client_numel(spec.client(vw, stage)), generator=g)
+            )
         floats.append(core.weights())
     assert torch.equal(floats[0], floats[1])
 
@@ -166,7 +187,9 @@ def test_out_of_order_pushes_are_buffered_within_D_and_rejected_beyond() -> None
     spec = specs(D=1)[0]
     core = ShardCore(spec, init_weights(spec))
     n = spec.client_numel(spec.client(2, 0))
-    assert core.push(2, 0, 1, update(2, 0, 1, n)).status == Status.OK  # wave 1 before wave 0: buffered
+    assert (
+        core.push(2, 0, 1, update(2, 0, 1, n)).status == Status.OK
+    )  # wave 1 before wave 0: buffered
     assert core.local_clocks()[2] == 0  # not counted until wave 0 arrives
     far = core.push(2, 0, 2, update(2, 0, 2, n))  # 2 > clock 0 + D 1
     assert far.status == Status.TOO_FAR_AHEAD and "required_global_clock" in far.message
@@ -202,12 +225,18 @@ def test_server_side_momentum_matches_reference() -> None:
 # ------------------------------------------------------------------ WSP clock bound on a trace
 
 
-def simulate_obedient(spec: ShardSpec, nm: int, D: int, minibatches: int, rng: random.Random) -> ShardCore:
+def simulate_obedient(
+    spec: ShardSpec, nm: int, D: int, minibatches: int, rng: random.Random
+) -> ShardCore:
     """VWs at random relative speeds, each admitting minibatch p only at the required global clock."""
     core = ShardCore(spec, init_weights(spec))
     next_mb = dict.fromkeys(spec.vws, 1)
     while any(p <= minibatches for p in next_mb.values()):
-        ready = [v for v, p in next_mb.items() if p <= minibatches and core.can_pull(required_global_clock(p, nm, D))]
+        ready = [
+            v
+            for v, p in next_mb.items()
+            if p <= minibatches and core.can_pull(required_global_clock(p, nm, D))
+        ]
         assert ready, "obedient VWs deadlocked"
         # a biased choice: VW 0 is fast, so it runs ahead as far as WSP lets it
         vw = ready[0] if rng.random() < 0.6 else rng.choice(ready)
@@ -217,7 +246,15 @@ def simulate_obedient(spec: ShardSpec, nm: int, D: int, minibatches: int, rng: r
             stages = [c for c in spec.clients if c.vw == vw]
             rng.shuffle(stages)
             for c in stages:
-                assert core.push(vw, c.stage, p // nm - 1, update(vw, c.stage, p // nm - 1, spec.client_numel(c))).status == Status.OK
+                assert (
+                    core.push(
+                        vw,
+                        c.stage,
+                        p // nm - 1,
+                        update(vw, c.stage, p // nm - 1, spec.client_numel(c)),
+                    ).status
+                    == Status.OK
+                )
     return core
 
 
@@ -229,7 +266,9 @@ def test_clock_distance_never_exceeds_D_plus_1_and_reaches_it(nm: int, D: int) -
         core = simulate_obedient(spec, nm, D, minibatches=12 * nm, rng=random.Random(seed))
         assert core.clock == 12
         worst = max(worst, max(e.distance for e in core.trace))
-        assert all(e.distance <= D + 1 for e in core.trace), [e.local for e in core.trace if e.distance > D + 1]
+        assert all(e.distance <= D + 1 for e in core.trace), [
+            e.local for e in core.trace if e.distance > D + 1
+        ]
         assert not core.rejected
         torch.testing.assert_close(core.weights(), expected(spec, 12), rtol=0, atol=0)
     assert worst == D + 1  # the bound is tight: a fast VW does get D + 1 waves ahead
@@ -257,9 +296,14 @@ def test_checkpoint_round_trip_and_resume_equals_uninterrupted(tmp_path) -> None
         core.push(vw, st, w, u)
         resumed.push(vw, st, w, u)
     torch.testing.assert_close(resumed.weights(), core.weights(), rtol=0, atol=0)
-    torch.testing.assert_close(resumed.state().optimizer["momentum"], core.state().optimizer["momentum"])
+    torch.testing.assert_close(
+        resumed.state().optimizer["momentum"], core.state().optimizer["momentum"]
+    )
     # a duplicate of a wave applied before the checkpoint is still rejected after resume
-    assert resumed.push(0, 0, 1, torch.zeros(spec.client_numel(spec.client(0, 0)))).status == Status.DUPLICATE
+    assert (
+        resumed.push(0, 0, 1, torch.zeros(spec.client_numel(spec.client(0, 0)))).status
+        == Status.DUPLICATE
+    )
 
 
 def test_checkpoint_keeps_newest_files_and_finds_resumable_clock(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -268,7 +312,12 @@ def test_checkpoint_keeps_newest_files_and_finds_resumable_clock(tmp_path) -> No
         save_shard_state(ShardState(0, clock, init_weights(s0)), tmp_path, keep=2)
     for clock in (1, 2):
         save_shard_state(ShardState(1, clock, init_weights(s1)), tmp_path, keep=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-0-clock-2.pt", "shard-0-clock-3.pt", "shard-1-clock-1.pt", "shard-1-clock-2.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "shard-0-clock-2.pt",
+        "shard-0-clock-3.pt",
+        "shard-1-clock-1.pt",
+        "shard-1-clock-2.pt",
+    ]
     assert resumable_clock(tmp_path, 2) == 2  # shard 1 has not reached 3 yet
     assert resumable_clock(tmp_path, 3) is None
     assert resumable_clock(tmp_path / "nowhere", 1) is None
