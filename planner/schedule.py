@@ -125,7 +125,9 @@ class StageQueue:
         if task.mb < 1:
             raise ValueError(f"task {task}: minibatches are numbered from 1")
         if self.is_last != (task.kind is Kind.FB):
-            raise ValueError(f"task {task}: the last stage runs FB tasks only, other stages F and B")
+            raise ValueError(
+                f"task {task}: the last stage runs FB tasks only, other stages F and B"
+            )
         key = (task.kind, task.mb)
         done_before = self._next_b if task.kind is Kind.B else self._next_f
         if task.mb < done_before or key in self._ready:
@@ -159,7 +161,9 @@ class StageQueue:
             ValueError: ``task`` is not the running task.
         """
         if task != self._running:
-            raise ValueError(f"task {task} is not running on stage {self.stage} (running: {self._running})")
+            raise ValueError(
+                f"task {task} is not running on stage {self.stage} (running: {self._running})"
+            )
         self._running = None
         if task.kind is Kind.B:
             self._next_b += 1

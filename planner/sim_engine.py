@@ -1,0 +1,508 @@
+"""The simulator's event loop: pipelines inside virtual workers plus WSP across them.
+
+It executes exactly the rules the runtime executes, imported from the same modules:
+:class:`planner.schedule.StageQueue` (paper Sec. 4) on every GPU and
+:func:`planner.wsp.required_global_clock` / :class:`planner.wsp.GlobalClock` (Sec. 5) for
+admission. Times are milliseconds inside the simulator; results report seconds and samples/s.
+
+Model (one event heap, O(log n) per event, so the cost grows near-linearly with events):
+
+- **Compute**: stage ``s`` runs ``F(p)`` for ``fwd_ms[s]``, ``B(p)`` for ``bwd_ms[s]``; the last
+  stage runs ``FB(p)`` for ``fwd_ms + bwd_ms``. One task at a time per GPU, chosen by its
+  ``StageQueue``.
+- **Transfers**: the activations of ``p`` (gradients) become available when the sender's
+  ``F(p)`` (``B(p)``) ends; the receiver's task starts by receiving them: it takes
+  ``recv_fwd_ms[s]`` (``recv_bwd_ms[s]``) of the receiving GPU (the paper's stage time counts
+  receive time, Sec. 4) and occupies the *sender's NIC* for that time. A NIC carries one
+  transfer at a time, first come first served; when it is busy the receiver waits.
+- **Admission**: a VW admits minibatch ``p`` into stage 0 when fewer than ``Nm`` are in flight
+  (admitted, stage-0 backward not finished) and its pulled global clock is at least
+  :func:`~planner.wsp.required_global_clock`.
+- **WSP**: when stage ``s`` finishes the backward of a wave's last minibatch it pushes its
+  aggregated update to the parameter-server shards: ``push_ms[s]`` on its own NIC (FIFO with
+  activation traffic). The VW's local clock advances when all its stages' pushes arrived;
+  the global clock is the minimum over VWs. A VW that needs a newer global clock waits for
+  it, then pulls (``pull_ms``: the slowest stage's pull, all stages pulling in parallel;
+  shard-side contention is not modelled) and only then admits. Waiting = admission blocked
+  by WSP (waiting for the clock plus the pull); idle = waiting while no GPU of the VW computes.
+- **Throughput** (:func:`measured_throughput`, the runtime uses the same function): wave 0
+  is warm-up. ``t_a`` = the latest end of wave 0 over VWs, ``t_b`` = the earliest end of the
+  last wave; throughput = batch size x minibatches whose stage-0 backward ended in
+  ``(t_a, t_b]`` / ``(t_b - t_a)``. With one VW this is exactly the samples of waves
+  ``1..W-1`` over their wall time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from planner.schedule import Kind, StageQueue, Task
+from planner.wsp import GlobalClock, required_global_clock
+from profiler.errors import PlanError
+
+__all__ = [
+    "PipelineSpec",
+    "SimResult",
+    "TraceEvent",
+    "measured_throughput",
+    "simulate_pipelines",
+]
+
+log = logging.getLogger(__name__)
+
+_DONE, _PUSHED, _PULLED = 0, 1, 2  # event codes
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """One virtual worker for the simulator: per-stage times (ms) and bytes.
+
+    Attributes:
+        fwd_ms, bwd_ms: compute time of one minibatch per stage.
+        recv_fwd_ms: time to receive the activations crossing each stage's first cut (0 for stage 0).
+        recv_bwd_ms: time to receive the gradients crossing each stage's last cut (0 for the last).
+        push_ms: time for each stage to push its aggregated update per wave (on its NIC).
+        pull_ms: time for each stage to pull its global weights (pulls run in parallel).
+        cross_recv_bytes: bytes crossing each stage's first cut when the previous stage sits
+            on another node (counted once forward and once backward per minibatch), else 0.
+        cross_sync_bytes: bytes each stage moves across nodes per push (the same again per pull).
+        labels: GPU label per stage for traces (e.g. ``V:0``).
+    """
+
+    fwd_ms: tuple[float, ...]
+    bwd_ms: tuple[float, ...]
+    recv_fwd_ms: tuple[float, ...]
+    recv_bwd_ms: tuple[float, ...]
+    push_ms: tuple[float, ...]
+    pull_ms: tuple[float, ...]
+    cross_recv_bytes: tuple[int, ...]
+    cross_sync_bytes: tuple[int, ...]
+    labels: tuple[str, ...]
+
+    @property
+    def n_stages(self) -> int:
+        """Number of stages."""
+        return len(self.fwd_ms)
+
+    @classmethod
+    def from_times(
+        cls,
+        fwd_ms: Sequence[float],
+        bwd_ms: Sequence[float],
+        recv_fwd_ms: Sequence[float] | None = None,
+        recv_bwd_ms: Sequence[float] | None = None,
+        push_ms: Sequence[float] | float = 0.0,
+        pull_ms: Sequence[float] | float = 0.0,
+    ) -> PipelineSpec:
+        """Build a spec from plain lists (tests, benchmarks); missing parts are zero."""
+        n = len(fwd_ms)
+        zeros = (0.0,) * n
+
+        def per_stage(x: Sequence[float] | float | None) -> tuple[float, ...]:
+            if x is None:
+                return zeros
+            if isinstance(x, (int, float)):
+                return (float(x),) * n
+            return tuple(float(v) for v in x)
+
+        return cls(
+            tuple(float(v) for v in fwd_ms),
+            per_stage(bwd_ms),
+            per_stage(recv_fwd_ms),
+            per_stage(recv_bwd_ms),
+            per_stage(push_ms),
+            per_stage(pull_ms),
+            (0,) * n,
+            (0,) * n,
+            tuple(f"gpu{s}" for s in range(n)),
+        ).validated()
+
+    def validated(self) -> PipelineSpec:
+        """Return self after checking lengths and signs.
+
+        Raises:
+            PlanError: a per-stage tuple has the wrong length or a negative/NaN time.
+        """
+        n = self.n_stages
+        if n < 1:
+            raise PlanError("a virtual worker needs at least one stage")
+        for name in ("bwd_ms", "recv_fwd_ms", "recv_bwd_ms", "push_ms", "pull_ms", "labels"):
+            if len(getattr(self, name)) != n:
+                raise PlanError(
+                    f"PipelineSpec.{name} has {len(getattr(self, name))} entries, expected {n} (one per stage)"
+                )
+        for name in ("fwd_ms", "bwd_ms", "recv_fwd_ms", "recv_bwd_ms", "push_ms", "pull_ms"):
+            for s, v in enumerate(getattr(self, name)):
+                if not v >= 0.0:
+                    raise PlanError(f"PipelineSpec.{name}[{s}] = {v}: times must be >= 0 ms")
+        return self
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One interval of the simulated timeline.
+
+    Attributes:
+        vw, stage: where it happened (``stage`` -1 for a VW-wide interval such as ``wait``).
+        cat: ``F``, ``B``, ``FB`` (compute), ``recv`` (receiving), ``push``, ``wait`` (WSP).
+        mb: minibatch (for compute/recv) or wave (for push/wait).
+        start_ms, end_ms: simulated times in milliseconds.
+    """
+
+    vw: int
+    stage: int
+    cat: str
+    mb: int
+    start_ms: float
+    end_ms: float
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What the simulator predicts (see the module docstring for the definitions).
+
+    Attributes:
+        throughput: cluster samples/s over the measured window.
+        per_vw_throughput: samples/s of each VW over its own waves ``1..W-1``.
+        makespan_s: simulated time until the last minibatch finished.
+        window_s: ``(t_a, t_b)`` of the measured window, seconds.
+        gpu_busy: per VW, per stage: computing fraction of the measured window.
+        waiting_s: per VW: time its admission was blocked by WSP.
+        idle_s: per VW: part of ``waiting_s`` during which none of its GPUs computed.
+        max_in_flight: per VW, per stage: most minibatches held at once.
+        cross_node_bytes: bytes moved across nodes (activations, gradients, push, pull).
+        max_clock_distance: largest clock distance seen (never above ``D + 1``).
+        events: number of events processed.
+        completions_ms: per VW, the end time of each minibatch's stage-0 backward.
+        trace: the recorded intervals (empty unless ``record_trace``).
+    """
+
+    throughput: float
+    per_vw_throughput: tuple[float, ...]
+    makespan_s: float
+    window_s: tuple[float, float]
+    gpu_busy: tuple[tuple[float, ...], ...]
+    waiting_s: tuple[float, ...]
+    idle_s: tuple[float, ...]
+    max_in_flight: tuple[tuple[int, ...], ...]
+    cross_node_bytes: int
+    max_clock_distance: int
+    events: int
+    completions_ms: tuple[tuple[float, ...], ...]
+    trace: tuple[TraceEvent, ...] = ()
+
+    @property
+    def idle_fraction(self) -> tuple[float, ...]:
+        """Per VW: idle time as a fraction of waiting time (0 when it never waited)."""
+        return tuple(
+            i / w if w > 0 else 0.0 for i, w in zip(self.idle_s, self.waiting_s, strict=True)
+        )
+
+
+def measured_throughput(
+    completions_ms: Sequence[Sequence[float]], nm: int, batch_size: int
+) -> float:
+    """Samples/s over the measured window (warm-up wave 0 excluded); the runtime's definition too.
+
+    Args:
+        completions_ms: per VW, sorted end times (ms) of each minibatch's stage-0 backward;
+            every VW must have completed at least two waves (``2 * nm`` minibatches).
+        nm: minibatches per wave.
+        batch_size: samples per minibatch.
+
+    Raises:
+        PlanError: fewer than two waves completed by some VW.
+    """
+    waves = [len(c) // nm for c in completions_ms]
+    if not completions_ms or min(waves) < 2:
+        raise PlanError(
+            f"throughput needs >= 2 completed waves per virtual worker (got {waves}); raise --waves"
+        )
+    t_a = max(c[nm - 1] for c in completions_ms)
+    t_b = min(c[w * nm - 1] for c, w in zip(completions_ms, waves, strict=True))
+    if t_b <= t_a:  # VWs too far apart for a common window: use each VW's own window
+        return sum(
+            _own_rate(c, w, nm, batch_size) for c, w in zip(completions_ms, waves, strict=True)
+        )
+    done = sum(_count_in(c, t_a, t_b) for c in completions_ms)
+    return batch_size * done / ((t_b - t_a) / 1e3)
+
+
+def _own_rate(c: Sequence[float], waves: int, nm: int, batch_size: int) -> float:
+    span = c[waves * nm - 1] - c[nm - 1]
+    return batch_size * (waves - 1) * nm / (span / 1e3) if span > 0 else float("inf")
+
+
+def _count_in(c: Sequence[float], lo: float, hi: float) -> int:
+    import bisect
+
+    return bisect.bisect_right(c, hi) - bisect.bisect_right(c, lo)
+
+
+class _VW:
+    """Mutable per-VW state of one simulation run (private to the event loop)."""
+
+    def __init__(self, spec: PipelineSpec) -> None:
+        n = spec.n_stages
+        self.spec = spec
+        self.queues = [StageQueue(s, n) for s in range(n)]
+        self.nic_free = [0.0] * n
+        self.admitted = 0
+        self.in_flight = 0
+        self.pulled = 0  # global clock held locally
+        self.wait_start = -1.0  # >= 0 while admission is blocked by WSP
+        self.need = 0  # global clock the blocked admission needs
+        self.pulling = False
+        self.pushed = [0] * 1  # per wave: stages whose push arrived
+        self.next_push_wave = 0
+        self.completions: list[float] = []
+        self.busy: list[list[tuple[float, float]]] = [[] for _ in range(n)]
+        self.waits: list[tuple[float, float]] = []
+        self.max_in_flight = [0] * n
+
+
+class _Sim:
+    """The event loop (private; use :func:`simulate_pipelines`)."""
+
+    def __init__(
+        self, specs: Sequence[PipelineSpec], nm: int, D: int, waves: int, record: bool
+    ) -> None:
+        self.vws = [_VW(s.validated()) for s in specs]
+        self.nm, self.D, self.total = nm, D, waves * nm
+        self.clock = GlobalClock(len(self.vws))
+        self.heap: list[tuple[float, int, int, int, int, object]] = []
+        self.seq = 0
+        self.events = 0
+        self.cross_bytes = 0
+        self.max_distance = 0
+        self.record = record
+        self.trace: list[TraceEvent] = []
+        self.blocked: set[int] = set()
+
+    def _at(self, t: float, code: int, v: int, s: int, x: object) -> None:
+        heapq.heappush(self.heap, (t, self.seq, code, v, s, x))
+        self.seq += 1
+
+    def run(self) -> None:
+        for v in range(len(self.vws)):
+            self._admit(v, 0.0)
+        heap = self.heap
+        while heap:
+            now, _, code, v, s, x = heapq.heappop(heap)
+            self.events += 1
+            if code == _DONE:
+                self._done(v, s, x, now)  # type: ignore[arg-type]
+            elif code == _PUSHED:
+                self._pushed(v, x, now)  # type: ignore[arg-type]
+            else:
+                self._pulled(v, x, now)  # type: ignore[arg-type]
+
+    # ---------------------------------------------------------------- admission and WSP
+
+    def _admit(self, v: int, now: float) -> None:
+        w = self.vws[v]
+        while w.admitted < self.total and w.in_flight < self.nm and not w.pulling:
+            mb = w.admitted + 1
+            need = required_global_clock(mb, self.nm, self.D)
+            if need > w.pulled:
+                if w.wait_start < 0:
+                    w.wait_start, w.need = now, need
+                if self.clock.global_clock >= need:
+                    self._start_pull(v, now)
+                else:
+                    self.blocked.add(v)
+                break
+            w.admitted += 1
+            w.in_flight += 1
+            q = w.queues[0]
+            q.ready(Task(0, q.forward_kind, mb))
+        self._dispatch(v, 0, now)
+
+    def _start_pull(self, v: int, now: float) -> None:
+        w = self.vws[v]
+        w.pulling = True
+        self.blocked.discard(v)
+        self.cross_bytes += sum(w.spec.cross_sync_bytes)
+        self._at(now + max(w.spec.pull_ms), _PULLED, v, -1, self.clock.global_clock)
+
+    def _pulled(self, v: int, version: int, now: float) -> None:
+        w = self.vws[v]
+        w.pulling = False
+        w.pulled = version
+        w.waits.append((w.wait_start, now))
+        if self.record:
+            self.trace.append(TraceEvent(v, -1, "wait", w.need - 1, w.wait_start, now))
+        w.wait_start = -1.0
+        self._admit(v, now)
+
+    def _push(self, v: int, s: int, wave: int, now: float) -> None:
+        w = self.vws[v]
+        start = max(now, w.nic_free[s])
+        end = start + w.spec.push_ms[s]
+        w.nic_free[s] = end
+        self.cross_bytes += w.spec.cross_sync_bytes[s]
+        if self.record and end > start:
+            self.trace.append(TraceEvent(v, s, "push", wave, start, end))
+        self._at(end, _PUSHED, v, s, wave)
+
+    def _pushed(self, v: int, wave: int, now: float) -> None:
+        w = self.vws[v]
+        while len(w.pushed) <= wave:
+            w.pushed.append(0)
+        w.pushed[wave] += 1
+        advanced = False
+        n = w.spec.n_stages
+        while w.next_push_wave < len(w.pushed) and w.pushed[w.next_push_wave] == n:
+            before = self.clock.global_clock
+            self.clock.push(v, w.next_push_wave)
+            w.next_push_wave += 1
+            self.max_distance = max(self.max_distance, self.clock.distance)
+            advanced = advanced or self.clock.global_clock > before
+        if advanced:
+            g = self.clock.global_clock
+            for u in sorted(u for u in self.blocked if self.vws[u].need <= g):
+                self._start_pull(u, now)
+
+    # ---------------------------------------------------------------- stage execution
+
+    def _dispatch(self, v: int, s: int, now: float) -> None:
+        w = self.vws[v]
+        q = w.queues[s]
+        t = q.next()
+        if t is None:
+            return
+        sp = w.spec
+        w.max_in_flight[s] = max(w.max_in_flight[s], q.in_flight)
+        if t.kind is Kind.B:
+            recv, src, comp = sp.recv_bwd_ms[s], s + 1, sp.bwd_ms[s]
+        else:
+            recv, src = sp.recv_fwd_ms[s], s - 1
+            comp = sp.fwd_ms[s] + (sp.bwd_ms[s] if t.kind is Kind.FB else 0.0)
+        start = now
+        if recv > 0.0 and src >= 0:
+            start = max(now, w.nic_free[src])
+            w.nic_free[src] = start + recv
+            if self.record:
+                self.trace.append(TraceEvent(v, s, "recv", t.mb, start, start + recv))
+        if 0 <= src < sp.n_stages:
+            self.cross_bytes += sp.cross_recv_bytes[s if t.kind is not Kind.B else src]
+        c0 = start + recv
+        end = c0 + comp
+        w.busy[s].append((c0, end))
+        if self.record:
+            self.trace.append(TraceEvent(v, s, t.kind.value, t.mb, c0, end))
+        self._at(end, _DONE, v, s, t)
+
+    def _done(self, v: int, s: int, t: Task, now: float) -> None:
+        w = self.vws[v]
+        q = w.queues[s]
+        q.done(t)
+        n = w.spec.n_stages
+        if t.kind is Kind.F:
+            nq = w.queues[s + 1]
+            nq.ready(Task(s + 1, nq.forward_kind, t.mb))
+            self._dispatch(v, s + 1, now)
+        elif s > 0:
+            w.queues[s - 1].ready(Task(s - 1, Kind.B, t.mb))
+            self._dispatch(v, s - 1, now)
+        if t.kind is not Kind.F and t.mb % self.nm == 0:
+            self._push(v, s, t.mb // self.nm - 1, now)
+        if s == 0 and (t.kind is Kind.B or n == 1):
+            w.completions.append(now)
+            w.in_flight -= 1
+            self._admit(v, now)
+        self._dispatch(v, s, now)
+
+    # ---------------------------------------------------------------- results
+
+    def result(self, batch_size: int) -> SimResult:
+        comps = [w.completions for w in self.vws]
+        thr = measured_throughput(comps, self.nm, batch_size)
+        t_a = max(c[self.nm - 1] for c in comps)
+        t_b = min(c[-1] for c in comps)
+        lo, hi = (
+            (t_a, t_b)
+            if t_b > t_a
+            else (min(c[self.nm - 1] for c in comps), max(c[-1] for c in comps))
+        )
+        busy = tuple(tuple(_clipped(iv, lo, hi) / (hi - lo) for iv in w.busy) for w in self.vws)
+        waiting = tuple(sum(b - a for a, b in w.waits) / 1e3 for w in self.vws)
+        idle = tuple(_idle(w) / 1e3 for w in self.vws)
+        return SimResult(
+            throughput=thr,
+            per_vw_throughput=tuple(
+                _own_rate(c, len(c) // self.nm, self.nm, batch_size) for c in comps
+            ),
+            makespan_s=max(c[-1] for c in comps) / 1e3,
+            window_s=(lo / 1e3, hi / 1e3),
+            gpu_busy=busy,
+            waiting_s=waiting,
+            idle_s=idle,
+            max_in_flight=tuple(tuple(w.max_in_flight) for w in self.vws),
+            cross_node_bytes=self.cross_bytes,
+            max_clock_distance=self.max_distance,
+            events=self.events,
+            completions_ms=tuple(tuple(c) for c in comps),
+            trace=tuple(sorted(self.trace, key=lambda e: (e.start_ms, e.vw, e.stage))),
+        )
+
+
+def _clipped(intervals: Sequence[tuple[float, float]], lo: float, hi: float) -> float:
+    return sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in intervals)
+
+
+def _idle(w: _VW) -> float:
+    """Waiting time (ms) during which none of the VW's GPUs computed."""
+    if not w.waits:
+        return 0.0
+    merged: list[tuple[float, float]] = []
+    for a, b in sorted(iv for st in w.busy for iv in st):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    idle = 0.0
+    for a, b in w.waits:
+        idle += (b - a) - _clipped(merged, a, b)
+    return idle
+
+
+def simulate_pipelines(
+    specs: Sequence[PipelineSpec],
+    nm: int,
+    D: int = 0,
+    waves: int = 20,
+    batch_size: int = 1,
+    record_trace: bool = False,
+) -> SimResult:
+    """Simulate virtual workers given as plain per-stage times (the low-level entry).
+
+    Args:
+        specs: one :class:`PipelineSpec` per virtual worker.
+        nm: minibatches in flight per VW (= minibatches per wave).
+        D: WSP threshold (clock distance at most ``D + 1``).
+        waves: waves each VW runs (>= 2; wave 0 is warm-up).
+        batch_size: samples per minibatch (throughput is in samples/s).
+        record_trace: keep every interval in ``SimResult.trace`` (for Gantt charts).
+
+    Raises:
+        PlanError: no VW, ``nm < 1``, ``D < 0``, ``waves < 2`` or an invalid spec.
+    """
+    if not specs:
+        raise PlanError("nothing to simulate: the plan has no virtual workers")
+    if nm < 1 or D < 0 or waves < 2:
+        raise PlanError(f"need nm >= 1, D >= 0 and waves >= 2 (got nm={nm}, D={D}, waves={waves})")
+    sim = _Sim(specs, nm, D, waves, record_trace)
+    sim.run()
+    res = sim.result(batch_size)
+    log.debug(
+        "simulated %d VWs x %d waves: %d events, %.1f samples/s",
+        len(specs),
+        waves,
+        sim.events,
+        res.throughput,
+    )
+    return res

@@ -1,0 +1,277 @@
+"""`hetpipe simulate`'s engine: predict a plan's behaviour, and the AllReduce BSP baseline.
+
+:func:`simulate` turns a :class:`~planner.plan.Plan` into one
+:class:`~planner.sim_engine.PipelineSpec` per virtual worker (stage times and transfer
+times straight from the plan, push/pull times from the shard placement and the cluster's
+links) and runs the discrete-event loop of :mod:`planner.sim_engine`, whose docstring
+defines the model and the throughput. :func:`simulate_allreduce` is the paper's Horovod
+comparison: data parallelism with a ring all-reduce (BSP) on the GPUs that hold the whole model.
+
+Shard traffic: stage ``s`` of a VW pushes (and pulls) the bytes of its parameters that live
+in each shard. With a profile (layer names and ``param_bytes``) the split is exact. Without
+one it is estimated: ``local`` placement sends a stage's parameters to the shards on its own
+node (when there is one); otherwise each shard receives a share proportional to its size.
+Transfers to a shard on the GPU's own node use the intra-node link, others the inter-node one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from planner.cluster import Cluster, Link
+from planner.plan import Plan, StagePlan, VirtualWorker
+from planner.sim_engine import (
+    PipelineSpec,
+    SimResult,
+    TraceEvent,
+    measured_throughput,
+    simulate_pipelines,
+)
+from profiler.errors import PlanError
+from profiler.table import Profile
+
+__all__ = [
+    "AllReduceResult",
+    "PipelineSpec",
+    "SimResult",
+    "TraceEvent",
+    "allreduce_for_plan",
+    "measured_throughput",
+    "pipeline_specs",
+    "simulate",
+    "simulate_allreduce",
+    "simulate_pipelines",
+    "stage_shard_bytes",
+]
+
+log = logging.getLogger(__name__)
+
+
+def _link(cluster: Cluster, a: str, b: str) -> Link:
+    return cluster.intra_node if a == b else cluster.inter_node
+
+
+def stage_shard_bytes(
+    plan: Plan, vw: VirtualWorker, stage: StagePlan, profile: Profile | None = None
+) -> list[tuple[str, int]]:
+    """``(shard node, bytes)`` of ``stage``'s parameters held by each shard (see module doc)."""
+    shards = [s for s in plan.shards if s.param_bytes > 0]
+    if not shards or stage.param_bytes <= 0:
+        return []
+    if profile is not None:
+        table = profile.table
+        index = {
+            str(n): (i, int(b))
+            for i, (n, b) in enumerate(zip(table["layer"], table["param_bytes"], strict=True))
+        }
+        out = []
+        for sh in shards:
+            got = [index.get(name) for name in sh.layers]
+            if any(g is None for g in got):
+                break
+            nbytes = sum(b for i, b in got if stage.first_index <= i <= stage.last_index)  # type: ignore[misc]
+            if nbytes:
+                out.append((sh.node, nbytes))
+        else:
+            return out
+        log.warning("shard layer names are not in the profile: estimating shard traffic")
+    node = vw.gpus[stage.gpu].node
+    if plan.placement == "local":
+        mine = [s for s in shards if s.node == node]
+        if mine:
+            total = sum(s.param_bytes for s in mine)
+            return [(s.node, stage.param_bytes * s.param_bytes // total) for s in mine]
+    total = sum(s.param_bytes for s in shards)
+    return [(s.node, stage.param_bytes * s.param_bytes // total) for s in shards]
+
+
+def pipeline_specs(plan: Plan, profile: Profile | None = None) -> list[PipelineSpec]:
+    """One simulator spec per virtual worker of ``plan`` (times in ms, as planned).
+
+    Raises:
+        PlanError: a VW has no stage or a stage points at a missing GPU.
+    """
+    specs = []
+    for vw in plan.virtual_workers:
+        if not vw.stages:
+            raise PlanError(f"plan: virtual worker {vw.id} has no stages (re-run 'hetpipe plan')")
+        push, cross_recv, cross_sync, labels = [], [], [], []
+        for j, st in enumerate(vw.stages):
+            if not 0 <= st.gpu < len(vw.gpus):
+                raise PlanError(
+                    f"plan: VW {vw.id} stage {j} uses GPU {st.gpu} but the VW has {len(vw.gpus)}"
+                )
+            gpu = vw.gpus[st.gpu]
+            labels.append(f"{gpu.node}:{gpu.index}")
+            prev = vw.gpus[vw.stages[j - 1].gpu].node if j > 0 else gpu.node
+            cross_recv.append(st.recv_bytes if prev != gpu.node else 0)
+            traffic = stage_shard_bytes(plan, vw, st, profile)
+            push.append(sum(_link(plan.cluster, gpu.node, n).time_s(b) for n, b in traffic) * 1e3)
+            cross_sync.append(sum(b for n, b in traffic if n != gpu.node))
+        specs.append(
+            PipelineSpec(
+                fwd_ms=tuple(s.fwd_ms for s in vw.stages),
+                bwd_ms=tuple(s.bwd_ms for s in vw.stages),
+                recv_fwd_ms=tuple(s.recv_fwd_ms if j > 0 else 0.0 for j, s in enumerate(vw.stages)),
+                recv_bwd_ms=tuple(
+                    s.recv_bwd_ms if j < len(vw.stages) - 1 else 0.0
+                    for j, s in enumerate(vw.stages)
+                ),
+                push_ms=tuple(push),
+                pull_ms=tuple(push),  # same bytes, same links, opposite direction
+                cross_recv_bytes=tuple(cross_recv),
+                cross_sync_bytes=tuple(cross_sync),
+                labels=tuple(labels),
+            ).validated()
+        )
+    return specs
+
+
+def simulate(
+    plan: Plan, waves: int = 20, profile: Profile | None = None, record_trace: bool = False
+) -> SimResult:
+    """Simulate ``plan`` for ``waves`` waves per virtual worker.
+
+    Args:
+        plan: the plan (its Nm, D, stages, shards and cluster are used as they are).
+        waves: waves per VW (>= 2; wave 0 is warm-up and not measured).
+        profile: optional profile of the model (any GPU type) for exact shard traffic.
+        record_trace: keep every interval for Gantt charts and Chrome traces.
+
+    Raises:
+        PlanError: invalid plan or ``waves < 2``.
+    """
+    return simulate_pipelines(
+        pipeline_specs(plan, profile), plan.nm, plan.D, waves, plan.batch_size, record_trace
+    )
+
+
+# -------------------------------------------------------------------- AllReduce BSP baseline
+
+
+@dataclass(frozen=True)
+class AllReduceResult:
+    """Data-parallel AllReduce BSP prediction.
+
+    Attributes:
+        throughput: samples/s of all workers together (0.0 when no GPU holds the model).
+        gpus: number of workers (GPUs that hold the whole model).
+        iteration_ms: one BSP step: the slowest worker's compute plus the ring all-reduce.
+        allreduce_ms: the ring all-reduce part.
+        cross_node_bytes_per_iter: bytes crossing nodes per step.
+        labels: the workers' GPU labels.
+    """
+
+    throughput: float
+    gpus: int
+    iteration_ms: float
+    allreduce_ms: float
+    cross_node_bytes_per_iter: int
+    labels: tuple[str, ...] = ()
+
+
+def simulate_allreduce(
+    compute_ms: list[float],
+    param_bytes: int,
+    link: Link,
+    batch_size: int,
+    nodes: list[str] | None = None,
+    labels: tuple[str, ...] = (),
+) -> AllReduceResult:
+    """BSP data parallelism: every step waits for the slowest worker, then a ring all-reduce.
+
+    A ring over ``n`` workers takes ``2 (n - 1)`` steps, each moving ``param_bytes / n`` over
+    ``link`` (the slowest link of the ring). Steps are identical, so one step is the whole
+    simulation: throughput = ``n * batch_size / (max(compute_ms) + allreduce_ms)``.
+
+    Args:
+        compute_ms: forward+backward time of one minibatch of the whole model, per worker.
+        param_bytes: bytes of all parameters (the gradient volume).
+        link: the slowest link on the ring.
+        batch_size: samples per minibatch per worker.
+        nodes: node of each worker, ring ordered node by node, for the cross-node byte count.
+        labels: worker labels (reported only).
+    """
+    n = len(compute_ms)
+    if n == 0:
+        return AllReduceResult(0.0, 0, 0.0, 0.0, 0, labels)
+    chunk = param_bytes / n
+    ar_ms = 2 * (n - 1) * link.time_s(chunk) * 1e3 if n > 1 else 0.0
+    it_ms = max(compute_ms) + ar_ms
+    crossing_edges = 0
+    if nodes is not None and n > 1:
+        ring = sorted(range(n), key=lambda i: nodes[i])
+        crossing_edges = sum(nodes[ring[i]] != nodes[ring[(i + 1) % n]] for i in range(n))
+    per_edge = 2 * (n - 1) * chunk
+    return AllReduceResult(
+        throughput=n * batch_size / (it_ms / 1e3) if it_ms > 0 else float("inf"),
+        gpus=n,
+        iteration_ms=it_ms,
+        allreduce_ms=ar_ms,
+        cross_node_bytes_per_iter=int(crossing_edges * per_edge),
+        labels=labels,
+    )
+
+
+def allreduce_for_plan(
+    plan: Plan, profiles: Mapping[str, Profile] | None = None
+) -> AllReduceResult:
+    """The AllReduce baseline on ``plan``'s cluster: every GPU that can hold the whole model.
+
+    With ``profiles`` (one per GPU type, as for planning) whole-model time and memory come
+    from the planner's cost model. Without them they are estimated from the plan: a VW made
+    of one GPU type gives that type's whole-model time exactly; other types are scaled by
+    catalog fp32 peak; the whole-model memory is the plan's per-stage memory with one
+    minibatch in flight and one weight version.
+    """
+    cluster = plan.cluster
+    if profiles:
+        from planner.costmodel import CostModel
+
+        cm = CostModel(dict(profiles), cluster.link, plan.optimizer_state_factor)
+        need = cm.model_memory_bytes(1)
+        params = cm.total_param_bytes()
+        whole = {t: float(cm.compute_ms(t)[-1]) for t in cm.types}
+        time_on: Callable[[str], float | None] = whole.get
+    else:
+        need, params, time_on = _estimate_from_plan(plan)
+    workers = [d for d in cluster.devices if d.memory_bytes >= need and time_on(d.type) is not None]
+    times = [time_on(d.type) or 0.0 for d in workers]
+    nodes = [d.node for d in workers]
+    link = cluster.inter_node if len(set(nodes)) > 1 else cluster.intra_node
+    return simulate_allreduce(
+        times, params, link, plan.batch_size, nodes, tuple(d.label for d in workers)
+    )
+
+
+def _estimate_from_plan(plan: Plan) -> tuple[int, int, Callable[[str], float | None]]:
+    from profiler.catalog import CATALOG
+
+    f = plan.optimizer_state_factor
+    vw0 = plan.virtual_workers[0]
+    params = sum(s.param_bytes for s in vw0.stages)
+    need = 0
+    for s in vw0.stages:
+        static = s.param_bytes * (2 + f) + (plan.nm - 1) * s.param_bytes
+        per_mb = max(0.0, s.memory_bytes - static) / max(1, s.in_flight)
+        need += int(s.param_bytes * (2 + f) + per_mb)
+    exact: dict[str, float] = {}
+    for vw in plan.virtual_workers:
+        types = {vw.gpus[s.gpu].type for s in vw.stages}
+        if len(types) == 1:
+            exact[types.pop()] = sum(s.fwd_ms + s.bwd_ms for s in vw.stages)
+
+    def peak(t: str) -> float:
+        spec = CATALOG.get(t)
+        return spec.fp32_tflops if spec is not None else 0.0
+
+    def time_on(t: str) -> float | None:
+        if t in exact:
+            return exact[t]
+        if peak(t) <= 0:
+            return None
+        return sum((s.fwd_ms + s.bwd_ms) * peak(vw0.gpus[s.gpu].type) / peak(t) for s in vw0.stages)
+
+    return need, params, time_on
