@@ -14,6 +14,7 @@ The honesty check (:func:`step_time_ms`) times a whole-model training step
 
 from __future__ import annotations
 
+import functools
 import logging
 import platform
 import statistics
@@ -38,6 +39,8 @@ from profiler.table import COLUMNS, Profile, ProfileMeta
 __all__ = [
     "LayerCall",
     "backward_call",
+    "clock_of",
+    "engine_overhead_ms",
     "measure_profile",
     "parse_device",
     "profile_rows",
@@ -129,8 +132,7 @@ def run_layers(graph: ModelGraph, inputs: Sequence[Any], visit: Callable[[LayerC
             params = tuple(p for p in sub.parameters() if p.requires_grad)
         leaves = tuple(t for t in _tensors((args, kwargs)) if t.requires_grad)
 
-        def forward(node: fx.Node = node, args: Any = args, kwargs: Any = kwargs) -> Any:
-            return _call_node(gm, node, args, kwargs)
+        forward = _bind_node(gm, node, args, kwargs)
 
         try:
             out = visit(LayerCall(index, node, forward, leaves + params))
@@ -139,19 +141,21 @@ def run_layers(graph: ModelGraph, inputs: Sequence[Any], visit: Callable[[LayerC
         env[node] = _leaf(out)
 
 
-def _call_node(gm: fx.GraphModule, node: fx.Node, args: Any, kwargs: Any) -> Any:
+def _bind_node(gm: fx.GraphModule, node: fx.Node, args: Any, kwargs: Any) -> Callable[[], Any]:
+    """A zero-argument callable running ``node`` on ``args``/``kwargs`` (target resolved once)."""
     if node.op == "call_module":
-        return gm.get_submodule(str(node.target))(*args, **kwargs)
+        return functools.partial(gm.get_submodule(str(node.target)), *args, **kwargs)
     if node.op == "call_function":
-        return node.target(*args, **kwargs)  # type: ignore[operator]
+        target: Callable[..., Any] = node.target  # type: ignore[assignment]
+        return functools.partial(target, *args, **kwargs)
     if node.op == "call_method":
         self_obj, *rest = args
-        return getattr(self_obj, str(node.target))(*rest, **kwargs)
+        return functools.partial(getattr(self_obj, str(node.target)), *rest, **kwargs)
     if node.op == "get_attr":
         obj: Any = gm
         for part in str(node.target).split("."):
             obj = getattr(obj, part)
-        return obj
+        return functools.partial(lambda v: v, obj)
     raise ModelError(f"unsupported fx node op {node.op!r} at {node.name}")
 
 
@@ -203,8 +207,29 @@ def parse_device(name: str) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _timed_ms(device: torch.device, fn: Callable[[], Any]) -> tuple[float, Any]:
-    """Run ``fn`` once and return (milliseconds, result): CUDA events on GPU, perf_counter on CPU."""
+Clock = Callable[[], float]
+
+
+def clock_of(name: str) -> Clock:
+    """The CPU clock called ``name``: ``wall`` (``time.perf_counter``) or ``cpu``.
+
+    ``cpu`` (``time.thread_time``, this thread's CPU time) is only meaningful with one
+    intra-op thread, where it ignores time the process spends preempted on a shared machine.
+
+    Raises:
+        ConfigError: unknown clock name.
+    """
+    if name == "wall":
+        return time.perf_counter
+    if name == "cpu":
+        return time.thread_time
+    raise ConfigError(f"--clock {name!r} is unknown; use wall or cpu")
+
+
+def _timed_ms(
+    device: torch.device, fn: Callable[[], Any], clock: Clock = time.perf_counter
+) -> tuple[float, Any]:
+    """Run ``fn`` once and return (milliseconds, result): CUDA events on GPU, ``clock`` on CPU."""
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -212,9 +237,28 @@ def _timed_ms(device: torch.device, fn: Callable[[], Any]) -> tuple[float, Any]:
         end.record()
         torch.cuda.synchronize(device)
         return float(start.elapsed_time(end)), result
-    t0 = time.perf_counter()
+    t0 = clock()
     result = fn()
-    return (time.perf_counter() - t0) * 1e3, result
+    return (clock() - t0) * 1e3, result
+
+
+def engine_overhead_ms(
+    device: torch.device, samples: int = 200, clock: Clock = time.perf_counter
+) -> float:
+    """Fixed cost of one ``torch.autograd.grad`` call on a trivial graph, milliseconds.
+
+    Each layer's backward is timed as its own autograd call, whereas a training step
+    starts the autograd engine once; this start-up cost is subtracted from every
+    layer's backward time so the per-layer sum matches a whole step.
+    """
+    x = torch.zeros(1, device=device, requires_grad=True)
+    times = []
+    for _ in range(samples):
+        y = x.clone()
+        run = backward_call(y, (x,), retain=False)
+        if run is not None:
+            times.append(_timed_ms(device, run, clock)[0])
+    return statistics.median(times) if times else 0.0
 
 
 # ---------------------------------------------------------------- per-layer measurement
@@ -229,20 +273,14 @@ class _Row:
     flops: float
 
 
-def _measure_call(
-    call: LayerCall, device: torch.device, counter: SavedTensorCounter, repeats: int, warmup: int
-) -> tuple[_Row, Any]:
-    """Time one layer: ``warmup`` + ``repeats`` forward/backward pairs, then one counted forward."""
-    fwd: list[float] = []
-    bwd: list[float] = []
-    for r in range(warmup + repeats):
-        f_ms, out = _timed_ms(device, call.forward)
-        run = backward_call(out, call.grad_inputs, retain=False)
-        b_ms = _timed_ms(device, run)[0] if run is not None else 0.0
-        if r >= warmup:
-            fwd.append(f_ms)
-            bwd.append(b_ms)
-        del out, run
+def _count_call(
+    call: LayerCall, device: torch.device, counter: SavedTensorCounter
+) -> tuple[Any, int, int, float]:
+    """One counted forward (saved bytes, FLOPs) and backward (CUDA peak) of a layer.
+
+    Returns:
+        (output, saved bytes, peak bytes, forward FLOPs).
+    """
     reset_cuda_peak(device)
     with counter, FlopCounterMode(display=False) as flops:
         out = call.forward()
@@ -250,11 +288,30 @@ def _measure_call(
     run = backward_call(out, call.grad_inputs, retain=True)
     if run is not None:
         run()
-    peak = cuda_peak_bytes(device)
-    row = _Row(
-        statistics.median(fwd), statistics.median(bwd), saved, peak, float(flops.get_total_flops())
-    )
-    return row, out
+    return out, saved, cuda_peak_bytes(device), float(flops.get_total_flops())
+
+
+def _timed_pass(
+    calls: Sequence[LayerCall], device: torch.device, engine_ms: float, clock: Clock
+) -> tuple[list[float], list[float]]:
+    """One training-like pass: every layer's forward in order, then every backward in reverse.
+
+    All outputs stay alive until the backward, as in a real step, so allocation and cache
+    behaviour match training. Returns the forward and backward milliseconds per call.
+    """
+    fwd: list[float] = []
+    outs: list[Any] = []
+    for call in calls:
+        ms, out = _timed_ms(device, call.forward, clock)
+        fwd.append(ms)
+        outs.append(out)
+    bwd = [0.0] * len(calls)
+    for i in reversed(range(len(calls))):
+        run = backward_call(outs[i], calls[i].grad_inputs, retain=False)
+        if run is not None:
+            bwd[i] = max(0.0, _timed_ms(device, run, clock)[0] - engine_ms)
+        outs[i] = None
+    return fwd, bwd
 
 
 def profile_rows(
@@ -264,25 +321,52 @@ def profile_rows(
     repeats: int = 5,
     warmup: int = 2,
     progress: Progress | None = None,
+    clock: Clock = time.perf_counter,
 ) -> pd.DataFrame:
-    """Measure every layer of ``graph`` on ``inputs`` (already on ``device``) as a profile table."""
-    params = list(graph.gm.parameters())
-    counter = SavedTensorCounter(exclude=params)
-    rows: dict[int, _Row] = {}
-    n = len(graph.layers)
+    """Measure every layer of ``graph`` on ``inputs`` (already on ``device``) as a profile table.
+
+    A first pass interprets the graph node by node and records saved bytes, FLOPs and the
+    CUDA peak; then ``warmup + repeats`` timed passes (:func:`_timed_pass`) run every layer
+    on its detached inputs; the medians over the last ``repeats`` passes are kept.
+    """
+    counter = SavedTensorCounter(exclude=list(graph.gm.parameters()))
+    calls: list[LayerCall] = []
+    counted: dict[int, tuple[int, int, float]] = {}
+    total = len(graph.layers) + warmup + repeats
+    engine_ms = engine_overhead_ms(device, clock=clock)
 
     def visit(call: LayerCall) -> Any:
         if progress is not None:
-            progress(call.index, n, call.node.name)
+            progress(call.index, total, call.node.name)
         if call.node.op == "placeholder":
             return call.forward()
-        row, out = _measure_call(call, device, counter, repeats, warmup)
-        rows[call.index] = row
+        out, saved, peak, flops = _count_call(call, device, counter)
+        counted[call.index] = (saved, peak, flops)
+        calls.append(call)
         return out
 
     run_layers(graph, inputs, visit)
+    fwd_runs: list[list[float]] = []
+    bwd_runs: list[list[float]] = []
+    for r in range(warmup + repeats):
+        if progress is not None:
+            progress(len(graph.layers) + r, total, f"pass {r + 1}/{warmup + repeats}")
+        fwd, bwd = _timed_pass(calls, device, engine_ms, clock)
+        if r >= warmup:
+            fwd_runs.append(fwd)
+            bwd_runs.append(bwd)
     if progress is not None:
-        progress(n, n, "done")
+        progress(total, total, "done")
+    rows: dict[int, _Row] = {}
+    for j, call in enumerate(calls):
+        saved, peak, flops = counted[call.index]
+        rows[call.index] = _Row(
+            statistics.median(run[j] for run in fwd_runs),
+            statistics.median(run[j] for run in bwd_runs),
+            saved,
+            peak,
+            flops,
+        )
     names = graph.names
     table = []
     for lay in graph.layers:
@@ -320,6 +404,7 @@ def measure_profile(
     repeats: int = 5,
     warmup: int = 2,
     progress: Progress | None = None,
+    clock: str = "wall",
 ) -> Profile:
     """Measure a per-layer profile of a resolved model.
 
@@ -331,17 +416,19 @@ def measure_profile(
         repeats: timed forward/backward repetitions per layer (the median is kept).
         warmup: untimed repetitions before them.
         progress: ``progress(done, total, layer_name)`` callback.
+        clock: CPU clock, ``wall`` or ``cpu`` (see :func:`clock_of`); CUDA always uses events.
 
     Raises:
         ConfigError: bad device or counts.
         ModelError: the model cannot be traced or run.
     """
     _check_counts(repeats, warmup)
+    clock_fn = clock_of(clock)
     dev = parse_device(device) if isinstance(device, str) else device
     module = spec.module.to(dev).train()
     inputs = tuple(t.to(dev) for t in spec.inputs)
     graph = ModelGraph.from_module(module, inputs)
-    table = profile_rows(graph, inputs, dev, repeats, warmup, progress)
+    table = profile_rows(graph, inputs, dev, repeats, warmup, progress, clock_fn)
     if device_type is None:
         device_type = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     meta = ProfileMeta(
@@ -358,19 +445,25 @@ def measure_profile(
             "warmup": warmup,
             "device": str(dev),
             "threads": torch.get_num_threads(),
+            "clock": clock if dev.type == "cpu" else "cuda-events",
         },
     )
     return Profile(table, meta)
 
 
 def step_time_ms(
-    spec: ModelSpec, device: str | torch.device = "cpu", repeats: int = 5, warmup: int = 2
+    spec: ModelSpec,
+    device: str | torch.device = "cpu",
+    repeats: int = 5,
+    warmup: int = 2,
+    clock: str = "wall",
 ) -> float:
     """Median time of one whole-model training step (forward, loss, backward), milliseconds.
 
     The optimizer update is not included: per-layer profiles do not time it either.
     """
     _check_counts(repeats, warmup)
+    clock_fn = clock_of(clock)
     dev = parse_device(device) if isinstance(device, str) else device
     module: nn.Module = spec.module.to(dev).train()
     inputs = tuple(t.to(dev) for t in spec.inputs)
@@ -383,7 +476,7 @@ def step_time_ms(
     times = []
     for r in range(warmup + repeats):
         module.zero_grad(set_to_none=True)
-        ms = _timed_ms(dev, step)[0]
+        ms = _timed_ms(dev, step, clock_fn)[0]
         if r >= warmup:
             times.append(ms)
     module.zero_grad(set_to_none=True)
