@@ -1,12 +1,119 @@
-"""`hetpipe simulate`."""
+"""`hetpipe simulate`: predict a plan's behaviour and draw its pipeline."""
 
 from __future__ import annotations
 
-from hetpipe._common import fail
+from pathlib import Path
+from typing import Annotated
 
-HELP = "Not implemented yet."
+import typer
+from rich.table import Table
+
+from hetpipe._common import console, handle_errors
+from planner.gantt import write_chrome_trace, write_gantt
+from planner.plan import load_plan
+from planner.simulator import allreduce_for_plan
+from planner.simulator import simulate as run_simulation
+from profiler.errors import ConfigError
+from profiler.table import Profile, load_profile_set
+
+HELP = (
+    "Simulate a plan (discrete events: Sec. 4 stage rules, Nm in flight, transfers, WSP) and "
+    "print throughput, GPU busy fractions, WSP waiting/idle time and cross-node bytes; "
+    "optionally compare with AllReduce and write a Gantt chart and a Chrome trace."
+)
+
+_GANTT_WAVES = 6  # the chart shows the first waves only, to stay legible
 
 
-def simulate() -> None:
-    """Not implemented yet."""
-    raise fail("'hetpipe simulate' is not implemented yet")
+@handle_errors
+def simulate(
+    plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="plan.yaml or plan.json")],
+    waves: Annotated[int, typer.Option("--waves", min=2, help="waves per virtual worker")] = 20,
+    baseline: Annotated[
+        str | None, typer.Option("--baseline", help="also predict a baseline: 'allreduce'")
+    ] = None,
+    gantt: Annotated[
+        Path | None, typer.Option("--gantt", help="write a Gantt chart (.png or .svg)")
+    ] = None,
+    trace: Annotated[
+        Path | None, typer.Option("--trace", help="write a Chrome-trace JSON (Perfetto)")
+    ] = None,
+    profiles: Annotated[
+        list[Path] | None,
+        typer.Option("--profiles", help="profile CSVs/folders: exact shard traffic and baseline"),
+    ] = None,
+) -> None:
+    """Simulate ``PLAN`` and print the prediction."""
+    if baseline not in (None, "allreduce"):
+        raise ConfigError(f"--baseline {baseline!r}: the only baseline is 'allreduce'")
+    if gantt is not None and gantt.suffix.lower() not in (".png", ".svg"):
+        raise ConfigError(f"--gantt {gantt}: use a .png or .svg file name")
+    plan = load_plan(plan_path)
+    by_type: dict[str, Profile] = {}
+    for prof in load_profile_set(profiles or []):
+        by_type.setdefault(prof.meta.device_type, prof)
+    any_profile = next(iter(by_type.values()), None)
+    record = gantt is not None or trace is not None
+    res = run_simulation(plan, waves=waves, profile=any_profile, record_trace=record)
+
+    title = (
+        f"{plan.model} (batch {plan.batch_size}), policy {plan.policy}, Nm={plan.nm}, D={plan.D}, "
+        f"placement {plan.placement}: {len(plan.virtual_workers)} VWs, {waves} waves"
+    )
+    vt = Table(title=title)
+    for col in (
+        "VW",
+        "GPUs",
+        "samples/s",
+        "waiting s",
+        "idle s",
+        "idle/wait",
+        "GPU busy",
+        "max in flight",
+    ):
+        vt.add_column(col, justify="right" if col != "GPUs" else "left")
+    for i, vw in enumerate(plan.virtual_workers):
+        vt.add_row(
+            str(vw.id),
+            vw.signature,
+            f"{res.per_vw_throughput[i]:.1f}",
+            f"{res.waiting_s[i]:.3f}",
+            f"{res.idle_s[i]:.3f}",
+            f"{res.idle_fraction[i]:.0%}",
+            " ".join(f"{b:.0%}" for b in res.gpu_busy[i]),
+            " ".join(str(m) for m in res.max_in_flight[i]),
+        )
+    console.print(vt)
+    console.print(
+        f"throughput: [bold]{res.throughput:.1f} samples/s[/] (simulated; plan's analytic "
+        f"prediction {plan.predicted.throughput:.1f})   makespan {res.makespan_s:.3f} s   "
+        f"cross-node {res.cross_node_bytes / 1e9:.3f} GB   max clock distance "
+        f"{res.max_clock_distance} (bound D+1 = {plan.D + 1})   {res.events} events"
+    )
+    if baseline == "allreduce":
+        ar = allreduce_for_plan(plan, by_type or None)
+        samples = waves * plan.nm * plan.batch_size * len(plan.virtual_workers)
+        hp_per_sample = res.cross_node_bytes / samples
+        if ar.gpus == 0:
+            console.print("AllReduce baseline: no GPU can hold the whole model")
+        else:
+            console.print(
+                f"AllReduce (BSP, ring) on {ar.gpus} GPUs: [bold]{ar.throughput:.1f} samples/s[/] "
+                f"(step {ar.iteration_ms:.2f} ms, all-reduce {ar.allreduce_ms:.2f} ms, "
+                f"{ar.cross_node_bytes_per_iter / (ar.gpus * plan.batch_size) / 1e6:.3f} MB across "
+                f"nodes per sample vs HetPipe {hp_per_sample / 1e6:.3f}); HetPipe / "
+                f"AllReduce = {res.throughput / ar.throughput:.2f}x"
+                + ("" if by_type else " [dim](estimated without profiles)[/]")
+            )
+    labels = [
+        [f"{vw.gpus[s.gpu].node}:{vw.gpus[s.gpu].index}" for s in vw.stages]
+        for vw in plan.virtual_workers
+    ]
+    if gantt is not None:
+        c0 = res.completions_ms[0]
+        until = c0[min(len(c0), _GANTT_WAVES * plan.nm) - 1]
+        write_gantt(res.trace, gantt, labels, until_ms=until, title=title)
+        console.print(f"Gantt chart (first {_GANTT_WAVES} waves): {gantt}")
+    if trace is not None:
+        write_chrome_trace(res.trace, trace, labels)
+        console.print(f"Chrome trace (open in https://ui.perfetto.dev): {trace}")

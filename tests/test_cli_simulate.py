@@ -1,0 +1,45 @@
+"""`hetpipe simulate` end to end on a small synthetic plan (table, Gantt PNG/SVG, trace)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from hetpipe.cli import app
+from tests.planner.simplan import make_plan
+
+
+def _plan(tmp_path: Path) -> Path:
+    vw = [("V", 2.0, 4.0), ("R", 2.5, 5.0), ("G", 3.0, 6.0), ("Q", 3.0, 6.0)]
+    return make_plan([vw, vw], nm=4, D=0, placement="local").save(tmp_path / "plan.yaml")
+
+
+def test_simulate_writes_table_gantt_and_trace(tmp_path: Path) -> None:
+    plan = _plan(tmp_path)
+    png, svg, trace = tmp_path / "g.png", tmp_path / "g.svg", tmp_path / "t.json"
+    args = ["simulate", str(plan), "--waves", "5", "--baseline", "allreduce"]
+    res = CliRunner().invoke(app, [*args, "--gantt", str(png), "--trace", str(trace)])
+    assert res.exit_code == 0, res.output
+    assert "samples/s" in res.output and "AllReduce" in res.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    doc = json.loads(trace.read_text())
+    cats = {e.get("cat") for e in doc["traceEvents"] if e["ph"] == "X"}
+    assert {"F", "B", "FB", "recv"} <= cats
+    assert all(e["dur"] >= 0 for e in doc["traceEvents"] if e["ph"] == "X")
+    res = CliRunner().invoke(app, ["simulate", str(plan), "--waves", "3", "--gantt", str(svg)])
+    assert res.exit_code == 0, res.output
+    assert "<svg" in svg.read_text()[:2000]
+
+
+def test_simulate_errors_are_one_line(tmp_path: Path) -> None:
+    plan = _plan(tmp_path)
+    for args in (
+        ["simulate", str(plan), "--baseline", "horovod"],
+        ["simulate", str(plan), "--gantt", str(tmp_path / "g.jpg")],
+        ["simulate", str(tmp_path / "missing.yaml")],
+    ):
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 2, (args, res.output)
+        assert "Traceback" not in res.output
