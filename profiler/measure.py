@@ -40,7 +40,6 @@ __all__ = [
     "LayerCall",
     "backward_call",
     "clock_of",
-    "engine_overhead_ms",
     "measure_profile",
     "parse_device",
     "profile_rows",
@@ -114,9 +113,8 @@ def run_layers(graph: ModelGraph, inputs: Sequence[Any], visit: Callable[[LayerC
             break
         if node.op == "placeholder":
             value = next(args_iter)
-            leaf = (
-                value.detach() if isinstance(value, Tensor) else value
-            )  # model inputs need no grad
+            # model inputs need no grad
+            leaf = value.detach() if isinstance(value, Tensor) else value
             env[node] = leaf
 
             def identity(v: Any = leaf) -> Any:
@@ -242,25 +240,6 @@ def _timed_ms(
     return (clock() - t0) * 1e3, result
 
 
-def engine_overhead_ms(
-    device: torch.device, samples: int = 200, clock: Clock = time.perf_counter
-) -> float:
-    """Fixed cost of one ``torch.autograd.grad`` call on a trivial graph, milliseconds.
-
-    Each layer's backward is timed as its own autograd call, whereas a training step
-    starts the autograd engine once; this start-up cost is subtracted from every
-    layer's backward time so the per-layer sum matches a whole step.
-    """
-    x = torch.zeros(1, device=device, requires_grad=True)
-    times = []
-    for _ in range(samples):
-        y = x.clone()
-        run = backward_call(y, (x,), retain=False)
-        if run is not None:
-            times.append(_timed_ms(device, run, clock)[0])
-    return statistics.median(times) if times else 0.0
-
-
 # ---------------------------------------------------------------- per-layer measurement
 
 
@@ -291,27 +270,117 @@ def _count_call(
     return out, saved, cuda_peak_bytes(device), float(flops.get_total_flops())
 
 
-def _timed_pass(
-    calls: Sequence[LayerCall], device: torch.device, engine_ms: float, clock: Clock
-) -> tuple[list[float], list[float]]:
-    """One training-like pass: every layer's forward in order, then every backward in reverse.
+def _new_grad_fns(value: Any, known: set[Any]) -> list[Any]:
+    """Autograd nodes reachable from ``value`` that are not in ``known`` (adds them to it)."""
+    stack: list[Any] = [t.grad_fn for t in _tensors(value) if t.grad_fn is not None]
+    found = []
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in known:
+            continue
+        known.add(fn)
+        found.append(fn)
+        stack += [nxt for nxt, _ in fn.next_functions]
+    return found
 
-    All outputs stay alive until the backward, as in a real step, so allocation and cache
-    behaviour match training. Returns the forward and backward milliseconds per call.
+
+class _BackwardTimer:
+    """Sums, per layer, the time autograd spends inside the layer's backward nodes.
+
+    Each autograd node a layer's forward created gets a pre-hook and a post-hook; on CPU the
+    engine runs nodes one at a time, so ``post - pre`` is that node's backward time. On CUDA
+    the hooks record events instead and the totals are read after a synchronize.
     """
-    fwd: list[float] = []
-    outs: list[Any] = []
-    for call in calls:
-        ms, out = _timed_ms(device, call.forward, clock)
-        fwd.append(ms)
-        outs.append(out)
-    bwd = [0.0] * len(calls)
-    for i in reversed(range(len(calls))):
-        run = backward_call(outs[i], calls[i].grad_inputs, retain=False)
-        if run is not None:
-            bwd[i] = max(0.0, _timed_ms(device, run, clock)[0] - engine_ms)
-        outs[i] = None
-    return fwd, bwd
+
+    def __init__(self, device: torch.device, clock: Clock) -> None:
+        self.device = device
+        self.clock = clock
+        self.total_ms: dict[int, float] = {}
+        self._events: list[tuple[int, Any, Any]] = []
+
+    def watch(self, layer: int, grad_fns: Sequence[Any]) -> None:
+        """Attribute the backward time of ``grad_fns`` to ``layer``."""
+        self.total_ms.setdefault(layer, 0.0)
+        for fn in grad_fns:
+            start: list[Any] = [None]
+
+            def pre(grad_outputs: Any, start: list[Any] = start) -> None:
+                if self.device.type == "cuda":
+                    start[0] = torch.cuda.Event(enable_timing=True)
+                    start[0].record()
+                else:
+                    start[0] = self.clock()
+
+            def post(
+                grad_inputs: Any, grad_outputs: Any, start: list[Any] = start, layer: int = layer
+            ) -> None:
+                if self.device.type == "cuda":
+                    end = torch.cuda.Event(enable_timing=True)
+                    end.record()
+                    self._events.append((layer, start[0], end))
+                else:
+                    self.total_ms[layer] += (self.clock() - start[0]) * 1e3
+
+            fn.register_prehook(pre)
+            fn.register_hook(post)
+
+    def result(self) -> dict[int, float]:
+        """Milliseconds of backward per layer."""
+        if self._events:
+            torch.cuda.synchronize(self.device)
+            for layer, start, end in self._events:
+                self.total_ms[layer] += float(start.elapsed_time(end))
+            self._events.clear()
+        return self.total_ms
+
+
+def _timed_pass(
+    graph: ModelGraph,
+    inputs: Sequence[Any],
+    device: torch.device,
+    clock: Clock,
+    loss: Callable[[Any], Tensor] | None = None,
+) -> tuple[dict[int, float], dict[int, float]]:
+    """One training step executed layer by layer: timed forwards in order, then one backward.
+
+    Layers run on the outputs of the layers before them (not on detached copies), so
+    allocation, cache behaviour and autograd engine costs match a real step; every layer's
+    forward is timed around its call and its backward is the time autograd spends in the
+    autograd nodes its forward created (:class:`_BackwardTimer`). The backward starts from
+    the loss, whose forward and backward are charged to the ``output`` layer (the last
+    stage computes it), or without ``loss`` from the model output with a ones-like gradient.
+
+    Returns:
+        Forward and backward milliseconds by layer index.
+    """
+    gm = graph.gm
+    env: dict[fx.Node, Any] = {}
+    args_iter = iter(inputs)
+    fwd: dict[int, float] = {}
+    known: set[Any] = set()
+    timer = _BackwardTimer(device, clock)
+    output: Any = None
+    for index, node in enumerate(gm.graph.nodes):
+        if node.op == "placeholder":
+            env[node] = next(args_iter)
+            continue
+        args = fx.node.map_arg(node.args, env.__getitem__)
+        if node.op == "output":
+            output = args[0]
+            if loss is not None:
+                fwd[index], output = _timed_ms(device, functools.partial(loss, output), clock)
+                timer.watch(index, _new_grad_fns(output, known))
+            break
+        kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+        ms, out = _timed_ms(device, _bind_node(gm, node, args, kwargs), clock)
+        fwd[index] = ms
+        env[node] = out
+        timer.watch(index, _new_grad_fns(out, known))
+    outs = [t for t in _tensors(output) if t.requires_grad]
+    if outs:
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+    gm.zero_grad(set_to_none=True)
+    return fwd, timer.result()
 
 
 def profile_rows(
@@ -322,18 +391,19 @@ def profile_rows(
     warmup: int = 2,
     progress: Progress | None = None,
     clock: Clock = time.perf_counter,
+    loss: Callable[[Any], Tensor] | None = None,
 ) -> pd.DataFrame:
     """Measure every layer of ``graph`` on ``inputs`` (already on ``device``) as a profile table.
 
     A first pass interprets the graph node by node and records saved bytes, FLOPs and the
     CUDA peak; then ``warmup + repeats`` timed passes (:func:`_timed_pass`) run every layer
-    on its detached inputs; the medians over the last ``repeats`` passes are kept.
+    layer by layer; the medians over the last ``repeats`` passes are kept. ``loss(output)``
+    (e.g. cross-entropy against the sample targets) is timed as the ``output`` row.
     """
     counter = SavedTensorCounter(exclude=list(graph.gm.parameters()))
     calls: list[LayerCall] = []
     counted: dict[int, tuple[int, int, float]] = {}
     total = len(graph.layers) + warmup + repeats
-    engine_ms = engine_overhead_ms(device, clock=clock)
 
     def visit(call: LayerCall) -> Any:
         if progress is not None:
@@ -346,23 +416,25 @@ def profile_rows(
         return out
 
     run_layers(graph, inputs, visit)
-    fwd_runs: list[list[float]] = []
-    bwd_runs: list[list[float]] = []
+    gm = graph.gm
+    gm.zero_grad(set_to_none=True)
+    fwd_runs: list[dict[int, float]] = []
+    bwd_runs: list[dict[int, float]] = []
     for r in range(warmup + repeats):
         if progress is not None:
             progress(len(graph.layers) + r, total, f"pass {r + 1}/{warmup + repeats}")
-        fwd, bwd = _timed_pass(calls, device, engine_ms, clock)
+        fwd, bwd = _timed_pass(graph, inputs, device, clock, loss)
         if r >= warmup:
             fwd_runs.append(fwd)
             bwd_runs.append(bwd)
     if progress is not None:
         progress(total, total, "done")
     rows: dict[int, _Row] = {}
-    for j, call in enumerate(calls):
+    for call in calls:
         saved, peak, flops = counted[call.index]
         rows[call.index] = _Row(
-            statistics.median(run[j] for run in fwd_runs),
-            statistics.median(run[j] for run in bwd_runs),
+            statistics.median(run.get(call.index, 0.0) for run in fwd_runs),
+            statistics.median(run.get(call.index, 0.0) for run in bwd_runs),
             saved,
             peak,
             flops,
@@ -371,6 +443,14 @@ def profile_rows(
     table = []
     for lay in graph.layers:
         row = rows.get(lay.index, _Row(0.0, 0.0, 0, 0, 0.0))
+        if lay.op == "output" and fwd_runs:
+            row = _Row(
+                statistics.median(run.get(lay.index, 0.0) for run in fwd_runs),
+                statistics.median(run.get(lay.index, 0.0) for run in bwd_runs),
+                0,
+                0,
+                0.0,
+            )
         table.append(
             {
                 "layer": lay.name,
@@ -428,7 +508,12 @@ def measure_profile(
     module = spec.module.to(dev).train()
     inputs = tuple(t.to(dev) for t in spec.inputs)
     graph = ModelGraph.from_module(module, inputs)
-    table = profile_rows(graph, inputs, dev, repeats, warmup, progress, clock_fn)
+    targets = spec.targets.to(dev)
+
+    def loss(output: Any) -> Tensor:
+        return spec.loss(output, targets)
+
+    table = profile_rows(graph, inputs, dev, repeats, warmup, progress, clock_fn, loss)
     if device_type is None:
         device_type = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     meta = ProfileMeta(
