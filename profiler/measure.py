@@ -1,15 +1,20 @@
 """Measured per-layer profiles: run every layer of the model graph on its real inputs.
 
-The traced graph is interpreted node by node (:func:`run_layers`). Each layer gets its
-inputs as detached leaves (so its backward stops at its own boundary), runs forward
-``warmup + repeats`` times and backward (with a ones-like output gradient, graph
-retained) as often; the profile keeps the medians. Times come from
-``time.perf_counter`` on CPU and CUDA events on GPU. Saved-for-backward bytes are
-counted exactly with :class:`profiler.memory.SavedTensorCounter`; FLOPs with
-``torch.utils.flop_counter.FlopCounterMode``.
+Two kinds of passes over the traced graph:
 
-The honesty check (:func:`step_time_ms`) times a whole-model training step
-(forward + loss + backward) for comparison with the per-layer sums.
+* A counting pass (:func:`run_layers`) interprets the graph node by node, each layer on
+  detached copies of its inputs (so its backward stops at its own boundary): it records
+  the bytes autograd saves (:class:`profiler.memory.SavedTensorCounter`, exact), the
+  forward FLOPs (``FlopCounterMode``) and, on CUDA, the allocator peak.
+* ``warmup + repeats`` timed passes (:func:`_timed_pass`) execute one training step layer
+  by layer on connected tensors: each layer's forward is timed around its call; its
+  backward is the time autograd spends in the autograd nodes its forward created
+  (node pre/post hooks), so engine start-up, allocation and cache behaviour are those of
+  a real step. The loss is charged to the ``output`` row. Medians are kept.
+
+Times come from ``time.perf_counter`` (or this thread's CPU time, ``clock="cpu"``, robust on
+a shared machine) on CPU and from CUDA events on GPU. :func:`step_time_ms` times a
+whole-model training step (forward + loss + backward) for the honesty check.
 """
 
 from __future__ import annotations
