@@ -1,12 +1,214 @@
-"""`hetpipe profile`."""
+"""`hetpipe profile`: measure, estimate, scale or import per-layer profiles, or profile links."""
 
 from __future__ import annotations
 
-from hetpipe._common import fail
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated
 
-HELP = "Not implemented yet."
+import torch
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from hetpipe._common import console, handle_errors
+from profiler.analytic import analytic_profile, calibrate, scale_profile
+from profiler.errors import ConfigError
+from profiler.links import DEFAULT_SIZES, measure_links, save_links
+from profiler.measure import Progress as ProgressFn
+from profiler.measure import measure_profile, parse_device
+from profiler.models import resolve_model
+from profiler.pipedream import import_pipedream
+from profiler.table import Profile, load_profile
+
+HELP = (
+    "Profile a model per layer (forward/backward ms, activation, saved and parameter bytes) on "
+    "this device, estimate it for a catalog GPU type (--analytic), scale a profile to another type "
+    "(--scale), import a PipeDream graph.txt (--import-pipedream), or measure link latency and "
+    "bandwidth (--links). Writes CSV profiles (one per model, GPU type and batch size) or links.yaml."
+)
 
 
-def profile() -> None:
-    """Not implemented yet."""
-    raise fail("'hetpipe profile' is not implemented yet")
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "x"
+
+
+def _target(output: Path, prof: Profile) -> Path:
+    """``output`` itself if it names a .csv file, else a file named after the profile inside it."""
+    if output.suffix.lower() == ".csv":
+        return output
+    m = prof.meta
+    return (
+        output / f"{_slug(m.model.rsplit(':', 1)[-1])}_{_slug(m.device_type)}_b{m.batch_size}.csv"
+    )
+
+
+@contextmanager
+def _progress(label: str) -> Iterator[ProgressFn]:
+    """A rich progress bar as a ``progress(done, total, name)`` callback."""
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[layer]}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as bar:
+        task = bar.add_task(label, total=None, layer="")
+
+        def update(done: int, total: int, name: str) -> None:
+            bar.update(task, completed=done, total=total, layer=name)
+
+        yield update
+
+
+def _summary(prof: Profile, path: Path) -> None:
+    t = prof.table
+    table = Table(
+        title=f"{prof.meta.model} on {prof.meta.device_type}, batch {prof.meta.batch_size} ({prof.meta.source})"
+    )
+    for col in ("layers", "fwd ms", "bwd ms", "params MiB", "saved MiB", "GFLOP fwd"):
+        table.add_column(col, justify="right")
+    table.add_row(
+        str(len(t)),
+        f"{t['fwd_ms'].sum():.3f}",
+        f"{t['bwd_ms'].sum():.3f}",
+        f"{t['param_bytes'].sum() / 2**20:.2f}",
+        f"{t['saved_bytes'].sum() / 2**20:.2f}",
+        f"{t['flops'].sum() / 1e9:.3f}",
+    )
+    console.print(table)
+    console.print(f"wrote {path}", highlight=False, soft_wrap=True)
+
+
+def _one_mode(**modes: bool) -> str:
+    chosen = [name for name, on in modes.items() if on]
+    if len(chosen) > 1:
+        raise ConfigError(f"choose one of --{', --'.join(chosen)}, not several")
+    return chosen[0] if chosen else "measure"
+
+
+def _check_batch(batch_size: int) -> None:
+    if batch_size <= 0:
+        raise ConfigError(f"--batch-size must be a positive integer, got {batch_size}")
+
+
+@handle_errors
+def profile(
+    output: Annotated[
+        Path, typer.Option("-o", "--output", help="profile .csv, or a folder (profile set)")
+    ],
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            "-m",
+            help="built-in name (mlp, resnet, transformer, vgg19, resnet152) or pkg.mod:factory",
+        ),
+    ] = None,
+    batch_size: Annotated[
+        int | None,
+        typer.Option(
+            "--batch-size", "-b", help="minibatch size [default: 32; 64 for --import-pipedream]"
+        ),
+    ] = None,
+    device: Annotated[
+        str, typer.Option("--device", help="where to measure: cpu, cuda or cuda:N")
+    ] = "cpu",
+    device_type: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--device-type",
+            help='GPU type(s) to record or estimate, e.g. "TITAN V" (repeatable with --analytic/--scale)',
+        ),
+    ] = None,
+    repeats: Annotated[int, typer.Option("--repeats", help="timed passes (median kept)")] = 5,
+    warmup: Annotated[int, typer.Option("--warmup", help="untimed passes before them")] = 2,
+    clock: Annotated[
+        str, typer.Option("--clock", help="CPU clock: wall or cpu (thread CPU time)")
+    ] = "wall",
+    threads: Annotated[
+        int | None, typer.Option("--threads", help="torch intra-op threads on CPU")
+    ] = None,
+    analytic: Annotated[
+        bool, typer.Option("--analytic", help="estimate with the roofline model (no GPU needed)")
+    ] = False,
+    calibrate_from: Annotated[
+        Path | None,
+        typer.Option(
+            "--calibrate", help="measured profile to calibrate --analytic efficiencies on"
+        ),
+    ] = None,
+    scale: Annotated[
+        Path | None, typer.Option("--scale", help="scale this profile to --device-type")
+    ] = None,
+    import_pipedream_path: Annotated[
+        Path | None, typer.Option("--import-pipedream", help="import a PipeDream graph.txt")
+    ] = None,
+    links: Annotated[
+        bool, typer.Option("--links", help="measure point-to-point link latency and bandwidth")
+    ] = False,
+) -> None:
+    """Write per-layer profiles (or links.yaml) to ``-o``."""
+    mode = _one_mode(
+        analytic=analytic,
+        scale=scale is not None,
+        **{"import-pipedream": import_pipedream_path is not None},
+        links=links,
+    )
+    if threads is not None:
+        if threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    types = device_type or []
+    if mode == "links":
+        target = output if output.suffix.lower() in (".yaml", ".yml") else output / "links.yaml"
+        with console.status("measuring links (2 processes, ping-pong)"):
+            fit = measure_links(DEFAULT_SIZES, repeats=max(repeats, 1), warmup=warmup)
+        save_links([fit], target)
+        console.print(
+            f"intra_node ({fit.backend}): latency {fit.latency_s * 1e6:.1f} us, bandwidth "
+            f"{fit.bandwidth_bps / 1e9:.3f} GB/s (r2 {fit.r2:.3f}) -> {target}"
+        )
+        return
+    if mode == "import-pipedream":
+        pd_type = types[0] if types else "unknown GPU"
+        bs = 64 if batch_size is None else batch_size
+        _check_batch(bs)
+        prof = import_pipedream(import_pipedream_path or Path(), batch_size=bs, device_type=pd_type)
+        _summary(prof, prof.save(_target(output, prof)))
+        return
+    if mode == "scale":
+        if not types:
+            raise ConfigError("--scale needs --device-type (the GPU type(s) to scale to)")
+        src = load_profile(scale or Path())
+        for t in types:
+            prof = scale_profile(src, t)
+            _summary(prof, prof.save(_target(output, prof)))
+        return
+    if model is None:
+        raise ConfigError("--model is required (or use --import-pipedream / --links / --scale)")
+    bs = 32 if batch_size is None else batch_size
+    _check_batch(bs)
+    if mode == "analytic":
+        if not types:
+            raise ConfigError('--analytic needs --device-type, e.g. --device-type "TITAN V"')
+        cal = calibrate(load_profile(calibrate_from)) if calibrate_from is not None else None
+        profiles = [
+            analytic_profile(model, bs, t, cal) for t in types
+        ]  # all estimated before any file is written
+        for prof in profiles:
+            _summary(prof, prof.save(_target(output, prof)))
+        return
+    if len(types) > 1:
+        raise ConfigError(f"a measured profile has one --device-type, got {len(types)}")
+    dev = parse_device(device)
+    spec = resolve_model(model, bs)
+    with _progress(f"profiling {model} (batch {bs}) on {dev}") as update:
+        prof = measure_profile(
+            spec, dev, types[0] if types else None, repeats, warmup, update, clock
+        )
+    _summary(prof, prof.save(_target(output, prof)))
