@@ -1,0 +1,295 @@
+"""The planner's cost model: stage time and stage memory of a pipeline partition (paper Sec. 4, 7).
+
+A partition of a virtual worker (VW) with GPUs ``g_0 .. g_{K-1}`` in pipeline order is a list
+of cut points; stage ``j`` runs layers ``[a, b)`` on ``g_j``. Its time per minibatch is::
+
+    time_ms = fwd_ms + bwd_ms                       (its layers on g_j's GPU type)
+            + link(g_{j-1}, g_j).time(cut_bytes[a])   (receive activations, forward)
+            + link(g_j, g_{j+1}).time(cut_bytes[b])   (receive gradients, backward)
+
+where ``cut_bytes[k]`` counts every tensor crossing cut ``k`` (skip connections included).
+Its memory with ``Nm`` minibatches in flight (the shared memory model of the project)::
+
+    static = param_bytes * (2 + optimizer_state_factor) + buffer_bytes + (Nm - 1) * param_bytes
+    memory = static + in_flight_bound(j, K, Nm) * (saved_bytes + cut_bytes[a])
+
+Candidate cuts: every cut ``1 .. L-1`` by default. Graphs with more than ``max_cuts`` cut
+points (e.g. resnet152's 563 fx layers) are *coarsened* to the cuts crossed by exactly one
+tensor (block boundaries); the DP and the MILP use the same candidate set, so their optima
+stay comparable. The arrays below are indexed by *position* ``p`` in the candidate set
+``pos = [0, c_1, ..., L]``; a stage is a position range ``[p, q)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from planner.cluster import Device, Link
+from planner.schedule import in_flight_bound
+from profiler.errors import ConfigError, ProfileError
+from profiler.graph import crossing_sets
+from profiler.table import Profile
+from profiler.units import parse_bandwidth, parse_seconds
+
+__all__ = [
+    "DEFAULT_MAX_CUTS",
+    "CostModel",
+    "LinkFn",
+    "StageCost",
+    "candidate_cuts",
+    "load_links",
+    "optimizer_factor",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_CUTS = 320
+"""Graphs with more candidate cuts than this are coarsened to single-tensor cuts."""
+
+LinkFn = Callable[[Device, Device], Link]
+"""The link between two devices (``Cluster.link`` or a measured override)."""
+
+_OPTIMIZERS = {"sgd": 0.0, "momentum": 1.0, "sgd-momentum": 1.0, "adam": 2.0, "adamw": 2.0}
+
+
+def optimizer_factor(name: str) -> float:
+    """Optimizer state per parameter byte: 0 for plain SGD, 1 for SGD momentum, 2 for Adam.
+
+    Raises:
+        ConfigError: unknown optimizer name.
+    """
+    try:
+        return _OPTIMIZERS[name.lower()]
+    except KeyError:
+        raise ConfigError(f"unknown optimizer {name!r}; use one of {', '.join(_OPTIMIZERS)}") from None
+
+
+def candidate_cuts(profile: Profile, max_cuts: int | None = DEFAULT_MAX_CUTS) -> list[int]:
+    """Cut points the partitioners may use, as layer indices ``0 < k < L``.
+
+    Args:
+        profile: any profile of the model (the graph is the same for every GPU type).
+        max_cuts: keep every cut when there are at most this many; otherwise keep only the
+            cuts crossed by exactly one tensor (block boundaries). ``None`` keeps every cut.
+
+    Returns:
+        Sorted layer indices.
+    """
+    n = len(profile.table)
+    every = list(range(1, n))
+    if max_cuts is None or len(every) <= max_cuts:
+        return every
+    cross = crossing_sets(profile.input_indices())
+    single = [k for k in every if len(cross[k]) == 1]
+    log.info("coarsened %d cut points to %d single-tensor cuts", len(every), len(single))
+    return single
+
+
+def load_links(path: str | os.PathLike[str]) -> dict[str, Link]:
+    """Read measured links (``intra_node``/``inter_node`` with ``bandwidth`` and ``latency``).
+
+    The file is a YAML mapping like ``cluster.yaml``'s ``links:`` section (``hetpipe profile
+    --links`` writes one); a top-level ``links:`` key is accepted too.
+
+    Raises:
+        ConfigError: unreadable file or a missing/invalid field.
+    """
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{p}: cannot read links file ({exc})") from None
+    if isinstance(data, dict) and isinstance(data.get("links"), dict):
+        data = data["links"]
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: links file must be a mapping with intra_node/inter_node")
+    out: dict[str, Link] = {}
+    for key in ("intra_node", "inter_node"):
+        entry = data.get(key)
+        if entry is None:
+            continue
+        if not isinstance(entry, dict) or "bandwidth" not in entry:
+            raise ConfigError(f"{p}: {key}: needs 'bandwidth' (e.g. 12GB/s) and optional 'latency'")
+        try:
+            out[key] = Link(parse_bandwidth(entry["bandwidth"]), parse_seconds(entry.get("latency", 0.0)))
+        except (ValueError, ConfigError) as exc:
+            raise ConfigError(f"{p}: {key}: {exc}") from None
+    if not out:
+        raise ConfigError(f"{p}: links file names neither intra_node nor inter_node")
+    return out
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Cost of one stage (times in ms per minibatch, sizes in bytes)."""
+
+    fwd_ms: float
+    bwd_ms: float
+    recv_fwd_ms: float
+    recv_bwd_ms: float
+    recv_bytes: int
+    send_bytes: int
+    param_bytes: int
+    in_flight: int
+    memory_bytes: int
+
+    @property
+    def time_ms(self) -> float:
+        """Compute plus receive times."""
+        return self.fwd_ms + self.bwd_ms + self.recv_fwd_ms + self.recv_bwd_ms
+
+
+class CostModel:
+    """Prefix-summed per-layer costs of one model for every GPU type of a cluster.
+
+    Args:
+        profiles: one profile per GPU type (same layers in the same order).
+        link: the link between two devices.
+        optimizer_state_factor: optimizer state bytes per parameter byte.
+        max_cuts: see :func:`candidate_cuts`.
+        memory_type: GPU type whose profile gives the memory columns (paper Sec. 7 measures
+            memory on one type); default the first profile.
+
+    Raises:
+        ProfileError: profiles disagree on the layers.
+    """
+
+    def __init__(
+        self,
+        profiles: Mapping[str, Profile],
+        link: LinkFn,
+        optimizer_state_factor: float = 1.0,
+        max_cuts: int | None = DEFAULT_MAX_CUTS,
+        memory_type: str | None = None,
+    ) -> None:
+        if not profiles:
+            raise ProfileError("no profiles given to the cost model")
+        ref_type = memory_type if memory_type is not None else next(iter(profiles))
+        ref = profiles[ref_type]
+        names = ref.layers
+        for t, prof in profiles.items():
+            if prof.layers != names:
+                raise ProfileError(
+                    f"profile for {t!r} ({prof.meta.model}) has different layers than the one for "
+                    f"{ref_type!r} ({ref.meta.model}); profile both with the same model"
+                )
+        self.layer_names: tuple[str, ...] = tuple(names)
+        self.link = link
+        self.optimizer_state_factor = float(optimizer_state_factor)
+        cuts = candidate_cuts(ref, max_cuts)
+        self.positions: np.ndarray = np.array([0, *cuts, len(names)], dtype=np.int64)
+        table = ref.table
+        self._cut_bytes_layer = np.array(ref.cut_bytes(), dtype=np.int64)
+        self.cut_bytes: np.ndarray = self._cut_bytes_layer[self.positions]
+        self.param_prefix = self._prefix(table["param_bytes"].to_numpy(np.int64))
+        self.buffer_prefix = self._prefix(table["buffer_bytes"].to_numpy(np.int64))
+        self.saved_prefix = self._prefix(table["saved_bytes"].to_numpy(np.int64))
+        self.fwd_prefix: dict[str, np.ndarray] = {}
+        self.bwd_prefix: dict[str, np.ndarray] = {}
+        for t, prof in profiles.items():
+            self.fwd_prefix[t] = self._prefix(prof.table["fwd_ms"].to_numpy(np.float64))
+            self.bwd_prefix[t] = self._prefix(prof.table["bwd_ms"].to_numpy(np.float64))
+
+    def _prefix(self, values: np.ndarray) -> np.ndarray:
+        full = np.concatenate([[0], np.cumsum(values)])
+        return full[self.positions]
+
+    # ------------------------------------------------------------ sizes
+
+    @property
+    def num_layers(self) -> int:
+        """Layers of the model graph (placeholders and output included)."""
+        return len(self.layer_names)
+
+    @property
+    def num_segments(self) -> int:
+        """Segments between consecutive candidate cuts (``C``; positions are ``0..C``)."""
+        return len(self.positions) - 1
+
+    @property
+    def types(self) -> tuple[str, ...]:
+        """GPU types with a profile."""
+        return tuple(self.fwd_prefix)
+
+    def total_param_bytes(self) -> int:
+        """Bytes of all parameters."""
+        return int(self.param_prefix[-1])
+
+    def compute_ms(self, gpu_type: str) -> np.ndarray:
+        """Prefix sums over positions of fwd+bwd ms on ``gpu_type``.
+
+        Raises:
+            ProfileError: no profile for that type.
+        """
+        try:
+            return self.fwd_prefix[gpu_type] + self.bwd_prefix[gpu_type]
+        except KeyError:
+            raise ProfileError(f"no profile for GPU type {gpu_type!r} (have: {', '.join(self.types)})") from None
+
+    def comm_ms(self, link: Link) -> np.ndarray:
+        """Milliseconds to move the tensors crossing each position over ``link`` (0 at the ends)."""
+        return np.array([link.time_s(float(b)) * 1e3 for b in self.cut_bytes])
+
+    def static_factor(self, nm: int) -> float:
+        """Param-byte multiplier of the static memory: weights, grads, optimizer, ``Nm-1`` versions."""
+        return 2.0 + self.optimizer_state_factor + (nm - 1)
+
+    # ------------------------------------------------------------ matrices for the DP
+
+    def time_matrix(self, gpus: Sequence[Device], j: int) -> np.ndarray:
+        """``M[p, q]``: time in ms of stage ``j`` over positions ``[p, q)`` (``inf`` if ``q <= p``)."""
+        comp = self.compute_ms(gpus[j].type)
+        recv = self.comm_ms(self.link(gpus[j - 1], gpus[j])) if j > 0 else np.zeros(len(comp))
+        send = self.comm_ms(self.link(gpus[j], gpus[j + 1])) if j + 1 < len(gpus) else np.zeros(len(comp))
+        m = comp[None, :] - comp[:, None] + recv[:, None] + send[None, :]
+        return np.where(np.triu(np.ones_like(m, dtype=bool), 1), m, np.inf)
+
+    def memory_matrix(self, n_stages: int, j: int, nm: int) -> np.ndarray:
+        """``M[p, q]``: bytes stage ``j`` of ``n_stages`` needs over ``[p, q)`` with ``nm`` in flight."""
+        k = in_flight_bound(j, n_stages, nm)
+        par = self.param_prefix[None, :] - self.param_prefix[:, None]
+        buf = self.buffer_prefix[None, :] - self.buffer_prefix[:, None]
+        sav = self.saved_prefix[None, :] - self.saved_prefix[:, None]
+        mem = self.static_factor(nm) * par + buf + k * (sav + self.cut_bytes[:, None])
+        return np.where(np.triu(np.ones_like(mem, dtype=bool), 1), mem, np.inf)
+
+    # ------------------------------------------------------------ one stage
+
+    def stage_cost(self, gpus: Sequence[Device], j: int, p: int, q: int, nm: int) -> StageCost:
+        """Cost of stage ``j`` over positions ``[p, q)`` of the pipeline ``gpus``."""
+        t = gpus[j].type
+        recv_b = int(self.cut_bytes[p])
+        send_b = int(self.cut_bytes[q])
+        recv_ms = self.link(gpus[j - 1], gpus[j]).time_s(recv_b) * 1e3 if j > 0 else 0.0
+        send_ms = self.link(gpus[j], gpus[j + 1]).time_s(send_b) * 1e3 if j + 1 < len(gpus) else 0.0
+        k = in_flight_bound(j, len(gpus), nm)
+        par = int(self.param_prefix[q] - self.param_prefix[p])
+        mem = (
+            self.static_factor(nm) * par
+            + int(self.buffer_prefix[q] - self.buffer_prefix[p])
+            + k * (int(self.saved_prefix[q] - self.saved_prefix[p]) + recv_b)
+        )
+        return StageCost(
+            fwd_ms=float(self.fwd_prefix[t][q] - self.fwd_prefix[t][p]),
+            bwd_ms=float(self.bwd_prefix[t][q] - self.bwd_prefix[t][p]),
+            recv_fwd_ms=recv_ms,
+            recv_bwd_ms=send_ms,
+            recv_bytes=recv_b,
+            send_bytes=send_b,
+            param_bytes=par,
+            in_flight=k,
+            memory_bytes=round(mem),
+        )
+
+    def model_memory_bytes(self, nm: int = 1) -> int:
+        """Bytes to hold the whole model on one GPU (one stage, ``nm`` = 1: data parallelism)."""
+        c = self.num_segments
+        mem = self.memory_matrix(1, 0, nm)[0, c]
+        return round(float(mem))

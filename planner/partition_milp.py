@@ -1,0 +1,447 @@
+"""PuLP MILP that chooses a virtual worker's GPU order *and* its layer split (paper Sec. 4, 7).
+
+Formulation (``K`` stages, ``C`` candidate segments, GPU classes ``t`` of interchangeable GPUs):
+
+- ``s[j, i]`` binary, 1 iff segment ``i`` belongs to stages ``0..j`` (a staircase: non-increasing
+  in ``i``, non-decreasing in ``j``); stage ``j`` holds ``s[j, i] - s[j-1, i]``, and boundary ``j``
+  sits at position ``p`` iff ``s[j, p-1] - s[j, p] = 1``. Prefix sums make every stage quantity
+  linear in ``s``; there are no layer-to-stage assignment variables.
+- ``x[j, t]`` binary, 1 iff stage ``j`` runs on a GPU of class ``t`` (``sum_j x[j, t] = n_t``).
+  Identical GPUs form one class, so the model never orders them (symmetry breaking).
+- ``y[j]`` >= 0: receive time at boundary ``j``; for every link class ``l``,
+  ``y[j] >= comm_l(j) - M (1 - r[j, l])`` with ``r[j, l] >= x[j, t] + x[j+1, u] - 1`` over the
+  class pairs ``(t, u)`` joined by ``l``.
+- ``z >= comp_t(j) + y[j-1] + y[j] - M (1 - x[j, t])``; minimise ``z``.
+- memory: ``static(j) + in_flight(j) * (saved(j) + recv_bytes(j)) <= sum_t cap_t x[j, t]``.
+
+Speed: the DP optimum of a few heuristic orders is an upper bound ``UB``; since each stage's
+compute is at least its fastest-type compute, boundary ``j`` must lie where the fastest-type
+prefix work is ``<= (j+1) UB`` and the suffix work ``<= (K-1-j) UB``. That fixes most ``s``
+variables before the solve and makes every big-M the largest value inside the window.
+The solver status is always checked: anything but a proven optimum raises :class:`PlanError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pulp
+
+from planner.cluster import Device, Link
+from planner.costmodel import CostModel
+from planner.partition_dp import InfeasiblePartition, Partition, class_key, partition_dp
+from planner.schedule import in_flight_bound
+from profiler.errors import ConfigError, PlanError
+
+__all__ = ["available_solvers", "partition_milp"]
+
+log = logging.getLogger(__name__)
+
+_GIB = float(2**30)
+_EPS = 1e-7
+
+
+def available_solvers() -> list[str]:
+    """MILP back ends usable here: ``highs`` (highspy) and/or ``cbc`` (bundled with PuLP)."""
+    out = []
+    if pulp.HiGHS(msg=False).available():
+        out.append("highs")
+    if pulp.PULP_CBC_CMD(msg=False).available():
+        out.append("cbc")
+    return out
+
+
+def _make_solver(name: str, time_limit_s: float) -> tuple[pulp.LpSolver, str]:
+    name = name.lower()
+    if name not in ("auto", "highs", "cbc"):
+        raise ConfigError(f"unknown MILP solver {name!r}; use auto, highs or cbc")
+    if name in ("auto", "highs"):
+        solver = pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=1e-9, threads=1)
+        if solver.available():
+            return solver, "milp-highs"
+        if name == "highs":
+            raise ConfigError("solver 'highs' requested but highspy is not installed (pip install highspy)")
+    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=1e-9, threads=1), "milp-cbc"
+
+
+@dataclass(frozen=True)
+class _Classes:
+    keys: tuple[tuple[str, str, int], ...]
+    reps: tuple[Device, ...]  # one device per class
+    members: tuple[tuple[Device, ...], ...]
+
+
+def _classes(gpus: Sequence[Device]) -> _Classes:
+    groups: dict[tuple[str, str, int], list[Device]] = {}
+    for g in gpus:
+        groups.setdefault(class_key(g), []).append(g)
+    keys = tuple(sorted(groups))
+    return _Classes(keys, tuple(groups[k][0] for k in keys), tuple(tuple(groups[k]) for k in keys))
+
+
+def _heuristic_orders(cls: _Classes, cm: CostModel, gpus: Sequence[Device]) -> list[tuple[Device, ...]]:
+    """A few natural orders: as given, fastest first/last, by memory, grouped by node."""
+    speed = {t: float(cm.compute_ms(t)[-1]) for t in {r.type for r in cls.reps}}
+    keyfns = [
+        lambda d: (speed[d.type], d.node),
+        lambda d: (-speed[d.type], d.node),
+        lambda d: (-d.memory_bytes, d.node),
+        lambda d: (d.memory_bytes, d.node),
+    ]
+    orders = [tuple(gpus)] + [tuple(sorted(gpus, key=f)) for f in keyfns]
+    return list(dict.fromkeys(orders))
+
+
+def _upper_bound(cm: CostModel, cls: _Classes, gpus: Sequence[Device], nm: int, memory: bool) -> Partition | None:
+    best: Partition | None = None
+    for order in _heuristic_orders(cls, cm, gpus):
+        try:
+            part = partition_dp(cm, order, nm, memory)
+        except InfeasiblePartition:
+            continue
+        if best is None or part.objective_ms < best.objective_ms:
+            best = part
+    return best
+
+
+def _reach(comp: Sequence[np.ndarray], counts: Sequence[int], ub: float, k: int) -> list[int]:
+    """``out[m]``: furthest position ``m`` GPUs (any classes within ``counts``) can cover from 0.
+
+    For a fixed order the greedy furthest reach is optimal (compute is monotone in the range),
+    so a DP over class multisets gives the exact maximum, ignoring comm and memory (a relaxation).
+    """
+    slack = ub * (1 + _EPS) + 1e-9
+    reach: dict[tuple[int, ...], int] = {tuple(0 for _ in counts): 0}
+    out = [0] * (k + 1)
+    frontier = [tuple(0 for _ in counts)]
+    for m in range(1, k + 1):
+        nxt: dict[tuple[int, ...], int] = {}
+        for state in frontier:
+            p = reach[state]
+            for t, n in enumerate(counts):
+                if state[t] >= n:
+                    continue
+                q = int(np.searchsorted(comp[t], comp[t][p] + slack, side="right")) - 1
+                st = tuple(c + (1 if i == t else 0) for i, c in enumerate(state))
+                nxt[st] = max(nxt.get(st, 0), q)
+        reach.update(nxt)
+        frontier = list(nxt)
+        out[m] = max(nxt.values()) if nxt else out[m - 1]
+    return out
+
+
+def _windows(cm: CostModel, cls: _Classes, k: int, ub: float | None) -> list[tuple[int, int]]:
+    """Feasible positions ``[lo_j, hi_j]`` of every boundary ``j = 0..K-2``."""
+    c = cm.num_segments
+    out = [(j + 1, c - (k - 1 - j)) for j in range(k - 1)]
+    if ub is not None:
+        comp = [cm.compute_ms(r.type) for r in cls.reps]
+        counts = [len(m) for m in cls.members]
+        fwd = _reach(comp, counts, ub, k)
+        rev = _reach([(x[-1] - x)[::-1] for x in comp], counts, ub, k)
+        out = [(max(lo, c - rev[k - 1 - j]), min(hi, fwd[j + 1])) for j, (lo, hi) in enumerate(out)]
+    for j in range(1, len(out)):  # boundaries strictly increase
+        out[j] = (max(out[j][0], out[j - 1][0] + 1), out[j][1])
+    for j in range(len(out) - 2, -1, -1):
+        out[j] = (out[j][0], min(out[j][1], out[j + 1][1] - 1))
+    if any(lo > hi for lo, hi in out):
+        return []
+    return out
+
+
+class _Model:
+    """Builds the MILP for one VW (see the module docstring)."""
+
+    def __init__(
+        self, cm: CostModel, gpus: Sequence[Device], nm: int, memory: bool, fixed: bool, ub: float | None, disaggregate: bool
+    ) -> None:
+        self.disaggregate = disaggregate
+        self.cm, self.nm, self.k, self.c = cm, nm, len(gpus), cm.num_segments
+        self.cls = _classes(gpus)
+        self.fixed = tuple(gpus) if fixed else None
+        self.prob = pulp.LpProblem("hetpipe_partition", pulp.LpMinimize)
+        self.win = _windows(cm, self.cls, self.k, ub)
+        if self.k > 1 and not self.win:
+            raise InfeasiblePartition("no boundary position is compatible with the upper bound", 0)
+        self._staircase()
+        self._assignment()
+        self.z = pulp.LpVariable("z", lowBound=0)
+        if ub is not None:
+            self.prob += self.z <= ub * (1 + _EPS) + 1e-9
+        self.prob += self.z
+        self._times()
+        if ub is not None and self.fixed is None and len(self.cls.keys) > 1:
+            self._reach_cuts(ub)
+        if memory:
+            self._memory()
+
+    # s[j, i]: constant or variable
+    def _staircase(self) -> None:
+        self.s: dict[tuple[int, int], pulp.LpVariable] = {}
+        for j, (lo, hi) in enumerate(self.win):
+            for i in range(lo, hi):  # segments lo .. hi-1 may flip; earlier ones are 1, later 0
+                self.s[j, i] = pulp.LpVariable(f"s_{j}_{i}", cat=pulp.LpBinary)
+        for (j, i), v in self.s.items():
+            if (j, i + 1) in self.s:
+                self.prob += v >= self.s[j, i + 1]
+            if (j + 1, i) in self.s:
+                self.prob += v <= self.s[j + 1, i]
+        for j in range(len(self.win) - 1):  # stage j+1 is not empty: boundary j+1 > boundary j
+            self.prob += self._position(j + 1) - self._position(j) >= 1
+
+    def _position(self, j: int) -> pulp.LpAffineExpression:
+        """Position of boundary ``j`` (segments in stages ``0..j``)."""
+        lo, hi = self.win[j]
+        return lo + pulp.lpSum(self.s[j, i] for i in range(lo, hi))
+
+    def S(self, j: int, i: int) -> pulp.LpAffineExpression | float:
+        """Segment ``i`` is in stages ``0..j``."""
+        if j < 0:
+            return 0.0
+        if j >= self.k - 1:
+            return 1.0
+        if (j, i) in self.s:
+            return self.s[j, i]
+        lo, _ = self.win[j]
+        return 1.0 if i < lo else 0.0
+
+    def _span(self, j: int) -> range:
+        """Segments that may belong to stage ``j``."""
+        lo = self.win[j - 1][0] if j > 0 else 0
+        hi = self.win[j][1] if j < self.k - 1 else self.c
+        return range(lo, hi)
+
+    def stage_sum(self, j: int, seg: np.ndarray) -> pulp.LpAffineExpression:
+        """Sum of per-segment ``seg`` over stage ``j``'s segments."""
+        return pulp.lpSum(float(seg[i]) * (self.S(j, i) - self.S(j - 1, i)) for i in self._span(j) if seg[i] != 0)
+
+    def boundary_sum(self, j: int, per_pos: np.ndarray) -> pulp.LpAffineExpression:
+        """``per_pos[p]`` at the position of boundary ``j``."""
+        lo, hi = self.win[j]
+        return pulp.lpSum(float(per_pos[p]) * (self.S(j, p - 1) - self.S(j, p)) for p in range(lo, hi + 1) if per_pos[p] != 0)
+
+    def _assignment(self) -> None:
+        n_cls = len(self.cls.keys)
+        self.x: dict[tuple[int, int], pulp.LpVariable | float] = {}
+        if self.fixed is not None or n_cls == 1:
+            for j in range(self.k):
+                key = class_key(self.fixed[j]) if self.fixed is not None else self.cls.keys[0]
+                for t in range(n_cls):
+                    self.x[j, t] = 1.0 if self.cls.keys[t] == key else 0.0
+            return
+        for j in range(self.k):
+            for t in range(n_cls):
+                self.x[j, t] = pulp.LpVariable(f"x_{j}_{t}", cat=pulp.LpBinary)
+            self.prob += pulp.lpSum(self.x[j, t] for t in range(n_cls)) == 1
+        for t, members in enumerate(self.cls.members):
+            self.prob += pulp.lpSum(self.x[j, t] for j in range(self.k)) == len(members)
+
+    def _link_terms(self, j: int) -> list[tuple[Link, list[tuple[int, int]]]]:
+        """Distinct links at boundary ``j`` and the class pairs that use them."""
+        pairs: dict[Link, list[tuple[int, int]]] = {}
+        n_cls = len(self.cls.keys)
+        for t in range(n_cls):
+            for u in range(n_cls):
+                if isinstance(self.x[j, t], float) and self.x[j, t] == 0.0:
+                    continue
+                if isinstance(self.x[j + 1, u], float) and self.x[j + 1, u] == 0.0:
+                    continue
+                if t == u and len(self.cls.members[t]) < 2:
+                    continue
+                a, b = self.cls.reps[t], self.cls.reps[u]
+                if t == u:
+                    b = self.cls.members[t][1]
+                pairs.setdefault(self.cm.link(a, b), []).append((t, u))
+        return list(pairs.items())
+
+    def _times(self) -> None:
+        cm = self.cm
+        self.y: list[pulp.LpAffineExpression | pulp.LpVariable] = []
+        self.v: dict[tuple[int, int, int], pulp.LpVariable] = {}
+        for j in range(self.k - 1):
+            lo, hi = self.win[j]
+            terms = self._link_terms(j)
+            comms = [(cm.comm_ms(link), cls_pairs) for link, cls_pairs in terms]
+            if len(comms) == 1:
+                self.y.append(self.boundary_sum(j, comms[0][0]))
+                continue
+            y = pulp.LpVariable(f"y_{j}", lowBound=0)
+            r = [pulp.LpVariable(f"r_{j}_{n}", lowBound=0, upBound=1) for n in range(len(comms))]
+            self.prob += pulp.lpSum(r) == 1
+            for n, (comm, cls_pairs) in enumerate(comms):
+                for t, u in cls_pairs:
+                    self.prob += r[n] >= self.x[j, t] + self.x[j + 1, u] - 1
+                big = float(comm[lo : hi + 1].max())
+                self.prob += y >= self.boundary_sum(j, comm) - big * (1 - r[n])
+            fastest = np.min(np.stack([c for c, _ in comms]), axis=0)
+            self.prob += y >= self.boundary_sum(j, fastest)
+            self.y.append(y)
+        seg = [np.diff(cm.compute_ms(r.type)) for r in self.cls.reps]
+        for j in range(self.k):
+            comm_in = self.y[j - 1] if j > 0 else 0.0
+            comm_out = self.y[j] if j < self.k - 1 else 0.0
+            self.prob += self.z >= self._stage_compute(j, seg) + comm_in + comm_out
+        if self.v:  # total work on class t fits its n_t GPUs: a strong valid cut
+            for t, members in enumerate(self.cls.members):
+                work = pulp.lpSum(float(seg[t][i]) * v for (_, tt, i), v in self.v.items() if tt == t)
+                self.prob += work <= len(members) * self.z
+
+    def _stage_compute(self, j: int, seg: Sequence[np.ndarray]) -> pulp.LpAffineExpression:
+        """Compute ms of stage ``j`` on its class, linearised without big-M.
+
+        With a free order, ``v[j, t, i]`` = (segment ``i`` in stage ``j``) AND (stage ``j`` is class
+        ``t``): ``sum_t v[j, t, i] = S(j, i) - S(j-1, i)`` and ``v[j, t, i] <= x[j, t]``.
+        """
+        fixed = [t for t in range(len(seg)) if isinstance(self.x[j, t], float) and self.x[j, t] == 1.0]
+        if fixed:
+            return self.stage_sum(j, seg[fixed[0]])
+        if not self.disaggregate:
+            return self._stage_compute_bigm(j, seg)
+        allowed = [t for t in range(len(seg)) if not isinstance(self.x[j, t], float)]
+        terms = []
+        for i in self._span(j):
+            vs = []
+            for t in allowed:
+                v = pulp.LpVariable(f"v_{j}_{t}_{i}", lowBound=0, upBound=1)
+                self.v[j, t, i] = v
+                self.prob += v <= self.x[j, t]
+                vs.append(v)
+                terms.append(float(seg[t][i]) * v)
+            self.prob += pulp.lpSum(vs) == self.S(j, i) - self.S(j - 1, i)
+        return pulp.lpSum(terms)
+
+    def _reach_cuts(self, ub: float) -> None:
+        """Prefix (suffix) fastest-type work of boundary ``j`` fits the capacity of the classes before (after) it.
+
+        A GPU of class ``t`` does at most ``UB / rho_t`` fastest-type work per stage, where
+        ``rho_t >= 1`` is its smallest per-segment slowdown; valid because ``z <= UB``.
+        """
+        seg = [np.diff(self.cm.compute_ms(r.type)) for r in self.cls.reps]
+        fast = np.min(np.stack(seg), axis=0)
+        mask = fast > 0
+        rho = [float(np.min(sg[mask] / fast[mask])) if mask.any() else 1.0 for sg in seg]
+        slack = ub * (1 + _EPS) + 1e-9
+        total = float(fast.sum())
+        for j in range(self.k - 1):
+            lo, hi = self.win[j]
+            prefix = float(fast[:lo].sum()) + pulp.lpSum(float(fast[i]) * self.s[j, i] for i in range(lo, hi))
+            before = pulp.lpSum(self.x[jj, t] * (slack / rho[t]) for jj in range(j + 1) for t in range(len(rho)))
+            after = pulp.lpSum(self.x[jj, t] * (slack / rho[t]) for jj in range(j + 1, self.k) for t in range(len(rho)))
+            self.prob += prefix <= before
+            self.prob += total - prefix <= after
+
+    def _stage_compute_bigm(self, j: int, seg: Sequence[np.ndarray]) -> pulp.LpVariable:
+        """Compute ms of stage ``j``: ``w >= comp_t(j) - M_t (1 - x[j, t])``, ``M_t`` = the window's work."""
+        w = pulp.LpVariable(f"w_{j}", lowBound=0)
+        span = self._span(j)
+        for t in range(len(seg)):
+            xt = self.x[j, t]
+            if isinstance(xt, float):
+                continue
+            big = float(seg[t][span.start : span.stop].sum())
+            self.prob += w >= self.stage_sum(j, seg[t]) - big * (1 - xt)
+        self.prob += w >= self.stage_sum(j, np.min(np.stack(list(seg)), axis=0))
+        return w
+
+    def _memory(self) -> None:
+        cm = self.cm
+        par = np.diff(cm.param_prefix) / _GIB
+        buf = np.diff(cm.buffer_prefix) / _GIB
+        sav = np.diff(cm.saved_prefix) / _GIB
+        cut = cm.cut_bytes / _GIB
+        for j in range(self.k):
+            kin = in_flight_bound(j, self.k, self.nm)
+            need = self.stage_sum(j, cm.static_factor(self.nm) * par + buf + kin * sav)
+            if j > 0:
+                need = need + kin * self.boundary_sum(j - 1, cut)
+            cap = pulp.lpSum(self.x[j, t] * (r.memory_bytes / _GIB) for t, r in enumerate(self.cls.reps))
+            self.prob += need <= cap
+
+    def solution(self) -> tuple[list[int], list[Device]]:
+        """Stage bounds (positions) and the GPU order of the solved model."""
+        bounds = [0]
+        for j in range(self.k - 1):
+            lo, hi = self.win[j]
+            pos = [p for p in range(lo, hi + 1) if pulp.value(self.S(j, p - 1) - self.S(j, p)) > 0.5]
+            if len(pos) != 1:
+                raise PlanError(f"MILP returned no unique boundary {j} (solver numerical trouble)")
+            bounds.append(pos[0])
+        bounds.append(self.c)
+        if self.fixed is not None:
+            return bounds, list(self.fixed)
+        pools = [list(m) for m in self.cls.members]
+        order = []
+        for j in range(self.k):
+            t = max(range(len(pools)), key=lambda t: float(pulp.value(self.x[j, t])))
+            if not pools[t]:
+                raise PlanError("MILP assigned more GPUs of one class than exist (solver numerical trouble)")
+            order.append(pools[t].pop(0))
+        return bounds, order
+
+
+def partition_milp(
+    cm: CostModel,
+    gpus: Sequence[Device],
+    nm: int = 1,
+    memory: bool = True,
+    solver: str = "auto",
+    fixed_order: bool = False,
+    time_limit_s: float = 60.0,
+    use_bound: bool = True,
+    disaggregate: bool = False,
+) -> Partition:
+    """Optimal GPU order and partition for one virtual worker, proven by a MILP solver.
+
+    Args:
+        cm: cost model.
+        gpus: the VW's GPUs (any order unless ``fixed_order``).
+        nm: minibatches in flight (sets each stage's memory need).
+        memory: enforce the memory limits.
+        solver: ``auto`` (HiGHS when installed, else CBC), ``highs`` or ``cbc``.
+        fixed_order: keep ``gpus`` in the given order (then the MILP cross-checks the DP).
+        time_limit_s: solver time limit; hitting it is an error, never a silent plan.
+        use_bound: use the DP upper bound to fix variables (off only to benchmark the plain model).
+
+    Raises:
+        InfeasiblePartition: no order and partition fit memory.
+        PlanError: the solver did not prove optimality.
+    """
+    t0 = time.perf_counter()
+    if len(gpus) > cm.num_segments:
+        raise PlanError(f"{len(gpus)} GPUs but only {cm.num_segments} candidate segments; use fewer GPUs per VW")
+    cls = _classes(gpus)
+    ub_part = None
+    if use_bound:
+        ub_part = partition_dp(cm, gpus, nm, memory) if fixed_order else _upper_bound(cm, cls, gpus, nm, memory)
+    if len(gpus) == 1:
+        return partition_dp(cm, gpus, nm, memory)
+    model = _Model(cm, gpus, nm, memory, fixed_order, ub_part.objective_ms if ub_part else None, disaggregate)
+    lp_solver, label = _make_solver(solver, time_limit_s)
+    model.prob.solve(lp_solver)
+    status = pulp.LpStatus[model.prob.status]
+    if model.prob.status == pulp.LpStatusInfeasible:
+        letters = "".join(g.letter for g in gpus)
+        raise InfeasiblePartition(f"MILP: no order and partition of {letters} fits memory with Nm={nm}", 0)
+    if model.prob.status != pulp.LpStatusOptimal or model.prob.sol_status != pulp.LpSolutionOptimal:
+        raise PlanError(
+            f"MILP solver {label} ended with status {status!r} (solution status {model.prob.sol_status}) "
+            f"after {time.perf_counter() - t0:.1f} s; raise the time limit or use fewer candidate cuts"
+        )
+    bounds, order = model.solution()
+    obj = float(pulp.value(model.z))
+    stage_ms = tuple(cm.stage_cost(order, j, bounds[j], bounds[j + 1], nm).time_ms for j in range(len(order)))
+    part = Partition(
+        gpus=tuple(order),
+        bounds=tuple(bounds),
+        cuts=tuple(int(cm.positions[b]) for b in bounds),
+        stage_ms=stage_ms,
+        objective_ms=obj,
+        solver=label,
+        solve_s=time.perf_counter() - t0,
+    )
+    log.debug("%s: %d GPUs x %d segments in %.3f s, bottleneck %.4f ms", label, len(gpus), cm.num_segments, part.solve_s, obj)
+    return part
