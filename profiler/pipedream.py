@@ -110,7 +110,8 @@ def parse_graph_txt(
 
     Raises:
         ProfileError: a line matches neither the node nor the edge format, a node is defined
-            twice, an edge names an unknown node, the graph is empty or has a cycle.
+            twice, an edge names an unknown node, a node has no edge at all (truncated file)
+            or the graph is empty.
     """
     nodes: dict[str, PipeDreamNode] = {}
     edges: list[tuple[str, str]] = []
@@ -146,6 +147,13 @@ def parse_graph_txt(
                 raise ProfileError(
                     f"{source}: edge {src} -> {dst} names undefined node {end} (truncated file?)"
                 )
+    linked = {end for edge in edges for end in edge}
+    isolated = [n for n in nodes if n not in linked]
+    if len(nodes) > 1 and isolated:
+        raise ProfileError(
+            f"{source}: node {isolated[0]} has no edges ({len(isolated)} such nodes); "
+            "the file looks truncated: re-copy it"
+        )
     return list(nodes.values()), edges
 
 
