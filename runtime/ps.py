@@ -382,7 +382,7 @@ class ShardServer:
             checkpoint_every,
             keep,
         )
-        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self._sends: list[tuple[dist.Work, torch.Tensor, ClientSpec]] = []
         self._prefix = f"[shard {core.spec.id} | rank {core.spec.rank}]"
 
     def _reader(self, idx: int, client: ClientSpec, events: queue.Queue[_Event]) -> None:
@@ -416,17 +416,30 @@ class ShardServer:
         ) as exc:  # gloo: connection closed by peer, or timeout
             events.put(_Event("error", idx, error=str(exc).splitlines()[0][:300]))
 
-    def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        self._sends.append((isend(tensor, dst=dst, group=self.group, tag=tag), tensor))
+    def _send(self, tensor: torch.Tensor, client: ClientSpec, tag: int) -> None:
+        try:
+            work = isend(tensor, dst=client.rank, group=self.group, tag=tag)
+        except RuntimeError as exc:
+            raise self._lost(client, str(exc)) from None
+        self._sends.append((work, tensor, client))
 
     def _drain_sends(self, block: bool) -> None:
         still = []
-        for work, t in self._sends:
-            if block:
-                _wait(work, self.timeout_s)
-            elif not work.is_completed():
-                still.append((work, t))
+        for work, t, client in self._sends:
+            try:
+                if block:
+                    _wait(work, self.timeout_s)
+                elif not work.is_completed():
+                    still.append((work, t, client))
+            except RuntimeError as exc:
+                raise self._lost(client, str(exc)) from None
         self._sends = still
+
+    def _lost(self, c: ClientSpec, why: str) -> HetPipeRuntimeError:
+        return HetPipeRuntimeError(
+            f"{self._prefix} lost client vw {c.vw} stage {c.stage} (rank {c.rank}): {why.splitlines()[0][:200]}; "
+            "that stage process died or hung: stop the run and resume from the last checkpoint"
+        )
 
     def serve(self) -> ShardState:
         """Serve until every client said BYE; return the final state.
@@ -438,11 +451,9 @@ class ShardServer:
         spec, core = self.core.spec, self.core
         events: queue.Queue[_Event] = queue.Queue()
         for i, c in enumerate(spec.clients):
+            name = f"ps{spec.id}-vw{c.vw}s{c.stage}"
             threading.Thread(
-                target=self._reader,
-                args=(i, c, events),
-                daemon=True,
-                name=f"ps{spec.id}-vw{c.vw}s{c.stage}",
+                target=self._reader, args=(i, c, events), daemon=True, name=name
             ).start()
         pulls: list[list[int]] = [[] for _ in spec.clients]
         done: set[int] = set()
@@ -458,49 +469,45 @@ class ShardServer:
                 ev = events.get(timeout=self.timeout_s)
             except queue.Empty:
                 raise HetPipeRuntimeError(
-                    f"{self._prefix} no request from any client for {self.timeout_s:.0f} s (global clock {core.clock}, "
-                    f"VW clocks {core.local_clocks()}); a stage is stuck: stop the run and resume from the last checkpoint"
+                    f"{self._prefix} no request from any client for {self.timeout_s:.0f} s (global clock "
+                    f"{core.clock}, VW clocks {core.local_clocks()}); a stage is stuck: stop the run and "
+                    "resume from the last checkpoint"
                 ) from None
             c = spec.clients[ev.client]
             if ev.kind == "error":
-                raise HetPipeRuntimeError(
-                    f"{self._prefix} lost client vw {c.vw} stage {c.stage} (rank {c.rank}): {ev.error}; "
-                    "that stage process died or hung: stop the run and resume from the last checkpoint"
-                )
+                raise self._lost(c, ev.error)
             if ev.kind == "push" and ev.payload is not None:
                 res = core.push(c.vw, c.stage, ev.arg, ev.payload)
-                self._send(
-                    torch.tensor([int(res.status), ev.arg, core.clock, 0], dtype=torch.int64),
-                    c.rank,
-                    TAG_ACK,
-                )
+                ack = torch.tensor([int(res.status), ev.arg, core.clock, 0], dtype=torch.int64)
+                self._send(ack, c, TAG_ACK)
                 if res.applied:
                     self._maybe_checkpoint(res.applied)
             elif ev.kind == "pull":
                 pulls[ev.client].append(ev.arg)
             elif ev.kind == "bye":
                 done.add(ev.client)
-            for i, waiting in enumerate(pulls):
-                while waiting and core.can_pull(waiting[0]):
-                    ci = spec.clients[i]
-                    self._send(
-                        torch.tensor(
-                            [int(Status.OK), core.clock, waiting.pop(0), 0], dtype=torch.int64
-                        ),
-                        ci.rank,
-                        TAG_PULL_HEADER,
-                    )
-                    self._send(core.read(ci.vw, ci.stage), ci.rank, TAG_PULL_DATA)
+            self._answer_pulls(pulls)
             self._drain_sends(block=False)
         self._drain_sends(block=True)
         log.info(
-            "%s done at clock %d, %d updates applied, %d rejected",
+            "%s done at clock %d: %d updates applied, %d rejected",
             self._prefix,
             core.clock,
             len(core.ledger),
             len(core.rejected),
         )
         return core.state()
+
+    def _answer_pulls(self, pulls: list[list[int]]) -> None:
+        """Answer each client's waiting pulls, oldest first, while the clock allows."""
+        for i, waiting in enumerate(pulls):
+            c = self.core.spec.clients[i]
+            while waiting and self.core.can_pull(waiting[0]):
+                hdr = torch.tensor(
+                    [int(Status.OK), self.core.clock, waiting.pop(0), 0], dtype=torch.int64
+                )
+                self._send(hdr, c, TAG_PULL_HEADER)
+                self._send(self.core.read(c.vw, c.stage), c, TAG_PULL_DATA)
 
     def _maybe_checkpoint(self, applied: int) -> None:
         if self.checkpoint_dir is None or self.checkpoint_every <= 0:

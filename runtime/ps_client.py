@@ -174,6 +174,18 @@ class PSClient:
             "stop the run and resume from the last checkpoint (hetpipe run --resume DIR)"
         )
 
+    def _isend(self, link: _Link, tensor: torch.Tensor, tag: int, what: str) -> dist.Work:
+        try:
+            return isend(tensor, link.spec.rank, self.group, tag)
+        except RuntimeError as exc:
+            raise self._fail(link, what, exc) from None
+
+    def _irecv(self, link: _Link, tensor: torch.Tensor, tag: int, what: str) -> dist.Work:
+        try:
+            return irecv(tensor, link.spec.rank, self.group, tag)
+        except RuntimeError as exc:
+            raise self._fail(link, what, exc) from None
+
     def _wait(self, link: _Link, work: dist.Work, what: str, timeout_s: float) -> None:
         try:
             work.wait(datetime.timedelta(seconds=timeout_s))
@@ -215,13 +227,13 @@ class PSClient:
 
     def _send_push(self, k: int, wave: int, flat: torch.Tensor) -> None:
         """Post one push to shard ``k`` (no client-side duplicate check: tests use it to probe the ledger)."""
-        link = self._links[k]
+        link, what = self._links[k], f"push of wave {wave}"
         ack = torch.zeros(HEADER_LEN, dtype=torch.int64)
-        ack_work = irecv(ack, link.spec.rank, self.group, TAG_ACK)
+        ack_work = self._irecv(link, ack, TAG_ACK, what)
         hdr = torch.tensor([int(Op.PUSH), wave, 0, 0], dtype=torch.int64)
         sends = [
-            isend(hdr, link.spec.rank, self.group, TAG_REQUEST),
-            isend(flat, link.spec.rank, self.group, TAG_PUSH_DATA),
+            self._isend(link, hdr, TAG_REQUEST, what),
+            self._isend(link, flat, TAG_PUSH_DATA, what),
         ]
         self._inflight.append((k, wave, ack_work, ack, sends, (hdr, flat)))
 
@@ -264,15 +276,11 @@ class PSClient:
         posted = []
         for link in self._links:
             hdr, data = torch.zeros(HEADER_LEN, dtype=torch.int64), torch.empty(link.numel)
-            w_hdr = irecv(hdr, link.spec.rank, self.group, TAG_PULL_HEADER)
-            w_data = irecv(data, link.spec.rank, self.group, TAG_PULL_DATA)
+            what = f"pull of clock {min_clock}"
+            w_hdr = self._irecv(link, hdr, TAG_PULL_HEADER, what)
+            w_data = self._irecv(link, data, TAG_PULL_DATA, what)
             req = torch.tensor([int(Op.PULL), min_clock, 0, 0], dtype=torch.int64)
-            self._wait(
-                link,
-                isend(req, link.spec.rank, self.group, TAG_REQUEST),
-                f"pull of clock {min_clock}",
-                self.timeout_s,
-            )
+            self._wait(link, self._isend(link, req, TAG_REQUEST, what), what, self.timeout_s)
             posted.append((w_hdr, w_data, hdr, data))
         return PullHandle(self, min_clock, include_own, posted)
 
@@ -328,8 +336,6 @@ class PSClient:
         self.flush()
         for link in self._links:
             bye = torch.tensor([int(Op.BYE), 0, 0, 0], dtype=torch.int64)
-            self._wait(
-                link, isend(bye, link.spec.rank, self.group, TAG_REQUEST), "close", self.timeout_s
-            )
+            self._wait(link, self._isend(link, bye, TAG_REQUEST, "close"), "close", self.timeout_s)
         self._closed = True
         log.debug("%s parameter-server client closed", self._prefix)

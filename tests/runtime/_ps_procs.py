@@ -1,0 +1,216 @@
+"""Process entry points for the parameter-server tests (importable by spawned children).
+
+A shard process serves until its clients said BYE and saves its final state; a fake stage
+process plays one stage of a virtual worker: it admits minibatches only when
+``planner.wsp.required_global_clock`` holds (pulling when it does not), sleeps a random
+delay per minibatch and pushes one integer-valued update per wave. Failures are written
+next to the output file as ``<out>.err`` and the process exits with code 3.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from planner.wsp import required_global_clock
+from profiler.errors import HetPipeRuntimeError
+from runtime.ps import ShardCore, ShardServer, ShardSpec
+from runtime.ps_client import PSClient
+
+EXIT_FAILED = 3
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What every process of one test run shares."""
+
+    store: str  # FileStore path (rendezvous)
+    world: int  # shards + stages
+    nm: int  # minibatches per wave
+    D: int  # WSP threshold the fake stages obey
+    waves: int  # waves each stage pushes (ignored when forever)
+    delay_s: float = 0.0  # max random sleep per minibatch
+    reorder: bool = False  # sometimes push wave c+1 before wave c (needs D >= 1)
+    duplicate: bool = False  # re-send wave 1 once, bypassing the client-side check
+    timeout_s: float = 20.0
+    checkpoint_dir: str | None = None  # shards checkpoint every wave there
+    forever: bool = False  # run until killed (fault tests)
+
+
+def param_update(vw: int, wave: int, name: str, shape: Sequence[int]) -> torch.Tensor:
+    """The update VW ``vw`` pushes for parameter ``name`` in ``wave`` (integer-valued: exact sums)."""
+    g = torch.Generator().manual_seed(10_000 * vw + 10 * wave + sum(map(ord, name)))
+    return torch.randint(-8, 9, tuple(shape), generator=g).float()
+
+
+def _init(rank: int, cfg: RunConfig) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{cfg.store}",
+        rank=rank,
+        world_size=cfg.world,
+        timeout=datetime.timedelta(seconds=cfg.timeout_s),
+    )
+
+
+def _fail(out: str, exc: HetPipeRuntimeError) -> None:
+    Path(out + ".err").write_text(str(exc), encoding="utf-8")
+    sys.stderr.flush()
+    os._exit(EXIT_FAILED)
+
+
+def _quick_exit() -> None:
+    """Skip interpreter teardown (about 1 s per process with torch loaded on a busy machine)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def shard_main(spec: ShardSpec, init: torch.Tensor, cfg: RunConfig, out: str) -> None:
+    """Serve one shard; save ``{weights, clock, ledger, trace, rejected}`` to ``out``."""
+    _init(spec.rank, cfg)
+    try:
+        core = ShardCore(spec, init)
+        every = 1 if cfg.checkpoint_dir else 0
+        server = ShardServer(
+            core, timeout_s=cfg.timeout_s, checkpoint_dir=cfg.checkpoint_dir, checkpoint_every=every
+        )
+        state = server.serve()
+        torch.save(
+            {
+                "weights": state.weights,
+                "clock": state.clock,
+                "ledger": [[e.vw, e.stage, e.wave] for e in state.ledger],
+                "trace": [[*e.local, e.global_clock] for e in core.trace],
+                "rejected": [[v, s, w, int(st)] for v, s, w, st in core.rejected],
+            },
+            out,
+        )
+    except HetPipeRuntimeError as exc:
+        _fail(out, exc)
+    finally:
+        dist.destroy_process_group()
+    _quick_exit()
+
+
+def stage_main(
+    vw: int,
+    stage: int,
+    rank: int,
+    params: Sequence[tuple[str, tuple[int, ...]]],
+    specs: Sequence[ShardSpec],
+    cfg: RunConfig,
+    out: str,
+) -> None:
+    """One fake stage: obey WSP admission, push per wave; save its pull records to ``out``."""
+    _init(rank, cfg)
+    rng = random.Random(rank)
+    try:
+        client = PSClient(
+            vw, stage, params, specs, timeout_s=cfg.timeout_s, pull_timeout_s=cfg.timeout_s
+        )
+        known, held = 0, None
+        pulls: list[tuple[int, int, int]] = []
+        rejections: list[str] = []
+        p = 0
+        while cfg.forever or p < cfg.waves * cfg.nm:
+            p += 1
+            need = required_global_clock(p, cfg.nm, cfg.D)
+            if need > known:
+                known = client.pull(need).clock
+                pulls.append((p, need, known))
+            time.sleep(rng.random() * cfg.delay_s)
+            if p % cfg.nm:
+                continue
+            wave = p // cfg.nm - 1
+            upd = [param_update(vw, wave, n, s) for n, s in params]
+            last = not cfg.forever and wave == cfg.waves - 1
+            if cfg.reorder and held is None and not last and rng.random() < 0.5:
+                held = (wave, upd)  # pushed after the next wave: the shard must buffer it
+                continue
+            client.push(wave, upd)
+            if held is not None:
+                client.push(*held)
+                held = None
+            if cfg.duplicate and wave == 1:
+                link = client._links[0]
+                client._send_push(0, wave, torch.cat([upd[i].reshape(-1) for i in link.order]))
+                try:
+                    client.flush()
+                except HetPipeRuntimeError as exc:
+                    rejections.append(str(exc))
+        client.close()
+        torch.save({"pulls": pulls, "rejections": rejections}, out)
+    except HetPipeRuntimeError as exc:
+        _fail(out, exc)
+    finally:
+        dist.destroy_process_group()
+    _quick_exit()
+
+
+def tiny_model() -> torch.nn.Module:
+    """The model of the SGD test: 4 -> 8 -> 2 MLP, same seed everywhere."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def vw_batches(vw: int, steps: int, batch: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """VW ``vw``'s own (disjoint) data: ``x`` (steps, batch, 4), ``y`` (steps, batch, 2)."""
+    g = torch.Generator().manual_seed(100 + vw)
+    x = torch.randn(steps, batch, 4, generator=g)
+    return x, torch.sin(x[..., :2]) + 0.1 * torch.randn(steps, batch, 2, generator=g)
+
+
+def sgd_step_update(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float
+) -> list[torch.Tensor]:
+    """``-lr * grad`` of the MSE loss on one minibatch, one tensor per parameter."""
+    model.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    return [-lr * p.grad for p in model.parameters() if p.grad is not None]
+
+
+def sgd_vw_main(
+    vw: int, rank: int, specs: Sequence[ShardSpec], cfg: RunConfig, lr: float, out: str
+) -> None:
+    """A one-stage VW training :func:`tiny_model` through the shards (Nm = 1, D = 0 admission)."""
+    _init(rank, cfg)
+    try:
+        model = tiny_model()
+        named = list(model.named_parameters())
+        client = PSClient(
+            vw, 0, [(n, tuple(p.shape)) for n, p in named], specs, timeout_s=cfg.timeout_s
+        )
+        xs, ys = vw_batches(vw, cfg.waves)
+        known = -1
+        for p in range(1, cfg.waves + 1):
+            need = required_global_clock(p, cfg.nm, cfg.D)
+            if need > known:
+                res = client.pull(need)
+                known = res.clock
+                with torch.no_grad():
+                    for (_, param), t in zip(named, res.tensors, strict=True):
+                        param.copy_(t)
+            else:
+                raise HetPipeRuntimeError(
+                    f"vw {vw}: minibatch {p} admitted without a pull (Nm=1, D=0 pulls every step)"
+                )
+            client.push(p - 1, sgd_step_update(model, xs[p - 1], ys[p - 1], lr))
+        final = client.pull(cfg.waves)
+        client.close()
+        torch.save({"weights": list(final.tensors), "clock": final.clock}, out)
+    except HetPipeRuntimeError as exc:
+        _fail(out, exc)
+    finally:
+        dist.destroy_process_group()
+    _quick_exit()
