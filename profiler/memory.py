@@ -4,7 +4,7 @@ RSS and ``tracemalloc`` are both wrong for torch (the caching allocator and
 out-of-Python allocations hide the real figure), so on CPU the bytes a layer keeps
 alive until its backward are counted exactly with
 ``torch.autograd.graph.saved_tensors_hooks``: every tensor autograd packs is recorded
-once per storage. Parameters are excluded (they are accounted as weights). The same
+once per storage (views and detached aliases share one). Parameters are excluded (they are accounted as weights). The same
 counter works on ``meta`` tensors, so analytic profiles get exact saved bytes without
 computing anything. On CUDA the measured allocator peak is available as well.
 """
@@ -34,14 +34,9 @@ def tensor_bytes(value: Any) -> int:
     return 0
 
 
-def _storage_key(t: Tensor) -> tuple[str, int]:
-    """Identity of the memory behind ``t``: the storage pointer, or the base object on ``meta``."""
-    if t.device.type != "meta":
-        ptr = t.untyped_storage().data_ptr()
-        if ptr:
-            return ("ptr", ptr)
-    base = t._base if t._base is not None else t
-    return ("obj", id(base))
+def _storage_key(t: Tensor) -> int:
+    """Identity of the memory behind ``t``: its storage, shared by views and detached aliases."""
+    return int(t.untyped_storage()._cdata)
 
 
 class SavedTensorCounter:
@@ -60,7 +55,7 @@ class SavedTensorCounter:
     """
 
     def __init__(self, exclude: Any = ()) -> None:
-        self._seen: set[tuple[str, int]] = set()
+        self._seen: set[int] = set()
         self._keep: list[Tensor] = []  # keeps ids stable while counting (meta tensors)
         self._pending = 0
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
