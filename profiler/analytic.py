@@ -267,11 +267,13 @@ def calibrate(measured: Profile) -> Calibration:
             f"profile of {measured.meta.model!r} does not match its model graph "
             f"({len(measured.layers)} vs {len(costs)} layers); re-profile it"
         )
-    t = measured.table
+    # inputs and the output row (which carries the loss) are not layers the roofline models
+    keep = [i for i, c in enumerate(costs) if c.op not in ("placeholder", "output")]
+    t = measured.table.iloc[keep]
     cal = Calibration()
 
     def col(attr: str) -> np.ndarray:
-        return np.array([float(getattr(c, attr)) for c in costs])
+        return np.array([float(getattr(costs[i], attr)) for i in keep])
 
     fwd = _fit_phase(
         col("fwd_flops"),

@@ -35,6 +35,7 @@ import torch.fx as fx
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from profiler.catalog import lookup_gpu
 from profiler.errors import ConfigError, ModelError
 from profiler.graph import ModelGraph
 from profiler.memory import SavedTensorCounter, cuda_peak_bytes, reset_cuda_peak
@@ -482,6 +483,15 @@ def _check_counts(repeats: int, warmup: int) -> None:
         raise ConfigError(f"--warmup must be >= 0, got {warmup}")
 
 
+def _cuda_type(device: torch.device) -> str:
+    """The catalog name of a CUDA device when the catalog knows it, else the driver's name."""
+    name = torch.cuda.get_device_name(device)
+    try:
+        return lookup_gpu(name.removeprefix("NVIDIA ").removeprefix("Tesla ")).name
+    except ConfigError:
+        return name
+
+
 def measure_profile(
     spec: ModelSpec,
     device: str | torch.device = "cpu",
@@ -520,7 +530,7 @@ def measure_profile(
 
     table = profile_rows(graph, inputs, dev, repeats, warmup, progress, clock_fn, loss)
     if device_type is None:
-        device_type = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+        device_type = _cuda_type(dev) if dev.type == "cuda" else "cpu"
     meta = ProfileMeta(
         model=spec.name,
         device_type=device_type,
