@@ -53,7 +53,7 @@ class LedgerEntry:
     Attributes:
         vw, stage, wave: the tag.
         seq: arrival order at the shard (0-based, over all accepted pushes).
-        checksum: float64 sum of the update's elements (ties the entry to its content).
+        checksum: sum of the update's elements (a cheap fingerprint tying the entry to its content).
     """
 
     vw: int

@@ -8,9 +8,10 @@ as one flat message (its slice of the shard, in shard order). The shard
 - keeps an exactly-once *ledger* keyed ``(vw, stage, wave)``: a duplicate tag is rejected,
   a push of a later wave while an earlier one is missing is buffered, and a push further
   ahead than WSP allows (``wave > global_clock + D``) is rejected as a protocol violation;
-- applies wave ``c`` once every client of every VW has pushed wave ``c``: the per-wave sum
-  (VWs in id order, so the result does not depend on arrival order) is added to the global
-  weights, optionally through server-side momentum, and the global clock becomes ``c + 1``;
+- applies wave ``c`` once every client of every VW has pushed wave ``c``: the updates are
+  added to the global weights in ``(vw, stage)`` order (so the floating-point result does not
+  depend on arrival order), or their sum goes through server-side momentum, and the global
+  clock becomes ``c + 1``;
 - answers a pull ``(min_clock)`` once its global clock is ``>= min_clock`` with the client's
   slice of the global weights, which then hold exactly the updates of waves ``0..clock-1``.
 
@@ -200,8 +201,13 @@ class ShardCore:
         """Each VW's clock at this shard (consecutive waves pushed by all its clients), VW id order."""
         return tuple(self._gclock.local(i) for i in range(len(self.spec.vws)))
 
-    def push(self, vw: int, stage: int, wave: int, update: torch.Tensor) -> PushResult:
+    def push(
+        self, vw: int, stage: int, wave: int, update: torch.Tensor, copy: bool = True
+    ) -> PushResult:
         """Receive client ``(vw, stage)``'s aggregated update of ``wave`` (flat, in its slice order).
+
+        ``copy=False`` keeps a reference to ``update`` instead of a copy (the server passes
+        its freshly received buffers).
 
         Applies every wave that became complete. Never raises on a bad push: it returns the
         rejection (and records it in :attr:`rejected`) so the server can tell the client.
@@ -236,16 +242,16 @@ class ShardCore:
                 "(the client did not wait for planner.wsp.required_global_clock)",
             )
         numel = self.spec.client_numel(self.spec.client(vw, stage))
-        if update.dim() != 1 or update.numel() != numel:
+        if update.dim() != 1 or update.numel() != numel or update.dtype != self._w.dtype:
             return self._reject(
                 vw,
                 stage,
                 wave,
                 Status.BAD_SIZE,
-                f"update has shape {tuple(update.shape)}, expected ({numel},)",
+                f"update is {update.dtype} of shape {tuple(update.shape)}, expected float32 ({numel},)",
             )
         self._pending.setdefault(wave, {})[key] = (
-            update.detach().to(self._w.dtype).clone(),
+            update.detach().clone() if copy else update.detach(),
             self._seq,
         )
         self._seq += 1
@@ -271,21 +277,22 @@ class ShardCore:
         return PushResult(status, msg)
 
     def _apply(self, wave_updates: dict[tuple[int, int], tuple[torch.Tensor, int]]) -> None:
-        total = torch.zeros_like(self._w)
-        for c in self.spec.clients:  # sorted by (vw, stage): a deterministic summation order
+        """Fold one complete wave into the weights: clients in (vw, stage) order, so the
+        floating-point result does not depend on arrival order."""
+        target = self._w
+        if self.momentum:
+            target = torch.zeros_like(self._w)  # the wave's summed update, then m = mu*m + sum
+        for c in self.spec.clients:
             upd, seq = wave_updates[(c.vw, c.stage)]
             pos = 0
             for off, n in self.spec.segments(c):
-                total[off : off + n] += upd[pos : pos + n]
+                target[off : off + n] += upd[pos : pos + n]
                 pos += n
-            self._ledger.append(
-                LedgerEntry(c.vw, c.stage, self._clock, seq, float(upd.double().sum()))
-            )
+            self._ledger.append(LedgerEntry(c.vw, c.stage, self._clock, seq, float(upd.sum())))
         if self.momentum:
             buf = self._opt["momentum"]
-            buf.mul_(self.momentum).add_(total)
-            total = buf
-        self._w.add_(total)
+            buf.mul_(self.momentum).add_(target)
+            self._w.add_(buf)
         self._clock += 1
 
     def can_pull(self, min_clock: int) -> bool:
@@ -477,7 +484,7 @@ class ShardServer:
             if ev.kind == "error":
                 raise self._lost(c, ev.error)
             if ev.kind == "push" and ev.payload is not None:
-                res = core.push(c.vw, c.stage, ev.arg, ev.payload)
+                res = core.push(c.vw, c.stage, ev.arg, ev.payload, copy=False)
                 ack = torch.tensor([int(res.status), ev.arg, core.clock, 0], dtype=torch.int64)
                 self._send(ack, c, TAG_ACK)
                 if res.applied:

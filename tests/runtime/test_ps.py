@@ -505,15 +505,11 @@ def test_bsp_through_the_parameter_server_equals_single_process_sgd(tmp_path: Pa
     ref = tiny_model()
     data = [vw_batches(v, steps) for v in range(vws)]
     for step in range(steps):
-        total = [torch.zeros_like(w) for w in ref.parameters()]
-        for v in range(vws):
-            for t, u in zip(
-                total, sgd_step_update(ref, data[v][0][step], data[v][1][step], lr), strict=True
-            ):
-                t += u
+        updates = [sgd_step_update(ref, data[v][0][step], data[v][1][step], lr) for v in range(vws)]
         with torch.no_grad():
-            for w, t in zip(ref.parameters(), total, strict=True):
-                w.add_(t)
+            for v in range(vws):  # the shard adds VW updates in VW order
+                for w, u in zip(ref.parameters(), updates[v], strict=True):
+                    w.add_(u)
     shard = torch.load(tmp_path / "shard.pt", weights_only=True)
     assert shard["clock"] == steps and len(shard["ledger"]) == steps * vws
     torch.testing.assert_close(
