@@ -68,7 +68,9 @@ def optimizer_factor(name: str) -> float:
     try:
         return _OPTIMIZERS[name.lower()]
     except KeyError:
-        raise ConfigError(f"unknown optimizer {name!r}; use one of {', '.join(_OPTIMIZERS)}") from None
+        raise ConfigError(
+            f"unknown optimizer {name!r}; use one of {', '.join(_OPTIMIZERS)}"
+        ) from None
 
 
 def candidate_cuts(profile: Profile, max_cuts: int | None = DEFAULT_MAX_CUTS) -> list[int]:
@@ -118,7 +120,9 @@ def load_links(path: str | os.PathLike[str]) -> dict[str, Link]:
         if not isinstance(entry, dict) or "bandwidth" not in entry:
             raise ConfigError(f"{p}: {key}: needs 'bandwidth' (e.g. 12GB/s) and optional 'latency'")
         try:
-            out[key] = Link(parse_bandwidth(entry["bandwidth"]), parse_seconds(entry.get("latency", 0.0)))
+            out[key] = Link(
+                parse_bandwidth(entry["bandwidth"]), parse_seconds(entry.get("latency", 0.0))
+            )
         except (ValueError, ConfigError) as exc:
             raise ConfigError(f"{p}: {key}: {exc}") from None
     if not out:
@@ -186,8 +190,11 @@ class CostModel:
         cuts = candidate_cuts(ref, max_cuts)
         self.positions: np.ndarray = np.array([0, *cuts, len(names)], dtype=np.int64)
         table = ref.table
-        self._cut_bytes_layer = np.array(ref.cut_bytes(), dtype=np.int64)
-        self.cut_bytes: np.ndarray = self._cut_bytes_layer[self.positions]
+        self.layer_cut_bytes: np.ndarray = np.array(ref.cut_bytes(), dtype=np.int64)
+        """Bytes crossing every layer cut ``k = 0..L`` (not only the candidates)."""
+        self.layer_param_bytes: np.ndarray = table["param_bytes"].to_numpy(np.int64)
+        """Parameter bytes of every layer."""
+        self.cut_bytes: np.ndarray = self.layer_cut_bytes[self.positions]
         self.param_prefix = self._prefix(table["param_bytes"].to_numpy(np.int64))
         self.buffer_prefix = self._prefix(table["buffer_bytes"].to_numpy(np.int64))
         self.saved_prefix = self._prefix(table["saved_bytes"].to_numpy(np.int64))
@@ -231,7 +238,9 @@ class CostModel:
         try:
             return self.fwd_prefix[gpu_type] + self.bwd_prefix[gpu_type]
         except KeyError:
-            raise ProfileError(f"no profile for GPU type {gpu_type!r} (have: {', '.join(self.types)})") from None
+            raise ProfileError(
+                f"no profile for GPU type {gpu_type!r} (have: {', '.join(self.types)})"
+            ) from None
 
     def comm_ms(self, link: Link) -> np.ndarray:
         """Milliseconds to move the tensors crossing each position over ``link`` (0 at the ends)."""
@@ -247,7 +256,11 @@ class CostModel:
         """``M[p, q]``: time in ms of stage ``j`` over positions ``[p, q)`` (``inf`` if ``q <= p``)."""
         comp = self.compute_ms(gpus[j].type)
         recv = self.comm_ms(self.link(gpus[j - 1], gpus[j])) if j > 0 else np.zeros(len(comp))
-        send = self.comm_ms(self.link(gpus[j], gpus[j + 1])) if j + 1 < len(gpus) else np.zeros(len(comp))
+        send = (
+            self.comm_ms(self.link(gpus[j], gpus[j + 1]))
+            if j + 1 < len(gpus)
+            else np.zeros(len(comp))
+        )
         m = comp[None, :] - comp[:, None] + recv[:, None] + send[None, :]
         return np.where(np.triu(np.ones_like(m, dtype=bool), 1), m, np.inf)
 

@@ -1,0 +1,376 @@
+"""``make_plan``: allocation -> per-VW Nm and partition -> shard placement -> predictions.
+
+Steps (paper Sec. 4, 7, 8.1):
+
+1. one profile per GPU type of the cluster: given ones first; missing types are filled with
+   the analytic profiler (built-in or importable models) or by scaling a given profile with
+   ``profiler.analytic.scale_profile``; the plan's ``profiles`` field records the provenance;
+2. the allocation policy forms the VWs (``auto`` tries every applicable allocation and keeps
+   the best predicted throughput);
+3. each VW's ``nm_max`` is the largest Nm (up to ``nm_limit``) for which some GPU order and
+   partition fit memory; the plan's Nm is the minimum over VWs, capped by the user's ``nm``;
+4. each VW is partitioned at that Nm (MILP by default); isomorphic VWs (same GPU types and
+   node pattern, e.g. the four ED VWs) are solved once;
+5. shards are placed and throughput is predicted (:mod:`planner.predict`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from planner.allocation import Allocation, allocate, candidate_allocations
+from planner.cluster import Cluster, Device, Link
+from planner.costmodel import DEFAULT_MAX_CUTS, CostModel, optimizer_factor
+from planner.partition_dp import (
+    InfeasiblePartition,
+    Partition,
+    distinct_orders,
+    min_memory_shortfall,
+    partition_dp_best_order,
+)
+from planner.partition_milp import partition_milp
+from planner.placement import PipelineLayout, cross_node_bytes_per_wave, place_shards
+from planner.plan import GpuSlot, Plan, Prediction, StagePlan, VirtualWorker
+from planner.predict import allreduce_throughput, cluster_throughput, vw_throughput
+from planner.profiles import resolve_profiles
+from profiler.errors import PlanError
+from profiler.table import Profile
+
+__all__ = ["PlanOptions", "make_plan"]
+
+log = logging.getLogger(__name__)
+
+_MAX_ENUM_ORDERS = 720
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """Knobs of the partitioning step.
+
+    Attributes:
+        partitioner: ``milp`` (PuLP MILP choosing order and split) or ``dp`` (exact DP over every
+            distinct GPU order).
+        solver: MILP back end: ``auto``, ``highs`` or ``cbc``.
+        max_cuts: candidate cut limit before coarsening (:func:`planner.costmodel.candidate_cuts`).
+        nm_limit: largest Nm considered.
+        time_limit_s: MILP time limit per VW (hitting it is an error).
+        auto_max_vw_gpus: largest VW the ``auto`` policy tries.
+    """
+
+    partitioner: str = "milp"
+    solver: str = "auto"
+    max_cuts: int | None = DEFAULT_MAX_CUTS
+    nm_limit: int = 64
+    time_limit_s: float = 60.0
+    auto_max_vw_gpus: int = 4
+
+
+@dataclass
+class _Planner:
+    cluster: Cluster
+    cm: CostModel
+    opts: PlanOptions
+    cache: dict[tuple[object, ...], tuple[tuple[int, ...], tuple[int, ...]]] = field(
+        default_factory=dict
+    )
+    nm_cache: dict[tuple[object, ...], tuple[int, int]] = field(default_factory=dict)
+
+    # ------------------------------------------------------------ isomorphic VWs
+    @staticmethod
+    def canonical(gpus: Sequence[Device]) -> tuple[tuple[object, ...], list[Device]]:
+        """A key equal for VWs that differ only by node names/indices, and the GPUs in key order."""
+        ordered = sorted(gpus, key=lambda d: (d.type, d.memory_bytes, d.node, d.index))
+        ids: dict[str, int] = {}
+        key = tuple((d.type, d.memory_bytes, ids.setdefault(d.node, len(ids))) for d in ordered)
+        return key, ordered
+
+    def nm_max(self, gpus: Sequence[Device]) -> tuple[int, int]:
+        """Largest feasible Nm (0 if none) and the Nm=1 shortfall in bytes when infeasible."""
+        key, ordered = self.canonical(gpus)
+        if key not in self.nm_cache:
+            self.nm_cache[key] = self._nm_max(ordered)
+        return self.nm_cache[key]
+
+    def _fits(self, gpus: Sequence[Device], nm: int) -> tuple[bool, int]:
+        n_orders = sum(
+            1 for _ in zip(range(_MAX_ENUM_ORDERS + 1), distinct_orders(gpus), strict=False)
+        )
+        if n_orders <= _MAX_ENUM_ORDERS:
+            short, _ = min_memory_shortfall(self.cm, gpus, nm, _MAX_ENUM_ORDERS)
+            return short <= 0, short
+        try:
+            partition_milp(
+                self.cm, gpus, nm, solver=self.opts.solver, time_limit_s=self.opts.time_limit_s
+            )
+        except InfeasiblePartition as exc:
+            return False, exc.shortfall_bytes
+        return True, 0
+
+    def _nm_max(self, gpus: Sequence[Device]) -> tuple[int, int]:
+        ok, short = self._fits(gpus, 1)
+        if not ok:
+            return 0, short
+        lo, hi = 1, 2
+        while hi <= self.opts.nm_limit and self._fits(gpus, hi)[0]:
+            lo, hi = hi, hi * 2
+        hi = min(hi, self.opts.nm_limit + 1)
+        while hi - lo > 1:  # lo fits, hi does not (or exceeds the limit)
+            mid = (lo + hi) // 2
+            if self._fits(gpus, mid)[0]:
+                lo = mid
+            else:
+                hi = mid
+        return lo, 0
+
+    def partition(self, gpus: Sequence[Device], nm: int) -> Partition:
+        """Optimal order and split of ``gpus`` at ``nm`` (cached over isomorphic VWs)."""
+        key, ordered = self.canonical(gpus)
+        ck = (key, nm)
+        if ck not in self.cache:
+            if self.opts.partitioner == "dp":
+                part = partition_dp_best_order(self.cm, ordered, nm)
+            elif self.opts.partitioner == "milp":
+                part = partition_milp(
+                    self.cm,
+                    ordered,
+                    nm,
+                    solver=self.opts.solver,
+                    time_limit_s=self.opts.time_limit_s,
+                )
+            else:
+                raise PlanError(f"unknown partitioner {self.opts.partitioner!r}; use milp or dp")
+            where = {id(d): i for i, d in enumerate(ordered)}
+            self.cache[ck] = (tuple(where[id(d)] for d in part.gpus), part.bounds)
+            log.info(
+                "partitioned %s at Nm=%d with %s in %.3f s",
+                _letters(part.gpus),
+                nm,
+                part.solver,
+                part.solve_s,
+            )
+        perm, bounds = self.cache[ck]
+        order = tuple(ordered[i] for i in perm)
+        stage_ms = tuple(
+            self.cm.stage_cost(order, j, bounds[j], bounds[j + 1], nm).time_ms
+            for j in range(len(order))
+        )
+        cuts = tuple(int(self.cm.positions[b]) for b in bounds)
+        return Partition(order, bounds, cuts, stage_ms, max(stage_ms), self.opts.partitioner, 0.0)
+
+
+def _letters(gpus: Sequence[Device]) -> str:
+    return "".join(d.letter for d in gpus)
+
+
+def _slot(d: Device) -> GpuSlot:
+    return GpuSlot(
+        d.node, d.index, d.type, d.memory_bytes, d.emulation.speed if d.emulation else 0.0
+    )
+
+
+def _stages(pl: _Planner, part: Partition, nm: int) -> tuple[StagePlan, ...]:
+    names = pl.cm.layer_names
+    out = []
+    for j, cost in enumerate(part.stages(pl.cm, nm)):
+        a, b = part.cuts[j], part.cuts[j + 1]
+        out.append(
+            StagePlan(
+                gpu=j,
+                first_layer=names[a],
+                last_layer=names[b - 1],
+                first_index=a,
+                last_index=b - 1,
+                fwd_ms=cost.fwd_ms,
+                bwd_ms=cost.bwd_ms,
+                recv_fwd_ms=cost.recv_fwd_ms,
+                recv_bwd_ms=cost.recv_bwd_ms,
+                recv_bytes=cost.recv_bytes,
+                send_bytes=cost.send_bytes,
+                param_bytes=cost.param_bytes,
+                in_flight=cost.in_flight,
+                memory_bytes=cost.memory_bytes,
+                capacity_bytes=part.gpus[j].memory_bytes,
+            )
+        )
+    return tuple(out)
+
+
+def _node_traffic(
+    layouts: Sequence[PipelineLayout],
+    shards: Sequence[object],
+    param_bytes: Sequence[int],
+    names: Sequence[str],
+    nm: int,
+) -> dict[str, int]:
+    """Bytes in + out of every node's network card per wave (all VWs)."""
+    index = {n: i for i, n in enumerate(names)}
+    traffic: dict[str, int] = {}
+    for lay in layouts:
+        for j in range(len(lay.gpus) - 1):
+            a, b = lay.gpus[j].node, lay.gpus[j + 1].node
+            if a != b:
+                for n in (a, b):
+                    traffic[n] = traffic.get(n, 0) + 2 * nm * lay.cut_bytes[j]
+        for shard in shards:
+            for name in shard.layers:  # type: ignore[attr-defined]
+                i = index[name]
+                node = lay.node_of_layer(i)
+                if node != shard.node:  # type: ignore[attr-defined]
+                    for n in (node, shard.node):  # type: ignore[attr-defined]
+                        traffic[n] = traffic.get(n, 0) + 2 * int(param_bytes[i])
+    return traffic
+
+
+def _plan_allocation(
+    pl: _Planner,
+    alloc: Allocation,
+    model: str,
+    batch: int,
+    nm: int | None,
+    D: int,
+    placement: str,
+    provenance: dict[str, str],
+) -> Plan:
+    nm_max = []
+    for v, gpus in enumerate(alloc.groups):
+        best, short = pl.nm_max(gpus)
+        if best == 0:
+            raise PlanError(
+                f"VW {v} ({_letters(gpus)}) cannot hold {model} even with Nm=1: smallest shortfall "
+                f"{short / 2**30:.2f} GiB on one stage; give it more or larger GPUs (another policy or --vws)"
+            )
+        nm_max.append(best)
+    plan_nm = min(nm_max)
+    if nm is not None:
+        if nm < 1:
+            raise PlanError(f"--nm must be >= 1, got {nm}")
+        if nm > plan_nm:
+            log.warning("--nm %d exceeds what memory allows (%d); using %d", nm, plan_nm, plan_nm)
+        plan_nm = min(plan_nm, nm)
+    parts = [pl.partition(g, plan_nm) for g in alloc.groups]
+    cm = pl.cm
+    names = cm.layer_names
+    layer_params = [int(b) for b in cm.layer_param_bytes]
+    layouts = [
+        PipelineLayout(p.gpus, p.cuts, tuple(int(cm.layer_cut_bytes[c]) for c in p.cuts[1:-1]))
+        for p in parts
+    ]
+    shards = place_shards(pl.cluster, layouts, names, layer_params, placement)
+    per_vw = [vw_throughput(p.stage_ms, plan_nm, batch) for p in parts]
+    vws = tuple(
+        VirtualWorker(
+            id=v,
+            gpus=tuple(_slot(d) for d in p.gpus),
+            stages=_stages(pl, p, plan_nm),
+            nm_max=nm_max[v],
+            throughput=per_vw[v],
+            cross_node_bytes_per_wave=cross_node_bytes_per_wave(
+                layouts[v], shards, names, layer_params, plan_nm
+            ),
+        )
+        for v, p in enumerate(parts)
+    )
+    traffic = _node_traffic(layouts, shards, layer_params, names, plan_nm)
+    total = cluster_throughput(per_vw, traffic, pl.cluster.inter_node.bandwidth_bps, plan_nm, batch)
+    ar, ar_gpus = allreduce_throughput(pl.cluster, cm, batch)
+    return Plan(
+        model=model,
+        batch_size=batch,
+        policy=alloc.policy,
+        nm=plan_nm,
+        D=D,
+        placement=placement,
+        cluster=pl.cluster,
+        virtual_workers=vws,
+        shards=shards,
+        predicted=Prediction(total, tuple(per_vw), ar, ar_gpus, "analytic"),
+        num_layers=cm.num_layers,
+        profiles=dict(provenance),
+        optimizer_state_factor=cm.optimizer_state_factor,
+    )
+
+
+def make_plan(
+    cluster: Cluster,
+    profiles: Mapping[str, Profile] | Sequence[Profile] | None = None,
+    model: str | None = None,
+    batch_size: int | None = None,
+    policy: str = "hd",
+    nm: int | None = None,
+    D: int = 0,
+    placement: str = "default",
+    num_vws: int | None = None,
+    optimizer: str = "momentum",
+    links: Mapping[str, Link] | None = None,
+    options: PlanOptions | None = None,
+    reference_type: str | None = None,
+) -> Plan:
+    """Plan HetPipe training of a model on a cluster.
+
+    Args:
+        cluster: the cluster.
+        profiles: measured/imported profiles (one per GPU type, or a list); may be empty when
+            ``model`` is a built-in or importable model (analytic profiles are used).
+        model: model reference; checked against the profiles' model.
+        batch_size: minibatch size; checked against the profiles' (default: theirs, else 32).
+        policy: ``np``, ``ed``, ``hd`` or ``auto``.
+        nm: cap on the number of concurrent minibatches per VW.
+        D: WSP clock-distance threshold (recorded; bounds global staleness).
+        placement: ``default`` or ``local`` parameter-server shard placement.
+        num_vws: number of virtual workers (default: the policy's).
+        optimizer: ``sgd``, ``momentum`` or ``adam`` (optimizer-state memory).
+        links: measured ``intra_node``/``inter_node`` links overriding the cluster's.
+        options: partitioner knobs.
+        reference_type: GPU type an imported profile of unknown hardware was measured on.
+
+    Raises:
+        PlanError, ProfileError, ConfigError: one line saying what is wrong and how to fix it.
+    """
+    t0 = time.perf_counter()
+    opts = options or PlanOptions()
+    if D < 0:
+        raise PlanError(f"-D must be >= 0, got {D}")
+    if links:
+        cluster = Cluster(
+            cluster.name,
+            cluster.nodes,
+            links.get("intra_node", cluster.intra_node),
+            links.get("inter_node", cluster.inter_node),
+            cluster.source,
+        )
+    by_type, provenance, model_name, batch = resolve_profiles(
+        cluster, profiles, model, batch_size, reference_type
+    )
+    first_measured = next(
+        (t for t, p in provenance.items() if not p.startswith(("analytic", "scaled"))), None
+    )
+    cm = CostModel(
+        by_type, cluster.link, optimizer_factor(optimizer), opts.max_cuts, first_measured
+    )
+    pl = _Planner(cluster, cm, opts)
+    if policy == "auto":
+        best: Plan | None = None
+        reasons = []
+        for alloc in candidate_allocations(cluster, num_vws, opts.auto_max_vw_gpus):
+            try:
+                cand = _plan_allocation(pl, alloc, model_name, batch, nm, D, placement, provenance)
+            except PlanError as exc:
+                reasons.append(f"{'/'.join(alloc.signatures)}: {exc}")
+                continue
+            log.info(
+                "auto: %s -> %.1f samples/s", "/".join(alloc.signatures), cand.predicted.throughput
+            )
+            if best is None or cand.predicted.throughput > best.predicted.throughput:
+                best = cand
+        if best is None:
+            raise PlanError("policy 'auto' found no feasible allocation: " + "; ".join(reasons[:3]))
+        plan = Plan(**{**best.__dict__, "policy": f"auto:{best.policy}"})
+    else:
+        plan = _plan_allocation(
+            pl, allocate(cluster, policy, num_vws), model_name, batch, nm, D, placement, provenance
+        )
+    log.info("planned %s on %s in %.2f s", model_name, cluster.name, time.perf_counter() - t0)
+    return plan
