@@ -1,12 +1,171 @@
-"""`hetpipe plan`."""
+"""`hetpipe plan`: form virtual workers, partition the model, place shards, predict throughput."""
 
 from __future__ import annotations
 
-from hetpipe._common import fail
+import sys
+from pathlib import Path
+from typing import Annotated
 
-HELP = "Not implemented yet."
+import typer
+from rich.table import Table
+
+from hetpipe._common import console, err_console, handle_errors
+from planner.cluster import load_cluster
+from planner.costmodel import DEFAULT_MAX_CUTS, load_links
+from planner.plan import Plan
+from planner.planner import PlanOptions, make_plan
+from profiler.errors import ConfigError
+from profiler.table import Profile, load_profile_set
+
+HELP = (
+    "Plan HetPipe training on CLUSTER.yaml: form virtual workers with an allocation policy "
+    "(np, ed, hd or auto), choose each VW's GPU order and layer split with a MILP, pick Nm, place "
+    "parameter-server shards and predict throughput. Profiles come from --profiles (hetpipe CSVs "
+    "or PipeDream graph.txt); GPU types without one get analytic profiles (and the output says so)."
+)
 
 
-def plan() -> None:
-    """Not implemented yet."""
-    raise fail("'hetpipe plan' is not implemented yet")
+def _load_profiles(paths: list[Path], reference_type: str | None) -> list[Profile]:
+    """hetpipe CSV profiles from files/folders, plus PipeDream ``graph.txt`` files or their folders."""
+    from profiler.pipedream import import_pipedream
+
+    out: list[Profile] = []
+    csvs: list[Path] = []
+    for p in paths:
+        if not p.exists():
+            raise ConfigError(f"{p}: no such profile file or folder")
+        graph = p if p.name == "graph.txt" else p / "graph.txt"
+        if graph.is_file():
+            out.append(import_pipedream(graph))
+        else:
+            csvs.append(p)
+    if csvs:
+        out += load_profile_set(csvs)
+    if not out:
+        raise ConfigError(
+            f"no profiles found in {', '.join(map(str, paths))} (expected *.csv or graph.txt)"
+        )
+    return out
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def render(plan: Plan) -> None:
+    """Print the VW/stage table and the predictions with rich."""
+    table = Table(
+        title=f"{plan.model} (batch {plan.batch_size}) on {plan.cluster.name}: policy {plan.policy}"
+    )
+    for col in ("VW", "stage", "GPU", "layers", "time ms", "memory GiB (used/cap)"):
+        table.add_column(col, justify="right" if col in ("time ms", "VW", "stage") else "left")
+    for vw in plan.virtual_workers:
+        for s in vw.stages:
+            g = vw.gpus[s.gpu]
+            table.add_row(
+                f"{vw.id} {vw.signature}" if s.gpu == 0 else "",
+                str(s.gpu),
+                f"{g.node}:{g.index} {g.type}",
+                f"{s.first_layer} .. {s.last_layer} ({s.last_index - s.first_index + 1})",
+                f"{s.time_ms:.2f}",
+                f"{_gib(s.memory_bytes)}/{_gib(s.capacity_bytes)}",
+            )
+        table.add_row(
+            "",
+            "",
+            "",
+            f"[dim]Nm max {vw.nm_max}, {vw.throughput:.1f} samples/s[/]",
+            "",
+            "",
+            end_section=True,
+        )
+    console.print(table)
+    pr = plan.predicted
+    console.print(
+        f"Nm = {plan.nm}, D = {plan.D}: local staleness {plan.local_staleness}, global staleness bound "
+        f"{plan.global_staleness}; placement {plan.placement}"
+    )
+    console.print(
+        f"predicted throughput: [bold]{pr.throughput:.1f}[/] samples/s (WSP, straggler-bound, {pr.method})"
+    )
+    if pr.allreduce_gpus:
+        console.print(
+            f"AllReduce data-parallel baseline: {pr.allreduce_throughput:.1f} samples/s on {pr.allreduce_gpus} GPUs"
+        )
+    else:
+        console.print("AllReduce baseline: no single GPU holds the whole model")
+    for t, src in plan.profiles.items():
+        if src.startswith(("analytic", "scaled")) or "assumed" in src:
+            console.print(f"[yellow]note:[/] {t}: {src}")
+
+
+@handle_errors
+def plan(
+    cluster: Annotated[Path, typer.Argument(help="cluster.yaml")],
+    model: Annotated[
+        str | None, typer.Option("--model", "-m", help="built-in model or package.module:factory")
+    ] = None,
+    profiles: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--profiles", "-p", help="profile CSVs/folders or PipeDream graph.txt (repeatable)"
+        ),
+    ] = None,
+    policy: Annotated[str, typer.Option("--policy", help="np | ed | hd | auto")] = "hd",
+    batch_size: Annotated[
+        int | None,
+        typer.Option("--batch-size", "-b", help="minibatch size (default: the profiles', else 32)"),
+    ] = None,
+    nm: Annotated[
+        int | None, typer.Option("--nm", help="cap on concurrent minibatches per VW")
+    ] = None,
+    staleness: Annotated[int, typer.Option("-D", help="WSP clock-distance threshold D")] = 0,
+    placement: Annotated[str, typer.Option("--placement", help="default | local")] = "default",
+    vws: Annotated[int | None, typer.Option("--vws", help="number of virtual workers")] = None,
+    optimizer: Annotated[
+        str, typer.Option("--optimizer", help="sgd | momentum | adam (memory)")
+    ] = "momentum",
+    links: Annotated[Path | None, typer.Option("--links", help="measured links.yaml")] = None,
+    partitioner: Annotated[str, typer.Option("--partitioner", help="milp | dp")] = "milp",
+    solver: Annotated[str, typer.Option("--solver", help="auto | highs | cbc")] = "auto",
+    profile_gpu: Annotated[
+        str | None, typer.Option("--profile-gpu", help="GPU an imported profile was measured on")
+    ] = None,
+    max_cuts: Annotated[
+        int, typer.Option("--max-cuts", help="coarsen graphs with more candidate cuts")
+    ] = DEFAULT_MAX_CUTS,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="write the plan (YAML, or JSON if *.json)")
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="print the plan as JSON on stdout")
+    ] = False,
+) -> None:
+    """Plan HetPipe training (see HELP)."""
+    cl = load_cluster(cluster)
+    profs = _load_profiles(profiles, profile_gpu) if profiles else []
+    result = make_plan(
+        cl,
+        profs,
+        model=model,
+        batch_size=batch_size,
+        policy=policy,
+        nm=nm,
+        D=staleness,
+        placement=placement,
+        num_vws=vws,
+        optimizer=optimizer,
+        links=load_links(links) if links else None,
+        options=PlanOptions(partitioner=partitioner, solver=solver, max_cuts=max_cuts),
+        reference_type=profile_gpu,
+    )
+    if output is not None:
+        result.save(output)
+    if as_json:
+        sys.stdout.write(result.to_json() + "\n")
+        if output is not None:
+            err_console.print(f"wrote {output}")
+        return
+    render(result)
+    if output is not None:
+        console.print(f"wrote {output}")
