@@ -222,6 +222,9 @@ def predict_ms(flops: float, nbytes: float, kernels: float, roof: Roof, eff: Eff
     return kernels * eff.launch_ms + max(compute_s, memory_s) * 1e3
 
 
+_WEIGHT_POWER = 0.5
+
+
 def _fit_phase(
     flops: np.ndarray,
     nbytes: np.ndarray,
@@ -229,9 +232,15 @@ def _fit_phase(
     times: np.ndarray,
     roof: Roof,
     start: Efficiency,
+    power: float = _WEIGHT_POWER,
 ) -> Efficiency:
-    """Fit one phase's efficiencies to measured times (ms) by NNLS on the roofline's active terms."""
+    """Fit one phase's efficiencies to measured times (ms) by NNLS on the roofline's active terms.
+
+    Rows are weighted by ``t ** -power``: 0 minimises absolute error (big layers dominate),
+    1 relative error (every layer counts alike).
+    """
     eff = start
+    w = np.maximum(times, max(float(times.max()) * 1e-4, 1e-6)) ** -power
     for _ in range(4):
         compute_bound = flops / (eff.compute * roof.flops_per_s) >= nbytes / (
             eff.memory * roof.bytes_per_s
@@ -245,7 +254,7 @@ def _fit_phase(
             1,
         )
         scale = np.maximum(a.max(axis=0), 1e-30)
-        coef, _ = nnls(a / scale, times)
+        coef, _ = nnls(a / scale * w[:, None], times * w)
         coef = coef / scale
         compute = 1.0 / (coef[1] * roof.flops_per_s) if coef[1] > 0 else eff.compute
         memory = 1.0 / (coef[2] * roof.bytes_per_s) if coef[2] > 0 else eff.memory
@@ -253,14 +262,8 @@ def _fit_phase(
     return eff
 
 
-def calibrate(measured: Profile) -> Calibration:
-    """Fit forward and backward efficiencies to a measured profile of a resolvable model.
-
-    Raises:
-        ProfileError: the profile's layers do not match the model graph.
-        ConfigError: its device type is neither ``cpu`` nor in the catalog.
-    """
-    roof = roof_of(measured.meta.device_type)
+def _fit_data(measured: Profile) -> dict[str, np.ndarray]:
+    """Per-layer features and measured times of one profile, inputs and output row excluded."""
     costs = layer_costs(measured.meta.model, measured.meta.batch_size)
     if [c.name for c in costs] != measured.layers:
         raise ProfileError(
@@ -269,31 +272,54 @@ def calibrate(measured: Profile) -> Calibration:
         )
     # inputs and the output row (which carries the loss) are not layers the roofline models
     keep = [i for i, c in enumerate(costs) if c.op not in ("placeholder", "output")]
-    t = measured.table.iloc[keep]
+    data = {
+        attr: np.array([float(getattr(costs[i], attr)) for i in keep])
+        for attr in (
+            "fwd_flops",
+            "fwd_bytes",
+            "fwd_kernels",
+            "bwd_flops",
+            "bwd_bytes",
+            "bwd_kernels",
+        )
+    }
+    data["fwd_ms"] = measured.table["fwd_ms"].to_numpy(float)[keep]
+    data["bwd_ms"] = measured.table["bwd_ms"].to_numpy(float)[keep]
+    return data
+
+
+def calibrate(*measured: Profile) -> Calibration:
+    """Fit forward and backward efficiencies to measured profiles of resolvable models.
+
+    Several profiles (of one device type) are fitted jointly.
+
+    Raises:
+        ProfileError: no profile, mixed device types, or layers that do not match the model graph.
+        ConfigError: the device type is neither ``cpu`` nor in the catalog.
+    """
+    if not measured:
+        raise ProfileError("calibrate needs at least one measured profile")
+    types = sorted({m.meta.device_type for m in measured})
+    if len(types) > 1:
+        raise ProfileError(f"calibration profiles must share one device type, got {types}")
+    roof = roof_of(types[0])
+    parts = [_fit_data(m) for m in measured]
+    data = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     cal = Calibration()
-
-    def col(attr: str) -> np.ndarray:
-        return np.array([float(getattr(costs[i], attr)) for i in keep])
-
-    fwd = _fit_phase(
-        col("fwd_flops"),
-        col("fwd_bytes"),
-        col("fwd_kernels"),
-        t["fwd_ms"].to_numpy(float),
-        roof,
-        cal.fwd,
-    )
-    bwd = _fit_phase(
-        col("bwd_flops"),
-        col("bwd_bytes"),
-        col("bwd_kernels"),
-        t["bwd_ms"].to_numpy(float),
-        roof,
-        cal.bwd,
-    )
-    source = f"{measured.meta.model}@{measured.meta.device_type}/b{measured.meta.batch_size}"
-    log.info("calibrated on %s: fwd %s, bwd %s", source, fwd, bwd)
-    return Calibration(fwd, bwd, source)
+    effs = [
+        _fit_phase(
+            data[f"{ph}_flops"],
+            data[f"{ph}_bytes"],
+            data[f"{ph}_kernels"],
+            data[f"{ph}_ms"],
+            roof,
+            start,
+        )
+        for ph, start in (("fwd", cal.fwd), ("bwd", cal.bwd))
+    ]
+    source = "+".join(f"{m.meta.model}@{m.meta.device_type}/b{m.meta.batch_size}" for m in measured)
+    log.info("calibrated on %s: fwd %s, bwd %s", source, effs[0], effs[1])
+    return Calibration(effs[0], effs[1], source)
 
 
 def _rows(costs: Sequence[LayerCost], roof: Roof, cal: Calibration) -> pd.DataFrame:
@@ -390,8 +416,8 @@ def scale_profile(profile: Profile, to_type: str, from_type: str | None = None) 
         costs = None
     table = profile.table.copy()
     if costs is not None and source is CPU_ROOF:
-        cal = calibrate(profile)
-        scaled = _rows(costs, target, Calibration(source=cal.source))
+        # CPU efficiencies say nothing about a GPU: estimate the target with GPU defaults
+        scaled = _rows(costs, target, Calibration())
         return profile.with_table(scaled, extra=extra, **meta_kw)
     for phase in ("fwd", "bwd"):
         ratios = []
