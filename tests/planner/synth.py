@@ -65,5 +65,8 @@ def synthetic_profiles(
             },
             columns=list(COLUMNS),
         ).astype(COLUMNS)
-        out[t] = Profile(table, ProfileMeta(model=model, device_type=t, batch_size=batch_size, source="synthetic"))
+        out[t] = Profile(
+            table,
+            ProfileMeta(model=model, device_type=t, batch_size=batch_size, source="synthetic"),
+        )
     return out
