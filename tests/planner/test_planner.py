@@ -1,0 +1,112 @@
+"""make_plan end to end on synthetic and PipeDream profiles."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.cluster import Cluster, load_cluster, parse_cluster
+from planner.plan import Plan
+from planner.planner import PlanOptions, make_plan
+from planner.predict import vw_throughput
+from profiler.errors import PlanError, ProfileError
+from profiler.pipedream import import_pipedream
+from tests.conftest import EXAMPLES, PIPEDREAM
+from tests.planner.synth import synthetic_profiles
+
+TYPES = ("TITAN V", "TITAN RTX", "GeForce RTX 2060", "Quadro P4000")
+
+
+@pytest.fixture(scope="module")
+def paper() -> Cluster:
+    return load_cluster(EXAMPLES / "paper_cluster.yaml")
+
+
+def _check(plan: Plan) -> None:
+    for vw in plan.virtual_workers:
+        assert vw.stages[0].first_index == 0 and vw.stages[-1].last_index == plan.num_layers - 1
+        for a, b in zip(vw.stages, vw.stages[1:], strict=False):
+            assert b.first_index == a.last_index + 1
+        for s in vw.stages:
+            assert s.memory_bytes <= s.capacity_bytes
+        assert vw.nm_max >= plan.nm
+        assert vw.stages[-1].in_flight == 1 and all(s.in_flight == plan.nm for s in vw.stages[:-1])
+    assert plan.nm == min(vw.nm_max for vw in plan.virtual_workers)
+    assert (
+        plan.predicted.throughput <= len(plan.virtual_workers) * min(plan.predicted.per_vw) + 1e-6
+    )
+
+
+@pytest.mark.parametrize("policy", ["np", "ed", "hd", "auto"])
+@pytest.mark.parametrize("model", ["vgg16", "resnet50", "gnmt"])
+def test_pipedream_profiles_plan_under_every_policy(
+    paper: Cluster, model: str, policy: str
+) -> None:
+    prof = import_pipedream(PIPEDREAM / model / "graph.txt")
+    plan = make_plan(paper, [prof], policy=policy)
+    _check(plan)
+    assert plan.batch_size == 64 and plan.model == model
+    assert all("scaled" in v or "assumed" in v for v in plan.profiles.values())
+    assert Plan.from_dict(plan.to_dict()).to_dict() == plan.to_dict()
+
+
+def test_table3_and_milp_equals_dp(paper: Cluster) -> None:
+    profs = synthetic_profiles(40, TYPES, seed=4)
+    for policy, sig in (("np", ["VVVV", "RRRR", "GGGG", "QQQQ"]), ("hd", None)):
+        milp = make_plan(paper, profs, policy=policy)
+        dp = make_plan(paper, profs, policy=policy, options=PlanOptions(partitioner="dp"))
+        if sig:
+            assert [vw.signature for vw in milp.virtual_workers] == sig
+        for a, b in zip(milp.virtual_workers, dp.virtual_workers, strict=True):
+            assert max(s.time_ms for s in a.stages) == pytest.approx(
+                max(s.time_ms for s in b.stages), rel=1e-6
+            )
+
+
+def test_nm_cap_and_staleness(paper: Cluster) -> None:
+    profs = synthetic_profiles(30, TYPES, seed=2)
+    plan = make_plan(paper, profs, policy="ed", nm=2, D=3)
+    assert (
+        plan.nm == 2 and plan.local_staleness == 1 and plan.global_staleness == (3 + 1) * 2 + 2 - 2
+    )
+
+
+def test_local_placement_only_for_ed(paper: Cluster) -> None:
+    profs = synthetic_profiles(30, TYPES, seed=2)
+    ed = make_plan(paper, profs, policy="ed", placement="local")
+    ed_default = make_plan(paper, profs, policy="ed")
+    # local placement: no push/pull crosses a node
+    assert all(
+        v.cross_node_bytes_per_wave <= d.cross_node_bytes_per_wave
+        for v, d in zip(ed.virtual_workers, ed_default.virtual_workers, strict=True)
+    )
+    assert (
+        sum(s.param_bytes for s in ed.shards) == sum(s.param_bytes for s in ed_default.shards) > 0
+    )
+    with pytest.raises(PlanError, match="placement 'local'"):
+        make_plan(paper, profs, policy="np", placement="local")
+
+
+def test_model_that_fits_no_vw(paper: Cluster) -> None:
+    profs = synthetic_profiles(12, TYPES, seed=1, act_mib=40000.0)
+    with pytest.raises(PlanError, match=r"VW 0 \(\w+\) cannot hold .* shortfall"):
+        make_plan(paper, profs, policy="np")
+
+
+def test_profile_mismatch(paper: Cluster) -> None:
+    profs = synthetic_profiles(12, TYPES, seed=1)
+    with pytest.raises(ProfileError, match="not 'vgg19'"):
+        make_plan(paper, profs, model="vgg19")
+    with pytest.raises(ProfileError, match="batch size"):
+        make_plan(paper, profs, batch_size=7)
+
+
+def test_unknown_gpu_without_profile() -> None:
+    cl = parse_cluster({"nodes": [{"name": "a", "gpu": "Mystery", "memory": "8GiB", "count": 2}]})
+    profs = synthetic_profiles(12, ("TITAN V",), seed=1)
+    with pytest.raises(ProfileError, match="Mystery"):
+        make_plan(cl, profs, policy="np")
+
+
+def test_vw_throughput_formula() -> None:
+    assert vw_throughput([10.0, 10.0], nm=1, batch_size=32) == pytest.approx(32 * 1000 / 20)
+    assert vw_throughput([10.0, 10.0], nm=4, batch_size=32) == pytest.approx(32 * 1000 / 10)
