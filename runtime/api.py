@@ -1,0 +1,131 @@
+"""Python API: everything ``hetpipe run`` does, with the user's own model, data and loss.
+
+Example::
+
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+    import hetpipe
+
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    data = TensorDataset(torch.randn(256, 8), torch.randint(0, 4, (256,)))
+    result = hetpipe.train(model, data, nn.functional.cross_entropy, stages=2, nm=2, batch_size=16, steps=20)
+    print(result.throughput, result.losses[-1])
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+from torch.utils.data import Dataset, default_collate
+
+from planner.cluster import Cluster, load_cluster
+from planner.plan import Plan, load_plan
+from profiler.errors import ConfigError
+from profiler.graph import ModelGraph
+from runtime.config import LossFn, ModelSource, OptimizerConfig, RunConfig
+from runtime.launcher import launch
+from runtime.metrics import RunResult
+from runtime.model import resolve_source
+from runtime.plans import balanced_cuts, manual_plan
+
+__all__ = ["make_single_vw_plan", "train"]
+
+
+def make_single_vw_plan(
+    source: ModelSource,
+    batch_size: int,
+    nm: int,
+    cluster: Cluster | None = None,
+    stages: int = 0,
+    cuts: tuple[int, ...] | None = None,
+) -> Plan:
+    """A one-VW plan: ``planner.planner.make_plan`` when available and no cuts are forced, else
+    a hand-made plan splitting the parameters evenly over ``stages`` devices of ``cluster``."""
+    if cluster is not None and cuts is None and not stages and source.ref is not None:
+        try:
+            from planner.planner import make_plan  # type: ignore[import-not-found,unused-ignore]
+        except ImportError:
+            pass
+        else:
+            return make_plan(source.ref, cluster, batch_size=batch_size, nm=nm)  # type: ignore[no-any-return]
+    spec = resolve_source(source, batch_size, meta=source.module is None)
+    graph = ModelGraph.from_spec(spec)
+    n = stages or (len(cuts) + 1 if cuts is not None else len(cluster.devices) if cluster is not None else 1)
+    chosen = tuple(cuts) if cuts is not None else balanced_cuts(graph, n)
+    return manual_plan(graph, chosen, source.name, batch_size, nm, cluster)
+
+
+def train(
+    model: nn.Module | str,
+    dataset: Dataset[Any] | None = None,
+    loss_fn: LossFn | None = None,
+    *,
+    plan: Plan | str | os.PathLike[str] | None = None,
+    cluster: Cluster | str | os.PathLike[str] | None = None,
+    stages: int = 0,
+    cuts: tuple[int, ...] | None = None,
+    batch_size: int = 32,
+    nm: int = 0,
+    optimizer: OptimizerConfig | None = None,
+    steps: int = 0,
+    epochs: float = 0.0,
+    time_limit_s: float = 0.0,
+    seed: int = 0,
+    out_dir: str | os.PathLike[str] | None = None,
+    progress: bool = False,
+    return_state: bool = True,
+    timeout_s: float = 30.0,
+    emulate: bool = True,
+) -> RunResult:
+    """Train ``model`` on one virtual worker, one process per stage on this host.
+
+    Args:
+        model: an ``nn.Module`` (traceable with ``torch.fx``) or a model reference (``mlp``).
+        dataset: items ``(inputs, target)``; ``None`` = the built-in default data.
+        loss_fn: ``loss(outputs, targets)``; ``None`` = the model spec's (cross-entropy).
+        plan: a plan (object or file); its batch size and Nm are used.
+        cluster: cluster (object or cluster.yaml) to plan on when no plan is given.
+        stages: number of stages when no plan is given (default: one per cluster device).
+        cuts: force these cut points (layer indices) when no plan is given.
+        batch_size: samples per minibatch when no plan is given.
+        nm: minibatches in flight (0 = the plan's, or 1).
+        optimizer: optimizer and schedule (default SGD, lr 0.05).
+        steps, epochs, time_limit_s: run length (see :class:`RunConfig`).
+        seed: weights (for references) and data order.
+        out_dir: run directory for metrics, calibration cache and logs.
+        progress: show a progress bar.
+        return_state: return the final parameters (``result.state_dict()``).
+        timeout_s: timeout of every process-group operation.
+        emulate: pace emulated devices and cap their memory.
+
+    Returns:
+        The :class:`RunResult` (losses, throughput, per-stage measurements, final weights).
+
+    Raises:
+        HetPipeError: invalid inputs or a failed run (naming the rank, VW and stage).
+    """
+    if isinstance(model, str):
+        source = ModelSource(ref=model, loss=loss_fn)
+    else:
+        if dataset is None:
+            raise ConfigError("a user nn.Module needs a dataset (items are (inputs, target))")
+        if len(dataset) < batch_size:  # type: ignore[arg-type]
+            raise ConfigError(f"the data set has {len(dataset)} samples, fewer than batch_size={batch_size}")  # type: ignore[arg-type]
+        xs, y = default_collate([dataset[i] for i in range(batch_size)])
+        inputs = tuple(xs) if isinstance(xs, (tuple, list)) else (xs,)
+        source = ModelSource(module=model, sample_inputs=inputs, sample_targets=y, loss=loss_fn)
+    if plan is None:
+        cl = load_cluster(cluster) if isinstance(cluster, (str, os.PathLike)) else cluster
+        the_plan = make_single_vw_plan(source, batch_size, nm or 1, cl, stages, cuts)
+    else:
+        the_plan = load_plan(plan) if isinstance(plan, (str, os.PathLike)) else plan
+    run = RunConfig(
+        steps=steps, epochs=epochs, time_limit_s=time_limit_s, seed=seed, nm=nm,
+        out_dir=Path(out_dir) if out_dir is not None else None, timeout_s=timeout_s, emulate=emulate,
+        return_state=return_state, progress=progress,
+    )
+    return launch(the_plan, source, optimizer, run, dataset)

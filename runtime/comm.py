@@ -1,0 +1,198 @@
+"""Point-to-point transport of the tensors crossing a cut (skip connections included).
+
+Stage ``s`` sends each forward message to stage ``s+1`` as a header (the 1-based minibatch
+number, or ``-1`` = no more minibatches) followed by every crossing tensor, each on its own
+tag, always in the same order; stage ``s+1`` sends back one gradient per floating-point
+crossing tensor (zeros when it does not depend on it), in backward order. Sends are
+asynchronous (``isend``) so they overlap the next task; receives are posted by one thread
+per direction, which hands complete messages to the stage's inbox, so the scheduler sees
+arrivals in order and never polls. Shapes and dtypes come from the traced graph, so no
+metadata travels.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from profiler.errors import ModelError
+from profiler.graph import ModelGraph
+
+__all__ = ["Channel", "Event", "GradReceiver", "TensorSpec", "cut_specs", "start_activation_receiver"]
+
+log = logging.getLogger(__name__)
+
+STOP = -1
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of one tensor crossing a cut."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def is_float(self) -> bool:
+        """Whether a gradient flows back for it."""
+        return self.dtype.is_floating_point
+
+    def empty(self) -> Tensor:
+        """A receive buffer."""
+        return torch.empty(self.shape, dtype=self.dtype)
+
+
+def cut_specs(graph: ModelGraph, cut: int) -> tuple[TensorSpec, ...]:
+    """The tensors crossing cut ``cut`` in the order stage modules use (``graph.cut_names``).
+
+    Raises:
+        ModelError: a crossing value is not a single tensor (e.g. a tuple output).
+    """
+    nodes = list(graph.gm.graph.nodes)
+    specs = []
+    for i in graph.crossing[cut]:
+        meta = nodes[i].meta.get("tensor_meta")
+        if meta is None or not hasattr(meta, "shape"):
+            raise ModelError(
+                f"layer {graph.layers[i].name!r} crosses cut {cut} but its output is not a single tensor; "
+                "move the cut so it does not separate a tuple from its getitem"
+            )
+        specs.append(TensorSpec(graph.layers[i].name, tuple(int(d) for d in meta.shape), meta.dtype))
+    return tuple(specs)
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something the stage's inbox received.
+
+    Attributes:
+        kind: ``act`` (activations of ``mb``), ``grad`` (gradients of ``mb``), ``stop`` (no
+            more minibatches) or ``error`` (a receive failed; ``error`` holds the exception).
+    """
+
+    kind: str
+    mb: int = 0
+    tensors: tuple[Tensor, ...] = ()
+    error: BaseException | None = None
+
+
+class Channel:
+    """Sending side towards one peer, with the asynchronous sends still in flight.
+
+    Args:
+        peer: global rank of the peer.
+        specs: tensors crossing the cut between the two stages.
+        group: process group (default group if ``None``).
+    """
+
+    def __init__(self, peer: int, specs: tuple[TensorSpec, ...], group: Any = None) -> None:
+        self.peer = peer
+        self.specs = specs
+        self.group = group
+        self._pending: list[tuple[Any, Tensor]] = []
+
+    def _isend(self, t: Tensor, tag: int) -> None:
+        t = t.detach().contiguous()
+        work = dist.isend(t, self.peer, group=self.group, tag=tag)
+        self._pending.append((work, t))  # keep the buffer alive until the send completes
+
+    def _prune(self) -> None:
+        self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
+
+    def send_activations(self, mb: int, tensors: tuple[Tensor, ...]) -> None:
+        """Post the header and the crossing tensors of minibatch ``mb``."""
+        self._prune()
+        self._isend(torch.tensor([mb], dtype=torch.int64), 0)
+        for i, t in enumerate(tensors):
+            self._isend(t, i + 1)
+
+    def send_stop(self) -> None:
+        """Tell the next stage no more minibatches come."""
+        self._isend(torch.tensor([STOP], dtype=torch.int64), 0)
+
+    def send_grads(self, grads: list[Tensor | None]) -> None:
+        """Post one gradient per floating-point crossing tensor (``None`` -> zeros)."""
+        self._prune()
+        floats = [s for s in self.specs if s.is_float]
+        for i, (spec, g) in enumerate(zip(floats, grads, strict=True)):
+            self._isend(g if g is not None else torch.zeros(spec.shape, dtype=spec.dtype), i + 1)
+
+    def flush(self) -> None:
+        """Wait for every posted send."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+
+
+def _recv(spec_buffers: list[Tensor], peer: int, group: Any) -> None:
+    for i, buf in enumerate(spec_buffers):
+        dist.recv(buf, peer, group=group, tag=i + 1)
+
+
+def start_activation_receiver(
+    peer: int, specs: tuple[TensorSpec, ...], inbox: queue.Queue[Event], group: Any = None
+) -> threading.Thread:
+    """Receive forward messages from ``peer`` until the stop header, into ``inbox``."""
+
+    def loop() -> None:
+        try:
+            while True:
+                header = torch.empty(1, dtype=torch.int64)
+                dist.recv(header, peer, group=group, tag=0)
+                mb = int(header.item())
+                if mb == STOP:
+                    inbox.put(Event("stop"))
+                    return
+                bufs = [s.empty() for s in specs]
+                _recv(bufs, peer, group)
+                inbox.put(Event("act", mb, tuple(bufs)))
+        except Exception as exc:  # a dead peer or a timeout: hand it to the stage loop
+            inbox.put(Event("error", error=exc))
+
+    thread = threading.Thread(target=loop, name=f"recv-act-from-{peer}", daemon=True)
+    thread.start()
+    return thread
+
+
+class GradReceiver:
+    """Receives one gradient message from ``peer`` per activation message sent to it.
+
+    Call :meth:`expect` after each forward send and :meth:`close` when no more come.
+    """
+
+    def __init__(self, peer: int, specs: tuple[TensorSpec, ...], inbox: queue.Queue[Event], group: Any = None):
+        self._floats = [s for s in specs if s.is_float]
+        self._expected: queue.Queue[int] = queue.Queue()
+        self._peer = peer
+        self._group = group
+        self._inbox = inbox
+        self.thread = threading.Thread(target=self._loop, name=f"recv-grad-from-{peer}", daemon=True)
+        self.thread.start()
+
+    def expect(self, mb: int) -> None:
+        """Gradients of minibatch ``mb`` will come (in increasing ``mb`` order)."""
+        self._expected.put(mb)
+
+    def close(self) -> None:
+        """No more gradients: end the thread."""
+        self._expected.put(STOP)
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                mb = self._expected.get()
+                if mb == STOP:
+                    return
+                bufs = [s.empty() for s in self._floats]
+                _recv(bufs, self._peer, self._group)
+                self._inbox.put(Event("grad", mb, tuple(bufs)))
+        except Exception as exc:  # a dead peer or a timeout: hand it to the stage loop
+            self._inbox.put(Event("error", error=exc))

@@ -1,0 +1,138 @@
+"""Run settings shared by the launcher, the stage workers and the Python API.
+
+Everything here is a frozen dataclass that pickles cleanly into spawned processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor, nn
+
+from profiler.errors import ConfigError
+
+__all__ = ["LossFn", "ModelSource", "OptimizerConfig", "RunConfig"]
+
+LossFn = Callable[[Any, Tensor], Tensor]
+
+_OPTIMIZERS = ("sgd", "adam")
+_SCHEDULES = ("constant", "step", "cosine", "warmup")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Per-stage optimizer and learning-rate schedule (one update per minibatch).
+
+    Attributes:
+        name: ``sgd`` or ``adam``.
+        lr: base learning rate.
+        momentum: SGD momentum (0 = plain SGD).
+        weight_decay: L2 weight decay (both optimizers).
+        betas: Adam betas.
+        eps: Adam epsilon.
+        schedule: ``constant``; ``step`` (multiply by ``gamma`` every ``step_size`` updates);
+            ``cosine`` (to 0 over ``total_updates``); ``warmup`` (linear from 0 over
+            ``warmup`` updates, then constant).
+        gamma: decay factor of the ``step`` schedule.
+        step_size: updates between decays of the ``step`` schedule.
+        warmup: updates of linear warm-up.
+        total_updates: horizon of the ``cosine`` schedule (0 = the run's step count).
+    """
+
+    name: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    schedule: str = "constant"
+    gamma: float = 0.1
+    step_size: int = 100
+    warmup: int = 0
+    total_updates: int = 0
+
+    def __post_init__(self) -> None:
+        if self.name not in _OPTIMIZERS:
+            raise ConfigError(f"optimizer {self.name!r} is not supported: use one of {_OPTIMIZERS}")
+        if self.schedule not in _SCHEDULES:
+            raise ConfigError(f"lr schedule {self.schedule!r} is not supported: use one of {_SCHEDULES}")
+        if self.lr <= 0:
+            raise ConfigError(f"learning rate must be positive, got {self.lr}")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a stage process gets its model from.
+
+    Exactly one of ``ref`` (a built-in name or ``package.module:factory``, rebuilt in each
+    process on the meta device when possible) and ``module`` (the user's module, pickled
+    into each process) is set.
+
+    Attributes:
+        ref: model reference for :func:`profiler.models.resolve_model`.
+        module: the user's model.
+        sample_inputs: one minibatch of inputs for tracing ``module``.
+        sample_targets: one minibatch of targets for ``module``.
+        loss: loss function; ``None`` = the model spec's (cross-entropy by default).
+    """
+
+    ref: str | None = None
+    module: nn.Module | None = None
+    sample_inputs: tuple[Tensor, ...] = ()
+    sample_targets: Tensor | None = None
+    loss: LossFn | None = None
+
+    def __post_init__(self) -> None:
+        if (self.ref is None) == (self.module is None):
+            raise ConfigError("give a model reference (e.g. 'mlp') or an nn.Module, not both or neither")
+        if self.module is not None and not self.sample_inputs:
+            raise ConfigError("a user nn.Module needs sample inputs (one minibatch) to be traced and split")
+
+    @property
+    def name(self) -> str:
+        """Display name of the model."""
+        return self.ref if self.ref is not None else type(self.module).__name__
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """How long and how to run.
+
+    Attributes:
+        steps: minibatches per virtual worker (0 = derived from ``epochs``).
+        epochs: passes over the data set (used when ``steps`` is 0).
+        time_limit_s: stop admitting minibatches after this many seconds (0 = none).
+        seed: seeds the initial weights and the data order.
+        nm: minibatches in flight (0 = the plan's Nm).
+        out_dir: run directory (metrics CSV, calibration cache, final weights); ``None`` = none.
+        timeout_s: timeout of every process-group operation; a rank stuck this long fails.
+        emulate: pace emulated devices and enforce their memory caps.
+        return_state: send every stage's final parameters back to the caller.
+        progress: show a progress bar.
+        log_every: minibatches between metric log lines.
+    """
+
+    steps: int = 0
+    epochs: float = 0.0
+    time_limit_s: float = 0.0
+    seed: int = 0
+    nm: int = 0
+    out_dir: Path | None = None
+    timeout_s: float = 30.0
+    emulate: bool = True
+    return_state: bool = False
+    progress: bool = False
+    log_every: int = 10
+
+    def __post_init__(self) -> None:
+        if self.steps < 0 or self.epochs < 0 or self.time_limit_s < 0:
+            raise ConfigError(
+                f"--steps/--epochs/--time-limit must be >= 0, got {self.steps}/{self.epochs}/{self.time_limit_s}"
+            )
+        if self.nm < 0:
+            raise ConfigError(f"--nm must be >= 1 (or 0 for the plan's), got {self.nm}")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"timeout must be positive, got {self.timeout_s}")

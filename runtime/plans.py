@@ -1,0 +1,107 @@
+"""Single-virtual-worker plans made by hand (given cuts) for tests, benchmarks and the API.
+
+The planner (``planner.planner.make_plan``) is the real source of plans; this module only
+fills a :class:`planner.plan.Plan` for one VW with chosen cut points, so the runtime can run
+without a profile. Stage times are left at 0 (no prediction) unless given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from planner.cluster import Cluster, Device, Emulation, Link, Node
+from planner.plan import GpuSlot, Plan, Prediction, StagePlan, VirtualWorker
+from profiler.errors import PlanError
+from profiler.graph import ModelGraph
+
+__all__ = ["balanced_cuts", "cpu_cluster", "manual_plan"]
+
+
+def balanced_cuts(graph: ModelGraph, n_stages: int) -> tuple[int, ...]:
+    """Cut points splitting the layers with parameters into ``n_stages`` groups of similar bytes.
+
+    Raises:
+        PlanError: fewer layers than stages.
+    """
+    n = len(graph.layers)
+    if n_stages < 1 or n_stages > n - 1:
+        raise PlanError(f"cannot split {n} layers into {n_stages} stages")
+    if n_stages == 1:
+        return ()
+    cum: list[int] = []
+    acc = 0
+    for lay in graph.layers:
+        acc += max(lay.param_bytes, 1)
+        cum.append(acc)
+    cuts: list[int] = []
+    for k in range(1, n_stages):
+        c = next(i + 1 for i in range(n) if cum[i] >= acc * k / n_stages)
+        c = max(c, cuts[-1] + 1 if cuts else 1)
+        cuts.append(min(c, n - n_stages + k))
+    return tuple(cuts)
+
+
+def cpu_cluster(n: int, speed: float = 0.0, memory_bytes: int = 1 << 30) -> Cluster:
+    """A cluster of ``n`` CPU devices on one node (emulated at ``speed`` when > 0)."""
+    emu = Emulation(speed, memory_bytes) if speed > 0 else None
+    node = Node("cpu", "localhost", "CPU", "C", n, memory_bytes, emu)
+    return Cluster("cpu", (node,), Link(1e9, 1e-5), Link(1e9, 1e-5))
+
+
+def manual_plan(
+    graph: ModelGraph,
+    cuts: Sequence[int],
+    model: str,
+    batch_size: int,
+    nm: int,
+    cluster: Cluster | None = None,
+    devices: Sequence[Device] | None = None,
+    fwd_ms: Sequence[float] = (),
+    bwd_ms: Sequence[float] = (),
+) -> Plan:
+    """A one-VW plan running ``graph`` split at ``cuts`` on the first devices of ``cluster``.
+
+    Args:
+        graph: the model graph.
+        cuts: cut points (``len(cuts) + 1`` stages).
+        model: model reference stored in the plan.
+        batch_size: samples per minibatch.
+        nm: minibatches in flight.
+        cluster: the cluster (default: CPU devices, one per stage).
+        devices: the devices in pipeline order (default: the cluster's first ones).
+        fwd_ms, bwd_ms: per-stage times, if known (for the predicted throughput).
+
+    Raises:
+        PlanError: more stages than devices.
+    """
+    n_stages = len(cuts) + 1
+    cluster = cluster or cpu_cluster(n_stages)
+    devs = list(devices) if devices is not None else list(cluster.devices[:n_stages])
+    if len(devs) < n_stages:
+        raise PlanError(f"{n_stages} stages need {n_stages} devices; the cluster has {len(devs)}")
+    bounds = [0, *cuts, len(graph.layers)]
+    gpus = tuple(
+        GpuSlot(d.node, d.index, d.type, d.emulation.memory_bytes if d.emulation else d.memory_bytes,
+                d.emulation.speed if d.emulation else 0.0)
+        for d in devs[:n_stages]
+    )
+    stages = []
+    for s in range(n_stages):
+        lo, hi = bounds[s], bounds[s + 1] - 1
+        stages.append(
+            StagePlan(
+                gpu=s, first_layer=graph.layers[lo].name, last_layer=graph.layers[hi].name, first_index=lo,
+                last_index=hi, fwd_ms=fwd_ms[s] if fwd_ms else 0.0, bwd_ms=bwd_ms[s] if bwd_ms else 0.0,
+                recv_fwd_ms=0.0, recv_bwd_ms=0.0, recv_bytes=graph.cut_bytes(lo) if s else 0,
+                send_bytes=graph.cut_bytes(bounds[s + 1]) if s < n_stages - 1 else 0,
+                param_bytes=sum(lay.param_bytes for lay in graph.layers[lo : hi + 1]),
+                in_flight=1 if s == n_stages - 1 else nm, memory_bytes=0, capacity_bytes=gpus[s].memory_bytes,
+            )
+        )
+    slowest = max((st.fwd_ms + st.bwd_ms for st in stages), default=0.0)
+    throughput = batch_size / (slowest / 1e3) if slowest > 0 else 0.0
+    vw = VirtualWorker(0, gpus, tuple(stages), nm_max=nm, throughput=throughput)
+    return Plan(
+        model=model, batch_size=batch_size, policy="manual", nm=nm, D=0, placement="none", cluster=cluster,
+        virtual_workers=(vw,), shards=(), predicted=Prediction(throughput, (throughput,)), num_layers=len(graph.layers),
+    )

@@ -1,0 +1,164 @@
+"""Exact local staleness with weight stashing (paper Sec. 4, made deterministic).
+
+Minibatch ``p`` runs on every stage with exactly the weights ``w0 + u1 + ... + u(p-Nm)``
+(:func:`planner.wsp.local_version`). A stage applies its update ``u_q`` right after the
+backward pass of minibatch ``q`` to its *master* parameters with a real ``torch.optim``
+optimizer; the versions still needed by in-flight or future minibatches are kept
+copy-on-write: before the master moves on, its current storage is handed to the old
+version and the master continues on a fresh copy. At any time a stage therefore holds
+exactly ``Nm`` weight versions (the master plus ``Nm - 1`` stashed ones), the
+``(Nm - 1) * param_bytes`` term of the planner's memory model.
+
+A forward pass uses leaf tensors that alias a version's storage (``param.data``, with their
+own autograd version counter), so the backward pass of the same minibatch differentiates
+with respect to the version its forward used (weight stashing).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from planner.wsp import local_version
+from profiler.errors import HetPipeRuntimeError
+from runtime.config import OptimizerConfig
+
+__all__ = ["VersionedWeights", "build_optimizer", "lr_at"]
+
+
+def lr_at(cfg: OptimizerConfig, update: int, total_updates: int = 0) -> float:
+    """Learning rate of the ``update``-th update (0-based) under ``cfg``'s schedule.
+
+    Args:
+        cfg: optimizer settings.
+        update: number of updates applied before this one.
+        total_updates: run length, used by ``cosine`` when ``cfg.total_updates`` is 0.
+    """
+    if cfg.schedule == "step":
+        return cfg.lr * cfg.gamma ** (update // max(1, cfg.step_size))
+    if cfg.schedule == "cosine":
+        horizon = cfg.total_updates or total_updates or 1
+        return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * min(update, horizon) / horizon))
+    if cfg.schedule == "warmup" and update < cfg.warmup:
+        return cfg.lr * (update + 1) / cfg.warmup
+    return cfg.lr
+
+
+def build_optimizer(params: list[nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """The ``torch.optim`` optimizer ``cfg`` describes, over ``params``."""
+    if cfg.name == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+class VersionedWeights:
+    """The weight versions of one stage and its optimizer.
+
+    Call :meth:`acquire` at the start of each forward pass (minibatches in increasing
+    order), :meth:`gradients_for` for the backward pass, and :meth:`update` after each
+    backward pass (in the same order) with the minibatch's gradients.
+
+    Args:
+        params: the stage's master parameters, by name.
+        nm: minibatches in flight (local staleness ``nm - 1``).
+        cfg: optimizer settings.
+        total_updates: run length (for the ``cosine`` schedule).
+    """
+
+    def __init__(
+        self, params: dict[str, nn.Parameter], nm: int, cfg: OptimizerConfig, total_updates: int = 0
+    ) -> None:
+        self.master = params
+        self.nm = nm
+        self.cfg = cfg
+        self.total_updates = total_updates
+        self.optimizer = build_optimizer(list(params.values()), cfg) if params else None
+        self.version = 0  # updates applied to the master
+        self._versions: dict[int, dict[str, Tensor]] = {}
+        self._users: dict[int, int] = {}
+        self._last_acquired = 0
+        self._mb_version: dict[int, int] = {}
+        self.param_bytes = sum(p.numel() * p.element_size() for p in params.values())
+
+    # ------------------------------------------------------------ versions
+
+    def _last_user(self, v: int) -> int:
+        """The last minibatch that runs with version ``v``."""
+        return self.nm if v == 0 else v + self.nm
+
+    def acquire(self, mb: int) -> dict[str, Tensor]:
+        """Leaf tensors of the version minibatch ``mb`` uses (``w0 + u1..u(mb-Nm)``).
+
+        Raises:
+            HetPipeRuntimeError: minibatches out of order or a version that was not kept.
+        """
+        if mb != self._last_acquired + 1:
+            raise HetPipeRuntimeError(f"forward of minibatch {mb} after {self._last_acquired}: out of order")
+        v = local_version(mb, self.nm)
+        if v not in self._versions:
+            if v != self.version:
+                raise HetPipeRuntimeError(
+                    f"minibatch {mb} needs weight version {v} but the stage is at {self.version} "
+                    "and did not keep it (scheduler violated the Nm bound)"
+                )
+            self._versions[v] = {n: p.data.requires_grad_() for n, p in self.master.items()}
+        self._users[v] = self._users.get(v, 0) + 1
+        self._mb_version[mb] = v
+        self._last_acquired = mb
+        return self._versions[v]
+
+    def leaves(self, mb: int) -> dict[str, Tensor]:
+        """The leaf tensors minibatch ``mb``'s forward used."""
+        return self._versions[self._mb_version[mb]]
+
+    def _release(self, mb: int) -> None:
+        v = self._mb_version.pop(mb)
+        self._users[v] -= 1
+        if self._users[v] == 0:
+            del self._users[v]
+            if self._last_acquired >= self._last_user(v):
+                del self._versions[v]
+
+    def update(self, mb: int, grads: dict[str, Tensor | None]) -> None:
+        """Release minibatch ``mb``'s version and apply its update ``u_mb`` to the master.
+
+        Args:
+            mb: the minibatch whose backward pass just finished (in increasing order).
+            grads: gradient of the loss with respect to each parameter (``None`` = unused).
+
+        Raises:
+            HetPipeRuntimeError: updates out of order.
+        """
+        if mb != self.version + 1:
+            raise HetPipeRuntimeError(f"update of minibatch {mb} after {self.version}: out of order")
+        self._release(mb)
+        k = self.version
+        if self._last_user(k) > mb:  # version k is still needed: keep its storage, move the master
+            self._versions.setdefault(k, {n: p.data.requires_grad_() for n, p in self.master.items()})
+            for p in self.master.values():
+                p.data = p.data.clone()
+        if self.optimizer is not None:
+            lr = lr_at(self.cfg, k, self.total_updates)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            for name, p in self.master.items():
+                p.grad = grads.get(name)
+            self.optimizer.step()
+            for p in self.master.values():
+                p.grad = None
+        self.version += 1
+
+    @property
+    def stashed_versions(self) -> int:
+        """Weight versions held besides the master's storage."""
+        if not self.master:
+            return 0
+        master_ptr = next(iter(self.master.values())).data_ptr()
+        return sum(1 for leaves in self._versions.values() if next(iter(leaves.values())).data_ptr() != master_ptr)
+
+    @property
+    def stashed_bytes(self) -> int:
+        """Bytes of the stashed versions (``<= (Nm - 1) * param_bytes``)."""
+        return self.stashed_versions * self.param_bytes

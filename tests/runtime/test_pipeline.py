@@ -1,0 +1,79 @@
+"""One virtual worker trained by real processes equals a single-process reference.
+
+Nm = 1 must match a plain PyTorch loop; Nm > 1 a loop whose updates land Nm minibatches late
+(exact local staleness). Losses of every minibatch and the final weights are compared.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from profiler.graph import ModelGraph
+from runtime.config import ModelSource, OptimizerConfig, RunConfig
+from runtime.data import MinibatchSource, default_dataset
+from runtime.launcher import launch
+from runtime.model import reference_module, resolve_source
+from runtime.plans import balanced_cuts, manual_plan
+from tests.runtime.reference import delayed_loop, plain_loop
+
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def _run_and_reference(
+    ref: str, batch_size: int, n_stages: int, nm: int, steps: int, cfg: OptimizerConfig
+) -> None:
+    source = ModelSource(ref=ref)
+    spec = resolve_source(source, batch_size, meta=True)
+    graph = ModelGraph.from_spec(spec)
+    cuts = balanced_cuts(graph, n_stages)
+    plan = manual_plan(graph, cuts, ref, batch_size, nm)
+    result = launch(plan, source, cfg, RunConfig(steps=steps, seed=3, return_state=True, timeout_s=30))
+
+    module, names, loss_fn = reference_module(source, batch_size, seed=3)
+    data = MinibatchSource(
+        default_dataset(ref, spec.inputs, spec.targets, batch_size), batch_size, 3, tuple(spec.targets.shape)
+    )
+    if nm == 1:
+        losses, params = plain_loop(module, data, loss_fn, cfg, steps)
+    else:
+        losses, params = delayed_loop(module, data, loss_fn, cfg, steps, nm)
+    assert result.steps == steps
+    assert len(result.losses) == steps
+    assert_close(torch.tensor(result.losses), torch.tensor(losses), **TOL)
+    state = result.state_dict()
+    assert set(state) == {names[n] for n in params}
+    for n, p in params.items():
+        assert_close(state[names[n]], p, **TOL, msg=lambda m, n=n: f"{n}: {m}")
+    assert max(s.max_in_flight for s in result.stages) <= nm
+    assert result.stages[-1].max_in_flight == 1
+
+
+def test_mlp_three_stages_nm1_equals_plain_loop() -> None:
+    _run_and_reference("mlp", 16, 3, 1, 8, OptimizerConfig(lr=0.1, momentum=0.9, weight_decay=1e-4))
+
+
+@pytest.mark.parametrize("nm", [2, 4])
+def test_mlp_four_stages_delayed_updates(nm: int) -> None:
+    cfg = OptimizerConfig(name="adam", lr=1e-3, schedule="cosine")
+    _run_and_reference("mlp", 8, 4, nm, 10, cfg)
+
+
+def test_residual_cnn_two_stages_nm2() -> None:
+    _run_and_reference("resnet", 4, 2, 2, 6, OptimizerConfig(lr=0.05, momentum=0.9, schedule="step", step_size=3))
+
+
+def test_transformer_two_stages_nm1_equals_plain_loop() -> None:
+    _run_and_reference("transformer", 2, 2, 1, 5, OptimizerConfig(lr=0.05))
+
+
+def test_pipeline_fills_nm_in_flight() -> None:
+    """With Nm = 3 and 3 stages the first stage really holds 3 minibatches at some point."""
+    source = ModelSource(ref="mlp")
+    spec = resolve_source(source, 8, meta=True)
+    graph = ModelGraph.from_spec(spec)
+    plan = manual_plan(graph, balanced_cuts(graph, 3), "mlp", 8, 3)
+    result = launch(plan, source, None, RunConfig(steps=12, timeout_s=30))
+    assert result.stages[0].max_in_flight == 3
+    assert [s.steps for s in result.stages] == [12, 12, 12]
