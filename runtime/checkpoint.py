@@ -53,14 +53,12 @@ class LedgerEntry:
     Attributes:
         vw, stage, wave: the tag.
         seq: arrival order at the shard (0-based, over all accepted pushes).
-        checksum: sum of the update's elements (a cheap fingerprint tying the entry to its content).
     """
 
     vw: int
     stage: int
     wave: int
     seq: int
-    checksum: float
 
 
 @dataclass(frozen=True)
@@ -152,11 +150,10 @@ def save_shard_state(state: ShardState, directory: str | os.PathLike[str], keep:
         "shard_id": state.shard_id,
         "clock": state.clock,
         "weights": state.weights.detach().cpu(),
-        # ledger as one int64 tensor [n, 4]: vw, stage, wave, seq; checksums float64 [n]
+        # ledger as one int64 tensor [n, 4]: vw, stage, wave, seq
         "ledger": torch.tensor(
             [[e.vw, e.stage, e.wave, e.seq] for e in state.ledger], dtype=torch.int64
         ).reshape(-1, 4),
-        "checksums": torch.tensor([e.checksum for e in state.ledger], dtype=torch.float64),
         "optimizer": {k: v.detach().cpu() for k, v in state.optimizer.items()},
         "momentum": float(state.momentum),
     }
@@ -173,7 +170,7 @@ def load_shard_state(path: str | os.PathLike[str]) -> ShardState:
     """Read a shard checkpoint written by :func:`save_shard_state`.
 
     Raises:
-        HetPipeRuntimeError: unreadable, wrong kind/version, or inconsistent ledger.
+        HetPipeRuntimeError: unreadable, wrong kind/version, or malformed ledger.
     """
     d = load_checkpoint(path)
     if not isinstance(d, dict) or d.get("kind") != "hetpipe-ps-shard":
@@ -182,19 +179,22 @@ def load_shard_state(path: str | os.PathLike[str]) -> ShardState:
         raise HetPipeRuntimeError(
             f"{path}: checkpoint version {d.get('version')!r} unsupported (expected {CHECKPOINT_VERSION})"
         )
-    led, sums = d["ledger"], d["checksums"]
-    if led.shape[0] != sums.shape[0]:
+    try:
+        led = d["ledger"]
+        if led.dim() != 2 or led.shape[1] != 4:
+            raise HetPipeRuntimeError(
+                f"{path}: ledger has shape {tuple(led.shape)}, expected (n, 4) (corrupt file)"
+            )
+        ledger = tuple(LedgerEntry(*(int(x) for x in row)) for row in led.tolist())
+        weights = d["weights"]
+    except (KeyError, AttributeError, TypeError) as exc:
         raise HetPipeRuntimeError(
-            f"{path}: ledger has {led.shape[0]} tags but {sums.shape[0]} checksums (corrupt file)"
-        )
-    ledger = tuple(
-        LedgerEntry(int(r[0]), int(r[1]), int(r[2]), int(r[3]), float(c))
-        for r, c in zip(led.tolist(), sums.tolist(), strict=True)
-    )
+            f"{path}: malformed shard checkpoint ({exc}); use an older one"
+        ) from None
     return ShardState(
         int(d["shard_id"]),
         int(d["clock"]),
-        d["weights"],
+        weights,
         ledger,
         dict(d["optimizer"]),
         float(d["momentum"]),

@@ -288,7 +288,7 @@ class ShardCore:
             for off, n in self.spec.segments(c):
                 target[off : off + n] += upd[pos : pos + n]
                 pos += n
-            self._ledger.append(LedgerEntry(c.vw, c.stage, self._clock, seq, float(upd.sum())))
+            self._ledger.append(LedgerEntry(c.vw, c.stage, self._clock, seq))
         if self.momentum:
             buf = self._opt["momentum"]
             buf.mul_(self.momentum).add_(target)
@@ -299,12 +299,23 @@ class ShardCore:
         """Whether a pull asking for global clock ``>= min_clock`` can be answered now."""
         return self._clock >= min_clock
 
-    def read(self, vw: int, stage: int) -> torch.Tensor:
-        """Client ``(vw, stage)``'s slice of the global weights (flat, in its message order)."""
+    def read(self, vw: int, stage: int, copy: bool = True) -> torch.Tensor:
+        """Client ``(vw, stage)``'s slice of the global weights (flat, in its message order).
+
+        ``copy=False`` returns a view when the slice is contiguous in the shard (always the
+        case for a stage holding a contiguous range of layers); it changes with the next
+        applied wave, so the caller must be done with it before the next :meth:`push`.
+        """
         segs = self.spec.segments(self.spec.client(vw, stage))
-        return (
-            torch.cat([self._w[off : off + n] for off, n in segs]) if segs else self._w[:0].clone()
-        )
+        if not copy and len(segs) == 1:
+            off, n = segs[0]
+            return self._w[off : off + n]
+        out = torch.empty(sum(n for _, n in segs), dtype=self._w.dtype)
+        pos = 0
+        for off, n in segs:  # copy_ into one buffer: faster than torch.cat on large slices
+            out[pos : pos + n].copy_(self._w[off : off + n])
+            pos += n
+        return out
 
     def weights(self) -> torch.Tensor:
         """A copy of the flat global weights."""
@@ -390,6 +401,12 @@ class ShardServer:
             keep,
         )
         self._sends: list[tuple[dist.Work, torch.Tensor, ClientSpec]] = []
+        # receive buffers, recycled once their wave is applied: fresh multi-MB tensors cost
+        # page faults that are slower than the copy itself
+        self._free: list[queue.SimpleQueue[torch.Tensor]] = [
+            queue.SimpleQueue() for _ in core.spec.clients
+        ]
+        self._held: dict[tuple[int, int], torch.Tensor] = {}  # (client index, wave) -> buffer
         self._prefix = f"[shard {core.spec.id} | rank {core.spec.rank}]"
 
     def _reader(self, idx: int, client: ClientSpec, events: queue.Queue[_Event]) -> None:
@@ -403,7 +420,10 @@ class ShardServer:
                 )
                 op = int(hdr[0])
                 if op == Op.PUSH:
-                    buf = torch.empty(numel, dtype=dtype)
+                    try:
+                        buf = self._free[idx].get_nowait()
+                    except queue.Empty:
+                        buf = torch.empty(numel, dtype=dtype)
                     _wait(
                         irecv(buf, src=client.rank, group=self.group, tag=TAG_PUSH_DATA),
                         self.timeout_s,
@@ -417,10 +437,7 @@ class ShardServer:
                 else:
                     events.put(_Event("error", idx, error=f"unknown request op {op}"))
                     return
-        except (
-            RuntimeError,
-            HetPipeRuntimeError,
-        ) as exc:  # gloo: connection closed by peer, or timeout
+        except (RuntimeError, HetPipeRuntimeError) as exc:  # gloo: peer closed, or timeout
             events.put(_Event("error", idx, error=str(exc).splitlines()[0][:300]))
 
     def _send(self, tensor: torch.Tensor, client: ClientSpec, tag: int) -> None:
@@ -484,7 +501,9 @@ class ShardServer:
             if ev.kind == "error":
                 raise self._lost(c, ev.error)
             if ev.kind == "push" and ev.payload is not None:
+                self._drain_sends(block=True)  # pull replies may be views of the weights
                 res = core.push(c.vw, c.stage, ev.arg, ev.payload, copy=False)
+                self._recycle(ev.client, ev.arg, ev.payload, res.status == Status.OK)
                 ack = torch.tensor([int(res.status), ev.arg, core.clock, 0], dtype=torch.int64)
                 self._send(ack, c, TAG_ACK)
                 if res.applied:
@@ -505,6 +524,15 @@ class ShardServer:
         )
         return core.state()
 
+    def _recycle(self, idx: int, wave: int, buf: torch.Tensor, kept: bool) -> None:
+        """Return receive buffers the core no longer holds (rejected, or their wave applied)."""
+        if kept:
+            self._held[(idx, wave)] = buf
+        else:
+            self._free[idx].put(buf)
+        for key in [k for k in self._held if k[1] < self.core.clock]:
+            self._free[key[0]].put(self._held.pop(key))
+
     def _answer_pulls(self, pulls: list[list[int]]) -> None:
         """Answer each client's waiting pulls, oldest first, while the clock allows."""
         for i, waiting in enumerate(pulls):
@@ -514,7 +542,7 @@ class ShardServer:
                     [int(Status.OK), self.core.clock, waiting.pop(0), 0], dtype=torch.int64
                 )
                 self._send(hdr, c, TAG_PULL_HEADER)
-                self._send(self.core.read(c.vw, c.stage), c, TAG_PULL_DATA)
+                self._send(self.core.read(c.vw, c.stage, copy=False), c, TAG_PULL_DATA)
 
     def _maybe_checkpoint(self, applied: int) -> None:
         if self.checkpoint_dir is None or self.checkpoint_every <= 0:

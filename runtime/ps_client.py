@@ -144,6 +144,7 @@ class PSClient:
         )
         self._pushed: set[int] = set()
         self._own: list[dict[int, torch.Tensor]] = [{} for _ in links]
+        self._spare: list[list[torch.Tensor]] = [[] for _ in links]  # own buffers to reuse
         self._inflight: list[
             tuple[
                 int,
@@ -214,14 +215,21 @@ class PSClient:
             raise HetPipeRuntimeError(
                 f"{self._prefix} push of wave {wave} got {len(updates)} tensors, expected {len(self._shapes)}"
             )
+        for i, (u, shape) in enumerate(zip(updates, self._shapes, strict=True)):
+            if tuple(u.shape) != shape:
+                raise HetPipeRuntimeError(
+                    f"{self._prefix} push of wave {wave}: tensor {i} has shape {tuple(u.shape)}, expected {shape}"
+                )
         self._check_acks(block=False)
         self._pushed.add(wave)
         for k, link in enumerate(self._links):
-            flat = (
-                torch.cat([updates[i].detach().reshape(-1).float() for i in link.order])
-                if link.order
-                else torch.zeros(0)
-            )
+            # one message per shard: its parameters in shard order, in a recycled buffer
+            flat = self._spare[k].pop() if self._spare[k] else torch.empty(link.numel)
+            pos = 0
+            for i in link.order:
+                n = updates[i].numel()
+                flat[pos : pos + n].copy_(updates[i].detach().reshape(-1))
+                pos += n
             self._own[k][wave] = flat
             self._send_push(k, wave, flat)
 
@@ -309,8 +317,11 @@ class PSClient:
                 )
             own = self._own[k]
             for w in sorted(own):
-                if w < clock:
-                    del own[w]  # folded into the global weights
+                if w < clock:  # folded into the global weights (so its send completed): recycle
+                    spare = self._spare[k]
+                    buf = own.pop(w)
+                    if len(spare) < 2:
+                        spare.append(buf)
                 elif include_own:
                     data += own[w]
             clocks.append(clock)

@@ -118,8 +118,15 @@ class ShardSpec:
         raise KeyError(name)
 
     def segments(self, client: ClientSpec) -> list[tuple[int, int]]:
-        """``(offset, numel)`` ranges of ``client``'s parameters in the flat tensor, in its message order."""
-        return [(s.offset, s.numel) for s in (self.slot(n) for n in client.params)]
+        """``(offset, numel)`` ranges of ``client``'s parameters in the flat tensor, in its message
+        order, adjacent ranges merged (a stage's parameters on a shard are usually one range)."""
+        out: list[tuple[int, int]] = []
+        for s in (self.slot(n) for n in client.params):
+            if out and out[-1][0] + out[-1][1] == s.offset:
+                out[-1] = (out[-1][0], out[-1][1] + s.numel)
+            else:
+                out.append((s.offset, s.numel))
+        return out
 
     def client_numel(self, client: ClientSpec) -> int:
         """Length of ``client``'s flat push/pull message."""
