@@ -47,11 +47,11 @@ def make_single_vw_plan(
     a hand-made plan splitting the parameters evenly over ``stages`` devices of ``cluster``."""
     if cluster is not None and cuts is None and not stages and source.ref is not None:
         try:
-            from planner.planner import make_plan  # type: ignore[import-not-found,unused-ignore]
+            from planner.planner import make_plan
         except ImportError:
             pass
         else:
-            return make_plan(source.ref, cluster, batch_size=batch_size, nm=nm)  # type: ignore[no-any-return]
+            return make_plan(cluster, model=source.ref, batch_size=batch_size, nm=nm, num_vws=1, policy="ed")
     spec = resolve_source(source, batch_size, meta=source.module is None)
     graph = ModelGraph.from_spec(spec)
     n = stages or (len(cuts) + 1 if cuts is not None else len(cluster.devices) if cluster is not None else 1)
