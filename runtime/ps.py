@@ -51,6 +51,7 @@ from runtime.ps_layout import (
     ShardSpec,
     make_shard_specs,
     round_robin_assignment,
+    shard_specs_for_layout,
 )
 
 __all__ = [
@@ -67,6 +68,7 @@ __all__ = [
     "isend",
     "make_shard_specs",
     "round_robin_assignment",
+    "shard_specs_for_layout",
 ]
 
 log = logging.getLogger(__name__)

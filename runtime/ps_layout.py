@@ -15,7 +15,14 @@ from dataclasses import dataclass
 
 from profiler.errors import ConfigError
 
-__all__ = ["ClientSpec", "ParamSlot", "ShardSpec", "make_shard_specs", "round_robin_assignment"]
+__all__ = [
+    "ClientSpec",
+    "ParamSlot",
+    "ShardSpec",
+    "make_shard_specs",
+    "round_robin_assignment",
+    "shard_specs_for_layout",
+]
 
 
 @dataclass(frozen=True)
@@ -204,3 +211,54 @@ def make_shard_specs(
         )
         specs.append(ShardSpec(sid, rank, tuple(slots[sid]), tuple(cs), D))
     return tuple(specs)
+
+
+def shard_specs_for_layout(
+    layers: Sequence[tuple[str, Sequence[str]]],
+    param_shapes: Mapping[str, Sequence[int]],
+    shard_layers: Sequence[Sequence[str]],
+    vw_stages: Sequence[Sequence[tuple[int, int]]],
+    shard_ranks: Sequence[int],
+    stage_ranks: Sequence[Sequence[int]],
+    D: int | None = None,
+) -> tuple[ShardSpec, ...]:
+    """Shard specs from the plan's view of the model: layers, shard placement, stage ranges.
+
+    Args:
+        layers: ``(layer name, parameter names it owns)`` for every layer in graph order
+            (``ModelGraph.layers``' ``name`` and ``params``).
+        param_shapes: parameter name -> shape, in model order (``named_parameters()``).
+        shard_layers: layer names held by shard ``i`` (``Plan.shards[i].layers``).
+        vw_stages: per VW, per stage, the inclusive layer-index range ``(first, last)``
+            (``StagePlan.first_index``/``last_index``).
+        shard_ranks: process-group rank of each shard.
+        stage_ranks: process-group rank of each stage of each VW.
+        D: WSP threshold every shard enforces.
+
+    Raises:
+        ConfigError: a layer named by a shard does not exist, a parameter is on no shard, or
+            the layout and rank lists disagree in length.
+    """
+    by_name = {name: tuple(params) for name, params in layers}
+    assignment: dict[str, int] = {}
+    for sid, names in enumerate(shard_layers):
+        for layer in names:
+            if layer not in by_name:
+                raise ConfigError(
+                    f"shard {sid} holds layer {layer!r}, which the model graph does not have; re-run 'hetpipe plan'"
+                )
+            for p in by_name[layer]:
+                assignment[p] = sid
+    if len(shard_ranks) != len(shard_layers) or len(stage_ranks) != len(vw_stages):
+        raise ConfigError(
+            f"{len(shard_layers)} shards and {len(vw_stages)} VWs need as many rank lists, got "
+            f"{len(shard_ranks)} shard ranks and {len(stage_ranks)} VW rank lists"
+        )
+    clients = []
+    for vw, (stages, ranks) in enumerate(zip(vw_stages, stage_ranks, strict=True)):
+        if len(stages) != len(ranks):
+            raise ConfigError(f"vw {vw} has {len(stages)} stages but {len(ranks)} ranks")
+        for s, ((first, last), rank) in enumerate(zip(stages, ranks, strict=True)):
+            names = [p for _, params in layers[first : last + 1] for p in params]
+            clients.append((vw, s, rank, names))
+    return make_shard_specs(param_shapes, assignment, shard_ranks, clients, D)

@@ -18,6 +18,8 @@ import torch.multiprocessing as mp
 
 from planner.wsp import required_global_clock
 from profiler.errors import ConfigError, HetPipeRuntimeError
+from profiler.graph import ModelGraph
+from profiler.models import resolve_model
 from runtime.checkpoint import (
     ShardState,
     load_checkpoint,
@@ -26,7 +28,14 @@ from runtime.checkpoint import (
     save_shard_state,
     shard_checkpoint_path,
 )
-from runtime.ps import ShardCore, ShardSpec, Status, make_shard_specs, round_robin_assignment
+from runtime.ps import (
+    ShardCore,
+    ShardSpec,
+    Status,
+    make_shard_specs,
+    round_robin_assignment,
+    shard_specs_for_layout,
+)
 from tests.runtime._ps_procs import (
     RunConfig,
     param_update,
@@ -116,6 +125,40 @@ def test_spec_rejects_partitions_that_do_not_cover_the_shard() -> None:
         specs(partitions={0: [["a", "b"], ["a", "c", "d"]]})
     with pytest.raises(ConfigError, match="shard 5"):
         make_shard_specs(SHAPES, {"a": 5, "b": 0, "c": 0, "d": 0}, [0], [(0, 0, 1, list(SHAPES))])
+
+
+def test_specs_from_a_plan_layout_on_a_real_model() -> None:
+    """Built-in mlp: layers placed round-robin on 2 shards, two VWs with different stage cuts."""
+    spec = resolve_model("mlp", 8)
+    graph = ModelGraph.from_spec(spec)
+    layers = [(layer.name, layer.params) for layer in graph.layers]
+    shapes = {n: tuple(p.shape) for n, p in spec.module.named_parameters()}
+    with_params = [layer.name for layer in graph.layers if layer.params]
+    shard_layers = [with_params[0::2], with_params[1::2]]
+    last = len(graph.layers) - 1
+    vw_stages = [[(0, 4), (5, last)], [(0, 2), (3, 6), (7, last)]]
+    s0, s1 = shard_specs_for_layout(
+        layers, shapes, shard_layers, vw_stages, [0, 1], [[2, 3], [4, 5, 6]], D=2
+    )
+    assert [p.name for p in s0.params] == [
+        "0.weight",
+        "0.bias",
+        "4.weight",
+        "4.bias",
+        "8.weight",
+        "8.bias",
+    ]
+    assert s0.numel + s1.numel == sum(p.numel() for p in spec.module.parameters())
+    # VW 1 stage 1 runs layers 3..6 (modules 2 and 4): one contiguous range on each shard
+    assert (
+        s0.client(1, 1).params == ("4.weight", "4.bias") and len(s0.segments(s0.client(1, 1))) == 1
+    )
+    assert s1.client(1, 1).params == ("2.weight", "2.bias")
+    assert {c.rank for c in s0.clients} == {2, 3, 4, 5, 6} and s0.D == 2
+    with pytest.raises(ConfigError, match="layer 'nope'"):
+        shard_specs_for_layout(layers, shapes, [["nope"]], vw_stages, [0], [[2, 3], [4, 5, 6]])
+    with pytest.raises(ConfigError, match="3 stages but 2 ranks"):
+        shard_specs_for_layout(layers, shapes, shard_layers, vw_stages, [0, 1], [[2, 3], [4, 5]])
 
 
 # ------------------------------------------------------------------ exactly once
