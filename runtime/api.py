@@ -51,10 +51,14 @@ def make_single_vw_plan(
         except ImportError:
             pass
         else:
-            return make_plan(cluster, model=source.ref, batch_size=batch_size, nm=nm, num_vws=1, policy="ed")
+            return make_plan(
+                cluster, model=source.ref, batch_size=batch_size, nm=nm, num_vws=1, policy="ed"
+            )
     spec = resolve_source(source, batch_size, meta=source.module is None)
     graph = ModelGraph.from_spec(spec)
-    n = stages or (len(cuts) + 1 if cuts is not None else len(cluster.devices) if cluster is not None else 1)
+    n = stages or (
+        len(cuts) + 1 if cuts is not None else len(cluster.devices) if cluster is not None else 1
+    )
     chosen = tuple(cuts) if cuts is not None else balanced_cuts(graph, n)
     return manual_plan(graph, chosen, source.name, batch_size, nm, cluster)
 
@@ -113,8 +117,11 @@ def train(
     else:
         if dataset is None:
             raise ConfigError("a user nn.Module needs a dataset (items are (inputs, target))")
-        if len(dataset) < batch_size:  # type: ignore[arg-type]
-            raise ConfigError(f"the data set has {len(dataset)} samples, fewer than batch_size={batch_size}")  # type: ignore[arg-type]
+        size = len(dataset)  # type: ignore[arg-type]
+        if size < batch_size:
+            raise ConfigError(
+                f"the data set has {size} samples, fewer than batch_size={batch_size}"
+            )
         xs, y = default_collate([dataset[i] for i in range(batch_size)])
         inputs = tuple(xs) if isinstance(xs, (tuple, list)) else (xs,)
         source = ModelSource(module=model, sample_inputs=inputs, sample_targets=y, loss=loss_fn)
@@ -124,8 +131,15 @@ def train(
     else:
         the_plan = load_plan(plan) if isinstance(plan, (str, os.PathLike)) else plan
     run = RunConfig(
-        steps=steps, epochs=epochs, time_limit_s=time_limit_s, seed=seed, nm=nm,
-        out_dir=Path(out_dir) if out_dir is not None else None, timeout_s=timeout_s, emulate=emulate,
-        return_state=return_state, progress=progress,
+        steps=steps,
+        epochs=epochs,
+        time_limit_s=time_limit_s,
+        seed=seed,
+        nm=nm,
+        out_dir=Path(out_dir) if out_dir is not None else None,
+        timeout_s=timeout_s,
+        emulate=emulate,
+        return_state=return_state,
+        progress=progress,
     )
     return launch(the_plan, source, optimizer, run, dataset)

@@ -25,7 +25,14 @@ from torch import Tensor
 from profiler.errors import ModelError
 from profiler.graph import ModelGraph
 
-__all__ = ["Channel", "Event", "GradReceiver", "TensorSpec", "cut_specs", "start_activation_receiver"]
+__all__ = [
+    "Channel",
+    "Event",
+    "GradReceiver",
+    "TensorSpec",
+    "cut_specs",
+    "start_activation_receiver",
+]
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +72,9 @@ def cut_specs(graph: ModelGraph, cut: int) -> tuple[TensorSpec, ...]:
                 f"layer {graph.layers[i].name!r} crosses cut {cut} but its output is not a single tensor; "
                 "move the cut so it does not separate a tuple from its getitem"
             )
-        specs.append(TensorSpec(graph.layers[i].name, tuple(int(d) for d in meta.shape), meta.dtype))
+        specs.append(
+            TensorSpec(graph.layers[i].name, tuple(int(d) for d in meta.shape), meta.dtype)
+        )
     return tuple(specs)
 
 
@@ -168,13 +177,17 @@ class GradReceiver:
     Call :meth:`expect` after each forward send and :meth:`close` when no more come.
     """
 
-    def __init__(self, peer: int, specs: tuple[TensorSpec, ...], inbox: queue.Queue[Event], group: Any = None):
+    def __init__(
+        self, peer: int, specs: tuple[TensorSpec, ...], inbox: queue.Queue[Event], group: Any = None
+    ):
         self._floats = [s for s in specs if s.is_float]
         self._expected: queue.Queue[int] = queue.Queue()
         self._peer = peer
         self._group = group
         self._inbox = inbox
-        self.thread = threading.Thread(target=self._loop, name=f"recv-grad-from-{peer}", daemon=True)
+        self.thread = threading.Thread(
+            target=self._loop, name=f"recv-grad-from-{peer}", daemon=True
+        )
         self.thread.start()
 
     def expect(self, mb: int) -> None:

@@ -58,7 +58,9 @@ class OptimizerConfig:
         if self.name not in _OPTIMIZERS:
             raise ConfigError(f"optimizer {self.name!r} is not supported: use one of {_OPTIMIZERS}")
         if self.schedule not in _SCHEDULES:
-            raise ConfigError(f"lr schedule {self.schedule!r} is not supported: use one of {_SCHEDULES}")
+            raise ConfigError(
+                f"lr schedule {self.schedule!r} is not supported: use one of {_SCHEDULES}"
+            )
         if self.lr <= 0:
             raise ConfigError(f"learning rate must be positive, got {self.lr}")
 
@@ -87,9 +89,13 @@ class ModelSource:
 
     def __post_init__(self) -> None:
         if (self.ref is None) == (self.module is None):
-            raise ConfigError("give a model reference (e.g. 'mlp') or an nn.Module, not both or neither")
+            raise ConfigError(
+                "give a model reference (e.g. 'mlp') or an nn.Module, not both or neither"
+            )
         if self.module is not None and not self.sample_inputs:
-            raise ConfigError("a user nn.Module needs sample inputs (one minibatch) to be traced and split")
+            raise ConfigError(
+                "a user nn.Module needs sample inputs (one minibatch) to be traced and split"
+            )
 
     @property
     def name(self) -> str:

@@ -88,7 +88,10 @@ class SyntheticDataset(Dataset[tuple[Any, Tensor]]):
 
     def __getitem__(self, i: int) -> tuple[Any, Tensor]:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
-        xs = tuple(self._tensor(s, d, gen) for s, d in zip(self.input_shapes, self.input_dtypes, strict=True))
+        xs = tuple(
+            self._tensor(s, d, gen)
+            for s, d in zip(self.input_shapes, self.input_dtypes, strict=True)
+        )
         y = self._tensor(self.target_shape, self.target_dtype, gen)
         return (xs[0] if len(xs) == 1 else xs), y
 

@@ -77,7 +77,9 @@ class Calibration:
     def load(cls, path: Path) -> Calibration:
         """Read a table written by :meth:`save`."""
         d = json.loads(path.read_text(encoding="utf-8"))
-        return cls(str(d["key"]), tuple(float(x) for x in d["fwd_s"]), tuple(float(x) for x in d["bwd_s"]))
+        return cls(
+            str(d["key"]), tuple(float(x) for x in d["fwd_s"]), tuple(float(x) for x in d["bwd_s"])
+        )
 
 
 def _median_s(fn: Callable[[], Any], reps: int) -> float:
@@ -118,7 +120,9 @@ def calibrate(
             last = s == len(stages) - 1
             xs = tuple(x.detach().requires_grad_(x.is_floating_point() and s > 0) for x in inputs)
 
-            def forward(module: torch.nn.Module = module, xs: tuple[Tensor, ...] = xs, last: bool = last) -> Any:
+            def forward(
+                module: torch.nn.Module = module, xs: tuple[Tensor, ...] = xs, last: bool = last
+            ) -> Any:
                 out = module(*xs)
                 return loss_fn(out, targets) if last else out
 
@@ -140,7 +144,9 @@ def calibrate(
         torch.set_num_threads(threads)
 
 
-def load_or_calibrate(path: Path | None, key: str, measure: Callable[[], Calibration]) -> Calibration:
+def load_or_calibrate(
+    path: Path | None, key: str, measure: Callable[[], Calibration]
+) -> Calibration:
     """The cached table at ``path`` if it matches ``key``, else ``measure()`` (cached to ``path``)."""
     if path is not None and path.exists():
         try:
@@ -187,7 +193,10 @@ class SavedBytes:
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         if self._hooks is not None:
             self._hooks.__exit__(exc_type, exc, tb)
@@ -206,7 +215,12 @@ class MemoryMeter:
     """
 
     def __init__(
-        self, where: str, cap_bytes: int, param_bytes: int, buffer_bytes: int, optimizer_state_factor: float
+        self,
+        where: str,
+        cap_bytes: int,
+        param_bytes: int,
+        buffer_bytes: int,
+        optimizer_state_factor: float,
     ) -> None:
         self.where = where
         self.cap_bytes = cap_bytes

@@ -57,14 +57,18 @@ _PRELOAD = [  # imported once by the fork server (the slow, lazily imported part
 _GRACE_S = 3.0  # between SIGTERM and SIGKILL when stopping the other ranks
 
 
-def stage_contexts(plan: Plan, vw: int, nm: int, steps: int, first_rank: int = 0) -> list[StageContext]:
+def stage_contexts(
+    plan: Plan, vw: int, nm: int, steps: int, first_rank: int = 0
+) -> list[StageContext]:
     """The role of every process of virtual worker ``vw`` (global ranks from ``first_rank``).
 
     Raises:
         ConfigError: no such virtual worker.
     """
     if not 0 <= vw < len(plan.virtual_workers):
-        raise ConfigError(f"the plan has {len(plan.virtual_workers)} virtual workers; --vw {vw} does not exist")
+        raise ConfigError(
+            f"the plan has {len(plan.virtual_workers)} virtual workers; --vw {vw} does not exist"
+        )
     worker = plan.virtual_workers[vw]
     cuts = tuple(st.first_index for st in worker.stages[1:])
     n = len(worker.stages)
@@ -73,8 +77,15 @@ def stage_contexts(plan: Plan, vw: int, nm: int, steps: int, first_rank: int = 0
         gpu = worker.gpus[st.gpu]
         out.append(
             StageContext(
-                rank=first_rank + s, vw=vw, stage=s, n_stages=n, nm=nm, cuts=cuts, batch_size=plan.batch_size,
-                device=f"{gpu.node}:{gpu.index}", speed=gpu.speed,
+                rank=first_rank + s,
+                vw=vw,
+                stage=s,
+                n_stages=n,
+                nm=nm,
+                cuts=cuts,
+                batch_size=plan.batch_size,
+                device=f"{gpu.node}:{gpu.index}",
+                speed=gpu.speed,
                 cap_bytes=gpu.memory_bytes if gpu.speed > 0 else 0,
                 optimizer_state_factor=plan.optimizer_state_factor,
                 prev_rank=first_rank + s - 1 if s > 0 else None,
@@ -96,7 +107,9 @@ def total_steps(run: RunConfig, steps_per_epoch: int) -> int:
     return steps_per_epoch
 
 
-def _calibration(plan: Plan, source: ModelSource, contexts: list[StageContext], run: RunConfig) -> Calibration | None:
+def _calibration(
+    plan: Plan, source: ModelSource, contexts: list[StageContext], run: RunConfig
+) -> Calibration | None:
     if not run.emulate or not any(c.speed > 0 for c in contexts):
         return None
     cuts = contexts[0].cuts
@@ -169,12 +182,19 @@ def worker_main(
 ) -> None:
     """Entry point of one stage process (spawned by :func:`launch`)."""
     torch.set_num_threads(1)
-    logging.basicConfig(level=logging.DEBUG if os.environ.get("HETPIPE_DEBUG") else logging.INFO, format=f"%(asctime)s [{ctx.where}] %(levelname)s %(message)s", force=True)
+    logging.basicConfig(
+        level=logging.DEBUG if os.environ.get("HETPIPE_DEBUG") else logging.INFO,
+        format=f"%(asctime)s [{ctx.where}] %(levelname)s %(message)s",
+        force=True,
+    )
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     code = 0
     try:
         dist.init_process_group(
-            "gloo", init_method=init_method, rank=ctx.rank, world_size=world_size,
+            "gloo",
+            init_method=init_method,
+            rank=ctx.rank,
+            world_size=world_size,
             timeout=timedelta(seconds=run.timeout_s),
         )
         try:
@@ -205,11 +225,21 @@ class _Progress:
         self.loss = float("nan")
         self.done = 0
         if enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
 
             self.bar = Progress(
-                TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                TimeElapsedColumn(), transient=False,
+                TextColumn("training"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeElapsedColumn(),
+                transient=False,
             )
             self.task = self.bar.add_task("train", total=total if total < 2**40 else None, info="")
             self.bar.start()
@@ -221,7 +251,11 @@ class _Progress:
             self.done += 1
             if self.bar is not None:
                 rate = self.done * self.batch_size / max(1e-9, time.time() - self.t0)
-                self.bar.update(self.task, completed=self.done, info=f"{rate:.1f} samples/s  loss {self.loss:.4f}")
+                self.bar.update(
+                    self.task,
+                    completed=self.done,
+                    info=f"{rate:.1f} samples/s  loss {self.loss:.4f}",
+                )
 
     def stop(self) -> None:
         if self.bar is not None:
@@ -256,13 +290,17 @@ def launch(
     t_start = time.time()
     nm = run.nm or plan.nm
     spec = resolve_source(source, plan.batch_size, meta=source.module is None)
-    if dataset is None:
-        dataset = None  # each stage builds the default itself
-        ds_len = len(default_dataset(source.name, spec.inputs, spec.targets, plan.batch_size))
-    else:
-        ds_len = len(dataset)
+    # dataset None: each stage builds the built-in default itself
+    ds = (
+        dataset
+        if dataset is not None
+        else default_dataset(source.name, spec.inputs, spec.targets, plan.batch_size)
+    )
+    ds_len = len(ds)  # type: ignore[arg-type]
     if ds_len < plan.batch_size:
-        raise ConfigError(f"the data set has {ds_len} samples, fewer than one minibatch of {plan.batch_size}")
+        raise ConfigError(
+            f"the data set has {ds_len} samples, fewer than one minibatch of {plan.batch_size}"
+        )
     steps = total_steps(run, ds_len // plan.batch_size)
     contexts = stage_contexts(plan, vw, nm, steps)
     if run.out_dir is not None:
@@ -271,7 +309,9 @@ def launch(
     predicted = plan.virtual_workers[vw].throughput
     with tempfile.TemporaryDirectory(prefix="hetpipe-rdzv-") as tmp:
         init_method = f"file://{Path(tmp) / 'rendezvous'}"
-        results = _spawn_and_watch(contexts, source, optimizer, run, dataset, calibration, init_method, fault, steps)
+        results = _spawn_and_watch(
+            contexts, source, optimizer, run, dataset, calibration, init_method, fault, steps
+        )
     result = RunResult(tuple(results), plan.batch_size, nm, predicted, time.time() - t_start)
     if run.out_dir is not None:
         write_metrics(result, run.out_dir)
@@ -309,8 +349,19 @@ def _spawn_and_watch(
         for ctx in contexts:
             p = mpc.Process(
                 target=worker_main,
-                args=(ctx, source, optimizer, run, dataset, calibration, init_method, len(contexts), events,
-                      os.getpid(), fault),
+                args=(
+                    ctx,
+                    source,
+                    optimizer,
+                    run,
+                    dataset,
+                    calibration,
+                    init_method,
+                    len(contexts),
+                    events,
+                    os.getpid(),
+                    fault,
+                ),
                 name=f"hetpipe-vw{ctx.vw}-stage{ctx.stage}",
             )
             p.start()
@@ -321,10 +372,18 @@ def _spawn_and_watch(
         _stop_all(procs)
 
 
-_SECONDARY = ("receive failed", "no message from a neighbour", "Connection closed", "Timed out", "timed out")
+_SECONDARY = (
+    "receive failed",
+    "no message from a neighbour",
+    "Connection closed",
+    "Timed out",
+    "timed out",
+)
 
 
-def _watch(contexts: list[StageContext], procs: dict[int, Any], events: Any, progress: _Progress) -> list[StageResult]:
+def _watch(
+    contexts: list[StageContext], procs: dict[int, Any], events: Any, progress: _Progress
+) -> list[StageResult]:
     by_rank = {c.rank: c for c in contexts}
     results: dict[int, StageResult] = {}
     while len(results) < len(contexts):
@@ -362,14 +421,20 @@ def _root_cause(
     for rank, p in procs.items():
         if rank not in errors and rank not in results and p.exitcode not in (None, 0):
             code = p.exitcode
-            errors[rank] = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            errors[rank] = (
+                f"killed by signal {signal.Signals(-code).name}"
+                if code < 0
+                else f"exited with code {code}"
+            )
     primary = [r for r, m in errors.items() if not any(s in m for s in _SECONDARY)]
     rank = min(primary) if primary else min(errors)
     return _failure(by_rank[rank], errors[rank])
 
 
 def _failure(ctx: StageContext, message: str) -> HetPipeRuntimeError:
-    return HetPipeRuntimeError(f"rank {ctx.rank} (vw {ctx.vw}, stage {ctx.stage}, device {ctx.device}) failed: {message}")
+    return HetPipeRuntimeError(
+        f"rank {ctx.rank} (vw {ctx.vw}, stage {ctx.stage}, device {ctx.device}) failed: {message}"
+    )
 
 
 def _stop_all(procs: dict[int, Any]) -> None:

@@ -122,10 +122,33 @@ def write_metrics(result: RunResult, out_dir: Path) -> Path:
             w.writerow([mb, f"{loss:.6f}", f"{t:.6f}", mb * result.batch_size])
     with (out_dir / "stages.csv").open("w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
-        w.writerow(["vw", "stage", "rank", "device", "busy_s", "wall_s", "busy_fraction", "max_in_flight", "peak_bytes"])
+        w.writerow(
+            [
+                "vw",
+                "stage",
+                "rank",
+                "device",
+                "busy_s",
+                "wall_s",
+                "busy_fraction",
+                "max_in_flight",
+                "peak_bytes",
+            ]
+        )
         for s in result.stages:
-            w.writerow([s.vw, s.stage, s.rank, s.device, f"{s.busy_s:.4f}", f"{s.wall_s:.4f}",
-                        f"{s.busy_fraction:.4f}", s.max_in_flight, s.peak_bytes])
+            w.writerow(
+                [
+                    s.vw,
+                    s.stage,
+                    s.rank,
+                    s.device,
+                    f"{s.busy_s:.4f}",
+                    f"{s.wall_s:.4f}",
+                    f"{s.busy_fraction:.4f}",
+                    s.max_in_flight,
+                    s.peak_bytes,
+                ]
+            )
     _tensorboard(result, out_dir)
     return path
 
@@ -155,8 +178,12 @@ def summary_table(result: RunResult) -> Table:
         table.add_column(col, justify="right")
     for s in result.stages:
         table.add_row(
-            str(s.stage), s.device, f"{s.busy_fraction:.0%}", f"{1 - s.busy_fraction:.0%}",
-            str(s.max_in_flight), f"{s.peak_bytes / 2**20:.2f}",
+            str(s.stage),
+            s.device,
+            f"{s.busy_fraction:.0%}",
+            f"{1 - s.busy_fraction:.0%}",
+            str(s.max_in_flight),
+            f"{s.peak_bytes / 2**20:.2f}",
         )
     if result.losses:
         table.caption = f"loss: first {result.losses[0]:.4f}, last {result.losses[-1]:.4f}"

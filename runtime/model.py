@@ -61,7 +61,8 @@ def _owners(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return [
         (name, m)
         for name, m in module.named_modules()
-        if any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.buffers(recurse=False))
+        if any(True for _ in m.parameters(recurse=False))
+        or any(True for _ in m.buffers(recurse=False))
     ]
 
 
@@ -83,8 +84,16 @@ def _seeded_reset(module: nn.Module, seed: int) -> None:
 def resolve_source(source: ModelSource, batch_size: int, meta: bool) -> ModelSpec:
     """The :class:`ModelSpec` of ``source`` (on the meta device when ``meta``)."""
     if source.module is not None:
-        targets = source.sample_targets if source.sample_targets is not None else torch.zeros(batch_size)
-        return ModelSpec(type(source.module).__name__, source.module, source.sample_inputs, targets, batch_size=batch_size)
+        targets = (
+            source.sample_targets if source.sample_targets is not None else torch.zeros(batch_size)
+        )
+        return ModelSpec(
+            type(source.module).__name__,
+            source.module,
+            source.sample_inputs,
+            targets,
+            batch_size=batch_size,
+        )
     if source.ref is None:
         raise ModelError("model source has neither a reference nor a module")
     if meta:
@@ -96,7 +105,9 @@ def resolve_source(source: ModelSource, batch_size: int, meta: bool) -> ModelSpe
 def original_names(graph: ModelGraph, stage: nn.Module) -> dict[str, str]:
     """Map each stage parameter name (``inner.layers_1_conv1.weight``) to the model's (``layers.1.conv1.weight``)."""
     flat = {
-        str(n.target).replace(".", "_"): str(n.target) for n in graph.gm.graph.nodes if n.op == "call_module"
+        str(n.target).replace(".", "_"): str(n.target)
+        for n in graph.gm.graph.nodes
+        if n.op == "call_module"
     }
     out = {}
     for name, _ in stage.named_parameters():
@@ -106,7 +117,9 @@ def original_names(graph: ModelGraph, stage: nn.Module) -> dict[str, str]:
     return out
 
 
-def build_stage(source: ModelSource, batch_size: int, cuts: Sequence[int], stage: int, seed: int) -> BuiltStage:
+def build_stage(
+    source: ModelSource, batch_size: int, cuts: Sequence[int], stage: int, seed: int
+) -> BuiltStage:
     """Build stage ``stage`` of the model split at ``cuts``, with deterministic weights.
 
     Raises:
@@ -134,7 +147,9 @@ def _build_from_ref(
     except ModelError:
         raise
     except Exception as exc:  # a user factory that cannot run on meta: build on CPU instead
-        log.info("model %s cannot be built on the meta device (%s); building it on CPU", source.name, exc)
+        log.info(
+            "model %s cannot be built on the meta device (%s); building it on CPU", source.name, exc
+        )
         meta_ok = False
     if meta_ok:
         module.to_empty(device="cpu")
@@ -149,7 +164,9 @@ def _build_from_ref(
     return spec, graph, module, False
 
 
-def reference_module(source: ModelSource, batch_size: int, seed: int) -> tuple[StageModule, dict[str, str], LossFn]:
+def reference_module(
+    source: ModelSource, batch_size: int, seed: int
+) -> tuple[StageModule, dict[str, str], LossFn]:
     """The whole model as one module with the same initial weights every pipeline gets.
 
     Returns:

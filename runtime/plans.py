@@ -81,8 +81,13 @@ def manual_plan(
         raise PlanError(f"{n_stages} stages need {n_stages} devices; the cluster has {len(devs)}")
     bounds = [0, *cuts, len(graph.layers)]
     gpus = tuple(
-        GpuSlot(d.node, d.index, d.type, d.emulation.memory_bytes if d.emulation else d.memory_bytes,
-                d.emulation.speed if d.emulation else 0.0)
+        GpuSlot(
+            d.node,
+            d.index,
+            d.type,
+            d.emulation.memory_bytes if d.emulation else d.memory_bytes,
+            d.emulation.speed if d.emulation else 0.0,
+        )
         for d in devs[:n_stages]
     )
     stages = []
@@ -90,18 +95,36 @@ def manual_plan(
         lo, hi = bounds[s], bounds[s + 1] - 1
         stages.append(
             StagePlan(
-                gpu=s, first_layer=graph.layers[lo].name, last_layer=graph.layers[hi].name, first_index=lo,
-                last_index=hi, fwd_ms=fwd_ms[s] if fwd_ms else 0.0, bwd_ms=bwd_ms[s] if bwd_ms else 0.0,
-                recv_fwd_ms=0.0, recv_bwd_ms=0.0, recv_bytes=graph.cut_bytes(lo) if s else 0,
+                gpu=s,
+                first_layer=graph.layers[lo].name,
+                last_layer=graph.layers[hi].name,
+                first_index=lo,
+                last_index=hi,
+                fwd_ms=fwd_ms[s] if fwd_ms else 0.0,
+                bwd_ms=bwd_ms[s] if bwd_ms else 0.0,
+                recv_fwd_ms=0.0,
+                recv_bwd_ms=0.0,
+                recv_bytes=graph.cut_bytes(lo) if s else 0,
                 send_bytes=graph.cut_bytes(bounds[s + 1]) if s < n_stages - 1 else 0,
                 param_bytes=sum(lay.param_bytes for lay in graph.layers[lo : hi + 1]),
-                in_flight=1 if s == n_stages - 1 else nm, memory_bytes=0, capacity_bytes=gpus[s].memory_bytes,
+                in_flight=1 if s == n_stages - 1 else nm,
+                memory_bytes=0,
+                capacity_bytes=gpus[s].memory_bytes,
             )
         )
     slowest = max((st.fwd_ms + st.bwd_ms for st in stages), default=0.0)
     throughput = batch_size / (slowest / 1e3) if slowest > 0 else 0.0
     vw = VirtualWorker(0, gpus, tuple(stages), nm_max=nm, throughput=throughput)
     return Plan(
-        model=model, batch_size=batch_size, policy="manual", nm=nm, D=0, placement="none", cluster=cluster,
-        virtual_workers=(vw,), shards=(), predicted=Prediction(throughput, (throughput,)), num_layers=len(graph.layers),
+        model=model,
+        batch_size=batch_size,
+        policy="manual",
+        nm=nm,
+        D=0,
+        placement="none",
+        cluster=cluster,
+        virtual_workers=(vw,),
+        shards=(),
+        predicted=Prediction(throughput, (throughput,)),
+        num_layers=len(graph.layers),
     )

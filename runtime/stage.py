@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -107,15 +107,23 @@ class StageWorker:
         self.out_specs = () if self.last else cut_specs(built.graph, bounds[ctx.stage + 1])
         self.data: MinibatchSource | None = None
         if ctx.stage == 0 or self.last:
-            ds = dataset if dataset is not None else default_dataset(
-                source.name, built.spec.inputs, built.spec.targets, ctx.batch_size
+            ds = (
+                dataset
+                if dataset is not None
+                else default_dataset(
+                    source.name, built.spec.inputs, built.spec.targets, ctx.batch_size
+                )
             )
-            self.data = MinibatchSource(ds, ctx.batch_size, run.seed, tuple(built.spec.targets.shape))
+            self.data = MinibatchSource(
+                ds, ctx.batch_size, run.seed, tuple(built.spec.targets.shape)
+            )
         params = dict(self.module.named_parameters())
         self.weights = VersionedWeights(params, ctx.nm, optimizer, ctx.total_steps)
         buffer_bytes = sum(b.numel() * b.element_size() for b in self.module.buffers())
         factor = ctx.optimizer_state_factor
-        self.memory = MemoryMeter(ctx.where, ctx.cap_bytes, self.weights.param_bytes, buffer_bytes, factor)
+        self.memory = MemoryMeter(
+            ctx.where, ctx.cap_bytes, self.weights.param_bytes, buffer_bytes, factor
+        )
         self.queue = StageQueue(ctx.stage, ctx.n_stages)
         self.inbox: queue.Queue[Event] = queue.Queue()
         self.held: dict[int, _Held] = {}
@@ -135,7 +143,11 @@ class StageWorker:
         self.result.start_time = start_time
         to_next = Channel(ctx.next_rank, self.out_specs) if ctx.next_rank is not None else None
         to_prev = Channel(ctx.prev_rank, self.in_specs) if ctx.prev_rank is not None else None
-        grad_rx = GradReceiver(ctx.next_rank, self.out_specs, self.inbox) if ctx.next_rank is not None else None
+        grad_rx = (
+            GradReceiver(ctx.next_rank, self.out_specs, self.inbox)
+            if ctx.next_rank is not None
+            else None
+        )
         if ctx.prev_rank is not None:
             start_activation_receiver(ctx.prev_rank, self.in_specs, self.inbox)
         self._received = 0  # forward messages received (stage 0: minibatches admitted)
@@ -151,7 +163,13 @@ class StageWorker:
                 if ctx.stage == 0 and (self._received >= total or self._time_up(start_time)):
                     self._stop_in, total = True, self._received
                 closed = ctx.stage > 0 or self._received == total
-                if to_next is not None and self._stop_in and closed and not stop_sent and f_done == self._received:
+                if (
+                    to_next is not None
+                    and self._stop_in
+                    and closed
+                    and not stop_sent
+                    and f_done == self._received
+                ):
                     to_next.send_stop()
                     stop_sent = True
                 if self._stop_in and closed and b_done == self._received:
@@ -183,7 +201,9 @@ class StageWorker:
         self.result.peak_bytes = self.memory.peak_bytes
         self.result.steps = b_done
         if self.run_cfg.return_state or self.run_cfg.out_dir is not None:
-            self.result.state = {self.names[n]: p.detach().clone() for n, p in self.module.named_parameters()}
+            self.result.state = {
+                self.names[n]: p.detach().clone() for n, p in self.module.named_parameters()
+            }
         return self.result
 
     def _admit(self, n: int) -> None:
@@ -217,7 +237,9 @@ class StageWorker:
     def _handle(self, ev: Event) -> None:
         log.debug("[%s] event %s %d", self.ctx.where, ev.kind, ev.mb)
         if ev.kind == "error":
-            raise HetPipeRuntimeError(f"[{self.ctx.where}] receive failed: {ev.error}") from ev.error
+            raise HetPipeRuntimeError(
+                f"[{self.ctx.where}] receive failed: {ev.error}"
+            ) from ev.error
         if ev.kind == "act":
             self._received += 1
             self.held[ev.mb] = _Held(ev.tensors)
@@ -234,7 +256,13 @@ class StageWorker:
         if self.calibration is not None and self.run_cfg.emulate:
             pace_until(t0 + self.calibration.task_s(self.ctx.stage, kind.value) / self.ctx.speed)
 
-    def _execute(self, task: Task, to_next: Channel | None, to_prev: Channel | None, grad_rx: GradReceiver | None) -> None:
+    def _execute(
+        self,
+        task: Task,
+        to_next: Channel | None,
+        to_prev: Channel | None,
+        grad_rx: GradReceiver | None,
+    ) -> None:
         t0 = time.perf_counter()
         mb = task.mb
         log.debug("[%s] task %s", self.ctx.where, task)
@@ -263,7 +291,10 @@ class StageWorker:
                 raise HetPipeRuntimeError(f"[{self.ctx.where}] stage 0 has no data")
             self.held[mb] = _Held(self.data.inputs(mb))
         held = self.held[mb]
-        held.inputs = tuple(x.requires_grad_() if x.is_floating_point() and self.ctx.stage > 0 else x for x in held.inputs)
+        held.inputs = tuple(
+            x.requires_grad_() if x.is_floating_point() and self.ctx.stage > 0 else x
+            for x in held.inputs
+        )
         leaves = self.weights.acquire(mb)
         with SavedBytes([*leaves.values(), *held.inputs]) as saved:
             out = functional_call(self.module, leaves, held.inputs)
@@ -278,28 +309,33 @@ class StageWorker:
         by_id = {id(x): g for x, g in zip(needs, grads, strict=True)}
         return [by_id.get(id(x)) for x in held.inputs if x.is_floating_point()]
 
-    def _grad(self, mb: int, outs: list[Tensor], gouts: list[Tensor] | None) -> tuple[dict[str, Tensor | None], list[Tensor | None]]:
+    def _grad(
+        self, mb: int, outs: list[Tensor], gouts: list[Tensor] | None
+    ) -> tuple[dict[str, Tensor | None], list[Tensor | None]]:
         held = self.held[mb]
         leaves = self.weights.leaves(mb)
         names = list(leaves)
         wrt = [*leaves.values(), *(x for x in held.inputs if x.requires_grad)]
+        res: tuple[Tensor | None, ...] = (None,) * len(wrt)
         if outs and wrt:
             res = torch.autograd.grad(outs, wrt, gouts, allow_unused=True)
-        else:
-            res = tuple(None for _ in wrt)
-        grads_w = dict(zip(names, res[: len(names)], strict=True))
+        grads_w: dict[str, Tensor | None] = dict(zip(names, res[: len(names)], strict=True))
         return grads_w, self._input_grads(held, res[len(names) :])
 
     def _backward(self, mb: int) -> tuple[dict[str, Tensor | None], list[Tensor | None]]:
         held = self.held[mb]
         pairs = [
             (o, g)
-            for o, g in zip((o for o in held.outputs if o.is_floating_point()), held.grads_in, strict=True)
+            for o, g in zip(
+                (o for o in held.outputs if o.is_floating_point()), held.grads_in, strict=True
+            )
             if o.requires_grad
         ]
         return self._grad(mb, [o for o, _ in pairs], [g for _, g in pairs])
 
-    def _loss_backward(self, mb: int, out: Any) -> tuple[dict[str, Tensor | None], list[Tensor | None]]:
+    def _loss_backward(
+        self, mb: int, out: Any
+    ) -> tuple[dict[str, Tensor | None], list[Tensor | None]]:
         if self.data is None:
             raise HetPipeRuntimeError(f"[{self.ctx.where}] last stage has no data")
         loss = self.loss_fn(out, self.data.targets(mb))

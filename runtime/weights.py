@@ -49,7 +49,9 @@ def lr_at(cfg: OptimizerConfig, update: int, total_updates: int = 0) -> float:
 def build_optimizer(params: list[nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
     """The ``torch.optim`` optimizer ``cfg`` describes, over ``params``."""
     if cfg.name == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        return torch.optim.Adam(
+            params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
+        )
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 
@@ -95,7 +97,9 @@ class VersionedWeights:
             HetPipeRuntimeError: minibatches out of order or a version that was not kept.
         """
         if mb != self._last_acquired + 1:
-            raise HetPipeRuntimeError(f"forward of minibatch {mb} after {self._last_acquired}: out of order")
+            raise HetPipeRuntimeError(
+                f"forward of minibatch {mb} after {self._last_acquired}: out of order"
+            )
         v = local_version(mb, self.nm)
         if v not in self._versions:
             if v != self.version:
@@ -132,11 +136,15 @@ class VersionedWeights:
             HetPipeRuntimeError: updates out of order.
         """
         if mb != self.version + 1:
-            raise HetPipeRuntimeError(f"update of minibatch {mb} after {self.version}: out of order")
+            raise HetPipeRuntimeError(
+                f"update of minibatch {mb} after {self.version}: out of order"
+            )
         self._release(mb)
         k = self.version
         if self._last_user(k) > mb:  # version k is still needed: keep its storage, move the master
-            self._versions.setdefault(k, {n: p.data.requires_grad_() for n, p in self.master.items()})
+            self._versions.setdefault(
+                k, {n: p.data.requires_grad_() for n, p in self.master.items()}
+            )
             for p in self.master.values():
                 p.data = p.data.clone()
         if self.optimizer is not None:
@@ -156,7 +164,11 @@ class VersionedWeights:
         if not self.master:
             return 0
         master_ptr = next(iter(self.master.values())).data_ptr()
-        return sum(1 for leaves in self._versions.values() if next(iter(leaves.values())).data_ptr() != master_ptr)
+        return sum(
+            1
+            for leaves in self._versions.values()
+            if next(iter(leaves.values())).data_ptr() != master_ptr
+        )
 
     @property
     def stashed_bytes(self) -> int:

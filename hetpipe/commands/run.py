@@ -31,22 +31,36 @@ def _load(path: Path, model: str | None, batch_size: int, nm: int, stages: int) 
     if isinstance(data, dict) and "virtual_workers" in data:
         return load_plan(path)
     if model is None:
-        raise ConfigError(f"{path} is a cluster file: give --model (e.g. --model mlp) to plan on the fly")
+        raise ConfigError(
+            f"{path} is a cluster file: give --model (e.g. --model mlp) to plan on the fly"
+        )
     from runtime.api import make_single_vw_plan
     from runtime.config import ModelSource
 
-    return make_single_vw_plan(ModelSource(ref=model), batch_size, nm or 1, load_cluster(path), stages)
+    return make_single_vw_plan(
+        ModelSource(ref=model), batch_size, nm or 1, load_cluster(path), stages
+    )
 
 
 @handle_errors
 def run(
     path: Annotated[Path, typer.Argument(help="plan.yaml/plan.json, or cluster.yaml with --model")],
-    model: Annotated[str | None, typer.Option(help="model for a cluster.yaml (built-in name or pkg.mod:factory)")] = None,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="minibatch size when planning on the fly")] = 32,
-    stages: Annotated[int, typer.Option(help="stages when planning on the fly (0 = the planner's choice)")] = 0,
+    model: Annotated[
+        str | None, typer.Option(help="model for a cluster.yaml (built-in name or pkg.mod:factory)")
+    ] = None,
+    batch_size: Annotated[
+        int, typer.Option("--batch-size", help="minibatch size when planning on the fly")
+    ] = 32,
+    stages: Annotated[
+        int, typer.Option(help="stages when planning on the fly (0 = the planner's choice)")
+    ] = 0,
     steps: Annotated[int, typer.Option(help="minibatches to train (0 = from --epochs)")] = 0,
-    epochs: Annotated[float, typer.Option(help="passes over the data set (default 1 when no --steps)")] = 0.0,
-    time_limit: Annotated[float, typer.Option("--time-limit", help="stop admitting minibatches after SECONDS")] = 0.0,
+    epochs: Annotated[
+        float, typer.Option(help="passes over the data set (default 1 when no --steps)")
+    ] = 0.0,
+    time_limit: Annotated[
+        float, typer.Option("--time-limit", help="stop admitting minibatches after SECONDS")
+    ] = 0.0,
     seed: Annotated[int, typer.Option(help="seed of the initial weights and the data order")] = 0,
     nm: Annotated[int, typer.Option(help="minibatches in flight (0 = the plan's Nm)")] = 0,
     vw: Annotated[int, typer.Option(help="which virtual worker of the plan to run")] = 0,
@@ -54,10 +68,19 @@ def run(
     lr: Annotated[float, typer.Option(help="learning rate")] = 0.05,
     momentum: Annotated[float, typer.Option(help="SGD momentum")] = 0.0,
     weight_decay: Annotated[float, typer.Option("--weight-decay", help="weight decay")] = 0.0,
-    schedule: Annotated[str, typer.Option(help="lr schedule: constant, step, cosine, warmup")] = "constant",
-    out: Annotated[Path | None, typer.Option("--out", help="run directory (metrics.csv, stages.csv, weights.pt)")] = None,
-    timeout: Annotated[float, typer.Option(help="seconds before a stuck process-group operation fails")] = 30.0,
-    emulate: Annotated[bool, typer.Option(help="pace emulated devices and enforce their memory caps")] = True,
+    schedule: Annotated[
+        str, typer.Option(help="lr schedule: constant, step, cosine, warmup")
+    ] = "constant",
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", help="run directory (metrics.csv, stages.csv, weights.pt)"),
+    ] = None,
+    timeout: Annotated[
+        float, typer.Option(help="seconds before a stuck process-group operation fails")
+    ] = 30.0,
+    emulate: Annotated[
+        bool, typer.Option(help="pace emulated devices and enforce their memory caps")
+    ] = True,
     progress: Annotated[bool, typer.Option(help="show a progress bar")] = True,
 ) -> None:
     """Train one virtual worker and print the summary."""
@@ -67,11 +90,22 @@ def run(
 
     plan = _load(path, model, batch_size, nm, stages)
     if model is not None and model != plan.model:
-        raise ConfigError(f"--model {model} does not match the plan's model {plan.model!r}; drop --model")
-    cfg = OptimizerConfig(name=optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay, schedule=schedule)
+        raise ConfigError(
+            f"--model {model} does not match the plan's model {plan.model!r}; drop --model"
+        )
+    cfg = OptimizerConfig(
+        name=optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay, schedule=schedule
+    )
     run_cfg = RunConfig(
-        steps=steps, epochs=epochs, time_limit_s=time_limit, seed=seed, nm=nm, out_dir=out,
-        timeout_s=timeout, emulate=emulate, progress=progress,
+        steps=steps,
+        epochs=epochs,
+        time_limit_s=time_limit,
+        seed=seed,
+        nm=nm,
+        out_dir=out,
+        timeout_s=timeout,
+        emulate=emulate,
+        progress=progress,
     )
     worker = plan.virtual_workers[vw] if 0 <= vw < len(plan.virtual_workers) else None
     if worker is not None:
@@ -82,4 +116,6 @@ def run(
     result = launch(plan, ModelSource(ref=plan.model), cfg, run_cfg, vw=vw)
     console.print(summary_table(result))
     if out is not None:
-        console.print(f"metrics: {out / 'metrics.csv'}, {out / 'stages.csv'}; weights: {out / 'weights.pt'}")
+        console.print(
+            f"metrics: {out / 'metrics.csv'}, {out / 'stages.csv'}; weights: {out / 'weights.pt'}"
+        )

@@ -20,7 +20,9 @@ def _plan() -> tuple[ModelSource, object]:
     return source, manual_plan(graph, balanced_cuts(graph, 3), "mlp", 8, 2)
 
 
-@pytest.mark.parametrize(("fault", "expected"), [("raise:1:3", "injected fault at minibatch 3"), ("kill:1:3", "SIGKILL")])
+@pytest.mark.parametrize(
+    ("fault", "expected"), [("raise:1:3", "injected fault at minibatch 3"), ("kill:1:3", "SIGKILL")]
+)
 def test_failing_stage_ends_run_naming_it(fault: str, expected: str) -> None:
     source, plan = _plan()
     t0 = time.monotonic()

@@ -18,7 +18,7 @@ from runtime.model import reference_module, resolve_source
 from runtime.plans import balanced_cuts, manual_plan
 from tests.runtime.reference import delayed_loop, plain_loop
 
-TOL = {"rtol": 1e-5, "atol": 1e-5}
+RTOL = ATOL = 1e-5
 
 
 def _run_and_reference(
@@ -29,11 +29,16 @@ def _run_and_reference(
     graph = ModelGraph.from_spec(spec)
     cuts = balanced_cuts(graph, n_stages)
     plan = manual_plan(graph, cuts, ref, batch_size, nm)
-    result = launch(plan, source, cfg, RunConfig(steps=steps, seed=3, return_state=True, timeout_s=30))
+    result = launch(
+        plan, source, cfg, RunConfig(steps=steps, seed=3, return_state=True, timeout_s=30)
+    )
 
     module, names, loss_fn = reference_module(source, batch_size, seed=3)
     data = MinibatchSource(
-        default_dataset(ref, spec.inputs, spec.targets, batch_size), batch_size, 3, tuple(spec.targets.shape)
+        default_dataset(ref, spec.inputs, spec.targets, batch_size),
+        batch_size,
+        3,
+        tuple(spec.targets.shape),
     )
     if nm == 1:
         losses, params = plain_loop(module, data, loss_fn, cfg, steps)
@@ -41,11 +46,11 @@ def _run_and_reference(
         losses, params = delayed_loop(module, data, loss_fn, cfg, steps, nm)
     assert result.steps == steps
     assert len(result.losses) == steps
-    assert_close(torch.tensor(result.losses), torch.tensor(losses), **TOL)
+    assert_close(torch.tensor(result.losses), torch.tensor(losses), rtol=RTOL, atol=ATOL)
     state = result.state_dict()
     assert set(state) == {names[n] for n in params}
     for n, p in params.items():
-        assert_close(state[names[n]], p, **TOL, msg=lambda m, n=n: f"{n}: {m}")
+        assert_close(state[names[n]], p, rtol=RTOL, atol=ATOL, msg=f"parameter {n} differs")
     assert max(s.max_in_flight for s in result.stages) <= nm
     assert result.stages[-1].max_in_flight == 1
 
@@ -61,7 +66,9 @@ def test_mlp_four_stages_delayed_updates(nm: int) -> None:
 
 
 def test_residual_cnn_two_stages_nm2() -> None:
-    _run_and_reference("resnet", 4, 2, 2, 6, OptimizerConfig(lr=0.05, momentum=0.9, schedule="step", step_size=3))
+    _run_and_reference(
+        "resnet", 4, 2, 2, 6, OptimizerConfig(lr=0.05, momentum=0.9, schedule="step", step_size=3)
+    )
 
 
 def test_transformer_two_stages_nm1_equals_plain_loop() -> None:

@@ -1,0 +1,135 @@
+"""Pure parts of the runtime: data order, cuts, roles, memory accounting, pacing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from profiler.errors import ConfigError, HetPipeRuntimeError
+from profiler.graph import ModelGraph
+from runtime.comm import cut_specs
+from runtime.config import ModelSource, RunConfig
+from runtime.data import DigitsDataset, MinibatchSource, SyntheticDataset
+from runtime.emulation import Calibration, MemoryMeter, load_or_calibrate, pace_until
+from runtime.launcher import stage_contexts, total_steps
+from runtime.model import build_stage, reference_module, resolve_source
+from runtime.plans import balanced_cuts, manual_plan
+
+
+def test_minibatch_order_is_deterministic_and_covers_each_epoch() -> None:
+    ds = SyntheticDataset(((3,),), (torch.float32,), (), torch.int64, classes=5, size=40, seed=1)
+    a = MinibatchSource(ds, 8, seed=7)
+    b = MinibatchSource(ds, 8, seed=7)
+    assert a.steps_per_epoch == 5
+    first_epoch = sorted(i for mb in range(1, 6) for i in a.indices(mb))
+    assert first_epoch == list(range(40))
+    assert a.indices(6) != a.indices(1)  # a new permutation each epoch
+    x1, y1 = a.batch(3)
+    x2, y2 = b.batch(3)
+    assert torch.equal(x1[0], x2[0]) and torch.equal(y1, y2)
+    assert MinibatchSource(ds, 8, seed=8).indices(1) != a.indices(1)
+
+
+def test_digits_is_the_mlp_default() -> None:
+    ds = DigitsDataset()
+    x, y = ds[0]
+    assert x.shape == (64,) and float(x.min()) >= 0.0 and float(x.max()) <= 1.0
+    assert int(y) in range(10)
+
+
+def test_too_small_dataset_is_a_config_error() -> None:
+    ds = SyntheticDataset(((3,),), (torch.float32,), (), torch.int64, classes=5, size=4)
+    with pytest.raises(ConfigError, match="fewer than one minibatch"):
+        MinibatchSource(ds, 8)
+
+
+def test_balanced_cuts_and_roles() -> None:
+    source = ModelSource(ref="mlp")
+    graph = ModelGraph.from_spec(resolve_source(source, 4, meta=True))
+    for n in (1, 2, 3, 4):
+        cuts = balanced_cuts(graph, n)
+        assert len(cuts) == n - 1
+        assert list(cuts) == sorted(set(cuts)) and all(0 < c < len(graph.layers) for c in cuts)
+    plan = manual_plan(graph, balanced_cuts(graph, 3), "mlp", 4, nm=2)
+    roles = stage_contexts(plan, 0, nm=2, steps=10)
+    assert [(r.rank, r.prev_rank, r.next_rank) for r in roles] == [
+        (0, None, 1),
+        (1, 0, 2),
+        (2, 1, None),
+    ]
+    assert roles[0].cuts == balanced_cuts(graph, 3)
+    with pytest.raises(ConfigError, match="virtual workers"):
+        stage_contexts(plan, 1, 2, 10)
+
+
+def test_total_steps() -> None:
+    assert total_steps(RunConfig(steps=7), 100) == 7
+    assert total_steps(RunConfig(epochs=1.5), 10) == 15
+    assert total_steps(RunConfig(), 10) == 10
+    assert total_steps(RunConfig(time_limit_s=5), 10) > 10**9
+
+
+def test_stage_builds_only_its_parameters_with_reference_init() -> None:
+    """Meta-built stages hold only their parameters, equal to the single-process reference's."""
+    source = ModelSource(ref="resnet")
+    graph = ModelGraph.from_spec(resolve_source(source, 2, meta=True))
+    cuts = balanced_cuts(graph, 3)
+    ref, names, _ = reference_module(source, 2, seed=5)
+    ref_params = {names[n]: p for n, p in ref.named_parameters()}
+    seen: set[str] = set()
+    for s in range(3):
+        built = build_stage(source, 2, cuts, s, seed=5)
+        assert built.meta_built
+        for n, p in built.module.named_parameters():
+            orig = built.names[n]
+            assert p.device.type == "cpu"
+            assert torch.equal(p, ref_params[orig]), orig
+            seen.add(orig)
+    assert seen == set(ref_params)
+
+
+def test_cut_specs_include_skip_connections() -> None:
+    source = ModelSource(ref="resnet")
+    graph = ModelGraph.from_spec(resolve_source(source, 2, meta=True))
+    inside_block = next(k for k in range(1, len(graph.layers)) if len(graph.crossing[k]) == 2)
+    specs = cut_specs(graph, inside_block)
+    assert len(specs) == 2 and all(s.shape[0] == 2 and s.is_float for s in specs)
+
+
+def test_memory_meter_counts_in_flight_and_raises_above_cap() -> None:
+    meter = MemoryMeter(
+        "vw 0 | stage 1",
+        cap_bytes=10_000,
+        param_bytes=1000,
+        buffer_bytes=0,
+        optimizer_state_factor=1,
+    )
+    assert meter.static_bytes == 3000
+    assert meter.check(1, 3000, stashed_bytes=1000) == 7000
+    meter.release(1)
+    assert meter.check(2, 3000, stashed_bytes=0) == 6000
+    with pytest.raises(HetPipeRuntimeError, match="out of memory on vw 0 \\| stage 1"):
+        meter.check(3, 5000, stashed_bytes=0)
+    assert meter.peak_bytes == 11000
+
+
+def test_pacing_waits_until_the_deadline_with_an_injected_clock() -> None:
+    ticks = iter([0.0, 0.0, 0.0005, 0.0009, 0.001])
+    pace_until(0.001, clock=lambda: next(ticks))  # spins (no sleep) under 1 ms
+
+
+def test_calibration_cache_is_reused_only_for_the_same_key(tmp_path: object) -> None:
+    from pathlib import Path
+
+    path = Path(str(tmp_path)) / "cal.json"
+    calls = []
+
+    def measure(key: str) -> Calibration:
+        calls.append(key)
+        return Calibration(key, (1.0, 2.0), (3.0, 4.0))
+
+    a = load_or_calibrate(path, "k1", lambda: measure("k1"))
+    b = load_or_calibrate(path, "k1", lambda: measure("k1"))
+    c = load_or_calibrate(path, "k2", lambda: measure("k2"))
+    assert a == b and c.key == "k2" and calls == ["k1", "k2"]
+    assert a.task_s(1, "FB") == 6.0

@@ -1,0 +1,82 @@
+"""Exact local staleness without processes: any valid task order gives the delayed-update result."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+from profiler.errors import HetPipeRuntimeError
+from runtime.config import OptimizerConfig
+from runtime.weights import VersionedWeights, lr_at
+
+
+def _grad(w: torch.Tensor, mb: int) -> torch.Tensor:
+    return torch.sin(w * mb) + 0.1 * mb  # depends on the version used: catches a wrong one
+
+
+def _reference(w0: torch.Tensor, nm: int, steps: int, cfg: OptimizerConfig) -> torch.Tensor:
+    p = nn.Parameter(w0.clone())
+    opt = torch.optim.SGD([p], lr=cfg.lr, momentum=cfg.momentum)
+    history = [p.detach().clone()]
+    for mb in range(1, steps + 1):
+        p.grad = _grad(history[max(0, mb - nm)], mb)
+        opt.step()
+        history.append(p.detach().clone())
+    return p.detach()
+
+
+@pytest.mark.parametrize("nm", [1, 2, 3, 5])
+@pytest.mark.parametrize("order_seed", [0, 1, 2])
+def test_any_valid_order_equals_delayed_updates(nm: int, order_seed: int) -> None:
+    """Forwards in order, backwards in order, F(p) after B(p-Nm) (admission), B(p) after F(p)."""
+    cfg = OptimizerConfig(lr=0.1, momentum=0.9)
+    w0 = torch.linspace(-1, 1, 5)
+    p = nn.Parameter(w0.clone())
+    vw = VersionedWeights({"w": p}, nm, cfg)
+    rng = random.Random(order_seed)
+    steps, next_f, next_b = 12, 1, 1
+    used: dict[int, torch.Tensor] = {}
+    while next_b <= steps:
+        can_f = next_f <= steps and next_f - nm < next_b  # B(next_f - nm) done
+        can_b = next_b < next_f
+        if can_f and (not can_b or rng.random() < 0.5):
+            used[next_f] = vw.acquire(next_f)["w"]
+            next_f += 1
+        else:
+            vw.update(next_b, {"w": _grad(used.pop(next_b).detach(), next_b)})
+            next_b += 1
+        assert vw.stashed_versions <= nm - 1
+    assert_close(p.detach(), _reference(w0, nm, steps, cfg), rtol=1e-6, atol=1e-6)
+
+
+def test_forward_leaves_are_stashed_for_backward() -> None:
+    """The leaves a forward used keep their values after later updates (weight stashing)."""
+    p = nn.Parameter(torch.ones(3))
+    vw = VersionedWeights({"w": p}, 2, OptimizerConfig(lr=1.0))
+    first = vw.acquire(1)["w"]
+    vw.acquire(2)
+    vw.update(1, {"w": torch.ones(3)})
+    third = vw.acquire(3)["w"]  # version 1 = w0 - 1
+    assert_close(first, torch.ones(3))
+    assert_close(third, torch.zeros(3))
+    assert_close(vw.leaves(2)["w"], torch.ones(3))
+
+
+def test_out_of_order_forward_is_rejected() -> None:
+    vw = VersionedWeights({"w": nn.Parameter(torch.ones(1))}, 2, OptimizerConfig())
+    with pytest.raises(HetPipeRuntimeError, match="out of order"):
+        vw.acquire(2)
+
+
+def test_lr_schedules() -> None:
+    assert lr_at(OptimizerConfig(lr=1.0), 50) == 1.0
+    assert lr_at(OptimizerConfig(lr=1.0, schedule="step", step_size=10, gamma=0.5), 25) == 0.25
+    assert lr_at(OptimizerConfig(lr=1.0, schedule="warmup", warmup=4), 1) == 0.5
+    assert lr_at(OptimizerConfig(lr=1.0, schedule="cosine"), 10, 10) == pytest.approx(
+        0.0, abs=1e-12
+    )
+    assert lr_at(OptimizerConfig(lr=1.0, schedule="cosine"), 5, 10) == pytest.approx(0.5)
