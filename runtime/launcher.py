@@ -249,8 +249,10 @@ class _Progress:
             self.loss = float(msg[3])
         elif msg[0] == "done":
             self.done += 1
+            if self.done == 1:
+                self.t0 = float(msg[3])
             if self.bar is not None:
-                rate = self.done * self.batch_size / max(1e-9, time.time() - self.t0)
+                rate = (self.done - 1) * self.batch_size / max(1e-9, float(msg[3]) - self.t0)
                 self.bar.update(
                     self.task,
                     completed=self.done,
@@ -312,7 +314,11 @@ def launch(
         results = _spawn_and_watch(
             contexts, source, optimizer, run, dataset, calibration, init_method, fault, steps
         )
-    result = RunResult(tuple(results), plan.batch_size, nm, predicted, time.time() - t_start)
+    bound = 0.0
+    if calibration is not None:
+        slowest = max(calibration.task_s(c.stage, "FB") / c.speed for c in contexts)
+        bound = plan.batch_size / slowest
+    result = RunResult(tuple(results), plan.batch_size, nm, predicted, time.time() - t_start, bound)
     if run.out_dir is not None:
         write_metrics(result, run.out_dir)
         torch.save(result.state_dict(), run.out_dir / "weights.pt")

@@ -69,6 +69,8 @@ class RunResult:
         nm: minibatches in flight.
         predicted_throughput: the plan's prediction for this VW (samples/s, 0 = none).
         wall_s: launcher wall time including start-up.
+        bound_throughput: emulated runs: batch / slowest stage's paced forward+backward time
+            (the pipeline's upper bound, samples/s; 0 = not emulated).
     """
 
     stages: tuple[StageResult, ...]
@@ -76,6 +78,7 @@ class RunResult:
     nm: int
     predicted_throughput: float = 0.0
     wall_s: float = 0.0
+    bound_throughput: float = 0.0
 
     @property
     def steps(self) -> int:
@@ -173,6 +176,8 @@ def summary_table(result: RunResult) -> Table:
     title = f"{result.steps} minibatches x {result.batch_size} samples, Nm={result.nm}: {measured:.1f} samples/s"
     if result.predicted_throughput > 0:
         title += f" (predicted {result.predicted_throughput:.1f}, measured/predicted {measured / result.predicted_throughput:.2f})"
+    if result.bound_throughput > 0:
+        title += f"; bound 1/slowest stage {result.bound_throughput:.1f} ({measured / result.bound_throughput:.0%})"
     table = Table(title=title)
     for col in ("stage", "device", "busy", "idle", "max in flight", "peak MiB"):
         table.add_column(col, justify="right")
