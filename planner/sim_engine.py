@@ -13,14 +13,18 @@ Model (one event heap, O(log n) per event, so the cost grows near-linearly with 
 - **Transfers**: the activations of ``p`` (gradients) become available when the sender's
   ``F(p)`` (``B(p)``) ends; the receiver's task starts by receiving them: it takes
   ``recv_fwd_ms[s]`` (``recv_bwd_ms[s]``) of the receiving GPU (the paper's stage time counts
-  receive time, Sec. 4) and occupies the *sender's NIC* for that time. A NIC carries one
-  transfer at a time, first come first served; when it is busy the receiver waits.
+  receive time, Sec. 4) and occupies the *sender's link* for that time: its own GPU link for
+  a transfer inside a node, its node's network card (shared by every GPU of that node, of
+  every VW) for a transfer to another node. A link carries one transfer at a time, first
+  come first served; when it is busy the receiver waits. Specs without ``nodes`` give every
+  GPU its own card (no sharing).
 - **Admission**: a VW admits minibatch ``p`` into stage 0 when fewer than ``Nm`` are in flight
   (admitted, stage-0 backward not finished) and its pulled global clock is at least
   :func:`~planner.wsp.required_global_clock`.
 - **WSP**: when stage ``s`` finishes the backward of a wave's last minibatch it pushes its
-  aggregated update to the parameter-server shards: ``push_ms[s]`` on its own NIC (FIFO with
-  activation traffic). The VW's local clock advances when all its stages' pushes arrived;
+  aggregated update to the parameter-server shards: ``push_ms[s]`` (shards on its node) on
+  its own link, then ``push_inter_ms[s]`` (shards on other nodes) on its node's card, FIFO
+  with the activation traffic. The VW's local clock advances when all its stages' pushes arrived;
   the global clock is the minimum over VWs. A VW that needs a newer global clock waits for
   it, then pulls (``pull_ms``: the slowest stage's pull, all stages pulling in parallel;
   shard-side contention is not modelled) and only then admits. Waiting = admission blocked
@@ -64,12 +68,16 @@ class PipelineSpec:
         fwd_ms, bwd_ms: compute time of one minibatch per stage.
         recv_fwd_ms: time to receive the activations crossing each stage's first cut (0 for stage 0).
         recv_bwd_ms: time to receive the gradients crossing each stage's last cut (0 for the last).
-        push_ms: time for each stage to push its aggregated update per wave (on its NIC).
+        push_ms: time for each stage to push its update per wave to shards on its own node.
         pull_ms: time for each stage to pull its global weights (pulls run in parallel).
         cross_recv_bytes: bytes crossing each stage's first cut when the previous stage sits
             on another node (counted once forward and once backward per minibatch), else 0.
         cross_sync_bytes: bytes each stage moves across nodes per push (the same again per pull).
         labels: GPU label per stage for traces (e.g. ``V:0``).
+        nodes: node name per stage; transfers between different nodes (and ``push_inter_ms``)
+            share the sender node's network card with every VW. Empty: one card per GPU.
+        push_inter_ms: time for each stage to push its update per wave to shards on other
+            nodes (over its node's card). Empty: zero.
     """
 
     fwd_ms: tuple[float, ...]
@@ -81,6 +89,8 @@ class PipelineSpec:
     cross_recv_bytes: tuple[int, ...]
     cross_sync_bytes: tuple[int, ...]
     labels: tuple[str, ...]
+    nodes: tuple[str, ...] = ()
+    push_inter_ms: tuple[float, ...] = ()
 
     @property
     def n_stages(self) -> int:
@@ -129,12 +139,31 @@ class PipelineSpec:
         n = self.n_stages
         if n < 1:
             raise PlanError("a virtual worker needs at least one stage")
-        for name in ("bwd_ms", "recv_fwd_ms", "recv_bwd_ms", "push_ms", "pull_ms", "labels"):
-            if len(getattr(self, name)) != n:
+        for name in (
+            "bwd_ms",
+            "recv_fwd_ms",
+            "recv_bwd_ms",
+            "push_ms",
+            "pull_ms",
+            "labels",
+            "nodes",
+            "push_inter_ms",
+        ):
+            if len(getattr(self, name)) != n and not (
+                name in ("nodes", "push_inter_ms") and not getattr(self, name)
+            ):
                 raise PlanError(
                     f"PipelineSpec.{name} has {len(getattr(self, name))} entries, expected {n} (one per stage)"
                 )
-        for name in ("fwd_ms", "bwd_ms", "recv_fwd_ms", "recv_bwd_ms", "push_ms", "pull_ms"):
+        for name in (
+            "fwd_ms",
+            "bwd_ms",
+            "recv_fwd_ms",
+            "recv_bwd_ms",
+            "push_ms",
+            "pull_ms",
+            "push_inter_ms",
+        ):
             for s, v in enumerate(getattr(self, name)):
                 if not v >= 0.0:
                     raise PlanError(f"PipelineSpec.{name}[{s}] = {v}: times must be >= 0 ms")
@@ -281,6 +310,7 @@ class _Sim:
         self.record = record
         self.trace: list[TraceEvent] = []
         self.blocked: set[int] = set()
+        self.node_free: dict[str, float] = {}  # node -> when its network card is free (ms)
 
     def _at(self, t: float, code: int, v: int, s: int, x: object) -> None:
         heapq.heappush(self.heap, (t, self.seq, code, v, s, x))
@@ -343,6 +373,10 @@ class _Sim:
         start = max(now, w.nic_free[s])
         end = start + w.spec.push_ms[s]
         w.nic_free[s] = end
+        if w.spec.push_inter_ms and w.spec.push_inter_ms[s] > 0.0:
+            node = w.spec.nodes[s] if w.spec.nodes else f"{v}/{s}"
+            end = max(end, self.node_free.get(node, 0.0)) + w.spec.push_inter_ms[s]
+            self.node_free[node] = end
         self.cross_bytes += w.spec.cross_sync_bytes[s]
         if self.record and end > start:
             self.trace.append(TraceEvent(v, s, "push", wave, start, end))
@@ -383,8 +417,13 @@ class _Sim:
             comp = sp.fwd_ms[s] + (sp.bwd_ms[s] if t.kind is Kind.FB else 0.0)
         start = now
         if recv > 0.0 and src >= 0:
-            start = max(now, w.nic_free[src])
-            w.nic_free[src] = start + recv
+            nodes = sp.nodes
+            if nodes and nodes[src] != nodes[s]:  # over the sender node's shared card
+                start = max(now, self.node_free.get(nodes[src], 0.0))
+                self.node_free[nodes[src]] = start + recv
+            else:
+                start = max(now, w.nic_free[src])
+                w.nic_free[src] = start + recv
             if self.record:
                 self.trace.append(TraceEvent(v, s, "recv", t.mb, start, start + recv))
         if 0 <= src < sp.n_stages:

@@ -17,10 +17,10 @@ Transfers to a shard on the GPU's own node use the intra-node link, others the i
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from planner.cluster import Cluster, Link
+from planner.cluster import Link
 from planner.plan import Plan, StagePlan, VirtualWorker
 from planner.sim_engine import (
     PipelineSpec,
@@ -38,6 +38,7 @@ __all__ = [
     "SimResult",
     "TraceEvent",
     "allreduce_for_plan",
+    "best_by_simulation",
     "measured_throughput",
     "pipeline_specs",
     "simulate",
@@ -47,10 +48,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-def _link(cluster: Cluster, a: str, b: str) -> Link:
-    return cluster.intra_node if a == b else cluster.inter_node
 
 
 def stage_shard_bytes(
@@ -97,7 +94,7 @@ def pipeline_specs(plan: Plan, profile: Profile | None = None) -> list[PipelineS
     for vw in plan.virtual_workers:
         if not vw.stages:
             raise PlanError(f"plan: virtual worker {vw.id} has no stages (re-run 'hetpipe plan')")
-        push, cross_recv, cross_sync, labels = [], [], [], []
+        push, push_inter, cross_recv, cross_sync, labels = [], [], [], [], []
         for j, st in enumerate(vw.stages):
             if not 0 <= st.gpu < len(vw.gpus):
                 raise PlanError(
@@ -108,7 +105,11 @@ def pipeline_specs(plan: Plan, profile: Profile | None = None) -> list[PipelineS
             prev = vw.gpus[vw.stages[j - 1].gpu].node if j > 0 else gpu.node
             cross_recv.append(st.recv_bytes if prev != gpu.node else 0)
             traffic = stage_shard_bytes(plan, vw, st, profile)
-            push.append(sum(_link(plan.cluster, gpu.node, n).time_s(b) for n, b in traffic) * 1e3)
+            cl = plan.cluster
+            push.append(sum(cl.intra_node.time_s(b) for n, b in traffic if n == gpu.node) * 1e3)
+            push_inter.append(
+                sum(cl.inter_node.time_s(b) for n, b in traffic if n != gpu.node) * 1e3
+            )
             cross_sync.append(sum(b for n, b in traffic if n != gpu.node))
         specs.append(
             PipelineSpec(
@@ -120,10 +121,14 @@ def pipeline_specs(plan: Plan, profile: Profile | None = None) -> list[PipelineS
                     for j, s in enumerate(vw.stages)
                 ),
                 push_ms=tuple(push),
-                pull_ms=tuple(push),  # same bytes, same links, opposite direction
+                pull_ms=tuple(
+                    a + b for a, b in zip(push, push_inter, strict=True)
+                ),  # same bytes back
                 cross_recv_bytes=tuple(cross_recv),
                 cross_sync_bytes=tuple(cross_sync),
                 labels=tuple(labels),
+                nodes=tuple(vw.gpus[s.gpu].node for s in vw.stages),
+                push_inter_ms=tuple(push_inter),
             ).validated()
         )
     return specs
@@ -146,6 +151,49 @@ def simulate(
     return simulate_pipelines(
         pipeline_specs(plan, profile), plan.nm, plan.D, waves, plan.batch_size, record_trace
     )
+
+
+def best_by_simulation(
+    make: Callable[[int], Plan],
+    caps: Iterable[int],
+    waves: int = 10,
+    profile: Profile | None = None,
+) -> tuple[Plan, SimResult]:
+    """Choose Nm by simulation: plan with each Nm cap, simulate, keep the fastest.
+
+    A larger Nm can force a worse partition (more in-flight memory on the early stages), and
+    with Nm equal to the number of stages the FIFO rule may not fill the pipeline (see
+    docs/simulator.md), so the analytic best is not always the real best.
+
+    Args:
+        make: builds the plan for an Nm cap (e.g. ``lambda nm: make_plan(..., nm=nm)``); it
+            may raise :class:`PlanError` for caps that do not fit, which are skipped.
+        caps: Nm caps to try.
+        waves: waves per simulation.
+        profile: optional profile for exact shard traffic.
+
+    Raises:
+        PlanError: no cap gave a plan.
+    """
+    best: tuple[Plan, SimResult] | None = None
+    seen: set[int] = set()
+    last_error: PlanError | None = None
+    for cap in caps:
+        try:
+            plan = make(cap)
+        except PlanError as exc:
+            last_error = exc
+            continue
+        if plan.nm in seen:
+            continue
+        seen.add(plan.nm)
+        res = simulate(plan, waves=waves, profile=profile)
+        log.debug("Nm cap %d -> Nm %d: %.1f samples/s simulated", cap, plan.nm, res.throughput)
+        if best is None or res.throughput > best[1].throughput:
+            best = (plan, res)
+    if best is None:
+        raise PlanError(f"no Nm cap gave a plan ({last_error})")
+    return best
 
 
 # -------------------------------------------------------------------- AllReduce BSP baseline
