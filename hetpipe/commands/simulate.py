@@ -10,10 +10,10 @@ from rich.table import Table
 
 from hetpipe._common import console, handle_errors
 from planner.gantt import write_chrome_trace, write_gantt
-from planner.plan import load_plan
+from planner.plan import Plan, load_plan
 from planner.simulator import allreduce_for_plan
 from planner.simulator import simulate as run_simulation
-from profiler.errors import ConfigError
+from profiler.errors import ConfigError, HetPipeError
 from profiler.table import Profile, load_profile_set
 
 HELP = (
@@ -52,6 +52,10 @@ def simulate(
     by_type: dict[str, Profile] = {}
     for prof in load_profile_set(profiles or []):
         by_type.setdefault(prof.meta.device_type, prof)
+    source = "--profiles" if by_type else ""
+    if not by_type:
+        by_type = _analytic_profiles(plan)
+        source = "analytic profiles" if by_type else "estimated from the plan"
     any_profile = next(iter(by_type.values()), None)
     record = gantt is not None or trace is not None
     res = run_simulation(plan, waves=waves, profile=any_profile, record_trace=record)
@@ -103,7 +107,7 @@ def simulate(
                 f"{ar.cross_node_bytes_per_iter / (ar.gpus * plan.batch_size) / 1e6:.3f} MB across "
                 f"nodes per sample vs HetPipe {hp_per_sample / 1e6:.3f}); HetPipe / "
                 f"AllReduce = {res.throughput / ar.throughput:.2f}x"
-                + ("" if by_type else " [dim](estimated without profiles)[/]")
+                + f" [dim](whole-model times: {source})[/]"
             )
     labels = [
         [f"{vw.gpus[s.gpu].node}:{vw.gpus[s.gpu].index}" for s in vw.stages]
@@ -117,3 +121,17 @@ def simulate(
     if trace is not None:
         write_chrome_trace(res.trace, trace, labels)
         console.print(f"Chrome trace (open in https://ui.perfetto.dev): {trace}")
+
+
+def _analytic_profiles(plan: Plan) -> dict[str, Profile]:
+    """Analytic profiles of the plan's model for its cluster's GPU types, or {} if unavailable.
+
+    They give the exact layer-to-shard split and the AllReduce baseline's whole-model times.
+    """
+    try:
+        from profiler.analytic import analytic_profile
+
+        types = sorted({n.gpu_type for n in plan.cluster.nodes})
+        return {t: analytic_profile(plan.model, plan.batch_size, t) for t in types}
+    except (HetPipeError, ImportError):
+        return {}
