@@ -1,8 +1,8 @@
 """Run measurements: per-stage results, the run summary, CSV/TensorBoard output, the table.
 
-Throughput is samples per second over the steady part of the run: between the completions
-(stage-0 backward ends) of the first quarter and of the last minibatch, so the pipeline's
-fill is excluded. The same definition is used by the simulator's prediction.
+Throughput is samples per second with the simulator's definition
+(:func:`planner.sim_engine.measured_throughput`): stage-0 backward completions after the
+warm-up wave, so the pipeline's fill is excluded and measured and predicted agree in meaning.
 """
 
 from __future__ import annotations
@@ -92,12 +92,15 @@ class RunResult:
 
     @property
     def throughput(self) -> float:
-        """Steady-state samples/s (see module docstring); whole-run average for tiny runs."""
+        """Samples/s with the simulator's definition (``planner.sim_engine.measured_throughput``:
+        stage-0 backward completions after warm-up wave 0); whole-run average for runs shorter
+        than two waves."""
         times = sorted(self.stages[0].done_times)
-        if len(times) >= 4:
-            k = len(times) // 4
-            span = times[-1] - times[k - 1]
-            return (len(times) - k) * self.batch_size / span if span > 0 else 0.0
+        if len(times) >= 2 * self.nm:
+            from planner.sim_engine import measured_throughput
+
+            start = self.stages[0].start_time
+            return measured_throughput([[(t - start) * 1e3 for t in times]], self.nm, self.batch_size)
         if not times:
             return 0.0
         span = times[-1] - self.stages[0].start_time
