@@ -51,6 +51,7 @@ __all__ = [
     "profile_rows",
     "run_layers",
     "step_time_ms",
+    "tensors_of",
 ]
 
 log = logging.getLogger(__name__)
@@ -67,12 +68,14 @@ class LayerCall:
         node: the fx node.
         forward: runs the layer's forward once and returns its output.
         grad_inputs: tensors the backward differentiates for (input leaves and owned parameters).
+        inputs: every tensor argument of the layer.
     """
 
     index: int
     node: fx.Node
     forward: Callable[[], Any]
     grad_inputs: tuple[Tensor, ...]
+    inputs: tuple[Tensor, ...] = ()
 
 
 def _leaf(value: Any) -> Any:
@@ -89,6 +92,11 @@ def _leaf(value: Any) -> Any:
     return value
 
 
+def tensors_of(value: Any) -> list[Tensor]:
+    """Every tensor in a nested tuple/list/dict ``value``."""
+    return _tensors(value)
+
+
 def _tensors(value: Any) -> list[Tensor]:
     if isinstance(value, Tensor):
         return [value]
@@ -99,11 +107,13 @@ def _tensors(value: Any) -> list[Tensor]:
     return []
 
 
-def run_layers(graph: ModelGraph, inputs: Sequence[Any], visit: Callable[[LayerCall], Any]) -> None:
-    """Interpret the graph layer by layer, letting ``visit`` run each layer.
+def run_layers(
+    gm: fx.GraphModule, inputs: Sequence[Any], visit: Callable[[LayerCall], Any]
+) -> None:
+    """Interpret a traced model layer by layer, letting ``visit`` run each layer.
 
     Args:
-        graph: the model graph (its ``gm`` is interpreted).
+        gm: the traced model (``ModelGraph.gm``), one layer per fx node.
         inputs: positional model inputs.
         visit: called once per non-``output`` layer with a :class:`LayerCall`; returns the
             layer's output (normally ``call.forward()``), which becomes the next layers' input.
@@ -111,7 +121,6 @@ def run_layers(graph: ModelGraph, inputs: Sequence[Any], visit: Callable[[LayerC
     Raises:
         ModelError: a layer fails on its inputs.
     """
-    gm = graph.gm
     env: dict[fx.Node, Any] = {}
     args_iter = iter(inputs)
     for index, node in enumerate(gm.graph.nodes):
@@ -131,15 +140,16 @@ def run_layers(graph: ModelGraph, inputs: Sequence[Any], visit: Callable[[LayerC
         args = fx.node.map_arg(node.args, env.__getitem__)
         kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
         params: tuple[Tensor, ...] = ()
-        if node.op == "call_module" and graph.layers[index].param_bytes:
+        if node.op == "call_module":
             sub = gm.get_submodule(str(node.target))
             params = tuple(p for p in sub.parameters() if p.requires_grad)
-        leaves = tuple(t for t in _tensors((args, kwargs)) if t.requires_grad)
+        tensors = tuple(_tensors((args, kwargs)))
+        leaves = tuple(t for t in tensors if t.requires_grad)
 
         forward = _bind_node(gm, node, args, kwargs)
 
         try:
-            out = visit(LayerCall(index, node, forward, leaves + params))
+            out = visit(LayerCall(index, node, forward, leaves + params, tensors))
         except (RuntimeError, TypeError, ValueError, IndexError) as exc:
             raise ModelError(f"layer {index} ({node.name}) failed on its inputs: {exc}") from exc
         env[node] = _leaf(out)
@@ -421,7 +431,7 @@ def profile_rows(
         calls.append(call)
         return out
 
-    run_layers(graph, inputs, visit)
+    run_layers(graph.gm, inputs, visit)
     gm = graph.gm
     gm.zero_grad(set_to_none=True)
     fwd_runs: list[dict[int, float]] = []

@@ -18,7 +18,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["SavedTensorCounter", "cuda_peak_bytes", "reset_cuda_peak", "tensor_bytes"]
+__all__ = [
+    "SavedTensorCounter",
+    "cuda_peak_bytes",
+    "reset_cuda_peak",
+    "storage_bytes",
+    "tensor_bytes",
+]
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +38,11 @@ def tensor_bytes(value: Any) -> int:
     if isinstance(value, dict):
         return sum(tensor_bytes(v) for v in value.values())
     return 0
+
+
+def storage_bytes(t: Tensor) -> int:
+    """Bytes of the whole storage behind ``t`` (a view's base included)."""
+    return int(t.untyped_storage().nbytes())
 
 
 def _storage_key(t: Tensor) -> int:
@@ -66,6 +77,10 @@ class SavedTensorCounter:
         """Never charge the storage of ``t`` (e.g. a parameter)."""
         self._seen.add(_storage_key(t))
         self._keep.append(t)
+
+    def seen(self, t: Tensor) -> bool:
+        """Whether the storage of ``t`` is already charged (or excluded)."""
+        return _storage_key(t) in self._seen
 
     def _pack(self, t: Tensor) -> Tensor:
         key = _storage_key(t)
