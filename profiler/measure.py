@@ -399,6 +399,36 @@ def _timed_pass(
     return fwd, timer.result()
 
 
+def _tick(progress: Progress | None, done: int, total: int, name: str) -> None:
+    if progress is not None:
+        progress(done, total, name)
+
+
+def _counting_pass(
+    graph: ModelGraph,
+    inputs: Sequence[Any],
+    device: torch.device,
+    tick: Callable[[int, str], None],
+) -> dict[int, tuple[int, int, float]]:
+    """Saved bytes, CUDA peak and forward FLOPs of every layer (see :func:`_count_call`).
+
+    Everything the pass keeps alive (saved tensors, layer outputs) is released on return.
+    """
+    counter = SavedTensorCounter(exclude=list(graph.gm.parameters()))
+    counted: dict[int, tuple[int, int, float]] = {}
+
+    def visit(call: LayerCall) -> Any:
+        tick(call.index, call.node.name)
+        if call.node.op == "placeholder":
+            return call.forward()
+        out, saved, peak, flops = _count_call(call, device, counter)
+        counted[call.index] = (saved, peak, flops)
+        return out
+
+    run_layers(graph.gm, inputs, visit)
+    return counted
+
+
 def profile_rows(
     graph: ModelGraph,
     inputs: Sequence[Any],
@@ -416,22 +446,8 @@ def profile_rows(
     layer by layer; the medians over the last ``repeats`` passes are kept. ``loss(output)``
     (e.g. cross-entropy against the sample targets) is timed as the ``output`` row.
     """
-    counter = SavedTensorCounter(exclude=list(graph.gm.parameters()))
-    calls: list[LayerCall] = []
-    counted: dict[int, tuple[int, int, float]] = {}
     total = len(graph.layers) + warmup + repeats
-
-    def visit(call: LayerCall) -> Any:
-        if progress is not None:
-            progress(call.index, total, call.node.name)
-        if call.node.op == "placeholder":
-            return call.forward()
-        out, saved, peak, flops = _count_call(call, device, counter)
-        counted[call.index] = (saved, peak, flops)
-        calls.append(call)
-        return out
-
-    run_layers(graph.gm, inputs, visit)
+    counted = _counting_pass(graph, inputs, device, lambda i, name: _tick(progress, i, total, name))
     gm = graph.gm
     gm.zero_grad(set_to_none=True)
     fwd_runs: list[dict[int, float]] = []
@@ -446,11 +462,10 @@ def profile_rows(
     if progress is not None:
         progress(total, total, "done")
     rows: dict[int, _Row] = {}
-    for call in calls:
-        saved, peak, flops = counted[call.index]
-        rows[call.index] = _Row(
-            statistics.median(run.get(call.index, 0.0) for run in fwd_runs),
-            statistics.median(run.get(call.index, 0.0) for run in bwd_runs),
+    for index, (saved, peak, flops) in counted.items():
+        rows[index] = _Row(
+            statistics.median(run.get(index, 0.0) for run in fwd_runs),
+            statistics.median(run.get(index, 0.0) for run in bwd_runs),
             saved,
             peak,
             flops,
