@@ -71,7 +71,10 @@ class Partition:
 
     def stages(self, cm: CostModel, nm: int) -> list[StageCost]:
         """The cost of every stage with ``nm`` minibatches in flight."""
-        return [cm.stage_cost(self.gpus, j, self.bounds[j], self.bounds[j + 1], nm) for j in range(len(self.gpus))]
+        return [
+            cm.stage_cost(self.gpus, j, self.bounds[j], self.bounds[j + 1], nm)
+            for j in range(len(self.gpus))
+        ]
 
 
 def class_key(d: Device) -> tuple[str, str, int]:
@@ -128,7 +131,9 @@ def _bottleneck(mats: Sequence[np.ndarray]) -> tuple[float, list[int]]:
     return value, bounds[::-1]
 
 
-def _result(cm: CostModel, gpus: Sequence[Device], bounds: list[int], obj: float, solver: str, t0: float) -> Partition:
+def _result(
+    cm: CostModel, gpus: Sequence[Device], bounds: list[int], obj: float, solver: str, t0: float
+) -> Partition:
     stage_ms = tuple(
         cm.stage_cost(gpus, j, bounds[j], bounds[j + 1], 1).time_ms for j in range(len(gpus))
     )
@@ -158,7 +163,9 @@ def _shortfall_mats(cm: CostModel, gpus: Sequence[Device], nm: int) -> list[np.n
     return [cm.memory_matrix(k, j, nm) - gpus[j].memory_bytes for j in range(k)]
 
 
-def min_memory_shortfall(cm: CostModel, gpus: Sequence[Device], nm: int, max_orders: int = 5040) -> tuple[int, tuple[Device, ...]]:
+def min_memory_shortfall(
+    cm: CostModel, gpus: Sequence[Device], nm: int, max_orders: int = 5040
+) -> tuple[int, tuple[Device, ...]]:
     """Smallest achievable overflow (bytes) of the most overflowing stage, over orders and partitions.
 
     ``<= 0`` means some partition fits. Orders are enumerated (at most ``max_orders``).
@@ -173,7 +180,9 @@ def min_memory_shortfall(cm: CostModel, gpus: Sequence[Device], nm: int, max_ord
     return int(np.ceil(best[0])), best[1]
 
 
-def partition_dp(cm: CostModel, gpus: Sequence[Device], nm: int = 1, memory: bool = True) -> Partition:
+def partition_dp(
+    cm: CostModel, gpus: Sequence[Device], nm: int = 1, memory: bool = True
+) -> Partition:
     """Optimal partition of the model over ``gpus`` in this exact order.
 
     Args:
@@ -224,7 +233,9 @@ def partition_dp_best_order(
         try:
             part = partition_dp(cm, order, nm, memory)
         except InfeasiblePartition as exc:
-            shortfall = exc.shortfall_bytes if shortfall is None else min(shortfall, exc.shortfall_bytes)
+            shortfall = (
+                exc.shortfall_bytes if shortfall is None else min(shortfall, exc.shortfall_bytes)
+            )
             continue
         if best is None or part.objective_ms < best.objective_ms - 1e-12:
             best = part
@@ -234,4 +245,12 @@ def partition_dp_best_order(
             f"(smallest shortfall {shortfall} bytes)",
             shortfall or 0,
         )
-    return Partition(best.gpus, best.bounds, best.cuts, best.stage_ms, best.objective_ms, "dp", time.perf_counter() - t0)
+    return Partition(
+        best.gpus,
+        best.bounds,
+        best.cuts,
+        best.stage_ms,
+        best.objective_ms,
+        "dp",
+        time.perf_counter() - t0,
+    )

@@ -64,7 +64,9 @@ def _make_solver(name: str, time_limit_s: float) -> tuple[pulp.LpSolver, str]:
         if solver.available():
             return solver, "milp-highs"
         if name == "highs":
-            raise ConfigError("solver 'highs' requested but highspy is not installed (pip install highspy)")
+            raise ConfigError(
+                "solver 'highs' requested but highspy is not installed (pip install highspy)"
+            )
     return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=1e-9, threads=1), "milp-cbc"
 
 
@@ -83,7 +85,9 @@ def _classes(gpus: Sequence[Device]) -> _Classes:
     return _Classes(keys, tuple(groups[k][0] for k in keys), tuple(tuple(groups[k]) for k in keys))
 
 
-def _heuristic_orders(cls: _Classes, cm: CostModel, gpus: Sequence[Device]) -> list[tuple[Device, ...]]:
+def _heuristic_orders(
+    cls: _Classes, cm: CostModel, gpus: Sequence[Device]
+) -> list[tuple[Device, ...]]:
     """A few natural orders: as given, fastest first/last, by memory, grouped by node."""
     speed = {t: float(cm.compute_ms(t)[-1]) for t in {r.type for r in cls.reps}}
     keyfns = [
@@ -96,7 +100,9 @@ def _heuristic_orders(cls: _Classes, cm: CostModel, gpus: Sequence[Device]) -> l
     return list(dict.fromkeys(orders))
 
 
-def _upper_bound(cm: CostModel, cls: _Classes, gpus: Sequence[Device], nm: int, memory: bool) -> Partition | None:
+def _upper_bound(
+    cm: CostModel, cls: _Classes, gpus: Sequence[Device], nm: int, memory: bool
+) -> Partition | None:
     best: Partition | None = None
     for order in _heuristic_orders(cls, cm, gpus):
         try:
@@ -108,17 +114,20 @@ def _upper_bound(cm: CostModel, cls: _Classes, gpus: Sequence[Device], nm: int, 
     return best
 
 
-def _reach(comp: Sequence[np.ndarray], counts: Sequence[int], ub: float, k: int) -> list[int]:
-    """``out[m]``: furthest position ``m`` GPUs (any classes within ``counts``) can cover from 0.
+def _reach_table(
+    comp: Sequence[np.ndarray], counts: Sequence[int], ub: float
+) -> dict[tuple[int, ...], int]:
+    """Furthest position the GPUs of each class multiset (count vector) can cover from position 0.
 
     For a fixed order the greedy furthest reach is optimal (compute is monotone in the range),
-    so a DP over class multisets gives the exact maximum, ignoring comm and memory (a relaxation).
+    so a DP over class multisets gives the exact maximum over their orders, ignoring comm and
+    memory (a relaxation: valid bounds for the MILP).
     """
     slack = ub * (1 + _EPS) + 1e-9
-    reach: dict[tuple[int, ...], int] = {tuple(0 for _ in counts): 0}
-    out = [0] * (k + 1)
-    frontier = [tuple(0 for _ in counts)]
-    for m in range(1, k + 1):
+    zero = tuple(0 for _ in counts)
+    reach: dict[tuple[int, ...], int] = {zero: 0}
+    frontier = [zero]
+    for _ in range(sum(counts)):
         nxt: dict[tuple[int, ...], int] = {}
         for state in frontier:
             p = reach[state]
@@ -130,8 +139,13 @@ def _reach(comp: Sequence[np.ndarray], counts: Sequence[int], ub: float, k: int)
                 nxt[st] = max(nxt.get(st, 0), q)
         reach.update(nxt)
         frontier = list(nxt)
-        out[m] = max(nxt.values()) if nxt else out[m - 1]
-    return out
+    return reach
+
+
+def _reach(comp: Sequence[np.ndarray], counts: Sequence[int], ub: float, k: int) -> list[int]:
+    """``out[m]``: furthest position any ``m`` of the GPUs can cover from position 0."""
+    table = _reach_table(comp, counts, ub)
+    return [max((r for st, r in table.items() if sum(st) == m), default=0) for m in range(k + 1)]
 
 
 def _windows(cm: CostModel, cls: _Classes, k: int, ub: float | None) -> list[tuple[int, int]]:
@@ -157,7 +171,14 @@ class _Model:
     """Builds the MILP for one VW (see the module docstring)."""
 
     def __init__(
-        self, cm: CostModel, gpus: Sequence[Device], nm: int, memory: bool, fixed: bool, ub: float | None, disaggregate: bool
+        self,
+        cm: CostModel,
+        gpus: Sequence[Device],
+        nm: int,
+        memory: bool,
+        fixed: bool,
+        ub: float | None,
+        disaggregate: bool,
     ) -> None:
         self.disaggregate = disaggregate
         self.cm, self.nm, self.k, self.c = cm, nm, len(gpus), cm.num_segments
@@ -176,6 +197,7 @@ class _Model:
         self._times()
         if ub is not None and self.fixed is None and len(self.cls.keys) > 1:
             self._reach_cuts(ub)
+            self._state_windows(ub)
         if memory:
             self._memory()
 
@@ -217,12 +239,18 @@ class _Model:
 
     def stage_sum(self, j: int, seg: np.ndarray) -> pulp.LpAffineExpression:
         """Sum of per-segment ``seg`` over stage ``j``'s segments."""
-        return pulp.lpSum(float(seg[i]) * (self.S(j, i) - self.S(j - 1, i)) for i in self._span(j) if seg[i] != 0)
+        return pulp.lpSum(
+            float(seg[i]) * (self.S(j, i) - self.S(j - 1, i)) for i in self._span(j) if seg[i] != 0
+        )
 
     def boundary_sum(self, j: int, per_pos: np.ndarray) -> pulp.LpAffineExpression:
         """``per_pos[p]`` at the position of boundary ``j``."""
         lo, hi = self.win[j]
-        return pulp.lpSum(float(per_pos[p]) * (self.S(j, p - 1) - self.S(j, p)) for p in range(lo, hi + 1) if per_pos[p] != 0)
+        return pulp.lpSum(
+            float(per_pos[p]) * (self.S(j, p - 1) - self.S(j, p))
+            for p in range(lo, hi + 1)
+            if per_pos[p] != 0
+        )
 
     def _assignment(self) -> None:
         n_cls = len(self.cls.keys)
@@ -287,7 +315,9 @@ class _Model:
             self.prob += self.z >= self._stage_compute(j, seg) + comm_in + comm_out
         if self.v:  # total work on class t fits its n_t GPUs: a strong valid cut
             for t, members in enumerate(self.cls.members):
-                work = pulp.lpSum(float(seg[t][i]) * v for (_, tt, i), v in self.v.items() if tt == t)
+                work = pulp.lpSum(
+                    float(seg[t][i]) * v for (_, tt, i), v in self.v.items() if tt == t
+                )
                 self.prob += work <= len(members) * self.z
 
     def _stage_compute(self, j: int, seg: Sequence[np.ndarray]) -> pulp.LpAffineExpression:
@@ -296,7 +326,9 @@ class _Model:
         With a free order, ``v[j, t, i]`` = (segment ``i`` in stage ``j``) AND (stage ``j`` is class
         ``t``): ``sum_t v[j, t, i] = S(j, i) - S(j-1, i)`` and ``v[j, t, i] <= x[j, t]``.
         """
-        fixed = [t for t in range(len(seg)) if isinstance(self.x[j, t], float) and self.x[j, t] == 1.0]
+        fixed = [
+            t for t in range(len(seg)) if isinstance(self.x[j, t], float) and self.x[j, t] == 1.0
+        ]
         if fixed:
             return self.stage_sum(j, seg[fixed[0]])
         if not self.disaggregate:
@@ -314,6 +346,35 @@ class _Model:
             self.prob += pulp.lpSum(vs) == self.S(j, i) - self.S(j - 1, i)
         return pulp.lpSum(terms)
 
+    def _state_windows(self, ub: float) -> None:
+        """Boundary ``j``'s position given *which* classes run stages ``0..j``.
+
+        ``w[j, m]`` (binary) selects the class multiset ``m`` of the first ``j+1`` stages
+        (``sum_m w[j, m] m_t = sum_{j' <= j} x[j', t]``); the boundary lies between
+        ``C - reach_from_end(rest)`` and ``reach(m)`` (see :func:`_reach_table`).
+        """
+        comp = [self.cm.compute_ms(r.type) for r in self.cls.reps]
+        counts = tuple(len(m) for m in self.cls.members)
+        fwd = _reach_table(comp, counts, ub)
+        rev = _reach_table([(x[-1] - x)[::-1] for x in comp], counts, ub)
+        for j in range(self.k - 1):
+            states = [st for st in fwd if sum(st) == j + 1]
+            w = {
+                st: pulp.LpVariable(f"w_{j}_{'_'.join(map(str, st))}", cat=pulp.LpBinary)
+                for st in states
+            }
+            self.prob += pulp.lpSum(w.values()) == 1
+            for t in range(len(counts)):
+                self.prob += pulp.lpSum(st[t] * v for st, v in w.items()) == pulp.lpSum(
+                    self.x[jj, t] for jj in range(j + 1)
+                )
+            pos = self._position(j)
+            self.prob += pos <= pulp.lpSum(min(fwd[st], self.c) * v for st, v in w.items())
+            rest = {st: tuple(n - c for n, c in zip(counts, st, strict=True)) for st in states}
+            self.prob += pos >= pulp.lpSum(
+                (self.c - rev.get(rest[st], 0)) * v for st, v in w.items()
+            )
+
     def _reach_cuts(self, ub: float) -> None:
         """Prefix (suffix) fastest-type work of boundary ``j`` fits the capacity of the classes before (after) it.
 
@@ -328,9 +389,17 @@ class _Model:
         total = float(fast.sum())
         for j in range(self.k - 1):
             lo, hi = self.win[j]
-            prefix = float(fast[:lo].sum()) + pulp.lpSum(float(fast[i]) * self.s[j, i] for i in range(lo, hi))
-            before = pulp.lpSum(self.x[jj, t] * (slack / rho[t]) for jj in range(j + 1) for t in range(len(rho)))
-            after = pulp.lpSum(self.x[jj, t] * (slack / rho[t]) for jj in range(j + 1, self.k) for t in range(len(rho)))
+            prefix = float(fast[:lo].sum()) + pulp.lpSum(
+                float(fast[i]) * self.s[j, i] for i in range(lo, hi)
+            )
+            before = pulp.lpSum(
+                self.x[jj, t] * (slack / rho[t]) for jj in range(j + 1) for t in range(len(rho))
+            )
+            after = pulp.lpSum(
+                self.x[jj, t] * (slack / rho[t])
+                for jj in range(j + 1, self.k)
+                for t in range(len(rho))
+            )
             self.prob += prefix <= before
             self.prob += total - prefix <= after
 
@@ -358,7 +427,9 @@ class _Model:
             need = self.stage_sum(j, cm.static_factor(self.nm) * par + buf + kin * sav)
             if j > 0:
                 need = need + kin * self.boundary_sum(j - 1, cut)
-            cap = pulp.lpSum(self.x[j, t] * (r.memory_bytes / _GIB) for t, r in enumerate(self.cls.reps))
+            cap = pulp.lpSum(
+                self.x[j, t] * (r.memory_bytes / _GIB) for t, r in enumerate(self.cls.reps)
+            )
             self.prob += need <= cap
 
     def solution(self) -> tuple[list[int], list[Device]]:
@@ -366,7 +437,9 @@ class _Model:
         bounds = [0]
         for j in range(self.k - 1):
             lo, hi = self.win[j]
-            pos = [p for p in range(lo, hi + 1) if pulp.value(self.S(j, p - 1) - self.S(j, p)) > 0.5]
+            pos = [
+                p for p in range(lo, hi + 1) if pulp.value(self.S(j, p - 1) - self.S(j, p)) > 0.5
+            ]
             if len(pos) != 1:
                 raise PlanError(f"MILP returned no unique boundary {j} (solver numerical trouble)")
             bounds.append(pos[0])
@@ -378,7 +451,9 @@ class _Model:
         for j in range(self.k):
             t = max(range(len(pools)), key=lambda t: float(pulp.value(self.x[j, t])))
             if not pools[t]:
-                raise PlanError("MILP assigned more GPUs of one class than exist (solver numerical trouble)")
+                raise PlanError(
+                    "MILP assigned more GPUs of one class than exist (solver numerical trouble)"
+                )
             order.append(pools[t].pop(0))
         return bounds, order
 
@@ -412,20 +487,30 @@ def partition_milp(
     """
     t0 = time.perf_counter()
     if len(gpus) > cm.num_segments:
-        raise PlanError(f"{len(gpus)} GPUs but only {cm.num_segments} candidate segments; use fewer GPUs per VW")
+        raise PlanError(
+            f"{len(gpus)} GPUs but only {cm.num_segments} candidate segments; use fewer GPUs per VW"
+        )
     cls = _classes(gpus)
     ub_part = None
     if use_bound:
-        ub_part = partition_dp(cm, gpus, nm, memory) if fixed_order else _upper_bound(cm, cls, gpus, nm, memory)
+        ub_part = (
+            partition_dp(cm, gpus, nm, memory)
+            if fixed_order
+            else _upper_bound(cm, cls, gpus, nm, memory)
+        )
     if len(gpus) == 1:
         return partition_dp(cm, gpus, nm, memory)
-    model = _Model(cm, gpus, nm, memory, fixed_order, ub_part.objective_ms if ub_part else None, disaggregate)
+    model = _Model(
+        cm, gpus, nm, memory, fixed_order, ub_part.objective_ms if ub_part else None, disaggregate
+    )
     lp_solver, label = _make_solver(solver, time_limit_s)
     model.prob.solve(lp_solver)
     status = pulp.LpStatus[model.prob.status]
     if model.prob.status == pulp.LpStatusInfeasible:
         letters = "".join(g.letter for g in gpus)
-        raise InfeasiblePartition(f"MILP: no order and partition of {letters} fits memory with Nm={nm}", 0)
+        raise InfeasiblePartition(
+            f"MILP: no order and partition of {letters} fits memory with Nm={nm}", 0
+        )
     if model.prob.status != pulp.LpStatusOptimal or model.prob.sol_status != pulp.LpSolutionOptimal:
         raise PlanError(
             f"MILP solver {label} ended with status {status!r} (solution status {model.prob.sol_status}) "
@@ -433,7 +518,9 @@ def partition_milp(
         )
     bounds, order = model.solution()
     obj = float(pulp.value(model.z))
-    stage_ms = tuple(cm.stage_cost(order, j, bounds[j], bounds[j + 1], nm).time_ms for j in range(len(order)))
+    stage_ms = tuple(
+        cm.stage_cost(order, j, bounds[j], bounds[j + 1], nm).time_ms for j in range(len(order))
+    )
     part = Partition(
         gpus=tuple(order),
         bounds=tuple(bounds),
@@ -443,5 +530,12 @@ def partition_milp(
         solver=label,
         solve_s=time.perf_counter() - t0,
     )
-    log.debug("%s: %d GPUs x %d segments in %.3f s, bottleneck %.4f ms", label, len(gpus), cm.num_segments, part.solve_s, obj)
+    log.debug(
+        "%s: %d GPUs x %d segments in %.3f s, bottleneck %.4f ms",
+        label,
+        len(gpus),
+        cm.num_segments,
+        part.solve_s,
+        obj,
+    )
     return part

@@ -11,15 +11,19 @@ Steps (paper Sec. 4, 7, 8.1):
    partition fit memory; the plan's Nm is the minimum over VWs, capped by the user's ``nm``;
 4. each VW is partitioned at that Nm (MILP by default); isomorphic VWs (same GPU types and
    node pattern, e.g. the four ED VWs) are solved once;
-5. shards are placed and throughput is predicted (:mod:`planner.predict`).
+5. shards are placed and throughput is predicted: by the discrete-event simulator
+   (``planner.simulator``) when it is available, else analytically (:mod:`planner.predict`);
+   ``auto`` ranks its candidate allocations by that prediction.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from planner.allocation import Allocation, allocate, candidate_allocations
 from planner.cluster import Cluster, Device, Link
@@ -33,13 +37,13 @@ from planner.partition_dp import (
 )
 from planner.partition_milp import partition_milp
 from planner.placement import PipelineLayout, cross_node_bytes_per_wave, place_shards
-from planner.plan import GpuSlot, Plan, Prediction, StagePlan, VirtualWorker
+from planner.plan import GpuSlot, Plan, Prediction, ShardPlan, StagePlan, VirtualWorker
 from planner.predict import allreduce_throughput, cluster_throughput, vw_throughput
 from planner.profiles import resolve_profiles
 from profiler.errors import PlanError
 from profiler.table import Profile
 
-__all__ = ["PlanOptions", "make_plan"]
+__all__ = ["PlanOptions", "make_plan", "plan"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +62,9 @@ class PlanOptions:
         nm_limit: largest Nm considered.
         time_limit_s: MILP time limit per VW (hitting it is an error).
         auto_max_vw_gpus: largest VW the ``auto`` policy tries.
+        simulate_waves: when >= 2, the prediction (and ``auto``'s ranking) comes from the
+            discrete-event simulator (``planner.simulator``) over this many waves; the analytic
+            estimate is the fallback.
     """
 
     partitioner: str = "milp"
@@ -66,6 +73,7 @@ class PlanOptions:
     nm_limit: int = 64
     time_limit_s: float = 60.0
     auto_max_vw_gpus: int = 4
+    simulate_waves: int = 8
 
 
 @dataclass
@@ -200,12 +208,16 @@ def _stages(pl: _Planner, part: Partition, nm: int) -> tuple[StagePlan, ...]:
 
 def _node_traffic(
     layouts: Sequence[PipelineLayout],
-    shards: Sequence[object],
+    shards: Sequence[ShardPlan],
     param_bytes: Sequence[int],
     names: Sequence[str],
     nm: int,
 ) -> dict[str, int]:
-    """Bytes in + out of every node's network card per wave (all VWs)."""
+    """Bytes each node's (full-duplex) network card sends per wave, all VWs together.
+
+    Every transfer is symmetric per wave (activations out / gradients back, push / pull), so a
+    node sends as many bytes as it receives; the busier direction is this count.
+    """
     index = {n: i for i, n in enumerate(names)}
     traffic: dict[str, int] = {}
     for lay in layouts:
@@ -213,15 +225,38 @@ def _node_traffic(
             a, b = lay.gpus[j].node, lay.gpus[j + 1].node
             if a != b:
                 for n in (a, b):
-                    traffic[n] = traffic.get(n, 0) + 2 * nm * lay.cut_bytes[j]
+                    traffic[n] = traffic.get(n, 0) + nm * lay.cut_bytes[j]
         for shard in shards:
-            for name in shard.layers:  # type: ignore[attr-defined]
+            for name in shard.layers:
                 i = index[name]
                 node = lay.node_of_layer(i)
-                if node != shard.node:  # type: ignore[attr-defined]
-                    for n in (node, shard.node):  # type: ignore[attr-defined]
-                        traffic[n] = traffic.get(n, 0) + 2 * int(param_bytes[i])
+                if node != shard.node:
+                    for n in (node, shard.node):
+                        traffic[n] = traffic.get(n, 0) + int(param_bytes[i])
     return traffic
+
+
+def _simulated(plan: Plan, waves: int) -> Prediction | None:
+    """The discrete-event simulator's prediction (``None`` when it is unavailable or refuses the plan)."""
+    if waves < 2:
+        return None
+    try:
+        from planner.simulator import simulate
+    except ImportError:
+        return None
+    try:
+        res = simulate(plan, waves=waves)
+    except PlanError as exc:
+        log.warning("simulator refused the plan (%s); keeping the analytic prediction", exc)
+        return None
+    p = plan.predicted
+    return Prediction(
+        res.throughput,
+        tuple(res.per_vw_throughput),
+        p.allreduce_throughput,
+        p.allreduce_gpus,
+        "simulated",
+    )
 
 
 def _plan_allocation(
@@ -276,7 +311,7 @@ def _plan_allocation(
     traffic = _node_traffic(layouts, shards, layer_params, names, plan_nm)
     total = cluster_throughput(per_vw, traffic, pl.cluster.inter_node.bandwidth_bps, plan_nm, batch)
     ar, ar_gpus = allreduce_throughput(pl.cluster, cm, batch)
-    return Plan(
+    plan = Plan(
         model=model,
         batch_size=batch,
         policy=alloc.policy,
@@ -291,6 +326,8 @@ def _plan_allocation(
         profiles=dict(provenance),
         optimizer_state_factor=cm.optimizer_state_factor,
     )
+    sim = _simulated(plan, pl.opts.simulate_waves)
+    return plan if sim is None else replace(plan, predicted=sim)
 
 
 def make_plan(
@@ -367,10 +404,44 @@ def make_plan(
                 best = cand
         if best is None:
             raise PlanError("policy 'auto' found no feasible allocation: " + "; ".join(reasons[:3]))
-        plan = Plan(**{**best.__dict__, "policy": f"auto:{best.policy}"})
+        plan = replace(best, policy=f"auto:{best.policy}")
     else:
         plan = _plan_allocation(
             pl, allocate(cluster, policy, num_vws), model_name, batch, nm, D, placement, provenance
         )
     log.info("planned %s on %s in %.2f s", model_name, cluster.name, time.perf_counter() - t0)
     return plan
+
+
+def plan(
+    cluster: Cluster | str | os.PathLike[str],
+    profiles: Mapping[str, Profile]
+    | Sequence[Profile]
+    | Sequence[str | os.PathLike[str]]
+    | None = None,
+    policy: str = "hd",
+    **kwargs: Any,
+) -> Plan:
+    """The Python API behind ``hetpipe plan``: ``plan("cluster.yaml", ["profiles/"], policy="ed")``.
+
+    Args:
+        cluster: a :class:`Cluster` or a cluster.yaml path.
+        profiles: profiles, or CSV files/folders of them.
+        policy: ``np``, ``ed``, ``hd`` or ``auto``.
+        **kwargs: any other :func:`make_plan` argument (``model``, ``batch_size``, ``nm``, ``D``, ...).
+    """
+    from planner.cluster import load_cluster
+    from profiler.table import load_profile_set
+
+    cl = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
+    plist: Mapping[str, Profile] | Sequence[Profile] | None
+    if (
+        profiles is not None
+        and not isinstance(profiles, Mapping)
+        and any(not isinstance(p, Profile) for p in profiles)
+    ):
+        given = [p for p in profiles if isinstance(p, Profile)]
+        plist = given + load_profile_set([p for p in profiles if not isinstance(p, Profile)])
+    else:
+        plist = profiles  # type: ignore[assignment]
+    return make_plan(cl, plist, policy=policy, **kwargs)
