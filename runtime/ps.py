@@ -366,6 +366,11 @@ def irecv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None, tag: 
     return work
 
 
+_IDLE_FOREVER_S = (
+    7 * 24 * 3600.0
+)  # a gloo timeout closes the connection, so never time out idle readers
+
+
 def _wait(work: dist.Work, timeout_s: float) -> None:
     work.wait(datetime.timedelta(seconds=timeout_s))
 
@@ -380,8 +385,12 @@ class ShardServer:
     Args:
         core: the shard state machine.
         group: process group holding the shard and its clients (``None``: the default group).
-        timeout_s: longest silence tolerated from every client at once, and per message; a
-            client that dies is detected at once (its connection closes).
+        timeout_s: longest wait for one message to complete once started (a payload after its
+            header, a reply send).
+        idle_timeout_s: longest time without any request from any client; then the shard
+            names the stuck stages (those of the slowest VWs with no pull waiting) and raises.
+            It must exceed the slowest wave time (default 10x ``timeout_s``). A client that
+            dies is detected at once anyway (its connection closes).
         checkpoint_dir: where to write checkpoints (``None``: never).
         checkpoint_every: checkpoint each time the global clock reaches a multiple of this.
         keep: checkpoint files kept per shard.
@@ -395,8 +404,10 @@ class ShardServer:
         checkpoint_dir: str | Path | None = None,
         checkpoint_every: int = 0,
         keep: int = 2,
+        idle_timeout_s: float | None = None,
     ) -> None:
         self.core, self.group, self.timeout_s = core, group, timeout_s
+        self.idle_timeout_s = 10 * timeout_s if idle_timeout_s is None else idle_timeout_s
         self.checkpoint_dir, self.checkpoint_every, self.keep = (
             checkpoint_dir,
             checkpoint_every,
@@ -418,7 +429,8 @@ class ShardServer:
             while True:
                 hdr = torch.zeros(HEADER_LEN, dtype=torch.int64)
                 _wait(
-                    irecv(hdr, src=client.rank, group=self.group, tag=TAG_REQUEST), self.timeout_s
+                    irecv(hdr, src=client.rank, group=self.group, tag=TAG_REQUEST),
+                    _IDLE_FOREVER_S,  # a client waiting on a pull is silent: hangs are judged in serve()
                 )
                 op = int(hdr[0])
                 if op == Op.PUSH:
@@ -492,13 +504,9 @@ class ShardServer:
         )
         while len(done) < len(spec.clients) or any(pulls):
             try:
-                ev = events.get(timeout=self.timeout_s)
+                ev = events.get(timeout=self.idle_timeout_s)
             except queue.Empty:
-                raise HetPipeRuntimeError(
-                    f"{self._prefix} no request from any client for {self.timeout_s:.0f} s (global clock "
-                    f"{core.clock}, VW clocks {core.local_clocks()}); a stage is stuck: stop the run and "
-                    "resume from the last checkpoint"
-                ) from None
+                raise self._stuck(pulls) from None
             c = spec.clients[ev.client]
             if ev.kind == "error":
                 raise self._lost(c, ev.error)
@@ -525,6 +533,22 @@ class ShardServer:
             len(core.rejected),
         )
         return core.state()
+
+    def _stuck(self, pulls: list[list[int]]) -> HetPipeRuntimeError:
+        """The error when no client spoke for ``idle_timeout_s``: name the stages the global
+        clock waits for (stages of the slowest VWs that are not waiting on a pull)."""
+        core, spec = self.core, self.core.spec
+        local = dict(zip(spec.vws, core.local_clocks(), strict=True))
+        stuck = [
+            f"vw {c.vw} stage {c.stage} (rank {c.rank})"
+            for i, c in enumerate(spec.clients)
+            if local[c.vw] == core.clock and not pulls[i]
+        ]
+        return HetPipeRuntimeError(
+            f"{self._prefix} no request from any client for {self.idle_timeout_s:.0f} s; global clock "
+            f"{core.clock} waits for wave {core.clock} from {', '.join(stuck) or 'no one (all are pulling)'}, "
+            "which hung or is slower than the idle timeout: stop the run and resume from the last checkpoint"
+        )
 
     def _recycle(self, idx: int, wave: int, buf: torch.Tensor, kept: bool) -> None:
         """Return receive buffers the core no longer holds (rejected, or their wave applied)."""

@@ -42,6 +42,7 @@ class RunConfig:
     reorder: bool = False  # sometimes push wave c+1 before wave c (needs D >= 1)
     duplicate: bool = False  # re-send wave 1 once, bypassing the client-side check
     timeout_s: float = 20.0
+    idle_timeout_s: float | None = None  # shards: longest silence of a client (hang detection)
     checkpoint_dir: str | None = None  # shards checkpoint every wave there
     forever: bool = False  # run until killed (fault tests)
 
@@ -83,7 +84,11 @@ def shard_main(spec: ShardSpec, init: torch.Tensor, cfg: RunConfig, out: str) ->
         core = ShardCore(spec, init)
         every = 1 if cfg.checkpoint_dir else 0
         server = ShardServer(
-            core, timeout_s=cfg.timeout_s, checkpoint_dir=cfg.checkpoint_dir, checkpoint_every=every
+            core,
+            timeout_s=cfg.timeout_s,
+            checkpoint_dir=cfg.checkpoint_dir,
+            checkpoint_every=every,
+            idle_timeout_s=cfg.idle_timeout_s,
         )
         state = server.serve()
         torch.save(
