@@ -13,6 +13,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from planner.cluster import Cluster, load_cluster, parse_cluster
 from planner.plan import Plan, load_plan
+from planner.planner import plan
 from profiler.errors import (
     ConfigError,
     HetPipeError,
@@ -48,5 +49,6 @@ __all__ = [
     "load_plan",
     "load_profile",
     "parse_cluster",
+    "plan",
     "resolve_model",
 ]
