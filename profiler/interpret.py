@@ -108,9 +108,13 @@ def run_layers(
         if node.op == "call_module":
             sub = gm.get_submodule(str(node.target))
             params = tuple(p for p in sub.parameters() if p.requires_grad)
+        leaves = tuple(t for t in _tensors((args, kwargs)) if t.requires_grad)
+        if _is_inplace(gm, node):  # a leaf cannot be modified in place: hand it a copy
+            args, kwargs = fx.node.map_aggregate(
+                (args, kwargs),
+                lambda v: v.clone() if isinstance(v, Tensor) and v.requires_grad else v,
+            )
         tensors = tuple(_tensors((args, kwargs)))
-        leaves = tuple(t for t in tensors if t.requires_grad)
-
         forward = bind_node(gm, node, args, kwargs)
 
         try:
@@ -118,6 +122,16 @@ def run_layers(
         except (RuntimeError, TypeError, ValueError, IndexError) as exc:
             raise ModelError(f"layer {index} ({node.name}) failed on its inputs: {exc}") from exc
         env[node] = _leaf(out)
+
+
+def _is_inplace(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether the node modifies an input in place (``ReLU(inplace=True)``, ``x.add_(y)``)."""
+    if node.kwargs.get("inplace") is True:
+        return True
+    if node.op == "call_module":
+        return bool(getattr(gm.get_submodule(str(node.target)), "inplace", False))
+    name = str(getattr(node.target, "__name__", node.target))
+    return name.endswith("_") and not name.endswith("__")
 
 
 def bind_node(gm: fx.GraphModule, node: fx.Node, args: Any, kwargs: Any) -> Callable[[], Any]:

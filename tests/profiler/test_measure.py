@@ -126,3 +126,22 @@ def test_truncated_profile_raises(mlp_profile: Profile, tmp_path: Path) -> None:
         cut.write_text(text[:keep])
         with pytest.raises(ProfileError):
             load_profile(cut)
+
+
+def inplace_model(batch_size: int) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """A factory with in-place ReLUs, as in torchvision models."""
+    model = nn.Sequential(
+        nn.Linear(12, 24), nn.ReLU(inplace=True), nn.Linear(24, 5), nn.ReLU(inplace=True)
+    )
+    return model, (torch.randn(batch_size, 12), torch.randint(0, 5, (batch_size,)))
+
+
+def test_in_place_layers_are_profiled_exactly() -> None:
+    ref = "tests.profiler.test_measure:inplace_model"
+    prof = measure_profile(resolve_model(ref, 6), repeats=1, warmup=0)
+    t = prof.table
+    assert list(t["op"]) == ["placeholder", "Linear", "ReLU", "Linear", "ReLU", "output"]
+    assert (t["fwd_ms"].iloc[1:] > 0).all()
+    # the in-place ReLU saves its output (the Linear's storage); the next Linear's input is that
+    assert t["saved_bytes"].tolist() == [0, 6 * 12 * 4, 6 * 24 * 4, 0, 6 * 5 * 4, 0]
+    assert t["saved_bytes"].tolist() == [c.saved_bytes for c in layer_costs(ref, 6)]
