@@ -123,3 +123,16 @@ def test_analytic_prediction_without_simulator(paper: Cluster) -> None:
 def test_vw_throughput_formula() -> None:
     assert vw_throughput([10.0, 10.0], nm=1, batch_size=32) == pytest.approx(32 * 1000 / 20)
     assert vw_throughput([10.0, 10.0], nm=4, batch_size=32) == pytest.approx(32 * 1000 / 10)
+
+
+def test_in_flight_bound_matches_simulator(paper: Cluster) -> None:
+    """The memory model's per-stage in-flight count (Sec. 4 rules) is what the simulator observes."""
+    from planner.simulator import simulate
+
+    profs = synthetic_profiles(30, TYPES, seed=5)
+    plan = make_plan(paper, profs, policy="hd", nm=4, options=PlanOptions(simulate_waves=0))
+    res = simulate(plan, waves=6)
+    for vw, seen in zip(plan.virtual_workers, res.max_in_flight, strict=True):
+        assert [s.in_flight for s in vw.stages] == [plan.nm] * (len(vw.stages) - 1) + [1]
+        assert all(m <= s.in_flight for m, s in zip(seen, vw.stages, strict=True))
+        assert seen[0] == plan.nm and seen[-1] == 1  # the bound is reached, not just respected
