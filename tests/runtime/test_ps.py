@@ -404,16 +404,19 @@ def test_checkpoint_load_refuses_bad_files(tmp_path) -> None:  # type: ignore[no
 
 
 def _launch(
-    tmp_path: Path, cfg_kw: dict[str, Any], partitions: dict[int, list[list[str]]] = PARTITIONS
+    tmp_path: Path,
+    cfg_kw: dict[str, Any],
+    partitions: dict[int, list[list[str]]] = PARTITIONS,
+    n_shards: int = 2,
 ) -> tuple[list[Any], dict[str, Any]]:
-    """Start 2 shard processes and one process per stage; return (processes, context)."""
+    """Start the shard processes and one process per stage; return (processes, context)."""
     n_stages = sum(len(s) for s in partitions.values())
-    cfg = RunConfig(store=str(tmp_path / "store"), world=2 + n_stages, **cfg_kw)
+    cfg = RunConfig(store=str(tmp_path / "store"), world=n_shards + n_stages, **cfg_kw)
     shard_specs = make_shard_specs(
         SHAPES,
-        round_robin_assignment([[n] for n in SHAPES], 2),
-        [0, 1],
-        client_list(partitions),
+        round_robin_assignment([[n] for n in SHAPES], n_shards),
+        list(range(n_shards)),
+        client_list(partitions, first_rank=n_shards),
         cfg.D,
     )
     ctx = mp.get_context("spawn")
@@ -427,7 +430,7 @@ def _launch(
                 name=f"shard{spec.id}",
             )
         )
-    for vw, stage, rank, names in client_list(partitions):
+    for vw, stage, rank, names in client_list(partitions, first_rank=n_shards):
         outs[f"vw{vw}s{stage}"] = str(tmp_path / f"vw{vw}s{stage}.pt")
         params = [(n, SHAPES[n]) for n in names]
         procs.append(
@@ -589,11 +592,11 @@ def test_failed_process_stops_the_others_with_a_clear_error(
         "checkpoint_dir": str(ckpt),
         "forever": True,
     }
-    procs, run = _launch(tmp_path, cfg, partitions)
+    procs, run = _launch(tmp_path, cfg, partitions, n_shards=1)  # 3 processes: keep the suite quick
     by_name = {p.name: p for p in procs}
     deadline = time.monotonic() + 90
     try:
-        while (resumable_clock(ckpt, 2) or 0) < 3:
+        while (resumable_clock(ckpt, 1) or 0) < 3:
             alive = all(p.is_alive() for p in procs)
             assert time.monotonic() < deadline and alive, "run did not reach clock 3"
             time.sleep(0.1)
@@ -617,16 +620,14 @@ def test_failed_process_stops_the_others_with_a_clear_error(
             assert "parameter-server shard 0 (rank 0) died" in errors[name], errors
             assert "--resume" in errors[name]
     elif how == "kill":
-        for shard in ("shard0", "shard1"):
-            assert "lost client vw 1 stage 0 (rank 3)" in errors[shard], errors
+        assert "lost client vw 1 stage 0 (rank 2)" in errors["shard0"], errors
     else:  # the hung stage is named, not the healthy one waiting for it in a pull
-        for shard in ("shard0", "shard1"):
-            assert (
-                "waits for wave" in errors[shard] and "from vw 1 stage 0 (rank 3)," in errors[shard]
-            ), errors
-        assert "parameter-server shard" in errors["vw0s0"] and "died" in errors["vw0s0"], errors
+        assert "waits for wave" in errors["shard0"], errors
+        assert "from vw 1 stage 0 (rank 2)," in errors["shard0"], errors
+    if victim != "shard0":
+        assert "parameter-server shard 0 (rank 0) died" in errors["vw0s0"], errors
     # nothing already checkpointed is lost: the newest complete checkpoint loads and is exact
-    clock = resumable_clock(ckpt, 2)
+    clock = resumable_clock(ckpt, 1)
     assert clock is not None and clock >= 3
     for spec in run["specs"]:
         state = load_shard_state(shard_checkpoint_path(ckpt, spec.id, clock))
