@@ -13,12 +13,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from profiler.errors import ConfigError
 
 __all__ = [
     "ClientSpec",
     "ParamSlot",
     "ShardSpec",
+    "export_state_dict",
     "make_shard_specs",
     "round_robin_assignment",
     "shard_specs_for_layout",
@@ -138,6 +141,30 @@ class ShardSpec:
     def client_numel(self, client: ClientSpec) -> int:
         """Length of ``client``'s flat push/pull message."""
         return sum(n for _, n in self.segments(client))
+
+    def flatten(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The shard's flat float32 tensor from named parameters (e.g. a model's initial
+        ``state_dict``); extra names are ignored.
+
+        Raises:
+            ConfigError: a parameter of the shard is missing or has another shape.
+        """
+        out = torch.empty(self.numel, dtype=torch.float32)
+        for p in self.params:
+            t = tensors.get(p.name)
+            if t is None or tuple(t.shape) != p.shape:
+                got = None if t is None else tuple(t.shape)
+                raise ConfigError(
+                    f"shard {self.id}: parameter {p.name!r} has shape {got}, expected {p.shape}"
+                )
+            out[p.offset : p.offset + p.numel].copy_(t.detach().reshape(-1))
+        return out
+
+    def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Named parameter tensors (copies) from the shard's flat tensor: the inverse of :meth:`flatten`."""
+        return {
+            p.name: flat[p.offset : p.offset + p.numel].clone().view(p.shape) for p in self.params
+        }
 
     def client(self, vw: int, stage: int) -> ClientSpec:
         """The client spec of stage ``stage`` of VW ``vw``."""
@@ -262,3 +289,22 @@ def shard_specs_for_layout(
             names = [p for _, params in layers[first : last + 1] for p in params]
             clients.append((vw, s, rank, names))
     return make_shard_specs(param_shapes, assignment, shard_ranks, clients, D)
+
+
+def export_state_dict(
+    specs: Sequence[ShardSpec], weights: Sequence[torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """One ordinary ``state_dict`` of the trained parameters from every shard's flat weights.
+
+    Args:
+        specs: every shard's spec.
+        weights: each shard's flat global weights (``ShardState.weights``), same order.
+
+    Returns:
+        parameter name -> tensor, for ``module.load_state_dict(..., strict=False)`` (buffers
+        such as batch-norm statistics live on the stages, not on the shards).
+    """
+    out: dict[str, torch.Tensor] = {}
+    for spec, flat in zip(specs, weights, strict=True):
+        out.update(spec.unflatten(flat))
+    return out

@@ -34,6 +34,7 @@ from runtime.ps import (
     ShardCore,
     ShardSpec,
     Status,
+    export_state_dict,
     make_shard_specs,
     round_robin_assignment,
     shard_specs_for_layout,
@@ -157,6 +158,18 @@ def test_specs_from_a_plan_layout_on_a_real_model() -> None:
     )
     assert s1.client(1, 1).params == ("2.weight", "2.bias")
     assert {c.rank for c in s0.clients} == {2, 3, 4, 5, 6} and s0.D == 2
+    # the initial flat weights and the export back to one ordinary state_dict
+    flats = [s.flatten(spec.module.state_dict()) for s in (s0, s1)]
+    fresh = resolve_model("mlp", 8).module
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.add_(1.0)  # differ from the original
+    missing, unexpected = fresh.load_state_dict(export_state_dict([s0, s1], flats), strict=False)
+    assert not missing and not unexpected
+    for (n, a), b in zip(spec.module.named_parameters(), fresh.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=n)
+    with pytest.raises(ConfigError, match=r"'0\.weight' has shape None"):
+        s0.flatten({})
     with pytest.raises(ConfigError, match="layer 'nope'"):
         shard_specs_for_layout(layers, shapes, [["nope"]], vw_stages, [0], [[2, 3], [4, 5, 6]])
     with pytest.raises(ConfigError, match="3 stages but 2 ranks"):
