@@ -119,6 +119,8 @@ class RunConfig:
         return_state: send every stage's final parameters back to the caller.
         progress: show a progress bar.
         log_every: minibatches between metric log lines.
+        flush_every_wave: baseline mode for benchmarks: admit the next ``Nm`` minibatches only
+            when the whole previous wave finished (a pipeline flush, as GPipe/1F1B schedules do).
     """
 
     steps: int = 0
@@ -132,6 +134,7 @@ class RunConfig:
     return_state: bool = False
     progress: bool = False
     log_every: int = 10
+    flush_every_wave: bool = False
 
     def __post_init__(self) -> None:
         if self.steps < 0 or self.epochs < 0 or self.time_limit_s < 0:

@@ -190,7 +190,10 @@ class StageWorker:
                     b_done += 1
                     self._completed(task.mb)
                     if ctx.stage == 0 and self._received < total and not self._time_up(start_time):
-                        self._admit(1)
+                        if not self.run_cfg.flush_every_wave:
+                            self._admit(1)
+                        elif b_done == self._received:  # baseline: the whole wave drained
+                            self._admit(min(ctx.nm, total - self._received))
             for ch in (to_next, to_prev):
                 if ch is not None:
                     ch.flush()
