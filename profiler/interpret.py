@@ -88,9 +88,13 @@ def run_layers(
     """
     env: dict[fx.Node, Any] = {}
     args_iter = iter(inputs)
-    for index, node in enumerate(gm.graph.nodes):
+    nodes = list(gm.graph.nodes)
+    last_use = {n: i for i, node in enumerate(nodes) for n in node.all_input_nodes}
+    for index, node in enumerate(nodes):
         if node.op == "output":
             break
+        for done in [n for n in env if last_use.get(n, -1) < index]:
+            del env[done]  # no later layer reads it: free the activation
         if node.op == "placeholder":
             value = next(args_iter)
             # model inputs need no grad

@@ -20,6 +20,7 @@ whole-model training step (forward + loss + backward) for the honesty check.
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import platform
 import statistics
@@ -240,7 +241,13 @@ def _timed_pass(
     known: set[Any] = set()
     timer = _BackwardTimer(device, clock)
     output: Any = None
-    for index, node in enumerate(gm.graph.nodes):
+    nodes = list(gm.graph.nodes)
+    last_use = {n: i for i, node in enumerate(nodes) for n in node.all_input_nodes}
+    for index, node in enumerate(nodes):
+        for done in [n for n in env if last_use.get(n, -1) < index]:
+            del env[
+                done
+            ]  # autograd keeps what the backward needs; drop the rest, as eager code does
         if node.op == "placeholder":
             env[node] = next(args_iter)
             continue
@@ -312,6 +319,7 @@ def profile_rows(
     """
     total = len(graph.layers) + warmup + repeats
     counted = _counting_pass(graph, inputs, device, lambda i, name: _tick(progress, i, total, name))
+    gc.collect()  # free the counting pass (autograd graphs and closures can form cycles)
     gm = graph.gm
     gm.zero_grad(set_to_none=True)
     fwd_runs: list[dict[int, float]] = []
