@@ -5,7 +5,7 @@ stage. For each message size the stage does ``reps`` rounds of
 
 - **raw**: ``send(x)`` then ``recv(y)`` with plain ``dist.send``/``dist.recv`` (``x``, ``y``
   of the size), the shard doing the mirror image: the floor any protocol pays;
-- **ps**: ``push(wave, [x])`` then ``pull(wave + 1)`` through :class:`runtime.ps_client.PSClient`
+- **ps**: ``push(wave, [x])`` then ``pull(wave + 1, out=[w])`` through :class:`runtime.ps_client.PSClient`
   and :class:`runtime.ps.ShardServer`, which also moves small headers and acknowledgements,
   applies the update to the global weights, keeps the ledger and copies the reply slice.
 
@@ -65,10 +65,10 @@ def _ps_rounds(rank: int, numel: int, reps: int) -> float:
         ShardServer(ShardCore(spec, torch.zeros(numel)), timeout_s=60.0).serve()
     else:
         client = PSClient(0, 0, [("w", (numel,))], [spec], timeout_s=60.0)
-        x = torch.full((numel,), 1e-3)
+        x, w = torch.full((numel,), 1e-3), torch.empty(numel)
         for wave in range(reps):
             client.push(wave, [x])
-            client.pull(wave + 1)
+            client.pull(wave + 1, out=[w])
         client.close()
     return time.perf_counter() - t0
 

@@ -81,14 +81,16 @@ class PullHandle:
         min_clock: int,
         include_own: bool,
         posted: list[tuple[dist.Work, dist.Work, torch.Tensor, torch.Tensor]],
+        out: Sequence[torch.Tensor] | None = None,
     ) -> None:
         self._client, self._min, self._own, self._posted = client, min_clock, include_own, posted
+        self._out = out
         self._result: PullResult | None = None
 
     def wait(self) -> PullResult:
         """Block until every shard answered (at most the client's pull timeout per shard)."""
         if self._result is None:
-            self._result = self._client._finish_pull(self._min, self._own, self._posted)
+            self._result = self._client._finish_pull(self._min, self._own, self._posted, self._out)
         return self._result
 
 
@@ -145,6 +147,7 @@ class PSClient:
         self._pushed: set[int] = set()
         self._own: list[dict[int, torch.Tensor]] = [{} for _ in links]
         self._spare: list[list[torch.Tensor]] = [[] for _ in links]  # own buffers to reuse
+        self._recv_spare: list[list[torch.Tensor]] = [[] for _ in links]  # pull(out=) buffers
         self._inflight: list[
             tuple[
                 int,
@@ -272,37 +275,52 @@ class PSClient:
         self._check_acks(block=True)
 
     # -------------------------------------------------------------- pull
-    def pull_async(self, min_clock: int, include_own: bool = True) -> PullHandle:
+    def pull_async(
+        self, min_clock: int, include_own: bool = True, out: Sequence[torch.Tensor] | None = None
+    ) -> PullHandle:
         """Ask every shard for its weights once its global clock is ``>= min_clock``.
 
         Args:
             min_clock: the global clock needed (e.g. ``planner.wsp.required_global_clock``).
             include_own: add this stage's pushed updates the global weights do not hold yet.
+            out: tensors (the constructor's order and shapes, e.g. the stage's parameters) to
+                copy the result into when :meth:`PullHandle.wait` returns; they are untouched
+                until then, and the message is received into a recycled buffer instead of a
+                fresh one. ``None``: the result holds fresh tensors.
         """
         self._check_open()
+        if out is not None and [tuple(t.shape) for t in out] != self._shapes:
+            raise HetPipeRuntimeError(
+                f"{self._prefix} pull(out=...) needs tensors of shapes {self._shapes}, got {[tuple(t.shape) for t in out]}"
+            )
         self._check_acks(block=False)
         posted = []
-        for link in self._links:
-            hdr, data = torch.zeros(HEADER_LEN, dtype=torch.int64), torch.empty(link.numel)
+        for k, link in enumerate(self._links):
+            spare = self._recv_spare[k]
+            data = spare.pop() if out is not None and spare else torch.empty(link.numel)
+            hdr = torch.zeros(HEADER_LEN, dtype=torch.int64)
             what = f"pull of clock {min_clock}"
             w_hdr = self._irecv(link, hdr, TAG_PULL_HEADER, what)
             w_data = self._irecv(link, data, TAG_PULL_DATA, what)
             req = torch.tensor([int(Op.PULL), min_clock, 0, 0], dtype=torch.int64)
             self._wait(link, self._isend(link, req, TAG_REQUEST, what), what, self.timeout_s)
             posted.append((w_hdr, w_data, hdr, data))
-        return PullHandle(self, min_clock, include_own, posted)
+        return PullHandle(self, min_clock, include_own, posted, out)
 
-    def pull(self, min_clock: int, include_own: bool = True) -> PullResult:
+    def pull(
+        self, min_clock: int, include_own: bool = True, out: Sequence[torch.Tensor] | None = None
+    ) -> PullResult:
         """:meth:`pull_async` and wait: the stage's weights at global clock ``>= min_clock``."""
-        return self.pull_async(min_clock, include_own).wait()
+        return self.pull_async(min_clock, include_own, out).wait()
 
     def _finish_pull(
         self,
         min_clock: int,
         include_own: bool,
         posted: list[tuple[dist.Work, dist.Work, torch.Tensor, torch.Tensor]],
+        out: Sequence[torch.Tensor] | None = None,
     ) -> PullResult:
-        out: list[torch.Tensor | None] = [None] * len(self._shapes)
+        result: list[torch.Tensor | None] = [None] * len(self._shapes)
         clocks = []
         for k, (link, (w_hdr, w_data, hdr, data)) in enumerate(
             zip(self._links, posted, strict=True)
@@ -330,9 +348,17 @@ class PSClient:
                 n = 1
                 for d in self._shapes[i]:
                     n *= d
-                out[i] = data[pos : pos + n].view(self._shapes[i])
+                piece = data[pos : pos + n].view(self._shapes[i])
+                if out is not None:
+                    with torch.no_grad():
+                        out[i].copy_(piece)
+                    result[i] = out[i]
+                else:
+                    result[i] = piece
                 pos += n
-        tensors = tuple(t if t is not None else torch.zeros(0) for t in out)
+            if out is not None and len(self._recv_spare[k]) < 2:
+                self._recv_spare[k].append(data)
+        tensors = tuple(t if t is not None else torch.zeros(0) for t in result)
         return PullResult(min(clocks) if clocks else min_clock, tuple(clocks), tensors)
 
     # -------------------------------------------------------------- shutdown

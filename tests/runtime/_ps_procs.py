@@ -201,11 +201,7 @@ def sgd_vw_main(
         for p in range(1, cfg.waves + 1):
             need = required_global_clock(p, cfg.nm, cfg.D)
             if need > known:
-                res = client.pull(need)
-                known = res.clock
-                with torch.no_grad():
-                    for (_, param), t in zip(named, res.tensors, strict=True):
-                        param.copy_(t)
+                known = client.pull(need, out=[param for _, param in named]).clock  # in place
             else:
                 raise HetPipeRuntimeError(
                     f"vw {vw}: minibatch {p} admitted without a pull (Nm=1, D=0 pulls every step)"

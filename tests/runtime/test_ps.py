@@ -39,6 +39,7 @@ from runtime.ps import (
     round_robin_assignment,
     shard_specs_for_layout,
 )
+from runtime.ps_client import PSClient
 from tests.runtime._ps_procs import (
     RunConfig,
     param_update,
@@ -174,6 +175,25 @@ def test_specs_from_a_plan_layout_on_a_real_model() -> None:
         shard_specs_for_layout(layers, shapes, [["nope"]], vw_stages, [0], [[2, 3], [4, 5, 6]])
     with pytest.raises(ConfigError, match="3 stages but 2 ranks"):
         shard_specs_for_layout(layers, shapes, shard_layers, vw_stages, [0, 1], [[2, 3], [4, 5]])
+
+
+def test_client_checks_its_arguments_before_any_message() -> None:
+    """No process group needed: every mistake below is caught before anything is sent."""
+    shard_specs = specs()
+    client = PSClient(
+        1, 1, [("b", SHAPES["b"]), ("c", SHAPES["c"]), ("d", SHAPES["d"])], shard_specs
+    )
+    assert [s.id for s in client.shards] == [0, 1]
+    with pytest.raises(HetPipeRuntimeError, match="tensor 1 has shape"):
+        client.push(0, [torch.zeros(4), torch.zeros(2, 3), torch.zeros(5)])
+    with pytest.raises(HetPipeRuntimeError, match="got 1 tensors, expected 3"):
+        client.push(0, [torch.zeros(4)])
+    with pytest.raises(HetPipeRuntimeError, match=r"pull\(out=...\) needs tensors of shapes"):
+        client.pull(0, out=[torch.zeros(4)])
+    with pytest.raises(ConfigError, match=r"parameters \['x'\] are on no parameter-server shard"):
+        PSClient(2, 0, [*((n, s) for n, s in SHAPES.items()), ("x", (1,))], shard_specs)
+    with pytest.raises(ConfigError, match="expects parameter 'a'"):
+        PSClient(2, 0, [("b", SHAPES["b"])], shard_specs)
 
 
 # ------------------------------------------------------------------ exactly once
