@@ -213,7 +213,7 @@ class StageWorker:
         """Stage 0: let ``n`` more minibatches into the pipeline."""
         for _ in range(n):
             self._received += 1
-            self.queue.ready(Task(0, Kind.F, self._received))
+            self.queue.ready(Task(0, self.queue.forward_kind, self._received))
 
     def _time_up(self, start_time: float) -> bool:
         limit = self.run_cfg.time_limit_s

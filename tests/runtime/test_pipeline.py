@@ -84,3 +84,17 @@ def test_pipeline_fills_nm_in_flight() -> None:
     result = launch(plan, source, None, RunConfig(steps=12, timeout_s=30))
     assert result.stages[0].max_in_flight == 3
     assert [s.steps for s in result.stages] == [12, 12, 12]
+
+
+def test_single_stage_nm1_equals_plain_loop() -> None:
+    _run_and_reference("mlp", 16, 1, 1, 6, OptimizerConfig(lr=0.1))
+
+
+def test_time_limit_stops_every_stage_at_the_same_minibatch() -> None:
+    source = ModelSource(ref="mlp")
+    graph = ModelGraph.from_spec(resolve_source(source, 8, meta=True))
+    plan = manual_plan(graph, balanced_cuts(graph, 2), "mlp", 8, 2)
+    result = launch(plan, source, None, RunConfig(time_limit_s=1.0, timeout_s=30))
+    steps = [s.steps for s in result.stages]
+    assert steps[0] >= 1 and len(set(steps)) == 1
+    assert len(result.losses) == steps[0]
