@@ -24,7 +24,7 @@ import torch.distributed as dist
 from planner.wsp import required_global_clock
 from profiler.errors import HetPipeRuntimeError
 from runtime.ps import ShardCore, ShardServer, ShardSpec
-from runtime.ps_client import PSClient
+from runtime.ps_client import PSClient, PullResult
 
 EXIT_FAILED = 3
 
@@ -108,6 +108,40 @@ def shard_main(spec: ShardSpec, init: torch.Tensor, cfg: RunConfig, out: str) ->
     _quick_exit()
 
 
+def init_value(spec: ShardSpec, name: str) -> torch.Tensor:
+    """Initial value of parameter ``name``: its slice of ``arange(numel) * 0.5`` (the tests' init)."""
+    slot = spec.slot(name)
+    return (torch.arange(spec.numel, dtype=torch.float32) * 0.5)[
+        slot.offset : slot.offset + slot.numel
+    ].view(slot.shape)
+
+
+def _wrong_version(
+    vw: int,
+    params: Sequence[tuple[str, tuple[int, ...]]],
+    specs: Sequence[ShardSpec],
+    client: PSClient,
+    res: PullResult,
+    pushed: set[int],
+) -> int:
+    """How many pulled tensors differ from the exact expected version: init, plus every VW's
+    updates of the waves below the shard's clock, plus this VW's own pushed later waves."""
+    clock_of = {spec.id: c for spec, c in zip(client.shards, res.clocks, strict=True)}
+    wrong = 0
+    for (name, shape), got in zip(params, res.tensors, strict=True):
+        spec = next(s for s in specs if name in {p.name for p in s.params})
+        g = clock_of[spec.id]
+        want = init_value(spec, name).clone()
+        for v in spec.vws:
+            for w in range(g):
+                want += param_update(v, w, name, shape)
+        for w in sorted(pushed):
+            if w >= g:
+                want += param_update(vw, w, name, shape)
+        wrong += int(not torch.equal(got, want))
+    return wrong
+
+
 def stage_main(
     vw: int,
     stage: int,
@@ -124,7 +158,8 @@ def stage_main(
         client = PSClient(
             vw, stage, params, specs, timeout_s=cfg.timeout_s, pull_timeout_s=cfg.timeout_s
         )
-        known, held = 0, None
+        known, held, bad = 0, None, 0
+        pushed: set[int] = set()
         pulls: list[tuple[int, int, int]] = []
         rejections: list[str] = []
         p = 0
@@ -132,8 +167,10 @@ def stage_main(
             p += 1
             need = required_global_clock(p, cfg.nm, cfg.D)
             if need > known:
-                known = client.pull(need).clock
+                res = client.pull(need)
+                known = res.clock
                 pulls.append((p, need, known))
+                bad += _wrong_version(vw, params, specs, client, res, pushed)
             time.sleep(rng.random() * cfg.delay_s)
             if p % cfg.nm:
                 continue
@@ -144,8 +181,10 @@ def stage_main(
                 held = (wave, upd)  # pushed after the next wave: the shard must buffer it
                 continue
             client.push(wave, upd)
+            pushed.add(wave)
             if held is not None:
                 client.push(*held)
+                pushed.add(held[0])
                 held = None
             if cfg.duplicate and wave == 1:
                 link = client._links[0]
@@ -155,7 +194,7 @@ def stage_main(
                 except HetPipeRuntimeError as exc:
                     rejections.append(str(exc))
         client.close()
-        torch.save({"pulls": pulls, "rejections": rejections}, out)
+        torch.save({"pulls": pulls, "rejections": rejections, "wrong_versions": bad}, out)
     except HetPipeRuntimeError as exc:
         _fail(out, exc)
     finally:
