@@ -14,10 +14,15 @@ Formulation (``K`` stages, ``C`` candidate segments, GPU classes ``t`` of interc
 - ``z >= comp_t(j) + y[j-1] + y[j] - M (1 - x[j, t])``; minimise ``z``.
 - memory: ``static(j) + in_flight(j) * (saved(j) + recv_bytes(j)) <= sum_t cap_t x[j, t]``.
 
-Speed: the DP optimum of a few heuristic orders is an upper bound ``UB``; since each stage's
-compute is at least its fastest-type compute, boundary ``j`` must lie where the fastest-type
-prefix work is ``<= (j+1) UB`` and the suffix work ``<= (K-1-j) UB``. That fixes most ``s``
-variables before the solve and makes every big-M the largest value inside the window.
+Speed (helpers in :mod:`planner.milp_bounds`): the DP optimum of a few heuristic orders (the
+given order itself when it is fixed) is an upper bound ``UB`` (``z <= UB``). Every stage's
+compute is then ``<= UB``, so the furthest position a GPU sequence covers greedily bounds each
+boundary: per class multiset (a small DP) in general, per position for a fixed order. That fixes
+every staircase variable outside the windows and makes every big-M the largest value inside them.
+With several classes, binaries ``w[j, m]`` select the class multiset of stages ``0..j`` and bound
+boundary ``j`` by that multiset's reach; prefix/suffix work cuts tie positions to the classes'
+capacities. ``disaggregate=True`` replaces the compute big-M by ``v[j, t, i]`` variables and a
+work-per-class cut (a stronger LP bound, slower branch-and-bound in our measurements).
 The solver status is always checked: anything but a proven optimum raises :class:`PlanError`.
 """
 
@@ -26,14 +31,25 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import pulp
 
 from planner.cluster import Device, Link
 from planner.costmodel import CostModel
-from planner.partition_dp import InfeasiblePartition, Partition, class_key, partition_dp
+from planner.milp_bounds import (
+    EPS,
+    classes,
+    reach_table,
+    upper_bound,
+    windows,
+)
+from planner.partition_dp import (
+    InfeasiblePartition,
+    Partition,
+    class_key,
+    partition_dp,
+)
 from planner.schedule import in_flight_bound
 from profiler.errors import ConfigError, PlanError
 
@@ -42,7 +58,6 @@ __all__ = ["available_solvers", "partition_milp"]
 log = logging.getLogger(__name__)
 
 _GIB = float(2**30)
-_EPS = 1e-7
 
 
 def available_solvers() -> list[str]:
@@ -70,103 +85,6 @@ def _make_solver(name: str, time_limit_s: float) -> tuple[pulp.LpSolver, str]:
     return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=1e-9, threads=1), "milp-cbc"
 
 
-@dataclass(frozen=True)
-class _Classes:
-    keys: tuple[tuple[str, str, int], ...]
-    reps: tuple[Device, ...]  # one device per class
-    members: tuple[tuple[Device, ...], ...]
-
-
-def _classes(gpus: Sequence[Device]) -> _Classes:
-    groups: dict[tuple[str, str, int], list[Device]] = {}
-    for g in gpus:
-        groups.setdefault(class_key(g), []).append(g)
-    keys = tuple(sorted(groups))
-    return _Classes(keys, tuple(groups[k][0] for k in keys), tuple(tuple(groups[k]) for k in keys))
-
-
-def _heuristic_orders(
-    cls: _Classes, cm: CostModel, gpus: Sequence[Device]
-) -> list[tuple[Device, ...]]:
-    """A few natural orders: as given, fastest first/last, by memory, grouped by node."""
-    speed = {t: float(cm.compute_ms(t)[-1]) for t in {r.type for r in cls.reps}}
-    keyfns = [
-        lambda d: (speed[d.type], d.node),
-        lambda d: (-speed[d.type], d.node),
-        lambda d: (-d.memory_bytes, d.node),
-        lambda d: (d.memory_bytes, d.node),
-    ]
-    orders = [tuple(gpus)] + [tuple(sorted(gpus, key=f)) for f in keyfns]
-    return list(dict.fromkeys(orders))
-
-
-def _upper_bound(
-    cm: CostModel, cls: _Classes, gpus: Sequence[Device], nm: int, memory: bool
-) -> Partition | None:
-    best: Partition | None = None
-    for order in _heuristic_orders(cls, cm, gpus):
-        try:
-            part = partition_dp(cm, order, nm, memory)
-        except InfeasiblePartition:
-            continue
-        if best is None or part.objective_ms < best.objective_ms:
-            best = part
-    return best
-
-
-def _reach_table(
-    comp: Sequence[np.ndarray], counts: Sequence[int], ub: float
-) -> dict[tuple[int, ...], int]:
-    """Furthest position the GPUs of each class multiset (count vector) can cover from position 0.
-
-    For a fixed order the greedy furthest reach is optimal (compute is monotone in the range),
-    so a DP over class multisets gives the exact maximum over their orders, ignoring comm and
-    memory (a relaxation: valid bounds for the MILP).
-    """
-    slack = ub * (1 + _EPS) + 1e-9
-    zero = tuple(0 for _ in counts)
-    reach: dict[tuple[int, ...], int] = {zero: 0}
-    frontier = [zero]
-    for _ in range(sum(counts)):
-        nxt: dict[tuple[int, ...], int] = {}
-        for state in frontier:
-            p = reach[state]
-            for t, n in enumerate(counts):
-                if state[t] >= n:
-                    continue
-                q = int(np.searchsorted(comp[t], comp[t][p] + slack, side="right")) - 1
-                st = tuple(c + (1 if i == t else 0) for i, c in enumerate(state))
-                nxt[st] = max(nxt.get(st, 0), q)
-        reach.update(nxt)
-        frontier = list(nxt)
-    return reach
-
-
-def _reach(comp: Sequence[np.ndarray], counts: Sequence[int], ub: float, k: int) -> list[int]:
-    """``out[m]``: furthest position any ``m`` of the GPUs can cover from position 0."""
-    table = _reach_table(comp, counts, ub)
-    return [max((r for st, r in table.items() if sum(st) == m), default=0) for m in range(k + 1)]
-
-
-def _windows(cm: CostModel, cls: _Classes, k: int, ub: float | None) -> list[tuple[int, int]]:
-    """Feasible positions ``[lo_j, hi_j]`` of every boundary ``j = 0..K-2``."""
-    c = cm.num_segments
-    out = [(j + 1, c - (k - 1 - j)) for j in range(k - 1)]
-    if ub is not None:
-        comp = [cm.compute_ms(r.type) for r in cls.reps]
-        counts = [len(m) for m in cls.members]
-        fwd = _reach(comp, counts, ub, k)
-        rev = _reach([(x[-1] - x)[::-1] for x in comp], counts, ub, k)
-        out = [(max(lo, c - rev[k - 1 - j]), min(hi, fwd[j + 1])) for j, (lo, hi) in enumerate(out)]
-    for j in range(1, len(out)):  # boundaries strictly increase
-        out[j] = (max(out[j][0], out[j - 1][0] + 1), out[j][1])
-    for j in range(len(out) - 2, -1, -1):
-        out[j] = (out[j][0], min(out[j][1], out[j + 1][1] - 1))
-    if any(lo > hi for lo, hi in out):
-        return []
-    return out
-
-
 class _Model:
     """Builds the MILP for one VW (see the module docstring)."""
 
@@ -182,17 +100,20 @@ class _Model:
     ) -> None:
         self.disaggregate = disaggregate
         self.cm, self.nm, self.k, self.c = cm, nm, len(gpus), cm.num_segments
-        self.cls = _classes(gpus)
+        self.cls = classes(gpus)
         self.fixed = tuple(gpus) if fixed else None
         self.prob = pulp.LpProblem("hetpipe_partition", pulp.LpMinimize)
-        self.win = _windows(cm, self.cls, self.k, ub)
+        fixed_classes = [self.cls.keys.index(class_key(d)) for d in gpus] if fixed else None
+        if len(self.cls.keys) == 1:
+            fixed_classes = [0] * self.k
+        self.win = windows(cm, self.cls, self.k, ub, fixed_classes)
         if self.k > 1 and not self.win:
             raise InfeasiblePartition("no boundary position is compatible with the upper bound", 0)
         self._staircase()
         self._assignment()
         self.z = pulp.LpVariable("z", lowBound=0)
         if ub is not None:
-            self.prob += self.z <= ub * (1 + _EPS) + 1e-9
+            self.prob += self.z <= ub * (1 + EPS) + 1e-9
         self.prob += self.z
         self._times()
         if ub is not None and self.fixed is None and len(self.cls.keys) > 1:
@@ -351,12 +272,12 @@ class _Model:
 
         ``w[j, m]`` (binary) selects the class multiset ``m`` of the first ``j+1`` stages
         (``sum_m w[j, m] m_t = sum_{j' <= j} x[j', t]``); the boundary lies between
-        ``C - reach_from_end(rest)`` and ``reach(m)`` (see :func:`_reach_table`).
+        ``C - reach_from_end(rest)`` and ``reach(m)`` (see :func:`planner.milp_bounds.reach_table`).
         """
         comp = [self.cm.compute_ms(r.type) for r in self.cls.reps]
         counts = tuple(len(m) for m in self.cls.members)
-        fwd = _reach_table(comp, counts, ub)
-        rev = _reach_table([(x[-1] - x)[::-1] for x in comp], counts, ub)
+        fwd = reach_table(comp, counts, ub)
+        rev = reach_table([(x[-1] - x)[::-1] for x in comp], counts, ub)
         for j in range(self.k - 1):
             states = [st for st in fwd if sum(st) == j + 1]
             w = {
@@ -385,7 +306,7 @@ class _Model:
         fast = np.min(np.stack(seg), axis=0)
         mask = fast > 0
         rho = [float(np.min(sg[mask] / fast[mask])) if mask.any() else 1.0 for sg in seg]
-        slack = ub * (1 + _EPS) + 1e-9
+        slack = ub * (1 + EPS) + 1e-9
         total = float(fast.sum())
         for j in range(self.k - 1):
             lo, hi = self.win[j]
@@ -490,13 +411,13 @@ def partition_milp(
         raise PlanError(
             f"{len(gpus)} GPUs but only {cm.num_segments} candidate segments; use fewer GPUs per VW"
         )
-    cls = _classes(gpus)
+    cls = classes(gpus)
     ub_part = None
     if use_bound:
         ub_part = (
             partition_dp(cm, gpus, nm, memory)
             if fixed_order
-            else _upper_bound(cm, cls, gpus, nm, memory)
+            else upper_bound(cm, cls, gpus, nm, memory)
         )
     if len(gpus) == 1:
         return partition_dp(cm, gpus, nm, memory)
