@@ -158,7 +158,7 @@ def stage_main(
         client = PSClient(
             vw, stage, params, specs, timeout_s=cfg.timeout_s, pull_timeout_s=cfg.timeout_s
         )
-        known, held, bad = 0, None, 0
+        known, held, bad, duplicated = 0, None, 0, False
         pushed: set[int] = set()
         pulls: list[tuple[int, int, int]] = []
         rejections: list[str] = []
@@ -186,9 +186,11 @@ def stage_main(
                 client.push(*held)
                 pushed.add(held[0])
                 held = None
-            if cfg.duplicate and wave == 1:
+            if cfg.duplicate and not duplicated and 1 in pushed:  # re-send wave 1 once
+                duplicated = True
                 link = client._links[0]
-                client._send_push(0, wave, torch.cat([upd[i].reshape(-1) for i in link.order]))
+                again = [param_update(vw, 1, n, s) for n, s in params]
+                client._send_push(0, 1, torch.cat([again[i].reshape(-1) for i in link.order]))
                 try:
                     client.flush()
                 except HetPipeRuntimeError as exc:
