@@ -8,6 +8,7 @@ stage boundary can lie. The MILP fixes every staircase variable outside these wi
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -15,7 +16,13 @@ import numpy as np
 
 from planner.cluster import Device
 from planner.costmodel import CostModel
-from planner.partition_dp import InfeasiblePartition, Partition, class_key, partition_dp
+from planner.partition_dp import (
+    InfeasiblePartition,
+    Partition,
+    class_key,
+    distinct_orders,
+    partition_dp,
+)
 
 __all__ = ["EPS", "Classes", "classes", "order_reach", "reach_table", "upper_bound", "windows"]
 
@@ -55,10 +62,15 @@ def _heuristic_orders(
 
 
 def upper_bound(
-    cm: CostModel, cls: Classes, gpus: Sequence[Device], nm: int, memory: bool
+    cm: CostModel, cls: Classes, gpus: Sequence[Device], nm: int, memory: bool, max_orders: int = 24
 ) -> Partition | None:
+    """Best DP partition over every distinct order when there are at most ``max_orders`` of them,
+    else over a few heuristic orders (``None`` if none fits memory)."""
+    orders = list(itertools.islice(distinct_orders(gpus), max_orders + 1))
+    if len(orders) > max_orders:
+        orders = _heuristic_orders(cls, cm, gpus)
     best: Partition | None = None
-    for order in _heuristic_orders(cls, cm, gpus):
+    for order in orders:
         try:
             part = partition_dp(cm, order, nm, memory)
         except InfeasiblePartition:

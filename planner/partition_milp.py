@@ -14,8 +14,9 @@ Formulation (``K`` stages, ``C`` candidate segments, GPU classes ``t`` of interc
 - ``z >= comp_t(j) + y[j-1] + y[j] - M (1 - x[j, t])``; minimise ``z``.
 - memory: ``static(j) + in_flight(j) * (saved(j) + recv_bytes(j)) <= sum_t cap_t x[j, t]``.
 
-Speed (helpers in :mod:`planner.milp_bounds`): the DP optimum of a few heuristic orders (the
-given order itself when it is fixed) is an upper bound ``UB`` (``z <= UB``). Every stage's
+Speed (helpers in :mod:`planner.milp_bounds`): the DP optimum over every distinct GPU order when
+there are at most 24 (else over a few heuristic orders; the given order when it is fixed) is an
+upper bound ``UB`` (``z <= UB``); the MILP still has to prove the lower bound. Every stage's
 compute is then ``<= UB``, so the furthest position a GPU sequence covers greedily bounds each
 boundary: per class multiset (a small DP) in general, per position for a fixed order. That fixes
 every staircase variable outside the windows and makes every big-M the largest value inside them.
