@@ -136,3 +136,17 @@ def test_in_flight_bound_matches_simulator(paper: Cluster) -> None:
         assert [s.in_flight for s in vw.stages] == [plan.nm] * (len(vw.stages) - 1) + [1]
         assert all(m <= s.in_flight for m, s in zip(seen, vw.stages, strict=True))
         assert seen[0] == plan.nm and seen[-1] == 1  # the bound is reached, not just respected
+
+
+def test_python_api(tmp_path: object) -> None:
+    from pathlib import Path
+
+    import hetpipe
+
+    profs = synthetic_profiles(20, TYPES, seed=3)
+    folder = Path(str(tmp_path))
+    for t, p in profs.items():
+        p.save(folder / f"{t.replace(' ', '_')}.csv")
+    plan = hetpipe.plan(EXAMPLES / "paper_cluster.yaml", [folder], policy="np")
+    assert [vw.signature for vw in plan.virtual_workers] == ["VVVV", "RRRR", "GGGG", "QQQQ"]
+    assert all(src == "synthetic" for src in plan.profiles.values())
