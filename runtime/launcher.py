@@ -46,6 +46,9 @@ _PRELOAD = [  # imported once by the fork server (the slow, lazily imported part
     "torch",
     "torch.distributed",
     "torch.func",
+    "torch._dynamo",
+    "torch._refs",
+    "torch._decomp",
     "torch._subclasses.fake_tensor",
     "torch.fx.passes.shape_prop",
     "torch.fx.passes.split_module",
@@ -189,6 +192,7 @@ def worker_main(
     )
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     code = 0
+    log.debug("[%s] process up", ctx.where)
     try:
         dist.init_process_group(
             "gloo",
@@ -197,10 +201,18 @@ def worker_main(
             world_size=world_size,
             timeout=timedelta(seconds=run.timeout_s),
         )
+        t0 = time.perf_counter()
         try:
             worker = StageWorker(ctx, source, optimizer, run, dataset, calibration, events)
             worker.fault = _inject_fault(fault, ctx)
+            t1 = time.perf_counter()
             dist.barrier()
+            log.debug(
+                "[%s] built in %.2f s, waited %.2f s at the start barrier",
+                ctx.where,
+                t1 - t0,
+                time.perf_counter() - t1,
+            )
             result = worker.run(time.time())
             events.put(("result", ctx.rank, _dumps(result)))
         finally:
