@@ -21,6 +21,7 @@ exceeds ``D + 1``; every accepted push is recorded in :attr:`ShardCore.trace`.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -87,6 +88,11 @@ class ShardCore:
         weights: initial flat weights (``spec.numel`` elements); copied.
         state: resume from this state instead (its clock, weights, ledger, optimizer state).
         momentum: server-side momentum ``mu``: ``m = mu*m + u; w += m`` per wave (0 disables).
+        max_ledger_waves: keep ledger entries of the newest this many applied waves only
+            (``None``: all). Older entries carry no information the clock does not: every
+            client's every wave below the clock was applied exactly once (a wave is applied
+            only as a whole, once, and tags below the clock are rejected), so a week-long run
+            need not grow its ledger and checkpoints without bound.
     """
 
     def __init__(
@@ -95,17 +101,19 @@ class ShardCore:
         weights: torch.Tensor | None = None,
         state: ShardState | None = None,
         momentum: float = 0.0,
+        max_ledger_waves: int | None = None,
     ) -> None:
         self.spec = spec
+        self.max_ledger_waves = max_ledger_waves
         if state is not None:
             if state.shard_id != spec.id:
                 raise ConfigError(
                     f"checkpoint is for shard {state.shard_id}, not shard {spec.id}; pass the right file"
                 )
-            weights, self._clock, self._ledger = state.weights, state.clock, list(state.ledger)
+            weights, self._clock, self._ledger = state.weights, state.clock, deque(state.ledger)
             momentum, self._opt = state.momentum, {k: v.clone() for k, v in state.optimizer.items()}
         else:
-            self._clock, self._ledger, self._opt = 0, [], {}
+            self._clock, self._ledger, self._opt = 0, deque(), {}
         if weights is None or weights.dim() != 1 or weights.numel() != spec.numel:
             got = None if weights is None else tuple(weights.shape)
             raise ConfigError(
@@ -129,7 +137,7 @@ class ShardCore:
             for i in range(len(spec.vws)):
                 self._gclock.push(i, self._gclock.local(i))
         self._pending: dict[int, dict[tuple[int, int], tuple[torch.Tensor, int]]] = {}
-        self._seq = len(self._ledger)
+        self._seq = max((e.seq for e in self._ledger), default=-1) + 1
         self.trace: list[ClockEvent] = []
         self.rejected: list[tuple[int, int, int, Status]] = []
 
@@ -168,7 +176,8 @@ class ShardCore:
                 f"shard {self.spec.id} has no client vw {vw} stage {stage}",
             )
         if wave < 0 or wave < self._clock:
-            status = Status.DUPLICATE if wave >= 0 and self._applied(key, wave) else Status.BAD_WAVE
+            # every client's every wave below the clock was applied: a non-negative one is a duplicate
+            status = Status.DUPLICATE if wave >= 0 else Status.BAD_WAVE
             return self._reject(
                 vw,
                 stage,
@@ -213,9 +222,6 @@ class ShardCore:
         )
         return PushResult(Status.OK, "", applied)
 
-    def _applied(self, key: tuple[int, int], wave: int) -> bool:
-        return any((e.vw, e.stage, e.wave) == (*key, wave) for e in self._ledger)
-
     def _reject(self, vw: int, stage: int, wave: int, status: Status, why: str) -> PushResult:
         self.rejected.append((vw, stage, wave, status))
         msg = f"shard {self.spec.id}: push (vw {vw}, stage {stage}, wave {wave}) rejected ({status.name}): {why}"
@@ -240,6 +246,9 @@ class ShardCore:
             buf.mul_(self.momentum).add_(target)
             self._w.add_(buf)
         self._clock += 1
+        if self.max_ledger_waves is not None:
+            while self._ledger and self._ledger[0].wave < self._clock - self.max_ledger_waves:
+                self._ledger.popleft()
 
     def can_pull(self, min_clock: int) -> bool:
         """Whether a pull asking for global clock ``>= min_clock`` can be answered now."""

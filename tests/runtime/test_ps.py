@@ -293,6 +293,22 @@ def test_out_of_order_pushes_are_buffered_within_D_and_rejected_beyond() -> None
     assert core.push(7, 0, 0, torch.zeros(n)).status == Status.BAD_WAVE  # unknown client
 
 
+def test_bounded_ledger_keeps_recent_waves_and_still_rejects_old_duplicates() -> None:
+    spec = specs(partitions={0: [["a", "b", "c", "d"]], 1: [["a", "b"], ["c", "d"]]})[0]
+    core = ShardCore(spec, init_weights(spec), max_ledger_waves=2)
+    for wave in range(5):
+        for c in spec.clients:
+            core.push(c.vw, c.stage, wave, update(c.vw, c.stage, wave, spec.client_numel(c)))
+    assert core.clock == 5 and sorted({e.wave for e in core.ledger}) == [3, 4]
+    assert len(core.ledger) == 2 * len(spec.clients)
+    n = spec.client_numel(spec.client(0, 0))
+    assert core.push(0, 0, 0, torch.zeros(n)).status == Status.DUPLICATE  # implied by the clock
+    torch.testing.assert_close(core.weights(), expected(spec, 5), rtol=0, atol=0)
+    resumed = ShardCore(spec, state=core.state(), max_ledger_waves=2)
+    resumed.push(0, 0, 5, update(0, 0, 5, n))
+    assert resumed.trace[-1].seq > max(e.seq for e in core.ledger)  # arrival order continues
+
+
 def test_rejects_wrong_initial_weights() -> None:
     spec = specs()[0]
     with pytest.raises(ConfigError, match="12 elements"):
