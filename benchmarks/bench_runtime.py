@@ -4,9 +4,14 @@
    measured samples/s vs the simulator's prediction for the same stage times (the calibrated
    contention-free table divided by each device's speed) and vs the bound ``batch / slowest
    stage``. Targets: within 10 % of the prediction; >= 90 % of the bound when Nm >= stages.
-2. **vs torch.distributed.pipelining Schedule1F1B** on the same partition, devices and pacing
-   (our minibatch = their microbatch, Nm = their microbatch count; they flush the pipeline
-   and step the optimizer every Nm microbatches). Target ratio >= 1.1.
+2. **vs a pipeline that flushes every Nm minibatches** (what torch.distributed.pipelining's
+   Schedule1F1B/GPipe do: our minibatch = their microbatch, Nm = their microbatch count), on
+   the same partition, devices and pacing, run by hetpipe's runtime with
+   ``RunConfig(flush_every_wave=True)``. Target ratio >= 1.1. ``--try-1f1b`` also runs the
+   real ``Schedule1F1B`` (same partition, same pacing through autograd hooks), but in torch
+   2.13 on gloo/CPU both Schedule1F1B and ScheduleGPipe deadlocked in our hands (with runtime
+   shape inference and with explicit stage metadata): the last stage waits forever on its
+   backward sends; the processes then exit after 120 s and the ratio is reported as NaN.
 3. **One stage, Nm = 1 vs a plain PyTorch loop** on the same model (no pacing): overhead ratio,
    target >= 0.9.
 
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import sys
 import tempfile
 import time
@@ -207,9 +213,9 @@ class PacedStage(torch.nn.Module):
 def _gpipe_rank(rank: int, world: int, path: str, args: dict[str, Any], q: Any) -> None:
     import faulthandler
 
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    faulthandler.dump_traceback_later(25, exit=True)
+    faulthandler.dump_traceback_later(120, exit=True)  # it deadlocks on gloo: never hang
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -227,27 +233,29 @@ def _gpipe_rank(rank: int, world: int, path: str, args: dict[str, Any], q: Any) 
         fwd_s = cal.fwd_s[rank] / speed
         bwd_s = cal.bwd_s[rank] / speed
         module = PacedStage(built.module.train(), fwd_s, bwd_s, last)
+        stage_module = module if not args.get("unpaced") else built.module
         nm, batch = args["nm"], args["batch"]
         bounds = [0, *args["cuts"], len(built.graph.layers)]
         if rank == 0:
             example = tuple(torch.zeros(x.shape, dtype=x.dtype) for x in built.spec.inputs)
         else:
             example = tuple(t.empty().zero_() for t in cut_specs(built.graph, bounds[rank]))
-        with torch.no_grad():
-            out = module.inner(*example)
+        example = tuple(x.requires_grad_() if x.is_floating_point() else x for x in example)
+        out = module.inner(*example)  # with grad: outputs that need gradients must say so
         outs = (out,) if isinstance(out, torch.Tensor) else tuple(out)
         stage = PipelineStage(  # explicit metadata: the runtime inference deadlocks on gloo here
-            module,
+            stage_module,
             rank,
             world,
             torch.device("cpu"),
-            input_args=example,
-            output_args=outs,
-            output_grads=None if last else tuple(torch.zeros_like(o) for o in outs),
-            input_grads=None if rank == 0 else tuple(torch.zeros_like(x) for x in example),
+            input_args=tuple(x.detach() for x in example),
+            output_args=tuple(o.detach() for o in outs),
+            output_grads=None if last else tuple(torch.zeros_like(o.detach()) for o in outs),
+            input_grads=None if rank == 0 else tuple(torch.zeros_like(x.detach()) for x in example),
         )
-        sched = Schedule1F1B(stage, nm, loss_fn=built.loss if last else None)
-        opt = torch.optim.SGD(module.parameters(), lr=0.01)
+        sched_cls = ScheduleGPipe if args.get("gpipe") else Schedule1F1B
+        sched = sched_cls(stage, nm, loss_fn=built.loss if last else None)
+        opt = torch.optim.SGD(stage_module.parameters(), lr=0.01)
         data = MinibatchSource(
             default_dataset(args["model"], built.spec.inputs, built.spec.targets, batch),
             batch,
@@ -280,7 +288,11 @@ def schedule_1f1b(em: dict[str, Any]) -> float:
     """Samples/s of torch.distributed.pipelining's Schedule1F1B with the same pacing."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    args = {k: em[k] for k in ("model", "batch", "nm", "steps", "cal", "speeds")}
+    args = {
+        k: em[k]
+        for k in ("model", "batch", "nm", "steps", "cal", "speeds", "gpipe", "unpaced")
+        if k in em
+    }
     args["cuts"] = em["cuts_t"]
     world = len(em["speeds"])
     with tempfile.TemporaryDirectory() as tmp:
@@ -292,7 +304,10 @@ def schedule_1f1b(em: dict[str, Any]) -> float:
             p.start()
         for p in procs:
             p.join()
-    return float(q.get(timeout=5))
+    try:
+        return float(q.get(timeout=5))
+    except queue.Empty:  # the schedule deadlocked (see module docstring)
+        return float("nan")
 
 
 def flushed_baseline(model: str, batch: int, nm: int, steps: int, cuts: tuple[int, ...]) -> float:
