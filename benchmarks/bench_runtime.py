@@ -288,7 +288,7 @@ def schedule_1f1b(em: dict[str, Any]) -> float:
     """Samples/s of torch.distributed.pipelining's Schedule1F1B with the same pacing."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    args = {
+    args: dict[str, Any] = {
         k: em[k]
         for k in ("model", "batch", "nm", "steps", "cal", "speeds", "gpipe", "unpaced")
         if k in em
