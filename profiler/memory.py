@@ -67,7 +67,7 @@ class SavedTensorCounter:
 
     def __init__(self, exclude: Any = ()) -> None:
         self._seen: set[int] = set()
-        self._keep: list[Tensor] = []  # keeps ids stable while counting (meta tensors)
+        self._keep: list[Tensor] = []  # keeps storage ids unique while counting
         self._pending = 0
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         for p in exclude:
@@ -76,25 +76,22 @@ class SavedTensorCounter:
     def exclude(self, t: Tensor) -> None:
         """Never charge the storage of ``t`` (e.g. a parameter)."""
         self._seen.add(_storage_key(t))
-        self._keep.append(t)
+        self._keep.append(t.detach())
 
     def seen(self, t: Tensor) -> bool:
         """Whether the storage of ``t`` is already charged (or excluded)."""
         return _storage_key(t) in self._seen
 
     def _pack(self, t: Tensor) -> Tensor:
-        key = _storage_key(t)
+        # Keep and hand autograd a detached alias: the tensor itself would tie a saved output
+        # to its own grad_fn, a reference cycle the garbage collector cannot see (a leak).
+        alias = t.detach()
+        key = _storage_key(alias)
         if key not in self._seen:
             self._seen.add(key)
-            self._keep.append(t)
-            base = t._base if t._base is not None else t
-            nbytes = (
-                base.untyped_storage().nbytes()
-                if base.device.type != "meta"
-                else tensor_bytes(base)
-            )
-            self._pending += int(nbytes)
-        return t
+            self._keep.append(alias)
+            self._pending += storage_bytes(alias)
+        return alias
 
     @staticmethod
     def _unpack(t: Tensor) -> Tensor:
