@@ -17,7 +17,7 @@ from profiler.analytic import (
     scale_profile,
 )
 from profiler.catalog import lookup_gpu
-from profiler.errors import ConfigError, ModelError
+from profiler.errors import ConfigError, ModelError, ProfileError
 from profiler.pipedream import import_pipedream
 from tests.conftest import PIPEDREAM
 
@@ -143,3 +143,18 @@ def test_scale_imported_pipedream_profile() -> None:
 def test_bad_arguments(args: tuple[str, int, str], error: type[Exception]) -> None:
     with pytest.raises(error):
         analytic_profile(*args)
+
+
+def test_scale_cpu_profile_gives_the_analytic_estimate() -> None:
+    cpu = analytic_profile("mlp", 4, "cpu")  # stands in for a measured CPU profile
+    scaled = scale_profile(cpu, "TITAN V")
+    direct = analytic_profile("mlp", 4, "TITAN V")
+    assert scaled.table["fwd_ms"].tolist() == pytest.approx(direct.table["fwd_ms"].tolist())
+    assert scaled.meta.extra["scaled_from"] == "cpu"
+
+
+def test_calibrate_needs_one_device_type() -> None:
+    with pytest.raises(ProfileError):
+        calibrate()
+    with pytest.raises(ProfileError, match="one device type"):
+        calibrate(analytic_profile("mlp", 4, "cpu"), analytic_profile("mlp", 4, "TITAN V"))
