@@ -52,7 +52,12 @@ def make_single_vw_plan(
             pass
         else:
             return make_plan(
-                cluster, model=source.ref, batch_size=batch_size, nm=nm, num_vws=1, policy="ed"
+                cluster,
+                model=source.ref,
+                batch_size=batch_size,
+                nm=nm or None,
+                num_vws=1,
+                policy="ed",
             )
     spec = resolve_source(source, batch_size, meta=source.module is None)
     graph = ModelGraph.from_spec(spec)
@@ -60,7 +65,7 @@ def make_single_vw_plan(
         len(cuts) + 1 if cuts is not None else len(cluster.devices) if cluster is not None else 1
     )
     chosen = tuple(cuts) if cuts is not None else balanced_cuts(graph, n)
-    return manual_plan(graph, chosen, source.name, batch_size, nm, cluster)
+    return manual_plan(graph, chosen, source.name, batch_size, nm or 1, cluster)
 
 
 def train(
@@ -127,7 +132,7 @@ def train(
         source = ModelSource(module=model, sample_inputs=inputs, sample_targets=y, loss=loss_fn)
     if plan is None:
         cl = load_cluster(cluster) if isinstance(cluster, (str, os.PathLike)) else cluster
-        the_plan = make_single_vw_plan(source, batch_size, nm or 1, cl, stages, cuts)
+        the_plan = make_single_vw_plan(source, batch_size, nm, cl, stages, cuts)
     else:
         the_plan = load_plan(plan) if isinstance(plan, (str, os.PathLike)) else plan
     run = RunConfig(

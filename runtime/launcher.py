@@ -78,6 +78,7 @@ def stage_contexts(
     out = []
     for s, st in enumerate(worker.stages):
         gpu = worker.gpus[st.gpu]
+        speed, cap = _emulation(plan, gpu.node, gpu.speed, gpu.memory_bytes)
         out.append(
             StageContext(
                 rank=first_rank + s,
@@ -88,8 +89,8 @@ def stage_contexts(
                 cuts=cuts,
                 batch_size=plan.batch_size,
                 device=f"{gpu.node}:{gpu.index}",
-                speed=gpu.speed,
-                cap_bytes=gpu.memory_bytes if gpu.speed > 0 else 0,
+                speed=speed,
+                cap_bytes=cap,
                 optimizer_state_factor=plan.optimizer_state_factor,
                 prev_rank=first_rank + s - 1 if s > 0 else None,
                 next_rank=first_rank + s + 1 if s < n - 1 else None,
@@ -97,6 +98,18 @@ def stage_contexts(
             )
         )
     return out
+
+
+def _emulation(plan: Plan, node: str, speed: float, memory_bytes: int) -> tuple[float, int]:
+    """Speed and memory cap of an emulated device: the cluster's ``emulate:`` entry (the
+    source of truth), else the plan's GPU slot; ``(0, 0)`` for a real GPU."""
+    try:
+        emu = plan.cluster.node(node).emulation
+    except ConfigError:
+        emu = None
+    if emu is not None:
+        return emu.speed, emu.memory_bytes
+    return (speed, memory_bytes) if speed > 0 else (0.0, 0)
 
 
 def total_steps(run: RunConfig, steps_per_epoch: int) -> int:

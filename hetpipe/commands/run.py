@@ -37,9 +37,7 @@ def _load(path: Path, model: str | None, batch_size: int, nm: int, stages: int) 
     from runtime.api import make_single_vw_plan
     from runtime.config import ModelSource
 
-    return make_single_vw_plan(
-        ModelSource(ref=model), batch_size, nm or 1, load_cluster(path), stages
-    )
+    return make_single_vw_plan(ModelSource(ref=model), batch_size, nm, load_cluster(path), stages)
 
 
 @handle_errors
