@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from profiler.graph import ModelGraph
@@ -21,6 +22,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.slow
 def test_torchrun_entry_trains_every_stage(tmp_path: Path) -> None:
     graph = ModelGraph.from_spec(resolve_source(ModelSource(ref="mlp"), 8, meta=True))
     plan_path = manual_plan(graph, balanced_cuts(graph, 2), "mlp", 8, 2).save(
