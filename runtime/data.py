@@ -12,6 +12,7 @@ Built-in defaults: scikit-learn's *digits* (1,797 8x8 images -> 64 features, off
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,6 +123,13 @@ def default_dataset(
     )
 
 
+@functools.lru_cache(maxsize=2)
+def _permutation(n: int, seed: int) -> tuple[int, ...]:
+    """The seeded order of one epoch (cached: consecutive minibatches share it)."""
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(int(i) for i in torch.randperm(n, generator=gen))
+
+
 @dataclass(frozen=True)
 class MinibatchSource:
     """Minibatch ``p`` of a run, as a pure function of ``p``.
@@ -154,9 +162,8 @@ class MinibatchSource:
     def indices(self, mb: int) -> list[int]:
         """Sample indices of 1-based minibatch ``mb``."""
         epoch, pos = divmod(mb - 1, self.steps_per_epoch)
-        gen = torch.Generator().manual_seed(self.seed * 7919 + epoch)
-        perm = torch.randperm(len(self.dataset), generator=gen)  # type: ignore[arg-type]
-        return [int(i) for i in perm[pos * self.batch_size : (pos + 1) * self.batch_size]]
+        perm = _permutation(len(self.dataset), self.seed * 7919 + epoch)  # type: ignore[arg-type]
+        return list(perm[pos * self.batch_size : (pos + 1) * self.batch_size])
 
     def batch(self, mb: int) -> tuple[tuple[Tensor, ...], Tensor]:
         """Collated ``(inputs, targets)`` of minibatch ``mb``."""

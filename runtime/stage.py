@@ -79,6 +79,7 @@ class _Held:
     inputs: tuple[Tensor, ...]
     outputs: tuple[Tensor, ...] = ()
     grads_in: tuple[Tensor, ...] = field(default_factory=tuple)
+    targets: Tensor | None = None  # single-stage pipelines: read with the inputs
 
 
 class StageWorker:
@@ -292,20 +293,30 @@ class StageWorker:
         if self.ctx.stage == 0:
             if self.data is None:
                 raise HetPipeRuntimeError(f"[{self.ctx.where}] stage 0 has no data")
-            self.held[mb] = _Held(self.data.inputs(mb))
+            inputs, targets = self.data.batch(mb)
+            self.held[mb] = _Held(inputs, targets=targets)
         held = self.held[mb]
         held.inputs = tuple(
             x.requires_grad_() if x.is_floating_point() and self.ctx.stage > 0 else x
             for x in held.inputs
         )
         leaves = self.weights.acquire(mb)
-        with SavedBytes([*leaves.values(), *held.inputs]) as saved:
-            out = functional_call(self.module, leaves, held.inputs)
-        recv_bytes = sum(x.numel() * x.element_size() for x in held.inputs)
-        self.memory.check(mb, saved.nbytes + recv_bytes, self.weights.stashed_bytes)
+        if self.ctx.cap_bytes > 0:  # emulated device: account what autograd saves
+            with SavedBytes([*leaves.values(), *held.inputs]) as saved:
+                out = self._call(leaves, held.inputs)
+            recv_bytes = sum(x.numel() * x.element_size() for x in held.inputs)
+            self.memory.check(mb, saved.nbytes + recv_bytes, self.weights.stashed_bytes)
+        else:
+            out = self._call(leaves, held.inputs)
         if not self.last:
             held.outputs = tuple(out)
         return out
+
+    def _call(self, leaves: dict[str, Tensor], inputs: tuple[Tensor, ...]) -> Any:
+        """The stage's forward with a weight version (Nm = 1: the master parameters themselves)."""
+        if self.ctx.nm == 1:
+            return self.module(*inputs)
+        return functional_call(self.module, leaves, inputs)
 
     def _input_grads(self, held: _Held, grads: tuple[Tensor | None, ...]) -> list[Tensor | None]:
         needs = [x for x in held.inputs if x.requires_grad]
@@ -341,10 +352,13 @@ class StageWorker:
     ) -> tuple[dict[str, Tensor | None], list[Tensor | None]]:
         if self.data is None:
             raise HetPipeRuntimeError(f"[{self.ctx.where}] last stage has no data")
-        loss = self.loss_fn(out, self.data.targets(mb))
-        self.result.losses.append((mb, float(loss.item())))
+        held = self.held[mb]
+        targets = held.targets if held.targets is not None else self.data.targets(mb)
+        loss = self.loss_fn(out, targets)
+        value = float(loss.item())
+        self.result.losses.append((mb, value))
         if self.events is not None:
-            self.events.put(("loss", self.ctx.rank, mb, float(loss.item()), time.time()))
+            self.events.put(("loss", self.ctx.rank, mb, value, time.time()))
         return self._grad(mb, [loss], None)
 
     def _completed(self, mb: int) -> None:

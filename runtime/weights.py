@@ -101,6 +101,8 @@ class VersionedWeights:
                 f"forward of minibatch {mb} after {self._last_acquired}: out of order"
             )
         v = local_version(mb, self.nm)
+        if self.nm == 1 and v == self.version:  # no staleness: the master itself, no copies
+            self._versions.setdefault(v, dict(self.master))
         if v not in self._versions:
             if v != self.version:
                 raise HetPipeRuntimeError(
