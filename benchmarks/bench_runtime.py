@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import queue
+import shutil
 import sys
 import tempfile
 import time
@@ -310,15 +311,20 @@ def schedule_1f1b(em: dict[str, Any]) -> float:
         return float("nan")
 
 
-def flushed_baseline(model: str, batch: int, nm: int, steps: int, cuts: tuple[int, ...]) -> float:
-    """The same emulated pipeline, partition and pacing, flushing after every Nm minibatches."""
+def flushed_baseline(
+    model: str, batch: int, nm: int, steps: int, cuts: tuple[int, ...], cal_dir: Path
+) -> float:
+    """The same emulated pipeline, partition and pacing (the same calibration table), flushing
+    after every Nm minibatches."""
     source = ModelSource(ref=model)
     graph = ModelGraph.from_spec(resolve_source(source, batch, meta=True))
     cluster = _bench_cluster()
     plan = manual_plan(graph, cuts, model, batch, nm, cluster)
-    with tempfile.TemporaryDirectory() as tmp:
-        run = RunConfig(steps=steps, out_dir=Path(tmp), timeout_s=120, flush_every_wave=True)
-        return launch(plan, source, OptimizerConfig(lr=0.01), run).throughput
+    out = cal_dir / "flushed"
+    out.mkdir()
+    shutil.copy(cal_dir / "calibration.json", out / "calibration.json")
+    run = RunConfig(steps=steps, out_dir=out, timeout_s=120, flush_every_wave=True)
+    return launch(plan, source, OptimizerConfig(lr=0.01), run).throughput
 
 
 # ---------------------------------------------------------------- 3. one stage vs plain loop
@@ -369,6 +375,7 @@ def main() -> None:
     load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         em = emulated_vw(a.model, a.batch, a.nm, a.steps, Path(tmp))
+        flushed = flushed_baseline(a.model, a.batch, a.nm, a.steps, em["cuts_t"], Path(tmp))
     print(f"[1] emulated VW ({a.model}, batch {a.batch}, Nm {a.nm}, stage ms {em['stage_ms']}):")
     print(
         f"    measured {em['measured']:.1f} samples/s, predicted {em['predicted']:.1f}, bound {em['bound']:.1f}"
@@ -377,7 +384,6 @@ def main() -> None:
         f"    measured/predicted {em['measured_over_predicted']:.3f} (target 0.90-1.10), "
         f"measured/bound {em['measured_over_bound']:.3f} (target >= 0.90)"
     )
-    flushed = flushed_baseline(a.model, a.batch, a.nm, a.steps, em["cuts_t"])
     print(
         f"[2] same pipeline with a flush every Nm minibatches (1F1B/GPipe-style): {flushed:.1f} samples/s; "
         f"hetpipe/flushed {em['measured'] / flushed:.3f} (target >= 1.1)"
