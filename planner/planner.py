@@ -81,6 +81,7 @@ class _Planner:
     cluster: Cluster
     cm: CostModel
     opts: PlanOptions
+    original: Cluster  # the cluster as given (stored in the plan)
     cache: dict[tuple[object, ...], tuple[tuple[int, ...], tuple[int, ...]]] = field(
         default_factory=dict
     )
@@ -318,7 +319,7 @@ def _plan_allocation(
         nm=plan_nm,
         D=D,
         placement=placement,
-        cluster=pl.cluster,
+        cluster=pl.original,
         virtual_workers=vws,
         shards=shards,
         predicted=Prediction(total, tuple(per_vw), ar, ar_gpus, "analytic"),
@@ -328,6 +329,17 @@ def _plan_allocation(
     )
     sim = _simulated(plan, pl.opts.simulate_waves)
     return plan if sim is None else replace(plan, predicted=sim)
+
+
+def _planning_view(cluster: Cluster) -> Cluster:
+    """The cluster as the planner sees it: emulated devices have their emulated memory cap."""
+    if not any(n.emulation for n in cluster.nodes):
+        return cluster
+    nodes = tuple(
+        replace(n, memory_bytes=n.emulation.memory_bytes) if n.emulation is not None else n
+        for n in cluster.nodes
+    )
+    return replace(cluster, nodes=nodes)
 
 
 def make_plan(
@@ -378,6 +390,8 @@ def make_plan(
             links.get("inter_node", cluster.inter_node),
             cluster.source,
         )
+    original = cluster
+    cluster = _planning_view(cluster)
     by_type, provenance, model_name, batch = resolve_profiles(
         cluster, profiles, model, batch_size, reference_type
     )
@@ -387,7 +401,7 @@ def make_plan(
     cm = CostModel(
         by_type, cluster.link, optimizer_factor(optimizer), opts.max_cuts, first_measured
     )
-    pl = _Planner(cluster, cm, opts)
+    pl = _Planner(cluster, cm, opts, original)
     if policy == "auto":
         best: Plan | None = None
         reasons = []

@@ -88,6 +88,40 @@ def _fill(
         ) from None
 
 
+def _emulated(
+    cluster: Cluster, given: Mapping[str, Profile], model: str, batch: int
+) -> tuple[dict[str, Profile], dict[str, str]]:
+    """Profiles of an emulated cluster: a layer takes its CPU time divided by the node's speed.
+
+    The CPU profile is a given ``cpu`` profile, else the analytic CPU estimate.
+    """
+    from profiler.analytic import analytic_profile
+
+    if "cpu" in given:
+        base, src = given["cpu"], f"cpu {given['cpu'].meta.source}"
+    else:
+        try:
+            base, src = analytic_profile(model, batch, "cpu"), "cpu analytic"
+        except (ModelError, ConfigError) as exc:
+            raise ProfileError(
+                f"emulated cluster needs a cpu profile of {model!r} ({exc}); run 'hetpipe profile'"
+            ) from None
+    by_type: dict[str, Profile] = {}
+    provenance: dict[str, str] = {}
+    for node in cluster.nodes:
+        if node.emulation is None or node.gpu_type in by_type:
+            continue
+        speed = node.emulation.speed
+        table = base.table.copy()
+        table["fwd_ms"] = table["fwd_ms"] / speed
+        table["bwd_ms"] = table["bwd_ms"] / speed
+        by_type[node.gpu_type] = base.with_table(
+            table, device_type=node.gpu_type, source="emulated"
+        )
+        provenance[node.gpu_type] = f"emulated: {src} / speed {speed:g}"
+    return by_type, provenance
+
+
 def resolve_profiles(
     cluster: Cluster,
     profiles: Mapping[str, Profile] | Sequence[Profile] | None,
@@ -121,6 +155,8 @@ def resolve_profiles(
         given.setdefault(t if t is not None else "?", p)
     if "?" in given and _canonical_type(ref_type) is None:
         raise ConfigError(f"reference GPU type {ref_type!r} is not in the catalog")
+    if cluster.emulated:
+        return (*_emulated(cluster, given, model_name, batch), model_name, batch)
     by_type: dict[str, Profile] = {}
     provenance: dict[str, str] = {}
     for gpu_type in dict.fromkeys(d.type for d in cluster.devices):

@@ -48,8 +48,11 @@ def _load_profiles(paths: list[Path], reference_type: str | None) -> list[Profil
     return out
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f}"
+def _mem(used: float, cap: float) -> str:
+    """``used/cap`` in GiB, or MiB for small (emulated) devices."""
+    if cap < 2**30:
+        return f"{used / 2**20:.1f}/{cap / 2**20:.1f} MiB"
+    return f"{used / 2**30:.2f}/{cap / 2**30:.2f} GiB"
 
 
 def render(plan: Plan) -> None:
@@ -57,7 +60,7 @@ def render(plan: Plan) -> None:
     table = Table(
         title=f"{plan.model} (batch {plan.batch_size}) on {plan.cluster.name}: policy {plan.policy}"
     )
-    for col in ("VW", "stage", "GPU", "layers", "time ms", "memory GiB (used/cap)"):
+    for col in ("VW", "stage", "GPU", "layers", "time ms", "memory used/cap"):
         table.add_column(col, justify="right" if col in ("time ms", "VW", "stage") else "left")
     for vw in plan.virtual_workers:
         for s in vw.stages:
@@ -68,7 +71,7 @@ def render(plan: Plan) -> None:
                 f"{g.node}:{g.index} {g.type}",
                 f"{s.first_layer} .. {s.last_layer} ({s.last_index - s.first_index + 1})",
                 f"{s.time_ms:.2f}",
-                f"{_gib(s.memory_bytes)}/{_gib(s.capacity_bytes)}",
+                _mem(s.memory_bytes, s.capacity_bytes),
             )
         table.add_row(
             "",
@@ -95,7 +98,7 @@ def render(plan: Plan) -> None:
     else:
         console.print("AllReduce baseline: no single GPU holds the whole model")
     for t, src in plan.profiles.items():
-        if src.startswith(("analytic", "scaled")) or "assumed" in src:
+        if src.startswith(("analytic", "scaled", "emulated")) or "assumed" in src:
             console.print(f"[yellow]note:[/] {t}: {src}")
 
 

@@ -150,3 +150,22 @@ def test_python_api(tmp_path: object) -> None:
     plan = hetpipe.plan(EXAMPLES / "paper_cluster.yaml", [folder], policy="np")
     assert [vw.signature for vw in plan.virtual_workers] == ["VVVV", "RRRR", "GGGG", "QQQQ"]
     assert all(src == "synthetic" for src in plan.profiles.values())
+
+
+def test_emulated_cluster_uses_caps_and_speeds() -> None:
+    cl = load_cluster(EXAMPLES / "emulated_cluster.yaml")
+    base = synthetic_profiles(20, ("TITAN V",), seed=6, act_mib=0.2, param_mib=0.1)["TITAN V"]
+    cpu = base.with_table(base.table, device_type="cpu")
+    plan = make_plan(cl, [cpu], policy="ed", options=PlanOptions(simulate_waves=0))
+    caps = {n.name: n.emulation.memory_bytes for n in cl.nodes if n.emulation}
+    speeds = {n.name: n.emulation.speed for n in cl.nodes if n.emulation}
+    vw = plan.virtual_workers[0]
+    for s in vw.stages:
+        gpu = vw.gpus[s.gpu]
+        assert s.capacity_bytes == caps[gpu.node] and gpu.speed == speeds[gpu.node]
+        assert s.memory_bytes <= s.capacity_bytes
+        a, b = s.first_index, s.last_index + 1
+        cpu_ms = float(cpu.table["fwd_ms"][a:b].sum() + cpu.table["bwd_ms"][a:b].sum())
+        assert s.fwd_ms + s.bwd_ms == pytest.approx(cpu_ms / speeds[gpu.node])
+    assert plan.cluster == cl  # the plan keeps the cluster as given
+    assert all(v.startswith("emulated") for v in plan.profiles.values())
