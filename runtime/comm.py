@@ -124,8 +124,9 @@ class Channel:
             self._isend(t, i + 1)
 
     def send_stop(self) -> None:
-        """Tell the next stage no more minibatches come."""
-        self._isend(torch.tensor([STOP], dtype=torch.int64), 0)
+        """Tell the next stage no more minibatches come (a full message with zero tensors, so
+        the receiver's pre-posted receives all complete)."""
+        self.send_activations(STOP, tuple(s.empty().zero_() for s in self.specs))
 
     def send_grads(self, grads: list[Tensor | None]) -> None:
         """Post one gradient per floating-point crossing tensor (``None`` -> zeros)."""
@@ -141,9 +142,12 @@ class Channel:
         self._pending.clear()
 
 
-def _recv(spec_buffers: list[Tensor], peer: int, group: Any) -> None:
-    for i, buf in enumerate(spec_buffers):
-        dist.recv(buf, peer, group=group, tag=i + 1)
+def _recv(buffers: list[Tensor], peer: int, group: Any, first_tag: int = 1) -> None:
+    """Post every receive of one message at once (one round trip, not one per tensor), then wait."""
+    works = [dist.irecv(buf, peer, group=group, tag=first_tag + i) for i, buf in enumerate(buffers)]
+    for work in works:
+        if work is not None:
+            work.wait()
 
 
 def start_activation_receiver(
@@ -155,13 +159,12 @@ def start_activation_receiver(
         try:
             while True:
                 header = torch.empty(1, dtype=torch.int64)
-                dist.recv(header, peer, group=group, tag=0)
+                bufs = [s.empty() for s in specs]
+                _recv([header, *bufs], peer, group, first_tag=0)
                 mb = int(header.item())
                 if mb == STOP:
                     inbox.put(Event("stop"))
                     return
-                bufs = [s.empty() for s in specs]
-                _recv(bufs, peer, group)
                 inbox.put(Event("act", mb, tuple(bufs)))
         except Exception as exc:  # a dead peer or a timeout: hand it to the stage loop
             inbox.put(Event("error", error=exc))
