@@ -8,7 +8,10 @@ Steps (paper Sec. 4, 7, 8.1):
 2. the allocation policy forms the VWs (``auto`` tries every applicable allocation and keeps
    the best predicted throughput);
 3. each VW's ``nm_max`` is the largest Nm (up to ``nm_limit``) for which some GPU order and
-   partition fit memory; the plan's Nm is the minimum over VWs, capped by the user's ``nm``;
+   partition fit memory; the plan's Nm is at most their minimum: the user's ``nm`` if given
+   (capped), else the candidate with the best predicted throughput (``PlanOptions.nm_choice``):
+   the largest Nm is often not the fastest, because stage 0 must then hold Nm minibatches and
+   the partition degenerates;
 4. each VW is partitioned at that Nm (MILP by default); isomorphic VWs (same GPU types and
    node pattern, e.g. the four ED VWs) are solved once;
 5. shards are placed and throughput is predicted: by the discrete-event simulator
@@ -62,6 +65,10 @@ class PlanOptions:
         nm_limit: largest Nm considered.
         time_limit_s: MILP time limit per VW (hitting it is an error).
         auto_max_vw_gpus: largest VW the ``auto`` policy tries.
+        nm_choice: without a user ``nm``: ``best`` compares Nm = 1..S+2, powers of two and the
+            largest feasible Nm by predicted throughput (paper Sec. 8.1: "Nm is set such that
+            performance is maximized"; ties go to the smaller Nm, i.e. less staleness); ``max``
+            takes the largest feasible Nm (the minimum over VWs of their ``nm_max``).
         simulate_waves: when >= 2, the prediction (and ``auto``'s ranking) comes from the
             discrete-event simulator (``planner.simulator``) over this many waves; the analytic
             estimate is the fallback.
@@ -73,6 +80,7 @@ class PlanOptions:
     nm_limit: int = 64
     time_limit_s: float = 60.0
     auto_max_vw_gpus: int = 4
+    nm_choice: str = "best"
     simulate_waves: int = 8
 
 
@@ -103,11 +111,13 @@ class _Planner:
             self.nm_cache[key] = self._nm_max(ordered)
         return self.nm_cache[key]
 
+    @staticmethod
+    def _n_orders(gpus: Sequence[Device]) -> int:
+        """Distinct GPU orders, counted up to ``_MAX_ENUM_ORDERS + 1``."""
+        return sum(1 for _ in zip(range(_MAX_ENUM_ORDERS + 1), distinct_orders(gpus), strict=False))
+
     def _fits(self, gpus: Sequence[Device], nm: int) -> tuple[bool, int]:
-        n_orders = sum(
-            1 for _ in zip(range(_MAX_ENUM_ORDERS + 1), distinct_orders(gpus), strict=False)
-        )
-        if n_orders <= _MAX_ENUM_ORDERS:
+        if self._n_orders(gpus) <= _MAX_ENUM_ORDERS:
             short, _ = min_memory_shortfall(self.cm, gpus, nm, _MAX_ENUM_ORDERS)
             return short <= 0, short
         try:
@@ -134,12 +144,19 @@ class _Planner:
                 hi = mid
         return lo, 0
 
-    def partition(self, gpus: Sequence[Device], nm: int) -> Partition:
-        """Optimal order and split of ``gpus`` at ``nm`` (cached over isomorphic VWs)."""
+    def partition(self, gpus: Sequence[Device], nm: int, screen: bool = False) -> Partition:
+        """Optimal order and split of ``gpus`` at ``nm`` (cached over isomorphic VWs).
+
+        ``screen``: use the (equally exact, faster) DP over every distinct order when there are at
+        most 720 of them, for comparing Nm candidates; the final plan uses ``opts.partitioner``.
+        """
         key, ordered = self.canonical(gpus)
-        ck = (key, nm)
+        use_dp = self.opts.partitioner == "dp" or (
+            screen and self._n_orders(ordered) <= _MAX_ENUM_ORDERS
+        )
+        ck = (key, nm, use_dp)
         if ck not in self.cache:
-            if self.opts.partitioner == "dp":
+            if use_dp:
                 part = partition_dp_best_order(self.cm, ordered, nm)
             elif self.opts.partitioner == "milp":
                 part = partition_milp(
@@ -280,13 +297,51 @@ def _plan_allocation(
             )
         nm_max.append(best)
     plan_nm = min(nm_max)
+    args = (model, batch, D, placement, provenance)
     if nm is not None:
         if nm < 1:
             raise PlanError(f"--nm must be >= 1, got {nm}")
         if nm > plan_nm:
             log.warning("--nm %d exceeds what memory allows (%d); using %d", nm, plan_nm, plan_nm)
         plan_nm = min(plan_nm, nm)
-    parts = [pl.partition(g, plan_nm) for g in alloc.groups]
+    elif pl.opts.nm_choice == "best":
+        s_max = max(len(g) for g in alloc.groups)
+        scored = []
+        for cand in _nm_candidates(plan_nm, s_max):
+            trial = _build(pl, alloc, cand, nm_max, *args, screen=True)
+            scored.append((trial.predicted.throughput, -cand))
+            log.debug(
+                "Nm=%d -> %.1f samples/s (%s)",
+                cand,
+                trial.predicted.throughput,
+                trial.predicted.method,
+            )
+        plan_nm = -max(scored)[1]
+    elif pl.opts.nm_choice != "max":
+        raise PlanError(f"unknown Nm choice {pl.opts.nm_choice!r}; use best or max")
+    return _build(pl, alloc, plan_nm, nm_max, *args)
+
+
+def _nm_candidates(hi: int, s_max: int) -> list[int]:
+    """Nm values worth comparing: ``1 .. S+2``, powers of two and the largest feasible ``hi``."""
+    cands = set(range(1, min(hi, s_max + 2) + 1)) | {2**k for k in range(1, 8) if 2**k <= hi} | {hi}
+    return sorted(cands)
+
+
+def _build(
+    pl: _Planner,
+    alloc: Allocation,
+    plan_nm: int,
+    nm_max: Sequence[int],
+    model: str,
+    batch: int,
+    D: int,
+    placement: str,
+    provenance: dict[str, str],
+    screen: bool = False,
+) -> Plan:
+    """The plan of ``alloc`` at ``plan_nm`` (``screen``: fast exact partitioner, for comparisons)."""
+    parts = [pl.partition(g, plan_nm, screen) for g in alloc.groups]
     cm = pl.cm
     names = cm.layer_names
     layer_params = [int(b) for b in cm.layer_param_bytes]
