@@ -330,22 +330,13 @@ def flushed_baseline(
 # ---------------------------------------------------------------- 3. one stage vs plain loop
 
 
-def one_stage_vs_plain(model: str, batch: int, steps: int) -> dict[str, float]:
-    """hetpipe with one stage and Nm = 1 (no pacing) vs a plain single-thread PyTorch loop."""
+def _plain_loop(model: str, batch: int, steps: int) -> float:
+    """Samples/s of a plain single-thread PyTorch loop (first step excluded, like wave 0)."""
     source = ModelSource(ref=model)
-    graph = ModelGraph.from_spec(resolve_source(source, batch, meta=True))
-    plan = manual_plan(graph, (), model, batch, 1, cpu_cluster(1))
-    ours = launch(
-        plan, source, OptimizerConfig(lr=0.01), RunConfig(steps=steps, timeout_s=120)
-    ).throughput
     module, _, loss_fn = reference_module(source, batch, 0)
     spec = resolve_source(source, batch, meta=True)
-    data = MinibatchSource(
-        default_dataset(model, spec.inputs, spec.targets, batch),
-        batch,
-        0,
-        tuple(spec.targets.shape),
-    )
+    ds = default_dataset(model, spec.inputs, spec.targets, batch)
+    data = MinibatchSource(ds, batch, 0, tuple(spec.targets.shape))
     torch.set_num_threads(1)
     opt = torch.optim.SGD(module.parameters(), lr=0.01)
     done = []
@@ -355,9 +346,22 @@ def one_stage_vs_plain(model: str, batch: int, steps: int) -> dict[str, float]:
         loss_fn(module(*x), y).backward()
         opt.step()
         done.append(time.perf_counter())
-    k = 1  # same warm-up exclusion as a wave of Nm = 1
-    plain = (steps - k) * batch / (done[-1] - done[k - 1])
-    return {"hetpipe": ours, "plain": plain, "ratio": ours / plain}
+    return (steps - 1) * batch / (done[-1] - done[0])
+
+
+def one_stage_vs_plain(model: str, batch: int, steps: int) -> dict[str, float]:
+    """hetpipe with one stage and Nm = 1 (no pacing) vs a plain loop, alternated
+    plain / hetpipe / plain / hetpipe so that load changes hit both alike."""
+    source = ModelSource(ref=model)
+    graph = ModelGraph.from_spec(resolve_source(source, batch, meta=True))
+    plan = manual_plan(graph, (), model, batch, 1, cpu_cluster(1))
+    ours, plain = [], []
+    for _ in range(2):
+        plain.append(_plain_loop(model, batch, steps))
+        run = RunConfig(steps=steps, timeout_s=120)
+        ours.append(launch(plan, source, OptimizerConfig(lr=0.01), run).throughput)
+    o, p = sum(ours) / len(ours), sum(plain) / len(plain)
+    return {"hetpipe": o, "plain": p, "ratio": o / p}
 
 
 def main() -> None:
