@@ -22,7 +22,7 @@ from planner.cluster import Device, load_cluster  # noqa: E402
 from planner.costmodel import CostModel  # noqa: E402
 from planner.partition_dp import partition_dp, partition_dp_best_order  # noqa: E402
 from planner.partition_milp import available_solvers, partition_milp  # noqa: E402
-from planner.planner import make_plan  # noqa: E402
+from planner.planner import PlanOptions, make_plan  # noqa: E402
 from profiler.errors import PlanError  # noqa: E402
 from tests.planner.synth import synthetic_profiles  # noqa: E402
 
@@ -132,38 +132,48 @@ def bench_paper_cluster() -> list[dict[str, object]]:
         t = time.perf_counter()
         profiles = [resolve_profiles(cluster, None, model, 32)[0][t_] for t_ in ("TITAN V",)]
         prof_s = time.perf_counter() - t
-        t_all = time.perf_counter()
-        for policy, placement in (
-            ("np", "default"),
-            ("ed", "default"),
-            ("ed", "local"),
-            ("hd", "default"),
-        ):
-            t = time.perf_counter()
-            plan = make_plan(
-                cluster, profiles, model=model, batch_size=32, policy=policy, placement=placement
-            )
-            rows.append(
-                {
-                    "model": model,
-                    "policy": f"{policy}-{placement}" if placement == "local" else policy,
-                    "plan_s": time.perf_counter() - t,
-                    "nm": plan.nm,
-                    "vws": [vw.signature for vw in plan.virtual_workers],
-                    "throughput": plan.predicted.throughput,
-                    "allreduce": plan.predicted.allreduce_throughput,
-                    "allreduce_gpus": plan.predicted.allreduce_gpus,
-                }
-            )
-            r = rows[-1]
+        for choice in ("max", "best"):
+            t_all = time.perf_counter()
+            for policy, placement in (
+                ("np", "default"),
+                ("ed", "default"),
+                ("ed", "local"),
+                ("hd", "default"),
+            ):
+                t = time.perf_counter()
+                plan = make_plan(
+                    cluster,
+                    profiles,
+                    model=model,
+                    batch_size=32,
+                    policy=policy,
+                    placement=placement,
+                    options=PlanOptions(nm_choice=choice),
+                )
+                rows.append(
+                    {
+                        "model": model,
+                        "nm_choice": choice,
+                        "policy": f"{policy}-{placement}" if placement == "local" else policy,
+                        "plan_s": time.perf_counter() - t,
+                        "nm": plan.nm,
+                        "vws": [vw.signature for vw in plan.virtual_workers],
+                        "throughput": plan.predicted.throughput,
+                        "allreduce": plan.predicted.allreduce_throughput,
+                        "allreduce_gpus": plan.predicted.allreduce_gpus,
+                    }
+                )
+                r = rows[-1]
+                print(
+                    f"{model:<10} Nm {choice:<4} {r['policy']:<9} {r['plan_s']:6.2f} s  Nm {r['nm']:>3}  "
+                    f"{'/'.join(r['vws'])}  {r['throughput']:8.1f} samples/s  "
+                    f"(AllReduce {r['allreduce']:.1f} on {r['allreduce_gpus']} GPUs)",
+                    flush=True,
+                )
             print(
-                f"{model:<10} {r['policy']:<9} {r['plan_s']:6.2f} s  Nm {r['nm']:>3}  {'/'.join(r['vws'])}  "
-                f"{r['throughput']:8.1f} samples/s  (AllReduce {r['allreduce']:.1f} on {r['allreduce_gpus']} GPUs)",
-                flush=True,
+                f"{model} (Nm {choice}): every policy planned in {time.perf_counter() - t_all:.2f} s "
+                f"(+ {prof_s:.2f} s analytic profiling, once)"
             )
-        print(
-            f"{model}: every policy planned in {time.perf_counter() - t_all:.2f} s (+ {prof_s:.2f} s analytic profiling)"
-        )
     return rows
 
 

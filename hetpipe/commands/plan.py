@@ -129,6 +129,9 @@ def plan(
         str, typer.Option("--optimizer", help="sgd | momentum | adam (memory)")
     ] = "momentum",
     links: Annotated[Path | None, typer.Option("--links", help="measured links.yaml")] = None,
+    nm_choice: Annotated[
+        str, typer.Option("--nm-choice", help="max: largest feasible Nm | best: fastest predicted")
+    ] = "max",
     partitioner: Annotated[str, typer.Option("--partitioner", help="milp | dp")] = "milp",
     solver: Annotated[str, typer.Option("--solver", help="auto | highs | cbc")] = "auto",
     profile_gpu: Annotated[
@@ -159,7 +162,9 @@ def plan(
         num_vws=vws,
         optimizer=optimizer,
         links=load_links(links) if links else None,
-        options=PlanOptions(partitioner=partitioner, solver=solver, max_cuts=max_cuts),
+        options=PlanOptions(
+            partitioner=partitioner, solver=solver, max_cuts=max_cuts, nm_choice=nm_choice
+        ),
         reference_type=profile_gpu,
     )
     if output is not None:
