@@ -397,7 +397,7 @@ def _spawn_and_watch(
             )
             p.start()
             procs[ctx.rank] = p
-        return _watch(contexts, procs, events, progress)
+        return _watch(contexts, procs, events, progress, max(120.0, 4 * run.timeout_s))
     finally:
         progress.stop()
         _stop_all(procs)
@@ -413,15 +413,27 @@ _SECONDARY = (
 
 
 def _watch(
-    contexts: list[StageContext], procs: dict[int, Any], events: Any, progress: _Progress
+    contexts: list[StageContext],
+    procs: dict[int, Any],
+    events: Any,
+    progress: _Progress,
+    stall_s: float = 120.0,
 ) -> list[StageResult]:
     by_rank = {c.rank: c for c in contexts}
     results: dict[int, StageResult] = {}
+    last_event = 0.0  # wall time of the last progress event (0 = training not started)
     while len(results) < len(contexts):
         try:
             msg = events.get(timeout=0.2)
         except queue.Empty:
             msg = None
+        if msg is not None:
+            last_event = time.time()
+        elif last_event and time.time() - last_event > stall_s:
+            raise HetPipeRuntimeError(
+                f"no progress from any stage for {stall_s:.0f} s (a stage is stuck in a task); "
+                "stopping every rank"
+            )
         if msg is not None and msg[0] == "result":
             results[msg[1]] = _loads(msg[2])
         elif msg is not None and msg[0] == "error":
