@@ -34,7 +34,7 @@ from profiler.errors import ConfigError, HetPipeRuntimeError
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.data import default_dataset
 from runtime.emulation import Calibration, calibrate, load_or_calibrate
-from runtime.metrics import RunResult, StageResult, write_metrics
+from runtime.metrics import ProgressBar, RunResult, StageResult, write_metrics
 from runtime.model import resolve_source, sample_batch
 from runtime.stage import StageContext, StageWorker
 
@@ -240,55 +240,6 @@ def worker_main(
     sys.exit(code)
 
 
-class _Progress:
-    """Rich progress bar fed by the stages' events (no-op when disabled)."""
-
-    def __init__(self, enabled: bool, total: int, batch_size: int) -> None:
-        self.bar: Any = None
-        self.batch_size = batch_size
-        self.t0 = time.time()
-        self.loss = float("nan")
-        self.done = 0
-        if enabled:
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-            )
-
-            self.bar = Progress(
-                TextColumn("training"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.fields[info]}"),
-                TimeElapsedColumn(),
-                transient=False,
-            )
-            self.task = self.bar.add_task("train", total=total if total < 2**40 else None, info="")
-            self.bar.start()
-
-    def event(self, msg: tuple[Any, ...]) -> None:
-        if msg[0] == "loss":
-            self.loss = float(msg[3])
-        elif msg[0] == "done":
-            self.done += 1
-            if self.done == 1:
-                self.t0 = float(msg[3])
-            if self.bar is not None:
-                rate = (self.done - 1) * self.batch_size / max(1e-9, float(msg[3]) - self.t0)
-                self.bar.update(
-                    self.task,
-                    completed=self.done,
-                    info=f"{rate:.1f} samples/s  loss {self.loss:.4f}",
-                )
-
-    def stop(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-
 def launch(
     plan: Plan,
     source: ModelSource,
@@ -375,7 +326,7 @@ def _spawn_and_watch(
     mpc = _context()
     events = mpc.Queue()
     procs: dict[int, Any] = {}
-    progress = _Progress(run.progress, steps, contexts[0].batch_size)
+    progress = ProgressBar(run.progress, steps, contexts[0].batch_size)
     try:
         for ctx in contexts:
             p = mpc.Process(
@@ -416,7 +367,7 @@ def _watch(
     contexts: list[StageContext],
     procs: dict[int, Any],
     events: Any,
-    progress: _Progress,
+    progress: ProgressBar,
     stall_s: float = 120.0,
 ) -> list[StageResult]:
     by_rank = {c.rank: c for c in contexts}

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import csv
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rich.table import Table
 from torch import Tensor
 
-__all__ = ["RunResult", "StageResult", "summary_table", "write_metrics"]
+__all__ = ["ProgressBar", "RunResult", "StageResult", "summary_table", "write_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +102,9 @@ class RunResult:
             from planner.sim_engine import measured_throughput
 
             start = self.stages[0].start_time
-            return measured_throughput([[(t - start) * 1e3 for t in times]], self.nm, self.batch_size)
+            return measured_throughput(
+                [[(t - start) * 1e3 for t in times]], self.nm, self.batch_size
+            )
         if not times:
             return 0.0
         span = times[-1] - self.stages[0].start_time
@@ -196,3 +200,52 @@ def summary_table(result: RunResult) -> Table:
     if result.losses:
         table.caption = f"loss: first {result.losses[0]:.4f}, last {result.losses[-1]:.4f}"
     return table
+
+
+class ProgressBar:
+    """Rich progress bar fed by the stages' events (no-op when disabled)."""
+
+    def __init__(self, enabled: bool, total: int, batch_size: int) -> None:
+        self.bar: Any = None
+        self.batch_size = batch_size
+        self.t0 = time.time()
+        self.loss = float("nan")
+        self.done = 0
+        if enabled:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self.bar = Progress(
+                TextColumn("training"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeElapsedColumn(),
+                transient=False,
+            )
+            self.task = self.bar.add_task("train", total=total if total < 2**40 else None, info="")
+            self.bar.start()
+
+    def event(self, msg: tuple[Any, ...]) -> None:
+        if msg[0] == "loss":
+            self.loss = float(msg[3])
+        elif msg[0] == "done":
+            self.done += 1
+            if self.done == 1:
+                self.t0 = float(msg[3])
+            if self.bar is not None:
+                rate = (self.done - 1) * self.batch_size / max(1e-9, float(msg[3]) - self.t0)
+                self.bar.update(
+                    self.task,
+                    completed=self.done,
+                    info=f"{rate:.1f} samples/s  loss {self.loss:.4f}",
+                )
+
+    def stop(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
