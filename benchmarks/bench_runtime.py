@@ -370,6 +370,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--nm", type=int, default=4)
     ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--results", type=Path, default=RESULTS, help="where to write the JSON")
     ap.add_argument(
         "--try-1f1b",
         action="store_true",
@@ -414,9 +415,9 @@ def main() -> None:
         "loadavg_before_after": [load0, load1],
         "cpus": os.cpu_count(),
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=2), encoding="utf-8")
-    print(f"wrote {RESULTS}")
+    a.results.parent.mkdir(parents=True, exist_ok=True)
+    a.results.write_text(json.dumps(out, indent=2), encoding="utf-8")
+    print(f"wrote {a.results}")
 
 
 if __name__ == "__main__":
