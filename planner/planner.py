@@ -8,10 +8,12 @@ Steps (paper Sec. 4, 7, 8.1):
 2. the allocation policy forms the VWs (``auto`` tries every applicable allocation and keeps
    the best predicted throughput);
 3. each VW's ``nm_max`` is the largest Nm (up to ``nm_limit``) for which some GPU order and
-   partition fit memory; the plan's Nm is their minimum, capped by the user's ``nm``; with
-   ``PlanOptions(nm_choice="best")`` the candidate with the best predicted throughput instead
-   (the largest Nm is often not the fastest: stage 0 must hold Nm minibatches and the
-   partition degenerates);
+   partition fit memory; Nm may not exceed their minimum (paper Sec. 4: Nm is the same in every
+   VW), nor the user's ``nm``; below that bound the default ``nm_choice="best"`` takes the Nm
+   with the best predicted throughput (paper Sec. 4: "Nm ... is basically determined by
+   considering the throughput of the pipeline"; Sec. 8.3). The largest feasible Nm is often
+   not the fastest: stage 0 must hold Nm minibatches and the partition degenerates;
+   ``nm_choice="max"`` takes it anyway;
 4. each VW is partitioned at that Nm (MILP by default); isomorphic VWs (same GPU types and
    node pattern, e.g. the four ED VWs) are solved once;
 5. shards are placed and throughput is predicted: by the discrete-event simulator
@@ -65,10 +67,10 @@ class PlanOptions:
         nm_limit: largest Nm considered.
         time_limit_s: MILP time limit per VW (hitting it is an error).
         auto_max_vw_gpus: largest VW the ``auto`` policy tries.
-        nm_choice: without a user ``nm``: ``max`` (default, the issue's rule) takes the largest
-            feasible Nm (the minimum over VWs of their ``nm_max``); ``best`` compares Nm =
-            1..S+2, powers of two and that maximum by predicted throughput (paper Sec. 8.1: "Nm
-            is set such that performance is maximized"; ties go to the smaller Nm).
+        nm_choice: without a user ``nm``: ``best`` (default) compares Nm = 1..S+2, powers of
+            two and the largest feasible Nm by predicted throughput (paper Sec. 8.3: "Nm is set
+            such that performance is maximized"; ties go to the smaller Nm, less staleness);
+            ``max`` takes the largest feasible Nm (the minimum over VWs of their ``nm_max``).
         simulate_waves: when >= 2, the prediction (and ``auto``'s ranking) comes from the
             discrete-event simulator (``planner.simulator``) over this many waves; the analytic
             estimate is the fallback.
@@ -80,7 +82,7 @@ class PlanOptions:
     nm_limit: int = 64
     time_limit_s: float = 60.0
     auto_max_vw_gpus: int = 4
-    nm_choice: str = "max"
+    nm_choice: str = "best"
     simulate_waves: int = 8
 
 

@@ -65,7 +65,12 @@ def best(
 @pytest.mark.parametrize("model", ["vgg19", "resnet152"])
 def test_np_is_limited_by_the_vw_with_least_memory(model: str) -> None:
     plan = planner_mod.make_plan(
-        cluster(), profiles(model), model=model, batch_size=32, policy="np"
+        cluster(),
+        profiles(model),
+        model=model,
+        batch_size=32,
+        policy="np",
+        options=planner_mod.PlanOptions(nm_choice="max"),
     )
     least = min(plan.virtual_workers, key=lambda vw: sum(g.memory_bytes for g in vw.gpus))
     assert least.signature == "GGGG"  # 4 x 6 GiB RTX 2060
