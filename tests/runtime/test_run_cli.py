@@ -27,7 +27,8 @@ def test_run_plan_file_prints_summary_and_writes_metrics(tmp_path: Path) -> None
     assert res.exit_code == 0, res.output
     assert "8 minibatches x 16 samples" in res.output
     assert "bound" in res.output  # emulated: the calibrated 1/slowest-stage bound is shown
-    rows = list(csv.DictReader((out / "metrics.csv").open()))
+    with (out / "metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
     assert [int(r["minibatch"]) for r in rows] == list(range(1, 9))
     assert (out / "calibration.json").exists() and (out / "weights.pt").exists()
 
