@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from profiler.errors import ModelError
-from profiler.graph import ModelGraph, _rewrite_tensor_attrs
+from profiler.graph import ModelGraph, rewrite_tensor_attrs
 from profiler.interpret import LayerCall, backward_call, run_layers, tensors_of
 from profiler.memory import SavedTensorCounter, storage_bytes, tensor_bytes
 from profiler.models import resolve_model
@@ -109,7 +109,7 @@ def _trace(module: torch.nn.Module) -> tuple[fx.GraphModule, dict[str, str]]:
             f"cannot trace {type(module).__name__} with torch.fx ({type(exc).__name__}: {exc}); "
             "remove data-dependent Python control flow from forward()"
         ) from exc
-    return gm, _rewrite_tensor_attrs(gm)
+    return gm, rewrite_tensor_attrs(gm)
 
 
 @dataclass(frozen=True)

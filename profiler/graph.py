@@ -30,7 +30,7 @@ from torch.fx.passes.split_module import split_module
 from profiler.errors import ModelError
 from profiler.models import ModelSpec
 
-__all__ = ["Layer", "ModelGraph", "StageModule", "crossing_sets"]
+__all__ = ["Layer", "ModelGraph", "StageModule", "crossing_sets", "rewrite_tensor_attrs"]
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ class _AttrHolder(nn.Module):
         return self.value  # type: ignore[no-any-return]
 
 
-def _rewrite_tensor_attrs(gm: fx.GraphModule) -> dict[str, str]:
+def rewrite_tensor_attrs(gm: fx.GraphModule) -> dict[str, str]:
     """Replace each ``get_attr`` of a tensor by a call to a holder module.
 
     Returns:
@@ -294,7 +294,7 @@ class ModelGraph:
                 f"cannot trace {type(module).__name__} with torch.fx ({type(exc).__name__}: {exc}); "
                 "remove data-dependent Python control flow from forward()"
             ) from exc
-        renames = _rewrite_tensor_attrs(gm)
+        renames = rewrite_tensor_attrs(gm)
         try:
             if fake:
                 from torch._subclasses.fake_tensor import FakeTensorMode

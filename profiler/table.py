@@ -138,7 +138,8 @@ class Profile:
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the profile as CSV with a metadata header, atomically (write, then rename)."""
-        meta = {k: v for k, v in self.meta.__dict__.items()}
+        meta = dict(self.meta.__dict__)
+        meta["extra"] = {**self.meta.extra, "rows": len(self.table)}  # detects a file cut at a row boundary
         body = self.table[list(COLUMNS)].to_csv(
             index=False, float_format="%.17g", lineterminator="\n"
         )
@@ -202,6 +203,11 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
         raise ProfileError(f"{p}: column {col!r} holds a non-numeric value ({exc})") from exc
     if table.empty:
         raise ProfileError(f"{p}: profile has no layers")
+    extra = dict(meta.extra)
+    rows = extra.pop("rows", None)
+    if rows is not None and rows != len(table):
+        raise ProfileError(f"{p}: profile is truncated ({len(table)} of {rows} layer rows); re-create it")
+    meta = replace(meta, extra=extra)
     return Profile(table, meta)
 
 

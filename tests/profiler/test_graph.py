@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -186,3 +187,17 @@ class Untraceable(nn.Module):
 def test_untraceable_model_is_a_clear_error() -> None:
     with pytest.raises(ModelError, match="cannot trace"):
         ModelGraph.from_module(Untraceable(), (torch.randn(2),))
+
+
+def test_profile_cut_at_a_row_boundary_is_detected(tmp_path: Path) -> None:
+    from profiler.errors import ProfileError
+    from profiler.pipedream import import_pipedream
+    from profiler.table import load_profile
+    from tests.conftest import PIPEDREAM
+
+    path = import_pipedream(PIPEDREAM / "vgg16" / "graph.txt").save(tmp_path / "p.csv")
+    assert len(load_profile(path).table) > 3
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:-3]))  # drop whole rows: still valid CSV
+    with pytest.raises(ProfileError, match="truncated"):
+        load_profile(path)
