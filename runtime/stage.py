@@ -130,6 +130,8 @@ class StageWorker:
         self.held: dict[int, _Held] = {}
         self.result = StageResult(ctx.rank, ctx.vw, ctx.stage, ctx.device)
         self.fault: Callable[[int], None] | None = None  # fault injection (tests)
+        # called after each update with the minibatch number (WSP push/pull, runtime.wave_sync)
+        self.after_update: Callable[[int], None] | None = None
 
     @property
     def last(self) -> bool:
@@ -288,6 +290,8 @@ class StageWorker:
         if to_prev is not None:
             to_prev.send_grads(grads_x)
         self.weights.update(mb, grads_w)
+        if self.after_update is not None:
+            self.after_update(mb)
 
     def _forward(self, mb: int) -> Any:
         if self.ctx.stage == 0:

@@ -1,0 +1,103 @@
+"""One stage's side of Wave Synchronous Parallel (paper Sec. 5): push each wave, pull when needed.
+
+A stage trains its partition locally with exact local staleness
+(:class:`runtime.weights.VersionedWeights`). :class:`WaveSync` hooks in after each update:
+
+- at the end of wave ``c`` (update of minibatch ``(c+1)*Nm``) it pushes the wave's aggregated
+  update, the change of its master weights since the wave started (with plain SGD, ``-lr`` times
+  the sum of the wave's gradients), as one flat message per shard (:class:`PSClient`);
+- the next minibatch that uses the weights after this update is ``(c+2)*Nm``
+  (:func:`planner.wsp.local_version`), which needs the global clock
+  ``required_global_clock((c+2)*Nm, Nm, D) = max(0, c + 1 - D)``. When the last pulled clock is
+  below that, it pulls (blocking until every VW pushed enough waves) and sets its master
+  weights to the *local copy*: the global weights plus its own pushed updates they do not hold
+  yet (:meth:`PSClient.pull`'s default).
+
+Earlier minibatches of the next wave use earlier versions, which already satisfy their (lower)
+requirement, so no minibatch ever runs on weights missing a global update older than the WSP
+bound. Pulls happen at the same point of every run, so with ``D = 0`` the result is
+deterministic (the global clock cannot run ahead of a VW that has not pushed).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from planner.wsp import required_global_clock
+from runtime.metrics import StageResult
+from runtime.ps_client import PSClient
+
+__all__ = ["WaveSync"]
+
+log = logging.getLogger(__name__)
+
+
+class WaveSync:
+    """Pushes a stage's wave updates and pulls global weights as WSP requires.
+
+    Args:
+        client: the stage's parameter-server client (its parameter order = ``params``).
+        params: the stage's master parameters, in the client's order.
+        nm: minibatches per wave.
+        D: clock-distance threshold.
+        result: the stage's result accumulator (waiting time and clock trace go there).
+        first_mb: minibatch numbers of this run start after this one (a resumed run starts at
+            wave ``first_mb // nm``).
+    """
+
+    def __init__(
+        self,
+        client: PSClient,
+        params: Sequence[nn.Parameter],
+        nm: int,
+        D: int,
+        result: StageResult,
+        first_mb: int = 0,
+    ) -> None:
+        self.client, self.params, self.nm, self.D = client, list(params), nm, D
+        self.result = result
+        self.first_mb = first_mb
+        self.pulled_clock = -1
+        self._snapshot: list[Tensor] = []
+
+    def start(self, clock: int = 0) -> None:
+        """Load the global weights at ``clock`` (the run's first wave) into the stage."""
+        self._pull(clock)
+
+    def _pull(self, min_clock: int) -> None:
+        t0 = time.perf_counter()
+        res = self.client.pull(min_clock, out=self.params)
+        waited = time.perf_counter() - t0
+        self.result.wait_s += waited
+        self.result.busy_s -= waited  # the hook runs inside a timed task: waiting is not work
+        self.result.clocks.append((time.time(), res.clock))
+        self.pulled_clock = res.clock
+        self._snapshot = [p.detach().clone() for p in self.params]
+        log.debug("pulled clock %d (needed %d) in %.3f s", res.clock, min_clock, waited)
+
+    def after_update(self, mb: int) -> None:
+        """Call after the update of minibatch ``mb`` (this run's numbering, 1-based)."""
+        if mb % self.nm:
+            return
+        total_mb = self.first_mb + mb
+        wave = total_mb // self.nm - 1
+        with torch.no_grad():
+            delta = [p.detach() - s for p, s in zip(self.params, self._snapshot, strict=True)]
+        self.client.push(wave, delta)
+        need = required_global_clock(total_mb + self.nm, self.nm, self.D)
+        if need > self.pulled_clock:
+            self._pull(need)
+        else:  # the local copy moves on by this wave's update: the next delta starts here
+            self._snapshot = [p.detach().clone() for p in self.params]
+        log.debug("pushed wave %d", wave)
+
+    def close(self) -> None:
+        """Flush the pushes and say goodbye to the shards."""
+        t0 = time.perf_counter()
+        self.client.close()
+        self.result.wait_s += time.perf_counter() - t0

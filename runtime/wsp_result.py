@@ -1,0 +1,210 @@
+"""The result of a multi-VW (WSP) run: per-VW figures, the shards' final state, the summary.
+
+Per VW: throughput (the simulator's definition, stage-0 completions after the warm-up wave),
+**waiting** (seconds its stages spent blocked on the parameter servers: WSP pulls and the
+final flush), **idle** (seconds its stages had no task to run and were not waiting: pipeline
+bubbles), both summed over the VW's stages, as in the paper's Fig. 9 breakdown.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.table import Table
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from planner.plan import Plan
+from runtime.checkpoint import ShardState, atomic_torch_save
+from runtime.config import ModelSource
+from runtime.metrics import RunResult, StageResult, write_metrics
+from runtime.model import reference_module
+from runtime.ps_core import ClockEvent
+from runtime.ps_layout import ShardSpec, export_state_dict
+
+__all__ = ["WSPResult", "evaluate"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WSPResult:
+    """A finished multi-VW run.
+
+    Attributes:
+        vws: one :class:`RunResult` per VW (its stages, its predicted throughput).
+        nm, D: minibatches per wave and the clock-distance threshold.
+        states: every shard's final state, in shard order.
+        traces: every shard's clock trace (one event per accepted push).
+        specs: every shard's spec (for :meth:`state_dict`).
+        wall_s: launcher wall time including start-up, seconds.
+        predicted_throughput: the plan's prediction for all VWs together (samples/s).
+        test_accuracy, test_loss: the exported model on the held-out split (NaN if not a classifier).
+    """
+
+    vws: tuple[RunResult, ...]
+    nm: int
+    D: int
+    states: tuple[ShardState, ...]
+    traces: tuple[tuple[ClockEvent, ...], ...]
+    specs: tuple[ShardSpec, ...]
+    wall_s: float
+    predicted_throughput: float = 0.0
+    test_accuracy: float = float("nan")
+    test_loss: float = float("nan")
+
+    @staticmethod
+    def build(
+        plan: Plan,
+        nm: int,
+        D: int,
+        stages: Sequence[StageResult],
+        states: Sequence[tuple[ShardState, Sequence[ClockEvent]]],
+        specs: Sequence[ShardSpec],
+        wall_s: float,
+    ) -> WSPResult:
+        """Group stage results by VW and shard results by shard id."""
+        vws = []
+        for k, vw in enumerate(plan.virtual_workers):
+            mine = tuple(sorted((s for s in stages if s.vw == k), key=lambda s: s.stage))
+            vws.append(RunResult(mine, plan.batch_size, nm, vw.throughput, wall_s))
+        ordered = sorted(states, key=lambda st: st[0].shard_id)
+        return WSPResult(
+            tuple(vws),
+            nm,
+            D,
+            tuple(s for s, _ in ordered),
+            tuple(tuple(t) for _, t in ordered),
+            tuple(specs),
+            wall_s,
+            plan.predicted.throughput,
+        )
+
+    @property
+    def throughput(self) -> float:
+        """Samples/s of all VWs together."""
+        return sum(v.throughput for v in self.vws)
+
+    @property
+    def max_clock_distance(self) -> int:
+        """Largest clock distance (fastest VW clock - global clock) any shard recorded."""
+        return max((e.distance for t in self.traces for e in t), default=0)
+
+    def waiting_s(self, vw: int) -> float:
+        """Seconds VW ``vw``'s stages spent blocked on the parameter servers (summed)."""
+        return sum(s.wait_s for s in self.vws[vw].stages)
+
+    def idle_s(self, vw: int) -> float:
+        """Seconds VW ``vw``'s stages had no task and were not waiting (summed)."""
+        return sum(max(0.0, s.wall_s - s.busy_s - s.wait_s) for s in self.vws[vw].stages)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The trained model's parameters by original name (the shards' global weights)."""
+        return export_state_dict(self.specs, [s.weights for s in self.states])
+
+    def save(self, out_dir: Path) -> None:
+        """``vw<k>/metrics.csv``, ``summary.json`` and ``weights.pt`` (one ordinary state_dict)."""
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for k, vw in enumerate(self.vws):
+            write_metrics(vw, out_dir / f"vw{k}")
+        atomic_torch_save(self.state_dict(), out_dir / "weights.pt")
+        summary = {
+            "throughput": self.throughput,
+            "predicted_throughput": self.predicted_throughput,
+            "nm": self.nm,
+            "D": self.D,
+            "max_clock_distance": self.max_clock_distance,
+            "test_accuracy": self.test_accuracy,
+            "test_loss": self.test_loss,
+            "wall_s": self.wall_s,
+            "vws": [
+                {
+                    "throughput": v.throughput,
+                    "predicted": v.predicted_throughput,
+                    "steps": v.steps,
+                    "waiting_s": self.waiting_s(k),
+                    "idle_s": self.idle_s(k),
+                }
+                for k, v in enumerate(self.vws)
+            ],
+        }
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+
+    def table(self) -> Table:
+        """The summary as a rich table: one row per VW, totals in the title and caption."""
+        title = f"{len(self.vws)} VWs, Nm={self.nm}, D={self.D}: {self.throughput:.1f} samples/s"
+        if self.predicted_throughput > 0:
+            title += f" (predicted {self.predicted_throughput:.1f}, ratio {self.throughput / self.predicted_throughput:.2f})"
+        table = Table(title=title)
+        for col in (
+            "VW",
+            "devices",
+            "minibatches",
+            "samples/s",
+            "predicted",
+            "waiting s",
+            "idle s",
+            "last loss",
+        ):
+            table.add_column(col, justify="right")
+        for k, v in enumerate(self.vws):
+            losses = v.losses
+            table.add_row(
+                str(k),
+                " ".join(s.device for s in v.stages),
+                str(v.steps),
+                f"{v.throughput:.1f}",
+                f"{v.predicted_throughput:.1f}",
+                f"{self.waiting_s(k):.2f}",
+                f"{self.idle_s(k):.2f}",
+                f"{losses[-1]:.4f}" if losses else "-",
+            )
+        applied = sum(len(s.ledger) for s in self.states)
+        table.caption = (
+            f"test accuracy {self.test_accuracy:.2%} (loss {self.test_loss:.4f}); global clock "
+            f"{min((s.clock for s in self.states), default=0)}, {applied} updates applied once, "
+            f"max clock distance {self.max_clock_distance} (bound D+1 = {self.D + 1}); "
+            f"wall {self.wall_s:.1f} s"
+        )
+        return table
+
+
+def evaluate(
+    source: ModelSource,
+    batch_size: int,
+    seed: int,
+    state: dict[str, Tensor],
+    test: Dataset[Any],
+) -> tuple[float, float]:
+    """Test accuracy and mean loss of ``state`` loaded into the model (NaN accuracy if not a classifier)."""
+    if len(test) == 0:  # type: ignore[arg-type]
+        return float("nan"), float("nan")
+    module, names, loss_fn = reference_module(source, batch_size, seed)
+    by_orig = {orig: n for n, orig in names.items()}
+    module.load_state_dict({by_orig[k]: v for k, v in state.items() if k in by_orig}, strict=False)
+    module.eval()
+    correct = total = 0
+    loss_sum, batches = 0.0, 0
+    classifier = True
+    with torch.no_grad():
+        for xs, y in DataLoader(test, batch_size=batch_size, drop_last=True):
+            inputs = tuple(xs) if isinstance(xs, (tuple, list)) else (xs,)
+            out = module(*inputs)
+            try:
+                loss_sum += float(loss_fn(out, y.reshape(-1) if out.dim() == 2 else y))
+                batches += 1
+            except RuntimeError as exc:
+                log.info("test loss not computed: %s", exc)
+            if isinstance(out, Tensor) and out.dim() == 2 and out.shape[0] == y.numel():
+                correct += int((out.argmax(dim=1) == y.reshape(-1)).sum())
+                total += y.numel()
+            else:
+                classifier = False
+    accuracy = correct / total if classifier and total else float("nan")
+    return accuracy, loss_sum / batches if batches else float("nan")
