@@ -47,6 +47,7 @@ from planner.predict import allreduce_throughput, cluster_throughput, vw_through
 from planner.profiles import resolve_profiles
 from profiler.errors import PlanError
 from profiler.table import Profile
+from profiler.units import format_bytes
 
 __all__ = ["PlanOptions", "make_plan", "plan"]
 
@@ -295,7 +296,7 @@ def _plan_allocation(
         if best == 0:
             raise PlanError(
                 f"VW {v} ({_letters(gpus)}) cannot hold {model} even with Nm=1: smallest shortfall "
-                f"{short / 2**30:.2f} GiB on one stage; give it more or larger GPUs (another policy or --vws)"
+                f"{format_bytes(short)} on one stage; give it more or larger GPUs (another policy or --vws)"
             )
         nm_max.append(best)
     plan_nm = min(nm_max)

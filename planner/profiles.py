@@ -93,15 +93,15 @@ def _emulated(
 ) -> tuple[dict[str, Profile], dict[str, str]]:
     """Profiles of an emulated cluster: a layer takes its CPU time divided by the node's speed.
 
-    The CPU profile is a given ``cpu`` profile, else the analytic CPU estimate.
+    The CPU profile is a given ``cpu`` profile, else one measured here on one thread (emulated
+    clusters run small models, so this takes about a second), else the analytic CPU estimate
+    for models too large to measure quickly.
     """
-    from profiler.analytic import analytic_profile
-
     if "cpu" in given:
         base, src = given["cpu"], f"cpu {given['cpu'].meta.source}"
     else:
         try:
-            base, src = analytic_profile(model, batch, "cpu"), "cpu analytic"
+            base, src = _cpu_profile(model, batch)
         except (ModelError, ConfigError) as exc:
             raise ProfileError(
                 f"emulated cluster needs a cpu profile of {model!r} ({exc}); run 'hetpipe profile'"
@@ -120,6 +120,28 @@ def _emulated(
         )
         provenance[node.gpu_type] = f"emulated: {src} / speed {speed:g}"
     return by_type, provenance
+
+
+_MEASURE_LIMIT_BYTES = 64 * 2**20  # measure CPU profiles of models up to this many parameter bytes
+
+
+def _cpu_profile(model: str, batch: int) -> tuple[Profile, str]:
+    """A single-threaded measured CPU profile of a small model, else the analytic estimate."""
+    import torch
+
+    from profiler.analytic import analytic_profile
+    from profiler.measure import measure_profile
+    from profiler.models import resolve_model
+
+    spec = resolve_model(model, batch)
+    if sum(p.numel() * p.element_size() for p in spec.module.parameters()) > _MEASURE_LIMIT_BYTES:
+        return analytic_profile(model, batch, "cpu"), "cpu analytic"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # emulated devices are single-threaded processes
+    try:
+        return measure_profile(spec, "cpu", repeats=5, warmup=2, clock="cpu"), "cpu measured"
+    finally:
+        torch.set_num_threads(threads)
 
 
 def resolve_profiles(

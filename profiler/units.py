@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["parse_bandwidth", "parse_bytes", "parse_seconds"]
+__all__ = ["format_bytes", "parse_bandwidth", "parse_bytes", "parse_seconds"]
 
 _NUM = r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*"
 
@@ -78,3 +78,11 @@ def parse_bandwidth(value: object) -> float:
 def parse_seconds(value: object) -> float:
     """Parse a duration such as ``2us``, ``0.5ms`` or ``1s`` into seconds."""
     return _parse(value, _TIME_UNITS, "duration (e.g. 5us or 0.2ms)")
+
+
+def format_bytes(n: float) -> str:
+    """Format a byte count with a binary unit that keeps 3 significant digits: ``1.50 MiB``."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"

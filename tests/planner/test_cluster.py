@@ -177,3 +177,12 @@ def test_unknown_type_with_explicit_memory_is_accepted() -> None:
     )
     assert c.nodes[0].memory_bytes == 3 * 2**30
     assert c.devices[1].label == "x:1"
+
+
+def test_emulated_whimpy_devices_cannot_hold_the_default_model_alone() -> None:
+    from planner.planner import make_plan
+    from profiler.errors import PlanError
+
+    c = load_cluster(EXAMPLES / "emulated_cluster.yaml")
+    with pytest.raises(PlanError, match=r"VW \d \((G|Q)\) cannot hold mlp even with Nm=1"):
+        make_plan(c, None, model="mlp", batch_size=32, policy="np")
