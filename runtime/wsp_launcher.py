@@ -145,7 +145,7 @@ class _ShiftedSource(MinibatchSource):
 def _setup_child(where: str, parent: int) -> None:
     torch.set_num_threads(1)
     logging.basicConfig(
-        level=logging.DEBUG if os.environ.get("HETPIPE_DEBUG") else logging.INFO,
+        level=logging.DEBUG if os.environ.get("HETPIPE_DEBUG") else logging.WARNING,
         format=f"%(asctime)s [{where}] %(levelname)s %(message)s",
         force=True,
     )

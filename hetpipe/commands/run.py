@@ -1,43 +1,71 @@
-"""`hetpipe run`: train one virtual worker of a plan with one process per GPU on this host."""
+"""`hetpipe run`: train a plan on this host: every VW through the WSP parameter servers, one VW
+alone, or the DDP AllReduce baseline (``--sync allreduce``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 import yaml
 
 from hetpipe._common import console, handle_errors
-from planner.cluster import load_cluster
+from planner.cluster import Cluster, load_cluster
 from planner.plan import Plan, load_plan
 from profiler.errors import ConfigError
 
+if TYPE_CHECKING:
+    from runtime.config import OptimizerConfig, RunConfig
+
 HELP = (
-    "Train with a plan: PLAN.yaml (from 'hetpipe plan'), or CLUSTER.yaml with --model (a one-VW "
-    "plan is made on the fly). Starts one process per GPU of the virtual worker (CPU processes "
-    "for emulated devices, paced to their speed), runs the pipeline with Nm minibatches in flight "
-    "and exact local staleness, shows progress and a summary, and writes metrics to --out. "
+    "Train with a plan: PLAN.yaml (from 'hetpipe plan'), or CLUSTER.yaml (planned on the fly; "
+    "--model, default mlp; an emulated cluster of 4+ devices gets 2 VWs by policy hd). Several "
+    "VWs train through WSP parameter-server shards (one process each, placed per the plan) with "
+    "one process per GPU (CPU processes for emulated devices, paced to their speed), each "
+    "pipeline with Nm minibatches in flight and exact local staleness; --vw K runs one VW alone; "
+    "--sync allreduce runs the DDP baseline. Shows progress and a summary (throughput, waiting "
+    "and idle time per VW, test accuracy), writes metrics, checkpoints and weights to --out; "
+    "--resume DIR continues from checkpoints. "
     "Several hosts: run 'torchrun --nnodes N --node-rank I --master-addr HOST "
     "--nproc-per-node K -m runtime PLAN.yaml' on each host (see docs/runtime.md)."
 )
 
 
-def _load(path: Path, model: str | None, batch_size: int, nm: int, stages: int) -> Plan:
+def _default_vws(cluster: Cluster) -> int:
+    """2 VWs on an emulated cluster of at least 4 devices (the main job), else 1."""
+    devices = cluster.devices
+    return 2 if len(devices) >= 4 and all(d.emulation is not None for d in devices) else 1
+
+
+def _load(
+    path: Path, model: str | None, batch_size: int, nm: int, stages: int, vws: int, D: int
+) -> Plan:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"{path}: cannot read ({exc})") from None
     if isinstance(data, dict) and "virtual_workers" in data:
         return load_plan(path)
-    if model is None:
-        raise ConfigError(
-            f"{path} is a cluster file: give --model (e.g. --model mlp) to plan on the fly"
+    cluster = load_cluster(path)
+    n_vws = vws or _default_vws(cluster)
+    if n_vws > 1:
+        if stages:
+            raise ConfigError("--stages applies to one VW; drop it or use --vws 1")
+        from planner.planner import make_plan
+
+        return make_plan(
+            cluster,
+            model=model or "mlp",
+            batch_size=batch_size,
+            nm=nm or None,
+            num_vws=n_vws,
+            policy="hd",
+            D=D,
         )
     from runtime.api import make_single_vw_plan
     from runtime.config import ModelSource
 
-    return make_single_vw_plan(ModelSource(ref=model), batch_size, nm, load_cluster(path), stages)
+    return make_single_vw_plan(ModelSource(ref=model or "mlp"), batch_size, nm, cluster, stages)
 
 
 @handle_errors
@@ -61,7 +89,29 @@ def run(
     ] = 0.0,
     seed: Annotated[int, typer.Option(help="seed of the initial weights and the data order")] = 0,
     nm: Annotated[int, typer.Option(help="minibatches in flight (0 = the plan's Nm)")] = 0,
-    vw: Annotated[int, typer.Option(help="which virtual worker of the plan to run")] = 0,
+    vw: Annotated[
+        int, typer.Option(help="run only this virtual worker of the plan (-1 = all, through WSP)")
+    ] = -1,
+    vws: Annotated[
+        int,
+        typer.Option(help="VWs when planning on the fly (0 = 2 on an emulated 4+ device cluster)"),
+    ] = 0,
+    staleness: Annotated[
+        int | None, typer.Option("--D", help="WSP clock-distance threshold D (default: the plan's)")
+    ] = None,
+    sync: Annotated[
+        str, typer.Option(help="wsp (parameter servers) or allreduce (DDP baseline)")
+    ] = "wsp",
+    checkpoint_every: Annotated[
+        int,
+        typer.Option(
+            "--checkpoint-every",
+            help="checkpoint every K global clocks into --out/checkpoints (0 = never)",
+        ),
+    ] = 5,
+    resume: Annotated[
+        Path | None, typer.Option("--resume", help="continue from the checkpoints in DIR")
+    ] = None,
     optimizer: Annotated[str, typer.Option(help="sgd or adam")] = "sgd",
     lr: Annotated[float, typer.Option(help="learning rate")] = 0.05,
     momentum: Annotated[float, typer.Option(help="SGD momentum")] = 0.0,
@@ -81,12 +131,25 @@ def run(
     ] = True,
     progress: Annotated[bool, typer.Option(help="show a progress bar")] = True,
 ) -> None:
-    """Train one virtual worker and print the summary."""
+    """Train a plan (all its VWs through WSP, one VW, or the AllReduce baseline); print the summary."""
     from runtime.config import ModelSource, OptimizerConfig, RunConfig
     from runtime.launcher import launch
     from runtime.metrics import summary_table
 
-    plan = _load(path, model, batch_size, nm, stages)
+    if sync not in ("wsp", "allreduce"):
+        raise ConfigError(f"--sync {sync!r}: use wsp or allreduce")
+    if sync == "allreduce" and resume is None:
+        _allreduce(
+            path, model, batch_size, steps, epochs, seed, lr, momentum, out, timeout, emulate
+        )
+        return
+    if resume is not None and out is None:
+        out = resume.parent if resume.name == "checkpoints" else resume
+    saved = out / "plan.json" if out is not None else None
+    if resume is not None and saved is not None and saved.exists():
+        plan = load_plan(saved)  # the plan the interrupted run used
+    else:
+        plan = _load(path, model, batch_size, nm, stages, vws, staleness or 0)
     if model is not None and model != plan.model:
         raise ConfigError(
             f"--model {model} does not match the plan's model {plan.model!r}; drop --model"
@@ -94,6 +157,9 @@ def run(
     cfg = OptimizerConfig(
         name=optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay, schedule=schedule
     )
+    n_vws = len(plan.virtual_workers)
+    if n_vws > 1 and vw < 0 and steps == 0 and epochs == 0:
+        epochs = 40.0  # the main job: a few minutes on a 2-core machine
     run_cfg = RunConfig(
         steps=steps,
         epochs=epochs,
@@ -105,6 +171,10 @@ def run(
         emulate=emulate,
         progress=progress,
     )
+    if n_vws > 1 and vw < 0:
+        _wsp(path, plan, cfg, run_cfg, staleness, checkpoint_every, resume, out)
+        return
+    vw = max(vw, 0)
     worker = plan.virtual_workers[vw] if 0 <= vw < len(plan.virtual_workers) else None
     if worker is not None:
         console.print(
@@ -117,3 +187,87 @@ def run(
         console.print(
             f"metrics: {out / 'metrics.csv'}, {out / 'stages.csv'}; weights: {out / 'weights.pt'}"
         )
+
+
+def _wsp(
+    path: Path,
+    plan: Plan,
+    cfg: OptimizerConfig,
+    run_cfg: RunConfig,
+    staleness: int | None,
+    checkpoint_every: int,
+    resume: Path | None,
+    out: Path | None,
+) -> None:
+    from runtime.config import ModelSource
+    from runtime.wsp_launcher import WSPConfig, launch_wsp
+
+    sigs = ", ".join(
+        f"VW {k} {w.signature} ({len(w.stages)} stages)" for k, w in enumerate(plan.virtual_workers)
+    )
+    D = plan.D if staleness is None else staleness
+    console.print(
+        f"training {plan.model} on {len(plan.virtual_workers)} VWs through {len(plan.shards)} "
+        f"parameter-server shards (WSP, D={D}): {sigs}; batch {plan.batch_size}, "
+        f"Nm {run_cfg.nm or plan.nm}"
+    )
+    wsp = WSPConfig(
+        D=staleness,
+        checkpoint_dir=resume,
+        checkpoint_every=checkpoint_every,
+        resume=resume is not None,
+        resume_hint=f"hetpipe run {path}",
+    )
+    if out is not None and resume is None:
+        out.mkdir(parents=True, exist_ok=True)
+        plan.save(out / "plan.json")  # --resume reuses it
+    result = launch_wsp(plan, ModelSource(ref=plan.model), cfg, run_cfg, wsp)
+    console.print(result.table())
+    if out is not None:
+        console.print(
+            f"metrics: {out}/vw*/metrics.csv, {out}/summary.json; weights: {out / 'weights.pt'}"
+        )
+
+
+def _allreduce(
+    path: Path,
+    model: str | None,
+    batch_size: int,
+    steps: int,
+    epochs: float,
+    seed: int,
+    lr: float,
+    momentum: float,
+    out: Path | None,
+    timeout: float,
+    emulate: bool,
+) -> None:
+    from runtime.config import OptimizerConfig
+    from runtime.ddp import run_allreduce
+
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    if isinstance(data, dict) and "virtual_workers" in data:
+        plan = load_plan(path)
+        cluster, model, batch_size = plan.cluster, plan.model, plan.batch_size
+    else:
+        cluster = load_cluster(path)
+    if steps == 0:
+        steps = 50 * max(1, round(epochs or 1))
+    ref = model or "mlp"
+    console.print(f"training {ref} with DDP AllReduce (BSP) on {cluster.name}, {steps} steps")
+    result = run_allreduce(
+        cluster,
+        ref,
+        batch_size,
+        steps,
+        optimizer=OptimizerConfig(lr=lr, momentum=momentum),
+        seed=seed,
+        emulate=emulate,
+        timeout_s=timeout,
+        out_dir=out,
+    )
+    console.print(
+        f"AllReduce on {' '.join(result.devices)}: {result.steps} steps, "
+        f"{result.throughput:.1f} samples/s, test accuracy {result.test_accuracy:.2%}, "
+        f"last loss {result.losses[-1]:.4f}, wall {result.wall_s:.1f} s"
+    )
