@@ -8,13 +8,14 @@ without a profile. Stage times are left at 0 (no prediction) unless given.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from planner.cluster import Cluster, Device, Emulation, Link, Node
-from planner.plan import GpuSlot, Plan, Prediction, StagePlan, VirtualWorker
+from planner.plan import GpuSlot, Plan, Prediction, ShardPlan, StagePlan, VirtualWorker
 from profiler.errors import PlanError
 from profiler.graph import ModelGraph
 
-__all__ = ["balanced_cuts", "cpu_cluster", "manual_plan"]
+__all__ = ["balanced_cuts", "cpu_cluster", "manual_plan", "multi_vw_plan"]
 
 
 def balanced_cuts(graph: ModelGraph, n_stages: int) -> tuple[int, ...]:
@@ -126,5 +127,59 @@ def manual_plan(
         virtual_workers=(vw,),
         shards=(),
         predicted=Prediction(throughput, (throughput,)),
+        num_layers=len(graph.layers),
+    )
+
+
+def multi_vw_plan(
+    graph: ModelGraph,
+    vw_cuts: Sequence[Sequence[int]],
+    model: str,
+    batch_size: int,
+    nm: int,
+    D: int = 0,
+    n_shards: int = 1,
+    cluster: Cluster | None = None,
+) -> Plan:
+    """Several VWs (one per entry of ``vw_cuts``) on consecutive devices, with ``n_shards``
+    parameter-server shards holding the layers with parameters round-robin (``default``).
+
+    Raises:
+        PlanError: more stages than devices, or no shard.
+    """
+    n_dev = sum(len(c) + 1 for c in vw_cuts)
+    cluster = cluster or cpu_cluster(n_dev)
+    devs = list(cluster.devices)
+    if len(devs) < n_dev or n_shards < 1:
+        raise PlanError(f"{n_dev} stages and {n_shards} shards do not fit {len(devs)} devices")
+    vws, first = [], 0
+    for k, cuts in enumerate(vw_cuts):
+        one = manual_plan(
+            graph, cuts, model, batch_size, nm, cluster, devs[first : first + len(cuts) + 1]
+        )
+        vws.append(replace(one.virtual_workers[0], id=k))
+        first += len(cuts) + 1
+    with_params = [lay for lay in graph.layers if lay.params]
+    shards = tuple(
+        ShardPlan(
+            s,
+            devs[s % len(devs)].node,
+            tuple(lay.name for lay in with_params[s::n_shards]),
+            sum(lay.param_bytes for lay in with_params[s::n_shards]),
+        )
+        for s in range(n_shards)
+    )
+    total = sum(v.throughput for v in vws)
+    return Plan(
+        model=model,
+        batch_size=batch_size,
+        policy="manual",
+        nm=nm,
+        D=D,
+        placement="default",
+        cluster=cluster,
+        virtual_workers=tuple(vws),
+        shards=shards,
+        predicted=Prediction(total, tuple(v.throughput for v in vws)),
         num_layers=len(graph.layers),
     )

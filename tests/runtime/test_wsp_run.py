@@ -1,0 +1,169 @@
+"""Many VWs through the WSP parameter servers, end to end (gloo, CPU, real processes).
+
+Every run checks the ledger (each (vw, stage, wave) applied exactly once) and the recorded
+clock trace (distance <= D + 1); results are compared with single-process references of the
+same algorithm.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from profiler.errors import HetPipeRuntimeError
+from profiler.graph import ModelGraph
+from runtime.config import ModelSource, OptimizerConfig, RunConfig
+from runtime.data import MinibatchSource, default_dataset
+from runtime.model import reference_module, resolve_source
+from runtime.plans import multi_vw_plan
+from runtime.wsp_launcher import WSPConfig, launch_wsp, split_data
+from runtime.wsp_result import WSPResult
+
+pytestmark = pytest.mark.timeout(120)
+
+SOURCE = ModelSource(ref="mlp")
+BATCH = 16
+LR = 0.05
+
+
+def _graph() -> ModelGraph:
+    return ModelGraph.from_spec(resolve_source(SOURCE, BATCH, meta=True))
+
+
+def _sources(n_vws: int, seed: int = 0) -> list[MinibatchSource]:
+    spec = resolve_source(SOURCE, BATCH, meta=True)
+    ds = default_dataset("mlp", spec.inputs, spec.targets, BATCH)
+    shards, _ = split_data(ds, n_vws, WSPConfig().test_fraction, seed)
+    return [MinibatchSource(s, BATCH, seed, tuple(spec.targets.shape)) for s in shards]
+
+
+def wsp_reference(
+    n_vws: int, nm: int, waves: int, seed: int = 0
+) -> tuple[dict[str, Tensor], list[list[float]]]:
+    """Single-process WSP with D = 0, plain SGD: each VW's minibatch p runs on its version
+    p - Nm; at each wave end every VW pushes its wave delta, the global weights add them in VW
+    order, and every VW continues from the global weights (its local copy)."""
+    module, names, loss_fn = reference_module(SOURCE, BATCH, seed)
+    w0 = {n: p.detach().clone() for n, p in module.named_parameters()}
+    data = _sources(n_vws, seed)
+    glob = {n: t.clone() for n, t in w0.items()}
+    history: list[list[dict[str, Tensor]]] = [[w0] for _ in range(n_vws)]
+    losses: list[list[float]] = [[] for _ in range(n_vws)]
+    for c in range(waves):
+        deltas = []
+        for k in range(n_vws):
+            start = history[k][-1]
+            for p in range(c * nm + 1, (c + 1) * nm + 1):
+                version = history[k][max(0, p - nm)]
+                w = {n: t.clone().requires_grad_() for n, t in version.items()}
+                x, y = data[k].batch(p)
+                loss = loss_fn(functional_call(module, w, tuple(x)), y)
+                grads = torch.autograd.grad(loss, list(w.values()))
+                master = history[k][-1]
+                history[k].append(
+                    {n: master[n].add(g, alpha=-LR) for n, g in zip(w, grads, strict=True)}
+                )
+                losses[k].append(float(loss.detach()))
+            deltas.append({n: history[k][-1][n] - start[n] for n in w0})
+        for d in deltas:
+            glob = {n: glob[n] + d[n] for n in glob}
+        for k in range(n_vws):
+            history[k][-1] = {n: t.clone() for n, t in glob.items()}
+    return {names[n]: t for n, t in glob.items()}, losses
+
+
+def _check_invariants(result: WSPResult, n_stages: list[int], waves: int, first: int = 0) -> None:
+    """Ledger: every client's every wave applied exactly once; clock distance <= D + 1."""
+    for state, spec in zip(result.states, result.specs, strict=True):
+        tags = Counter((e.vw, e.stage, e.wave) for e in state.ledger)
+        assert all(n == 1 for n in tags.values()), f"shard {spec.id}: a tag applied twice"
+        expected = {(c.vw, c.stage, w) for c in spec.clients for w in range(first, waves)}
+        assert set(tags) >= expected, f"shard {spec.id}: updates missing"
+        assert state.clock == waves
+    assert result.traces and all(result.traces)
+    assert result.max_clock_distance <= result.D + 1
+
+
+def _run(plan: Any, tmp_path: Path, steps: int, **kw: Any) -> WSPResult:
+    run = RunConfig(steps=steps, timeout_s=15.0, emulate=False, out_dir=kw.pop("out", None))
+    cfg = WSPConfig(**kw)
+    return launch_wsp(plan, SOURCE, OptimizerConfig(lr=LR), run, cfg)
+
+
+def test_one_vw_nm1_d0_equals_single_process_sgd(tmp_path: Path) -> None:
+    plan = multi_vw_plan(_graph(), [(4,)], "mlp", BATCH, nm=1, D=0, n_shards=2)
+    result = _run(plan, tmp_path, steps=6)
+    ref, losses = wsp_reference(1, 1, 6)
+    state = result.state_dict()
+    for n, t in ref.items():
+        torch.testing.assert_close(state[n], t, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(result.vws[0].losses, losses[0], rtol=1e-5, atol=1e-6)
+    _check_invariants(result, [2], 6)
+
+
+def test_two_vws_d0_equal_the_reference_and_prove_exactly_once(tmp_path: Path) -> None:
+    # different partitions per VW, 2 shards: every update crosses shard and stage boundaries
+    plan = multi_vw_plan(_graph(), [(4,), (6,)], "mlp", BATCH, nm=2, D=0, n_shards=2)
+    result = _run(plan, tmp_path, steps=8)
+    ref, losses = wsp_reference(2, 2, 4)
+    state = result.state_dict()
+    assert set(state) == set(ref)
+    for n, t in ref.items():
+        torch.testing.assert_close(state[n], t, rtol=1e-5, atol=1e-6)
+    for k in range(2):
+        torch.testing.assert_close(result.vws[k].losses, losses[k], rtol=1e-5, atol=1e-6)
+    _check_invariants(result, [2, 2], 4)
+    assert result.max_clock_distance == 1  # BSP with pipelining: the bound D + 1 is reached
+
+
+def test_staleness_bound_holds_with_d2_and_unequal_vws(tmp_path: Path) -> None:
+    # VW 1 has three stages (slower round trips): VW 0 runs ahead as far as D allows
+    plan = multi_vw_plan(_graph(), [(6,), (2, 4)], "mlp", BATCH, nm=1, D=2, n_shards=1)
+    result = _run(plan, tmp_path, steps=12)
+    _check_invariants(result, [2, 3], 12)
+    for events in result.traces:
+        for e in events:
+            assert e.distance <= 3
+    for vw in result.vws:  # every pull delivered at least the clock WSP requires
+        for st in vw.stages:
+            clocks = [c for _, c in st.clocks]
+            assert clocks == sorted(clocks)
+
+
+def _kill_then_resume(plan: Any, out: Path, steps: int) -> tuple[str, WSPResult]:
+    run = RunConfig(steps=steps, timeout_s=15.0, emulate=False, out_dir=out)
+    cfg = WSPConfig(checkpoint_every=2, resume_hint="hetpipe run X")
+    with pytest.raises(HetPipeRuntimeError) as err:
+        launch_wsp(plan, SOURCE, OptimizerConfig(lr=LR), run, cfg, fault="kill:1:7")
+    resumed = launch_wsp(
+        plan,
+        SOURCE,
+        OptimizerConfig(lr=LR),
+        run,
+        WSPConfig(checkpoint_every=2, resume=True, checkpoint_dir=out / "checkpoints"),
+    )
+    return str(err.value), resumed
+
+
+def test_kill_mid_run_then_resume(tmp_path: Path) -> None:
+    plan = multi_vw_plan(_graph(), [(4,), (6,)], "mlp", BATCH, nm=1, D=0, n_shards=2)
+    out = tmp_path / "run"
+    message, resumed = _kill_then_resume(plan, out, steps=10)
+    assert "killed by signal SIGKILL" in message and "stage 1" in message
+    assert f"hetpipe run X --resume {out / 'checkpoints'}" in message
+    ref, _ = wsp_reference(2, 1, 10)
+    state = resumed.state_dict()
+    for n, t in ref.items():  # D = 0, plain SGD: the resumed run equals an uninterrupted one
+        torch.testing.assert_close(state[n], t, rtol=1e-5, atol=1e-6)
+    assert min(s.clock for s in resumed.states) == 10
+    assert (out / "weights.pt").exists()
+    exported = torch.load(out / "weights.pt", weights_only=True)
+    model = resolve_source(SOURCE, BATCH, meta=False).module
+    model.load_state_dict(exported)  # one ordinary state_dict of the original module
+    assert isinstance(model, nn.Module)
