@@ -152,6 +152,17 @@ def _setup_child(where: str, parent: int) -> None:
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
 
 
+def _shard_fault(fault: str, shard_id: int) -> None:
+    """``killshard:ID:SECONDS``: shard ID SIGKILLs itself that long after it starts (tests)."""
+    if not fault.startswith("killshard:"):
+        return
+    _, sid, delay = fault.split(":")
+    if int(sid) == shard_id:
+        timer = threading.Timer(float(delay), os.kill, (os.getpid(), signal.SIGKILL))
+        timer.daemon = True
+        timer.start()
+
+
 def _report(events: Any, rank: int, exc: BaseException) -> None:
     where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
     loc = f" ({Path(where.filename).name}:{where.lineno})" if where else ""
@@ -170,9 +181,11 @@ def _shard_main(
     world_size: int,
     events: Any,
     parent: int,
+    fault: str = "",
 ) -> None:
     """Entry point of one parameter-server shard process."""
     _setup_child(shard.where, parent)
+    _shard_fault(fault, shard.spec.id)
     code = 0
     try:
         dist.init_process_group(
@@ -299,7 +312,8 @@ def launch_wsp(
             waves; ``time_limit_s`` is not supported with parameter servers).
         cfg: WSP settings.
         dataset: the user's data set (``None`` = the model's built-in one).
-        fault: fault injection for tests (``raise:S:P``/``kill:S:P`` on every VW's stage S).
+        fault: fault injection for tests (``raise:S:P``/``kill:S:P`` on every VW's stage S,
+            ``killshard:ID:SECONDS`` on a shard).
 
     Raises:
         ConfigError: bad settings.
@@ -398,14 +412,15 @@ def _spawn_and_watch(
     try:
         for sh in shards:
             args = (sh, source, batch_size, run.seed, cfg, resume_clock, run.timeout_s,
-                    init_method, world, events, os.getpid())  # fmt: skip
+                    init_method, world, events, os.getpid(), fault)  # fmt: skip
             procs[sh.rank] = mpc.Process(
                 target=_shard_main, args=args, name=f"hetpipe-shard{sh.spec.id}"
             )
             procs[sh.rank].start()
         for ctx, cal in zip(contexts, calibrations, strict=True):
+            stage_fault = "" if fault.startswith("killshard:") else fault
             args2 = (ctx, source, optimizer, run, data[ctx.vw], cal, specs, D, first_wave,
-                     init_method, world, events, os.getpid(), fault)  # fmt: skip
+                     init_method, world, events, os.getpid(), stage_fault)  # fmt: skip
             procs[ctx.rank] = mpc.Process(
                 target=_stage_main, args=args2, name=f"hetpipe-vw{ctx.vw}-stage{ctx.stage}"
             )

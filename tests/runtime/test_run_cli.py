@@ -33,9 +33,10 @@ def test_run_plan_file_prints_summary_and_writes_metrics(tmp_path: Path) -> None
     assert (out / "calibration.json").exists() and (out / "weights.pt").exists()
 
 
-def test_run_cluster_without_model_is_one_red_line(tmp_path: Path) -> None:
+def test_run_cluster_with_a_bad_sync_is_one_red_line(tmp_path: Path) -> None:
+    # a cluster without --model plans the built-in default (mlp): the README's first command
     cluster = tmp_path / "c.yaml"
     cluster.write_text("nodes:\n  - {name: A, gpu: TITAN V, count: 1}\n")
-    res = CliRunner().invoke(app, ["run", str(cluster)])
+    res = CliRunner().invoke(app, ["run", str(cluster), "--sync", "bogus"])
     assert res.exit_code == 2
-    assert "give --model" in res.output
+    assert "--sync 'bogus'" in res.output

@@ -167,3 +167,34 @@ def test_kill_mid_run_then_resume(tmp_path: Path) -> None:
     model = resolve_source(SOURCE, BATCH, meta=False).module
     model.load_state_dict(exported)  # one ordinary state_dict of the original module
     assert isinstance(model, nn.Module)
+
+
+def test_killed_shard_stops_the_run_naming_it(tmp_path: Path) -> None:
+    plan = multi_vw_plan(_graph(), [(4,), (6,)], "mlp", BATCH, nm=1, D=0, n_shards=2)
+    run = RunConfig(steps=100_000, timeout_s=15.0, emulate=False)
+    with pytest.raises(HetPipeRuntimeError) as err:
+        launch_wsp(plan, SOURCE, OptimizerConfig(lr=LR), run, WSPConfig(), fault="killshard:1:3")
+    message = str(err.value)
+    assert message.startswith("rank 1 (shard 1 |"), message
+    assert "killed by signal SIGKILL" in message
+
+
+def test_cli_runs_a_multi_vw_plan_file(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from hetpipe.cli import app
+
+    plan = multi_vw_plan(_graph(), [(4,), (6,)], "mlp", BATCH, nm=2, D=1, n_shards=2)
+    path = plan.save(tmp_path / "plan.yaml")
+    out = tmp_path / "run"
+    args = ["run", str(path), "--steps", "6", "--out", str(out), "--no-progress", "--no-emulate"]
+    args += ["--checkpoint-every", "1"]
+    res = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert "2 VWs through 2 parameter-server shards (WSP, D=1)" in res.output
+    assert "test accuracy" in res.output and "waiting s" in res.output
+    assert (out / "weights.pt").exists() and (out / "vw1" / "metrics.csv").exists()
+    assert {p.name for p in (out / "checkpoints").iterdir()} >= {
+        "shard-0-clock-3.pt",
+        "shard-1-clock-3.pt",
+    }
