@@ -150,6 +150,14 @@ def _setup_child(where: str, parent: int) -> None:
         force=True,
     )
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    # helper threads (gloo receivers) fail noisily once the process group is torn down after
+    # the real error was reported: keep their tracebacks out of the user's terminal
+    threading.excepthook = _quiet_thread_error
+
+
+def _quiet_thread_error(args: threading.ExceptHookArgs) -> None:
+    name = args.thread.name if args.thread is not None else "?"
+    log.debug("thread %s ended with %s: %s", name, args.exc_type.__name__, args.exc_value)
 
 
 def _shard_fault(fault: str, shard_id: int) -> None:
