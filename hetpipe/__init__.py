@@ -25,6 +25,9 @@ from profiler.errors import (
 from profiler.graph import ModelGraph, StageModule
 from profiler.models import ModelSpec, resolve_model
 from profiler.table import Profile, load_profile
+from runtime.api import train
+from runtime.config import ModelSource, OptimizerConfig, RunConfig
+from runtime.metrics import RunResult
 
 try:
     __version__ = version("hetpipe")
@@ -38,11 +41,15 @@ __all__ = [
     "HetPipeRuntimeError",
     "ModelError",
     "ModelGraph",
+    "ModelSource",
     "ModelSpec",
+    "OptimizerConfig",
     "Plan",
     "PlanError",
     "Profile",
     "ProfileError",
+    "RunConfig",
+    "RunResult",
     "StageModule",
     "__version__",
     "load_cluster",
@@ -51,4 +58,5 @@ __all__ = [
     "parse_cluster",
     "plan",
     "resolve_model",
+    "train",
 ]
