@@ -3,6 +3,8 @@ alone, or the DDP AllReduce baseline (``--sync allreduce``)."""
 
 from __future__ import annotations
 
+import shlex
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -216,7 +218,7 @@ def _wsp(
         checkpoint_dir=resume,
         checkpoint_every=checkpoint_every,
         resume=resume is not None,
-        resume_hint=f"hetpipe run {path}",
+        resume_hint=_resume_hint(path),
     )
     if out is not None and resume is None:
         out.mkdir(parents=True, exist_ok=True)
@@ -227,6 +229,22 @@ def _wsp(
         console.print(
             f"metrics: {out}/vw*/metrics.csv, {out}/summary.json; weights: {out / 'weights.pt'}"
         )
+
+
+def _resume_hint(path: Path) -> str:
+    """This command line (without ``--resume``), for the message of a failed run."""
+    argv = sys.argv[1:]
+    if not sys.argv or not Path(sys.argv[0]).name.startswith("hetpipe") or "run" not in argv:
+        return f"hetpipe run {path}"
+    kept: list[str] = []
+    skip = False
+    for a in argv:
+        if skip or a == "--resume":
+            skip = not skip
+            continue
+        if not a.startswith("--resume="):
+            kept.append(a)
+    return "hetpipe " + " ".join(shlex.quote(a) for a in kept)
 
 
 def _allreduce(
