@@ -24,11 +24,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from planner.wsp import required_global_clock
+from runtime.checkpoint import atomic_torch_save, load_checkpoint
 from runtime.metrics import StageResult
 from runtime.ps_client import PSClient
 
@@ -48,6 +50,11 @@ class WaveSync:
         result: the stage's result accumulator (waiting time and clock trace go there).
         first_mb: minibatch numbers of this run start after this one (a resumed run starts at
             wave ``first_mb // nm``).
+        optimizer: the stage's local optimizer (its state is checkpointed).
+        checkpoint_dir: where to write the stage's optimizer state (``None``: never).
+        checkpoint_every: write it after pushing wave ``c`` when ``c + 1`` is a multiple of this,
+            the same clocks the shards checkpoint at.
+        where: ``vw<k>-stage<s>``, the stage's file-name prefix.
     """
 
     def __init__(
@@ -58,16 +65,48 @@ class WaveSync:
         D: int,
         result: StageResult,
         first_mb: int = 0,
+        optimizer: torch.optim.Optimizer | None = None,
+        checkpoint_dir: Path | None = None,
+        checkpoint_every: int = 0,
+        where: str = "stage",
     ) -> None:
         self.client, self.params, self.nm, self.D = client, list(params), nm, D
         self.result = result
         self.first_mb = first_mb
+        self.optimizer = optimizer
+        self.checkpoint_dir, self.checkpoint_every, self.where = (
+            checkpoint_dir,
+            checkpoint_every,
+            where,
+        )
         self.pulled_clock = -1
         self._snapshot: list[Tensor] = []
 
+    def _path(self, clock: int) -> Path:
+        if self.checkpoint_dir is None:
+            raise ValueError("no checkpoint directory")
+        return self.checkpoint_dir / f"{self.where}-clock-{clock}.pt"
+
     def start(self, clock: int = 0) -> None:
-        """Load the global weights at ``clock`` (the run's first wave) into the stage."""
+        """Load the global weights at ``clock`` (the run's first wave) into the stage, and its
+        optimizer state of that clock when resuming and a checkpoint has it."""
         self._pull(clock)
+        if clock > 0 and self.optimizer is not None and self.checkpoint_dir is not None:
+            path = self._path(clock)
+            if path.exists():
+                self.optimizer.load_state_dict(load_checkpoint(path))
+            else:
+                log.warning("%s: no optimizer state at clock %d; it restarts", self.where, clock)
+
+    def _checkpoint(self, clock: int) -> None:
+        if self.optimizer is None or self.checkpoint_dir is None or self.checkpoint_every <= 0:
+            return
+        if clock % self.checkpoint_every:
+            return
+        atomic_torch_save(self.optimizer.state_dict(), self._path(clock))
+        old = clock - 2 * self.checkpoint_every  # keep two, like the shards
+        if old > 0:
+            self._path(old).unlink(missing_ok=True)
 
     def _pull(self, min_clock: int) -> None:
         t0 = time.perf_counter()
@@ -88,6 +127,7 @@ class WaveSync:
         wave = total_mb // self.nm - 1
         with torch.no_grad():
             delta = [p.detach() - s for p, s in zip(self.params, self._snapshot, strict=True)]
+        self._checkpoint(wave + 1)  # before the push: a wave the shards hold has its file
         self.client.push(wave, delta)
         need = required_global_clock(total_mb + self.nm, self.nm, self.D)
         if need > self.pulled_clock:

@@ -238,6 +238,7 @@ def _stage_main(
     specs: tuple[ShardSpec, ...],
     D: int,
     first_wave: int,
+    cfg: WSPConfig,
     init_method: str,
     world_size: int,
     events: Any,
@@ -270,7 +271,18 @@ def _stage_main(
                 timeout_s=run.timeout_s,
                 pull_timeout_s=2 * run.timeout_s,
             )
-            sync = WaveSync(client, [p for _, p in named], ctx.nm, D, worker.result, first_mb)
+            sync = WaveSync(
+                client,
+                [p for _, p in named],
+                ctx.nm,
+                D,
+                worker.result,
+                first_mb,
+                worker.weights.optimizer,
+                cfg.checkpoint_dir,
+                cfg.checkpoint_every,
+                f"vw{ctx.vw}-stage{ctx.stage}",
+            )
             worker.after_update = sync.after_update
             dist.barrier()
             sync.start(first_wave)
@@ -427,7 +439,7 @@ def _spawn_and_watch(
             procs[sh.rank].start()
         for ctx, cal in zip(contexts, calibrations, strict=True):
             stage_fault = "" if fault.startswith("killshard:") else fault
-            args2 = (ctx, source, optimizer, run, data[ctx.vw], cal, specs, D, first_wave,
+            args2 = (ctx, source, optimizer, run, data[ctx.vw], cal, specs, D, first_wave, cfg,
                      init_method, world, events, os.getpid(), stage_fault)  # fmt: skip
             procs[ctx.rank] = mpc.Process(
                 target=_stage_main, args=args2, name=f"hetpipe-vw{ctx.vw}-stage{ctx.stage}"

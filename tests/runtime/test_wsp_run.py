@@ -44,17 +44,18 @@ def _sources(n_vws: int, seed: int = 0) -> list[MinibatchSource]:
 
 
 def wsp_reference(
-    n_vws: int, nm: int, waves: int, seed: int = 0
+    n_vws: int, nm: int, waves: int, seed: int = 0, momentum: float = 0.0
 ) -> tuple[dict[str, Tensor], list[list[float]]]:
-    """Single-process WSP with D = 0, plain SGD: each VW's minibatch p runs on its version
-    p - Nm; at each wave end every VW pushes its wave delta, the global weights add them in VW
-    order, and every VW continues from the global weights (its local copy)."""
+    """Single-process WSP with D = 0 and each VW's own SGD (with momentum): each VW's minibatch
+    p runs on its version p - Nm; at each wave end every VW pushes its wave delta, the global
+    weights add them in VW order, and every VW continues from the global weights."""
     module, names, loss_fn = reference_module(SOURCE, BATCH, seed)
     w0 = {n: p.detach().clone() for n, p in module.named_parameters()}
     data = _sources(n_vws, seed)
     glob = {n: t.clone() for n, t in w0.items()}
     history: list[list[dict[str, Tensor]]] = [[w0] for _ in range(n_vws)]
     losses: list[list[float]] = [[] for _ in range(n_vws)]
+    bufs: list[dict[str, Tensor]] = [{} for _ in range(n_vws)]
     for c in range(waves):
         deltas = []
         for k in range(n_vws):
@@ -65,10 +66,11 @@ def wsp_reference(
                 x, y = data[k].batch(p)
                 loss = loss_fn(functional_call(module, w, tuple(x)), y)
                 grads = torch.autograd.grad(loss, list(w.values()))
-                master = history[k][-1]
-                history[k].append(
-                    {n: master[n].add(g, alpha=-LR) for n, g in zip(w, grads, strict=True)}
-                )
+                master, buf = history[k][-1], bufs[k]
+                for n, g in zip(w, grads, strict=True):  # torch.optim.SGD's momentum rule
+                    buf[n] = g.clone() if n not in buf else buf[n].mul(momentum).add(g)
+                step = buf if momentum else dict(zip(w, grads, strict=True))
+                history[k].append({n: master[n].add(step[n], alpha=-LR) for n in w})
                 losses[k].append(float(loss.detach()))
             deltas.append({n: history[k][-1][n] - start[n] for n in w0})
         for d in deltas:
@@ -139,12 +141,13 @@ def test_staleness_bound_holds_with_d2_and_unequal_vws(tmp_path: Path) -> None:
 def _kill_then_resume(plan: Any, out: Path, steps: int) -> tuple[str, WSPResult]:
     run = RunConfig(steps=steps, timeout_s=15.0, emulate=False, out_dir=out)
     cfg = WSPConfig(checkpoint_every=2, resume_hint="hetpipe run X")
+    opt = OptimizerConfig(lr=LR, momentum=0.5)  # stage-side optimizer state is checkpointed too
     with pytest.raises(HetPipeRuntimeError) as err:
-        launch_wsp(plan, SOURCE, OptimizerConfig(lr=LR), run, cfg, fault="kill:1:7")
+        launch_wsp(plan, SOURCE, opt, run, cfg, fault="kill:1:7")
     resumed = launch_wsp(
         plan,
         SOURCE,
-        OptimizerConfig(lr=LR),
+        opt,
         run,
         WSPConfig(checkpoint_every=2, resume=True, checkpoint_dir=out / "checkpoints"),
     )
@@ -157,9 +160,9 @@ def test_kill_mid_run_then_resume(tmp_path: Path) -> None:
     message, resumed = _kill_then_resume(plan, out, steps=10)
     assert "killed by signal SIGKILL" in message and "stage 1" in message
     assert f"hetpipe run X --resume {out / 'checkpoints'}" in message
-    ref, _ = wsp_reference(2, 1, 10)
+    ref, _ = wsp_reference(2, 1, 10, momentum=0.5)
     state = resumed.state_dict()
-    for n, t in ref.items():  # D = 0, plain SGD: the resumed run equals an uninterrupted one
+    for n, t in ref.items():  # D = 0: the resumed run equals an uninterrupted one
         torch.testing.assert_close(state[n], t, rtol=1e-5, atol=1e-6)
     assert min(s.clock for s in resumed.states) == 10
     assert (out / "weights.pt").exists()
