@@ -39,7 +39,7 @@ class StageResult:
         done_times: wall-clock time each backward finished.
         state: final parameters by original name (when requested).
         wait_s: time blocked waiting for the parameter servers (WSP pulls and pushes).
-        clocks: ``(wall time, pulled global clock)`` of every WSP pull.
+        clocks: ``(required global clock, pulled global clock)`` of every WSP pull.
     """
 
     rank: int
@@ -57,7 +57,7 @@ class StageResult:
     done_times: list[float] = field(default_factory=list)
     state: dict[str, Tensor] | None = None
     wait_s: float = 0.0
-    clocks: list[tuple[float, int]] = field(default_factory=list)
+    clocks: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def busy_fraction(self) -> float:

@@ -114,7 +114,7 @@ class WaveSync:
         waited = time.perf_counter() - t0
         self.result.wait_s += waited
         self.result.busy_s -= waited  # the hook runs inside a timed task: waiting is not work
-        self.result.clocks.append((time.time(), res.clock))
+        self.result.clocks.append((min_clock, res.clock))
         self.pulled_clock = res.clock
         self._snapshot = [p.detach().clone() for p in self.params]
         log.debug("pulled clock %d (needed %d) in %.3f s", res.clock, min_clock, waited)
