@@ -130,8 +130,10 @@ class StageWorker:
         self.held: dict[int, _Held] = {}
         self.result = StageResult(ctx.rank, ctx.vw, ctx.stage, ctx.device)
         self.fault: Callable[[int], None] | None = None  # fault injection (tests)
-        # called after each update with the minibatch number (WSP push/pull, runtime.wave_sync)
+        # called after each update / before each forward with the minibatch number (WSP
+        # push and pull, runtime.wave_sync)
         self.after_update: Callable[[int], None] | None = None
+        self.before_forward: Callable[[int], None] | None = None
 
     @property
     def last(self) -> bool:
@@ -304,6 +306,8 @@ class StageWorker:
             x.requires_grad_() if x.is_floating_point() and self.ctx.stage > 0 else x
             for x in held.inputs
         )
+        if self.before_forward is not None:
+            self.before_forward(mb)
         leaves = self.weights.acquire(mb)
         if self.ctx.cap_bytes > 0:  # emulated device: account what autograd saves
             with SavedBytes([*leaves.values(), *held.inputs]) as saved:

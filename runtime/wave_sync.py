@@ -29,10 +29,11 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from planner.wsp import required_global_clock
+from planner.wsp import local_version, required_global_clock
 from runtime.checkpoint import atomic_torch_save, load_checkpoint
 from runtime.metrics import StageResult
-from runtime.ps_client import PSClient
+from runtime.ps_client import PSClient, PullHandle
+from runtime.weights import VersionedWeights
 
 __all__ = ["WaveSync"]
 
@@ -69,6 +70,7 @@ class WaveSync:
         checkpoint_dir: Path | None = None,
         checkpoint_every: int = 0,
         where: str = "stage",
+        weights: VersionedWeights | None = None,
     ) -> None:
         self.client, self.params, self.nm, self.D = client, list(params), nm, D
         self.result = result
@@ -81,6 +83,8 @@ class WaveSync:
         )
         self.pulled_clock = -1
         self._snapshot: list[Tensor] = []
+        self.weights = weights  # given: pulls overlap the tasks until a forward needs them
+        self._pending: tuple[PullHandle, int, int] | None = None  # (pull, needed clock, version)
 
     def _path(self, clock: int) -> Path:
         if self.checkpoint_dir is None:
@@ -130,14 +134,61 @@ class WaveSync:
         self._checkpoint(wave + 1)  # before the push: a wave the shards hold has its file
         self.client.push(wave, delta)
         need = required_global_clock(total_mb + self.nm, self.nm, self.D)
-        if need > self.pulled_clock:
+        if need > self.pulled_clock and self.weights is None:
             self._pull(need)
-        else:  # the local copy moves on by this wave's update: the next delta starts here
-            self._snapshot = [p.detach().clone() for p in self.params]
+            return
+        # the local copy moves on by this wave's update: the next delta starts here
+        self._snapshot = [p.detach().clone() for p in self.params]
+        if need > self.pulled_clock:  # ask now, wait only when a forward needs these weights
+            self._pending = (self.client.pull_async(need), need, mb)
         log.debug("pushed wave %d", wave)
+
+    def before_forward(self, mb: int) -> None:
+        """Call before the forward of minibatch ``mb``: it runs on version ``mb - Nm``; if that
+        version needs a pull still in flight, wait for it and fold the pulled local copy into
+        that version and every later one (the master included)."""
+        if self._pending is None or self.weights is None:
+            return
+        handle, need, version = self._pending
+        if local_version(mb, self.nm) < version:
+            return
+        t0 = time.perf_counter()
+        res = handle.wait()
+        waited = time.perf_counter() - t0
+        self.result.wait_s += waited
+        self.result.busy_s -= waited
+        self.result.clocks.append((need, res.clock))
+        self.pulled_clock, self._pending = res.clock, None
+        self._fold(version, list(res.tensors))
+        log.debug("pulled clock %d (needed %d), waited %.3f s", res.clock, need, waited)
+
+    def _fold(self, version: int, pulled: list[Tensor]) -> None:
+        """Replace the wave-end weights by the pulled local copy in ``version`` and later ones:
+        add ``pulled - snapshot`` to each distinct storage (each once)."""
+        if self.weights is None:
+            return
+        with torch.no_grad():
+            correction = [g - s for g, s in zip(pulled, self._snapshot, strict=True)]
+            self._snapshot = [s + c for s, c in zip(self._snapshot, correction, strict=True)]
+            names = list(self.weights.master)
+            groups: list[list[Tensor]] = [list(self.weights.master.values())]
+            groups += [
+                [leaves[n] for n in names]
+                for v, leaves in self.weights._versions.items()
+                if v >= version
+            ]
+            seen: set[int] = set()
+            for group in groups:
+                for t, c in zip(group, correction, strict=True):
+                    if t.data_ptr() not in seen:
+                        seen.add(t.data_ptr())
+                        t.data.add_(c)
 
     def close(self) -> None:
         """Flush the pushes and say goodbye to the shards."""
         t0 = time.perf_counter()
+        if self._pending is not None:  # the last wave's pull: no forward needs it any more
+            self._pending[0].wait()
+            self._pending = None
         self.client.close()
         self.result.wait_s += time.perf_counter() - t0

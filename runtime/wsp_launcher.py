@@ -282,8 +282,10 @@ def _stage_main(
                 cfg.checkpoint_dir,
                 cfg.checkpoint_every,
                 f"vw{ctx.vw}-stage{ctx.stage}",
+                worker.weights,
             )
             worker.after_update = sync.after_update
+            worker.before_forward = sync.before_forward
             dist.barrier()
             sync.start(first_wave)
             result = worker.run(time.time())
