@@ -77,6 +77,8 @@ class WSPConfig:
         checkpoint_every: checkpoint each time the global clock reaches a multiple of this (0 = never).
         resume: continue from the newest complete checkpoint in ``checkpoint_dir``.
         resume_hint: the command line to print when the run fails (``--resume DIR`` is appended).
+        overlap_pulls: stages keep running tasks while a pull is in flight (``False``: the
+            stage blocks in the pull at the wave end; a benchmark baseline).
     """
 
     D: int | None = None
@@ -85,6 +87,7 @@ class WSPConfig:
     checkpoint_every: int = 0
     resume: bool = False
     resume_hint: str = "hetpipe run ..."
+    overlap_pulls: bool = True
 
 
 def split_data(
@@ -282,7 +285,7 @@ def _stage_main(
                 cfg.checkpoint_dir,
                 cfg.checkpoint_every,
                 f"vw{ctx.vw}-stage{ctx.stage}",
-                worker.weights,
+                worker.weights if cfg.overlap_pulls else None,
             )
             worker.after_update = sync.after_update
             worker.before_forward = sync.before_forward
