@@ -55,6 +55,7 @@ from runtime.emulation import (
     load_or_calibrate,
     pace_until,
 )
+from runtime.failures import root_cause_rank
 from runtime.model import reference_module, resolve_source, sample_batch
 from runtime.weights import build_optimizer, lr_at
 
@@ -532,7 +533,6 @@ def _watch(
     return [results[c.rank] for c in ctxs]
 
 
-_SECONDARY = ("Connection closed", "Connection reset", "timed out", "Timed out", "Broken pipe")
 
 
 def _failure(
@@ -543,22 +543,7 @@ def _failure(
     results: dict[int, dict[str, Any]],
 ) -> HetPipeRuntimeError:
     """Collect failures for a moment and blame the first cause, not its peers' broken links."""
-    deadline = time.time() + 1.0
-    while time.time() < deadline:
-        try:
-            msg = events.get(timeout=0.1)
-        except queue.Empty:
-            continue
-        if msg[0] == "error":
-            errors.setdefault(msg[1], str(msg[2]))
-    for r, p in procs.items():
-        code = p.exitcode
-        if r not in results and code is not None and code < 0:
-            errors[r] = f"killed by signal {signal.Signals(-code).name}"
-        elif r not in errors and r not in results and code not in (None, 0):
-            errors[r] = f"exited with code {code}"
-    primary = [r for r, m in errors.items() if not any(s in m for s in _SECONDARY)]
-    rank = min(primary) if primary else min(errors)
+    rank = root_cause_rank(procs, events, errors, results, grace_s=1.0)
     return HetPipeRuntimeError(
         f"AllReduce rank {rank} (device {ctxs[rank].device}) failed: {errors[rank]}; "
         "every other rank was stopped"

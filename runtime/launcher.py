@@ -34,6 +34,7 @@ from profiler.errors import ConfigError, HetPipeRuntimeError
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.data import default_dataset
 from runtime.emulation import Calibration, calibrate, load_or_calibrate
+from runtime.failures import root_cause_rank
 from runtime.metrics import ProgressBar, RunResult, StageResult, write_metrics
 from runtime.model import resolve_source, sample_batch
 from runtime.stage import StageContext, StageWorker
@@ -354,13 +355,6 @@ def _spawn_and_watch(
         _stop_all(procs)
 
 
-_SECONDARY = (
-    "receive failed",
-    "no message from a neighbour",
-    "Connection closed",
-    "Timed out",
-    "timed out",
-)
 
 
 def _watch(
@@ -404,24 +398,7 @@ def _root_cause(
     results: dict[int, StageResult],
 ) -> HetPipeRuntimeError:
     """Collect failures for a moment and blame the first cause, not its neighbours' timeouts."""
-    deadline = time.time() + 1.0
-    while time.time() < deadline:
-        try:
-            msg = events.get(timeout=0.1)
-        except queue.Empty:
-            continue
-        if msg[0] == "error":
-            errors.setdefault(msg[1], str(msg[2]))
-    for rank, p in procs.items():
-        if rank not in errors and rank not in results and p.exitcode not in (None, 0):
-            code = p.exitcode
-            errors[rank] = (
-                f"killed by signal {signal.Signals(-code).name}"
-                if code < 0
-                else f"exited with code {code}"
-            )
-    primary = [r for r, m in errors.items() if not any(s in m for s in _SECONDARY)]
-    rank = min(primary) if primary else min(errors)
+    rank = root_cause_rank(procs, events, errors, results, grace_s=1.0)
     return _failure(by_rank[rank], errors[rank])
 
 

@@ -40,6 +40,7 @@ from runtime.checkpoint import ShardState, load_shard_state, resumable_clock, sh
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.data import MinibatchSource, default_dataset
 from runtime.emulation import Calibration
+from runtime.failures import root_cause_rank
 from runtime.launcher import (
     _PRELOAD,
     _calibration,
@@ -456,16 +457,6 @@ def _spawn_and_watch(
         _stop_all(procs)
 
 
-_SECONDARY = (
-    "receive failed",
-    "no message from a neighbour",
-    "Connection closed",
-    "connection closed",
-    "lost client",
-    "did not answer",
-    "Timed out",
-    "timed out",
-)
 
 
 def _watch(
@@ -512,24 +503,7 @@ def _root_cause(
     cfg: WSPConfig,
 ) -> HetPipeRuntimeError:
     """Collect failures for a moment and blame the first cause, not its peers' consequences."""
-    deadline = time.time() + 1.5
-    while time.time() < deadline:
-        try:
-            msg = events.get(timeout=0.1)
-        except queue.Empty:
-            continue
-        if msg[0] == "error":
-            errors.setdefault(msg[1], str(msg[2]))
-    for rank, p in procs.items():
-        if rank not in errors and rank not in results and p.exitcode not in (None, 0):
-            code = p.exitcode
-            errors[rank] = (
-                f"killed by signal {signal.Signals(-code).name}"
-                if code < 0
-                else f"exited with code {code}"
-            )
-    primary = [r for r, m in errors.items() if not any(s in m for s in _SECONDARY)]
-    rank = min(primary) if primary else min(errors)
+    rank = root_cause_rank(procs, events, errors, results, grace_s=1.5)
     hint = ""
     if cfg.checkpoint_dir is not None and cfg.checkpoint_every > 0:
         hint = f"; resume with: {cfg.resume_hint} --resume {cfg.checkpoint_dir}"
