@@ -55,7 +55,7 @@ from runtime.emulation import (
     load_or_calibrate,
     pace_until,
 )
-from runtime.failures import root_cause_rank
+from runtime.failures import root_cause_rank, stop_all
 from runtime.model import reference_module, resolve_source, sample_batch
 from runtime.weights import build_optimizer, lr_at
 
@@ -70,8 +70,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-_GRACE_S = 3.0  # between SIGTERM and SIGKILL when stopping the ranks
 
 
 @dataclass(frozen=True)
@@ -505,7 +503,7 @@ def _spawn_and_watch(
             procs[c.rank] = p
         return _watch(ctxs, procs, events, stall_s)
     finally:
-        _stop_all(procs)
+        stop_all(procs)
 
 
 def _watch(
@@ -533,8 +531,6 @@ def _watch(
     return [results[c.rank] for c in ctxs]
 
 
-
-
 def _failure(
     ctxs: Sequence[_RankContext],
     procs: dict[int, Any],
@@ -548,16 +544,3 @@ def _failure(
         f"AllReduce rank {rank} (device {ctxs[rank].device}) failed: {errors[rank]}; "
         "every other rank was stopped"
     )
-
-
-def _stop_all(procs: dict[int, Any]) -> None:
-    """Terminate every rank still running, kill the ones that ignore it, reap all."""
-    for p in procs.values():
-        if p.is_alive():
-            p.terminate()
-    deadline = time.time() + _GRACE_S
-    for p in procs.values():
-        p.join(max(0.0, deadline - time.time()))
-        if p.is_alive():
-            p.kill()
-            p.join(1.0)

@@ -13,7 +13,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["SECONDARY", "root_cause_rank"]
+__all__ = ["GRACE_S", "SECONDARY", "root_cause_rank", "stop_all"]
+
+GRACE_S = 3.0  # between SIGTERM and SIGKILL when stopping the other ranks
 
 # Error texts that are consequences of another rank's failure, not causes.
 SECONDARY = (
@@ -68,3 +70,16 @@ def root_cause_rank(
             )
     primary = [r for r, m in errors.items() if not any(s in m for s in SECONDARY)]
     return min(primary) if primary else min(errors)
+
+
+def stop_all(procs: Mapping[int, Any], grace_s: float = GRACE_S) -> None:
+    """Terminate every process still running, kill the ones that ignore it, reap all."""
+    for p in procs.values():
+        if p.is_alive():
+            p.terminate()
+    deadline = time.time() + grace_s
+    for p in procs.values():
+        p.join(max(0.0, deadline - time.time()))
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)

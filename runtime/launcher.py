@@ -34,7 +34,7 @@ from profiler.errors import ConfigError, HetPipeRuntimeError
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.data import default_dataset
 from runtime.emulation import Calibration, calibrate, load_or_calibrate
-from runtime.failures import root_cause_rank
+from runtime.failures import root_cause_rank, stop_all
 from runtime.metrics import ProgressBar, RunResult, StageResult, write_metrics
 from runtime.model import resolve_source, sample_batch
 from runtime.stage import StageContext, StageWorker
@@ -58,7 +58,6 @@ _PRELOAD = [  # imported once by the fork server (the slow, lazily imported part
     "runtime.stage",
     "runtime.launcher",
 ]
-_GRACE_S = 3.0  # between SIGTERM and SIGKILL when stopping the other ranks
 
 
 def stage_contexts(
@@ -352,9 +351,7 @@ def _spawn_and_watch(
         return _watch(contexts, procs, events, progress, max(120.0, 4 * run.timeout_s))
     finally:
         progress.stop()
-        _stop_all(procs)
-
-
+        stop_all(procs)
 
 
 def _watch(
@@ -406,16 +403,3 @@ def _failure(ctx: StageContext, message: str) -> HetPipeRuntimeError:
     return HetPipeRuntimeError(
         f"rank {ctx.rank} (vw {ctx.vw}, stage {ctx.stage}, device {ctx.device}) failed: {message}"
     )
-
-
-def _stop_all(procs: dict[int, Any]) -> None:
-    """Terminate every child still running, then kill the ones that ignore it; reap all."""
-    for p in procs.values():
-        if p.is_alive():
-            p.terminate()
-    deadline = time.time() + _GRACE_S
-    for p in procs.values():
-        p.join(max(0.0, deadline - time.time()))
-        if p.is_alive():
-            p.kill()
-            p.join(1.0)

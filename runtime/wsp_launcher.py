@@ -40,14 +40,13 @@ from runtime.checkpoint import ShardState, load_shard_state, resumable_clock, sh
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.data import MinibatchSource, default_dataset
 from runtime.emulation import Calibration
-from runtime.failures import root_cause_rank
+from runtime.failures import root_cause_rank, stop_all
 from runtime.launcher import (
     _PRELOAD,
     _calibration,
     _dumps,
     _inject_fault,
     _loads,
-    _stop_all,
     _watch_parent,
     stage_contexts,
 )
@@ -454,9 +453,7 @@ def _spawn_and_watch(
         return _watch(labels, procs, events, progress, run, cfg)
     finally:
         progress.stop()
-        _stop_all(procs)
-
-
+        stop_all(procs)
 
 
 def _watch(
