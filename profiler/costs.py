@@ -22,8 +22,7 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from profiler.errors import ModelError
-from profiler.graph import ModelGraph, rewrite_tensor_attrs
+from profiler.graph import ModelGraph, trace_module
 from profiler.interpret import LayerCall, backward_call, run_layers, tensors_of
 from profiler.memory import SavedTensorCounter, storage_bytes, tensor_bytes
 from profiler.models import resolve_model
@@ -102,14 +101,7 @@ def _tensor_meta(value: Any) -> Any:
 
 def _trace(module: torch.nn.Module) -> tuple[fx.GraphModule, dict[str, str]]:
     """Trace like :meth:`ModelGraph.from_module`, leaving shapes to the counting pass."""
-    try:
-        gm = fx.symbolic_trace(module)
-    except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
-        raise ModelError(
-            f"cannot trace {type(module).__name__} with torch.fx ({type(exc).__name__}: {exc}); "
-            "remove data-dependent Python control flow from forward()"
-        ) from exc
-    return gm, rewrite_tensor_attrs(gm)
+    return trace_module(module)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,14 @@ from torch.fx.passes.split_module import split_module
 from profiler.errors import ModelError
 from profiler.models import ModelSpec
 
-__all__ = ["Layer", "ModelGraph", "StageModule", "crossing_sets", "rewrite_tensor_attrs"]
+__all__ = [
+    "Layer",
+    "ModelGraph",
+    "StageModule",
+    "crossing_sets",
+    "rewrite_tensor_attrs",
+    "trace_module",
+]
 
 
 @dataclass(frozen=True)
@@ -148,6 +155,22 @@ def rewrite_tensor_attrs(gm: fx.GraphModule) -> dict[str, str]:
     gm.graph.lint()
     gm.recompile()
     return renames
+
+
+def trace_module(module: nn.Module) -> tuple[fx.GraphModule, dict[str, str]]:
+    """``torch.fx.symbolic_trace`` plus :func:`rewrite_tensor_attrs`, without shape propagation.
+
+    Raises:
+        ModelError: the module cannot be traced symbolically.
+    """
+    try:
+        gm = fx.symbolic_trace(module)
+    except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
+        raise ModelError(
+            f"cannot trace {type(module).__name__} with torch.fx ({type(exc).__name__}: {exc}); "
+            "remove data-dependent Python control flow from forward()"
+        ) from exc
+    return gm, rewrite_tensor_attrs(gm)
 
 
 def _get_attr(gm: nn.Module, target: str) -> Any:
@@ -287,14 +310,7 @@ class ModelGraph:
         Raises:
             ModelError: the module cannot be traced symbolically.
         """
-        try:
-            gm = fx.symbolic_trace(module)
-        except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
-            raise ModelError(
-                f"cannot trace {type(module).__name__} with torch.fx ({type(exc).__name__}: {exc}); "
-                "remove data-dependent Python control flow from forward()"
-            ) from exc
-        renames = rewrite_tensor_attrs(gm)
+        gm, renames = trace_module(module)
         try:
             if fake:
                 from torch._subclasses.fake_tensor import FakeTensorMode
