@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from profiler.errors import ConfigError
 
-__all__ = ["LossFn", "ModelSource", "OptimizerConfig", "RunConfig"]
+__all__ = ["LossFn", "ModelSource", "OptimizerConfig", "RunConfig", "WSPConfig"]
 
 LossFn = Callable[[Any, Tensor], Tensor]
 
@@ -145,3 +145,28 @@ class RunConfig:
             raise ConfigError(f"--nm must be >= 1 (or 0 for the plan's), got {self.nm}")
         if self.timeout_s <= 0:
             raise ConfigError(f"timeout must be positive, got {self.timeout_s}")
+
+
+@dataclass(frozen=True)
+class WSPConfig:
+    """Settings of a multi-VW run.
+
+    Attributes:
+        D: clock-distance threshold (``None`` = the plan's).
+        test_fraction: share of the data held out for the final test accuracy.
+        checkpoint_dir: where shards write checkpoints (``None`` = the run's ``out_dir/checkpoints``
+            when ``out_dir`` is set, else none).
+        checkpoint_every: checkpoint each time the global clock reaches a multiple of this (0 = never).
+        resume: continue from the newest complete checkpoint in ``checkpoint_dir``.
+        resume_hint: the command line to print when the run fails (``--resume DIR`` is appended).
+        overlap_pulls: stages keep running tasks while a pull is in flight (``False``: the
+            stage blocks in the pull at the wave end; a benchmark baseline).
+    """
+
+    D: int | None = None
+    test_fraction: float = 0.2
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
+    resume_hint: str = "hetpipe run ..."
+    overlap_pulls: bool = True

@@ -10,10 +10,12 @@ from __future__ import annotations
 import queue
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["GRACE_S", "SECONDARY", "root_cause_rank", "stop_all"]
+from profiler.errors import HetPipeRuntimeError
+
+__all__ = ["GRACE_S", "SECONDARY", "root_cause_rank", "stop_all", "watch"]
 
 GRACE_S = 3.0  # between SIGTERM and SIGKILL when stopping the other ranks
 
@@ -70,6 +72,65 @@ def root_cause_rank(
             )
     primary = [r for r, m in errors.items() if not any(s in m for s in SECONDARY)]
     return min(primary) if primary else min(errors)
+
+
+def watch(
+    procs: Mapping[int, Any],
+    events: Any,
+    n_results: int,
+    on_progress: Callable[[Any], None],
+    fail: Callable[[dict[int, str], dict[int, bytes]], BaseException],
+    stall_s: float = 120.0,
+    tick: Callable[[float], None] | None = None,
+) -> dict[int, bytes]:
+    """Watch a launcher's children until ``n_results`` of them delivered their result.
+
+    Children put ``("result" | "shard", rank, payload)`` when done, ``("error", rank, text)``
+    when they fail, anything else is progress.
+
+    Args:
+        procs: rank -> ``multiprocessing.Process``.
+        events: the children's event queue.
+        n_results: results to collect.
+        on_progress: called with every progress event.
+        fail: builds the exception to raise from the errors seen so far and the results
+            (called on the first error message or the first child that died silently).
+        stall_s: raise when no event arrived for this long (s) after the first one.
+        tick: called about every 0.2 s with the seconds since the first event (training
+            started), once training started (the time limit of a multi-VW run).
+
+    Returns:
+        rank -> result payload (as sent).
+
+    Raises:
+        HetPipeRuntimeError: no progress for ``stall_s``; whatever ``fail`` builds.
+    """
+    results: dict[int, bytes] = {}
+    first_event = last_event = 0.0  # wall times (0 = training not started)
+    while len(results) < n_results:
+        try:
+            msg = events.get(timeout=0.2)
+        except queue.Empty:
+            msg = None
+        if msg is not None:
+            last_event = time.time()
+            first_event = first_event or last_event
+        elif last_event and time.time() - last_event > stall_s:
+            raise HetPipeRuntimeError(
+                f"no progress from any process for {stall_s:.0f} s (one is stuck in a task or "
+                "a wait); stopping every rank"
+            )
+        if tick is not None and first_event:
+            tick(time.time() - first_event)
+        if msg is not None and msg[0] in ("result", "shard"):
+            results[msg[1]] = msg[2]
+        elif msg is not None and msg[0] == "error":
+            raise fail({msg[1]: str(msg[2])}, results)
+        elif msg is not None:
+            on_progress(msg)
+        elif any(p.exitcode not in (None, 0) and r not in results for r, p in procs.items()):
+            raise fail({}, results)
+    return results
 
 
 def stop_all(procs: Mapping[int, Any], grace_s: float = GRACE_S) -> None:

@@ -14,7 +14,6 @@ import logging
 import math
 import multiprocessing as mp
 import os
-import queue
 import signal
 import sys
 import tempfile
@@ -34,7 +33,7 @@ from profiler.errors import ConfigError, HetPipeRuntimeError
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.data import default_dataset
 from runtime.emulation import Calibration, calibrate, load_or_calibrate
-from runtime.failures import root_cause_rank, stop_all
+from runtime.failures import root_cause_rank, stop_all, watch
 from runtime.metrics import ProgressBar, RunResult, StageResult, write_metrics
 from runtime.model import resolve_source, sample_batch
 from runtime.stage import StageContext, StageWorker
@@ -362,29 +361,12 @@ def _watch(
     stall_s: float = 120.0,
 ) -> list[StageResult]:
     by_rank = {c.rank: c for c in contexts}
-    results: dict[int, StageResult] = {}
-    last_event = 0.0  # wall time of the last progress event (0 = training not started)
-    while len(results) < len(contexts):
-        try:
-            msg = events.get(timeout=0.2)
-        except queue.Empty:
-            msg = None
-        if msg is not None:
-            last_event = time.time()
-        elif last_event and time.time() - last_event > stall_s:
-            raise HetPipeRuntimeError(
-                f"no progress from any stage for {stall_s:.0f} s (a stage is stuck in a task); "
-                "stopping every rank"
-            )
-        if msg is not None and msg[0] == "result":
-            results[msg[1]] = _loads(msg[2])
-        elif msg is not None and msg[0] == "error":
-            raise _root_cause(by_rank, procs, events, {msg[1]: str(msg[2])}, results)
-        elif msg is not None:
-            progress.event(msg)
-        elif any(p.exitcode not in (None, 0) and r not in results for r, p in procs.items()):
-            raise _root_cause(by_rank, procs, events, {}, results)
-    return [results[c.rank] for c in contexts]
+
+    def fail(errors: dict[int, str], done: dict[int, bytes]) -> HetPipeRuntimeError:
+        return _root_cause(by_rank, procs, events, errors, done)
+
+    results = watch(procs, events, len(contexts), progress.event, fail, stall_s)
+    return [_loads(results[c.rank]) for c in contexts]
 
 
 def _root_cause(
@@ -392,7 +374,7 @@ def _root_cause(
     procs: dict[int, Any],
     events: Any,
     errors: dict[int, str],
-    results: dict[int, StageResult],
+    results: dict[int, bytes],
 ) -> HetPipeRuntimeError:
     """Collect failures for a moment and blame the first cause, not its neighbours' timeouts."""
     rank = root_cause_rank(procs, events, errors, results, grace_s=1.0)

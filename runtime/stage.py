@@ -133,6 +133,9 @@ class StageWorker:
         # called after each update / before each forward with the minibatch number (WSP
         # push and pull, runtime.wave_sync)
         self.after_update: Callable[[int], None] | None = None
+        # stage 0 asks it before admitting each minibatch; False ends the run there (the
+        # time limit of a multi-VW run stops every VW at the same wave, runtime.wave_sync)
+        self.may_admit: Callable[[int], bool] | None = None
         self.before_forward: Callable[[int], None] | None = None
 
     @property
@@ -157,6 +160,7 @@ class StageWorker:
             start_activation_receiver(ctx.prev_rank, self.in_specs, self.inbox)
         self._received = 0  # forward messages received (stage 0: minibatches admitted)
         self._stop_in = ctx.stage == 0  # whether the number of minibatches is final
+        self._refused = False  # stage 0: may_admit refused a minibatch (the run stops there)
         total = ctx.total_steps
         f_done = b_done = 0
         stop_sent = False
@@ -165,7 +169,9 @@ class StageWorker:
                 self._admit(min(ctx.nm, total))
             while True:
                 self._drain(block=False)
-                if ctx.stage == 0 and (self._received >= total or self._time_up(start_time)):
+                if ctx.stage == 0 and (
+                    self._received >= total or self._refused or self._time_up(start_time)
+                ):
                     self._stop_in, total = True, self._received
                 closed = ctx.stage > 0 or self._received == total
                 if (
@@ -215,8 +221,13 @@ class StageWorker:
         return self.result
 
     def _admit(self, n: int) -> None:
-        """Stage 0: let ``n`` more minibatches into the pipeline."""
+        """Stage 0: let ``n`` more minibatches into the pipeline (unless ``may_admit`` refuses)."""
         for _ in range(n):
+            if self._refused or (
+                self.may_admit is not None and not self.may_admit(self._received + 1)
+            ):
+                self._refused = True
+                return
             self._received += 1
             self.queue.ready(Task(0, self.queue.forward_kind, self._received))
 

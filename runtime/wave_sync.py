@@ -25,6 +25,7 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -35,9 +36,52 @@ from runtime.metrics import StageResult
 from runtime.ps_client import PSClient, PullHandle
 from runtime.weights import VersionedWeights
 
-__all__ = ["WaveSync"]
+__all__ = ["WaveGate", "WaveSync", "stop_at_wave_boundary"]
 
 log = logging.getLogger(__name__)
+
+
+class WaveGate:
+    """Stops every VW of a run at the same wave when the run's time limit is up.
+
+    ``shared`` is a lock-protected integer array (``multiprocessing.Array``) of ``n_vws + 1``
+    entries: entry ``k`` counts the waves VW ``k`` has started, the last is the stop wave
+    (``-1``: none yet). Stage 0 of each VW asks :meth:`may_admit` before each minibatch; the
+    launcher calls :func:`stop_at_wave_boundary` when the time is up. Both hold the lock, so
+    the stop wave is never below a wave some VW already started: every VW trains exactly
+    ``stop`` whole waves, pushes all of them, and the global clock never waits for a VW that
+    stopped early.
+
+    Args:
+        shared: the array described above.
+        vw: this VW.
+        nm: minibatches per wave.
+    """
+
+    def __init__(self, shared: Any, vw: int, nm: int) -> None:
+        self.shared, self.vw, self.nm = shared, vw, nm
+
+    def may_admit(self, mb: int) -> bool:
+        """Whether stage 0 may start minibatch ``mb`` (1-based, this run's numbering)."""
+        if (mb - 1) % self.nm:
+            return True  # inside a wave that already started: finish it
+        wave = (mb - 1) // self.nm
+        with self.shared.get_lock():
+            stop = self.shared[len(self.shared) - 1]
+            if 0 <= stop <= wave:
+                return False
+            self.shared[self.vw] = max(self.shared[self.vw], wave + 1)
+            return True
+
+
+def stop_at_wave_boundary(shared: Any) -> int:
+    """Set the stop wave of a :class:`WaveGate` array (once) to the most waves any VW has
+    started; returns it."""
+    with shared.get_lock():
+        last = len(shared) - 1
+        if shared[last] < 0:
+            shared[last] = max(shared[k] for k in range(last))
+        return int(shared[last])
 
 
 class WaveSync:
@@ -82,6 +126,7 @@ class WaveSync:
             where,
         )
         self.pulled_clock = -1
+        self.last_clock = 0  # waves pushed (global numbering): the final checkpoint's clock
         self._snapshot: list[Tensor] = []
         self.weights = weights  # given: pulls overlap the tasks until a forward needs them
         self._pending: tuple[PullHandle, int, int] | None = None  # (pull, needed clock, version)
@@ -102,14 +147,14 @@ class WaveSync:
             else:
                 log.warning("%s: no optimizer state at clock %d; it restarts", self.where, clock)
 
-    def _checkpoint(self, clock: int) -> None:
+    def _checkpoint(self, clock: int, final: bool = False) -> None:
         if self.optimizer is None or self.checkpoint_dir is None or self.checkpoint_every <= 0:
             return
-        if clock % self.checkpoint_every:
+        if clock % self.checkpoint_every and not final:
             return
         atomic_torch_save(self.optimizer.state_dict(), self._path(clock))
         old = clock - 2 * self.checkpoint_every  # keep two, like the shards
-        if old > 0:
+        if old > 0 and not final:
             self._path(old).unlink(missing_ok=True)
 
     def _pull(self, min_clock: int) -> None:
@@ -132,6 +177,7 @@ class WaveSync:
         with torch.no_grad():
             delta = [p.detach() - s for p, s in zip(self.params, self._snapshot, strict=True)]
         self._checkpoint(wave + 1)  # before the push: a wave the shards hold has its file
+        self.last_clock = wave + 1
         self.client.push(wave, delta)
         need = required_global_clock(total_mb + self.nm, self.nm, self.D)
         if need > self.pulled_clock and self.weights is None:
@@ -185,8 +231,11 @@ class WaveSync:
                         t.data.add_(c)
 
     def close(self) -> None:
-        """Flush the pushes and say goodbye to the shards."""
+        """Flush the pushes, write the final optimizer state (when checkpointing) and say
+        goodbye to the shards."""
         t0 = time.perf_counter()
+        if self.last_clock > 0 and self.checkpoint_every > 0:
+            self._checkpoint(self.last_clock, final=True)
         if self._pending is not None:  # the last wave's pull: no forward needs it any more
             self._pending[0].wait()
             self._pending = None

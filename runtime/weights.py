@@ -78,6 +78,7 @@ class VersionedWeights:
         self.total_updates = total_updates
         self.optimizer = build_optimizer(list(params.values()), cfg) if params else None
         self.version = 0  # updates applied to the master
+        self.first_update = 0  # updates before this run (a resumed run's lr-schedule position)
         self._versions: dict[int, dict[str, Tensor]] = {}
         self._users: dict[int, int] = {}
         self._last_acquired = 0
@@ -150,7 +151,7 @@ class VersionedWeights:
             for p in self.master.values():
                 p.data = p.data.clone()
         if self.optimizer is not None:
-            lr = lr_at(self.cfg, k, self.total_updates)
+            lr = lr_at(self.cfg, self.first_update + k, self.total_updates)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             for name, p in self.master.items():

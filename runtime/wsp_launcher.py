@@ -17,77 +17,36 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import queue
-import signal
-import sys
 import tempfile
-import threading
 import time
-import traceback
-from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import Dataset, Subset
 
 from planner.plan import Plan
 from profiler.errors import ConfigError, HetPipeRuntimeError
 from profiler.graph import ModelGraph
-from runtime.checkpoint import ShardState, load_shard_state, resumable_clock, shard_checkpoint_path
-from runtime.config import ModelSource, OptimizerConfig, RunConfig
-from runtime.data import MinibatchSource, default_dataset
+from runtime.checkpoint import ShardState, resumable_clock, save_shard_state
+from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
+from runtime.data import default_dataset
 from runtime.emulation import Calibration
-from runtime.failures import root_cause_rank, stop_all
-from runtime.launcher import (
-    _PRELOAD,
-    _calibration,
-    _dumps,
-    _inject_fault,
-    _loads,
-    _watch_parent,
-    stage_contexts,
-)
+from runtime.failures import root_cause_rank, stop_all, watch
+from runtime.launcher import _PRELOAD, _calibration, _context, _loads, stage_contexts
 from runtime.metrics import ProgressBar, StageResult
-from runtime.model import reference_module, resolve_source
-from runtime.ps import ShardCore, ShardServer, ShardSpec
-from runtime.ps_client import PSClient
+from runtime.model import resolve_source
+from runtime.ps import ShardSpec
 from runtime.ps_core import ClockEvent
 from runtime.ps_layout import shard_specs_for_layout
-from runtime.stage import StageContext, StageWorker
-from runtime.wave_sync import WaveSync
+from runtime.stage import StageContext
+from runtime.wave_sync import stop_at_wave_boundary
+from runtime.wsp_procs import ShardRole, shard_main, stage_main
 from runtime.wsp_result import WSPResult, evaluate
 
 __all__ = ["WSPConfig", "launch_wsp", "shard_specs", "split_data"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class WSPConfig:
-    """Settings of a multi-VW run.
-
-    Attributes:
-        D: clock-distance threshold (``None`` = the plan's).
-        test_fraction: share of the data held out for the final test accuracy.
-        checkpoint_dir: where shards write checkpoints (``None`` = the run's ``out_dir/checkpoints``
-            when ``out_dir`` is set, else none).
-        checkpoint_every: checkpoint each time the global clock reaches a multiple of this (0 = never).
-        resume: continue from the newest complete checkpoint in ``checkpoint_dir``.
-        resume_hint: the command line to print when the run fails (``--resume DIR`` is appended).
-        overlap_pulls: stages keep running tasks while a pull is in flight (``False``: the
-            stage blocks in the pull at the wave end; a benchmark baseline).
-    """
-
-    D: int | None = None
-    test_fraction: float = 0.2
-    checkpoint_dir: Path | None = None
-    checkpoint_every: int = 0
-    resume: bool = False
-    resume_hint: str = "hetpipe run ..."
-    overlap_pulls: bool = True
 
 
 def split_data(
@@ -124,186 +83,6 @@ def shard_specs(
     return specs, ranks
 
 
-@dataclass(frozen=True)
-class _Shard:
-    rank: int
-    spec: ShardSpec
-    node: str
-
-    @property
-    def where(self) -> str:
-        return f"shard {self.spec.id} | rank {self.rank} | node {self.node}"
-
-
-@dataclass(frozen=True)
-class _ShiftedSource(MinibatchSource):
-    """Minibatch ``p`` of a resumed run is minibatch ``offset + p`` of the VW's data."""
-
-    offset: int = 0
-
-    def indices(self, mb: int) -> list[int]:
-        return super().indices(mb + self.offset)
-
-
-def _setup_child(where: str, parent: int) -> None:
-    torch.set_num_threads(1)
-    logging.basicConfig(
-        level=logging.DEBUG if os.environ.get("HETPIPE_DEBUG") else logging.WARNING,
-        format=f"%(asctime)s [{where}] %(levelname)s %(message)s",
-        force=True,
-    )
-    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
-    # helper threads (gloo receivers) fail noisily once the process group is torn down after
-    # the real error was reported: keep their tracebacks out of the user's terminal
-    threading.excepthook = _quiet_thread_error
-
-
-def _quiet_thread_error(args: threading.ExceptHookArgs) -> None:
-    name = args.thread.name if args.thread is not None else "?"
-    log.debug("thread %s ended with %s: %s", name, args.exc_type.__name__, args.exc_value)
-
-
-def _shard_fault(fault: str, shard_id: int) -> None:
-    """``killshard:ID:SECONDS``: shard ID SIGKILLs itself that long after it starts (tests)."""
-    if not fault.startswith("killshard:"):
-        return
-    _, sid, delay = fault.split(":")
-    if int(sid) == shard_id:
-        timer = threading.Timer(float(delay), os.kill, (os.getpid(), signal.SIGKILL))
-        timer.daemon = True
-        timer.start()
-
-
-def _report(events: Any, rank: int, exc: BaseException) -> None:
-    where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
-    loc = f" ({Path(where.filename).name}:{where.lineno})" if where else ""
-    events.put(("error", rank, f"{type(exc).__name__}: {exc}{loc}"))
-
-
-def _shard_main(
-    shard: _Shard,
-    source: ModelSource,
-    batch_size: int,
-    seed: int,
-    cfg: WSPConfig,
-    resume_clock: int | None,
-    timeout_s: float,
-    init_method: str,
-    world_size: int,
-    events: Any,
-    parent: int,
-    fault: str = "",
-) -> None:
-    """Entry point of one parameter-server shard process."""
-    _setup_child(shard.where, parent)
-    _shard_fault(fault, shard.spec.id)
-    code = 0
-    try:
-        dist.init_process_group(
-            "gloo", init_method=init_method, rank=shard.rank, world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )  # fmt: skip
-        try:
-            if resume_clock is not None and cfg.checkpoint_dir is not None:
-                path = shard_checkpoint_path(cfg.checkpoint_dir, shard.spec.id, resume_clock)
-                core = ShardCore(shard.spec, state=load_shard_state(path))
-            else:
-                module, names, _ = reference_module(source, batch_size, seed)
-                init = {names[n]: p.detach() for n, p in module.named_parameters()}
-                core = ShardCore(shard.spec, shard.spec.flatten(init))
-            server = ShardServer(
-                core,
-                timeout_s=timeout_s,
-                idle_timeout_s=4 * timeout_s,
-                checkpoint_dir=cfg.checkpoint_dir if cfg.checkpoint_every > 0 else None,
-                checkpoint_every=cfg.checkpoint_every,
-            )
-            dist.barrier()
-            state = server.serve()
-            events.put(("shard", shard.rank, _dumps((state, list(core.trace)))))
-        finally:
-            dist.destroy_process_group()
-    except BaseException as exc:  # report anything to the launcher
-        _report(events, shard.rank, exc)
-        code = 1
-    events.close()
-    events.join_thread()
-    sys.exit(code)
-
-
-def _stage_main(
-    ctx: StageContext,
-    source: ModelSource,
-    optimizer: OptimizerConfig,
-    run: RunConfig,
-    dataset: Any,
-    calibration: Calibration | None,
-    specs: tuple[ShardSpec, ...],
-    D: int,
-    first_wave: int,
-    cfg: WSPConfig,
-    init_method: str,
-    world_size: int,
-    events: Any,
-    parent: int,
-    fault: str,
-) -> None:
-    """Entry point of one stage process of a multi-VW run."""
-    _setup_child(ctx.where, parent)
-    code = 0
-    try:
-        dist.init_process_group(
-            "gloo", init_method=init_method, rank=ctx.rank, world_size=world_size,
-            timeout=timedelta(seconds=run.timeout_s),
-        )  # fmt: skip
-        try:
-            worker = StageWorker(ctx, source, optimizer, run, dataset, calibration, events)
-            worker.fault = _inject_fault(fault, ctx)
-            first_mb = first_wave * ctx.nm
-            if worker.data is not None and first_mb:
-                d = worker.data
-                worker.data = _ShiftedSource(
-                    d.dataset, d.batch_size, d.seed, d.target_shape, first_mb
-                )
-            named = list(worker.module.named_parameters())
-            client = PSClient(
-                ctx.vw,
-                ctx.stage,
-                [(worker.names[n], tuple(p.shape)) for n, p in named],
-                specs,
-                timeout_s=run.timeout_s,
-                pull_timeout_s=2 * run.timeout_s,
-            )
-            sync = WaveSync(
-                client,
-                [p for _, p in named],
-                ctx.nm,
-                D,
-                worker.result,
-                first_mb,
-                worker.weights.optimizer,
-                cfg.checkpoint_dir,
-                cfg.checkpoint_every,
-                f"vw{ctx.vw}-stage{ctx.stage}",
-                worker.weights if cfg.overlap_pulls else None,
-            )
-            worker.after_update = sync.after_update
-            worker.before_forward = sync.before_forward
-            dist.barrier()
-            sync.start(first_wave)
-            result = worker.run(time.time())
-            sync.close()
-            events.put(("result", ctx.rank, _dumps(result)))
-        finally:
-            dist.destroy_process_group()
-    except BaseException as exc:  # report anything (also KeyboardInterrupt) to the launcher
-        _report(events, ctx.rank, exc)
-        code = 1
-    events.close()
-    events.join_thread()
-    sys.exit(code)
-
-
 def _resume_clock(cfg: WSPConfig, n_shards: int) -> int | None:
     if not cfg.resume:
         return None
@@ -334,7 +113,8 @@ def launch_wsp(
         source: the model.
         optimizer: each stage's local optimizer (SGD lr 0.05 by default).
         run: run settings (``steps``/``epochs`` count minibatches per VW, rounded up to whole
-            waves; ``time_limit_s`` is not supported with parameter servers).
+            waves; with ``time_limit_s`` every VW stops at the same wave once the time is up,
+            measured from the first training event).
         cfg: WSP settings.
         dataset: the user's data set (``None`` = the model's built-in one).
         fault: fault injection for tests (``raise:S:P``/``kill:S:P`` on every VW's stage S,
@@ -347,10 +127,6 @@ def launch_wsp(
     optimizer = optimizer or OptimizerConfig()
     run = run or RunConfig()
     cfg = cfg or WSPConfig()
-    if run.time_limit_s > 0:
-        raise ConfigError(
-            "--time-limit is not supported with parameter servers: use --steps or --epochs"
-        )
     if cfg.checkpoint_dir is None and run.out_dir is not None:
         cfg = dataclasses.replace(cfg, checkpoint_dir=run.out_dir / "checkpoints")
     t_start = time.time()
@@ -362,23 +138,12 @@ def launch_wsp(
         source.name, spec.inputs, spec.targets, plan.batch_size
     )  # fmt: skip
     shards_data, test = split_data(ds, n_vws, cfg.test_fraction, run.seed)
-    per_epoch = min(len(s) for s in shards_data) // plan.batch_size
-    if per_epoch < 1:
-        raise ConfigError(
-            f"each of {n_vws} VWs gets {min(len(s) for s in shards_data)} samples, fewer than one "
-            f"minibatch of {plan.batch_size}: lower --batch-size or use fewer VWs"
-        )
-    steps = run.steps or (max(1, round(run.epochs * per_epoch)) if run.epochs else per_epoch)
-    steps = -(-steps // nm) * nm  # whole waves: every VW pushes the same waves
     graph = ModelGraph.from_spec(spec)
     shapes = {n: tuple(p.shape) for n, p in spec.module.named_parameters()}
     specs, _ = shard_specs(plan, graph, shapes, D)
-    resume_clock = _resume_clock(cfg, len(specs))
-    first_wave = resume_clock or 0
-    steps = max(0, steps - first_wave * nm)
-    if steps == 0:
-        raise ConfigError(f"the checkpoint is already at wave {first_wave}: nothing left to train")
-    shards = [_Shard(k, s, plan.shards[k].node) for k, s in enumerate(specs)]
+    first_wave = _resume_clock(cfg, len(specs)) or 0
+    steps = _steps(run, nm, first_wave, min(len(s) for s in shards_data), plan.batch_size)
+    shards = [ShardRole(k, s, plan.shards[k].node) for k, s in enumerate(specs)]
     contexts: list[StageContext] = []
     calibrations: list[Calibration | None] = []
     for k in range(n_vws):
@@ -395,11 +160,17 @@ def launch_wsp(
              n_vws, [len(v.stages) for v in plan.virtual_workers], len(shards), nm, D, steps)  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="hetpipe-rdzv-") as tmp:
         init_method = f"file://{Path(tmp) / 'rendezvous'}"
-        stage_results, states = _spawn_and_watch(
+        stage_results, states, stop = _spawn_and_watch(
             shards, contexts, calibrations, shards_data, source, optimizer, run, cfg, D,
-            resume_clock, first_wave, init_method, fault, steps * n_vws, plan.batch_size,
+            first_wave, init_method, fault, plan.batch_size,
         )  # fmt: skip
+    if cfg.checkpoint_dir is not None and cfg.checkpoint_every > 0:
+        for state, _ in states:  # the final clock, whatever the checkpoint period
+            save_shard_state(state, cfg.checkpoint_dir)
     result = WSPResult.build(plan, nm, D, stage_results, states, specs, time.time() - t_start)
+    if stop >= 0:
+        note = f"time limit {run.time_limit_s:g} s: every VW stopped after wave {first_wave + stop}"
+        result = dataclasses.replace(result, stopped_by=note)
     accuracy = evaluate(source, plan.batch_size, run.seed, result.state_dict(), test)
     result = dataclasses.replace(result, test_accuracy=accuracy[0], test_loss=accuracy[1])
     if run.out_dir is not None:
@@ -407,8 +178,31 @@ def launch_wsp(
     return result
 
 
+def _steps(run: RunConfig, nm: int, first_wave: int, vw_samples: int, batch_size: int) -> int:
+    """Minibatches each VW trains in this run: whole waves, after the resumed ones.
+
+    Raises:
+        ConfigError: less than one minibatch per VW, or nothing left to train.
+    """
+    per_epoch = vw_samples // batch_size
+    if per_epoch < 1:
+        raise ConfigError(
+            f"each VW gets {vw_samples} samples, fewer than one minibatch of {batch_size}: "
+            "lower --batch-size or use fewer VWs"
+        )
+    if run.steps or run.epochs:
+        steps = run.steps or max(1, round(run.epochs * per_epoch))
+    else:
+        steps = 2**62 if run.time_limit_s > 0 else per_epoch
+    steps = -(-steps // nm) * nm  # whole waves: every VW pushes the same waves
+    steps = max(0, steps - first_wave * nm)
+    if steps == 0:
+        raise ConfigError(f"the checkpoint is already at wave {first_wave}: nothing left to train")
+    return steps
+
+
 def _spawn_and_watch(
-    shards: list[_Shard],
+    shards: list[ShardRole],
     contexts: list[StageContext],
     calibrations: list[Calibration | None],
     data: list[Subset[Any]],
@@ -417,43 +211,50 @@ def _spawn_and_watch(
     run: RunConfig,
     cfg: WSPConfig,
     D: int,
-    resume_clock: int | None,
     first_wave: int,
     init_method: str,
     fault: str,
-    total: int,
     batch_size: int,
-) -> tuple[list[StageResult], list[tuple[ShardState, list[ClockEvent]]]]:
-    from runtime.launcher import _context
-
+) -> tuple[list[StageResult], list[tuple[ShardState, list[ClockEvent]]], int]:
+    """Start every process, watch them; returns the stage results, the shard states and the
+    wave the time limit stopped the run at (-1: it did not)."""
     mpc = _context()
-    mpc.set_forkserver_preload([*_PRELOAD, "runtime.wsp_launcher"])
+    mpc.set_forkserver_preload([*_PRELOAD, "runtime.wsp_launcher", "runtime.wsp_procs"])
     events = mpc.Queue()
     procs: dict[int, Any] = {}
-    labels = {s.rank: s.where for s in shards} | {c.rank: c.where for c in contexts}
     world = len(shards) + len(contexts)
     specs = tuple(s.spec for s in shards)
+    n_vws = 1 + max(c.vw for c in contexts)
+    total = contexts[0].total_steps * n_vws
     progress = ProgressBar(run.progress, total, batch_size)
+    # with a time limit the launcher, not each stage 0, decides when to stop (WaveGate)
+    gate = mpc.Array("q", [0] * n_vws + [-1]) if run.time_limit_s > 0 else None
+    stage_run = dataclasses.replace(run, time_limit_s=0.0)
+    resume_clock = first_wave if cfg.resume else None
     try:
         for sh in shards:
             args = (sh, source, batch_size, run.seed, cfg, resume_clock, run.timeout_s,
                     init_method, world, events, os.getpid(), fault)  # fmt: skip
             procs[sh.rank] = mpc.Process(
-                target=_shard_main, args=args, name=f"hetpipe-shard{sh.spec.id}"
+                target=shard_main, args=args, name=f"hetpipe-shard{sh.spec.id}"
             )
             procs[sh.rank].start()
         for ctx, cal in zip(contexts, calibrations, strict=True):
             stage_fault = "" if fault.startswith("killshard:") else fault
-            args2 = (ctx, source, optimizer, run, data[ctx.vw], cal, specs, D, first_wave, cfg,
-                     init_method, world, events, os.getpid(), stage_fault)  # fmt: skip
+            args2 = (ctx, source, optimizer, stage_run, data[ctx.vw], cal, specs, D, first_wave,
+                     cfg, init_method, world, events, os.getpid(), stage_fault, gate)  # fmt: skip
             procs[ctx.rank] = mpc.Process(
-                target=_stage_main, args=args2, name=f"hetpipe-vw{ctx.vw}-stage{ctx.stage}"
+                target=stage_main, args=args2, name=f"hetpipe-vw{ctx.vw}-stage{ctx.stage}"
             )
             procs[ctx.rank].start()
-        return _watch(labels, procs, events, progress, run, cfg)
+        labels = {s.rank: s.where for s in shards} | {c.rank: c.where for c in contexts}
+        results = _watch(labels, procs, events, progress, run, cfg, gate)
     finally:
         progress.stop()
         stop_all(procs)
+    stages = [r for r in results if isinstance(r, StageResult)]
+    states = [r for r in results if not isinstance(r, StageResult)]
+    return stages, states, -1 if gate is None else int(gate[n_vws])
 
 
 def _watch(
@@ -463,45 +264,24 @@ def _watch(
     progress: ProgressBar,
     run: RunConfig,
     cfg: WSPConfig,
-) -> tuple[list[StageResult], list[tuple[ShardState, list[ClockEvent]]]]:
-    results: dict[int, Any] = {}
-    stall_s = max(120.0, 4 * run.timeout_s)
-    last_event = 0.0
-    while len(results) < len(labels):
-        try:
-            msg = events.get(timeout=0.2)
-        except queue.Empty:
-            msg = None
-        if msg is not None:
-            last_event = time.time()
-        elif last_event and time.time() - last_event > stall_s:
-            raise HetPipeRuntimeError(
-                f"no progress from any process for {stall_s:.0f} s; stopping every rank"
+    gate: Any,
+) -> list[Any]:
+    """Every process's result, in rank order; the time limit ends the run at a wave boundary."""
+
+    def fail(errors: dict[int, str], done: dict[int, bytes]) -> HetPipeRuntimeError:
+        rank = root_cause_rank(procs, events, errors, done, grace_s=1.5)
+        hint = ""
+        if cfg.checkpoint_dir is not None and cfg.checkpoint_every > 0:
+            hint = f"; resume with: {cfg.resume_hint} --resume {cfg.checkpoint_dir}"
+        return HetPipeRuntimeError(f"rank {rank} ({labels[rank]}) failed: {errors[rank]}{hint}")
+
+    def tick(elapsed_s: float) -> None:
+        if gate is not None and elapsed_s >= run.time_limit_s and gate[len(gate) - 1] < 0:
+            wave = stop_at_wave_boundary(gate)
+            log.info(
+                "time limit %.0f s reached: every VW stops after wave %d", run.time_limit_s, wave
             )
-        if msg is not None and msg[0] in ("result", "shard"):
-            results[msg[1]] = _loads(msg[2])
-        elif msg is not None and msg[0] == "error":
-            raise _root_cause(labels, procs, events, {msg[1]: str(msg[2])}, results, cfg)
-        elif msg is not None:
-            progress.event(msg)
-        elif any(p.exitcode not in (None, 0) and r not in results for r, p in procs.items()):
-            raise _root_cause(labels, procs, events, {}, results, cfg)
-    stages = [results[r] for r in sorted(results) if isinstance(results[r], StageResult)]
-    states = [results[r] for r in sorted(results) if not isinstance(results[r], StageResult)]
-    return stages, states
 
-
-def _root_cause(
-    labels: dict[int, str],
-    procs: dict[int, Any],
-    events: Any,
-    errors: dict[int, str],
-    results: dict[int, Any],
-    cfg: WSPConfig,
-) -> HetPipeRuntimeError:
-    """Collect failures for a moment and blame the first cause, not its peers' consequences."""
-    rank = root_cause_rank(procs, events, errors, results, grace_s=1.5)
-    hint = ""
-    if cfg.checkpoint_dir is not None and cfg.checkpoint_every > 0:
-        hint = f"; resume with: {cfg.resume_hint} --resume {cfg.checkpoint_dir}"
-    return HetPipeRuntimeError(f"rank {rank} ({labels[rank]}) failed: {errors[rank]}{hint}")
+    stall_s = max(120.0, 4 * run.timeout_s)
+    results = watch(procs, events, len(labels), progress.event, fail, stall_s, tick)
+    return [_loads(results[r]) for r in sorted(results)]

@@ -46,6 +46,8 @@ class WSPResult:
         wall_s: launcher wall time including start-up, seconds.
         predicted_throughput: the plan's prediction for all VWs together (samples/s).
         test_accuracy, test_loss: the exported model on the held-out split (NaN if not a classifier).
+        stopped_by: why the run ended early (the time limit and the wave it stopped after;
+            empty: it trained every minibatch asked for).
     """
 
     vws: tuple[RunResult, ...]
@@ -58,6 +60,7 @@ class WSPResult:
     predicted_throughput: float = 0.0
     test_accuracy: float = float("nan")
     test_loss: float = float("nan")
+    stopped_by: str = ""
 
     @staticmethod
     def build(
@@ -123,6 +126,7 @@ class WSPResult:
             "test_accuracy": self.test_accuracy,
             "test_loss": self.test_loss,
             "wall_s": self.wall_s,
+            "stopped_by": self.stopped_by,
             "vws": [
                 {
                     "throughput": v.throughput,
@@ -172,6 +176,8 @@ class WSPResult:
             f"max clock distance {self.max_clock_distance} (bound D+1 = {self.D + 1}); "
             f"wall {self.wall_s:.1f} s"
         )
+        if self.stopped_by:
+            table.caption += f"; {self.stopped_by}"
         return table
 
 

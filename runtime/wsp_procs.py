@@ -1,0 +1,237 @@
+"""The processes of a multi-VW WSP run: parameter-server shards and pipeline stages.
+
+:mod:`runtime.wsp_launcher` starts them on one host; ``python -m runtime`` under torchrun
+runs the same entry points, one per rank. Each one joins the gloo process group, reports
+its result (or its error) on the ``events`` queue, and exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from runtime.checkpoint import load_shard_state, shard_checkpoint_path
+from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
+from runtime.data import MinibatchSource
+from runtime.emulation import Calibration
+from runtime.launcher import _dumps, _inject_fault, _watch_parent
+from runtime.model import reference_module
+from runtime.ps import ShardCore, ShardServer, ShardSpec
+from runtime.ps_client import PSClient
+from runtime.stage import StageContext, StageWorker
+from runtime.wave_sync import WaveGate, WaveSync
+
+__all__ = ["ShardRole", "ShiftedSource", "shard_main", "stage_main"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ShardRole:
+    """One parameter-server shard process: its rank, spec and node."""
+
+    rank: int
+    spec: ShardSpec
+    node: str
+
+    @property
+    def where(self) -> str:
+        return f"shard {self.spec.id} | rank {self.rank} | node {self.node}"
+
+
+@dataclass(frozen=True)
+class ShiftedSource(MinibatchSource):
+    """Minibatch ``p`` of a resumed run is minibatch ``offset + p`` of the VW's data."""
+
+    offset: int = 0
+
+    def indices(self, mb: int) -> list[int]:
+        return super().indices(mb + self.offset)
+
+
+def _setup_child(where: str, parent: int) -> None:
+    torch.set_num_threads(1)
+    logging.basicConfig(
+        level=logging.DEBUG if os.environ.get("HETPIPE_DEBUG") else logging.WARNING,
+        format=f"%(asctime)s [{where}] %(levelname)s %(message)s",
+        force=True,
+    )
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    # helper threads (gloo receivers) fail noisily once the process group is torn down after
+    # the real error was reported: keep their tracebacks out of the user's terminal
+    threading.excepthook = _quiet_thread_error
+
+
+def _quiet_thread_error(args: threading.ExceptHookArgs) -> None:
+    name = args.thread.name if args.thread is not None else "?"
+    log.debug("thread %s ended with %s: %s", name, args.exc_type.__name__, args.exc_value)
+
+
+def _shard_fault(fault: str, shard_id: int) -> None:
+    """``killshard:ID:SECONDS``: shard ID SIGKILLs itself that long after it starts (tests)."""
+    if not fault.startswith("killshard:"):
+        return
+    _, sid, delay = fault.split(":")
+    if int(sid) == shard_id:
+        timer = threading.Timer(float(delay), os.kill, (os.getpid(), signal.SIGKILL))
+        timer.daemon = True
+        timer.start()
+
+
+def _report(events: Any, rank: int, exc: BaseException) -> None:
+    where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+    loc = f" ({Path(where.filename).name}:{where.lineno})" if where else ""
+    events.put(("error", rank, f"{type(exc).__name__}: {exc}{loc}"))
+
+
+def shard_main(
+    shard: ShardRole,
+    source: ModelSource,
+    batch_size: int,
+    seed: int,
+    cfg: WSPConfig,
+    resume_clock: int | None,
+    timeout_s: float,
+    init_method: str,
+    world_size: int,
+    events: Any,
+    parent: int,
+    fault: str = "",
+) -> None:
+    """Entry point of one parameter-server shard process."""
+    _setup_child(shard.where, parent)
+    _shard_fault(fault, shard.spec.id)
+    code = 0
+    try:
+        dist.init_process_group(
+            "gloo", init_method=init_method, rank=shard.rank, world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )  # fmt: skip
+        try:
+            if resume_clock is not None and cfg.checkpoint_dir is not None:
+                path = shard_checkpoint_path(cfg.checkpoint_dir, shard.spec.id, resume_clock)
+                core = ShardCore(shard.spec, state=load_shard_state(path))
+            else:
+                module, names, _ = reference_module(source, batch_size, seed)
+                init = {names[n]: p.detach() for n, p in module.named_parameters()}
+                core = ShardCore(shard.spec, shard.spec.flatten(init))
+            server = ShardServer(
+                core,
+                timeout_s=timeout_s,
+                idle_timeout_s=4 * timeout_s,
+                checkpoint_dir=cfg.checkpoint_dir if cfg.checkpoint_every > 0 else None,
+                checkpoint_every=cfg.checkpoint_every,
+            )
+            dist.barrier()
+            state = server.serve()
+            events.put(("shard", shard.rank, _dumps((state, list(core.trace)))))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as exc:  # report anything to the launcher
+        _report(events, shard.rank, exc)
+        code = 1
+    events.close()
+    events.join_thread()
+    sys.exit(code)
+
+
+def stage_main(
+    ctx: StageContext,
+    source: ModelSource,
+    optimizer: OptimizerConfig,
+    run: RunConfig,
+    dataset: Any,
+    calibration: Calibration | None,
+    specs: tuple[ShardSpec, ...],
+    D: int,
+    first_wave: int,
+    cfg: WSPConfig,
+    init_method: str,
+    world_size: int,
+    events: Any,
+    parent: int,
+    fault: str,
+    gate: Any = None,
+) -> None:
+    """Entry point of one stage process of a multi-VW run (``gate``: the time limit's
+    :class:`WaveGate` array, ``None`` without a time limit)."""
+    _setup_child(ctx.where, parent)
+    code = 0
+    try:
+        dist.init_process_group(
+            "gloo", init_method=init_method, rank=ctx.rank, world_size=world_size,
+            timeout=timedelta(seconds=run.timeout_s),
+        )  # fmt: skip
+        try:
+            worker = StageWorker(ctx, source, optimizer, run, dataset, calibration, events)
+            worker.fault = _inject_fault(fault, ctx)
+            sync = _wave_sync(worker, specs, D, first_wave * ctx.nm, cfg, run.timeout_s)
+            if gate is not None and ctx.stage == 0:
+                worker.may_admit = WaveGate(gate, ctx.vw, ctx.nm).may_admit
+            dist.barrier()
+            sync.start(first_wave)
+            result = worker.run(time.time())
+            sync.close()
+            events.put(("result", ctx.rank, _dumps(result)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as exc:  # report anything (also KeyboardInterrupt) to the launcher
+        _report(events, ctx.rank, exc)
+        code = 1
+    events.close()
+    events.join_thread()
+    sys.exit(code)
+
+
+def _wave_sync(
+    worker: StageWorker,
+    specs: tuple[ShardSpec, ...],
+    D: int,
+    first_mb: int,
+    cfg: WSPConfig,
+    timeout_s: float,
+) -> WaveSync:
+    """Hook a stage into WSP; a resumed run continues the data order and the lr schedule."""
+    ctx = worker.ctx
+    if worker.data is not None and first_mb:
+        d = worker.data
+        worker.data = ShiftedSource(d.dataset, d.batch_size, d.seed, d.target_shape, first_mb)
+    worker.weights.first_update = first_mb  # the lr schedule goes on where it stopped
+    worker.weights.total_updates = first_mb + ctx.total_steps  # the cosine horizon
+    named = list(worker.module.named_parameters())
+    client = PSClient(
+        ctx.vw,
+        ctx.stage,
+        [(worker.names[n], tuple(p.shape)) for n, p in named],
+        specs,
+        timeout_s=timeout_s,
+        pull_timeout_s=2 * timeout_s,
+    )
+    sync = WaveSync(
+        client,
+        [p for _, p in named],
+        ctx.nm,
+        D,
+        worker.result,
+        first_mb,
+        worker.weights.optimizer,
+        cfg.checkpoint_dir,
+        cfg.checkpoint_every,
+        f"vw{ctx.vw}-stage{ctx.stage}",
+        worker.weights if cfg.overlap_pulls else None,
+    )
+    worker.after_update = sync.after_update
+    worker.before_forward = sync.before_forward
+    return sync

@@ -1,0 +1,97 @@
+"""Week-long-job robustness of multi-VW WSP runs: the time limit stops every VW at the same
+wave, and a resumed run continues the lr schedule and the stage optimizers exactly."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from profiler.errors import HetPipeRuntimeError
+from profiler.graph import ModelGraph
+from runtime.checkpoint import resumable_clock
+from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
+from runtime.model import resolve_source
+from runtime.plans import multi_vw_plan
+from runtime.wave_sync import WaveGate, stop_at_wave_boundary
+from runtime.wsp_launcher import launch_wsp
+
+pytestmark = pytest.mark.timeout(120)
+
+SOURCE = ModelSource(ref="mlp")
+BATCH = 16
+
+
+def _graph() -> ModelGraph:
+    return ModelGraph.from_spec(resolve_source(SOURCE, BATCH, meta=True))
+
+
+class _Shared(list[int]):
+    """A list with the ``get_lock`` of ``multiprocessing.Array`` (single process)."""
+
+    def get_lock(self) -> torch.no_grad:  # any context manager
+        return torch.no_grad()
+
+
+def test_wave_gate_never_stops_below_a_started_wave() -> None:
+    shared = _Shared([0, 0, -1])
+    a, b = WaveGate(shared, 0, 2), WaveGate(shared, 1, 2)
+    assert a.may_admit(1) and a.may_admit(2) and a.may_admit(3)  # VW 0 started wave 1
+    assert b.may_admit(1)  # VW 1 is in wave 0
+    assert stop_at_wave_boundary(shared) == 2  # the most waves any VW started
+    assert a.may_admit(4)  # inside a started wave: finish it
+    assert not a.may_admit(5)  # wave 2 never starts
+    assert b.may_admit(3) and b.may_admit(4)  # VW 1 catches up to the same wave
+    assert not b.may_admit(5)
+    assert stop_at_wave_boundary(shared) == 2  # set once
+
+
+def test_time_limit_with_parameter_servers_stops_every_vw_at_one_wave(tmp_path: Path) -> None:
+    plan = multi_vw_plan(_graph(), [(4,), (6,)], "mlp", BATCH, nm=2, D=1, n_shards=2)
+    out = tmp_path / "run"
+    run = RunConfig(time_limit_s=1.0, timeout_s=15.0, emulate=False, out_dir=out)
+    result = launch_wsp(plan, SOURCE, None, run, WSPConfig(checkpoint_every=1000))
+    steps = {st.steps for vw in result.vws for st in vw.stages}
+    assert len(steps) == 1  # every stage of every VW trained the same minibatches
+    (n,) = steps
+    waves = n // 2
+    assert n == 2 * waves and waves >= 1
+    assert {s.clock for s in result.states} == {waves}  # the global clock did not stall
+    for state in result.states:  # every pushed wave applied exactly once
+        tags = Counter((e.vw, e.stage, e.wave) for e in state.ledger)
+        assert set(tags.values()) == {1} and max(t[2] for t in tags) == waves - 1
+    assert f"after wave {waves}" in result.stopped_by
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped_by"] == result.stopped_by
+    # the final checkpoint is written even though 1000 waves were never reached
+    assert resumable_clock(out / "checkpoints", 2) == waves
+    assert sorted(p.name for p in (out / "checkpoints").glob("vw*-stage*")) == [
+        f"vw{st.vw}-stage{st.stage}-clock-{waves}.pt" for vw in result.vws for st in vw.stages
+    ]
+
+
+def test_resume_continues_lr_schedule_and_momentum_exactly(tmp_path: Path) -> None:
+    plan = multi_vw_plan(_graph(), [(4,), (6,)], "mlp", BATCH, nm=1, D=0, n_shards=2)
+    # the step schedule changes the lr at update 3 and 6: a resume at clock 4 that restarted
+    # the schedule (or the momentum buffers) would end elsewhere
+    opt = OptimizerConfig(lr=0.05, momentum=0.5, schedule="step", step_size=3, gamma=0.5)
+
+    def run(out: Path) -> RunConfig:
+        return RunConfig(steps=9, timeout_s=15.0, emulate=False, out_dir=out)
+
+    whole = launch_wsp(plan, SOURCE, opt, run(tmp_path / "whole"))
+    out = tmp_path / "cut"
+    with pytest.raises(HetPipeRuntimeError):
+        launch_wsp(plan, SOURCE, opt, run(out), WSPConfig(checkpoint_every=2), fault="kill:0:6")
+    ckpt = out / "checkpoints"
+    assert resumable_clock(ckpt, 2) == 4
+    resumed = launch_wsp(
+        plan, SOURCE, opt, run(out), WSPConfig(checkpoint_every=2, resume=True, checkpoint_dir=ckpt)
+    )
+    assert [vw.steps for vw in resumed.vws] == [5, 5]
+    ref = whole.state_dict()
+    for name, t in resumed.state_dict().items():
+        torch.testing.assert_close(t, ref[name], rtol=1e-6, atol=1e-7)
