@@ -11,6 +11,20 @@ pipeline order, so put the first stages on node 0). ``RANK``, ``WORLD_SIZE``,
 ``--calibration`` names a table written by a single-host run (``calibration.json``), so that
 every host uses the same one. The last rank logs the losses; each rank writes its
 measurements to ``--out/stage<rank>.pt`` when ``--out`` is given.
+
+Every VW through the WSP parameter servers (``--vw -1``, the default for a plan with several
+VWs): the world is the plan's shards and stages, ``n_shards + sum(stages)`` ranks; rank
+``k < n_shards`` serves shard ``k``, the next ranks run the stages VW by VW, in pipeline
+order (the numbering of ``hetpipe run``). torchrun gives each host a contiguous block of
+``--nproc-per-node`` ranks, e.g. for 2 shards and two 2-stage VWs on two hosts::
+
+    torchrun --nnodes 2 --nproc-per-node 3 --rdzv-backend c10d \
+        --rdzv-endpoint HOST0:29500 -m runtime plan.yaml --steps 100 --out run/
+
+(on each host). Every rank writes its result to ``--out/rank<r>.pt`` (a stage's
+``StageResult`` or a shard's final state and clock trace); :func:`collect_wsp` turns the
+files into a :class:`runtime.wsp_result.WSPResult`. ``--checkpoint-every`` and ``--resume``
+need ``--out`` on a file system every host shares.
 """
 
 from __future__ import annotations
@@ -22,16 +36,19 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from planner.plan import load_plan
-from profiler.errors import ConfigError, HetPipeError
-from runtime.config import ModelSource, OptimizerConfig, RunConfig
+from planner.plan import Plan, load_plan
+from profiler.errors import ConfigError, HetPipeError, HetPipeRuntimeError
+from profiler.graph import ModelGraph
+from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.emulation import Calibration
 from runtime.launcher import stage_contexts, total_steps
 from runtime.stage import StageWorker
+from runtime.wsp_result import WSPResult
 
 log = logging.getLogger("runtime")
 
@@ -45,7 +62,11 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--epochs", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nm", type=int, default=0)
-    p.add_argument("--vw", type=int, default=0)
+    p.add_argument("--vw", type=int, default=None, help="one VW; -1 = all through WSP")
+    p.add_argument("--D", type=int, default=None, help="WSP clock-distance threshold")
+    p.add_argument("--momentum", type=float, default=0.0)
+    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from --out/checkpoints")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--optimizer", default="sgd")
     p.add_argument("--timeout", type=float, default=60.0)
@@ -64,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     try:
         plan = load_plan(a.plan)
+        if a.vw == -1 or (a.vw is None and len(plan.virtual_workers) > 1):
+            return _main_wsp(a, plan, rank, world)
+        a.vw = a.vw or 0
         run = RunConfig(
             steps=a.steps, epochs=a.epochs, seed=a.seed, nm=a.nm, timeout_s=a.timeout, out_dir=a.out
         )
@@ -87,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             backend, init_method="env://", timeout=timedelta(seconds=run.timeout_s)
         )
         try:
-            cfg = OptimizerConfig(name=a.optimizer, lr=a.lr)
+            cfg = OptimizerConfig(name=a.optimizer, lr=a.lr, momentum=a.momentum)
             worker = StageWorker(ctx, source, cfg, run, None, calibration)
             dist.barrier()
             result = worker.run(time.time())
@@ -107,6 +131,110 @@ def main(argv: list[str] | None = None) -> int:
         a.out.mkdir(parents=True, exist_ok=True)
         torch.save(result, a.out / f"stage{rank}.pt")
     return 0
+
+
+def _main_wsp(a: argparse.Namespace, plan: Plan, rank: int, world: int) -> int:
+    """Run rank ``rank`` of a multi-VW WSP run (a shard or a stage); returns the exit code."""
+    from runtime.checkpoint import resumable_clock
+    from runtime.data import default_dataset
+    from runtime.model import resolve_source
+    from runtime.wsp_launcher import shard_specs, split_data, wsp_steps
+    from runtime.wsp_procs import ShardRole, shard_main, stage_main
+
+    source = ModelSource(ref=plan.model)
+    run = RunConfig(
+        steps=a.steps, epochs=a.epochs, seed=a.seed, nm=a.nm, timeout_s=a.timeout,
+        out_dir=a.out, emulate=a.calibration is not None,
+    )  # fmt: skip
+    ckpt = a.out / "checkpoints" if a.out is not None else None
+    cfg = WSPConfig(D=a.D, checkpoint_dir=ckpt, checkpoint_every=a.checkpoint_every,
+                    resume=a.resume, resume_hint=f"torchrun ... -m runtime {a.plan}")  # fmt: skip
+    D, nm = plan.D if a.D is None else a.D, a.nm or plan.nm
+    spec = resolve_source(source, plan.batch_size, meta=True)
+    ds = default_dataset(source.name, spec.inputs, spec.targets, plan.batch_size)
+    data, _ = split_data(ds, len(plan.virtual_workers), cfg.test_fraction, a.seed)
+    shapes = {n: tuple(p.shape) for n, p in spec.module.named_parameters()}
+    specs, ranks = shard_specs(plan, ModelGraph.from_spec(spec), shapes, D)
+    needed = len(specs) + sum(len(r) for r in ranks)
+    if world != needed:
+        raise ConfigError(
+            f"WORLD_SIZE={world} but {a.plan} has {len(specs)} shards and "
+            f"{needed - len(specs)} stages: start {needed} processes in total "
+            "(--nnodes x --nproc-per-node)"
+        )
+    first_wave = (resumable_clock(ckpt, len(specs)) or 0) if a.resume and ckpt else 0
+    if a.resume and first_wave == 0:
+        raise ConfigError(f"--resume: no complete checkpoint in {ckpt}; run without --resume")
+    steps = wsp_steps(run, nm, first_wave, min(len(d) for d in data), plan.batch_size)
+    sink = _RankSink(a.out, rank)
+    try:
+        if rank < len(specs):
+            role = ShardRole(rank, specs[rank], plan.shards[rank].node)
+            shard_main(role, source, plan.batch_size, a.seed, cfg, first_wave if a.resume else None,
+                       a.timeout, "env://", world, sink, os.getppid())  # fmt: skip
+        vw = next(k for k, r in enumerate(ranks) if rank in r)
+        ctx = stage_contexts(plan, vw, nm, steps, first_rank=ranks[vw][0])[rank - ranks[vw][0]]
+        calibration = Calibration.load(a.calibration) if a.calibration is not None else None
+        opt = OptimizerConfig(name=a.optimizer, lr=a.lr, momentum=a.momentum)
+        stage_main(ctx, source, opt, run, data[vw], calibration, specs, D, first_wave, cfg,
+                   "env://", world, sink, os.getppid(), "")  # fmt: skip
+    except SystemExit as done:  # the entry points exit with their code
+        return int(done.code or 0)
+    return 0
+
+
+class _RankSink:
+    """The ``events`` queue of a torchrun rank: results go to ``out/rank<r>.pt``, errors to
+    the log (torchrun reports the failed rank and stops the others)."""
+
+    def __init__(self, out: Path | None, rank: int) -> None:
+        self.out, self.rank = out, rank
+
+    def put(self, msg: tuple[Any, ...]) -> None:
+        if msg[0] in ("result", "shard") and self.out is not None:
+            self.out.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(msg[2], self.out / f"rank{self.rank}.pt")
+        elif msg[0] == "error":
+            log.error("rank %d failed: %s", self.rank, msg[2])
+
+    def close(self) -> None:
+        """Nothing to flush."""
+
+    def join_thread(self) -> None:
+        """Nothing to wait for."""
+
+
+def atomic_write_bytes(data: bytes, path: Path) -> None:
+    """Write ``data`` to ``path`` through a temporary file and ``os.replace``."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def collect_wsp(plan: Plan, out: Path, nm: int = 0, D: int | None = None) -> WSPResult:
+    """The :class:`WSPResult` of a torchrun WSP run from its ``out/rank<r>.pt`` files.
+
+    Raises:
+        HetPipeRuntimeError: a rank's file is missing (that rank failed).
+    """
+    from runtime.launcher import _loads
+    from runtime.metrics import StageResult
+    from runtime.model import resolve_source
+    from runtime.wsp_launcher import shard_specs
+
+    D = plan.D if D is None else D
+    spec = resolve_source(ModelSource(ref=plan.model), plan.batch_size, meta=True)
+    shapes = {n: tuple(p.shape) for n, p in spec.module.named_parameters()}
+    specs, ranks = shard_specs(plan, ModelGraph.from_spec(spec), shapes, D)
+    results = []
+    for r in range(len(specs) + sum(len(x) for x in ranks)):
+        path = out / f"rank{r}.pt"
+        if not path.exists():
+            raise HetPipeRuntimeError(f"{path}: missing; rank {r} did not finish (see its log)")
+        results.append(_loads(path.read_bytes()))
+    stages = [x for x in results if isinstance(x, StageResult)]
+    states = [x for x in results if not isinstance(x, StageResult)]
+    return WSPResult.build(plan, nm or plan.nm, D, stages, states, specs, 0.0)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ from runtime.wave_sync import stop_at_wave_boundary
 from runtime.wsp_procs import ShardRole, shard_main, stage_main
 from runtime.wsp_result import WSPResult, evaluate
 
-__all__ = ["WSPConfig", "launch_wsp", "shard_specs", "split_data"]
+__all__ = ["WSPConfig", "launch_wsp", "shard_specs", "split_data", "wsp_steps"]
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def launch_wsp(
     shapes = {n: tuple(p.shape) for n, p in spec.module.named_parameters()}
     specs, _ = shard_specs(plan, graph, shapes, D)
     first_wave = _resume_clock(cfg, len(specs)) or 0
-    steps = _steps(run, nm, first_wave, min(len(s) for s in shards_data), plan.batch_size)
+    steps = wsp_steps(run, nm, first_wave, min(len(s) for s in shards_data), plan.batch_size)
     shards = [ShardRole(k, s, plan.shards[k].node) for k, s in enumerate(specs)]
     contexts: list[StageContext] = []
     calibrations: list[Calibration | None] = []
@@ -178,7 +178,7 @@ def launch_wsp(
     return result
 
 
-def _steps(run: RunConfig, nm: int, first_wave: int, vw_samples: int, batch_size: int) -> int:
+def wsp_steps(run: RunConfig, nm: int, first_wave: int, vw_samples: int, batch_size: int) -> int:
     """Minibatches each VW trains in this run: whole waves, after the resumed ones.
 
     Raises:

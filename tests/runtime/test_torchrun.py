@@ -39,3 +39,45 @@ def test_torchrun_entry_trains_every_stage(tmp_path: Path) -> None:
     results = [torch.load(out / f"stage{r}.pt", weights_only=False) for r in range(2)]
     assert [r.steps for r in results] == [6, 6]
     assert len(results[1].losses) == 6
+
+
+@pytest.mark.slow
+def test_torchrun_two_hosts_train_every_vw_through_wsp_like_hetpipe_run(tmp_path: Path) -> None:
+    # 2 shards + two 2-stage VWs = 6 ranks: two torchrun agents ("hosts") of 3 ranks each,
+    # meeting through a c10d rendezvous on localhost
+    from runtime.__main__ import collect_wsp
+    from runtime.config import OptimizerConfig, RunConfig
+    from runtime.plans import multi_vw_plan
+    from runtime.wsp_launcher import launch_wsp
+
+    graph = ModelGraph.from_spec(resolve_source(ModelSource(ref="mlp"), 16, meta=True))
+    plan = multi_vw_plan(graph, [(4,), (6,)], "mlp", 16, nm=2, D=0, n_shards=2)
+    plan_path = plan.save(tmp_path / "plan.json")
+    out = tmp_path / "out"
+    port = _free_port()
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "3",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0",
+        "-m", "runtime", str(plan_path), "--steps", "6", "--timeout", "30", "--out", str(out),
+    ]  # fmt: skip
+    hosts = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    try:
+        logs = [h.communicate(timeout=150) for h in hosts]
+    finally:
+        for h in hosts:
+            if h.poll() is None:
+                h.kill()
+                h.wait()
+    assert [h.returncode for h in hosts] == [0, 0], "\n".join(e[-2000:] for _, e in logs)
+    result = collect_wsp(plan, out)
+    for state in result.states:  # every (vw, stage, wave) applied exactly once
+        tags = [(e.vw, e.stage, e.wave) for e in state.ledger]
+        assert len(tags) == len(set(tags)) and state.clock == 3
+    run = RunConfig(steps=6, timeout_s=30.0, emulate=False)
+    local = launch_wsp(plan, ModelSource(ref="mlp"), OptimizerConfig(lr=0.05), run)
+    ref = local.state_dict()
+    for name, t in result.state_dict().items():  # D = 0: deterministic, equal to one host
+        torch.testing.assert_close(t, ref[name], rtol=1e-6, atol=1e-7)
