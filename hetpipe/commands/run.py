@@ -87,7 +87,11 @@ def run(
         float, typer.Option(help="passes over the data set (default 1 when no --steps)")
     ] = 0.0,
     time_limit: Annotated[
-        float, typer.Option("--time-limit", help="stop admitting minibatches after SECONDS")
+        float,
+        typer.Option(
+            "--time-limit",
+            help="stop admitting minibatches after SECONDS (several VWs: all stop after one wave)",
+        ),
     ] = 0.0,
     seed: Annotated[int, typer.Option(help="seed of the initial weights and the data order")] = 0,
     nm: Annotated[int, typer.Option(help="minibatches in flight (0 = the plan's Nm)")] = 0,
@@ -160,7 +164,7 @@ def run(
         name=optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay, schedule=schedule
     )
     n_vws = len(plan.virtual_workers)
-    if n_vws > 1 and vw < 0 and steps == 0 and epochs == 0:
+    if n_vws > 1 and vw < 0 and steps == 0 and epochs == 0 and time_limit == 0:
         epochs = 40.0  # the main job: a few minutes on a 2-core machine
     run_cfg = RunConfig(
         steps=steps,

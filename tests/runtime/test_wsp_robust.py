@@ -95,3 +95,21 @@ def test_resume_continues_lr_schedule_and_momentum_exactly(tmp_path: Path) -> No
     ref = whole.state_dict()
     for name, t in resumed.state_dict().items():
         torch.testing.assert_close(t, ref[name], rtol=1e-6, atol=1e-7)
+
+
+def test_cli_time_limit_runs_several_vws_until_the_limit(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from hetpipe.cli import app
+
+    plan = multi_vw_plan(_graph(), [(4,), (6,)], "mlp", BATCH, nm=2, D=0, n_shards=2)
+    path = plan.save(tmp_path / "plan.yaml")
+    out = tmp_path / "run"
+    args = ["run", str(path), "--time-limit", "1", "--out", str(out), "--no-progress"]
+    res = CliRunner().invoke(app, [*args, "--no-emulate"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    summary = json.loads((out / "summary.json").read_text())
+    waves = min(s["steps"] for s in summary["vws"]) // 2
+    assert summary["stopped_by"].endswith(f"after wave {waves}") and waves >= 1
+    assert {s["steps"] for s in summary["vws"]} == {2 * waves}
+    assert "time limit 1 s" in res.output
