@@ -28,6 +28,7 @@ from runtime.data import MinibatchSource, default_dataset
 from runtime.emulation import Calibration, MemoryMeter, SavedBytes, pace_until
 from runtime.metrics import StageResult
 from runtime.model import build_stage
+from runtime.stop import StopAgreement
 from runtime.weights import VersionedWeights
 
 __all__ = ["StageContext", "StageWorker"]
@@ -134,6 +135,7 @@ class StageWorker:
         # push and pull, runtime.wave_sync)
         self.after_update: Callable[[int], None] | None = None
         self.before_forward: Callable[[int], None] | None = None
+        self.stop: StopAgreement | None = None  # stage 0 of a multi-VW run: the shared time limit
 
     @property
     def last(self) -> bool:
@@ -165,8 +167,8 @@ class StageWorker:
                 self._admit(min(ctx.nm, total))
             while True:
                 self._drain(block=False)
-                if ctx.stage == 0 and (self._received >= total or self._time_up(start_time)):
-                    self._stop_in, total = True, self._received
+                if ctx.stage == 0:
+                    total = self._final_total(total, start_time)
                 closed = ctx.stage > 0 or self._received == total
                 if (
                     to_next is not None
@@ -194,7 +196,7 @@ class StageWorker:
                 if task.kind is not Kind.F:
                     b_done += 1
                     self._completed(task.mb)
-                    if ctx.stage == 0 and self._received < total and not self._time_up(start_time):
+                    if ctx.stage == 0 and self._received < self._final_total(total, start_time):
                         if not self.run_cfg.flush_every_wave:
                             self._admit(1)
                         elif b_done == self._received:  # baseline: the whole wave drained
@@ -219,6 +221,17 @@ class StageWorker:
         for _ in range(n):
             self._received += 1
             self.queue.ready(Task(0, self.queue.forward_kind, self._received))
+
+    def _final_total(self, total: int, start_time: float) -> int:
+        """Stage 0: minibatches to run in all, given the time limit (never below those admitted).
+
+        Alone, a VW stops admitting when its time is up. With a :class:`StopAgreement` (several
+        VWs through parameter servers) every VW runs the agreed number of waves instead.
+        """
+        if self.stop is None:
+            return min(total, self._received) if self._time_up(start_time) else total
+        agreed = self.stop.total(self._received, self._time_up(start_time))
+        return total if agreed is None else max(self._received, min(total, agreed))
 
     def _time_up(self, start_time: float) -> bool:
         limit = self.run_cfg.time_limit_s

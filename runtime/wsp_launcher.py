@@ -57,6 +57,7 @@ from runtime.ps_client import PSClient
 from runtime.ps_core import ClockEvent
 from runtime.ps_layout import shard_specs_for_layout
 from runtime.stage import StageContext, StageWorker
+from runtime.stop import StopAgreement, file_store
 from runtime.wave_sync import WaveSync
 from runtime.wsp_result import WSPResult, evaluate
 
@@ -289,6 +290,9 @@ def _stage_main(
             )
             worker.after_update = sync.after_update
             worker.before_forward = sync.before_forward
+            if ctx.stage == 0 and run.time_limit_s > 0:
+                store = file_store(init_method.removeprefix("file://") + ".stop")
+                worker.stop = StopAgreement(store, ctx.nm, D)
             dist.barrier()
             sync.start(first_wave)
             result = worker.run(time.time())
@@ -334,7 +338,8 @@ def launch_wsp(
         source: the model.
         optimizer: each stage's local optimizer (SGD lr 0.05 by default).
         run: run settings (``steps``/``epochs`` count minibatches per VW, rounded up to whole
-            waves; ``time_limit_s`` is not supported with parameter servers).
+            waves; with ``time_limit_s`` every VW runs the same number of waves, agreed when
+            the first VW's time is up: see :mod:`runtime.stop`).
         cfg: WSP settings.
         dataset: the user's data set (``None`` = the model's built-in one).
         fault: fault injection for tests (``raise:S:P``/``kill:S:P`` on every VW's stage S,
@@ -347,10 +352,6 @@ def launch_wsp(
     optimizer = optimizer or OptimizerConfig()
     run = run or RunConfig()
     cfg = cfg or WSPConfig()
-    if run.time_limit_s > 0:
-        raise ConfigError(
-            "--time-limit is not supported with parameter servers: use --steps or --epochs"
-        )
     if cfg.checkpoint_dir is None and run.out_dir is not None:
         cfg = dataclasses.replace(cfg, checkpoint_dir=run.out_dir / "checkpoints")
     t_start = time.time()

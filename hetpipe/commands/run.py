@@ -87,7 +87,11 @@ def run(
         float, typer.Option(help="passes over the data set (default 1 when no --steps)")
     ] = 0.0,
     time_limit: Annotated[
-        float, typer.Option("--time-limit", help="stop admitting minibatches after SECONDS")
+        float,
+        typer.Option(
+            "--time-limit",
+            help="stop admitting minibatches after SECONDS (several VWs: all stop at one agreed wave)",
+        ),
     ] = 0.0,
     seed: Annotated[int, typer.Option(help="seed of the initial weights and the data order")] = 0,
     nm: Annotated[int, typer.Option(help="minibatches in flight (0 = the plan's Nm)")] = 0,
