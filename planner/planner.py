@@ -319,10 +319,24 @@ def _plan_allocation(
                 trial.predicted.throughput,
                 trial.predicted.method,
             )
-        plan_nm = -max(scored)[1]
+        plan_nm = _stable_best_nm(scored)
     elif pl.opts.nm_choice != "max":
         raise PlanError(f"unknown Nm choice {pl.opts.nm_choice!r}; use best or max")
     return _build(pl, alloc, plan_nm, nm_max, *args)
+
+
+NM_TOLERANCE = 0.03  # Nm within this fraction of the best predicted throughput counts as best
+
+
+def _stable_best_nm(scored: Sequence[tuple[float, int]]) -> int:
+    """The smallest Nm whose predicted throughput is within :data:`NM_TOLERANCE` of the best.
+
+    ``scored`` holds ``(throughput, -Nm)`` pairs. Predictions that differ by a few per cent are
+    within the profile's noise; the smaller Nm then wins, because it needs less memory and
+    gives less staleness (paper Sec. 5), and the choice no longer flips between runs.
+    """
+    top = max(t for t, _ in scored)
+    return min(-neg for t, neg in scored if t >= (1.0 - NM_TOLERANCE) * top)
 
 
 def _nm_candidates(hi: int, s_max: int) -> list[int]:

@@ -11,15 +11,25 @@ hardware (PipeDream's ``unknown GPU``) is taken as measured on ``reference_type`
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import platform
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from planner.cluster import Cluster
 from profiler.catalog import lookup_gpu
 from profiler.errors import ConfigError, ModelError, ProfileError
-from profiler.table import Profile
+from profiler.table import Profile, load_profile
 
-__all__ = ["DEFAULT_BATCH_SIZE", "DEFAULT_REFERENCE_TYPE", "resolve_profiles"]
+__all__ = [
+    "CACHE_ENV",
+    "DEFAULT_BATCH_SIZE",
+    "DEFAULT_REFERENCE_TYPE",
+    "profile_cache_dir",
+    "resolve_profiles",
+]
 
 log = logging.getLogger(__name__)
 
@@ -123,25 +133,74 @@ def _emulated(
 
 
 _MEASURE_LIMIT_BYTES = 64 * 2**20  # measure CPU profiles of models up to this many parameter bytes
+CACHE_ENV = "HETPIPE_CACHE_DIR"  # where measured CPU profiles are cached; "off" disables the cache
+
+
+def profile_cache_dir() -> Path | None:
+    """Folder of cached measured CPU profiles (``None`` when caching is off).
+
+    ``$HETPIPE_CACHE_DIR`` if set (``off`` disables caching), else ``$XDG_CACHE_HOME/hetpipe``
+    (``~/.cache/hetpipe``). Delete a file there to measure that model again.
+    """
+    env = os.environ.get(CACHE_ENV)
+    if env is not None:
+        return None if env.strip().lower() in ("", "off", "0", "none") else Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "hetpipe"
+
+
+def _cache_path(model: str, batch: int) -> Path | None:
+    """Cache file of the measured CPU profile of ``model`` at ``batch`` on this machine."""
+    import torch
+
+    root = profile_cache_dir()
+    if root is None:
+        return None
+    host = f"{platform.machine()}|{platform.processor()}|{os.cpu_count()}|{torch.__version__}"
+    digest = hashlib.sha256(f"{model}|{batch}|{host}".encode()).hexdigest()[:16]
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model)[:40]
+    return root / "profiles" / f"cpu-{safe}-b{batch}-{digest}.csv"
 
 
 def _cpu_profile(model: str, batch: int) -> tuple[Profile, str]:
-    """A single-threaded measured CPU profile of a small model, else the analytic estimate."""
+    """A single-threaded measured CPU profile of a small model, else the analytic estimate.
+
+    Measured profiles are cached (:func:`profile_cache_dir`), so that plans made on the fly for
+    an emulated cluster are the same from run to run on one machine: a fresh measurement moves
+    by a few per cent, enough to change the partition or Nm.
+    """
     import torch
 
     from profiler.analytic import analytic_profile
     from profiler.measure import measure_profile
     from profiler.models import resolve_model
 
+    path = _cache_path(model, batch)
+    if path is not None and path.exists():
+        try:
+            cached = load_profile(path)
+        except ProfileError as exc:
+            log.warning("ignoring unreadable cached profile %s (%s)", path, exc)
+        else:
+            if cached.meta.model == model and cached.meta.batch_size == batch:
+                log.info("using the cached CPU profile %s", path)
+                return cached, "cpu measured"
     spec = resolve_model(model, batch)
     if sum(p.numel() * p.element_size() for p in spec.module.parameters()) > _MEASURE_LIMIT_BYTES:
         return analytic_profile(model, batch, "cpu"), "cpu analytic"
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # emulated devices are single-threaded processes
     try:
-        return measure_profile(spec, "cpu", repeats=5, warmup=2, clock="cpu"), "cpu measured"
+        prof = measure_profile(spec, "cpu", repeats=5, warmup=2, clock="cpu")
     finally:
         torch.set_num_threads(threads)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            prof.save(path)
+        except OSError as exc:  # a read-only home must not stop planning
+            log.warning("could not cache the measured profile in %s (%s)", path, exc)
+    return prof, "cpu measured"
 
 
 def resolve_profiles(

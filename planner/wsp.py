@@ -31,6 +31,7 @@ __all__ = [
     "required_global_clock",
     "s_global",
     "s_local",
+    "stop_wave",
     "wave_of",
 ]
 
@@ -98,6 +99,23 @@ def s_global(nm: int, D: int) -> int:
     """
     _check(nm, D)
     return (D + 1) * nm + nm - 2
+
+
+def stop_wave(admitted: int, nm: int, D: int) -> int:
+    """Waves every VW runs when a VW that has admitted ``admitted`` minibatches must stop.
+
+    Used for a time limit with parameter servers: the first VW whose time is up proposes this
+    and every VW (that one included) runs exactly that many waves, so the global clock reaches
+    it and no VW waits for a wave that will never come. It is the smallest safe value: the
+    proposer has pushed at most ``g = admitted // nm`` waves, so the global clock is at most
+    ``g``, and admitting minibatch ``p`` needs ``p // nm - D - 1 <= g``: no VW can have admitted
+    beyond minibatch ``(g + D + 2) * nm - 1``; the answer is the waves that minibatch completes.
+    """
+    _check(nm, D)
+    if admitted < 0:
+        raise ValueError(f"admitted minibatches must be >= 0, got {admitted}")
+    most = (admitted // nm + D + 2) * nm - 1  # the last minibatch any VW may have admitted
+    return max(-(-most // nm), -(-admitted // nm))
 
 
 def may_admit(mb: int, in_flight: int, nm: int, D: int, global_clock: int) -> bool:

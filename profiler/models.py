@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -236,10 +237,37 @@ def _gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _mlp_spec(batch_size: int) -> ModelSpec:
+def _mlp_spec(batch_size: int, hidden: int = 256, depth: int = 4, name: str = "mlp") -> ModelSpec:
     x = torch.randn(batch_size, 64, generator=_gen())
     y = torch.randint(0, 10, (batch_size,), generator=_gen(1))
-    return ModelSpec("mlp", mlp(), (x,), y, batch_size=batch_size)
+    return ModelSpec(name, mlp(hidden=hidden, depth=depth), (x,), y, batch_size=batch_size)
+
+
+_SIZED = re.compile(r"^(\w+)\((.*)\)$")
+_SIZED_ARGS = {"mlp": ("hidden", "depth")}  # built-ins that take size arguments in their reference
+
+
+def _sized_builtin(ref: str, batch_size: int) -> ModelSpec | None:
+    """``mlp(hidden=1024, depth=8)``: a built-in with other sizes; ``None`` if not that form."""
+    m = _SIZED.match(ref.replace(" ", ""))
+    if m is None or m.group(1) not in BUILTIN_MODELS:
+        return None
+    name, body = m.group(1), m.group(2)
+    allowed = _SIZED_ARGS.get(name, ())
+    kwargs: dict[str, int] = {}
+    for item in filter(None, body.split(",")):
+        key, _, value = item.partition("=")
+        if not allowed:
+            raise ModelError(
+                f"model {ref!r}: built-in {name!r} takes no size arguments; use {name!r}"
+            )
+        if key not in allowed or not value.isdigit() or int(value) < 1:
+            raise ModelError(
+                f"model {ref!r}: {item!r} is not a size argument of {name!r}; "
+                f"use {name}({', '.join(f'{a}=N' for a in allowed)}) with N >= 1"
+            )
+        kwargs[key] = int(value)
+    return _mlp_spec(batch_size, name=ref.replace(" ", ""), **kwargs)
 
 
 def _resnet_spec(batch_size: int) -> ModelSpec:
@@ -324,6 +352,9 @@ def resolve_model(ref: str, batch_size: int) -> ModelSpec:
         raise ModelError(f"batch size must be a positive integer, got {batch_size}")
     if ref in BUILTIN_MODELS:
         return BUILTIN_MODELS[ref](batch_size)
+    sized = _sized_builtin(ref, batch_size)
+    if sized is not None:
+        return sized
     factory = _load_factory(ref)
     try:
         params = inspect.signature(factory).parameters

@@ -103,12 +103,14 @@ def default_dataset(
     """The built-in data set for a model: digits for ``mlp``, synthetic otherwise.
 
     Args:
-        model_name: model reference (``mlp`` selects digits when its input is 64 wide).
+        model_name: model reference (``mlp`` or a sized ``mlp(hidden=..., depth=...)`` selects
+            digits when its input is 64 wide).
         sample_inputs: one minibatch of inputs (only shapes and dtypes are used; may be meta).
         sample_targets: one minibatch of targets (shape and dtype only).
         batch_size: the minibatch size of the samples.
     """
-    if model_name == "mlp" and tuple(sample_inputs[0].shape[1:]) == (64,):
+    is_mlp = model_name == "mlp" or model_name.replace(" ", "").startswith("mlp(")
+    if is_mlp and tuple(sample_inputs[0].shape[1:]) == (64,):
         return DigitsDataset()
     target_shape = tuple(int(d) for d in sample_targets.shape)
     per_sample = (target_shape[0] // batch_size, *target_shape[1:]) if target_shape else ()

@@ -28,6 +28,7 @@ from runtime.data import MinibatchSource, default_dataset
 from runtime.emulation import Calibration, MemoryMeter, SavedBytes, pace_until
 from runtime.metrics import StageResult
 from runtime.model import build_stage
+from runtime.stop import StopAgreement
 from runtime.weights import VersionedWeights
 
 __all__ = ["StageContext", "StageWorker"]
@@ -133,10 +134,8 @@ class StageWorker:
         # called after each update / before each forward with the minibatch number (WSP
         # push and pull, runtime.wave_sync)
         self.after_update: Callable[[int], None] | None = None
-        # stage 0 asks it before admitting each minibatch; False ends the run there (the
-        # time limit of a multi-VW run stops every VW at the same wave, runtime.wave_sync)
-        self.may_admit: Callable[[int], bool] | None = None
         self.before_forward: Callable[[int], None] | None = None
+        self.stop: StopAgreement | None = None  # stage 0 of a multi-VW run: the shared time limit
 
     @property
     def last(self) -> bool:
@@ -160,7 +159,6 @@ class StageWorker:
             start_activation_receiver(ctx.prev_rank, self.in_specs, self.inbox)
         self._received = 0  # forward messages received (stage 0: minibatches admitted)
         self._stop_in = ctx.stage == 0  # whether the number of minibatches is final
-        self._refused = False  # stage 0: may_admit refused a minibatch (the run stops there)
         total = ctx.total_steps
         f_done = b_done = 0
         stop_sent = False
@@ -169,10 +167,8 @@ class StageWorker:
                 self._admit(min(ctx.nm, total))
             while True:
                 self._drain(block=False)
-                if ctx.stage == 0 and (
-                    self._received >= total or self._refused or self._time_up(start_time)
-                ):
-                    self._stop_in, total = True, self._received
+                if ctx.stage == 0:
+                    total = self._final_total(total, start_time)
                 closed = ctx.stage > 0 or self._received == total
                 if (
                     to_next is not None
@@ -200,7 +196,7 @@ class StageWorker:
                 if task.kind is not Kind.F:
                     b_done += 1
                     self._completed(task.mb)
-                    if ctx.stage == 0 and self._received < total and not self._time_up(start_time):
+                    if ctx.stage == 0 and self._received < self._final_total(total, start_time):
                         if not self.run_cfg.flush_every_wave:
                             self._admit(1)
                         elif b_done == self._received:  # baseline: the whole wave drained
@@ -221,15 +217,21 @@ class StageWorker:
         return self.result
 
     def _admit(self, n: int) -> None:
-        """Stage 0: let ``n`` more minibatches into the pipeline (unless ``may_admit`` refuses)."""
+        """Stage 0: let ``n`` more minibatches into the pipeline."""
         for _ in range(n):
-            if self._refused or (
-                self.may_admit is not None and not self.may_admit(self._received + 1)
-            ):
-                self._refused = True
-                return
             self._received += 1
             self.queue.ready(Task(0, self.queue.forward_kind, self._received))
+
+    def _final_total(self, total: int, start_time: float) -> int:
+        """Stage 0: minibatches to run in all, given the time limit (never below those admitted).
+
+        Alone, a VW stops admitting when its time is up. With a :class:`StopAgreement` (several
+        VWs through parameter servers) every VW runs the agreed number of waves instead.
+        """
+        if self.stop is None:
+            return min(total, self._received) if self._time_up(start_time) else total
+        agreed = self.stop.total(self._received, self._time_up(start_time))
+        return total if agreed is None else max(self._received, min(total, agreed))
 
     def _time_up(self, start_time: float) -> bool:
         limit = self.run_cfg.time_limit_s

@@ -25,7 +25,6 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -36,52 +35,9 @@ from runtime.metrics import StageResult
 from runtime.ps_client import PSClient, PullHandle
 from runtime.weights import VersionedWeights
 
-__all__ = ["WaveGate", "WaveSync", "stop_at_wave_boundary"]
+__all__ = ["WaveSync"]
 
 log = logging.getLogger(__name__)
-
-
-class WaveGate:
-    """Stops every VW of a run at the same wave when the run's time limit is up.
-
-    ``shared`` is a lock-protected integer array (``multiprocessing.Array``) of ``n_vws + 1``
-    entries: entry ``k`` counts the waves VW ``k`` has started, the last is the stop wave
-    (``-1``: none yet). Stage 0 of each VW asks :meth:`may_admit` before each minibatch; the
-    launcher calls :func:`stop_at_wave_boundary` when the time is up. Both hold the lock, so
-    the stop wave is never below a wave some VW already started: every VW trains exactly
-    ``stop`` whole waves, pushes all of them, and the global clock never waits for a VW that
-    stopped early.
-
-    Args:
-        shared: the array described above.
-        vw: this VW.
-        nm: minibatches per wave.
-    """
-
-    def __init__(self, shared: Any, vw: int, nm: int) -> None:
-        self.shared, self.vw, self.nm = shared, vw, nm
-
-    def may_admit(self, mb: int) -> bool:
-        """Whether stage 0 may start minibatch ``mb`` (1-based, this run's numbering)."""
-        if (mb - 1) % self.nm:
-            return True  # inside a wave that already started: finish it
-        wave = (mb - 1) // self.nm
-        with self.shared.get_lock():
-            stop = self.shared[len(self.shared) - 1]
-            if 0 <= stop <= wave:
-                return False
-            self.shared[self.vw] = max(self.shared[self.vw], wave + 1)
-            return True
-
-
-def stop_at_wave_boundary(shared: Any) -> int:
-    """Set the stop wave of a :class:`WaveGate` array (once) to the most waves any VW has
-    started; returns it."""
-    with shared.get_lock():
-        last = len(shared) - 1
-        if shared[last] < 0:
-            shared[last] = max(shared[k] for k in range(last))
-        return int(shared[last])
 
 
 class WaveSync:

@@ -40,7 +40,6 @@ from runtime.ps import ShardSpec
 from runtime.ps_core import ClockEvent
 from runtime.ps_layout import shard_specs_for_layout
 from runtime.stage import StageContext
-from runtime.wave_sync import stop_at_wave_boundary
 from runtime.wsp_procs import ShardRole, shard_main, stage_main
 from runtime.wsp_result import WSPResult, evaluate
 
@@ -113,8 +112,8 @@ def launch_wsp(
         source: the model.
         optimizer: each stage's local optimizer (SGD lr 0.05 by default).
         run: run settings (``steps``/``epochs`` count minibatches per VW, rounded up to whole
-            waves; with ``time_limit_s`` every VW stops at the same wave once the time is up,
-            measured from the first training event).
+            waves; with ``time_limit_s`` every VW runs the same number of waves, agreed when
+            the first VW's time is up: see :mod:`runtime.stop`).
         cfg: WSP settings.
         dataset: the user's data set (``None`` = the model's built-in one).
         fault: fault injection for tests (``raise:S:P``/``kill:S:P`` on every VW's stage S,
@@ -160,7 +159,7 @@ def launch_wsp(
              n_vws, [len(v.stages) for v in plan.virtual_workers], len(shards), nm, D, steps)  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="hetpipe-rdzv-") as tmp:
         init_method = f"file://{Path(tmp) / 'rendezvous'}"
-        stage_results, states, stop = _spawn_and_watch(
+        stage_results, states = _spawn_and_watch(
             shards, contexts, calibrations, shards_data, source, optimizer, run, cfg, D,
             first_wave, init_method, fault, plan.batch_size,
         )  # fmt: skip
@@ -168,8 +167,9 @@ def launch_wsp(
         for state, _ in states:  # the final clock, whatever the checkpoint period
             save_shard_state(state, cfg.checkpoint_dir)
     result = WSPResult.build(plan, nm, D, stage_results, states, specs, time.time() - t_start)
-    if stop >= 0:
-        note = f"time limit {run.time_limit_s:g} s: every VW stopped after wave {first_wave + stop}"
+    ran = {st.steps for st in stage_results}
+    if run.time_limit_s > 0 and ran and max(ran) < steps:
+        note = f"time limit {run.time_limit_s:g} s: every VW stopped after wave {first_wave + max(ran) // nm}"
         result = dataclasses.replace(result, stopped_by=note)
     accuracy = evaluate(source, plan.batch_size, run.seed, result.state_dict(), test)
     result = dataclasses.replace(result, test_accuracy=accuracy[0], test_loss=accuracy[1])
@@ -215,9 +215,8 @@ def _spawn_and_watch(
     init_method: str,
     fault: str,
     batch_size: int,
-) -> tuple[list[StageResult], list[tuple[ShardState, list[ClockEvent]]], int]:
-    """Start every process, watch them; returns the stage results, the shard states and the
-    wave the time limit stopped the run at (-1: it did not)."""
+) -> tuple[list[StageResult], list[tuple[ShardState, list[ClockEvent]]]]:
+    """Start every process and watch them; returns the stage results and the shard states."""
     mpc = _context()
     mpc.set_forkserver_preload([*_PRELOAD, "runtime.wsp_launcher", "runtime.wsp_procs"])
     events = mpc.Queue()
@@ -227,9 +226,6 @@ def _spawn_and_watch(
     n_vws = 1 + max(c.vw for c in contexts)
     total = contexts[0].total_steps * n_vws
     progress = ProgressBar(run.progress, total, batch_size)
-    # with a time limit the launcher, not each stage 0, decides when to stop (WaveGate)
-    gate = mpc.Array("q", [0] * n_vws + [-1]) if run.time_limit_s > 0 else None
-    stage_run = dataclasses.replace(run, time_limit_s=0.0)
     resume_clock = first_wave if cfg.resume else None
     try:
         for sh in shards:
@@ -241,20 +237,20 @@ def _spawn_and_watch(
             procs[sh.rank].start()
         for ctx, cal in zip(contexts, calibrations, strict=True):
             stage_fault = "" if fault.startswith("killshard:") else fault
-            args2 = (ctx, source, optimizer, stage_run, data[ctx.vw], cal, specs, D, first_wave,
-                     cfg, init_method, world, events, os.getpid(), stage_fault, gate)  # fmt: skip
+            args2 = (ctx, source, optimizer, run, data[ctx.vw], cal, specs, D, first_wave,
+                     cfg, init_method, world, events, os.getpid(), stage_fault)  # fmt: skip
             procs[ctx.rank] = mpc.Process(
                 target=stage_main, args=args2, name=f"hetpipe-vw{ctx.vw}-stage{ctx.stage}"
             )
             procs[ctx.rank].start()
         labels = {s.rank: s.where for s in shards} | {c.rank: c.where for c in contexts}
-        results = _watch(labels, procs, events, progress, run, cfg, gate)
+        results = _watch(labels, procs, events, progress, run, cfg)
     finally:
         progress.stop()
         stop_all(procs)
     stages = [r for r in results if isinstance(r, StageResult)]
     states = [r for r in results if not isinstance(r, StageResult)]
-    return stages, states, -1 if gate is None else int(gate[n_vws])
+    return stages, states
 
 
 def _watch(
@@ -264,9 +260,8 @@ def _watch(
     progress: ProgressBar,
     run: RunConfig,
     cfg: WSPConfig,
-    gate: Any,
 ) -> list[Any]:
-    """Every process's result, in rank order; the time limit ends the run at a wave boundary."""
+    """Every process's result, in rank order."""
 
     def fail(errors: dict[int, str], done: dict[int, bytes]) -> HetPipeRuntimeError:
         rank = root_cause_rank(procs, events, errors, done, grace_s=1.5)
@@ -275,13 +270,6 @@ def _watch(
             hint = f"; resume with: {cfg.resume_hint} --resume {cfg.checkpoint_dir}"
         return HetPipeRuntimeError(f"rank {rank} ({labels[rank]}) failed: {errors[rank]}{hint}")
 
-    def tick(elapsed_s: float) -> None:
-        if gate is not None and elapsed_s >= run.time_limit_s and gate[len(gate) - 1] < 0:
-            wave = stop_at_wave_boundary(gate)
-            log.info(
-                "time limit %.0f s reached: every VW stops after wave %d", run.time_limit_s, wave
-            )
-
     stall_s = max(120.0, 4 * run.timeout_s)
-    results = watch(procs, events, len(labels), progress.event, fail, stall_s, tick)
+    results = watch(procs, events, len(labels), progress.event, fail, stall_s)
     return [_loads(results[r]) for r in sorted(results)]

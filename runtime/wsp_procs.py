@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from profiler.errors import ConfigError
 from runtime.checkpoint import load_shard_state, shard_checkpoint_path
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.data import MinibatchSource
@@ -31,7 +32,8 @@ from runtime.model import reference_module
 from runtime.ps import ShardCore, ShardServer, ShardSpec
 from runtime.ps_client import PSClient
 from runtime.stage import StageContext, StageWorker
-from runtime.wave_sync import WaveGate, WaveSync
+from runtime.stop import StopAgreement, file_store
+from runtime.wave_sync import WaveSync
 
 __all__ = ["ShardRole", "ShiftedSource", "shard_main", "stage_main"]
 
@@ -163,10 +165,8 @@ def stage_main(
     events: Any,
     parent: int,
     fault: str,
-    gate: Any = None,
 ) -> None:
-    """Entry point of one stage process of a multi-VW run (``gate``: the time limit's
-    :class:`WaveGate` array, ``None`` without a time limit)."""
+    """Entry point of one stage process of a multi-VW run."""
     _setup_child(ctx.where, parent)
     code = 0
     try:
@@ -178,8 +178,11 @@ def stage_main(
             worker = StageWorker(ctx, source, optimizer, run, dataset, calibration, events)
             worker.fault = _inject_fault(fault, ctx)
             sync = _wave_sync(worker, specs, D, first_wave * ctx.nm, cfg, run.timeout_s)
-            if gate is not None and ctx.stage == 0:
-                worker.may_admit = WaveGate(gate, ctx.vw, ctx.nm).may_admit
+            if ctx.stage == 0 and run.time_limit_s > 0:
+                if not init_method.startswith("file://"):
+                    raise ConfigError("--time-limit needs the one-host launcher (hetpipe run)")
+                store = file_store(init_method.removeprefix("file://") + ".stop")
+                worker.stop = StopAgreement(store, ctx.nm, D)
             dist.barrier()
             sync.start(first_wave)
             result = worker.run(time.time())

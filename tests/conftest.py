@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -13,6 +14,12 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 PIPEDREAM = SHARED / "profiles" / "pipedream"
 EXAMPLES = REPO / "examples"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _profile_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Measured CPU profiles are cached in a folder of this session, never the user's cache."""
+    os.environ["HETPIPE_CACHE_DIR"] = str(tmp_path_factory.mktemp("hetpipe-cache"))
 
 
 @pytest.fixture(autouse=True)

@@ -90,7 +90,7 @@ def run(
         float,
         typer.Option(
             "--time-limit",
-            help="stop admitting minibatches after SECONDS (several VWs: all stop after one wave)",
+            help="stop admitting minibatches after SECONDS (several VWs: all stop at one agreed wave)",
         ),
     ] = 0.0,
     seed: Annotated[int, typer.Option(help="seed of the initial weights and the data order")] = 0,

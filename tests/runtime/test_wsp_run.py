@@ -142,6 +142,21 @@ def test_staleness_bound_holds_with_d2_and_unequal_vws(tmp_path: Path) -> None:
             assert max(needs) <= 12 - 2
 
 
+def test_time_limit_stops_every_vw_at_the_same_wave(tmp_path: Path) -> None:
+    # unequal VWs (2 and 3 stages) with D = 1: the faster one's time runs out first, the slower
+    # one must still finish the agreed waves, and the shards end at exactly that clock
+    plan = multi_vw_plan(_graph(), [(6,), (2, 4)], "mlp", BATCH, nm=2, D=1, n_shards=2)
+    run = RunConfig(steps=100_000, time_limit_s=1.5, timeout_s=15.0, emulate=False)
+    result = launch_wsp(plan, SOURCE, OptimizerConfig(lr=LR), run, WSPConfig())
+    steps = {vw.steps for vw in result.vws}
+    assert len(steps) == 1, f"VWs ran different numbers of minibatches: {steps}"
+    (n,) = steps
+    assert 0 < n < 100_000 and n % 2 == 0
+    for vw in result.vws:
+        assert all(st.steps == n for st in vw.stages)
+    _check_invariants(result, [2, 3], n // 2)
+
+
 def _kill_then_resume(plan: Any, out: Path, steps: int) -> tuple[str, WSPResult]:
     run = RunConfig(steps=steps, timeout_s=15.0, emulate=False, out_dir=out)
     cfg = WSPConfig(checkpoint_every=2, resume_hint="hetpipe run X")

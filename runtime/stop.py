@@ -1,0 +1,76 @@
+"""A time limit that every virtual worker obeys at the same wave (runs with parameter servers).
+
+Without parameter servers a stage 0 simply stops admitting minibatches when its time is up. With
+several VWs under WSP that would strand the others: the global clock is the minimum over VWs, so
+a VW that stops early leaves every other VW blocked in a pull for a wave that never comes. So the
+first VW whose time is up proposes a final wave count (``planner.wsp.stop_wave``) through a
+``torch.distributed`` store (first writer wins: ``compare_set``); every VW's stage 0 polls the
+store and, once a value is there, runs exactly that many waves. The downstream stages learn the
+end from stage 0's stop message as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from torch._C._distributed_c10d import FileStore, Store
+
+from planner.wsp import stop_wave
+
+__all__ = ["StopAgreement", "file_store"]
+
+log = logging.getLogger(__name__)
+
+KEY = "hetpipe/stop_wave"
+
+
+def file_store(path: str) -> Store:
+    """A store in the file ``path`` (every process of one host opens the same file)."""
+    return FileStore(path, -1)
+
+
+class StopAgreement:
+    """Stage 0's view of the run-wide stop decision.
+
+    Args:
+        store: a store shared by every VW's stage 0 (e.g. a ``dist.FileStore``).
+        nm: minibatches per wave.
+        D: WSP threshold.
+        poll_s: seconds between looks at the store while this VW's own time is not up.
+        clock: monotonic clock (injected by tests).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        nm: int,
+        D: int,
+        poll_s: float = 0.05,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store, self.nm, self.D = store, nm, D
+        self.poll_s, self.clock = poll_s, clock
+        self._next_poll = 0.0
+        self.waves: int | None = None  # the agreed number of waves, once known
+
+    def total(self, admitted: int, time_up: bool) -> int | None:
+        """Minibatches this VW must run in all, or ``None`` while no VW's time is up.
+
+        Args:
+            admitted: minibatches this VW's stage 0 has admitted so far.
+            time_up: whether this VW's own time limit has passed.
+        """
+        if self.waves is None:
+            if time_up:
+                proposal = stop_wave(admitted, self.nm, self.D)
+                agreed = self.store.compare_set(KEY, "", str(proposal))
+                self.waves = int(agreed)
+                log.info("time limit: proposed %d waves, agreed %d", proposal, self.waves)
+            elif self.clock() >= self._next_poll:
+                self._next_poll = self.clock() + self.poll_s
+                if self.store.check([KEY]):
+                    self.waves = int(self.store.get(KEY))
+                    log.info("time limit of another VW: stopping after %d waves", self.waves)
+        return None if self.waves is None else self.waves * self.nm
