@@ -1,12 +1,17 @@
 """WSP runtime figures on the emulated cluster, measured side by side in one run.
 
-For one plan (2 VWs by policy hd on ``examples/emulated_cluster.yaml``, made once and reused):
-``hetpipe run`` with D in ``--ds`` (throughput, waiting and idle seconds per VW, test accuracy),
-then the DDP AllReduce baseline (``runtime.ddp.run_allreduce``) on the same emulated devices and
-data for the same number of samples. Prints the ratios (waiting at each D / waiting at D = 0,
-idle / waiting, HetPipe / AllReduce throughput) and writes ``benchmarks/results/wsp.json``.
+For each allocation policy in ``--policies`` (a plan made once per policy on
+``examples/emulated_cluster.yaml``: ``ed`` = one VW of V R G Q, ``hd`` = 2 VWs Q V and R G) and
+each D in ``--ds``: ``launch_wsp`` for ``--steps`` minibatches per VW (throughput, the plan's
+prediction, waiting and idle seconds per VW, test accuracy); then the DDP AllReduce baseline
+(``runtime.ddp.run_allreduce``) on the devices of the same cluster that hold the whole model, on
+the same data, for the same number of samples as the first HetPipe run. The default model
+``mlp(hidden=384,depth=4)`` (3.8 MiB as a whole with plain SGD) fits only V and R, as the paper's
+large models fit only some GPUs, so DDP uses 2 devices and HetPipe all 4. Prints the ratios
+(waiting at each D / waiting at D = 0, idle / waiting, HetPipe / AllReduce throughput,
+measured / predicted) and writes ``benchmarks/results/wsp.json``.
 
-    python benchmarks/bench_wsp.py [--epochs 10 --ds 0 4]
+    python benchmarks/bench_wsp.py [--model M --batch 32 --steps 300 --policies ed hd --ds 0 1 2 4]
 """
 
 from __future__ import annotations
@@ -26,26 +31,28 @@ from runtime.wsp_launcher import WSPConfig, launch_wsp
 REPO = Path(__file__).resolve().parent.parent
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cluster", default=str(REPO / "examples" / "emulated_cluster.yaml"))
-    ap.add_argument("--epochs", type=float, default=10.0)
-    ap.add_argument("--ds", type=int, nargs="+", default=[0, 4])
-    ap.add_argument("--results", default=str(REPO / "benchmarks" / "results" / "wsp.json"))
-    args = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING)
-    cluster = load_cluster(args.cluster)
-    plan = make_plan(cluster, model="mlp", batch_size=32, num_vws=2, policy="hd")
-    opt = OptimizerConfig(lr=0.05)
+def _run_policy(
+    cluster: object, policy: str, args: argparse.Namespace, opt: OptimizerConfig
+) -> list[dict[str, object]]:
+    """Every D of ``args.ds`` on the plan of ``policy``; one row each."""
+    n_vws = None if policy == "ed" else 2
+    plan = make_plan(
+        cluster, model=args.model, batch_size=args.batch, num_vws=n_vws, policy=policy,
+        optimizer="sgd",
+    )  # fmt: skip
     rows = []
     for d in args.ds:
         res = launch_wsp(
-            plan, ModelSource(ref="mlp"), opt, RunConfig(epochs=args.epochs), WSPConfig(D=d)
+            plan, ModelSource(ref=args.model), opt, RunConfig(steps=args.steps), WSPConfig(D=d)
         )
         row = {
+            "policy": policy,
+            "vws": [v.signature for v in plan.virtual_workers],
+            "nm": plan.nm,
             "D": d,
             "throughput": res.throughput,
             "predicted": res.predicted_throughput,
+            "measured_over_predicted": res.throughput / res.predicted_throughput,
             "waiting_s": [res.waiting_s(k) for k in range(len(res.vws))],
             "idle_s": [res.idle_s(k) for k in range(len(res.vws))],
             "test_accuracy": res.test_accuracy,
@@ -54,34 +61,72 @@ def main() -> None:
         }
         rows.append(row)
         print(
-            f"D={d}: {row['throughput']:.1f} samples/s, waiting {sum(row['waiting_s']):.2f} s, "
-            f"idle {sum(row['idle_s']):.2f} s, accuracy {row['test_accuracy']:.2%}"
+            f"{policy} {'/'.join(row['vws'])} Nm={plan.nm} D={d}: {res.throughput:.1f} samples/s "
+            f"(predicted {res.predicted_throughput:.1f}, ratio {row['measured_over_predicted']:.2f}), "
+            f"waiting {sum(row['waiting_s']):.2f} s, idle {sum(row['idle_s']):.2f} s, "
+            f"accuracy {res.test_accuracy:.2%}",
+            flush=True,
         )
-    samples = rows[0]["samples"]
-    n_dev = len(cluster.devices)
-    steps = max(2, round(samples / (plan.batch_size * n_dev)))
-    ddp = run_allreduce(cluster, "mlp", plan.batch_size, steps, optimizer=opt)
-    print(
-        f"AllReduce on {' '.join(ddp.devices)}: {ddp.throughput:.1f} samples/s, accuracy {ddp.test_accuracy:.2%}"
+    return rows
+
+
+def main() -> None:
+    """Run every policy and D, then the DDP baseline; print and record the ratios."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--cluster", default=str(REPO / "examples" / "emulated_cluster.yaml"))
+    ap.add_argument("--model", default="mlp(hidden=384,depth=4)")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=300, help="minibatches per VW")
+    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--policies", nargs="+", default=["ed", "hd"])
+    ap.add_argument("--ds", type=int, nargs="+", default=[0, 1, 2, 4])
+    ap.add_argument("--results", default=str(REPO / "benchmarks" / "results" / "wsp.json"))
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    cluster = load_cluster(args.cluster)
+    opt = OptimizerConfig(lr=args.lr)
+    load_before = os.getloadavg()
+    rows = [r for policy in args.policies for r in _run_policy(cluster, policy, args, opt)]
+    ddp_samples = int(rows[0]["samples"])  # type: ignore[call-overload]
+    probe = run_allreduce(cluster, args.model, args.batch, 1, optimizer=opt)
+    world = len(probe.devices)
+    steps = max(2, round(ddp_samples / (args.batch * world)))
+    ddp = run_allreduce(
+        cluster, args.model, args.batch, steps, optimizer=OptimizerConfig(lr=args.lr * world)
     )
-    base_wait = sum(rows[0]["waiting_s"]) or float("nan")
-    ratios = {
-        "waiting_vs_D0": {r["D"]: sum(r["waiting_s"]) / base_wait for r in rows},
-        "idle_over_waiting": {
-            r["D"]: sum(r["idle_s"]) / (sum(r["waiting_s"]) or float("nan")) for r in rows
-        },
-        "hetpipe_over_allreduce": {r["D"]: r["throughput"] / ddp.throughput for r in rows},
-        "measured_over_predicted": {r["D"]: r["throughput"] / r["predicted"] for r in rows},
-    }
+    print(
+        f"AllReduce on {' '.join(ddp.devices)} ({steps} steps, lr x {world}): "
+        f"{ddp.throughput:.1f} samples/s, accuracy {ddp.test_accuracy:.2%}"
+    )
+    ratios: dict[str, dict[str, float]] = {}
+    for policy in args.policies:
+        mine = [r for r in rows if r["policy"] == policy]
+        base_wait = sum(mine[0]["waiting_s"]) or float("nan")  # type: ignore[call-overload]
+        for r in mine:
+            key = f"{policy} D={r['D']}"
+            wait = sum(r["waiting_s"])  # type: ignore[call-overload]
+            ratios[key] = {
+                "hetpipe_over_allreduce": float(r["throughput"]) / ddp.throughput,  # type: ignore[arg-type]
+                "measured_over_predicted": float(r["measured_over_predicted"]),  # type: ignore[arg-type]
+                "waiting_vs_D0": wait / base_wait,
+                "idle_over_waiting": sum(r["idle_s"]) / (wait or float("nan")),  # type: ignore[call-overload]
+            }
     print(json.dumps(ratios, indent=2))
     out = {
-        "load": os.getloadavg(),
-        "plan": {"nm": plan.nm, "vws": [v.signature for v in plan.virtual_workers]},
+        "config": vars(args),
+        "load_before_after": [load_before, os.getloadavg()],
         "runs": rows,
-        "allreduce": {"throughput": ddp.throughput, "accuracy": ddp.test_accuracy, "steps": steps},
+        "allreduce": {
+            "devices": list(ddp.devices),
+            "throughput": ddp.throughput,
+            "accuracy": ddp.test_accuracy,
+            "steps": steps,
+            "lr": args.lr * world,
+        },
         "ratios": ratios,
     }
     Path(args.results).write_text(json.dumps(out, indent=2), encoding="utf-8")
+    print(f"wrote {args.results}")
 
 
 if __name__ == "__main__":
