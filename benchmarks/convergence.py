@@ -183,10 +183,12 @@ def run_setting(
     }
 
 
-def settings(vws: list[int]) -> list[Setting]:
-    """Sequential SGD, then every (VWs, Nm, D) of issue 7."""
+def settings(
+    vws: list[int], nms: list[int] | None = None, ds: list[int] | None = None
+) -> list[Setting]:
+    """Sequential SGD, then every (VWs, Nm, D) of issue 7 (Nm in 1..4, D in 0..4 by default)."""
     return [Setting(0, 1, 0)] + [
-        Setting(n, nm, d) for n in vws for nm in range(1, 5) for d in range(5)
+        Setting(n, nm, d) for n in vws for nm in (nms or range(1, 5)) for d in (ds or range(5))
     ]
 
 
@@ -230,6 +232,8 @@ def main() -> None:
         help="per-update learning rate of each VW: the sequential one, or divided by the VWs",
     )
     ap.add_argument("--vws", type=int, nargs="+", default=[2, 3, 4])
+    ap.add_argument("--nms", type=int, nargs="+", default=None, help="Nm values (default 1..4)")
+    ap.add_argument("--ds", type=int, nargs="+", default=None, help="D values (default 0..4)")
     ap.add_argument("--eval-every", type=int, default=48, help="minibatches between curve points")
     ap.add_argument("--out", type=Path, default=RESULTS / "convergence.json")
     args = ap.parse_args()
@@ -239,7 +243,7 @@ def main() -> None:
     print("self-check: 1 VW, Nm=1 equals sequential SGD (assert_close) ok")
     t0 = time.perf_counter()
     rows = []
-    for s in settings(args.vws):
+    for s in settings(args.vws, args.nms, args.ds):
         runs = [run_setting(s, train, test, args, seed) for seed in range(args.seeds)]
         accs = [r["accuracy"] for r in runs]
         rows.append(
