@@ -29,7 +29,6 @@ import os
 import queue
 import signal
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -55,7 +54,7 @@ from runtime.emulation import (
     load_or_calibrate,
     pace_until,
 )
-from runtime.failures import root_cause_rank, stop_all
+from runtime.failures import root_cause_rank, setup_child, stop_all
 from runtime.model import reference_module, resolve_source, sample_batch
 from runtime.weights import build_optimizer, lr_at
 
@@ -179,15 +178,6 @@ class _RankContext:
     fault: str  # "kill:RANK:STEP" for tests
 
 
-def _watch_parent(parent: int) -> None:
-    while True:
-        time.sleep(1.0)
-        try:
-            os.kill(parent, 0)
-        except ProcessLookupError:  # the launcher died: never linger as an orphan
-            os._exit(3)
-
-
 def _rank_main(
     ctx: _RankContext,
     train: Dataset[Any],
@@ -196,13 +186,7 @@ def _rank_main(
     parent: int,
 ) -> None:
     """Entry point of one DDP rank."""
-    torch.set_num_threads(1)
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s [ddp | rank {ctx.rank} | {ctx.device}] %(levelname)s %(message)s",
-        force=True,
-    )
-    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    setup_child(f"ddp | rank {ctx.rank} | {ctx.device}", parent, logging.INFO)
     code = 0
     try:
         cuda = torch.cuda.is_available() and ctx.speed == 0

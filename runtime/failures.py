@@ -7,15 +7,25 @@ and blame the first *cause*, never a peer that only saw the consequence.
 
 from __future__ import annotations
 
+import logging
+import os
 import queue
 import signal
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from profiler.errors import HetPipeRuntimeError
 
-__all__ = ["GRACE_S", "SECONDARY", "root_cause_rank", "stop_all", "watch"]
+__all__ = [
+    "GRACE_S",
+    "SECONDARY",
+    "root_cause_rank",
+    "setup_child",
+    "stop_all",
+    "watch",
+]
 
 GRACE_S = 3.0  # between SIGTERM and SIGKILL when stopping the other ranks
 
@@ -144,3 +154,45 @@ def stop_all(procs: Mapping[int, Any], grace_s: float = GRACE_S) -> None:
         if p.is_alive():
             p.kill()
             p.join(1.0)
+
+
+def _watch_parent(parent: int) -> None:
+    while True:
+        time.sleep(1.0)
+        try:
+            os.kill(parent, 0)
+        except ProcessLookupError:  # the launcher died: never linger as an orphan
+            os._exit(3)
+
+
+def _quiet_thread_error(args: threading.ExceptHookArgs) -> None:
+    name = args.thread.name if args.thread is not None else "?"
+    logging.getLogger(__name__).debug(
+        "thread %s ended with %s: %s", name, args.exc_type.__name__, args.exc_value
+    )
+
+
+def setup_child(
+    where: str, parent: int, level: int = logging.WARNING, quiet_threads: bool = False
+) -> None:
+    """First call of every spawned rank: one thread, ``[where]`` log prefix, no orphans.
+
+    Args:
+        where: log prefix, e.g. ``vw 1 | stage 0 | rank 3``.
+        parent: the launcher's pid; the process exits (code 3) once the launcher is gone.
+        level: log level (``HETPIPE_DEBUG`` in the environment turns on debug logging).
+        quiet_threads: log helper-thread failures at debug level instead of printing their
+            tracebacks (gloo receiver threads fail noisily once the process group is torn down
+            after the real error was reported).
+    """
+    import torch
+
+    torch.set_num_threads(1)
+    logging.basicConfig(
+        level=logging.DEBUG if os.environ.get("HETPIPE_DEBUG") else level,
+        format=f"%(asctime)s [{where}] %(levelname)s %(message)s",
+        force=True,
+    )
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    if quiet_threads:
+        threading.excepthook = _quiet_thread_error

@@ -17,7 +17,6 @@ import os
 import signal
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -33,7 +32,7 @@ from profiler.errors import ConfigError, HetPipeRuntimeError
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.data import default_dataset
 from runtime.emulation import Calibration, calibrate, load_or_calibrate
-from runtime.failures import root_cause_rank, stop_all, watch
+from runtime.failures import root_cause_rank, setup_child, stop_all, watch
 from runtime.metrics import ProgressBar, RunResult, StageResult, write_metrics
 from runtime.model import resolve_source, sample_batch
 from runtime.stage import StageContext, StageWorker
@@ -156,15 +155,6 @@ def _loads(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _watch_parent(launcher: int) -> None:
-    while True:
-        time.sleep(1.0)
-        try:
-            os.kill(launcher, 0)
-        except ProcessLookupError:  # the launcher died: never linger as an orphan
-            os._exit(3)
-
-
 def _inject_fault(fault: str, ctx: StageContext) -> Callable[[int], None] | None:
     """``raise:S:P`` / ``kill:S:P``: stage S raises / SIGKILLs itself at minibatch P (tests)."""
     if not fault:
@@ -196,13 +186,7 @@ def worker_main(
     fault: str = "",
 ) -> None:
     """Entry point of one stage process (spawned by :func:`launch`)."""
-    torch.set_num_threads(1)
-    logging.basicConfig(
-        level=logging.DEBUG if os.environ.get("HETPIPE_DEBUG") else logging.INFO,
-        format=f"%(asctime)s [{ctx.where}] %(levelname)s %(message)s",
-        force=True,
-    )
-    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    setup_child(ctx.where, parent, logging.INFO)
     code = 0
     log.debug("[%s] process up", ctx.where)
     try:

@@ -19,7 +19,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from profiler.errors import ConfigError
@@ -27,7 +26,8 @@ from runtime.checkpoint import load_shard_state, shard_checkpoint_path
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.data import MinibatchSource
 from runtime.emulation import Calibration
-from runtime.launcher import _dumps, _inject_fault, _watch_parent
+from runtime.failures import setup_child
+from runtime.launcher import _dumps, _inject_fault
 from runtime.model import reference_module
 from runtime.ps import ShardCore, ShardServer, ShardSpec
 from runtime.ps_client import PSClient
@@ -63,24 +63,6 @@ class ShiftedSource(MinibatchSource):
         return super().indices(mb + self.offset)
 
 
-def _setup_child(where: str, parent: int) -> None:
-    torch.set_num_threads(1)
-    logging.basicConfig(
-        level=logging.DEBUG if os.environ.get("HETPIPE_DEBUG") else logging.WARNING,
-        format=f"%(asctime)s [{where}] %(levelname)s %(message)s",
-        force=True,
-    )
-    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
-    # helper threads (gloo receivers) fail noisily once the process group is torn down after
-    # the real error was reported: keep their tracebacks out of the user's terminal
-    threading.excepthook = _quiet_thread_error
-
-
-def _quiet_thread_error(args: threading.ExceptHookArgs) -> None:
-    name = args.thread.name if args.thread is not None else "?"
-    log.debug("thread %s ended with %s: %s", name, args.exc_type.__name__, args.exc_value)
-
-
 def _shard_fault(fault: str, shard_id: int) -> None:
     """``killshard:ID:SECONDS``: shard ID SIGKILLs itself that long after it starts (tests)."""
     if not fault.startswith("killshard:"):
@@ -113,7 +95,7 @@ def shard_main(
     fault: str = "",
 ) -> None:
     """Entry point of one parameter-server shard process."""
-    _setup_child(shard.where, parent)
+    setup_child(shard.where, parent, quiet_threads=True)
     _shard_fault(fault, shard.spec.id)
     code = 0
     try:
@@ -167,7 +149,7 @@ def stage_main(
     fault: str,
 ) -> None:
     """Entry point of one stage process of a multi-VW run."""
-    _setup_child(ctx.where, parent)
+    setup_child(ctx.where, parent, quiet_threads=True)
     code = 0
     try:
         dist.init_process_group(
