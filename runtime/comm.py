@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +94,9 @@ class Event:
     error: BaseException | None = None
 
 
+MAX_PENDING_SENDS = 64  # posted sends a Channel keeps before waiting on the oldest
+
+
 class Channel:
     """Sending side towards one peer, with the asynchronous sends still in flight.
 
@@ -106,7 +110,7 @@ class Channel:
         self.peer = peer
         self.specs = specs
         self.group = group
-        self._pending: list[tuple[Any, Tensor]] = []
+        self._pending: deque[tuple[Any, Tensor]] = deque()
 
     def _isend(self, t: Tensor, tag: int) -> None:
         t = t.detach().contiguous()
@@ -114,7 +118,16 @@ class Channel:
         self._pending.append((work, t))  # keep the buffer alive until the send completes
 
     def _prune(self) -> None:
-        self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
+        """Retire the oldest sends by waiting on them, keeping at most ``MAX_PENDING_SENDS``.
+
+        gloo's ``Work.is_completed()`` stays ``False`` until ``wait()`` is called, so polling
+        it never retires anything: the list (and every tensor it keeps alive) would grow for the
+        whole run and each prune would cost O(sends so far). The peer's receiver thread always
+        posts the next receive, so an old send is complete and its ``wait`` returns at once.
+        """
+        while len(self._pending) > MAX_PENDING_SENDS:
+            work, _ = self._pending.popleft()
+            work.wait()
 
     def send_activations(self, mb: int, tensors: tuple[Tensor, ...]) -> None:
         """Post the header and the crossing tensors of minibatch ``mb``."""

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset, Subset, TensorDataset, default_collate
 
 from profiler.errors import ConfigError
 
@@ -125,6 +125,25 @@ def default_dataset(
     )
 
 
+def _gather(dataset: Dataset[Any], idx: list[int]) -> tuple[Tensor, Tensor] | None:
+    """``(inputs, targets)`` of ``idx`` by one tensor index when ``dataset`` is (a ``Subset`` of)
+    an in-memory tensor data set (digits, ``TensorDataset`` of two tensors); ``None`` otherwise.
+
+    Equal to collating the items one by one, without a Python call per sample (which cost
+    ~14 % of a small model's stage time).
+    """
+    while isinstance(dataset, Subset):
+        idx = [int(dataset.indices[i]) for i in idx]
+        dataset = dataset.dataset
+    where = torch.tensor(idx, dtype=torch.int64)
+    if isinstance(dataset, DigitsDataset):
+        return dataset.x[where], dataset.y[where]
+    if isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2:
+        x, y = dataset.tensors
+        return x[where], y[where]
+    return None
+
+
 @functools.lru_cache(maxsize=2)
 def _permutation(n: int, seed: int) -> tuple[int, ...]:
     """The seeded order of one epoch (cached: consecutive minibatches share it)."""
@@ -169,7 +188,9 @@ class MinibatchSource:
 
     def batch(self, mb: int) -> tuple[tuple[Tensor, ...], Tensor]:
         """Collated ``(inputs, targets)`` of minibatch ``mb``."""
-        xs, y = default_collate([self.dataset[i] for i in self.indices(mb)])
+        idx = self.indices(mb)
+        fast = _gather(self.dataset, idx)
+        xs, y = fast if fast is not None else default_collate([self.dataset[i] for i in idx])
         inputs = tuple(xs) if isinstance(xs, (tuple, list)) else (xs,)
         if self.target_shape:
             y = y.reshape(self.target_shape)

@@ -249,12 +249,18 @@ class PSClient:
         self._inflight.append((k, wave, ack_work, ack, sends, (hdr, flat)))
 
     def _check_acks(self, block: bool) -> None:
-        """Retire acknowledged pushes (in order); raise on the first rejected one."""
-        while self._inflight:
+        """Retire acknowledged pushes (in order); raise on the first rejected one.
+
+        ``block=False`` keeps only the newest two waves' pushes (per shard) in flight and waits
+        for the older ones: gloo's ``Work.is_completed()`` stays ``False`` until ``wait()`` is
+        called, so it cannot be polled, and a shard acknowledges a push as soon as it reads
+        it, so those waits return at once. This bounds the buffers held and surfaces a rejected
+        push within two waves.
+        """
+        keep = 0 if block else 2 * len(self._links)
+        while len(self._inflight) > keep:
             k, wave, ack_work, ack, sends, _ = self._inflight[0]
             link, what = self._links[k], f"push of wave {wave}"
-            if not block and not ack_work.is_completed():
-                return
             for w in sends:
                 self._wait(link, w, what, self.timeout_s)
             self._wait(link, ack_work, f"{what} (acknowledgement)", self.timeout_s)

@@ -133,3 +133,24 @@ def test_calibration_cache_is_reused_only_for_the_same_key(tmp_path: object) -> 
     c = load_or_calibrate(path, "k2", lambda: measure("k2"))
     assert a == b and c.key == "k2" and calls == ["k1", "k2"]
     assert a.task_s(1, "FB") == 6.0
+
+
+def test_fast_gather_equals_collating_items_one_by_one() -> None:
+    from torch.utils.data import Subset, TensorDataset, default_collate
+
+    from runtime.data import DigitsDataset, MinibatchSource
+
+    x, y = torch.randn(50, 3), torch.randint(0, 4, (50,))
+    cases = [
+        DigitsDataset(),
+        Subset(Subset(DigitsDataset(), list(range(7, 900, 3))), list(range(0, 200, 2))),
+        TensorDataset(x, y),
+        Subset(TensorDataset(x, y), list(range(49, 0, -2))),
+    ]
+    for ds in cases:
+        src = MinibatchSource(ds, 8, seed=3)
+        for mb in (1, 2, src.steps_per_epoch + 1):
+            (xs,), ys = src.batch(mb)
+            ref_x, ref_y = default_collate([ds[i] for i in src.indices(mb)])
+            torch.testing.assert_close(xs, ref_x, rtol=0, atol=0)
+            torch.testing.assert_close(ys, ref_y, rtol=0, atol=0)
