@@ -7,8 +7,9 @@ prediction, waiting and idle seconds per VW, test accuracy); then the DDP AllRed
 (``runtime.ddp.run_allreduce``) on the devices of the same cluster that hold the whole model, on
 the same data, for the same number of samples as the first HetPipe run. The default model
 ``mlp(hidden=384,depth=4)`` (3.8 MiB as a whole with plain SGD) fits only V and R, as the paper's
-large models fit only some GPUs, so DDP uses 2 devices and HetPipe all 4; batch 128 makes
-its stages take milliseconds, so compute dominates per-message costs as in the paper. Prints the ratios
+large models fit only some GPUs; at batch 128 (stages of milliseconds, so compute dominates
+per-message costs as in the paper) the activations leave only R able to hold the whole model
+(measured: DDP ran on R:0 alone), so DDP uses 1 device and HetPipe all 4. Prints the ratios
 (waiting at each D / waiting at D = 0, idle / waiting, HetPipe / AllReduce throughput,
 measured / predicted) and writes ``benchmarks/results/wsp.json``.
 
