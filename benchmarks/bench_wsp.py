@@ -7,11 +7,13 @@ prediction, waiting and idle seconds per VW, test accuracy); then the DDP AllRed
 (``runtime.ddp.run_allreduce``) on the devices of the same cluster that hold the whole model, on
 the same data, for the same number of samples as the first HetPipe run. The default model
 ``mlp(hidden=384,depth=4)`` (3.8 MiB as a whole with plain SGD) fits only V and R, as the paper's
-large models fit only some GPUs, so DDP uses 2 devices and HetPipe all 4. Prints the ratios
+large models fit only some GPUs; at batch 128 (stages of milliseconds, so compute dominates
+per-message costs as in the paper) the activations leave only R able to hold the whole model
+(measured: DDP ran on R:0 alone), so DDP uses 1 device and HetPipe all 4. Prints the ratios
 (waiting at each D / waiting at D = 0, idle / waiting, HetPipe / AllReduce throughput,
 measured / predicted) and writes ``benchmarks/results/wsp.json``.
 
-    python benchmarks/bench_wsp.py [--model M --batch 32 --steps 300 --policies ed hd --ds 0 1 2 4]
+    python benchmarks/bench_wsp.py [--model M --batch 128 --steps 300 --policies ed hd --ds 0 1 2 4]
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--cluster", default=str(REPO / "examples" / "emulated_cluster.yaml"))
     ap.add_argument("--model", default="mlp(hidden=384,depth=4)")
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--steps", type=int, default=300, help="minibatches per VW")
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--policies", nargs="+", default=["ed", "hd"])
