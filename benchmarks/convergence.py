@@ -84,15 +84,32 @@ class Trainer:
         return accuracy(self.module, self.test, self.batch)
 
 
+def warm(lr: float, done: float, warmup: float) -> float:
+    """``lr`` scaled linearly from 0 over the first ``warmup`` fraction of the samples.
+
+    Args:
+        lr: Peak learning rate.
+        done: Fraction (0..1) of the run's samples seen before this update (all VWs).
+        warmup: Fraction of the run's samples in the warm-up (0 = none).
+    """
+    return lr if warmup <= 0 else lr * min(1.0, (done + 1e-12) / warmup)
+
+
 def sequential(
-    tr: Trainer, train: Dataset[Any], steps: int, lr: float, seed: int, every: int
+    tr: Trainer,
+    train: Dataset[Any],
+    steps: int,
+    lr: float,
+    seed: int,
+    every: int,
+    warmup: float = 0.0,
 ) -> tuple[Tensor, list[tuple[int, float]]]:
     """Plain SGD over the whole training split; curve = (samples, test accuracy)."""
     src = MinibatchSource(train, tr.batch, seed)
     w = tr.w0.clone()
     curve = [(0, tr.accuracy(w))]
     for p in range(1, steps + 1):
-        w -= lr * tr.grad(w, *src.batch(p))
+        w -= warm(lr, p / steps, warmup) * tr.grad(w, *src.batch(p))
         if p % every == 0:
             curve.append((p * tr.batch, tr.accuracy(w)))
     return w, curve
@@ -107,6 +124,7 @@ def wsp(
     lr: float,
     seed: int,
     every: int,
+    warmup: float = 0.0,
 ) -> tuple[Tensor, list[tuple[int, float]], int]:
     """WSP with deterministic pulls over ``len(shards)`` VWs, ``steps`` minibatches each.
 
@@ -129,7 +147,7 @@ def wsp(
             # recent[v] ends with L_v[p-1]: L_v[p-Nm] is nm from the end (L_v[0] while p <= Nm)
             local = recent[v][-nm] if p > nm else recent[v][0]
             w = tr.w0 + global_part - at_wave[v][g] + local
-            u = -lr * tr.grad(w, *srcs[v].batch(p))
+            u = -warm(lr, p / steps, warmup) * tr.grad(w, *srcs[v].batch(p))
             own[v] += u
             total += u
             recent[v].append(own[v].clone())
@@ -165,12 +183,20 @@ def run_setting(
     tr = Trainer(args.batch, seed, test)
     every = args.eval_every
     if s.vws == 0:
-        w, curve = sequential(tr, train, args.steps, args.lr, seed, every)
+        w, curve = sequential(tr, train, args.steps, args.lr, seed, every, args.warmup)
         worst = 0
     else:
         lr = args.lr / s.vws if args.lr_mode == "divided" else args.lr
         w, curve, worst = wsp(
-            tr, shards_of(train, s.vws), args.steps // s.vws, s.nm, s.d, lr, seed, every
+            tr,
+            shards_of(train, s.vws),
+            args.steps // s.vws,
+            s.nm,
+            s.d,
+            lr,
+            seed,
+            every,
+            args.warmup,
         )
         if worst > s_global(s.nm, s.d):
             raise RuntimeError(f"{s.label}: staleness {worst} > s_global {s_global(s.nm, s.d)}")
@@ -230,6 +256,12 @@ def main() -> None:
         choices=("same", "divided"),
         default="same",
         help="per-update learning rate of each VW: the sequential one, or divided by the VWs",
+    )
+    ap.add_argument(
+        "--warmup",
+        type=float,
+        default=0.0,
+        help="fraction of the samples with a linear lr warm-up (the same for every setting)",
     )
     ap.add_argument("--vws", type=int, nargs="+", default=[2, 3, 4])
     ap.add_argument("--nms", type=int, nargs="+", default=None, help="Nm values (default 1..4)")
