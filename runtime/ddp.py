@@ -26,7 +26,6 @@ from __future__ import annotations
 import io
 import logging
 import os
-import queue
 import signal
 import tempfile
 import time
@@ -40,12 +39,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor, nn
-from torch.utils.data import Dataset, Subset
+from torch.utils.data import Dataset
 
-from planner.cluster import Cluster, Device
-from profiler.errors import ConfigError, HetPipeRuntimeError
+from planner.cluster import Cluster
+from profiler.errors import ConfigError
 from runtime.config import ModelSource, OptimizerConfig
 from runtime.data import MinibatchSource, default_dataset
+from runtime.ddp_fit import device_capacity_bytes, eligible_devices, model_memory_bytes
+from runtime.ddp_watch import watch_ranks
 from runtime.emulation import (
     Calibration,
     MemoryMeter,
@@ -54,7 +55,8 @@ from runtime.emulation import (
     load_or_calibrate,
     pace_until,
 )
-from runtime.failures import root_cause_rank, setup_child, stop_all
+from runtime.evaluation import accuracy, split_dataset
+from runtime.failures import setup_child, stop_all
 from runtime.model import reference_module, resolve_source, sample_batch
 from runtime.weights import build_optimizer, lr_at
 
@@ -98,64 +100,6 @@ class DDPResult:
     memory_bytes: int
     wall_s: float
     state: dict[str, Tensor] = field(default_factory=dict, repr=False)
-
-
-def device_capacity_bytes(device: Device) -> int:
-    """Memory a device offers: its emulated cap when emulated, else its memory (bytes)."""
-    return device.emulation.memory_bytes if device.emulation is not None else device.memory_bytes
-
-
-def eligible_devices(cluster: Cluster, need_bytes: int) -> tuple[Device, ...]:
-    """The devices of ``cluster`` that can hold ``need_bytes`` (the whole model), in cluster order."""
-    return tuple(d for d in cluster.devices if device_capacity_bytes(d) >= need_bytes)
-
-
-def model_memory_bytes(
-    cluster: Cluster, model_ref: str, batch_size: int, optimizer: str = "momentum"
-) -> int:
-    """The planner's memory estimate of the whole model on one device (bytes, ``Nm = 1``).
-
-    Uses the same profiles (analytic or emulated) and cost model as ``hetpipe plan``.
-    """
-    from planner.costmodel import CostModel, optimizer_factor
-    from planner.profiles import resolve_profiles
-
-    profiles, _, _, _ = resolve_profiles(cluster, None, model_ref, batch_size)
-    cm = CostModel(profiles, cluster.link, optimizer_factor(optimizer))
-    return cm.model_memory_bytes(1)
-
-
-def split_dataset(
-    dataset: Dataset[Any], test_fraction: float = 0.2, seed: int = 0
-) -> tuple[Subset[Any], Subset[Any]]:
-    """A seeded, disjoint ``(train, test)`` split of ``dataset``.
-
-    Raises:
-        ConfigError: ``test_fraction`` outside (0, 1).
-    """
-    if not 0.0 < test_fraction < 1.0:
-        raise ConfigError(f"test fraction must be in (0, 1), got {test_fraction}")
-    n = len(dataset)  # type: ignore[arg-type]
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(10_007 + seed)).tolist()
-    n_test = max(1, round(n * test_fraction))
-    return Subset(dataset, perm[n_test:]), Subset(dataset, perm[:n_test])
-
-
-@torch.no_grad()
-def accuracy(module: nn.Module, dataset: Dataset[Any], batch_size: int) -> float:
-    """Top-1 accuracy (fraction) of ``module`` over ``dataset`` in full minibatches of ``batch_size``.
-
-    The module is traced for a fixed batch shape, so a last incomplete minibatch is dropped.
-    """
-    src = MinibatchSource(dataset, batch_size)
-    correct = total = 0
-    for p in range(1, src.steps_per_epoch + 1):
-        xs, y = src.batch(p)
-        out = module(*xs)
-        pred = out.reshape(-1, out.shape[-1]).argmax(-1)
-        correct += int((pred == y.reshape(-1)).sum())
-        total += int(y.numel())
-    return correct / total if total else 0.0
 
 
 # ------------------------------------------------------------------------------ one rank
@@ -485,46 +429,6 @@ def _spawn_and_watch(
             )
             p.start()
             procs[c.rank] = p
-        return _watch(ctxs, procs, events, stall_s)
+        return watch_ranks([c.device for c in ctxs], procs, events, stall_s)
     finally:
         stop_all(procs)
-
-
-def _watch(
-    ctxs: Sequence[_RankContext], procs: dict[int, Any], events: Any, stall_s: float
-) -> list[dict[str, Any]]:
-    results: dict[int, dict[str, Any]] = {}
-    last = time.time()
-    while len(results) < len(ctxs):
-        try:
-            msg = events.get(timeout=0.2)
-        except queue.Empty:
-            msg = None
-        if msg is not None:
-            last = time.time()
-            if msg[0] == "result":
-                results[msg[1]] = torch.load(io.BytesIO(msg[2]), weights_only=False)
-            elif msg[0] == "error":
-                raise _failure(ctxs, procs, events, {msg[1]: str(msg[2])}, results)
-        elif any(p.exitcode not in (None, 0) and r not in results for r, p in procs.items()):
-            raise _failure(ctxs, procs, events, {}, results)
-        elif time.time() - last > stall_s:
-            raise HetPipeRuntimeError(
-                f"AllReduce run: no progress from any rank for {stall_s:.0f} s"
-            )
-    return [results[c.rank] for c in ctxs]
-
-
-def _failure(
-    ctxs: Sequence[_RankContext],
-    procs: dict[int, Any],
-    events: Any,
-    errors: dict[int, str],
-    results: dict[int, dict[str, Any]],
-) -> HetPipeRuntimeError:
-    """Collect failures for a moment and blame the first cause, not its peers' broken links."""
-    rank = root_cause_rank(procs, events, errors, results, grace_s=1.0)
-    return HetPipeRuntimeError(
-        f"AllReduce rank {rank} (device {ctxs[rank].device}) failed: {errors[rank]}; "
-        "every other rank was stopped"
-    )

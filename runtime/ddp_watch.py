@@ -1,0 +1,74 @@
+"""Supervision of the AllReduce baseline's rank processes (:mod:`runtime.ddp`).
+
+The parent waits for every rank's result on one queue; the first failing rank (not its peers,
+whose links then break) is blamed by :func:`runtime.failures.root_cause_rank`.
+"""
+
+from __future__ import annotations
+
+import io
+import queue
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from profiler.errors import HetPipeRuntimeError
+from runtime.failures import root_cause_rank
+
+__all__ = ["watch_ranks"]
+
+
+def watch_ranks(
+    devices: Sequence[str], procs: dict[int, Any], events: Any, stall_s: float
+) -> list[dict[str, Any]]:
+    """Collect every rank's result from ``events``; raise on the first failure or a stall.
+
+    Args:
+        devices: device label of each rank, indexed by rank (``R:0``).
+        procs: the rank processes by rank.
+        events: the queue the ranks post ``("result", rank, bytes)`` or ``("error", rank, msg)`` to.
+        stall_s: give up after this long without any message (s).
+
+    Returns:
+        The ranks' result dicts in rank order.
+
+    Raises:
+        HetPipeRuntimeError: a rank failed (the root cause is named) or the run stalled.
+    """
+    results: dict[int, dict[str, Any]] = {}
+    last = time.time()
+    while len(results) < len(devices):
+        try:
+            msg = events.get(timeout=0.2)
+        except queue.Empty:
+            msg = None
+        if msg is not None:
+            last = time.time()
+            if msg[0] == "result":
+                results[msg[1]] = torch.load(io.BytesIO(msg[2]), weights_only=False)
+            elif msg[0] == "error":
+                raise _failure(devices, procs, events, {msg[1]: str(msg[2])}, results)
+        elif any(p.exitcode not in (None, 0) and r not in results for r, p in procs.items()):
+            raise _failure(devices, procs, events, {}, results)
+        elif time.time() - last > stall_s:
+            raise HetPipeRuntimeError(
+                f"AllReduce run: no progress from any rank for {stall_s:.0f} s"
+            )
+    return [results[r] for r in range(len(devices))]
+
+
+def _failure(
+    devices: Sequence[str],
+    procs: dict[int, Any],
+    events: Any,
+    errors: dict[int, str],
+    results: dict[int, dict[str, Any]],
+) -> HetPipeRuntimeError:
+    """Collect failures for a moment and blame the first cause, not its peers' broken links."""
+    rank = root_cause_rank(procs, events, errors, results, grace_s=1.0)
+    return HetPipeRuntimeError(
+        f"AllReduce rank {rank} (device {devices[rank]}) failed: {errors[rank]}; "
+        "every other rank was stopped"
+    )
