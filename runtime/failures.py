@@ -11,10 +11,14 @@ import logging
 import os
 import queue
 import signal
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Mapping
-from typing import Any
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, NoReturn
 
 from profiler.errors import HetPipeRuntimeError
 
@@ -22,6 +26,7 @@ __all__ = [
     "GRACE_S",
     "SECONDARY",
     "root_cause_rank",
+    "run_rank",
     "setup_child",
     "stop_all",
     "watch",
@@ -196,3 +201,41 @@ def setup_child(
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     if quiet_threads:
         threading.excepthook = _quiet_thread_error
+
+
+def run_rank(
+    rank: int,
+    events: Any,
+    init_method: str,
+    world_size: int,
+    timeout_s: float,
+    body: Callable[[], tuple[str, bytes]],
+) -> NoReturn:
+    """The life of one spawned rank after :func:`setup_child`, then exit (code 0 or 1).
+
+    Joins the gloo process group (every operation times out after ``timeout_s``), runs
+    ``body`` and posts its ``(kind, payload)`` as ``(kind, rank, payload)`` on ``events``; if
+    anything fails (also ``KeyboardInterrupt``), posts ``("error", rank, "Type: message
+    (file:line)")`` instead, for the launcher's :func:`watch`.
+    """
+    import torch.distributed as dist
+
+    code = 0
+    try:
+        dist.init_process_group(
+            "gloo", init_method=init_method, rank=rank, world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )  # fmt: skip
+        try:
+            kind, payload = body()
+            events.put((kind, rank, payload))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as exc:  # report anything to the launcher
+        where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+        loc = f" ({Path(where.filename).name}:{where.lineno})" if where else ""
+        events.put(("error", rank, f"{type(exc).__name__}: {exc}{loc}"))
+        code = 1
+    events.close()
+    events.join_thread()
+    sys.exit(code)

@@ -15,12 +15,9 @@ import math
 import multiprocessing as mp
 import os
 import signal
-import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +29,7 @@ from profiler.errors import ConfigError, HetPipeRuntimeError
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.data import default_dataset
 from runtime.emulation import Calibration, calibrate, load_or_calibrate
-from runtime.failures import root_cause_rank, setup_child, stop_all, watch
+from runtime.failures import root_cause_rank, run_rank, setup_child, stop_all, watch
 from runtime.metrics import ProgressBar, RunResult, StageResult, write_metrics
 from runtime.model import resolve_source, sample_batch
 from runtime.stage import StageContext, StageWorker
@@ -187,40 +184,23 @@ def worker_main(
 ) -> None:
     """Entry point of one stage process (spawned by :func:`launch`)."""
     setup_child(ctx.where, parent, logging.INFO)
-    code = 0
     log.debug("[%s] process up", ctx.where)
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=init_method,
-            rank=ctx.rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=run.timeout_s),
-        )
+
+    def body() -> tuple[str, bytes]:
         t0 = time.perf_counter()
-        try:
-            worker = StageWorker(ctx, source, optimizer, run, dataset, calibration, events)
-            worker.fault = _inject_fault(fault, ctx)
-            t1 = time.perf_counter()
-            dist.barrier()
-            log.debug(
-                "[%s] built in %.2f s, waited %.2f s at the start barrier",
-                ctx.where,
-                t1 - t0,
-                time.perf_counter() - t1,
-            )
-            result = worker.run(time.time())
-            events.put(("result", ctx.rank, _dumps(result)))
-        finally:
-            dist.destroy_process_group()
-    except BaseException as exc:  # report anything (also KeyboardInterrupt) to the launcher
-        where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
-        loc = f" ({Path(where.filename).name}:{where.lineno})" if where else ""
-        events.put(("error", ctx.rank, f"{type(exc).__name__}: {exc}{loc}"))
-        code = 1
-    events.close()
-    events.join_thread()
-    sys.exit(code)
+        worker = StageWorker(ctx, source, optimizer, run, dataset, calibration, events)
+        worker.fault = _inject_fault(fault, ctx)
+        t1 = time.perf_counter()
+        dist.barrier()
+        log.debug(
+            "[%s] built in %.2f s, waited %.2f s at the start barrier",
+            ctx.where,
+            t1 - t0,
+            time.perf_counter() - t1,
+        )
+        return "result", _dumps(worker.run(time.time()))
+
+    run_rank(ctx.rank, events, init_method, world_size, run.timeout_s, body)
 
 
 def launch(

@@ -10,13 +10,9 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -26,7 +22,7 @@ from runtime.checkpoint import load_shard_state, shard_checkpoint_path
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.data import MinibatchSource
 from runtime.emulation import Calibration
-from runtime.failures import setup_child
+from runtime.failures import run_rank, setup_child
 from runtime.launcher import _dumps, _inject_fault
 from runtime.model import reference_module
 from runtime.ps import ShardCore, ShardServer, ShardSpec
@@ -74,12 +70,6 @@ def _shard_fault(fault: str, shard_id: int) -> None:
         timer.start()
 
 
-def _report(events: Any, rank: int, exc: BaseException) -> None:
-    where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
-    loc = f" ({Path(where.filename).name}:{where.lineno})" if where else ""
-    events.put(("error", rank, f"{type(exc).__name__}: {exc}{loc}"))
-
-
 def shard_main(
     shard: ShardRole,
     source: ModelSource,
@@ -97,38 +87,27 @@ def shard_main(
     """Entry point of one parameter-server shard process."""
     setup_child(shard.where, parent, quiet_threads=True)
     _shard_fault(fault, shard.spec.id)
-    code = 0
-    try:
-        dist.init_process_group(
-            "gloo", init_method=init_method, rank=shard.rank, world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )  # fmt: skip
-        try:
-            if resume_clock is not None and cfg.checkpoint_dir is not None:
-                path = shard_checkpoint_path(cfg.checkpoint_dir, shard.spec.id, resume_clock)
-                core = ShardCore(shard.spec, state=load_shard_state(path))
-            else:
-                module, names, _ = reference_module(source, batch_size, seed)
-                init = {names[n]: p.detach() for n, p in module.named_parameters()}
-                core = ShardCore(shard.spec, shard.spec.flatten(init))
-            server = ShardServer(
-                core,
-                timeout_s=timeout_s,
-                idle_timeout_s=4 * timeout_s,
-                checkpoint_dir=cfg.checkpoint_dir if cfg.checkpoint_every > 0 else None,
-                checkpoint_every=cfg.checkpoint_every,
-            )
-            dist.barrier()
-            state = server.serve()
-            events.put(("shard", shard.rank, _dumps((state, list(core.trace)))))
-        finally:
-            dist.destroy_process_group()
-    except BaseException as exc:  # report anything to the launcher
-        _report(events, shard.rank, exc)
-        code = 1
-    events.close()
-    events.join_thread()
-    sys.exit(code)
+
+    def body() -> tuple[str, bytes]:
+        if resume_clock is not None and cfg.checkpoint_dir is not None:
+            path = shard_checkpoint_path(cfg.checkpoint_dir, shard.spec.id, resume_clock)
+            core = ShardCore(shard.spec, state=load_shard_state(path))
+        else:
+            module, names, _ = reference_module(source, batch_size, seed)
+            init = {names[n]: p.detach() for n, p in module.named_parameters()}
+            core = ShardCore(shard.spec, shard.spec.flatten(init))
+        server = ShardServer(
+            core,
+            timeout_s=timeout_s,
+            idle_timeout_s=4 * timeout_s,
+            checkpoint_dir=cfg.checkpoint_dir if cfg.checkpoint_every > 0 else None,
+            checkpoint_every=cfg.checkpoint_every,
+        )
+        dist.barrier()
+        state = server.serve()
+        return "shard", _dumps((state, list(core.trace)))
+
+    run_rank(shard.rank, events, init_method, world_size, timeout_s, body)
 
 
 def stage_main(
@@ -150,34 +129,23 @@ def stage_main(
 ) -> None:
     """Entry point of one stage process of a multi-VW run."""
     setup_child(ctx.where, parent, quiet_threads=True)
-    code = 0
-    try:
-        dist.init_process_group(
-            "gloo", init_method=init_method, rank=ctx.rank, world_size=world_size,
-            timeout=timedelta(seconds=run.timeout_s),
-        )  # fmt: skip
-        try:
-            worker = StageWorker(ctx, source, optimizer, run, dataset, calibration, events)
-            worker.fault = _inject_fault(fault, ctx)
-            sync = _wave_sync(worker, specs, D, first_wave * ctx.nm, cfg, run.timeout_s)
-            if ctx.stage == 0 and run.time_limit_s > 0:
-                if not init_method.startswith("file://"):
-                    raise ConfigError("--time-limit needs the one-host launcher (hetpipe run)")
-                store = file_store(init_method.removeprefix("file://") + ".stop")
-                worker.stop = StopAgreement(store, ctx.nm, D)
-            dist.barrier()
-            sync.start(first_wave)
-            result = worker.run(time.time())
-            sync.close()
-            events.put(("result", ctx.rank, _dumps(result)))
-        finally:
-            dist.destroy_process_group()
-    except BaseException as exc:  # report anything (also KeyboardInterrupt) to the launcher
-        _report(events, ctx.rank, exc)
-        code = 1
-    events.close()
-    events.join_thread()
-    sys.exit(code)
+
+    def body() -> tuple[str, bytes]:
+        worker = StageWorker(ctx, source, optimizer, run, dataset, calibration, events)
+        worker.fault = _inject_fault(fault, ctx)
+        sync = _wave_sync(worker, specs, D, first_wave * ctx.nm, cfg, run.timeout_s)
+        if ctx.stage == 0 and run.time_limit_s > 0:
+            if not init_method.startswith("file://"):
+                raise ConfigError("--time-limit needs the one-host launcher (hetpipe run)")
+            store = file_store(init_method.removeprefix("file://") + ".stop")
+            worker.stop = StopAgreement(store, ctx.nm, D)
+        dist.barrier()
+        sync.start(first_wave)
+        result = worker.run(time.time())
+        sync.close()
+        return "result", _dumps(result)
+
+    run_rank(ctx.rank, events, init_method, world_size, run.timeout_s, body)
 
 
 def _wave_sync(
