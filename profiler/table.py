@@ -42,6 +42,7 @@ __all__ = [
     "COLUMNS",
     "Profile",
     "ProfileMeta",
+    "atomic_write_bytes",
     "atomic_write_text",
     "load_profile",
     "load_profile_set",
@@ -139,7 +140,10 @@ class Profile:
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the profile as CSV with a metadata header, atomically (write, then rename)."""
         meta = dict(self.meta.__dict__)
-        meta["extra"] = {**self.meta.extra, "rows": len(self.table)}  # detects a file cut at a row boundary
+        meta["extra"] = {
+            **self.meta.extra,
+            "rows": len(self.table),
+        }  # detects a file cut at a row boundary
         body = self.table[list(COLUMNS)].to_csv(
             index=False, float_format="%.17g", lineterminator="\n"
         )
@@ -148,12 +152,17 @@ class Profile:
 
 
 def atomic_write_text(path: Path, text: str) -> Path:
-    """Write ``text`` to ``path`` via a temporary file in the same folder and ``os.replace``."""
+    """Write ``text`` (UTF-8) to ``path`` via a temporary file in the same folder and ``os.replace``."""
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` via a temporary file in the same folder and ``os.replace``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -206,7 +215,9 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
     extra = dict(meta.extra)
     rows = extra.pop("rows", None)
     if rows is not None and rows != len(table):
-        raise ProfileError(f"{p}: profile is truncated ({len(table)} of {rows} layer rows); re-create it")
+        raise ProfileError(
+            f"{p}: profile is truncated ({len(table)} of {rows} layer rows); re-create it"
+        )
     meta = replace(meta, extra=extra)
     return Profile(table, meta)
 

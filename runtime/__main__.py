@@ -44,6 +44,7 @@ import torch.distributed as dist
 from planner.plan import Plan, load_plan
 from profiler.errors import ConfigError, HetPipeError, HetPipeRuntimeError
 from profiler.graph import ModelGraph
+from profiler.table import atomic_write_bytes
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.emulation import Calibration
 from runtime.launcher import stage_contexts, total_steps
@@ -192,8 +193,7 @@ class _RankSink:
 
     def put(self, msg: tuple[Any, ...]) -> None:
         if msg[0] in ("result", "shard") and self.out is not None:
-            self.out.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(msg[2], self.out / f"rank{self.rank}.pt")
+            atomic_write_bytes(self.out / f"rank{self.rank}.pt", msg[2])
         elif msg[0] == "error":
             log.error("rank %d failed: %s", self.rank, msg[2])
 
@@ -202,13 +202,6 @@ class _RankSink:
 
     def join_thread(self) -> None:
         """Nothing to wait for."""
-
-
-def atomic_write_bytes(data: bytes, path: Path) -> None:
-    """Write ``data`` to ``path`` through a temporary file and ``os.replace``."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def collect_wsp(plan: Plan, out: Path, nm: int = 0, D: int | None = None) -> WSPResult:
