@@ -196,7 +196,9 @@ class StageWorker:
                 if task.kind is not Kind.F:
                     b_done += 1
                     self._completed(task.mb)
-                    if ctx.stage == 0 and self._received < self._final_total(total, start_time):
+                    if ctx.stage == 0:
+                        total = self._final_total(total, start_time)
+                    if ctx.stage == 0 and self._received < total:
                         if not self.run_cfg.flush_every_wave:
                             self._admit(1)
                         elif b_done == self._received:  # baseline: the whole wave drained
