@@ -1,19 +1,25 @@
 """Parameter-server push/pull bandwidth vs raw gloo point-to-point for the same bytes.
 
-Two processes on this machine (gloo over loopback TCP, one thread each): a shard and one
-stage. For each message size the stage does ``reps`` rounds of
+Two processes on this machine (gloo over loopback TCP, one thread each plus the shard's
+reader threads): a shard and one stage. For each message size the stage does ``reps`` rounds of
 
 - **raw**: ``send(x)`` then ``recv(y)`` with plain ``dist.send``/``dist.recv`` (``x``, ``y``
   of the size), the shard doing the mirror image: the floor any protocol pays;
-- **ps**: ``push(wave, [x])`` then ``pull(wave + 1, out=[w])`` through :class:`runtime.ps_client.PSClient`
-  and :class:`runtime.ps.ShardServer`, which also moves small headers and acknowledgements,
-  applies the update to the global weights, keeps the ledger and copies the reply slice.
+- **ps**, two client modes:
+  - *push, pull (packed)*: ``push(wave, [x])`` then ``pull(wave + 1, out=[y])``: the push packs
+    ``x`` into its message (a copy) and the pull is a second request;
+  - *push_pull, in place*: the update is written straight into the push message
+    (``update_buffers``, as :class:`runtime.wave_sync.WaveSync` computes its wave delta there)
+    and the pull request rides in the push (``push_pull``), as WaveSync does.
+  Either way the shard applies the update to the global weights, keeps the ledger, sends an
+  acknowledgement and replies; the reply lands straight in ``y`` (one flat tensor).
 
-Both move the same payload bytes per round; raw and ps rounds alternate in blocks so machine
-load affects both alike. Prints MB/s of each and ``ps / raw`` (issue 7's target: >= 0.8), and
-writes ``benchmarks/results/parameter_server.json``.
+Both move the same payload bytes per round. Raw and ps blocks alternate against one shard
+that serves for the whole size, so machine load affects both alike; the table gives the
+median over blocks of MB/s and of ``ps / raw`` (with quartiles; issue 7's target: >= 0.8)
+and ``benchmarks/results/parameter_server.json`` records them.
 
-Usage: ``python benchmarks/bench_ps.py [--sizes-mb 1 8 32] [--reps 8] [--blocks 3]``
+Usage: ``python benchmarks/bench_ps.py [--sizes-mb 0.25 1 8 32] [--reps 8] [--blocks 9]``
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import datetime
 import json
 import os
 import socket
+import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -42,10 +50,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _raw_rounds(rank: int, numel: int, reps: int) -> float:
-    x = torch.ones(numel)
-    y = torch.empty(numel)
-    dist.barrier()
+def _raw_rounds(rank: int, x: torch.Tensor, y: torch.Tensor, reps: int) -> float:
     t0 = time.perf_counter()
     for _ in range(reps):
         if rank == 1:
@@ -57,23 +62,65 @@ def _raw_rounds(rank: int, numel: int, reps: int) -> float:
     return time.perf_counter() - t0
 
 
-def _ps_rounds(rank: int, numel: int, reps: int) -> float:
+def _size(
+    rank: int, numel: int, reps: int, blocks: int, combined: bool, in_place: bool
+) -> list[tuple[float, float]]:
+    """``blocks`` pairs of (raw seconds, ps seconds) for ``reps`` rounds each, alternating.
+
+    One shard serves for the whole size (its thread waits while raw blocks run), so neither
+    side pays for starting threads or first-touch allocations inside a timed block.
+    """
     (spec,) = make_shard_specs({"w": (numel,)}, {"w": 0}, [0], [(0, 0, 1, ["w"])])
-    dist.barrier()
-    t0 = time.perf_counter()
+    x, y = torch.full((numel,), 1e-3), torch.empty(numel)
+    server = client = None
     if rank == 0:
-        ShardServer(ShardCore(spec, torch.zeros(numel)), timeout_s=60.0).serve()
+        server = threading.Thread(
+            target=ShardServer(ShardCore(spec, torch.zeros(numel)), timeout_s=60.0).serve
+        )
+        server.start()
     else:
         client = PSClient(0, 0, [("w", (numel,))], [spec], timeout_s=60.0)
-        x, w = torch.full((numel,), 1e-3), torch.empty(numel)
-        for wave in range(reps):
-            client.push(wave, [x])
-            client.pull(wave + 1, out=[w])
+    wave = 0
+    times = []
+    for block in range(blocks + 1):  # block 0 warms both paths up and is not reported
+        dist.barrier()
+        raw = _raw_rounds(rank, x, y, reps)
+        dist.barrier()
+        t0 = time.perf_counter()
+        if client is not None:
+            for _ in range(reps):
+                upd = [x]
+                if in_place:  # the update is computed straight into the message (WaveSync does)
+                    upd = client.update_buffers()
+                    if wave < 4:  # first use of each recycled message: put the update there
+                        upd[0].copy_(x)
+                if combined:
+                    client.push_pull(wave, upd, wave + 1, out=[y]).wait()
+                else:
+                    client.push(wave, upd)
+                    client.pull(wave + 1, out=[y])
+                wave += 1
+        ps = time.perf_counter() - t0
+        dist.barrier()
+        if block:
+            times.append((raw, ps))
+    if client is not None:
         client.close()
-    return time.perf_counter() - t0
+    if server is not None:
+        server.join()
+    return times
 
 
-def _worker(rank: int, port: int, sizes_mb: list[float], reps: int, blocks: int, out: str) -> None:
+def _worker(
+    rank: int,
+    port: int,
+    sizes_mb: list[float],
+    reps: int,
+    blocks: int,
+    combined: bool,
+    in_place: bool,
+    out: str,
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -86,18 +133,19 @@ def _worker(rank: int, port: int, sizes_mb: list[float], reps: int, blocks: int,
         rows = []
         for mb in sizes_mb:
             numel = int(mb * 2**20) // 4
-            _raw_rounds(rank, numel, 1)  # warm the connection and allocator
-            raw = ps = 0.0
-            for _ in range(blocks):
-                raw += _raw_rounds(rank, numel, reps)
-                ps += _ps_rounds(rank, numel, reps)
-            moved = 2 * numel * 4 * reps * blocks  # payload bytes per direction pair
+            times = _size(rank, numel, reps, blocks, combined, in_place)
+            moved = 2 * numel * 4 * reps  # payload bytes of one block (both directions)
+            raw = statistics.median(moved / r / 2**20 for r, _ in times)
+            ps = statistics.median(moved / p / 2**20 for _, p in times)
+            ratios = sorted(r / p for r, p in times)
             rows.append(
                 {
                     "mb": mb,
-                    "raw_mb_s": moved / raw / 2**20,
-                    "ps_mb_s": moved / ps / 2**20,
-                    "ratio": raw / ps,
+                    "raw_mb_s": raw,
+                    "ps_mb_s": ps,
+                    "ratio": statistics.median(ratios),
+                    "ratio_q1": ratios[len(ratios) // 4],
+                    "ratio_q3": ratios[(3 * len(ratios)) // 4],
                 }
             )
         if rank == 1:
@@ -106,26 +154,48 @@ def _worker(rank: int, port: int, sizes_mb: list[float], reps: int, blocks: int,
         dist.destroy_process_group()
 
 
+MODES = {  # name -> (pull inside the push, update written in place)
+    "push, pull (packed)": (False, False),
+    "push_pull, in place": (True, True),
+}
+
+
 def main() -> None:
-    """Run both processes and print the table."""
+    """Run both processes for each client mode and print the table."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes-mb", type=float, nargs="+", default=[1.0, 8.0, 32.0])
+    ap.add_argument("--sizes-mb", type=float, nargs="+", default=[0.25, 1.0, 8.0, 32.0])
     ap.add_argument("--reps", type=int, default=8, help="rounds per block")
-    ap.add_argument("--blocks", type=int, default=3, help="alternating raw/ps blocks per size")
+    ap.add_argument("--blocks", type=int, default=9, help="alternating raw/ps blocks per size")
     args = ap.parse_args()
     tmp = RESULTS.parent / f".bench_ps.{os.getpid()}.json"
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    spawn(
-        _worker,
-        args=(_free_port(), args.sizes_mb, args.reps, args.blocks, str(tmp)),
-        nprocs=2,
-        join=True,
+    rows = []
+    for mode, (combined, in_place) in MODES.items():
+        spawn(
+            _worker,
+            args=(
+                _free_port(),
+                args.sizes_mb,
+                args.reps,
+                args.blocks,
+                combined,
+                in_place,
+                str(tmp),
+            ),
+            nprocs=2,
+            join=True,
+        )
+        rows += [{"mode": mode, **r} for r in json.loads(tmp.read_text(encoding="utf-8"))]
+        tmp.unlink()
+    print(
+        f"{'client':<20} {'payload MB':>10} {'raw MB/s':>10} {'ps MB/s':>10} {'ps/raw':>7} "
+        f"{'(quartiles)':>14}"
     )
-    rows = json.loads(tmp.read_text(encoding="utf-8"))
-    tmp.unlink()
-    print(f"{'payload MB':>10} {'raw MB/s':>10} {'ps MB/s':>10} {'ps/raw':>7}")
     for r in rows:
-        print(f"{r['mb']:>10.1f} {r['raw_mb_s']:>10.0f} {r['ps_mb_s']:>10.0f} {r['ratio']:>7.2f}")
+        print(
+            f"{r['mode']:<20} {r['mb']:>10.2f} {r['raw_mb_s']:>10.0f} {r['ps_mb_s']:>10.0f} "
+            f"{r['ratio']:>7.2f}   ({r['ratio_q1']:.2f}-{r['ratio_q3']:.2f})"
+        )
     RESULTS.write_text(
         json.dumps({"rows": rows, "reps": args.reps, "blocks": args.blocks}, indent=2) + "\n",
         encoding="utf-8",

@@ -35,7 +35,7 @@ import datetime
 import logging
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
 
@@ -77,20 +77,35 @@ log = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------ wire protocol
 TAG_BASE = 7_000_000  # far from any tag the pipeline runtime uses between stages
-TAG_REQUEST = TAG_BASE + 1  # client -> shard: int64 header [op, arg, seq, 0]
-TAG_PUSH_DATA = TAG_BASE + 2  # client -> shard: the flat update, right after a PUSH header
+TAG_REQUEST = TAG_BASE + 1  # client -> shard: int64 [op, arg, seq, 0] (PULL, BYE)
+TAG_PUSH = TAG_BASE + 2  # client -> shard: one push message, see push_message()
 TAG_ACK = TAG_BASE + 3  # shard -> client: int64 [status, wave, global clock, 0] per push
-TAG_PULL_HEADER = TAG_BASE + 4  # shard -> client: int64 [status, global clock, min_clock, 0]
+TAG_PULL_HEADER = TAG_BASE + 4  # shard -> client: int64 [status, global clock, min_clock, seq]
 TAG_PULL_DATA = TAG_BASE + 5  # shard -> client: the client's flat slice of the weights
 HEADER_LEN = 4
+HEADER_BYTES = HEADER_LEN * 8
+NO_PULL = -1  # a push header's pull clock when the push asks for no pull
+LAST_PUSH = 1  # push header flag: no more pushes follow (the client is closing), no update
 
 
 class Op(IntEnum):
-    """Request kinds a client sends."""
+    """Request kinds a client sends on ``TAG_REQUEST`` (pushes have their own tag)."""
 
-    PUSH = 1  # arg = wave
-    PULL = 2  # arg = minimum global clock
+    PULL = 2  # arg = minimum global clock, seq = the client's pull number
     BYE = 3  # the client is done; no more requests follow
+
+
+def push_message(numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A push message buffer: ``(message, header, payload)``.
+
+    One push is **one** gloo message of ``HEADER_BYTES + 4 * numel`` bytes: an int64 header
+    ``[wave, pull clock or NO_PULL, pull seq, flags]`` followed by the float32 update. ``header`` and
+    ``payload`` are views of ``message`` (uint8), so filling the payload in place is the only copy
+    a push needs, and a push can carry the client's next pull request (saving a message and a
+    rendezvous on the critical path of a wave).
+    """
+    msg = torch.empty(HEADER_BYTES + 4 * numel, dtype=torch.uint8)
+    return msg, msg[:HEADER_BYTES].view(torch.int64), msg[HEADER_BYTES:].view(torch.float32)
 
 
 # ------------------------------------------------------------------ the shard process
@@ -98,8 +113,10 @@ class Op(IntEnum):
 class _Event:
     kind: str  # push | pull | bye | error
     client: int
-    arg: int = 0
-    payload: torch.Tensor | None = None
+    arg: int = 0  # push: wave; pull: min clock
+    message: torch.Tensor | None = None  # push: the whole message buffer (recycled)
+    seq: int = 0  # pull: the client's pull number
+    pull: int = NO_PULL  # push: the pull clock it carries
     error: str = ""
 
 
@@ -128,6 +145,14 @@ _IDLE_FOREVER_S = (
 )  # a gloo timeout closes the connection, so never time out idle readers
 
 
+@dataclass
+class _Pulls:
+    """One client's pull requests not answered yet: ``seq -> min clock``, and the next seq."""
+
+    waiting: dict[int, int] = field(default_factory=dict)
+    next: int = 0
+
+
 def _wait(work: dist.Work, timeout_s: float) -> None:
     work.wait(datetime.timedelta(seconds=timeout_s))
 
@@ -135,8 +160,8 @@ def _wait(work: dist.Work, timeout_s: float) -> None:
 class ShardServer:
     """Runs a :class:`ShardCore` in the shard's process, serving its clients over gloo p2p.
 
-    One daemon thread per client blocks on that client's next request header (then its
-    payload) and queues it; the calling thread owns the core, applies pushes, acknowledges
+    Two daemon threads per client block on that client's next push message and next
+    standalone request (pull, bye) and queue them; the calling thread owns the core, applies pushes, acknowledges
     each push and answers pulls, per client in request order, once the clock allows.
 
     Args:
@@ -179,9 +204,8 @@ class ShardServer:
         self._held: dict[tuple[int, int], torch.Tensor] = {}  # (client index, wave) -> buffer
         self._prefix = f"[shard {core.spec.id} | rank {core.spec.rank}]"
 
-    def _reader(self, idx: int, client: ClientSpec, events: queue.Queue[_Event]) -> None:
-        numel = self.core.spec.client_numel(client)
-        dtype = self.core.weights().dtype
+    def _request_reader(self, idx: int, client: ClientSpec, events: queue.Queue[_Event]) -> None:
+        """Reads one client's standalone requests (``PULL``, ``BYE``) in order."""
         try:
             while True:
                 hdr = torch.zeros(HEADER_LEN, dtype=torch.int64)
@@ -190,24 +214,32 @@ class ShardServer:
                     _IDLE_FOREVER_S,  # a client waiting on a pull is silent: hangs are judged in serve()
                 )
                 op = int(hdr[0])
-                if op == Op.PUSH:
-                    try:
-                        buf = self._free[idx].get_nowait()
-                    except queue.Empty:
-                        buf = torch.empty(numel, dtype=dtype)
-                    _wait(
-                        irecv(buf, src=client.rank, group=self.group, tag=TAG_PUSH_DATA),
-                        self.timeout_s,
-                    )
-                    events.put(_Event("push", idx, int(hdr[1]), buf))
-                elif op == Op.PULL:
-                    events.put(_Event("pull", idx, int(hdr[1])))
+                if op == Op.PULL:
+                    events.put(_Event("pull", idx, int(hdr[1]), seq=int(hdr[2])))
                 elif op == Op.BYE:
                     events.put(_Event("bye", idx))
                     return
                 else:
                     events.put(_Event("error", idx, error=f"unknown request op {op}"))
                     return
+        except (RuntimeError, HetPipeRuntimeError) as exc:  # gloo: peer closed, or timeout
+            events.put(_Event("error", idx, error=str(exc).splitlines()[0][:300]))
+
+    def _push_reader(self, idx: int, client: ClientSpec, events: queue.Queue[_Event]) -> None:
+        """Reads one client's push messages until its ``LAST_PUSH``: the receive is always
+        posted, so a push is one message with no rendezvous wait."""
+        numel = self.core.spec.client_numel(client)
+        try:
+            while True:
+                try:
+                    msg = self._free[idx].get_nowait()
+                except queue.Empty:
+                    msg = push_message(numel)[0]
+                _wait(irecv(msg, src=client.rank, group=self.group, tag=TAG_PUSH), _IDLE_FOREVER_S)
+                wave, pull, seq, flags = msg[:HEADER_BYTES].view(torch.int64).tolist()
+                if flags & LAST_PUSH:
+                    return
+                events.put(_Event("push", idx, wave, msg, seq=seq, pull=pull))
         except (RuntimeError, HetPipeRuntimeError) as exc:  # gloo: peer closed, or timeout
             events.put(_Event("error", idx, error=str(exc).splitlines()[0][:300]))
 
@@ -246,11 +278,10 @@ class ShardServer:
         spec, core = self.core.spec, self.core
         events: queue.Queue[_Event] = queue.Queue()
         for i, c in enumerate(spec.clients):
-            name = f"ps{spec.id}-vw{c.vw}s{c.stage}"
-            threading.Thread(
-                target=self._reader, args=(i, c, events), daemon=True, name=name
-            ).start()
-        pulls: list[list[int]] = [[] for _ in spec.clients]
+            for kind, target in (("req", self._request_reader), ("push", self._push_reader)):
+                name = f"ps{spec.id}-vw{c.vw}s{c.stage}-{kind}"
+                threading.Thread(target=target, args=(i, c, events), daemon=True, name=name).start()
+        pulls = [_Pulls() for _ in spec.clients]
         done: set[int] = set()
         log.info(
             "%s serving %d clients, %d elements, clock %d",
@@ -259,7 +290,7 @@ class ShardServer:
             spec.numel,
             core.clock,
         )
-        while len(done) < len(spec.clients) or any(pulls):
+        while len(done) < len(spec.clients) or any(q.waiting for q in pulls):
             try:
                 ev = events.get(timeout=self.idle_timeout_s)
             except queue.Empty:
@@ -267,16 +298,20 @@ class ShardServer:
             c = spec.clients[ev.client]
             if ev.kind == "error":
                 raise self._lost(c, ev.error)
-            if ev.kind == "push" and ev.payload is not None:
+            if ev.kind == "push" and ev.message is not None:
                 self._drain_sends(block=True)  # pull replies may be views of the weights
-                res = core.push(c.vw, c.stage, ev.arg, ev.payload, copy=False)
-                self._recycle(ev.client, ev.arg, ev.payload, res.status == Status.OK)
+                payload = ev.message[HEADER_BYTES:].view(torch.float32)
+                res = core.push(c.vw, c.stage, ev.arg, payload, copy=False)
+                self._recycle(ev.client, ev.arg, ev.message, res.status == Status.OK)
+                if ev.pull != NO_PULL:
+                    pulls[ev.client].waiting[ev.seq] = ev.pull
+                self._answer_pulls(pulls)  # replies first: a client may be blocked on one
                 ack = torch.tensor([int(res.status), ev.arg, core.clock, 0], dtype=torch.int64)
                 self._send(ack, c, TAG_ACK)
                 if res.applied:
                     self._maybe_checkpoint(res.applied)
             elif ev.kind == "pull":
-                pulls[ev.client].append(ev.arg)
+                pulls[ev.client].waiting[ev.seq] = ev.arg
             elif ev.kind == "bye":
                 done.add(ev.client)
             self._answer_pulls(pulls)
@@ -291,7 +326,7 @@ class ShardServer:
         )
         return core.state()
 
-    def _stuck(self, pulls: list[list[int]]) -> HetPipeRuntimeError:
+    def _stuck(self, pulls: list[_Pulls]) -> HetPipeRuntimeError:
         """The error when no client spoke for ``idle_timeout_s``: name the stages the global
         clock waits for (stages of the slowest VWs that are not waiting on a pull)."""
         core, spec = self.core, self.core.spec
@@ -299,7 +334,7 @@ class ShardServer:
         stuck = [
             f"vw {c.vw} stage {c.stage} (rank {c.rank})"
             for i, c in enumerate(spec.clients)
-            if local[c.vw] == core.clock and not pulls[i]
+            if local[c.vw] == core.clock and not pulls[i].waiting
         ]
         return HetPipeRuntimeError(
             f"{self._prefix} no request from any client for {self.idle_timeout_s:.0f} s; global clock "
@@ -316,16 +351,22 @@ class ShardServer:
         for key in [k for k in self._held if k[1] < self.core.clock]:
             self._free[key[0]].put(self._held.pop(key))
 
-    def _answer_pulls(self, pulls: list[list[int]]) -> None:
-        """Answer each client's waiting pulls, oldest first, while the clock allows."""
-        for i, waiting in enumerate(pulls):
+    def _answer_pulls(self, pulls: list[_Pulls]) -> None:
+        """Answer each client's waiting pulls in its pull order while the clock allows.
+
+        A pull request travels on its own or inside a push message (two readers), so requests
+        may arrive out of order; the client numbers them and replies go out strictly in that
+        order, matching the receives the client posted."""
+        for i, q in enumerate(pulls):
             c = self.core.spec.clients[i]
-            while waiting and self.core.can_pull(waiting[0]):
+            while q.next in q.waiting and self.core.can_pull(q.waiting[q.next]):
+                min_clock = q.waiting.pop(q.next)
                 hdr = torch.tensor(
-                    [int(Status.OK), self.core.clock, waiting.pop(0), 0], dtype=torch.int64
+                    [int(Status.OK), self.core.clock, min_clock, q.next], dtype=torch.int64
                 )
                 self._send(hdr, c, TAG_PULL_HEADER)
                 self._send(self.core.read(c.vw, c.stage, copy=False), c, TAG_PULL_DATA)
+                q.next += 1
 
     def _maybe_checkpoint(self, applied: int) -> None:
         if self.checkpoint_dir is None or self.checkpoint_every <= 0:

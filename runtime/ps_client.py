@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 import torch.distributed as dist
@@ -31,16 +33,19 @@ import torch.distributed as dist
 from profiler.errors import ConfigError, HetPipeRuntimeError
 from runtime.ps import (
     HEADER_LEN,
+    LAST_PUSH,
+    NO_PULL,
     TAG_ACK,
     TAG_PULL_DATA,
     TAG_PULL_HEADER,
-    TAG_PUSH_DATA,
+    TAG_PUSH,
     TAG_REQUEST,
     Op,
     ShardSpec,
     Status,
     irecv,
     isend,
+    push_message,
 )
 
 __all__ = ["PSClient", "PullHandle", "PullResult"]
@@ -72,6 +77,54 @@ class _Link:
     numel: int
 
 
+@dataclass(frozen=True)
+class _Message:
+    """A push message (uint8) and its int64 header and float32 payload views."""
+
+    message: torch.Tensor
+    header: torch.Tensor
+    payload: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _Push:
+    """A push in flight: its send and the receive of its acknowledgement."""
+
+    link: int
+    wave: int
+    ack_work: dist.Work
+    ack: torch.Tensor
+    send: dist.Work
+    msg: _Message
+
+
+@dataclass(frozen=True)
+class _Posted:
+    """One shard's reply to a pull, posted: header and data receives and their buffers."""
+
+    w_hdr: dist.Work
+    w_data: dist.Work
+    hdr: torch.Tensor
+    data: torch.Tensor
+    direct: bool  # ``data`` aliases the caller's ``out`` tensors (no copy when it arrives)
+    seq: int
+
+
+def _flat_alias(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """One flat float32 tensor aliasing ``tensors`` when they lie back to back in one storage
+    in this order (a single contiguous parameter, or views of one flat buffer); else ``None``."""
+    if not tensors or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+        return None
+    first = tensors[0]
+    storage, ptr = first.untyped_storage(), first.data_ptr()
+    for t in tensors:
+        if t.untyped_storage().data_ptr() != storage.data_ptr() or t.data_ptr() != ptr:
+            return None
+        ptr += t.numel() * 4
+    total = sum(t.numel() for t in tensors)
+    return torch.empty(0, dtype=torch.float32).set_(storage, first.storage_offset(), (total,), (1,))
+
+
 class PullHandle:
     """A pull in flight; :meth:`wait` returns its :class:`PullResult`."""
 
@@ -80,7 +133,7 @@ class PullHandle:
         client: PSClient,
         min_clock: int,
         include_own: bool,
-        posted: list[tuple[dist.Work, dist.Work, torch.Tensor, torch.Tensor]],
+        posted: list[_Posted],
         out: Sequence[torch.Tensor] | None = None,
     ) -> None:
         self._client, self._min, self._own, self._posted = client, min_clock, include_own, posted
@@ -145,19 +198,15 @@ class PSClient:
             f"[vw {vw} | stage {stage} | rank {dist.get_rank() if dist.is_initialized() else '?'}]"
         )
         self._pushed: set[int] = set()
-        self._own: list[dict[int, torch.Tensor]] = [{} for _ in links]
-        self._spare: list[list[torch.Tensor]] = [[] for _ in links]  # own buffers to reuse
+        # per shard: this stage's pushed updates not yet in the global weights (wave -> push
+        # message; the local copy adds them), and spare push messages to reuse: fresh
+        # multi-MB buffers cost page faults that are slower than the copy itself
+        self._own: list[dict[int, _Message]] = [{} for _ in links]
+        self._spare: list[list[_Message]] = [[] for _ in links]
         self._recv_spare: list[list[torch.Tensor]] = [[] for _ in links]  # pull(out=) buffers
-        self._inflight: list[
-            tuple[
-                int,
-                int,
-                dist.Work,
-                torch.Tensor,
-                list[dist.Work],
-                tuple[torch.Tensor, torch.Tensor],
-            ]
-        ] = []
+        self._seq = [0] * len(links)  # pulls asked of each shard (replies come in this order)
+        self._reserved: list[_Message | None] = [None] * len(links)  # from update_buffers()
+        self._inflight: list[_Push] = []
         self._closed = False
 
     @property
@@ -197,18 +246,7 @@ class PSClient:
             raise self._fail(link, what, exc) from None
 
     # -------------------------------------------------------------- push
-    def push(self, wave: int, updates: Sequence[torch.Tensor]) -> None:
-        """Push this stage's aggregated update of ``wave`` (one flat message per shard, async).
-
-        Args:
-            wave: 0-based wave number; each wave is pushed once.
-            updates: one tensor per parameter, in the constructor's order (added to the
-                global weights as is: pass ``-lr * sum of gradients`` or the weight delta).
-
-        Raises:
-            HetPipeRuntimeError: ``wave`` already pushed, an earlier push was rejected, or a
-                shard is unreachable.
-        """
+    def _checked(self, wave: int, updates: Sequence[torch.Tensor]) -> None:
         self._check_open()
         if wave in self._pushed:
             raise HetPipeRuntimeError(
@@ -223,30 +261,122 @@ class PSClient:
                 raise HetPipeRuntimeError(
                     f"{self._prefix} push of wave {wave}: tensor {i} has shape {tuple(u.shape)}, expected {shape}"
                 )
-        self._check_acks(block=False)
-        self._pushed.add(wave)
+
+    def update_buffers(self) -> list[torch.Tensor]:
+        """Tensors to compute the next push's update in (the constructor's order and shapes).
+
+        They are views of the next push messages, so a caller that writes its update there
+        (``torch.sub(p, snapshot, out=buf)``) and passes them to :meth:`push` or
+        :meth:`push_pull` pays no packing copy: the message leaves as it is. Valid until that
+        push; tensors other than these are packed (copied) as usual.
+        """
+        self._check_open()
+        views: list[torch.Tensor | None] = [None] * len(self._shapes)
         for k, link in enumerate(self._links):
-            # one message per shard: its parameters in shard order, in a recycled buffer
-            flat = self._spare[k].pop() if self._spare[k] else torch.empty(link.numel)
+            msg = self._reserved[k]
+            if msg is None:
+                msg = (
+                    self._spare[k].pop() if self._spare[k] else _Message(*push_message(link.numel))
+                )
+                self._reserved[k] = msg
             pos = 0
             for i in link.order:
-                n = updates[i].numel()
-                flat[pos : pos + n].copy_(updates[i].detach().reshape(-1))
+                n = math.prod(self._shapes[i])
+                views[i] = msg.payload[pos : pos + n].view(self._shapes[i])
                 pos += n
-            self._own[k][wave] = flat
-            self._send_push(k, wave, flat)
+        return [v if v is not None else torch.zeros(0) for v in views]
+
+    def push(self, wave: int, updates: Sequence[torch.Tensor]) -> None:
+        """Push this stage's aggregated update of ``wave`` (one message per shard, async).
+
+        Args:
+            wave: 0-based wave number; each wave is pushed once.
+            updates: one tensor per parameter, in the constructor's order (added to the
+                global weights as is: pass ``-lr * sum of gradients`` or the weight delta).
+
+        Raises:
+            HetPipeRuntimeError: ``wave`` already pushed, an earlier push was rejected, or a
+                shard is unreachable.
+        """
+        self._push(wave, updates, None)
+
+    def push_pull(
+        self,
+        wave: int,
+        updates: Sequence[torch.Tensor],
+        min_clock: int,
+        include_own: bool = True,
+        out: Sequence[torch.Tensor] | None = None,
+    ) -> PullHandle:
+        """:meth:`push` and :meth:`pull_async` in one message per shard.
+
+        The pull request rides in the push message, so a wave's push and the pull that
+        follows it cost one message and one rendezvous each way instead of two.
+        """
+        return self._push(wave, updates, (min_clock, include_own, out))
+
+    @overload
+    def _push(self, wave: int, updates: Sequence[torch.Tensor], pull: None) -> None: ...
+
+    @overload
+    def _push(
+        self,
+        wave: int,
+        updates: Sequence[torch.Tensor],
+        pull: tuple[int, bool, Sequence[torch.Tensor] | None],
+    ) -> PullHandle: ...
+
+    def _push(
+        self,
+        wave: int,
+        updates: Sequence[torch.Tensor],
+        pull: tuple[int, bool, Sequence[torch.Tensor] | None] | None,
+    ) -> PullHandle | None:
+        self._checked(wave, updates)
+        if pull is not None:
+            self._check_out(pull[2])
+        self._check_acks(block=False)
+        self._pushed.add(wave)
+        # the pull's receives are posted before the push leaves: the shard's reply never waits
+        posted = (
+            [self._post_pull(k, pull[0], pull[2]) for k in range(len(self._links))]
+            if pull is not None
+            else []
+        )
+        for k, link in enumerate(self._links):
+            msg = self._reserved[k]
+            self._reserved[k] = None
+            if msg is None:
+                msg = (
+                    self._spare[k].pop() if self._spare[k] else _Message(*push_message(link.numel))
+                )
+            base, pos = msg.payload.data_ptr(), 0
+            for i in link.order:  # pack the shard's parameters in shard order into the message
+                n, u = updates[i].numel(), updates[i]
+                if u.data_ptr() != base + 4 * pos:  # not written in place (update_buffers)
+                    msg.payload[pos : pos + n].copy_(u.detach().reshape(-1))
+                pos += n
+            self._own[k][wave] = msg
+            seq = posted[k].seq if posted else 0
+            self._send_message(k, wave, msg, pull[0] if pull is not None else NO_PULL, seq)
+        if pull is None:
+            return None
+        return PullHandle(self, pull[0], pull[1], posted, pull[2])
 
     def _send_push(self, k: int, wave: int, flat: torch.Tensor) -> None:
-        """Post one push to shard ``k`` (no client-side duplicate check: tests use it to probe the ledger)."""
+        """Post one push of a ready flat update to shard ``k`` (no client-side duplicate check:
+        tests use it to probe the ledger)."""
+        msg = _Message(*push_message(self._links[k].numel))
+        msg.payload.copy_(flat)
+        self._send_message(k, wave, msg, NO_PULL, 0)
+
+    def _send_message(self, k: int, wave: int, msg: _Message, pull: int, seq: int) -> None:
         link, what = self._links[k], f"push of wave {wave}"
         ack = torch.zeros(HEADER_LEN, dtype=torch.int64)
         ack_work = self._irecv(link, ack, TAG_ACK, what)
-        hdr = torch.tensor([int(Op.PUSH), wave, 0, 0], dtype=torch.int64)
-        sends = [
-            self._isend(link, hdr, TAG_REQUEST, what),
-            self._isend(link, flat, TAG_PUSH_DATA, what),
-        ]
-        self._inflight.append((k, wave, ack_work, ack, sends, (hdr, flat)))
+        msg.header.copy_(torch.tensor([wave, pull, seq, 0], dtype=torch.int64))
+        send = self._isend(link, msg.message, TAG_PUSH, what)
+        self._inflight.append(_Push(k, wave, ack_work, ack, send, msg))
 
     def _check_acks(self, block: bool) -> None:
         """Retire acknowledged pushes (in order); raise on the first rejected one.
@@ -259,17 +389,16 @@ class PSClient:
         """
         keep = 0 if block else 2 * len(self._links)
         while len(self._inflight) > keep:
-            k, wave, ack_work, ack, sends, _ = self._inflight[0]
-            link, what = self._links[k], f"push of wave {wave}"
-            for w in sends:
-                self._wait(link, w, what, self.timeout_s)
-            self._wait(link, ack_work, f"{what} (acknowledgement)", self.timeout_s)
+            push = self._inflight[0]
+            link, what = self._links[push.link], f"push of wave {push.wave}"
+            self._wait(link, push.send, what, self.timeout_s)
+            self._wait(link, push.ack_work, f"{what} (acknowledgement)", self.timeout_s)
             self._inflight.pop(0)
-            status = Status(int(ack[0]))
+            status = Status(int(push.ack[0]))
             if status != Status.OK:
                 raise HetPipeRuntimeError(
-                    f"{self._prefix} shard {link.spec.id} rejected the push of wave {wave}: {status.name} "
-                    f"(global clock {int(ack[2])}); see the shard's log"
+                    f"{self._prefix} shard {link.spec.id} rejected the push of wave {push.wave}: {status.name} "
+                    f"(global clock {int(push.ack[2])}); see the shard's log"
                 )
 
     def flush(self) -> None:
@@ -281,6 +410,28 @@ class PSClient:
         self._check_acks(block=True)
 
     # -------------------------------------------------------------- pull
+    def _check_out(self, out: Sequence[torch.Tensor] | None) -> None:
+        if out is not None and [tuple(t.shape) for t in out] != self._shapes:
+            raise HetPipeRuntimeError(
+                f"{self._prefix} pull(out=...) needs tensors of shapes {self._shapes}, got {[tuple(t.shape) for t in out]}"
+            )
+
+    def _post_pull(self, k: int, min_clock: int, out: Sequence[torch.Tensor] | None) -> _Posted:
+        """Post the receives of shard ``k``'s reply to this client's next pull."""
+        link, what = self._links[k], f"pull of clock {min_clock}"
+        direct = _flat_alias([out[i] for i in link.order]) if out is not None else None
+        if direct is not None:
+            data = direct  # the reply lands in the caller's tensors: no copy
+        else:
+            spare = self._recv_spare[k]
+            data = spare.pop() if out is not None and spare else torch.empty(link.numel)
+        hdr = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        w_hdr = self._irecv(link, hdr, TAG_PULL_HEADER, what)
+        w_data = self._irecv(link, data, TAG_PULL_DATA, what)
+        seq = self._seq[k]
+        self._seq[k] += 1
+        return _Posted(w_hdr, w_data, hdr, data, direct is not None, seq)
+
     def pull_async(
         self, min_clock: int, include_own: bool = True, out: Sequence[torch.Tensor] | None = None
     ) -> PullHandle:
@@ -289,28 +440,23 @@ class PSClient:
         Args:
             min_clock: the global clock needed (e.g. ``planner.wsp.required_global_clock``).
             include_own: add this stage's pushed updates the global weights do not hold yet.
-            out: tensors (the constructor's order and shapes, e.g. the stage's parameters) to
-                copy the result into when :meth:`PullHandle.wait` returns; they are untouched
-                until then, and the message is received into a recycled buffer instead of a
-                fresh one. ``None``: the result holds fresh tensors.
+            out: tensors (the constructor's order and shapes, e.g. the stage's parameters) that
+                receive the result. When a shard's tensors lie back to back in one storage (one
+                flat tensor, or views of one flat buffer) its reply is received straight into
+                them, **possibly before** :meth:`PullHandle.wait`: do not read them in between.
+                Otherwise the reply is received into a recycled buffer and copied at ``wait``.
+                ``None``: the result holds fresh tensors.
         """
         self._check_open()
-        if out is not None and [tuple(t.shape) for t in out] != self._shapes:
-            raise HetPipeRuntimeError(
-                f"{self._prefix} pull(out=...) needs tensors of shapes {self._shapes}, got {[tuple(t.shape) for t in out]}"
-            )
+        self._check_out(out)
         self._check_acks(block=False)
         posted = []
         for k, link in enumerate(self._links):
-            spare = self._recv_spare[k]
-            data = spare.pop() if out is not None and spare else torch.empty(link.numel)
-            hdr = torch.zeros(HEADER_LEN, dtype=torch.int64)
+            post = self._post_pull(k, min_clock, out)
             what = f"pull of clock {min_clock}"
-            w_hdr = self._irecv(link, hdr, TAG_PULL_HEADER, what)
-            w_data = self._irecv(link, data, TAG_PULL_DATA, what)
-            req = torch.tensor([int(Op.PULL), min_clock, 0, 0], dtype=torch.int64)
+            req = torch.tensor([int(Op.PULL), min_clock, post.seq, 0], dtype=torch.int64)
             self._wait(link, self._isend(link, req, TAG_REQUEST, what), what, self.timeout_s)
-            posted.append((w_hdr, w_data, hdr, data))
+            posted.append(post)
         return PullHandle(self, min_clock, include_own, posted, out)
 
     def pull(
@@ -323,46 +469,47 @@ class PSClient:
         self,
         min_clock: int,
         include_own: bool,
-        posted: list[tuple[dist.Work, dist.Work, torch.Tensor, torch.Tensor]],
+        posted: list[_Posted],
         out: Sequence[torch.Tensor] | None = None,
     ) -> PullResult:
         result: list[torch.Tensor | None] = [None] * len(self._shapes)
         clocks = []
-        for k, (link, (w_hdr, w_data, hdr, data)) in enumerate(
-            zip(self._links, posted, strict=True)
-        ):
+        for k, (link, post) in enumerate(zip(self._links, posted, strict=True)):
             what = f"pull of clock {min_clock}"
-            self._wait(link, w_hdr, what, self.pull_timeout_s)
-            self._wait(link, w_data, what, self.timeout_s)
+            self._wait(link, post.w_hdr, what, self.pull_timeout_s)
+            self._wait(link, post.w_data, what, self.timeout_s)
+            hdr, data = post.hdr, post.data
             clock = int(hdr[1])
-            if int(hdr[0]) != Status.OK or clock < min_clock:
+            if int(hdr[0]) != Status.OK or clock < min_clock or int(hdr[3]) != post.seq:
                 raise HetPipeRuntimeError(
-                    f"{self._prefix} shard {link.spec.id} answered the {what} with status {int(hdr[0])} at clock {clock}"
+                    f"{self._prefix} shard {link.spec.id} answered the {what} (pull {post.seq}) "
+                    f"with status {int(hdr[0])} at clock {clock} for pull {int(hdr[3])}"
                 )
             own = self._own[k]
-            for w in sorted(own):
-                if w < clock:  # folded into the global weights (so its send completed): recycle
-                    spare = self._spare[k]
-                    buf = own.pop(w)
-                    if len(spare) < 2:
-                        spare.append(buf)
-                elif include_own:
-                    data += own[w]
+            with torch.no_grad():
+                for w in sorted(own):
+                    if w < clock:  # folded into the global weights (so its send completed)
+                        msg = own.pop(w)
+                        if len(self._spare[k]) < 2:
+                            self._spare[k].append(msg)
+                    elif include_own:
+                        data += own[w].payload
             clocks.append(clock)
             pos = 0
             for i in link.order:
-                n = 1
-                for d in self._shapes[i]:
-                    n *= d
+                n = math.prod(self._shapes[i])
                 piece = data[pos : pos + n].view(self._shapes[i])
                 if out is not None:
-                    with torch.no_grad():
-                        out[i].copy_(piece)
+                    if post.direct:  # written behind autograd's back: mark the tensor changed
+                        torch.autograd.graph.increment_version(out[i])
+                    else:
+                        with torch.no_grad():
+                            out[i].copy_(piece)
                     result[i] = out[i]
                 else:
                     result[i] = piece
                 pos += n
-            if out is not None and len(self._recv_spare[k]) < 2:
+            if out is not None and not post.direct and len(self._recv_spare[k]) < 2:
                 self._recv_spare[k].append(data)
         tensors = tuple(t if t is not None else torch.zeros(0) for t in result)
         return PullResult(min(clocks) if clocks else min_clock, tuple(clocks), tensors)
@@ -373,11 +520,16 @@ class PSClient:
             raise HetPipeRuntimeError(f"{self._prefix} the parameter-server client is closed")
 
     def close(self) -> None:
-        """Flush pushes and tell every shard this stage is done (idempotent)."""
+        """Flush pushes and tell every shard this stage is done (idempotent): a last push
+        message ends the shard's push reader, then ``BYE`` its request reader."""
         if self._closed:
             return
         self.flush()
-        for link in self._links:
+        for k, link in enumerate(self._links):
+            msg = self._spare[k].pop() if self._spare[k] else _Message(*push_message(link.numel))
+            msg.header.copy_(torch.tensor([0, NO_PULL, 0, LAST_PUSH], dtype=torch.int64))
+            work = self._isend(link, msg.message, TAG_PUSH, "close")
+            self._wait(link, work, "close", self.timeout_s)
             bye = torch.tensor([int(Op.BYE), 0, 0, 0], dtype=torch.int64)
             self._wait(link, self._isend(link, bye, TAG_REQUEST, "close"), "close", self.timeout_s)
         self._closed = True

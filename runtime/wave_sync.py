@@ -130,19 +130,26 @@ class WaveSync:
             return
         total_mb = self.first_mb + mb
         wave = total_mb // self.nm - 1
+        # the wave's update, computed straight into the push messages (no packing copy)
+        delta = self.client.update_buffers()
         with torch.no_grad():
-            delta = [p.detach() - s for p, s in zip(self.params, self._snapshot, strict=True)]
+            for d, p, s in zip(delta, self.params, self._snapshot, strict=True):
+                torch.sub(p.detach(), s, out=d)
         self._checkpoint(wave + 1)  # before the push: a wave the shards hold has its file
         self.last_clock = wave + 1
-        self.client.push(wave, delta)
         need = required_global_clock(total_mb + self.nm, self.nm, self.D)
-        if need > self.pulled_clock and self.weights is None:
+        if need <= self.pulled_clock:
+            self.client.push(wave, delta)
+        elif self.weights is None:
+            self.client.push(wave, delta)
             self._pull(need)
             return
+        else:  # the pull request rides in the push; wait only when a forward needs the weights
+            self._pending = (self.client.push_pull(wave, delta, need), need, mb)
         # the local copy moves on by this wave's update: the next delta starts here
-        self._snapshot = [p.detach().clone() for p in self.params]
-        if need > self.pulled_clock:  # ask now, wait only when a forward needs these weights
-            self._pending = (self.client.pull_async(need), need, mb)
+        with torch.no_grad():
+            for s, p in zip(self._snapshot, self.params, strict=True):
+                s.copy_(p.detach())
         log.debug("pushed wave %d", wave)
 
     def before_forward(self, mb: int) -> None:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from planner.wsp import required_global_clock
 from profiler.errors import HetPipeRuntimeError
 from runtime.ps import ShardCore, ShardServer, ShardSpec
-from runtime.ps_client import PSClient, PullResult
+from runtime.ps_client import PSClient, PullHandle, PullResult
 
 EXIT_FAILED = 3
 
@@ -45,6 +45,8 @@ class RunConfig:
     idle_timeout_s: float | None = None  # shards: longest silence of a client (hang detection)
     checkpoint_dir: str | None = None  # shards checkpoint every wave there
     forever: bool = False  # run until killed (fault tests)
+    combined: bool = False  # updates written in place (update_buffers) and the next pull,
+    # when one will be needed, sent inside the push (push_pull); otherwise push, then pull
 
 
 def param_update(vw: int, wave: int, name: str, shape: Sequence[int]) -> torch.Tensor:
@@ -163,11 +165,17 @@ def stage_main(
         pulls: list[tuple[int, int, int]] = []
         rejections: list[str] = []
         p = 0
+        pending: tuple[PullHandle, int] | None = None  # a pull sent inside a push
+        carried = 0  # pulls answered through push_pull
         while cfg.forever or p < cfg.waves * cfg.nm:
             p += 1
             need = required_global_clock(p, cfg.nm, cfg.D)
             if need > known:
-                res = client.pull(need)
+                if pending is not None and pending[1] >= need:
+                    res, pending = pending[0].wait(), None
+                    carried += 1
+                else:
+                    res = client.pull(need)
                 known = res.clock
                 pulls.append((p, need, known))
                 bad += _wrong_version(vw, params, specs, client, res, pushed)
@@ -180,7 +188,16 @@ def stage_main(
             if cfg.reorder and held is None and not last and rng.random() < 0.5:
                 held = (wave, upd)  # pushed after the next wave: the shard must buffer it
                 continue
-            client.push(wave, upd)
+            nxt = required_global_clock(p + cfg.nm, cfg.nm, cfg.D)  # the next wave's need
+            if cfg.combined:
+                bufs = client.update_buffers()
+                for b, u in zip(bufs, upd, strict=True):
+                    b.copy_(u)
+                upd = bufs
+            if cfg.combined and held is None and pending is None and nxt > known and not last:
+                pending = (client.push_pull(wave, upd, nxt), nxt)
+            else:
+                client.push(wave, upd)
             pushed.add(wave)
             if held is not None:
                 client.push(*held)
@@ -195,8 +212,13 @@ def stage_main(
                     client.flush()
                 except HetPipeRuntimeError as exc:
                     rejections.append(str(exc))
+        if pending is not None:
+            pending[0].wait()
         client.close()
-        torch.save({"pulls": pulls, "rejections": rejections, "wrong_versions": bad}, out)
+        torch.save(
+            {"pulls": pulls, "rejections": rejections, "wrong_versions": bad, "carried": carried},
+            out,
+        )
     except HetPipeRuntimeError as exc:
         _fail(out, exc)
     finally:
@@ -251,6 +273,61 @@ def sgd_vw_main(
         final = client.pull(cfg.waves)
         client.close()
         torch.save({"weights": list(final.tensors), "clock": final.clock}, out)
+    except HetPipeRuntimeError as exc:
+        _fail(out, exc)
+    finally:
+        dist.destroy_process_group()
+    _quick_exit()
+
+
+def protocol_main(rank: int, store: str, out: str) -> None:
+    """Ranks 0 (one shard, served twice in a row), 1 and 2 (VW 0 and VW 1, one stage each, both
+    holding the whole flat parameter ``w`` of 8 elements). Rank 1 saves what it saw to ``out``.
+
+    Round 1: VW 0 writes its wave-0 update in place (``update_buffers``) and sends the pull of
+    clock 1 inside the push (``push_pull``), then asks a standalone pull of clock 0. Neither can
+    be answered before VW 1 pushes wave 0 (after a barrier), and the replies must come in VW 0's
+    order. Round 2: a second server on the same process group must see none of the first one's
+    messages; VW 0 pulls straight into views of one flat buffer.
+    """
+    cfg = RunConfig(store=store, world=3, nm=1, D=0, waves=1, timeout_s=20.0)
+    _init(rank, cfg)
+    pair = dist.new_group([1, 2])
+    from runtime.ps import make_shard_specs
+
+    (spec,) = make_shard_specs({"w": (8,)}, {"w": 0}, [0], [(0, 0, 1, ["w"]), (1, 0, 2, ["w"])])
+    seen: dict[str, object] = {}
+    try:
+        for round_ in (1, 2):
+            if rank == 0:
+                ShardServer(ShardCore(spec, torch.zeros(8)), timeout_s=cfg.timeout_s).serve()
+                continue
+            client = PSClient(rank - 1, 0, [("w", (8,))], [spec], timeout_s=cfg.timeout_s)
+            mine = torch.full((8,), float(rank * round_))
+            if round_ == 1 and rank == 1:
+                (buf,) = client.update_buffers()
+                buf.copy_(mine)
+                first = client.push_pull(0, [buf], 1)
+                second = client.pull_async(0)
+                dist.barrier(group=pair)  # VW 1 pushes only now
+                a, b = first.wait(), second.wait()
+                seen["round1"] = [a.clock, b.clock, a.tensors[0].clone(), b.tensors[0].clone()]
+            elif round_ == 1:
+                dist.barrier(group=pair)
+                client.push(0, [mine])
+            else:
+                client.push(0, [mine])
+                flat = torch.zeros(8)
+                views = [flat[:8].view(8)]
+                res = client.pull(1, out=views)
+                seen["round2"] = [
+                    res.clock,
+                    flat.clone(),
+                    res.tensors[0].data_ptr() == flat.data_ptr(),
+                ]
+            client.close()
+        if rank == 1:
+            torch.save(seen, out)
     except HetPipeRuntimeError as exc:
         _fail(out, exc)
     finally:

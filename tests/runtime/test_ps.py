@@ -40,6 +40,7 @@ from runtime.ps_client import PSClient
 from tests.runtime._ps_procs import (
     RunConfig,
     param_update,
+    protocol_main,
     sgd_step_update,
     sgd_vw_main,
     shard_main,
@@ -458,10 +459,16 @@ def _expected_shard(spec: ShardSpec, waves: int, vws: list[int]) -> torch.Tensor
 SMALL: dict[int, list[list[str]]] = {0: [["a", "b"], ["c", "d"]], 1: [["a", "b", "c", "d"]]}
 
 
-def test_processes_apply_every_update_exactly_once_within_the_clock_bound(tmp_path: Path) -> None:
-    """Random delays, wave c+1 sometimes pushed before wave c, one duplicate per stage."""
+@pytest.mark.parametrize("combined", [False, True], ids=["push-then-pull", "push_pull-in-place"])
+def test_processes_apply_every_update_exactly_once_within_the_clock_bound(
+    tmp_path: Path, combined: bool
+) -> None:
+    """Random delays, wave c+1 sometimes pushed before wave c, one duplicate per stage; with
+    ``combined`` the stages write updates into the push messages and send most pulls inside
+    pushes, mixed with standalone pulls (the shard must answer them in the client's order)."""
     waves, nm, D = 6, 2, 1
     cfg = {
+        "combined": combined,
         "nm": nm,
         "D": D,
         "waves": waves,
@@ -476,7 +483,7 @@ def test_processes_apply_every_update_exactly_once_within_the_clock_bound(tmp_pa
         n: Path(o + ".err").read_text() for n, o in run["outs"].items() if Path(o + ".err").exists()
     }
     assert not errors and all(p.exitcode == 0 for p in procs), (errors, [p.exitcode for p in procs])
-    duplicates = 0
+    duplicates = carried = 0
     for name, out in run["outs"].items():
         if name.startswith("vw"):
             res = torch.load(out, weights_only=True)
@@ -485,6 +492,7 @@ def test_processes_apply_every_update_exactly_once_within_the_clock_bound(tmp_pa
             assert res["wrong_versions"] == 0 and len(res["pulls"]) >= 1
             assert len(res["rejections"]) == 1 and "DUPLICATE" in res["rejections"][0]
             duplicates += 1
+            carried += res["carried"]
     for spec in run["specs"]:
         res = torch.load(run["outs"][f"shard{spec.id}"], weights_only=True)
         assert res["clock"] == waves
@@ -500,6 +508,34 @@ def test_processes_apply_every_update_exactly_once_within_the_clock_bound(tmp_pa
         assert all(r[3] == Status.DUPLICATE for r in res["rejected"])
         duplicates -= len(res["rejected"])
     assert duplicates == 0
+    assert (carried > 0) == combined  # the combined run really sent pulls inside pushes
+
+
+def test_push_carried_pulls_answer_in_client_order_in_place_and_direct(tmp_path: Path) -> None:
+    """One-message pushes with the pull inside, updates written in place, replies received
+    straight into the caller's flat buffer, and a second server on the same process group."""
+    ctx = _context()
+    out = str(tmp_path / "seen.pt")
+    procs = [
+        ctx.Process(target=protocol_main, args=(r, str(tmp_path / "store"), out), name=f"r{r}")
+        for r in range(3)
+    ]
+    for p in procs:
+        p.start()
+    _join(procs, 60)
+    err = Path(out + ".err")
+    assert not err.exists(), err.read_text()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    seen = torch.load(out, weights_only=True)
+    clock_a, clock_b, a, b = seen["round1"]
+    # both replies came after VW 1's push (the standalone pull of clock 0 was not answered
+    # ahead of the earlier push-carried one): global = 1 + 2, and nothing of VW 0's own pending
+    assert clock_a == clock_b == 1
+    torch.testing.assert_close(a, torch.full((8,), 3.0), rtol=0, atol=0)
+    torch.testing.assert_close(b, torch.full((8,), 3.0), rtol=0, atol=0)
+    clock, flat, aliased = seen["round2"]
+    assert clock == 1 and aliased  # the reply landed in the caller's buffer, no copy
+    torch.testing.assert_close(flat, torch.full((8,), 2.0 + 4.0), rtol=0, atol=0)
 
 
 def test_bsp_through_the_parameter_server_equals_single_process_sgd(tmp_path: Path) -> None:
