@@ -13,8 +13,10 @@ its slice ``[r*B, (r+1)*B)``, so the ranks' shards are disjoint within every epo
 ``DistributedSampler``) and the run equals single-process SGD on the combined minibatch.
 
 Emulated devices are paced like the pipeline's stages (:mod:`runtime.emulation`): a step's
-forward and backward (the AllReduce included) last at least the calibrated solo time of the
-whole model divided by the device's speed, so the slowest device sets the BSP step time.
+forward and backward (the AllReduce included) last at least the solo time of the whole model
+in the planner's CPU profile (:func:`runtime.ddp_fit.model_solo_s`, the table the pipeline's
+stages are paced by) divided by the device's speed, so the slowest device sets the BSP step
+time.
 
 Throughput uses the runtime's and simulator's definition
 (:func:`planner.sim_engine.measured_throughput`), each rank counted as a virtual worker with
@@ -45,19 +47,22 @@ from planner.cluster import Cluster
 from profiler.errors import ConfigError
 from runtime.config import ModelSource, OptimizerConfig
 from runtime.data import MinibatchSource, default_dataset
-from runtime.ddp_fit import device_capacity_bytes, eligible_devices, model_memory_bytes
+from runtime.ddp_fit import (
+    device_capacity_bytes,
+    eligible_devices,
+    model_memory_bytes,
+    model_solo_s,
+)
 from runtime.ddp_watch import watch_ranks
 from runtime.emulation import (
     Calibration,
     MemoryMeter,
     SavedBytes,
-    calibrate,
-    load_or_calibrate,
     pace_until,
 )
 from runtime.evaluation import accuracy, split_dataset
 from runtime.failures import setup_child, stop_all
-from runtime.model import reference_module, resolve_source, sample_batch
+from runtime.model import reference_module, resolve_source
 from runtime.weights import build_optimizer, lr_at
 
 __all__ = [
@@ -219,22 +224,6 @@ def _train_rank(
 # ------------------------------------------------------------------------------ launcher
 
 
-def _calibration(
-    source: ModelSource, batch_size: int, seed: int, out_dir: Path | None
-) -> Calibration:
-    """Solo forward/backward time of the whole model (one stage), cached as ``calibration_ddp.json``."""
-    key = f"{source.name}|batch={batch_size}|cuts=[]|torch={torch.__version__}"
-
-    def measure() -> Calibration:
-        module, _, loss = reference_module(source, batch_size, seed)
-        spec = resolve_source(source, batch_size, meta=False)
-        inputs, targets = sample_batch(spec)
-        return calibrate([module], inputs, targets, loss, key)
-
-    cache = out_dir / "calibration_ddp.json" if out_dir is not None else None
-    return load_or_calibrate(cache, key, measure)
-
-
 def _data(
     source: ModelSource,
     batch_size: int,
@@ -285,7 +274,7 @@ def run_allreduce(
         memory_bytes: the whole model's memory need; ``None`` = the planner's estimate.
         emulate: pace emulated devices and enforce their memory caps.
         timeout_s: timeout of every process-group operation (s); a stuck rank fails.
-        out_dir: where to write ``ddp.json`` (figures) and the calibration cache.
+        out_dir: where to write ``ddp.json`` (figures).
         fault: tests only: ``kill:RANK:STEP`` kills a rank mid-run.
 
     Returns:
@@ -318,7 +307,12 @@ def run_allreduce(
     train, test = _data(source, batch_size, dataset, test_dataset, test_fraction, seed)
     out = Path(out_dir) if out_dir is not None else None
     paced = emulate and any(d.emulation is not None for d in devices)
-    cal = _calibration(source, batch_size, seed, out) if paced else None
+    cal = None
+    if paced:  # the same solo times the planner and the pipeline's stages use
+        fwd_s, bwd_s = model_solo_s(cluster, model_ref, batch_size)
+        cal = Calibration(
+            f"{source.name}|batch={batch_size}|whole model|profile", (fwd_s,), (bwd_s,)
+        )
     log.info(
         "AllReduce on %d devices (%s): model needs %.2f MiB",
         len(devices),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from planner.cluster import Cluster, Device
 
-__all__ = ["device_capacity_bytes", "eligible_devices", "model_memory_bytes"]
+__all__ = ["device_capacity_bytes", "eligible_devices", "model_memory_bytes", "model_solo_s"]
 
 
 def device_capacity_bytes(device: Device) -> int:
@@ -35,3 +35,23 @@ def model_memory_bytes(
     profiles, _, _, _ = resolve_profiles(cluster, None, model_ref, batch_size)
     cm = CostModel(profiles, cluster.link, optimizer_factor(optimizer))
     return cm.model_memory_bytes(1)
+
+
+def model_solo_s(cluster: Cluster, model_ref: str, batch_size: int) -> tuple[float, float]:
+    """Solo (single-threaded CPU) forward and backward seconds of the whole model: the
+    planner's profile of an emulated device times its speed, i.e. the same table the pipeline's
+    emulated stages are paced by (:meth:`runtime.emulation.Calibration.from_plan`).
+
+    Raises:
+        ConfigError: the cluster has no emulated device.
+    """
+    from planner.profiles import resolve_profiles
+    from profiler.errors import ConfigError
+
+    node = next((n for n in cluster.nodes if n.emulation is not None), None)
+    if node is None or node.emulation is None:
+        raise ConfigError(f"{cluster.source}: no emulated device, nothing to pace")
+    profiles, _, _, _ = resolve_profiles(cluster, None, model_ref, batch_size)
+    table = profiles[node.gpu_type].table
+    speed = node.emulation.speed
+    return float(table["fwd_ms"].sum()) * speed / 1e3, float(table["bwd_ms"].sum()) * speed / 1e3

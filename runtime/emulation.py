@@ -2,11 +2,22 @@
 
 Pacing: a task (a stage's forward, backward, or the last stage's fused forward+backward)
 runs its real computation, then waits until ``t_solo / speed`` has elapsed since it started.
-``t_solo`` comes from ONE calibration table measured before the run, in one process, single
-threaded and contention free (:func:`calibrate`), and cached in the run directory. The wait
-sleeps until ~1 ms before the deadline and spins the rest, which reproduced target speed
-ratios within 1-2 % on a 2-core machine when the total demand ``sum(speed)`` stays well
-under the core count (plain sleeps or thread-count tricks were off by 8-50 %).
+``t_solo`` comes from ONE table shared by the planner, the simulator and every process: the
+planner's single-threaded CPU profile of the model (``planner.profiles``, measured once per
+machine and cached), summed over each stage's layers (:meth:`Calibration.from_plan`, and for
+the AllReduce baseline over the whole model). An emulated device therefore takes exactly the
+time the plan and the simulator assume for it; only the runtime's own costs (messages,
+optimizer steps, Python) come on top, which is what measured-vs-predicted comparisons should
+show. (Until 2026-11-23 each run re-measured its stages, 5 repetitions each: those tables moved
+by up to 25 % between runs and differed from the planner's profile by up to 20 %, so measured
+and predicted throughput disagreed for reasons that had nothing to do with the runtime.) The
+wait sleeps until ~1 ms before the deadline and spins the rest, which reproduced target speed
+ratios within 1-2 % on a 2-core machine when the total demand ``sum(speed)`` stays well under
+the core count (plain sleeps or thread-count tricks were off by 8-50 %). A task whose real
+computation takes longer than its target cannot be paced down; the stage reports that
+overrun (:attr:`runtime.metrics.StageResult.overrun_s`). A plan without stage times (a
+hand-made plan, e.g. the Python API's) is paced by a table measured before the run instead, in
+one process, single threaded, one stage at a time (:func:`calibrate`).
 
 Memory: :class:`MemoryMeter` accounts the bytes the planner's memory model counts
 (weights, gradients, optimizer state, stashed weight versions, the activations autograd
@@ -30,28 +41,37 @@ from torch import Tensor
 
 from profiler.errors import HetPipeRuntimeError
 
-__all__ = ["Calibration", "MemoryMeter", "SavedBytes", "load_or_calibrate", "pace_until"]
+__all__ = ["Calibration", "MemoryMeter", "SavedBytes", "calibrate", "pace_until"]
 
 log = logging.getLogger(__name__)
 
 _SPIN_S = 0.001  # spin (instead of sleeping) for the last millisecond before a deadline
 
 
-def pace_until(deadline: float, clock: Callable[[], float] = time.perf_counter) -> None:
-    """Wait until ``clock() >= deadline`` (seconds): sleep, then spin the last millisecond."""
+def pace_until(deadline: float, clock: Callable[[], float] = time.perf_counter) -> float:
+    """Wait until ``clock() >= deadline`` (seconds): sleep, then spin the last millisecond.
+
+    Returns:
+        How late the call came (seconds past ``deadline`` on entry, 0 when on time): the
+        task's real work took longer than its target.
+    """
     remaining = deadline - clock()
+    if remaining < 0:
+        return -remaining
     if remaining > _SPIN_S:
         time.sleep(remaining - _SPIN_S)
     while clock() < deadline:
         pass
+    return 0.0
 
 
 @dataclass(frozen=True)
 class Calibration:
-    """Contention-free single-threaded task times of every stage, in seconds.
+    """Solo (single-threaded, contention-free CPU) task times of every stage, in seconds; an
+    emulated device of relative speed ``s`` takes ``time / s``.
 
     Attributes:
-        key: what was measured (model, batch size, cuts), to validate a cached table.
+        key: where the table comes from (model, batch size, cuts), for the record.
         fwd_s: forward time of each stage (the last stage's includes the loss).
         bwd_s: backward time of each stage.
     """
@@ -59,6 +79,19 @@ class Calibration:
     key: str
     fwd_s: tuple[float, ...]
     bwd_s: tuple[float, ...]
+
+    @classmethod
+    def from_plan(
+        cls, key: str, stage_ms: Sequence[tuple[float, float]], speeds: Sequence[float]
+    ) -> Calibration:
+        """The table of a planned pipeline: stage ``s`` takes ``stage_ms[s]`` (forward,
+        backward milliseconds, the plan's ``StagePlan.fwd_ms``/``bwd_ms``) on its device of
+        relative speed ``speeds[s]``, i.e. ``ms * speed / 1000`` solo seconds."""
+        return cls(
+            key,
+            tuple(f * v / 1e3 for (f, _), v in zip(stage_ms, speeds, strict=True)),
+            tuple(b * v / 1e3 for (_, b), v in zip(stage_ms, speeds, strict=True)),
+        )
 
     def task_s(self, stage: int, kind: str) -> float:
         """Calibrated time of task ``kind`` (``F``, ``B`` or ``FB``) on ``stage``."""
@@ -142,25 +175,6 @@ def calibrate(
         return Calibration(key, tuple(fwd), tuple(bwd))
     finally:
         torch.set_num_threads(threads)
-
-
-def load_or_calibrate(
-    path: Path | None, key: str, measure: Callable[[], Calibration]
-) -> Calibration:
-    """The cached table at ``path`` if it matches ``key``, else ``measure()`` (cached to ``path``)."""
-    if path is not None and path.exists():
-        try:
-            cached = Calibration.load(path)
-        except (OSError, ValueError, KeyError) as exc:
-            log.warning("ignoring unreadable calibration cache %s (%s)", path, exc)
-        else:
-            if cached.key == key:
-                log.info("calibration table from %s", path)
-                return cached
-    cal = measure()
-    if path is not None:
-        cal.save(path)
-    return cal
 
 
 class SavedBytes:

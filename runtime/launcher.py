@@ -28,9 +28,9 @@ from planner.plan import Plan
 from profiler.errors import ConfigError, HetPipeRuntimeError
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.data import default_dataset
-from runtime.emulation import Calibration, calibrate, load_or_calibrate
+from runtime.emulation import Calibration, calibrate
 from runtime.failures import root_cause_rank, run_rank, setup_child, stop_all, watch
-from runtime.metrics import ProgressBar, RunResult, StageResult, write_metrics
+from runtime.metrics import ProgressBar, RunResult, StageResult, warn_overruns, write_metrics
 from runtime.model import resolve_source, sample_batch
 from runtime.stage import StageContext, StageWorker
 
@@ -121,25 +121,35 @@ def total_steps(run: RunConfig, steps_per_epoch: int) -> int:
 def _calibration(
     plan: Plan, source: ModelSource, contexts: list[StageContext], run: RunConfig
 ) -> Calibration | None:
+    """The pacing table of one VW's emulated devices: the plan's stage times (the planner's CPU
+    profile over each stage's layers / speed), written to ``calibration.json`` in the run
+    directory (``python -m runtime --calibration`` reads it on other hosts)."""
     if not run.emulate or not any(c.speed > 0 for c in contexts):
         return None
+    worker = plan.virtual_workers[contexts[0].vw]
     cuts = contexts[0].cuts
-    key = f"{source.name}|batch={plan.batch_size}|cuts={list(cuts)}|torch={torch.__version__}"
-    cache = run.out_dir / "calibration.json" if run.out_dir is not None else None
-
-    def measure() -> Calibration:
+    if all(st.fwd_ms + st.bwd_ms > 0 for st in worker.stages):
+        key = f"{source.name}|batch={plan.batch_size}|cuts={list(cuts)}|plan"
+        cal = Calibration.from_plan(
+            key, [(st.fwd_ms, st.bwd_ms) for st in worker.stages], [c.speed for c in contexts]
+        )
+    else:  # a hand-made plan without stage times: measure them here
         from profiler.graph import ModelGraph
 
-        log.info("calibrating %d stages (single thread, contention free)", len(contexts))
+        log.info(
+            "the plan has no stage times: calibrating %d stages (single thread)", len(contexts)
+        )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(run.seed)
             spec = resolve_source(source, plan.batch_size, meta=False)
-        graph = ModelGraph.from_spec(spec)
         loss = source.loss if source.loss is not None else spec.loss
         inputs, targets = sample_batch(spec)
-        return calibrate(graph.build_stages(cuts), inputs, targets, loss, key)
-
-    return load_or_calibrate(cache, key, measure)
+        key = f"{source.name}|batch={plan.batch_size}|cuts={list(cuts)}|measured"
+        stages = ModelGraph.from_spec(spec).build_stages(cuts)
+        cal = calibrate(stages, inputs, targets, loss, key)
+    if run.out_dir is not None:
+        cal.save(run.out_dir / "calibration.json")
+    return cal
 
 
 def _dumps(obj: Any) -> bytes:
@@ -253,6 +263,7 @@ def launch(
         results = _spawn_and_watch(
             contexts, source, optimizer, run, dataset, calibration, init_method, fault, steps
         )
+    warn_overruns(results)
     bound = 0.0
     if calibration is not None:
         slowest = max(calibration.task_s(c.stage, "FB") / c.speed for c in contexts)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,8 @@ class StageResult:
         state: final parameters by original name (when requested).
         wait_s: time blocked waiting for the parameter servers (WSP pulls and pushes).
         clocks: ``(required global clock, pulled global clock)`` of every WSP pull.
+        overrun_s: time paced tasks ran past their target (an emulated device whose real
+            computation is slower than its planned time: the plan overrates it).
     """
 
     rank: int
@@ -58,6 +61,7 @@ class StageResult:
     state: dict[str, Tensor] | None = None
     wait_s: float = 0.0
     clocks: list[tuple[int, int]] = field(default_factory=list)
+    overrun_s: float = 0.0
 
     @property
     def busy_fraction(self) -> float:
@@ -253,3 +257,20 @@ class ProgressBar:
     def stop(self) -> None:
         if self.bar is not None:
             self.bar.stop()
+
+
+def warn_overruns(stages: Sequence[StageResult], share: float = 0.05) -> list[str]:
+    """Log (and return) a warning for each emulated stage whose tasks ran past their paced
+    target for more than ``share`` of its busy time: its device is slower than the plan says
+    (e.g. a plan made from an analytic profile), so measured and predicted times diverge."""
+    out = []
+    for r in stages:
+        if r.busy_s > 0 and r.overrun_s > share * r.busy_s:
+            msg = (
+                f"vw {r.vw} stage {r.stage} ({r.device}): tasks ran {r.overrun_s:.2f} s past their "
+                f"planned times ({r.overrun_s / r.busy_s:.0%} of busy time): the device is slower "
+                "than its profile; re-profile ('hetpipe profile') or lower its speed"
+            )
+            log.warning(msg)
+            out.append(msg)
+    return out

@@ -277,7 +277,8 @@ class StageWorker:
 
     def _pace(self, t0: float, kind: Kind) -> None:
         if self.calibration is not None and self.run_cfg.emulate:
-            pace_until(t0 + self.calibration.task_s(self.ctx.stage, kind.value) / self.ctx.speed)
+            target = self.calibration.task_s(self.ctx.stage, kind.value) / self.ctx.speed
+            self.result.overrun_s += pace_until(t0 + target)
 
     def _execute(
         self,
@@ -286,8 +287,10 @@ class StageWorker:
         to_prev: Channel | None,
         grad_rx: GradReceiver | None,
     ) -> None:
-        t0 = time.perf_counter()
         mb = task.mb
+        if task.kind is not Kind.B and self.before_forward is not None:
+            self.before_forward(mb)  # a WSP pull wait is not device time: pace from after it
+        t0 = time.perf_counter()
         log.debug("[%s] task %s", self.ctx.where, task)
         if self.fault is not None:
             self.fault(mb)
@@ -321,8 +324,6 @@ class StageWorker:
             x.requires_grad_() if x.is_floating_point() and self.ctx.stage > 0 else x
             for x in held.inputs
         )
-        if self.before_forward is not None:
-            self.before_forward(mb)
         leaves = self.weights.acquire(mb)
         if self.ctx.cap_bytes > 0:  # emulated device: account what autograd saves
             with SavedBytes([*leaves.values(), *held.inputs]) as saved:

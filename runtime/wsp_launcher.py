@@ -34,7 +34,7 @@ from runtime.data import default_dataset
 from runtime.emulation import Calibration
 from runtime.failures import root_cause_rank, stop_all, watch
 from runtime.launcher import _PRELOAD, _calibration, _context, _loads, stage_contexts
-from runtime.metrics import ProgressBar, StageResult
+from runtime.metrics import ProgressBar, StageResult, warn_overruns
 from runtime.model import resolve_source
 from runtime.ps import ShardSpec
 from runtime.ps_core import ClockEvent
@@ -163,6 +163,7 @@ def launch_wsp(
             shards, contexts, calibrations, shards_data, source, optimizer, run, cfg, D,
             first_wave, init_method, fault, plan.batch_size,
         )  # fmt: skip
+    warn_overruns(stage_results)
     if cfg.checkpoint_dir is not None and cfg.checkpoint_every > 0:
         for state, _ in states:  # the final clock, whatever the checkpoint period
             save_shard_state(state, cfg.checkpoint_dir)

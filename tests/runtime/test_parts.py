@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from profiler.graph import ModelGraph
 from runtime.comm import cut_specs
 from runtime.config import ModelSource, RunConfig
 from runtime.data import DigitsDataset, MinibatchSource, SyntheticDataset
-from runtime.emulation import Calibration, MemoryMeter, load_or_calibrate, pace_until
+from runtime.emulation import Calibration, MemoryMeter, pace_until
 from runtime.launcher import stage_contexts, total_steps
 from runtime.model import build_stage, reference_module, resolve_source
 from runtime.plans import balanced_cuts, manual_plan
@@ -115,24 +117,39 @@ def test_memory_meter_counts_in_flight_and_raises_above_cap() -> None:
 
 def test_pacing_waits_until_the_deadline_with_an_injected_clock() -> None:
     ticks = iter([0.0, 0.0, 0.0005, 0.0009, 0.001])
-    pace_until(0.001, clock=lambda: next(ticks))  # spins (no sleep) under 1 ms
+    assert pace_until(0.001, clock=lambda: next(ticks)) == 0.0  # spins (no sleep) under 1 ms
+    # a task that already ran past its deadline is not paced and reports how late it is
+    assert pace_until(0.001, clock=lambda: 0.0035) == pytest.approx(0.0025)
 
 
-def test_calibration_cache_is_reused_only_for_the_same_key(tmp_path: object) -> None:
-    from pathlib import Path
+def test_pacing_table_from_a_plan_gives_back_the_planned_stage_times() -> None:
+    """Solo time = planned device time x speed, so pacing to solo / speed is the plan's time."""
+    cal = Calibration.from_plan("k", [(10.0, 20.0), (4.0, 6.0)], [0.2, 0.05])
+    assert cal.fwd_s == pytest.approx((0.002, 0.0002)) and cal.bwd_s == pytest.approx(
+        (0.004, 0.0003)
+    )
+    assert cal.task_s(0, "FB") / 0.2 == pytest.approx(0.030)  # the plan's 10 + 20 ms
+    assert cal.task_s(1, "B") / 0.05 == pytest.approx(0.006)
 
-    path = Path(str(tmp_path)) / "cal.json"
-    calls = []
 
-    def measure(key: str) -> Calibration:
-        calls.append(key)
-        return Calibration(key, (1.0, 2.0), (3.0, 4.0))
+def test_emulated_stages_and_ddp_are_paced_by_the_planners_profile() -> None:
+    """One source of truth: a planned stage's table and the AllReduce baseline's whole-model
+    time come from the same CPU profile the planner partitioned with."""
+    from planner.cluster import load_cluster
+    from planner.planner import make_plan
+    from runtime.ddp_fit import model_solo_s
 
-    a = load_or_calibrate(path, "k1", lambda: measure("k1"))
-    b = load_or_calibrate(path, "k1", lambda: measure("k1"))
-    c = load_or_calibrate(path, "k2", lambda: measure("k2"))
-    assert a == b and c.key == "k2" and calls == ["k1", "k2"]
-    assert a.task_s(1, "FB") == 6.0
+    cluster = load_cluster(
+        Path(__file__).resolve().parents[2] / "examples" / "emulated_cluster.yaml"
+    )
+    plan = make_plan(cluster, model="mlp", batch_size=16, policy="ed", optimizer="sgd")
+    worker = plan.virtual_workers[0]
+    speeds = [worker.gpus[st.gpu].speed for st in worker.stages]
+    cal = Calibration.from_plan("k", [(st.fwd_ms, st.bwd_ms) for st in worker.stages], speeds)
+    fwd_s, bwd_s = model_solo_s(cluster, "mlp", 16)
+    # the stages of one VW cover the model once: their solo times add up to the whole model's
+    assert sum(cal.fwd_s) == pytest.approx(fwd_s, rel=1e-6)
+    assert sum(cal.bwd_s) == pytest.approx(bwd_s, rel=1e-6)
 
 
 def test_fast_gather_equals_collating_items_one_by_one() -> None:

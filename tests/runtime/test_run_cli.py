@@ -40,3 +40,28 @@ def test_run_cluster_with_a_bad_sync_is_one_red_line(tmp_path: Path) -> None:
     res = CliRunner().invoke(app, ["run", str(cluster), "--sync", "bogus"])
     assert res.exit_code == 2
     assert "--sync 'bogus'" in res.output
+
+
+def test_emulated_planned_run_is_paced_by_the_plans_stage_times(tmp_path: Path) -> None:
+    """The pacing table of a planned run is the plan's own stage times (x speed = solo), not a
+    fresh measurement: the simulator and the emulated devices share one source of truth."""
+    import json
+
+    from planner.cluster import load_cluster
+    from planner.planner import make_plan
+
+    root = Path(__file__).resolve().parents[2]
+    cluster = load_cluster(root / "examples" / "emulated_cluster.yaml")
+    plan = make_plan(cluster, model="mlp", batch_size=16, policy="ed", optimizer="sgd")
+    path = plan.save(tmp_path / "plan.yaml")
+    out = tmp_path / "run"
+    args = ["run", str(path), "--vw", "0", "--steps", "4", "--out", str(out), "--no-progress"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    table = json.loads((out / "calibration.json").read_text())
+    worker = plan.virtual_workers[0]
+    speeds = [worker.gpus[st.gpu].speed for st in worker.stages]
+    assert table["key"].endswith("|plan")
+    for s, (st, v) in enumerate(zip(worker.stages, speeds, strict=True)):
+        assert abs(table["fwd_s"][s] / v * 1e3 - st.fwd_ms) < 1e-9
+        assert abs(table["bwd_s"][s] / v * 1e3 - st.bwd_ms) < 1e-9
