@@ -52,7 +52,9 @@ def build_optimizer(params: list[nn.Parameter], cfg: OptimizerConfig) -> torch.o
         return torch.optim.Adam(
             params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
         )
-    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(
+        params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, foreach=True
+    )
 
 
 class VersionedWeights:
