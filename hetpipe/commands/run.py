@@ -40,7 +40,14 @@ def _default_vws(cluster: Cluster) -> int:
 
 
 def _load(
-    path: Path, model: str | None, batch_size: int, nm: int, stages: int, vws: int, D: int
+    path: Path,
+    model: str | None,
+    batch_size: int,
+    nm: int,
+    stages: int,
+    vws: int,
+    D: int,
+    policy: str | None = None,
 ) -> Plan:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -50,9 +57,9 @@ def _load(
         return load_plan(path)
     cluster = load_cluster(path)
     n_vws = vws or _default_vws(cluster)
-    if n_vws > 1:
+    if n_vws > 1 or policy is not None:
         if stages:
-            raise ConfigError("--stages applies to one VW; drop it or use --vws 1")
+            raise ConfigError("--stages applies to a hand-cut single VW; drop it or drop --policy")
         from planner.planner import make_plan
 
         return make_plan(
@@ -61,7 +68,7 @@ def _load(
             batch_size=batch_size,
             nm=nm or None,
             num_vws=n_vws,
-            policy="hd",
+            policy=policy or "hd",
             D=D,
         )
     from runtime.api import make_single_vw_plan
@@ -102,6 +109,14 @@ def run(
         int,
         typer.Option(help="VWs when planning on the fly (0 = 2 on an emulated 4+ device cluster)"),
     ] = 0,
+    policy: Annotated[
+        str | None,
+        typer.Option(
+            "--policy",
+            help="allocation policy when planning on the fly: np | ed | hd | auto (default hd; "
+            "with --vws 1 the planner's single VW with parameter servers instead of a hand cut)",
+        ),
+    ] = None,
     staleness: Annotated[
         int | None, typer.Option("--D", help="WSP clock-distance threshold D (default: the plan's)")
     ] = None,
@@ -155,7 +170,7 @@ def run(
     if resume is not None and saved is not None and saved.exists():
         plan = load_plan(saved)  # the plan the interrupted run used
     else:
-        plan = _load(path, model, batch_size, nm, stages, vws, staleness or 0)
+        plan = _load(path, model, batch_size, nm, stages, vws, staleness or 0, policy)
     if model is not None and model != plan.model:
         raise ConfigError(
             f"--model {model} does not match the plan's model {plan.model!r}; drop --model"
@@ -164,7 +179,8 @@ def run(
         name=optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay, schedule=schedule
     )
     n_vws = len(plan.virtual_workers)
-    if n_vws > 1 and vw < 0 and steps == 0 and epochs == 0 and time_limit == 0:
+    through_wsp = vw < 0 and bool(plan.shards)  # every VW, through the parameter servers
+    if through_wsp and n_vws > 1 and steps == 0 and epochs == 0 and time_limit == 0:
         epochs = 40.0  # the main job: a few minutes on a 2-core machine
     run_cfg = RunConfig(
         steps=steps,
@@ -177,7 +193,7 @@ def run(
         emulate=emulate,
         progress=progress,
     )
-    if n_vws > 1 and vw < 0:
+    if through_wsp:
         _wsp(path, plan, cfg, run_cfg, staleness, checkpoint_every, resume, out)
         return
     vw = max(vw, 0)
