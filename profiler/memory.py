@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import logging
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch import Tensor
 
 __all__ = [
     "SavedTensorCounter",
+    "SavedTensorsHooks",
     "cuda_peak_bytes",
     "reset_cuda_peak",
     "storage_bytes",
@@ -50,7 +51,36 @@ def _storage_key(t: Tensor) -> int:
     return int(t.untyped_storage()._cdata)
 
 
-class SavedTensorCounter:
+class SavedTensorsHooks:
+    """Base of the saved-for-backward byte counters: while the ``with`` block runs, every tensor
+    autograd saves goes through :meth:`_pack` (``torch.autograd.graph.saved_tensors_hooks``)."""
+
+    _hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+
+    def _pack(self, t: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    @staticmethod
+    def _unpack(t: Tensor) -> Tensor:
+        return t
+
+    def __enter__(self) -> Self:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._hooks is not None:
+            self._hooks.__exit__(exc_type, exc, tb)
+            self._hooks = None
+
+
+class SavedTensorCounter(SavedTensorsHooks):
     """Context manager counting the bytes autograd saves for backward inside it.
 
     Use one counter across a whole model run and :meth:`take` after each layer: a storage
@@ -93,29 +123,10 @@ class SavedTensorCounter:
             self._pending += storage_bytes(alias)
         return alias
 
-    @staticmethod
-    def _unpack(t: Tensor) -> Tensor:
-        return t
-
     def take(self) -> int:
         """Bytes newly saved since the last call."""
         value, self._pending = self._pending, 0
         return value
-
-    def __enter__(self) -> SavedTensorCounter:
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self._hooks is not None:
-            self._hooks.__exit__(exc_type, exc, tb)
-            self._hooks = None
 
 
 def reset_cuda_peak(device: torch.device) -> None:

@@ -33,13 +33,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from profiler.errors import HetPipeRuntimeError
+from profiler.memory import SavedTensorsHooks
 
 __all__ = ["Calibration", "MemoryMeter", "SavedBytes", "calibrate", "pace_until"]
 
@@ -177,7 +177,7 @@ def calibrate(
         torch.set_num_threads(threads)
 
 
-class SavedBytes:
+class SavedBytes(SavedTensorsHooks):
     """Context manager summing the bytes autograd saves for backward (excluding weights).
 
     Each storage is charged once; storages listed in ``exclude`` (the weight versions)
@@ -187,7 +187,6 @@ class SavedBytes:
     def __init__(self, exclude: Sequence[Tensor] = ()) -> None:
         self._seen = {t.untyped_storage().data_ptr() for t in exclude}
         self.nbytes = 0
-        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
 
     def _pack(self, t: Tensor) -> Tensor:
         storage = t.untyped_storage()
@@ -196,25 +195,6 @@ class SavedBytes:
             self._seen.add(ptr)
             self.nbytes += int(storage.nbytes())
         return t
-
-    @staticmethod
-    def _unpack(t: Tensor) -> Tensor:
-        return t
-
-    def __enter__(self) -> SavedBytes:
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self._hooks is not None:
-            self._hooks.__exit__(exc_type, exc, tb)
-            self._hooks = None
 
 
 class MemoryMeter:
