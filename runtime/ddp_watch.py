@@ -7,15 +7,13 @@ whose links then break) is blamed by :func:`runtime.failures.root_cause_rank`.
 from __future__ import annotations
 
 import io
-import queue
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from profiler.errors import HetPipeRuntimeError
-from runtime.failures import root_cause_rank
+from runtime.failures import root_cause_rank, watch
 
 __all__ = ["watch_ranks"]
 
@@ -37,26 +35,13 @@ def watch_ranks(
     Raises:
         HetPipeRuntimeError: a rank failed (the root cause is named) or the run stalled.
     """
-    results: dict[int, dict[str, Any]] = {}
-    last = time.time()
-    while len(results) < len(devices):
-        try:
-            msg = events.get(timeout=0.2)
-        except queue.Empty:
-            msg = None
-        if msg is not None:
-            last = time.time()
-            if msg[0] == "result":
-                results[msg[1]] = torch.load(io.BytesIO(msg[2]), weights_only=False)
-            elif msg[0] == "error":
-                raise _failure(devices, procs, events, {msg[1]: str(msg[2])}, results)
-        elif any(p.exitcode not in (None, 0) and r not in results for r, p in procs.items()):
-            raise _failure(devices, procs, events, {}, results)
-        elif time.time() - last > stall_s:
-            raise HetPipeRuntimeError(
-                f"AllReduce run: no progress from any rank for {stall_s:.0f} s"
-            )
-    return [results[r] for r in range(len(devices))]
+
+    def fail(errors: dict[int, str], results: dict[int, bytes]) -> HetPipeRuntimeError:
+        return _failure(devices, procs, events, errors, results)
+
+    # the ranks post no progress events, only results: the stall clock starts at the launch
+    raw = watch(procs, events, len(devices), lambda _: None, fail, stall_s, first_event_s=stall_s)
+    return [torch.load(io.BytesIO(raw[r]), weights_only=False) for r in range(len(devices))]
 
 
 def _failure(
@@ -64,7 +49,7 @@ def _failure(
     procs: dict[int, Any],
     events: Any,
     errors: dict[int, str],
-    results: dict[int, dict[str, Any]],
+    results: dict[int, bytes],
 ) -> HetPipeRuntimeError:
     """Collect failures for a moment and blame the first cause, not its peers' broken links."""
     rank = root_cause_rank(procs, events, errors, results, grace_s=1.0)

@@ -97,6 +97,7 @@ def watch(
     fail: Callable[[dict[int, str], dict[int, bytes]], BaseException],
     stall_s: float = 120.0,
     tick: Callable[[float], None] | None = None,
+    first_event_s: float = 0.0,
 ) -> dict[int, bytes]:
     """Watch a launcher's children until ``n_results`` of them delivered their result.
 
@@ -113,6 +114,9 @@ def watch(
         stall_s: raise when no event arrived for this long (s) after the first one.
         tick: called about every 0.2 s with the seconds since the first event (training
             started), once training started (the time limit of a multi-VW run).
+        first_event_s: raise when no event at all arrived this long after the call (s); 0 =
+            wait for the first one forever (children that report progress, whose start-up
+            may be long: their stall clock starts at their first event).
 
     Returns:
         rank -> result payload (as sent).
@@ -122,6 +126,7 @@ def watch(
     """
     results: dict[int, bytes] = {}
     first_event = last_event = 0.0  # wall times (0 = training not started)
+    started = time.time()
     while len(results) < n_results:
         try:
             msg = events.get(timeout=0.2)
@@ -134,6 +139,11 @@ def watch(
             raise HetPipeRuntimeError(
                 f"no progress from any process for {stall_s:.0f} s (one is stuck in a task or "
                 "a wait); stopping every rank"
+            )
+        elif first_event_s and not last_event and time.time() - started > first_event_s:
+            raise HetPipeRuntimeError(
+                f"no progress from any process in the {first_event_s:g} s since the launch "
+                "(none reported anything); stopping every rank"
             )
         if tick is not None and first_event:
             tick(time.time() - first_event)
