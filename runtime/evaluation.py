@@ -1,21 +1,25 @@
 """Held-out evaluation: a seeded train/test split and top-1 accuracy of a whole module.
 
-Used by the AllReduce baseline (:mod:`runtime.ddp`) for its final test accuracy and by the
-benchmarks that evaluate checkpoints offline (``benchmarks/convergence.py``).
+Used by the WSP runtime (:mod:`runtime.wsp_result`) and the AllReduce baseline
+(:mod:`runtime.ddp`) for their final test accuracy, on the same samples, and by the benchmarks
+that evaluate checkpoints offline (``benchmarks/convergence.py``).
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
-from torch.utils.data import Dataset, Subset
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from profiler.errors import ConfigError
-from runtime.data import MinibatchSource
 
-__all__ = ["accuracy", "split_dataset"]
+__all__ = ["accuracy", "evaluate_module", "split_dataset"]
+
+log = logging.getLogger(__name__)
 
 
 def split_dataset(
@@ -35,17 +39,41 @@ def split_dataset(
 
 
 @torch.no_grad()
-def accuracy(module: nn.Module, dataset: Dataset[Any], batch_size: int) -> float:
-    """Top-1 accuracy (fraction) of ``module`` over ``dataset`` in full minibatches of ``batch_size``.
+def evaluate_module(
+    module: nn.Module,
+    dataset: Dataset[Any],
+    batch_size: int,
+    loss_fn: Callable[[Any, Tensor], Tensor] | None = None,
+) -> tuple[float, float]:
+    """Top-1 accuracy (fraction) and mean loss of ``module`` over ``dataset``.
 
-    The module is traced for a fixed batch shape, so a last incomplete minibatch is dropped.
+    Full minibatches of ``batch_size`` in dataset order (the module is traced for a fixed batch
+    shape, so a last incomplete one is dropped): every system is evaluated on the same samples.
+    Accuracy is NaN when the outputs are not ``(batch, classes)`` logits, the loss NaN without
+    ``loss_fn`` or when it does not apply.
     """
-    src = MinibatchSource(dataset, batch_size)
+    module.eval()
     correct = total = 0
-    for p in range(1, src.steps_per_epoch + 1):
-        xs, y = src.batch(p)
-        out = module(*xs)
-        pred = out.reshape(-1, out.shape[-1]).argmax(-1)
-        correct += int((pred == y.reshape(-1)).sum())
-        total += int(y.numel())
-    return correct / total if total else 0.0
+    loss_sum, batches = 0.0, 0
+    classifier = True
+    for xs, y in DataLoader(dataset, batch_size=batch_size, drop_last=True):
+        inputs = tuple(xs) if isinstance(xs, (tuple, list)) else (xs,)
+        out = module(*inputs)
+        if loss_fn is not None:
+            try:
+                loss_sum += float(loss_fn(out, y.reshape(-1) if out.dim() == 2 else y))
+                batches += 1
+            except RuntimeError as exc:
+                log.info("test loss not computed: %s", exc)
+        if isinstance(out, Tensor) and out.dim() == 2 and out.shape[0] == y.numel():
+            correct += int((out.argmax(dim=1) == y.reshape(-1)).sum())
+            total += y.numel()
+        else:
+            classifier = False
+    accuracy = correct / total if classifier and total else float("nan")
+    return accuracy, loss_sum / batches if batches else float("nan")
+
+
+def accuracy(module: nn.Module, dataset: Dataset[Any], batch_size: int) -> float:
+    """Top-1 accuracy (fraction) of ``module`` over ``dataset`` (:func:`evaluate_module`)."""
+    return evaluate_module(module, dataset, batch_size)[0]

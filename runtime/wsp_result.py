@@ -15,14 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from rich.table import Table
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from planner.plan import Plan
 from runtime.checkpoint import ShardState, atomic_torch_save
 from runtime.config import ModelSource
+from runtime.evaluation import evaluate_module
 from runtime.metrics import RunResult, StageResult, write_metrics
 from runtime.model import reference_module
 from runtime.ps_core import ClockEvent
@@ -194,23 +194,4 @@ def evaluate(
     module, names, loss_fn = reference_module(source, batch_size, seed)
     by_orig = {orig: n for n, orig in names.items()}
     module.load_state_dict({by_orig[k]: v for k, v in state.items() if k in by_orig}, strict=False)
-    module.eval()
-    correct = total = 0
-    loss_sum, batches = 0.0, 0
-    classifier = True
-    with torch.no_grad():
-        for xs, y in DataLoader(test, batch_size=batch_size, drop_last=True):
-            inputs = tuple(xs) if isinstance(xs, (tuple, list)) else (xs,)
-            out = module(*inputs)
-            try:
-                loss_sum += float(loss_fn(out, y.reshape(-1) if out.dim() == 2 else y))
-                batches += 1
-            except RuntimeError as exc:
-                log.info("test loss not computed: %s", exc)
-            if isinstance(out, Tensor) and out.dim() == 2 and out.shape[0] == y.numel():
-                correct += int((out.argmax(dim=1) == y.reshape(-1)).sum())
-                total += y.numel()
-            else:
-                classifier = False
-    accuracy = correct / total if classifier and total else float("nan")
-    return accuracy, loss_sum / batches if batches else float("nan")
+    return evaluate_module(module, test, batch_size, loss_fn)
