@@ -210,7 +210,7 @@ def collect_wsp(plan: Plan, out: Path, nm: int = 0, D: int | None = None) -> WSP
     Raises:
         HetPipeRuntimeError: a rank's file is missing (that rank failed).
     """
-    from runtime.launcher import _loads
+    from runtime.launcher import loads_result
     from runtime.metrics import StageResult
     from runtime.model import resolve_source
     from runtime.wsp_launcher import shard_specs
@@ -224,7 +224,7 @@ def collect_wsp(plan: Plan, out: Path, nm: int = 0, D: int | None = None) -> WSP
         path = out / f"rank{r}.pt"
         if not path.exists():
             raise HetPipeRuntimeError(f"{path}: missing; rank {r} did not finish (see its log)")
-        results.append(_loads(path.read_bytes()))
+        results.append(loads_result(path.read_bytes()))
     stages = [x for x in results if isinstance(x, StageResult)]
     states = [x for x in results if not isinstance(x, StageResult)]
     return WSPResult.build(plan, nm or plan.nm, D, stages, states, specs, 0.0)

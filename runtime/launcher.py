@@ -34,11 +34,21 @@ from runtime.metrics import ProgressBar, RunResult, StageResult, warn_overruns, 
 from runtime.model import resolve_source, sample_batch
 from runtime.stage import StageContext, StageWorker
 
-__all__ = ["launch", "stage_contexts", "total_steps"]
+__all__ = [
+    "PRELOAD",
+    "dumps_result",
+    "inject_fault",
+    "launch",
+    "loads_result",
+    "pacing_table",
+    "process_context",
+    "stage_contexts",
+    "total_steps",
+]
 
 log = logging.getLogger(__name__)
 
-_PRELOAD = [  # imported once by the fork server (the slow, lazily imported parts of a stage's start)
+PRELOAD = [  # imported once by the fork server (the slow, lazily imported parts of a stage's start)
     "torch",
     "torch.distributed",
     "torch.func",
@@ -118,7 +128,7 @@ def total_steps(run: RunConfig, steps_per_epoch: int) -> int:
     return steps_per_epoch
 
 
-def _calibration(
+def pacing_table(
     plan: Plan, source: ModelSource, contexts: list[StageContext], run: RunConfig
 ) -> Calibration | None:
     """The pacing table of one VW's emulated devices: the plan's stage times (the planner's CPU
@@ -152,17 +162,20 @@ def _calibration(
     return cal
 
 
-def _dumps(obj: Any) -> bytes:
+def dumps_result(obj: Any) -> bytes:
+    """A child's result as bytes for the launcher's event queue (``torch.save``)."""
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
 
 
-def _loads(data: bytes) -> Any:
+def loads_result(data: bytes) -> Any:
+    """The launcher's side of :func:`dumps_result`: the bytes come from its own children, so
+    pickled objects (result dataclasses) are allowed, unlike checkpoints."""
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _inject_fault(fault: str, ctx: StageContext) -> Callable[[int], None] | None:
+def inject_fault(fault: str, ctx: StageContext) -> Callable[[int], None] | None:
     """``raise:S:P`` / ``kill:S:P``: stage S raises / SIGKILLs itself at minibatch P (tests)."""
     if not fault:
         return None
@@ -199,7 +212,7 @@ def worker_main(
     def body() -> tuple[str, bytes]:
         t0 = time.perf_counter()
         worker = StageWorker(ctx, source, optimizer, run, dataset, calibration, events)
-        worker.fault = _inject_fault(fault, ctx)
+        worker.fault = inject_fault(fault, ctx)
         t1 = time.perf_counter()
         dist.barrier()
         log.debug(
@@ -208,7 +221,7 @@ def worker_main(
             t1 - t0,
             time.perf_counter() - t1,
         )
-        return "result", _dumps(worker.run(time.time()))
+        return "result", dumps_result(worker.run(time.time()))
 
     run_rank(ctx.rank, events, init_method, world_size, run.timeout_s, body)
 
@@ -256,7 +269,7 @@ def launch(
     contexts = stage_contexts(plan, vw, nm, steps)
     if run.out_dir is not None:
         run.out_dir.mkdir(parents=True, exist_ok=True)
-    calibration = _calibration(plan, source, contexts, run)
+    calibration = pacing_table(plan, source, contexts, run)
     predicted = plan.virtual_workers[vw].throughput
     with tempfile.TemporaryDirectory(prefix="hetpipe-rdzv-") as tmp:
         init_method = f"file://{Path(tmp) / 'rendezvous'}"
@@ -275,14 +288,14 @@ def launch(
     return result
 
 
-def _context() -> Any:
+def process_context() -> Any:
     """``forkserver`` with torch and the runtime preloaded: children start in well under a second
     (a fresh interpreter importing torch takes seconds); ``spawn`` where forkserver is missing."""
     try:
         ctx = mp.get_context("forkserver")
     except ValueError:
         return mp.get_context("spawn")
-    ctx.set_forkserver_preload(_PRELOAD)
+    ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
@@ -297,7 +310,7 @@ def _spawn_and_watch(
     fault: str,
     steps: int,
 ) -> list[StageResult]:
-    mpc = _context()
+    mpc = process_context()
     events = mpc.Queue()
     procs: dict[int, Any] = {}
     progress = ProgressBar(run.progress, steps, contexts[0].batch_size)
@@ -341,7 +354,7 @@ def _watch(
         return _root_cause(by_rank, procs, events, errors, done)
 
     results = watch(procs, events, len(contexts), progress.event, fail, stall_s)
-    return [_loads(results[c.rank]) for c in contexts]
+    return [loads_result(results[c.rank]) for c in contexts]
 
 
 def _root_cause(

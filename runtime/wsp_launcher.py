@@ -33,7 +33,7 @@ from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.data import default_dataset
 from runtime.emulation import Calibration
 from runtime.failures import root_cause_rank, stop_all, watch
-from runtime.launcher import _PRELOAD, _calibration, _context, _loads, stage_contexts
+from runtime.launcher import PRELOAD, loads_result, pacing_table, process_context, stage_contexts
 from runtime.metrics import ProgressBar, StageResult, warn_overruns
 from runtime.model import resolve_source
 from runtime.ps import ShardSpec
@@ -150,7 +150,7 @@ def launch_wsp(
         vw_run = (
             run if run.out_dir is None else dataclasses.replace(run, out_dir=run.out_dir / f"vw{k}")
         )
-        cal = _calibration(plan, source, ctxs, vw_run)
+        cal = pacing_table(plan, source, ctxs, vw_run)
         contexts += ctxs
         calibrations += [cal] * len(ctxs)
     if run.out_dir is not None:
@@ -218,8 +218,8 @@ def _spawn_and_watch(
     batch_size: int,
 ) -> tuple[list[StageResult], list[tuple[ShardState, list[ClockEvent]]]]:
     """Start every process and watch them; returns the stage results and the shard states."""
-    mpc = _context()
-    mpc.set_forkserver_preload([*_PRELOAD, "runtime.wsp_launcher", "runtime.wsp_procs"])
+    mpc = process_context()
+    mpc.set_forkserver_preload([*PRELOAD, "runtime.wsp_launcher", "runtime.wsp_procs"])
     events = mpc.Queue()
     procs: dict[int, Any] = {}
     world = len(shards) + len(contexts)
@@ -273,4 +273,4 @@ def _watch(
 
     stall_s = max(120.0, 4 * run.timeout_s)
     results = watch(procs, events, len(labels), progress.event, fail, stall_s)
-    return [_loads(results[r]) for r in sorted(results)]
+    return [loads_result(results[r]) for r in sorted(results)]

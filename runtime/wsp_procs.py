@@ -23,7 +23,7 @@ from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.data import MinibatchSource
 from runtime.emulation import Calibration
 from runtime.failures import run_rank, setup_child
-from runtime.launcher import _dumps, _inject_fault
+from runtime.launcher import dumps_result, inject_fault
 from runtime.model import reference_module
 from runtime.ps import ShardCore, ShardServer, ShardSpec
 from runtime.ps_client import PSClient
@@ -105,7 +105,7 @@ def shard_main(
         )
         dist.barrier()
         state = server.serve()
-        return "shard", _dumps((state, list(core.trace)))
+        return "shard", dumps_result((state, list(core.trace)))
 
     run_rank(shard.rank, events, init_method, world_size, timeout_s, body)
 
@@ -132,7 +132,7 @@ def stage_main(
 
     def body() -> tuple[str, bytes]:
         worker = StageWorker(ctx, source, optimizer, run, dataset, calibration, events)
-        worker.fault = _inject_fault(fault, ctx)
+        worker.fault = inject_fault(fault, ctx)
         sync = _wave_sync(worker, specs, D, first_wave * ctx.nm, cfg, run.timeout_s)
         if ctx.stage == 0 and run.time_limit_s > 0:
             if not init_method.startswith("file://"):
@@ -143,7 +143,7 @@ def stage_main(
         sync.start(first_wave)
         result = worker.run(time.time())
         sync.close()
-        return "result", _dumps(result)
+        return "result", dumps_result(result)
 
     run_rank(ctx.rank, events, init_method, world_size, run.timeout_s, body)
 
