@@ -24,7 +24,8 @@ order (the numbering of ``hetpipe run``). torchrun gives each host a contiguous 
 (on each host). Every rank writes its result to ``--out/rank<r>.pt`` (a stage's
 ``StageResult`` or a shard's final state and clock trace); :func:`collect_wsp` turns the
 files into a :class:`runtime.wsp_result.WSPResult`. ``--checkpoint-every`` and ``--resume``
-need ``--out`` on a file system every host shares.
+need ``--out`` on a file system every host shares; ``--time-limit`` stops every VW at one
+agreed wave (through the process group's store).
 """
 
 from __future__ import annotations
@@ -61,6 +62,12 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("plan", type=Path)
     p.add_argument("--steps", type=int, default=0)
     p.add_argument("--epochs", type=float, default=0.0)
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=0.0,
+        help="stop admitting minibatches after SECONDS (every VW stops at one agreed wave)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nm", type=int, default=0)
     p.add_argument("--vw", type=int, default=None, help="one VW; -1 = all through WSP")
@@ -90,8 +97,9 @@ def main(argv: list[str] | None = None) -> int:
             return _main_wsp(a, plan, rank, world)
         a.vw = a.vw or 0
         run = RunConfig(
-            steps=a.steps, epochs=a.epochs, seed=a.seed, nm=a.nm, timeout_s=a.timeout, out_dir=a.out
-        )
+            steps=a.steps, epochs=a.epochs, time_limit_s=a.time_limit, seed=a.seed, nm=a.nm,
+            timeout_s=a.timeout, out_dir=a.out,
+        )  # fmt: skip
         from runtime.data import default_dataset
         from runtime.model import resolve_source
 
@@ -144,8 +152,8 @@ def _main_wsp(a: argparse.Namespace, plan: Plan, rank: int, world: int) -> int:
 
     source = ModelSource(ref=plan.model)
     run = RunConfig(
-        steps=a.steps, epochs=a.epochs, seed=a.seed, nm=a.nm, timeout_s=a.timeout,
-        out_dir=a.out, emulate=a.calibration is not None,
+        steps=a.steps, epochs=a.epochs, time_limit_s=a.time_limit, seed=a.seed, nm=a.nm,
+        timeout_s=a.timeout, out_dir=a.out, emulate=a.calibration is not None,
     )  # fmt: skip
     ckpt = a.out / "checkpoints" if a.out is not None else None
     cfg = WSPConfig(D=a.D, checkpoint_dir=ckpt, checkpoint_every=a.checkpoint_every,

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
+from torch._C._distributed_c10d import Store
 
-from profiler.errors import ConfigError
 from runtime.checkpoint import load_shard_state, shard_checkpoint_path
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.data import MinibatchSource
@@ -110,6 +110,14 @@ def shard_main(
     run_rank(shard.rank, events, init_method, world_size, timeout_s, body)
 
 
+def _stop_store(init_method: str) -> Store:
+    """Where the VWs agree on the stop wave: a file beside a one-host run's rendezvous file,
+    else (torchrun, ``env://``) the process group's own store, which every host reaches."""
+    if init_method.startswith("file://"):
+        return file_store(init_method.removeprefix("file://") + ".stop")
+    return dist.distributed_c10d._get_default_store()
+
+
 def stage_main(
     ctx: StageContext,
     source: ModelSource,
@@ -135,10 +143,7 @@ def stage_main(
         worker.fault = inject_fault(fault, ctx)
         sync = _wave_sync(worker, specs, D, first_wave * ctx.nm, cfg, run.timeout_s)
         if ctx.stage == 0 and run.time_limit_s > 0:
-            if not init_method.startswith("file://"):
-                raise ConfigError("--time-limit needs the one-host launcher (hetpipe run)")
-            store = file_store(init_method.removeprefix("file://") + ".stop")
-            worker.stop = StopAgreement(store, ctx.nm, D)
+            worker.stop = StopAgreement(_stop_store(init_method), ctx.nm, D)
         dist.barrier()
         sync.start(first_wave)
         result = worker.run(time.time())

@@ -81,3 +81,29 @@ def test_torchrun_two_hosts_train_every_vw_through_wsp_like_hetpipe_run(tmp_path
     ref = local.state_dict()
     for name, t in result.state_dict().items():  # D = 0: deterministic, equal to one host
         torch.testing.assert_close(t, ref[name], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_torchrun_time_limit_stops_every_vw_at_one_agreed_wave(tmp_path: Path) -> None:
+    """--time-limit under torchrun: the VWs agree on the stop wave through the process group's
+    store (no shared file), so every VW trains the same number of whole waves."""
+    from runtime.__main__ import collect_wsp
+    from runtime.plans import multi_vw_plan
+
+    graph = ModelGraph.from_spec(resolve_source(ModelSource(ref="mlp"), 16, meta=True))
+    plan = multi_vw_plan(graph, [(4,), (6,)], "mlp", 16, nm=2, D=1, n_shards=1)
+    plan_path = plan.save(tmp_path / "plan.json")
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "5",
+        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+        "-m", "runtime", str(plan_path), "--time-limit", "2", "--timeout", "30", "--out", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = collect_wsp(plan, out)
+    steps = {v.steps for v in result.vws}
+    assert len(steps) == 1, steps  # one agreed wave for every VW
+    (n,) = steps
+    assert n >= 2 and n % 2 == 0  # whole waves of Nm = 2, and it did train
+    assert all(state.clock == n // 2 for state in result.states)
