@@ -199,11 +199,11 @@ def _train_rank(
         if ctx.cap_bytes:
             meter.check(p, saved.nbytes + sum(x.numel() * x.element_size() for x in xs), 0)
         loss.backward()  # type: ignore[no-untyped-call]  # DDP all-reduces (averages) grads
-        if solo_s:
-            pace_until(t0 + solo_s / ctx.speed)
         for g in opt.param_groups:
             g["lr"] = lr_at(ctx.optimizer, p - 1, ctx.steps)
-        opt.step()
+        opt.step()  # device work: inside the paced window, as in the pipeline's stages
+        if solo_s:
+            pace_until(t0 + solo_s / ctx.speed)
         meter.release(p)
         mean = loss.detach().clone()
         dist.all_reduce(mean)

@@ -275,6 +275,11 @@ class StageWorker:
 
     # ------------------------------------------------------------ tasks
 
+    @property
+    def _paced(self) -> bool:
+        """Whether this stage emulates a device (its tasks are paced to the plan's times)."""
+        return self.calibration is not None and self.run_cfg.emulate
+
     def _pace(self, t0: float, kind: Kind) -> None:
         if self.calibration is not None and self.run_cfg.emulate:
             target = self.calibration.task_s(self.ctx.stage, kind.value) / self.ctx.speed
@@ -300,7 +305,6 @@ class StageWorker:
             self.fault(mb)
         if task.kind is Kind.B:
             grads_w, grads_x = self._backward(mb)
-            self._pace(t0, task.kind)
         else:
             out = self._forward(mb)
             if task.kind is Kind.F:
@@ -310,9 +314,22 @@ class StageWorker:
                     to_next.send_activations(mb, out)
                 return
             grads_w, grads_x = self._loss_backward(mb, out)
-            self._pace(t0, task.kind)
+        if not self._paced:  # the gradients leave first: the previous stage waits on them
+            if to_prev is not None:
+                to_prev.send_grads(grads_x)
+            self._update(mb, grads_w)
+            return
+        # An emulated device: the optimizer step and the wave's bookkeeping are device work (on
+        # a GPU a few passes over the weights at memory bandwidth, ~1 % of a step), so they run
+        # inside the task's paced window, not on top of it at CPU speed; a WSP pull the update
+        # blocks on is not device time. The gradients leave when the emulated backward ends.
+        waited = self.result.wait_s
+        self._update(mb, grads_w)
+        self._pace(t0 + (self.result.wait_s - waited), task.kind)
         if to_prev is not None:
             to_prev.send_grads(grads_x)
+
+    def _update(self, mb: int, grads_w: dict[str, Tensor | None]) -> None:
         self.weights.update(mb, grads_w)
         if self.after_update is not None:
             self.after_update(mb)
