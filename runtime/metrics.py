@@ -43,6 +43,8 @@ class StageResult:
         clocks: ``(required global clock, pulled global clock)`` of every WSP pull.
         overrun_s: time paced tasks ran past their target (an emulated device whose real
             computation is slower than its planned time: the plan overrates it).
+        task_log: ``(kind, minibatch or wave, start, end)`` wall-clock seconds of the first
+            tasks (``F``, ``B``, ``FB``) and WSP pull waits (``wait``), for the timeline.
     """
 
     rank: int
@@ -62,6 +64,7 @@ class StageResult:
     wait_s: float = 0.0
     clocks: list[tuple[int, int]] = field(default_factory=list)
     overrun_s: float = 0.0
+    task_log: list[tuple[str, int, float, float]] = field(default_factory=list)
 
     @property
     def busy_fraction(self) -> float:

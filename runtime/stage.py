@@ -29,6 +29,7 @@ from runtime.emulation import Calibration, MemoryMeter, SavedBytes, pace_until
 from runtime.metrics import StageResult
 from runtime.model import build_stage
 from runtime.stop import StopAgreement
+from runtime.timeline import MAX_TASK_LOG
 from runtime.weights import VersionedWeights
 
 __all__ = ["StageContext", "StageWorker"]
@@ -136,6 +137,7 @@ class StageWorker:
         self.after_update: Callable[[int], None] | None = None
         self.before_forward: Callable[[int], None] | None = None
         self.stop: StopAgreement | None = None  # stage 0 of a multi-VW run: the shared time limit
+        self._task_wall0 = 0.0  # wall-clock start of the task being executed (the timeline)
 
     @property
     def last(self) -> bool:
@@ -189,6 +191,9 @@ class StageWorker:
                 t0 = time.perf_counter()
                 self._execute(task, to_next, to_prev, grad_rx)
                 self.result.busy_s += time.perf_counter() - t0
+                if len(self.result.task_log) < MAX_TASK_LOG:  # from after any pull wait
+                    entry = (task.kind.value, task.mb, self._task_wall0, time.time())
+                    self.result.task_log.append(entry)
                 self.result.tasks += 1
                 self.queue.done(task)
                 if task.kind is not Kind.B:
@@ -299,7 +304,7 @@ class StageWorker:
                 self._load(mb)
             if self.before_forward is not None:
                 self.before_forward(mb)
-        t0 = time.perf_counter()
+        t0, self._task_wall0 = time.perf_counter(), time.time()
         log.debug("[%s] task %s", self.ctx.where, task)
         if self.fault is not None:
             self.fault(mb)

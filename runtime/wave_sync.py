@@ -33,6 +33,7 @@ from planner.wsp import local_version, required_global_clock
 from runtime.checkpoint import atomic_torch_save, load_checkpoint
 from runtime.metrics import StageResult
 from runtime.ps_client import PSClient, PullHandle
+from runtime.timeline import MAX_TASK_LOG
 from runtime.weights import VersionedWeights
 
 __all__ = ["WaveSync"]
@@ -113,10 +114,17 @@ class WaveSync:
         if old > 0 and not final:
             self._path(old).unlink(missing_ok=True)
 
+    def _log_wait(self, clock: int, waited: float) -> None:
+        """Record a pull wait for the timeline (the wall clock, like the tasks)."""
+        if waited > 1e-4 and len(self.result.task_log) < MAX_TASK_LOG:
+            end = time.time()
+            self.result.task_log.append(("wait", clock, end - waited, end))
+
     def _pull(self, min_clock: int) -> None:
         t0 = time.perf_counter()
         res = self.client.pull(min_clock, out=self.params)
         waited = time.perf_counter() - t0
+        self._log_wait(min_clock, waited)
         self.result.wait_s += waited
         self.result.busy_s -= waited  # the hook runs inside a timed task: waiting is not work
         self.result.clocks.append((min_clock, res.clock))
@@ -164,6 +172,7 @@ class WaveSync:
         t0 = time.perf_counter()
         res = handle.wait()
         waited = time.perf_counter() - t0
+        self._log_wait(need, waited)
         self.result.wait_s += waited
         self.result.busy_s -= waited
         self.result.clocks.append((need, res.clock))

@@ -27,6 +27,7 @@ from runtime.metrics import RunResult, StageResult, write_metrics
 from runtime.model import reference_module
 from runtime.ps_core import ClockEvent
 from runtime.ps_layout import ShardSpec, export_state_dict
+from runtime.timeline import write_timeline
 
 __all__ = ["WSPResult", "evaluate"]
 
@@ -112,10 +113,12 @@ class WSPResult:
         return export_state_dict(self.specs, [s.weights for s in self.states])
 
     def save(self, out_dir: Path) -> None:
-        """``vw<k>/metrics.csv``, ``summary.json`` and ``weights.pt`` (one ordinary state_dict)."""
+        """``vw<k>/metrics.csv``, ``summary.json``, ``weights.pt`` (one ordinary state_dict) and
+        the measured ``timeline.png`` / ``trace.json`` of every VW."""
         out_dir.mkdir(parents=True, exist_ok=True)
         for k, vw in enumerate(self.vws):
             write_metrics(vw, out_dir / f"vw{k}")
+        write_timeline([s for vw in self.vws for s in vw.stages], out_dir)
         atomic_torch_save(self.state_dict(), out_dir / "weights.pt")
         summary = {
             "throughput": self.throughput,

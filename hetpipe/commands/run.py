@@ -207,7 +207,8 @@ def run(
     console.print(summary_table(result))
     if out is not None:
         console.print(
-            f"metrics: {out / 'metrics.csv'}, {out / 'stages.csv'}; weights: {out / 'weights.pt'}"
+            f"metrics: {out / 'metrics.csv'}, {out / 'stages.csv'}; weights: {out / 'weights.pt'}; "
+            f"timeline: {out / 'timeline.png'}, {out / 'trace.json'}"
         )
 
 
@@ -247,7 +248,8 @@ def _wsp(
     console.print(result.table())
     if out is not None:
         console.print(
-            f"metrics: {out}/vw*/metrics.csv, {out}/summary.json; weights: {out / 'weights.pt'}"
+            f"metrics: {out}/vw*/metrics.csv, {out}/summary.json; weights: {out / 'weights.pt'}; "
+            f"timeline: {out / 'timeline.png'}, {out / 'trace.json'}"
         )
 
 

@@ -171,3 +171,21 @@ def test_fast_gather_equals_collating_items_one_by_one() -> None:
             ref_x, ref_y = default_collate([ds[i] for i in src.indices(mb)])
             torch.testing.assert_close(xs, ref_x, rtol=0, atol=0)
             torch.testing.assert_close(ys, ref_y, rtol=0, atol=0)
+
+
+def test_measured_trace_puts_stage_0_pull_waits_behind_the_whole_vw() -> None:
+    from runtime.metrics import StageResult
+    from runtime.timeline import measured_trace
+
+    s0 = StageResult(rank=1, vw=0, stage=0, device="V:0")
+    s1 = StageResult(rank=2, vw=0, stage=1, device="Q:0")
+    s0.task_log += [("wait", 1, 10.000, 10.002), ("F", 1, 10.002, 10.004)]
+    s1.task_log += [("FB", 1, 10.005, 10.009), ("wait", 2, 10.009, 10.010)]
+    trace = measured_trace([s0, s1])
+    assert [(e.stage, e.cat, e.mb) for e in trace] == [
+        (-1, "wait", 1),  # stage 0 waiting blocks the VW's admission
+        (0, "F", 1),
+        (1, "FB", 1),
+        (1, "wait", 2),  # another stage's wait stays on its own row
+    ]
+    assert trace[0].start_ms == 0.0 and trace[2].end_ms == pytest.approx(9.0)

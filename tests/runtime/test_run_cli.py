@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import csv
+import itertools
+import json
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -31,6 +33,14 @@ def test_run_plan_file_prints_summary_and_writes_metrics(tmp_path: Path) -> None
         rows = list(csv.DictReader(f))
     assert [int(r["minibatch"]) for r in rows] == list(range(1, 9))
     assert (out / "calibration.json").exists() and (out / "weights.pt").exists()
+    # the measured timeline: every task of every stage, one at a time per device
+    assert (out / "timeline.png").stat().st_size > 0
+    events = json.loads((out / "trace.json").read_text())["traceEvents"]
+    tasks = [e for e in events if e["ph"] == "X" and e["cat"] in ("F", "B", "FB")]
+    for tid, n_tasks in ((1, 16), (2, 8)):  # stage 0: F and B of 8 minibatches; last: FB
+        mine = sorted((e["ts"], e["ts"] + e["dur"]) for e in tasks if e["tid"] == tid)
+        assert len(mine) == n_tasks
+        assert all(end <= nxt + 1e-3 for (_, end), (nxt, _) in itertools.pairwise(mine))
 
 
 def test_run_cluster_with_a_bad_sync_is_one_red_line(tmp_path: Path) -> None:
@@ -45,8 +55,6 @@ def test_run_cluster_with_a_bad_sync_is_one_red_line(tmp_path: Path) -> None:
 def test_emulated_planned_run_is_paced_by_the_plans_stage_times(tmp_path: Path) -> None:
     """The pacing table of a planned run is the plan's own stage times (x speed = solo), not a
     fresh measurement: the simulator and the emulated devices share one source of truth."""
-    import json
-
     from planner.cluster import load_cluster
     from planner.planner import make_plan
 
