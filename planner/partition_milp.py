@@ -86,6 +86,12 @@ def _make_solver(name: str, time_limit_s: float) -> tuple[pulp.LpSolver, str]:
     return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=1e-9, threads=1), "milp-cbc"
 
 
+def _solved(prob: pulp.LpProblem) -> bool:
+    """Whether the solver proved an optimum or infeasibility (anything else: it gave up)."""
+    optimal = prob.status == pulp.LpStatusOptimal and prob.sol_status == pulp.LpSolutionOptimal
+    return optimal or prob.status == pulp.LpStatusInfeasible
+
+
 class _Model:
     """Builds the MILP for one VW (see the module docstring)."""
 
@@ -427,6 +433,15 @@ def partition_milp(
     )
     lp_solver, label = _make_solver(solver, time_limit_s)
     model.prob.solve(lp_solver)
+    if label == "milp-highs" and solver.lower() == "auto" and not _solved(model.prob):
+        # HiGHS through PuLP is not always reliable (highspy 1.16 with PuLP 3.3 returns 'Not
+        # Solved' at once on models 1.15 solves): CBC decides instead of failing the plan
+        log.warning(
+            "MILP: HiGHS ended with status %r; solving again with CBC",
+            pulp.LpStatus[model.prob.status],
+        )
+        lp_solver, label = _make_solver("cbc", max(1.0, time_limit_s - (time.perf_counter() - t0)))
+        model.prob.solve(lp_solver)
     status = pulp.LpStatus[model.prob.status]
     if model.prob.status == pulp.LpStatusInfeasible:
         letters = "".join(g.letter for g in gpus)

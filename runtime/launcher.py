@@ -139,12 +139,12 @@ def pacing_table(
         return None
     worker = plan.virtual_workers[contexts[0].vw]
     cuts = contexts[0].cuts
-    if all(st.fwd_ms + st.bwd_ms > 0 for st in worker.stages):
+    if any(st.fwd_ms + st.bwd_ms > 0 for st in worker.stages):  # a stage may be ~0 ms
         key = f"{source.name}|batch={plan.batch_size}|cuts={list(cuts)}|plan"
         cal = Calibration.from_plan(
             key, [(st.fwd_ms, st.bwd_ms) for st in worker.stages], [c.speed for c in contexts]
         )
-    else:  # a hand-made plan without stage times: measure them here
+    else:  # a hand-made plan without any stage times: measure them here
         from profiler.graph import ModelGraph
 
         log.info(
