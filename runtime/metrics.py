@@ -262,13 +262,17 @@ class ProgressBar:
             self.bar.stop()
 
 
-def warn_overruns(stages: Sequence[StageResult], share: float = 0.05) -> list[str]:
+def warn_overruns(
+    stages: Sequence[StageResult], share: float = 0.05, min_s: float = 0.05
+) -> list[str]:
     """Log (and return) a warning for each emulated stage whose tasks ran past their paced
-    target for more than ``share`` of its busy time: its device is slower than the plan says
-    (e.g. a plan made from an analytic profile), so measured and predicted times diverge."""
+    target for more than ``share`` of its busy time and ``min_s`` seconds in all: its device
+    is slower than the plan says (e.g. a plan made from an analytic profile), so measured and
+    predicted times diverge. (A stage planned at ~0 ms, e.g. only a reshape, always overruns
+    by microseconds: ``min_s`` keeps that quiet.)"""
     out = []
     for r in stages:
-        if r.busy_s > 0 and r.overrun_s > share * r.busy_s:
+        if r.busy_s > 0 and r.overrun_s > max(share * r.busy_s, min_s):
             msg = (
                 f"vw {r.vw} stage {r.stage} ({r.device}): tasks ran {r.overrun_s:.2f} s past their "
                 f"planned times ({r.overrun_s / r.busy_s:.0%} of busy time): the device is slower "
