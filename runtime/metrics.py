@@ -263,13 +263,15 @@ class ProgressBar:
 
 
 def warn_overruns(
-    stages: Sequence[StageResult], share: float = 0.05, min_s: float = 0.05
+    stages: Sequence[StageResult], share: float = 0.25, min_s: float = 0.05
 ) -> list[str]:
-    """Log (and return) a warning for each emulated stage whose tasks ran past their paced
+    """Log (and return) a warning for each emulated stage whose computation ran past its paced
     target for more than ``share`` of its busy time and ``min_s`` seconds in all: its device
-    is slower than the plan says (e.g. a plan made from an analytic profile), so measured and
-    predicted times diverge. (A stage planned at ~0 ms, e.g. only a reshape, always overruns
-    by microseconds: ``min_s`` keeps that quiet.)"""
+    is much slower than the plan says (e.g. a plan made from an analytic GPU profile), so
+    measured and predicted times diverge. Smaller overruns are expected when tasks last 1-3 ms:
+    the stage's fixed Python cost per task (autograd, weight versions, memory accounting) is
+    not in a per-layer profile and two cores are shared by every process; ``min_s`` keeps a
+    stage planned at ~0 ms (e.g. only a reshape) quiet."""
     out = []
     for r in stages:
         if r.busy_s > 0 and r.overrun_s > max(share * r.busy_s, min_s):

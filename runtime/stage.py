@@ -285,10 +285,16 @@ class StageWorker:
         """Whether this stage emulates a device (its tasks are paced to the plan's times)."""
         return self.calibration is not None and self.run_cfg.emulate
 
+    def _deadline(self, t0: float, kind: Kind) -> float:
+        """When a task of ``kind`` started at ``t0`` ends on the emulated device (``t0`` when
+        not paced)."""
+        if self.calibration is None or not self.run_cfg.emulate:
+            return t0
+        return t0 + self.calibration.task_s(self.ctx.stage, kind.value) / self.ctx.speed
+
     def _pace(self, t0: float, kind: Kind) -> None:
-        if self.calibration is not None and self.run_cfg.emulate:
-            target = self.calibration.task_s(self.ctx.stage, kind.value) / self.ctx.speed
-            self.result.overrun_s += pace_until(t0 + target)
+        if self._paced:
+            self.result.overrun_s += pace_until(self._deadline(t0, kind))
 
     def _execute(
         self,
@@ -328,9 +334,13 @@ class StageWorker:
         # a GPU a few passes over the weights at memory bandwidth, ~1 % of a step), so they run
         # inside the task's paced window, not on top of it at CPU speed; a WSP pull the update
         # blocks on is not device time. The gradients leave when the emulated backward ends.
+        deadline = self._deadline(t0, task.kind)
+        # only the computation can make the device late: the update's CPU time past the
+        # deadline is the runtime's cost (on a GPU it is microseconds), not a slow device
+        self.result.overrun_s += max(0.0, time.perf_counter() - deadline)
         waited = self.result.wait_s
         self._update(mb, grads_w)
-        self._pace(t0 + (self.result.wait_s - waited), task.kind)
+        pace_until(deadline + (self.result.wait_s - waited))
         if to_prev is not None:
             to_prev.send_grads(grads_x)
 
