@@ -22,6 +22,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _run_one_host(nproc: int, plan_path: Path, *args: str, timeout_s: float = 150.0) -> None:
+    """``torchrun --nnodes 1 --nproc-per-node nproc -m runtime plan_path *args``; must succeed."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
+        str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+        "-m", "runtime", str(plan_path), *args,
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_torchrun_entry_trains_every_stage(tmp_path: Path) -> None:
     graph = ModelGraph.from_spec(resolve_source(ModelSource(ref="mlp"), 8, meta=True))
@@ -29,13 +40,7 @@ def test_torchrun_entry_trains_every_stage(tmp_path: Path) -> None:
         tmp_path / "plan.yaml"
     )
     out = tmp_path / "out"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-        "-m", "runtime", str(plan_path), "--steps", "6", "--timeout", "20", "--out", str(out),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    _run_one_host(2, plan_path, "--steps", "6", "--timeout", "20", "--out", str(out))
     results = [torch.load(out / f"stage{r}.pt", weights_only=False) for r in range(2)]
     assert [r.steps for r in results] == [6, 6]
     assert len(results[1].losses) == 6
@@ -94,13 +99,7 @@ def test_torchrun_time_limit_stops_every_vw_at_one_agreed_wave(tmp_path: Path) -
     plan = multi_vw_plan(graph, [(4,), (6,)], "mlp", 16, nm=2, D=1, n_shards=1)
     plan_path = plan.save(tmp_path / "plan.json")
     out = tmp_path / "out"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "5",
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-        "-m", "runtime", str(plan_path), "--time-limit", "2", "--timeout", "30", "--out", str(out),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _run_one_host(5, plan_path, "--time-limit", "2", "--timeout", "30", "--out", str(out))
     result = collect_wsp(plan, out)
     steps = {v.steps for v in result.vws}
     assert len(steps) == 1, steps  # one agreed wave for every VW
