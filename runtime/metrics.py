@@ -22,6 +22,8 @@ __all__ = ["ProgressBar", "RunResult", "StageResult", "summary_table", "write_me
 
 log = logging.getLogger(__name__)
 
+MAX_TASK_LOG = 4000  # tasks (and waits) a stage logs for the timeline: a long run's log stays small
+
 
 @dataclass
 class StageResult:
@@ -65,6 +67,11 @@ class StageResult:
     clocks: list[tuple[int, int]] = field(default_factory=list)
     overrun_s: float = 0.0
     task_log: list[tuple[str, int, float, float]] = field(default_factory=list)
+
+    def log_interval(self, kind: str, mb: int, start: float, end: float) -> None:
+        """Record a task or wait for the timeline (the first :data:`MAX_TASK_LOG` of a run)."""
+        if len(self.task_log) < MAX_TASK_LOG:
+            self.task_log.append((kind, mb, start, end))
 
     @property
     def busy_fraction(self) -> float:

@@ -312,9 +312,9 @@ class ShardServer:
                     self._maybe_checkpoint(res.applied)
             elif ev.kind == "pull":
                 pulls[ev.client].waiting[ev.seq] = ev.arg
+                self._answer_pulls(pulls)
             elif ev.kind == "bye":
                 done.add(ev.client)
-            self._answer_pulls(pulls)
             self._drain_sends(block=False)
         self._drain_sends(block=True)
         log.info(

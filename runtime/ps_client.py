@@ -262,6 +262,11 @@ class PSClient:
                     f"{self._prefix} push of wave {wave}: tensor {i} has shape {tuple(u.shape)}, expected {shape}"
                 )
 
+    def _take_message(self, k: int) -> _Message:
+        """A push message for shard ``k``: a recycled one, else a fresh one."""
+        spare = self._spare[k]
+        return spare.pop() if spare else _Message(*push_message(self._links[k].numel))
+
     def update_buffers(self) -> list[torch.Tensor]:
         """Tensors to compute the next push's update in (the constructor's order and shapes).
 
@@ -275,10 +280,7 @@ class PSClient:
         for k, link in enumerate(self._links):
             msg = self._reserved[k]
             if msg is None:
-                msg = (
-                    self._spare[k].pop() if self._spare[k] else _Message(*push_message(link.numel))
-                )
-                self._reserved[k] = msg
+                msg = self._reserved[k] = self._take_message(k)
             pos = 0
             for i in link.order:
                 n = math.prod(self._shapes[i])
@@ -344,12 +346,8 @@ class PSClient:
             else []
         )
         for k, link in enumerate(self._links):
-            msg = self._reserved[k]
+            msg = self._reserved[k] or self._take_message(k)
             self._reserved[k] = None
-            if msg is None:
-                msg = (
-                    self._spare[k].pop() if self._spare[k] else _Message(*push_message(link.numel))
-                )
             base, pos = msg.payload.data_ptr(), 0
             for i in link.order:  # pack the shard's parameters in shard order into the message
                 n, u = updates[i].numel(), updates[i]
@@ -526,7 +524,7 @@ class PSClient:
             return
         self.flush()
         for k, link in enumerate(self._links):
-            msg = self._spare[k].pop() if self._spare[k] else _Message(*push_message(link.numel))
+            msg = self._take_message(k)
             msg.header.copy_(torch.tensor([0, NO_PULL, 0, LAST_PUSH], dtype=torch.int64))
             work = self._isend(link, msg.message, TAG_PUSH, "close")
             self._wait(link, work, "close", self.timeout_s)

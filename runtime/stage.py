@@ -29,7 +29,6 @@ from runtime.emulation import Calibration, MemoryMeter, SavedBytes, pace_until
 from runtime.metrics import StageResult
 from runtime.model import build_stage
 from runtime.stop import StopAgreement
-from runtime.timeline import MAX_TASK_LOG
 from runtime.weights import VersionedWeights
 
 __all__ = ["StageContext", "StageWorker"]
@@ -191,9 +190,8 @@ class StageWorker:
                 t0 = time.perf_counter()
                 self._execute(task, to_next, to_prev, grad_rx)
                 self.result.busy_s += time.perf_counter() - t0
-                if len(self.result.task_log) < MAX_TASK_LOG:  # from after any pull wait
-                    entry = (task.kind.value, task.mb, self._task_wall0, time.time())
-                    self.result.task_log.append(entry)
+                # from after any pull wait (_task_wall0 is set when the device starts)
+                self.result.log_interval(task.kind.value, task.mb, self._task_wall0, time.time())
                 self.result.tasks += 1
                 self.queue.done(task)
                 if task.kind is not Kind.B:

@@ -2,7 +2,7 @@
 
 Every stage logs its tasks (``F``, ``B``, the last stage's ``FB``) and its WSP pull waits with
 wall-clock start and end times (:attr:`runtime.metrics.StageResult.task_log`, the first
-:data:`MAX_TASK_LOG` entries of a run). :func:`measured_trace` turns them into the simulator's
+:data:`runtime.metrics.MAX_TASK_LOG` entries of a run). :func:`measured_trace` turns them into the simulator's
 :class:`~planner.sim_types.TraceEvent` intervals, so one drawing code
 (:mod:`planner.gantt`) shows both the predicted and the measured pipeline: ``hetpipe simulate
 --gantt`` next to the ``timeline.png`` a run writes into ``--out``.
@@ -17,9 +17,7 @@ from planner.gantt import write_chrome_trace, write_gantt
 from planner.sim_types import TraceEvent
 from runtime.metrics import StageResult
 
-__all__ = ["MAX_TASK_LOG", "measured_trace", "write_timeline"]
-
-MAX_TASK_LOG = 4000  # tasks (and waits) a stage logs: a long run's log stays small
+__all__ = ["measured_trace", "write_timeline"]
 
 
 def measured_trace(stages: Sequence[StageResult]) -> list[TraceEvent]:

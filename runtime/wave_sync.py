@@ -33,7 +33,6 @@ from planner.wsp import local_version, required_global_clock
 from runtime.checkpoint import atomic_torch_save, load_checkpoint
 from runtime.metrics import StageResult
 from runtime.ps_client import PSClient, PullHandle
-from runtime.timeline import MAX_TASK_LOG
 from runtime.weights import VersionedWeights
 
 __all__ = ["WaveSync"]
@@ -116,9 +115,9 @@ class WaveSync:
 
     def _log_wait(self, clock: int, waited: float) -> None:
         """Record a pull wait for the timeline (the wall clock, like the tasks)."""
-        if waited > 1e-4 and len(self.result.task_log) < MAX_TASK_LOG:
+        if waited > 1e-4:
             end = time.time()
-            self.result.task_log.append(("wait", clock, end - waited, end))
+            self.result.log_interval("wait", clock, end - waited, end)
 
     def _pull(self, min_clock: int) -> None:
         t0 = time.perf_counter()
