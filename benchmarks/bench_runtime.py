@@ -44,6 +44,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from planner.cluster import load_cluster  # noqa: E402
+from planner.manual import cpu_cluster, manual_plan  # noqa: E402
 from profiler.graph import ModelGraph  # noqa: E402
 from runtime.comm import cut_specs  # noqa: E402
 from runtime.config import ModelSource, OptimizerConfig, RunConfig  # noqa: E402
@@ -51,7 +52,6 @@ from runtime.data import MinibatchSource, default_dataset  # noqa: E402
 from runtime.emulation import Calibration, pace_until  # noqa: E402
 from runtime.launcher import launch  # noqa: E402
 from runtime.model import build_stage, reference_module, resolve_source  # noqa: E402
-from runtime.plans import cpu_cluster, manual_plan  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "runtime.json"
 

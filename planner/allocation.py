@@ -26,7 +26,13 @@ from planner.cluster import Cluster, Device, Node
 from profiler.catalog import CATALOG
 from profiler.errors import PlanError
 
-__all__ = ["POLICIES", "Allocation", "allocate", "candidate_allocations"]
+__all__ = [
+    "POLICIES",
+    "Allocation",
+    "allocate",
+    "candidate_allocations",
+    "default_policy",
+]
 
 POLICIES = ("np", "ed", "hd", "auto")
 
@@ -146,7 +152,8 @@ def hybrid_distribution(
 
     Args:
         cluster: the cluster.
-        num_vws: number of VWs (default: one per node, as in the paper).
+        num_vws: number of VWs (default: one per node, as in the paper; where that gives no
+            even grouping, e.g. single-GPU nodes, the largest VW count that does).
         speed: relative compute of a GPU type (default: catalog FP32 peak).
 
     Raises:
@@ -160,7 +167,16 @@ def hybrid_distribution(
             f"policy 'hd' mixes a few nodes per VW but {cluster.source} has {n} node(s); use np or ed"
         )
     total = sum(nd.count for nd in nodes)
-    want = n if num_vws is None else num_vws
+    if num_vws is None:
+        # the paper's default (one VW per node), else the most VWs HD can form evenly
+        tries = [n] + [v for v in range(total - 1, 1, -1) if total % v == 0 and v != n]
+        for want in tries:
+            try:
+                return hybrid_distribution(cluster, want, speed)
+            except PlanError:
+                continue
+        return hybrid_distribution(cluster, n, speed)  # raises, naming the paper's default
+    want = num_vws
     if want < 1 or total % want:
         raise PlanError(
             f"policy 'hd' needs equal VWs: {total} GPUs do not split into {want} VWs; pick --vws dividing {total}"
@@ -193,6 +209,16 @@ def hybrid_distribution(
         tuple(best[1]),
         f"node groups balancing compute and memory (imbalance {best[0][0]:.3f})",
     )
+
+
+def default_policy(cluster: Cluster, num_vws: int | None = None) -> str:
+    """The policy ``hetpipe plan`` and ``hetpipe run`` use when none is given: ``hd`` where it
+    applies to ``cluster`` (3+ nodes grouped evenly), else ``ed``."""
+    try:
+        hybrid_distribution(cluster, num_vws)
+    except PlanError:
+        return "ed"
+    return "hd"
 
 
 def allocate(

@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from planner.allocation import Allocation, allocate, candidate_allocations
+from planner.allocation import Allocation, allocate, candidate_allocations, default_policy
 from planner.cluster import Cluster, Device, Link
 from planner.costmodel import DEFAULT_MAX_CUTS, CostModel, optimizer_factor
 from planner.partition_dp import (
@@ -419,7 +419,7 @@ def make_plan(
     profiles: Mapping[str, Profile] | Sequence[Profile] | None = None,
     model: str | None = None,
     batch_size: int | None = None,
-    policy: str = "hd",
+    policy: str | None = None,
     nm: int | None = None,
     D: int = 0,
     placement: str = "default",
@@ -437,7 +437,8 @@ def make_plan(
             ``model`` is a built-in or importable model (analytic profiles are used).
         model: model reference; checked against the profiles' model.
         batch_size: minibatch size; checked against the profiles' (default: theirs, else 32).
-        policy: ``np``, ``ed``, ``hd`` or ``auto``.
+        policy: ``np``, ``ed``, ``hd`` or ``auto`` (default:
+            :func:`planner.allocation.default_policy`, ``hd`` where it applies, else ``ed``).
         nm: cap on the number of concurrent minibatches per VW.
         D: WSP clock-distance threshold (recorded; bounds global staleness).
         placement: ``default`` or ``local`` parameter-server shard placement.
@@ -474,6 +475,8 @@ def make_plan(
         by_type, cluster.link, optimizer_factor(optimizer), opts.max_cuts, first_measured
     )
     pl = _Planner(cluster, cm, opts, original)
+    if policy is None:
+        policy = default_policy(cluster, num_vws)
     if policy == "auto":
         best: Plan | None = None
         reasons = []
@@ -505,7 +508,7 @@ def plan(
     | Sequence[Profile]
     | Sequence[str | os.PathLike[str]]
     | None = None,
-    policy: str = "hd",
+    policy: str | None = None,
     **kwargs: Any,
 ) -> Plan:
     """The Python API behind ``hetpipe plan``: ``plan("cluster.yaml", ["profiles/"], policy="ed")``.
@@ -513,7 +516,7 @@ def plan(
     Args:
         cluster: a :class:`Cluster` or a cluster.yaml path.
         profiles: profiles, or CSV files/folders of them.
-        policy: ``np``, ``ed``, ``hd`` or ``auto``.
+        policy: ``np``, ``ed``, ``hd`` or ``auto`` (default: ``hd`` where it applies, else ``ed``).
         **kwargs: any other :func:`make_plan` argument (``model``, ``batch_size``, ``nm``, ``D``, ...).
     """
     from planner.cluster import load_cluster

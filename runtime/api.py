@@ -23,14 +23,15 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from planner.cluster import Cluster, load_cluster
+from planner.manual import hand_cut_plan
 from planner.plan import Plan, load_plan
+from planner.planner import make_plan
 from profiler.errors import ConfigError
 from profiler.graph import ModelGraph
 from runtime.config import LossFn, ModelSource, OptimizerConfig, RunConfig
 from runtime.launcher import launch
 from runtime.metrics import RunResult
 from runtime.model import resolve_source
-from runtime.plans import balanced_cuts, manual_plan
 
 __all__ = ["make_single_vw_plan", "train"]
 
@@ -43,29 +44,16 @@ def make_single_vw_plan(
     stages: int = 0,
     cuts: tuple[int, ...] | None = None,
 ) -> Plan:
-    """A one-VW plan: ``planner.planner.make_plan`` when available and no cuts are forced, else
-    a hand-made plan splitting the parameters evenly over ``stages`` devices of ``cluster``."""
+    """A one-VW plan, made by the planner: ``planner.planner.make_plan`` (policy ``ed``, one VW)
+    for a named model on a cluster when no cuts are forced, else a hand cut
+    (:func:`planner.manual.hand_cut_plan`) splitting the parameters evenly over ``stages``."""
     if cluster is not None and cuts is None and not stages and source.ref is not None:
-        try:
-            from planner.planner import make_plan
-        except ImportError:
-            pass
-        else:
-            return make_plan(
-                cluster,
-                model=source.ref,
-                batch_size=batch_size,
-                nm=nm or None,
-                num_vws=1,
-                policy="ed",
-            )
+        return make_plan(
+            cluster, model=source.ref, batch_size=batch_size, nm=nm or None, num_vws=1, policy="ed"
+        )
     spec = resolve_source(source, batch_size, meta=source.module is None)
     graph = ModelGraph.from_spec(spec)
-    n = stages or (
-        len(cuts) + 1 if cuts is not None else len(cluster.devices) if cluster is not None else 1
-    )
-    chosen = tuple(cuts) if cuts is not None else balanced_cuts(graph, n)
-    return manual_plan(graph, chosen, source.name, batch_size, nm or 1, cluster)
+    return hand_cut_plan(graph, source.name, batch_size, nm, cluster, stages, cuts)
 
 
 def train(

@@ -14,7 +14,7 @@ its slice ``[r*B, (r+1)*B)``, so the ranks' shards are disjoint within every epo
 
 Emulated devices are paced like the pipeline's stages (:mod:`runtime.emulation`): a step's
 forward and backward (the AllReduce included) last at least the solo time of the whole model
-in the planner's CPU profile (:func:`runtime.ddp_fit.model_solo_s`, the table the pipeline's
+in the planner's CPU profile (:func:`planner.baseline.model_solo_s`, the table the pipeline's
 stages are paced by) divided by the device's speed, so the slowest device sets the BSP step
 time.
 
@@ -43,16 +43,16 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
-from planner.cluster import Cluster
-from profiler.errors import ConfigError
-from runtime.config import ModelSource, OptimizerConfig
-from runtime.data import MinibatchSource, default_dataset
-from runtime.ddp_fit import (
+from planner.baseline import (
     device_capacity_bytes,
     eligible_devices,
     model_memory_bytes,
     model_solo_s,
 )
+from planner.cluster import Cluster
+from profiler.errors import ConfigError
+from runtime.config import ModelSource, OptimizerConfig
+from runtime.data import MinibatchSource, default_dataset
 from runtime.ddp_watch import watch_ranks
 from runtime.emulation import (
     Calibration,

@@ -114,7 +114,12 @@ def plan(
             "--profiles", "-p", help="profile CSVs/folders or PipeDream graph.txt (repeatable)"
         ),
     ] = None,
-    policy: Annotated[str, typer.Option("--policy", help="np | ed | hd | auto")] = "hd",
+    policy: Annotated[
+        str | None,
+        typer.Option(
+            "--policy", help="np | ed | hd | auto (default: hd where it applies, else ed)"
+        ),
+    ] = None,
     batch_size: Annotated[
         int | None,
         typer.Option("--batch-size", "-b", help="minibatch size (default: the profiles', else 32)"),

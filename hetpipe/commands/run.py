@@ -12,7 +12,7 @@ import typer
 import yaml
 
 from hetpipe._common import console, handle_errors
-from planner.cluster import Cluster, load_cluster
+from planner.cluster import load_cluster
 from planner.plan import Plan, load_plan
 from profiler.errors import ConfigError
 
@@ -33,12 +33,6 @@ HELP = (
 )
 
 
-def _default_vws(cluster: Cluster) -> int:
-    """2 VWs on an emulated cluster of at least 4 devices (the main job), else 1."""
-    devices = cluster.devices
-    return 2 if len(devices) >= 4 and all(d.emulation is not None for d in devices) else 1
-
-
 def _load(
     path: Path,
     model: str | None,
@@ -49,32 +43,33 @@ def _load(
     D: int,
     policy: str | None = None,
 ) -> Plan:
+    """The plan in ``path``, or a plan made on the fly for the cluster in ``path`` with the
+    planner's defaults (the same as ``hetpipe plan``), or a hand cut into ``--stages``."""
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path}: cannot read ({exc})") from None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: cannot read ({type(exc).__name__})") from None
     if isinstance(data, dict) and "virtual_workers" in data:
         return load_plan(path)
     cluster = load_cluster(path)
-    n_vws = vws or _default_vws(cluster)
-    if n_vws > 1 or policy is not None:
-        if stages:
-            raise ConfigError("--stages applies to a hand-cut single VW; drop it or drop --policy")
-        from planner.planner import make_plan
+    if stages:
+        if vws > 1 or policy is not None:
+            raise ConfigError("--stages hand-cuts one VW; drop --stages, or drop --vws/--policy")
+        from runtime.api import make_single_vw_plan
+        from runtime.config import ModelSource
 
-        return make_plan(
-            cluster,
-            model=model or "mlp",
-            batch_size=batch_size,
-            nm=nm or None,
-            num_vws=n_vws,
-            policy=policy or "hd",
-            D=D,
-        )
-    from runtime.api import make_single_vw_plan
-    from runtime.config import ModelSource
+        return make_single_vw_plan(ModelSource(ref=model or "mlp"), batch_size, nm, cluster, stages)
+    from planner.planner import make_plan
 
-    return make_single_vw_plan(ModelSource(ref=model or "mlp"), batch_size, nm, cluster, stages)
+    return make_plan(
+        cluster,
+        model=model or "mlp",
+        batch_size=batch_size,
+        nm=nm or None,
+        num_vws=vws or None,
+        policy=policy,
+        D=D,
+    )
 
 
 @handle_errors
@@ -89,7 +84,10 @@ def run(
     stages: Annotated[
         int, typer.Option(help="stages when planning on the fly (0 = the planner's choice)")
     ] = 0,
-    steps: Annotated[int, typer.Option(help="minibatches to train (0 = from --epochs)")] = 0,
+    steps: Annotated[
+        int,
+        typer.Option(help="minibatches each VW trains (per VW, not in total; 0 = from --epochs)"),
+    ] = 0,
     epochs: Annotated[
         float, typer.Option(help="passes over the data set (default 1 when no --steps)")
     ] = 0.0,
@@ -107,14 +105,16 @@ def run(
     ] = -1,
     vws: Annotated[
         int,
-        typer.Option(help="VWs when planning on the fly (0 = 2 on an emulated 4+ device cluster)"),
+        typer.Option(
+            help="VWs when planning on the fly (0 = the policy's default, as 'hetpipe plan')"
+        ),
     ] = 0,
     policy: Annotated[
         str | None,
         typer.Option(
             "--policy",
-            help="allocation policy when planning on the fly: np | ed | hd | auto (default hd; "
-            "with --vws 1 the planner's single VW with parameter servers instead of a hand cut)",
+            help="allocation policy when planning on the fly: np | ed | hd | auto (default: hd "
+            "where it applies, else ed; the same as 'hetpipe plan')",
         ),
     ] = None,
     staleness: Annotated[

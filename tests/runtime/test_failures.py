@@ -6,12 +6,12 @@ import time
 
 import pytest
 
+from planner.manual import balanced_cuts, manual_plan
 from profiler.errors import HetPipeRuntimeError
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource, RunConfig
 from runtime.launcher import launch
 from runtime.model import resolve_source
-from runtime.plans import balanced_cuts, manual_plan
 
 
 def _plan() -> tuple[ModelSource, object]:
@@ -37,7 +37,7 @@ def test_failing_stage_ends_run_naming_it(fault: str, expected: str) -> None:
 
 def test_out_of_memory_is_a_clear_error() -> None:
     """An emulated device whose cap cannot hold its stage raises the out-of-memory error."""
-    from runtime.plans import cpu_cluster
+    from planner.manual import cpu_cluster
 
     source = ModelSource(ref="mlp")
     graph = ModelGraph.from_spec(resolve_source(source, 8, meta=True))

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from planner.manual import balanced_cuts, manual_plan
 from profiler.errors import ConfigError, HetPipeRuntimeError
 from profiler.graph import ModelGraph
 from runtime.comm import cut_specs
@@ -15,7 +16,6 @@ from runtime.data import DigitsDataset, MinibatchSource, SyntheticDataset
 from runtime.emulation import Calibration, MemoryMeter, pace_until
 from runtime.launcher import stage_contexts, total_steps
 from runtime.model import build_stage, reference_module, resolve_source
-from runtime.plans import balanced_cuts, manual_plan
 
 
 def test_minibatch_order_is_deterministic_and_covers_each_epoch() -> None:
@@ -135,9 +135,9 @@ def test_pacing_table_from_a_plan_gives_back_the_planned_stage_times() -> None:
 def test_emulated_stages_and_ddp_are_paced_by_the_planners_profile() -> None:
     """One source of truth: a planned stage's table and the AllReduce baseline's whole-model
     time come from the same CPU profile the planner partitioned with."""
+    from planner.baseline import model_solo_s
     from planner.cluster import load_cluster
     from planner.planner import make_plan
-    from runtime.ddp_fit import model_solo_s
 
     cluster = load_cluster(
         Path(__file__).resolve().parents[2] / "examples" / "emulated_cluster.yaml"

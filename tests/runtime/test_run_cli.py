@@ -10,10 +10,10 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from hetpipe.cli import app
+from planner.manual import balanced_cuts, cpu_cluster, manual_plan
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource
 from runtime.model import resolve_source
-from runtime.plans import balanced_cuts, cpu_cluster, manual_plan
 
 
 def test_run_plan_file_prints_summary_and_writes_metrics(tmp_path: Path) -> None:

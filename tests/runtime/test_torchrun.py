@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from planner.manual import balanced_cuts, manual_plan
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource
 from runtime.model import resolve_source
-from runtime.plans import balanced_cuts, manual_plan
 
 
 def _free_port() -> int:
@@ -50,9 +50,9 @@ def test_torchrun_entry_trains_every_stage(tmp_path: Path) -> None:
 def test_torchrun_two_hosts_train_every_vw_through_wsp_like_hetpipe_run(tmp_path: Path) -> None:
     # 2 shards + two 2-stage VWs = 6 ranks: two torchrun agents ("hosts") of 3 ranks each,
     # meeting through a c10d rendezvous on localhost
+    from planner.manual import multi_vw_plan
     from runtime.__main__ import collect_wsp
     from runtime.config import OptimizerConfig, RunConfig
-    from runtime.plans import multi_vw_plan
     from runtime.wsp_launcher import launch_wsp
 
     graph = ModelGraph.from_spec(resolve_source(ModelSource(ref="mlp"), 16, meta=True))
@@ -92,8 +92,8 @@ def test_torchrun_two_hosts_train_every_vw_through_wsp_like_hetpipe_run(tmp_path
 def test_torchrun_time_limit_stops_every_vw_at_one_agreed_wave(tmp_path: Path) -> None:
     """--time-limit under torchrun: the VWs agree on the stop wave through the process group's
     store (no shared file), so every VW trains the same number of whole waves."""
+    from planner.manual import multi_vw_plan
     from runtime.__main__ import collect_wsp
-    from runtime.plans import multi_vw_plan
 
     graph = ModelGraph.from_spec(resolve_source(ModelSource(ref="mlp"), 16, meta=True))
     plan = multi_vw_plan(graph, [(4,), (6,)], "mlp", 16, nm=2, D=1, n_shards=1)

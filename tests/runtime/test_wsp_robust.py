@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from planner.manual import multi_vw_plan
 from profiler.errors import HetPipeRuntimeError
 from profiler.graph import ModelGraph
 from runtime.checkpoint import resumable_clock
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.model import resolve_source
-from runtime.plans import multi_vw_plan
 from runtime.wsp_launcher import launch_wsp
 
 pytestmark = pytest.mark.timeout(120)

@@ -16,12 +16,12 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from planner.manual import multi_vw_plan
 from profiler.errors import HetPipeRuntimeError
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.data import MinibatchSource, default_dataset
 from runtime.model import reference_module, resolve_source
-from runtime.plans import multi_vw_plan
 from runtime.wsp_launcher import WSPConfig, launch_wsp, split_data
 from runtime.wsp_result import WSPResult
 

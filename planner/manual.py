@@ -1,8 +1,10 @@
-"""Single-virtual-worker plans made by hand (given cuts) for tests, benchmarks and the API.
+"""Plans cut by hand (given cut points or a stage count) for the API, tests and benchmarks.
 
-The planner (``planner.planner.make_plan``) is the real source of plans; this module only
-fills a :class:`planner.plan.Plan` for one VW with chosen cut points, so the runtime can run
-without a profile. Stage times are left at 0 (no prediction) unless given.
+The planner (``planner.planner.make_plan``) is the main source of plans; this module fills a
+:class:`planner.plan.Plan` from a model graph and chosen cut points, so a model can run without
+a profile (``hetpipe run CLUSTER.yaml --stages K``, ``hetpipe.train(module, stages=K)``). Stage
+times are left at 0 (no prediction) unless given. Like every plan, these are made here in the
+planner; the runtime only executes them.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from planner.plan import GpuSlot, Plan, Prediction, ShardPlan, StagePlan, Virtua
 from profiler.errors import PlanError
 from profiler.graph import ModelGraph
 
-__all__ = ["balanced_cuts", "cpu_cluster", "manual_plan", "multi_vw_plan"]
+__all__ = ["balanced_cuts", "cpu_cluster", "hand_cut_plan", "manual_plan", "multi_vw_plan"]
 
 
 def balanced_cuts(graph: ModelGraph, n_stages: int) -> tuple[int, ...]:
@@ -183,3 +185,25 @@ def multi_vw_plan(
         predicted=Prediction(total, tuple(v.throughput for v in vws)),
         num_layers=len(graph.layers),
     )
+
+
+def hand_cut_plan(
+    graph: ModelGraph,
+    model: str,
+    batch_size: int,
+    nm: int,
+    cluster: Cluster | None = None,
+    stages: int = 0,
+    cuts: Sequence[int] | None = None,
+) -> Plan:
+    """A one-VW plan cut at ``cuts``, or into ``stages`` (default: one per cluster device)
+    groups of similar parameter bytes (:func:`balanced_cuts`).
+
+    Raises:
+        PlanError: more stages than layers or devices.
+    """
+    n = stages or (
+        len(cuts) + 1 if cuts is not None else len(cluster.devices) if cluster is not None else 1
+    )
+    chosen = tuple(cuts) if cuts is not None else balanced_cuts(graph, n)
+    return manual_plan(graph, chosen, model, batch_size, nm or 1, cluster)

@@ -1,4 +1,5 @@
-"""Which devices can train the whole model: the memory rule of the AllReduce baseline.
+"""The AllReduce baseline's plan-side rules: which devices can train the whole model (the
+memory rule) and how long the whole model takes on an emulated device (its pacing).
 
 ``hetpipe run --sync allreduce`` (:mod:`runtime.ddp`) runs one rank per device whose memory (its
 emulated cap when emulated) holds the planner's estimate of the whole model
