@@ -79,6 +79,7 @@ def stage_contexts(
             f"the plan has {len(plan.virtual_workers)} virtual workers; --vw {vw} does not exist"
         )
     worker = plan.virtual_workers[vw]
+    require_devices(plan, vw)
     cuts = tuple(st.first_index for st in worker.stages[1:])
     n = len(worker.stages)
     out = []
@@ -104,6 +105,31 @@ def stage_contexts(
             )
         )
     return out
+
+
+def require_devices(plan: Plan, vw: int, cuda_devices: int | None = None) -> None:
+    """Refuse at once a VW that needs real GPUs on a host that has none.
+
+    A device needs CUDA unless it is emulated (``emulate:`` in the cluster) or of type ``CPU``.
+
+    Raises:
+        ConfigError: the VW has real GPUs and this host has no CUDA device (names them).
+    """
+    have = torch.cuda.device_count() if cuda_devices is None else cuda_devices
+    worker = plan.virtual_workers[vw]
+    real = [
+        g
+        for g in worker.gpus
+        if _emulation(plan, g.node, g.speed, g.memory_bytes)[0] == 0 and g.type.upper() != "CPU"
+    ]
+    if real and have == 0:
+        names = ", ".join(f"{g.node}:{g.index} ({g.type})" for g in real[:4])
+        more = f" and {len(real) - 4} more" if len(real) > 4 else ""
+        raise ConfigError(
+            f"VW {vw} of the {plan.model} plan runs on real GPUs ({names}{more}) but this host "
+            "has no CUDA device; run it on the GPU hosts (torchrun, see docs/wsp_runtime.md), or "
+            "plan for an emulated cluster (add 'emulate: {speed: 0.2, memory: 8MiB}' to its nodes)"
+        )
 
 
 def _emulation(plan: Plan, node: str, speed: float, memory_bytes: int) -> tuple[float, int]:
