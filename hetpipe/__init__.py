@@ -4,35 +4,65 @@ Pipelined model parallelism inside *virtual workers* of heterogeneous GPUs, and 
 Synchronous Parallel data parallelism across them through sharded parameter servers.
 
 The public Python API re-exports the pieces a user needs; data flows
-model + cluster.yaml -> profile table -> plan file -> processes.
+model + cluster.yaml -> profile table -> plan file -> processes. Names are imported on first
+use, so ``import hetpipe`` (and the CLI's start-up) does not pay for torch until it is needed.
 """
 
 from __future__ import annotations
 
+import importlib
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
 
-from planner.cluster import Cluster, load_cluster, parse_cluster
-from planner.plan import Plan, load_plan
-from planner.planner import plan
-from profiler.errors import (
-    ConfigError,
-    HetPipeError,
-    HetPipeRuntimeError,
-    ModelError,
-    PlanError,
-    ProfileError,
-)
-from profiler.graph import ModelGraph, StageModule
-from profiler.models import ModelSpec, resolve_model
-from profiler.table import Profile, load_profile
-from runtime.api import train
-from runtime.config import ModelSource, OptimizerConfig, RunConfig
-from runtime.metrics import RunResult
+if TYPE_CHECKING:
+    from planner.cluster import Cluster, load_cluster, parse_cluster
+    from planner.plan import Plan, load_plan
+    from planner.planner import plan
+    from profiler.errors import (
+        ConfigError,
+        HetPipeError,
+        HetPipeRuntimeError,
+        ModelError,
+        PlanError,
+        ProfileError,
+    )
+    from profiler.graph import ModelGraph, StageModule
+    from profiler.models import ModelSpec, resolve_model
+    from profiler.table import Profile, load_profile
+    from runtime.api import train
+    from runtime.config import ModelSource, OptimizerConfig, RunConfig
+    from runtime.metrics import RunResult
 
 try:
     __version__ = version("hetpipe")
 except PackageNotFoundError:  # running from a source tree without installation
     __version__ = "0.0.0+source"
+
+_WHERE = {
+    "Cluster": "planner.cluster",
+    "load_cluster": "planner.cluster",
+    "parse_cluster": "planner.cluster",
+    "Plan": "planner.plan",
+    "load_plan": "planner.plan",
+    "plan": "planner.planner",
+    "ConfigError": "profiler.errors",
+    "HetPipeError": "profiler.errors",
+    "HetPipeRuntimeError": "profiler.errors",
+    "ModelError": "profiler.errors",
+    "PlanError": "profiler.errors",
+    "ProfileError": "profiler.errors",
+    "ModelGraph": "profiler.graph",
+    "StageModule": "profiler.graph",
+    "ModelSpec": "profiler.models",
+    "resolve_model": "profiler.models",
+    "Profile": "profiler.table",
+    "load_profile": "profiler.table",
+    "train": "runtime.api",
+    "ModelSource": "runtime.config",
+    "OptimizerConfig": "runtime.config",
+    "RunConfig": "runtime.config",
+    "RunResult": "runtime.metrics",
+}
 
 __all__ = [
     "Cluster",
@@ -60,3 +90,15 @@ __all__ = [
     "resolve_model",
     "train",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        value = getattr(importlib.import_module(_WHERE[name]), name)
+        globals()[name] = value  # later look-ups skip this hook
+        return value
+    raise AttributeError(f"module 'hetpipe' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -19,7 +19,7 @@ from typing import Any
 
 from planner.sim_engine import TraceEvent
 from profiler.errors import ConfigError
-from profiler.table import atomic_write_text
+from profiler.files import atomic_write_text
 
 __all__ = ["COLORS", "chrome_trace", "write_chrome_trace", "write_gantt"]
 

@@ -19,7 +19,7 @@ import yaml
 
 from planner.cluster import Cluster, parse_cluster
 from profiler.errors import PlanError
-from profiler.table import atomic_write_text
+from profiler.files import atomic_write_text
 
 __all__ = [
     "PLAN_VERSION",

@@ -37,7 +37,7 @@ import yaml
 from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException, spawn
 
 from profiler.errors import ConfigError, ProfileError
-from profiler.table import atomic_write_text
+from profiler.files import atomic_write_text
 
 __all__ = ["DEFAULT_SIZES", "LinkFit", "fit_link", "measure_links", "save_links"]
 

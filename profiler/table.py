@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -36,14 +35,12 @@ from typing import Any
 import pandas as pd
 
 from profiler.errors import ProfileError
-from profiler.graph import crossing_sets
+from profiler.files import atomic_write_text
 
 __all__ = [
     "COLUMNS",
     "Profile",
     "ProfileMeta",
-    "atomic_write_bytes",
-    "atomic_write_text",
     "load_profile",
     "load_profile_set",
 ]
@@ -129,6 +126,8 @@ class Profile:
     def cut_bytes(self) -> list[int]:
         """``result[k]``: activation bytes crossing cut ``k`` (skips included), ``k = 0..L``."""
         acts = self.table["act_bytes"].tolist()
+        from profiler.graph import crossing_sets  # torch: only when a graph is needed
+
         return [sum(int(acts[i]) for i in cross) for cross in crossing_sets(self.input_indices())]
 
     def with_table(self, table: pd.DataFrame, **meta: Any) -> Profile:
@@ -149,25 +148,6 @@ class Profile:
         )
         text = _MAGIC + json.dumps(meta, sort_keys=True) + "\n" + body
         return atomic_write_text(Path(path), text)
-
-
-def atomic_write_text(path: Path, text: str) -> Path:
-    """Write ``text`` (UTF-8) to ``path`` via a temporary file in the same folder and ``os.replace``."""
-    return atomic_write_bytes(path, text.encode("utf-8"))
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> Path:
-    """Write ``data`` to ``path`` via a temporary file in the same folder and ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def load_profile(path: str | os.PathLike[str]) -> Profile:

@@ -44,8 +44,8 @@ import torch.distributed as dist
 
 from planner.plan import Plan, load_plan
 from profiler.errors import ConfigError, HetPipeError, HetPipeRuntimeError
+from profiler.files import atomic_write_bytes
 from profiler.graph import ModelGraph
-from profiler.table import atomic_write_bytes
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.emulation import Calibration
 from runtime.launcher import stage_contexts, total_steps

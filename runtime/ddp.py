@@ -388,7 +388,7 @@ def _assemble(
 def _write(result: DDPResult, out: Path) -> None:
     import json
 
-    from profiler.table import atomic_write_text
+    from profiler.files import atomic_write_text
 
     out.mkdir(parents=True, exist_ok=True)
     figures = {

@@ -221,7 +221,10 @@ def summary_table(result: RunResult) -> Table:
 
 
 class ProgressBar:
-    """Rich progress bar fed by the stages' events (no-op when disabled)."""
+    """Rich progress bar fed by the stages' events (no-op when disabled).
+
+    It is shown from the moment the processes start ("starting processes", with a spinner and
+    the elapsed time) and turns into the training bar at the first finished minibatch."""
 
     def __init__(self, enabled: bool, total: int, batch_size: int) -> None:
         self.bar: Any = None
@@ -234,19 +237,25 @@ class ProgressBar:
                 BarColumn,
                 MofNCompleteColumn,
                 Progress,
+                SpinnerColumn,
                 TextColumn,
                 TimeElapsedColumn,
             )
 
             self.bar = Progress(
-                TextColumn("training"),
+                SpinnerColumn(),
+                TextColumn("{task.description}"),
                 BarColumn(),
                 MofNCompleteColumn(),
                 TextColumn("{task.fields[info]}"),
                 TimeElapsedColumn(),
                 transient=False,
             )
-            self.task = self.bar.add_task("train", total=total if total < 2**40 else None, info="")
+            self.task = self.bar.add_task(
+                "starting processes",
+                total=total if total < 2**40 else None,
+                info="(joining the process group, building stages)",
+            )
             self.bar.start()
 
     def event(self, msg: tuple[Any, ...]) -> None:
@@ -260,6 +269,7 @@ class ProgressBar:
                 rate = (self.done - 1) * self.batch_size / max(1e-9, float(msg[3]) - self.t0)
                 self.bar.update(
                     self.task,
+                    description="training",
                     completed=self.done,
                     info=f"{rate:.1f} samples/s  loss {self.loss:.4f}",
                 )

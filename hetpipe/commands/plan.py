@@ -156,23 +156,27 @@ def plan(
     """Plan HetPipe training (see HELP)."""
     cl = load_cluster(cluster)
     profs = _load_profiles(profiles, profile_gpu) if profiles else []
-    result = make_plan(
-        cl,
-        profs,
-        model=model,
-        batch_size=batch_size,
-        policy=policy,
-        nm=nm,
-        D=staleness,
-        placement=placement,
-        num_vws=vws,
-        optimizer=optimizer,
-        links=load_links(links) if links else None,
-        options=PlanOptions(
-            partitioner=partitioner, solver=solver, max_cuts=max_cuts, nm_choice=nm_choice
-        ),
-        reference_type=profile_gpu,
-    )
+    with (console if not as_json else err_console).status(
+        f"planning {model or 'the profiled model'} on {cl.name} (profiles, allocation, "
+        "partition, Nm, placement, simulation)"
+    ):
+        result = make_plan(
+            cl,
+            profs,
+            model=model,
+            batch_size=batch_size,
+            policy=policy,
+            nm=nm,
+            D=staleness,
+            placement=placement,
+            num_vws=vws,
+            optimizer=optimizer,
+            links=load_links(links) if links else None,
+            options=PlanOptions(
+                partitioner=partitioner, solver=solver, max_cuts=max_cuts, nm_choice=nm_choice
+            ),
+            reference_type=profile_gpu,
+        )
     if output is not None:
         result.save(output)
     if as_json:

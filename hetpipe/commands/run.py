@@ -170,7 +170,11 @@ def run(
     if resume is not None and saved is not None and saved.exists():
         plan = load_plan(saved)  # the plan the interrupted run used
     else:
-        plan = _load(path, model, batch_size, nm, stages, vws, staleness or 0, policy)
+        with console.status(
+            f"reading {path.name}; planning on the fly if it is a cluster file (a new model's "
+            "CPU profile is measured once, then cached)"
+        ):
+            plan = _load(path, model, batch_size, nm, stages, vws, staleness or 0, policy)
     if model is not None and model != plan.model:
         raise ConfigError(
             f"--model {model} does not match the plan's model {plan.model!r}; drop --model"
