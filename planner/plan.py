@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from planner.cluster import Cluster, parse_cluster
+from planner.wsp import s_global, s_local
 from profiler.errors import PlanError
 from profiler.files import atomic_write_text
 
@@ -180,13 +181,13 @@ class Plan:
 
     @property
     def local_staleness(self) -> int:
-        """s_local = Nm - 1 (paper Sec. 4)."""
-        return self.nm - 1
+        """s_local = Nm - 1 (paper Sec. 4; :func:`planner.wsp.s_local`)."""
+        return s_local(self.nm)
 
     @property
     def global_staleness(self) -> int:
-        """s_global = (D + 1) * Nm + Nm - 2 (paper Sec. 5, see shared/seeds/README.md)."""
-        return (self.D + 1) * self.nm + self.nm - 2
+        """s_global = (D + 1) * Nm + Nm - 2 (paper Sec. 5; :func:`planner.wsp.s_global`)."""
+        return s_global(self.nm, self.D)
 
     # ------------------------------------------------------------ (de)serialisation
 

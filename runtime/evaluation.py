@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from profiler.errors import ConfigError
 
-__all__ = ["accuracy", "evaluate_module", "split_dataset"]
+__all__ = ["accuracy", "evaluate_module", "shard_dataset", "split_dataset"]
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 def split_dataset(
     dataset: Dataset[Any], test_fraction: float = 0.2, seed: int = 0
 ) -> tuple[Subset[Any], Subset[Any]]:
-    """A seeded, disjoint ``(train, test)`` split of ``dataset``.
+    """A seeded, disjoint ``(train, test)`` split of ``dataset``: the one split every run uses
+    (WSP, one VW, AllReduce), so a seed holds out the same test samples whatever trains.
 
     Raises:
         ConfigError: ``test_fraction`` outside (0, 1).
@@ -36,6 +37,12 @@ def split_dataset(
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(10_007 + seed)).tolist()
     n_test = max(1, round(n * test_fraction))
     return Subset(dataset, perm[n_test:]), Subset(dataset, perm[:n_test])
+
+
+def shard_dataset(train: Subset[Any], parts: int) -> list[Subset[Any]]:
+    """``parts`` disjoint shards of a training split (one per VW), interleaved: shard ``k`` has
+    the split's samples ``k, k + parts, ...``."""
+    return [Subset(train.dataset, train.indices[k::parts]) for k in range(parts)]
 
 
 @torch.no_grad()

@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch.utils.data import Dataset, Subset
 
 from planner.plan import Plan
@@ -32,6 +31,7 @@ from runtime.checkpoint import ShardState, resumable_clock, save_shard_state
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.data import default_dataset
 from runtime.emulation import Calibration
+from runtime.evaluation import shard_dataset, split_dataset
 from runtime.failures import root_cause_rank, stop_all, watch
 from runtime.launcher import PRELOAD, loads_result, pacing_table, process_context, stage_contexts
 from runtime.metrics import ProgressBar, StageResult, warn_overruns
@@ -51,12 +51,10 @@ log = logging.getLogger(__name__)
 def split_data(
     dataset: Dataset[Any], n_vws: int, test_fraction: float, seed: int = 0
 ) -> tuple[list[Subset[Any]], Subset[Any]]:
-    """Disjoint training shards (one per VW) and a held-out test split, by a seeded permutation."""
-    n = len(dataset)  # type: ignore[arg-type]
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(10_007 + seed)).tolist()
-    n_test = round(n * test_fraction)
-    test, train = perm[:n_test], perm[n_test:]
-    return [Subset(dataset, train[k::n_vws]) for k in range(n_vws)], Subset(dataset, test)
+    """Disjoint training shards (one per VW) and the held-out test split
+    (:func:`runtime.evaluation.split_dataset`, the split every run uses)."""
+    train, test = split_dataset(dataset, test_fraction, seed)
+    return shard_dataset(train, n_vws), test
 
 
 def shard_specs(
