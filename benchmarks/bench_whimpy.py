@@ -9,7 +9,7 @@ find, by bisection on ``H`` for a fixed depth:
   model as ``hetpipe plan``: weights, gradients, optimizer state, stashed weights and
   activations of the minibatches in flight, per stage, under each device's cap);
 * **DDP** (the AllReduce baseline): the largest ``H`` whose whole-model estimate
-  (``runtime.ddp.model_memory_bytes``, the rule ``hetpipe run --sync allreduce`` applies) fits the
+  (``planner.baseline.model_memory_bytes``, the rule ``hetpipe run --sync allreduce`` applies) fits the
   biggest single device.
 
 The largest HetPipe model is then **trained** for a few minibatches by the real runtime on the
@@ -37,12 +37,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from planner.baseline import device_capacity_bytes, model_memory_bytes  # noqa: E402
 from planner.cluster import Cluster, load_cluster  # noqa: E402
 from planner.plan import Plan  # noqa: E402
 from planner.planner import make_plan  # noqa: E402
 from profiler.errors import PlanError, ProfileError  # noqa: E402
 from profiler.models import resolve_model  # noqa: E402
-from runtime.ddp import device_capacity_bytes, model_memory_bytes  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "whimpy.json"
 MiB = 2**20

@@ -4,7 +4,7 @@ For each allocation policy in ``--policies`` (a plan made once per policy on
 ``examples/emulated_cluster.yaml``: ``ed`` = one VW of V R G Q, ``hd`` = 2 VWs Q V and R G) and
 each D in ``--ds``: ``launch_wsp`` for ``--steps`` minibatches per VW (throughput, the plan's
 prediction, waiting and idle seconds per VW, test accuracy); then the DDP AllReduce baseline
-(``runtime.ddp.run_allreduce``) on the devices of the same cluster that hold the whole model, on
+(``runtime.ddp.run_allreduce`` on ``planner.baseline.allreduce_plan``) on the devices of the same cluster that hold the whole model, on
 the same data, for the same number of samples as the first HetPipe run. The default model
 ``mlp(hidden=384,depth=4)`` (3.8 MiB as a whole with plain SGD) fits only V and R, as the paper's
 large models fit only some GPUs; at batch 128 (stages of milliseconds, so compute dominates
@@ -24,6 +24,7 @@ import logging
 import os
 from pathlib import Path
 
+from planner.baseline import allreduce_plan
 from planner.cluster import load_cluster
 from planner.planner import make_plan
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
@@ -90,11 +91,11 @@ def main() -> None:
     load_before = os.getloadavg()
     rows = [r for policy in args.policies for r in _run_policy(cluster, policy, args, opt)]
     ddp_samples = int(rows[0]["samples"])  # type: ignore[call-overload]
-    probe = run_allreduce(cluster, args.model, args.batch, 1, optimizer=opt)
-    world = len(probe.devices)
+    ddp_plan = allreduce_plan(cluster, args.model, args.batch, optimizer=opt.memory_class)
+    world = len(ddp_plan.virtual_workers)
     steps = max(2, round(ddp_samples / (args.batch * world)))
     ddp = run_allreduce(
-        cluster, args.model, args.batch, steps, optimizer=OptimizerConfig(lr=args.lr * world)
+        ddp_plan, optimizer=OptimizerConfig(lr=args.lr * world), run=RunConfig(steps=steps)
     )
     print(
         f"AllReduce on {' '.join(ddp.devices)} ({steps} steps, lr x {world}): "

@@ -1,16 +1,23 @@
-"""The AllReduce baseline's plan-side rules: which devices can train the whole model (the
-memory rule) and how long the whole model takes on an emulated device (its pacing).
+"""The AllReduce (DDP) baseline's plan: which devices train the whole model and how fast.
 
-``hetpipe run --sync allreduce`` (:mod:`runtime.ddp`) runs one rank per device whose memory (its
-emulated cap when emulated) holds the planner's estimate of the whole model
-(:meth:`planner.costmodel.CostModel.model_memory_bytes`, ``Nm = 1``).
+``hetpipe run --sync allreduce`` trains a plan made here, like every run: one virtual worker
+per device whose memory (its emulated cap when emulated) holds the planner's estimate of the
+whole model (:meth:`planner.costmodel.CostModel.model_memory_bytes`, ``Nm = 1``), each a
+single stage over every layer, no parameter-server shards, ``sync = "allreduce"``. The stage
+times are the same profile's whole-model times the pipeline plans use (an emulated device is
+paced by them), and the prediction is :func:`planner.predict.allreduce_throughput`.
 """
 
 from __future__ import annotations
 
-from planner.cluster import Cluster, Device
+from collections.abc import Mapping, Sequence
 
-__all__ = ["device_capacity_bytes", "eligible_devices", "model_memory_bytes", "model_solo_s"]
+from planner.cluster import Cluster, Device
+from planner.plan import GpuSlot, Plan, Prediction, StagePlan, VirtualWorker
+from profiler.errors import ConfigError
+from profiler.table import Profile
+
+__all__ = ["allreduce_plan", "device_capacity_bytes", "eligible_devices", "model_memory_bytes"]
 
 
 def device_capacity_bytes(device: Device) -> int:
@@ -26,10 +33,7 @@ def eligible_devices(cluster: Cluster, need_bytes: int) -> tuple[Device, ...]:
 def model_memory_bytes(
     cluster: Cluster, model_ref: str, batch_size: int, optimizer: str = "momentum"
 ) -> int:
-    """The planner's memory estimate of the whole model on one device (bytes, ``Nm = 1``).
-
-    Uses the same profiles (analytic or emulated) and cost model as ``hetpipe plan``.
-    """
+    """The planner's memory estimate of the whole model on one device (bytes, ``Nm = 1``)."""
     from planner.costmodel import CostModel, optimizer_factor
     from planner.profiles import resolve_profiles
 
@@ -38,21 +42,91 @@ def model_memory_bytes(
     return cm.model_memory_bytes(1)
 
 
-def model_solo_s(cluster: Cluster, model_ref: str, batch_size: int) -> tuple[float, float]:
-    """Solo (single-threaded CPU) forward and backward seconds of the whole model: the
-    planner's profile of an emulated device times its speed, i.e. the same table the pipeline's
-    emulated stages are paced by (:meth:`runtime.emulation.Calibration.from_plan`).
+def allreduce_plan(
+    cluster: Cluster,
+    model: str | None,
+    batch_size: int | None = None,
+    *,
+    profiles: Mapping[str, Profile] | Sequence[Profile] | None = None,
+    optimizer: str = "momentum",
+    max_devices: int = 0,
+    memory_bytes: int | None = None,
+) -> Plan:
+    """The AllReduce baseline's plan: every device that holds the whole model, one VW each.
+
+    Args:
+        cluster: the cluster.
+        model: model reference (built-in or ``package.module:factory``).
+        batch_size: samples per minibatch per device (default: the profiles', else 32).
+        profiles: measured or imported profiles (default: as ``hetpipe plan``).
+        optimizer: ``sgd``, ``momentum`` or ``adam`` (optimizer-state memory).
+        max_devices: use at most this many eligible devices (0 = all).
+        memory_bytes: the whole model's memory need (default: the planner's estimate).
 
     Raises:
-        ConfigError: the cluster has no emulated device.
+        ConfigError: no device can hold the model (says how much it needs and the largest cap).
     """
+    from planner.costmodel import CostModel, optimizer_factor
+    from planner.planner import planning_view
+    from planner.predict import allreduce_throughput
     from planner.profiles import resolve_profiles
-    from profiler.errors import ConfigError
 
-    node = next((n for n in cluster.nodes if n.emulation is not None), None)
-    if node is None or node.emulation is None:
-        raise ConfigError(f"{cluster.source}: no emulated device, nothing to pace")
-    profiles, _, _, _ = resolve_profiles(cluster, None, model_ref, batch_size)
-    table = profiles[node.gpu_type].table
-    speed = node.emulation.speed
-    return float(table["fwd_ms"].sum()) * speed / 1e3, float(table["bwd_ms"].sum()) * speed / 1e3
+    view = planning_view(cluster)
+    by_type, provenance, model_name, batch = resolve_profiles(view, profiles, model, batch_size)
+    cm = CostModel(by_type, view.link, optimizer_factor(optimizer))
+    need = cm.model_memory_bytes(1) if memory_bytes is None else memory_bytes
+    devices = [d for d in eligible_devices(cluster, need) if d.type in cm.types]
+    if not devices:
+        biggest = max(device_capacity_bytes(d) for d in cluster.devices)
+        raise ConfigError(
+            f"{cluster.source}: no device can hold {model_name} at batch {batch} "
+            f"({need / 2**20:.2f} MiB > largest device {biggest / 2**20:.2f} MiB); AllReduce "
+            "needs the whole model on every device: lower the batch size or use HetPipe"
+        )
+    if max_devices:
+        devices = devices[:max_devices]
+    n_layers = cm.num_layers
+    names = cm.layer_names
+    vws = []
+    for k, d in enumerate(devices):
+        cost = cm.stage_cost([d], 0, 0, n_layers, 1)
+        stage = StagePlan(
+            gpu=0,
+            first_layer=names[0],
+            last_layer=names[-1],
+            first_index=0,
+            last_index=n_layers - 1,
+            fwd_ms=cost.fwd_ms,
+            bwd_ms=cost.bwd_ms,
+            recv_fwd_ms=0.0,
+            recv_bwd_ms=0.0,
+            recv_bytes=0,
+            send_bytes=0,
+            param_bytes=cost.param_bytes,
+            in_flight=1,
+            memory_bytes=need,
+            capacity_bytes=device_capacity_bytes(d),
+        )
+        slot = GpuSlot(
+            d.node, d.index, d.type, stage.capacity_bytes, d.emulation.speed if d.emulation else 0.0
+        )
+        alone = batch * 1e3 / stage.time_ms if stage.time_ms > 0 else 0.0
+        vws.append(VirtualWorker(k, (slot,), (stage,), nm_max=1, throughput=alone))
+    planned = [next(v for v in view.devices if v.label == d.label) for d in devices]
+    ar, n_gpus = allreduce_throughput(view, cm, batch, planned)
+    return Plan(
+        model=model_name,
+        batch_size=batch,
+        policy="allreduce",
+        nm=1,
+        D=0,
+        placement="none",
+        cluster=cluster,
+        virtual_workers=tuple(vws),
+        shards=(),
+        predicted=Prediction(ar, tuple(v.throughput for v in vws), ar, n_gpus, "analytic"),
+        num_layers=n_layers,
+        profiles=provenance,
+        optimizer_state_factor=cm.optimizer_state_factor,
+        sync="allreduce",
+    )

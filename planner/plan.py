@@ -160,6 +160,18 @@ class Prediction:
     method: str = "analytic"
 
 
+SYNC_RULES = ("wsp", "allreduce")
+
+
+def _sync(value: Any, source: str) -> str:
+    if value not in SYNC_RULES:
+        raise PlanError(
+            f"{source}: sync: {str(value)[:40]!r} is not a synchronisation rule; use one of "
+            f"{', '.join(SYNC_RULES)}"
+        )
+    return str(value)
+
+
 @dataclass(frozen=True)
 class Plan:
     """A complete HetPipe plan. ``D`` is the WSP staleness threshold (clock distance bound)."""
@@ -177,6 +189,7 @@ class Plan:
     num_layers: int
     profiles: dict[str, str] = field(default_factory=dict)  # GPU type -> provenance
     optimizer_state_factor: float = 1.0
+    sync: str = "wsp"  # the synchronisation rule across VWs: "wsp" (shards, D) or "allreduce"
     version: int = PLAN_VERSION
 
     @property
@@ -261,6 +274,7 @@ class Plan:
                 num_layers=int(d["num_layers"]),
                 profiles={str(k): str(v) for k, v in d.get("profiles", {}).items()},
                 optimizer_state_factor=float(d.get("optimizer_state_factor", 1.0)),
+                sync=_sync(d.get("sync", "wsp"), source),
             )
         except KeyError as exc:
             raise PlanError(

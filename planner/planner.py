@@ -403,7 +403,7 @@ def _build(
     return plan if sim is None else replace(plan, predicted=sim)
 
 
-def _planning_view(cluster: Cluster) -> Cluster:
+def planning_view(cluster: Cluster) -> Cluster:
     """The cluster as the planner sees it: emulated devices have their emulated memory cap."""
     if not any(n.emulation for n in cluster.nodes):
         return cluster
@@ -464,7 +464,7 @@ def make_plan(
             cluster.source,
         )
     original = cluster
-    cluster = _planning_view(cluster)
+    cluster = planning_view(cluster)
     by_type, provenance, model_name, batch = resolve_profiles(
         cluster, profiles, model, batch_size, reference_type
     )

@@ -54,12 +54,17 @@ def cluster_throughput(
     return min(compute_bound, n * nm * batch_size / wave_s)
 
 
-def allreduce_throughput(cluster: Cluster, cm: CostModel, batch_size: int) -> tuple[float, int]:
-    """Data-parallel AllReduce (BSP) samples/s on the GPUs that hold the whole model, and their count."""
+def allreduce_throughput(
+    cluster: Cluster, cm: CostModel, batch_size: int, devices: Sequence[Device] | None = None
+) -> tuple[float, int]:
+    """Data-parallel AllReduce (BSP) samples/s on the GPUs that hold the whole model (or on
+    ``devices``), and their count."""
     need = cm.model_memory_bytes(1)
-    gpus: list[Device] = [
-        d for d in cluster.devices if d.memory_bytes >= need and d.type in cm.types
-    ]
+    gpus: list[Device] = (
+        list(devices)
+        if devices is not None
+        else [d for d in cluster.devices if d.memory_bytes >= need and d.type in cm.types]
+    )
     if not gpus:
         return 0.0, 0
     step_ms = max(float(cm.compute_ms(d.type)[-1]) for d in gpus)

@@ -64,6 +64,14 @@ class OptimizerConfig:
         if self.lr <= 0:
             raise ConfigError(f"learning rate must be positive, got {self.lr}")
 
+    @property
+    def memory_class(self) -> str:
+        """The planner's optimizer-state class (``sgd``, ``momentum`` or ``adam``): how many
+        parameter-sized buffers the optimizer keeps (0, 1 or 2)."""
+        if self.name == "adam":
+            return "adam"
+        return "momentum" if self.momentum else "sgd"
+
 
 @dataclass(frozen=True)
 class ModelSource:

@@ -7,7 +7,7 @@ whose links then break) is blamed by :func:`runtime.failures.root_cause_rank`.
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -19,7 +19,11 @@ __all__ = ["watch_ranks"]
 
 
 def watch_ranks(
-    devices: Sequence[str], procs: dict[int, Any], events: Any, stall_s: float
+    devices: Sequence[str],
+    procs: dict[int, Any],
+    events: Any,
+    stall_s: float,
+    on_progress: Callable[[Any], None] = lambda _: None,
 ) -> list[dict[str, Any]]:
     """Collect every rank's result from ``events``; raise on the first failure or a stall.
 
@@ -28,6 +32,7 @@ def watch_ranks(
         procs: the rank processes by rank.
         events: the queue the ranks post ``("result", rank, bytes)`` or ``("error", rank, msg)`` to.
         stall_s: give up after this long without any message (s).
+        on_progress: called with every progress event (rank 0's ``loss`` and ``done``).
 
     Returns:
         The ranks' result dicts in rank order.
@@ -39,8 +44,8 @@ def watch_ranks(
     def fail(errors: dict[int, str], results: dict[int, bytes]) -> HetPipeRuntimeError:
         return _failure(devices, procs, events, errors, results)
 
-    # the ranks post no progress events, only results: the stall clock starts at the launch
-    raw = watch(procs, events, len(devices), lambda _: None, fail, stall_s, first_event_s=stall_s)
+    # the stall clock starts at the launch: start-up is short (the forkserver preloads torch)
+    raw = watch(procs, events, len(devices), on_progress, fail, stall_s, first_event_s=stall_s)
     return [torch.load(io.BytesIO(raw[r]), weights_only=False) for r in range(len(devices))]
 
 

@@ -220,10 +220,11 @@ def run_rank(
     world_size: int,
     timeout_s: float,
     body: Callable[[], tuple[str, bytes]],
+    backend: str = "gloo",
 ) -> NoReturn:
     """The life of one spawned rank after :func:`setup_child`, then exit (code 0 or 1).
 
-    Joins the gloo process group (every operation times out after ``timeout_s``), runs
+    Joins the process group (gloo, or ``backend``; every operation times out after ``timeout_s``), runs
     ``body`` and posts its ``(kind, payload)`` as ``(kind, rank, payload)`` on ``events``; if
     anything fails (also ``KeyboardInterrupt``), posts ``("error", rank, "Type: message
     (file:line)")`` instead, for the launcher's :func:`watch`.
@@ -233,7 +234,7 @@ def run_rank(
     code = 0
     try:
         dist.init_process_group(
-            "gloo", init_method=init_method, rank=rank, world_size=world_size,
+            backend, init_method=init_method, rank=rank, world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )  # fmt: skip
         try:

@@ -159,11 +159,11 @@ def run(
 
     if sync not in ("wsp", "allreduce"):
         raise ConfigError(f"--sync {sync!r}: use wsp or allreduce")
-    if sync == "allreduce" and resume is None:
-        _allreduce(
-            path, model, batch_size, steps, epochs, seed, lr, momentum, out, timeout, emulate
-        )
-        return
+    cfg = OptimizerConfig(
+        name=optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay, schedule=schedule
+    )
+    if sync == "allreduce":
+        _refuse_pipeline_options(resume, nm, staleness, vw, vws, stages, policy)
     if resume is not None and out is None:
         out = resume.parent if resume.name == "checkpoints" else resume
     saved = out / "plan.json" if out is not None else None
@@ -174,17 +174,18 @@ def run(
             f"reading {path.name}; planning on the fly if it is a cluster file (a new model's "
             "CPU profile is measured once, then cached)"
         ):
-            plan = _load(path, model, batch_size, nm, stages, vws, staleness or 0, policy)
+            if sync == "allreduce":
+                plan = _load_allreduce(path, model, batch_size, cfg)
+            else:
+                plan = _load(path, model, batch_size, nm, stages, vws, staleness or 0, policy)
     if model is not None and model != plan.model:
         raise ConfigError(
             f"--model {model} does not match the plan's model {plan.model!r}; drop --model"
         )
-    cfg = OptimizerConfig(
-        name=optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay, schedule=schedule
-    )
     n_vws = len(plan.virtual_workers)
     through_wsp = vw < 0 and bool(plan.shards)  # every VW, through the parameter servers
-    if through_wsp and n_vws > 1 and steps == 0 and epochs == 0 and time_limit == 0:
+    all_vws = through_wsp or plan.sync == "allreduce"
+    if all_vws and n_vws > 1 and steps == 0 and epochs == 0 and time_limit == 0:
         epochs = 40.0  # the main job: a few minutes on a 2-core machine
     run_cfg = RunConfig(
         steps=steps,
@@ -197,6 +198,9 @@ def run(
         emulate=emulate,
         progress=progress,
     )
+    if plan.sync == "allreduce":
+        _allreduce(plan, cfg, run_cfg)
+        return
     if through_wsp:
         _wsp(path, plan, cfg, run_cfg, staleness, checkpoint_every, resume, out)
         return
@@ -273,45 +277,63 @@ def _resume_hint(path: Path) -> str:
     return "hetpipe " + " ".join(shlex.quote(a) for a in kept)
 
 
-def _allreduce(
-    path: Path,
-    model: str | None,
-    batch_size: int,
-    steps: int,
-    epochs: float,
-    seed: int,
-    lr: float,
-    momentum: float,
-    out: Path | None,
-    timeout: float,
-    emulate: bool,
+def _refuse_pipeline_options(
+    resume: Path | None,
+    nm: int,
+    staleness: int | None,
+    vw: int,
+    vws: int,
+    stages: int,
+    policy: str | None,
 ) -> None:
-    from runtime.config import OptimizerConfig
-    from runtime.ddp import run_allreduce
+    """AllReduce trains the whole model on every device: no pipeline options apply."""
+    given = {
+        "--resume": resume is not None,
+        "--nm": nm > 1,
+        "--D": staleness is not None,
+        "--vw": vw >= 0,
+        "--vws": vws > 0,
+        "--stages": stages > 0,
+        "--policy": policy is not None,
+    }
+    for flag, is_given in given.items():
+        if is_given:
+            raise ConfigError(
+                f"{flag} does not apply to --sync allreduce (whole-model data parallelism on "
+                "every device that holds the model: no pipeline, no parameter servers, no "
+                "checkpoints); drop it"
+            )
 
-    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+
+def _load_allreduce(path: Path, model: str | None, batch_size: int, cfg: OptimizerConfig) -> Plan:
+    """The AllReduce plan of ``path``: the plan itself if it is one, else the planner's
+    :func:`planner.baseline.allreduce_plan` on its cluster (a plan file's model and batch)."""
+    from planner.baseline import allreduce_plan
+
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: cannot read ({type(exc).__name__})") from None
     if isinstance(data, dict) and "virtual_workers" in data:
-        plan = load_plan(path)
-        cluster, model, batch_size = plan.cluster, plan.model, plan.batch_size
+        given = load_plan(path)
+        if given.sync == "allreduce":
+            return given
+        cluster, model, batch_size = given.cluster, given.model, given.batch_size
     else:
         cluster = load_cluster(path)
-    if steps == 0:
-        steps = 50 * max(1, round(epochs or 1))
-    ref = model or "mlp"
-    console.print(f"training {ref} with DDP AllReduce (BSP) on {cluster.name}, {steps} steps")
-    result = run_allreduce(
-        cluster,
-        ref,
-        batch_size,
-        steps,
-        optimizer=OptimizerConfig(lr=lr, momentum=momentum),
-        seed=seed,
-        emulate=emulate,
-        timeout_s=timeout,
-        out_dir=out,
-    )
+    return allreduce_plan(cluster, model or "mlp", batch_size, optimizer=cfg.memory_class)
+
+
+def _allreduce(plan: Plan, cfg: OptimizerConfig, run_cfg: RunConfig) -> None:
+    from runtime.ddp import run_allreduce
+
     console.print(
-        f"AllReduce on {' '.join(result.devices)}: {result.steps} steps, "
-        f"{result.throughput:.1f} samples/s, test accuracy {result.test_accuracy:.2%}, "
-        f"last loss {result.losses[-1]:.4f}, wall {result.wall_s:.1f} s"
+        f"training {plan.model} with DDP AllReduce (BSP) on {len(plan.virtual_workers)} devices "
+        f"({' '.join(w.signature for w in plan.virtual_workers)}) of {plan.cluster.name}; batch "
+        f"{plan.batch_size} per device"
     )
+    result = run_allreduce(plan, optimizer=cfg, run=run_cfg)
+    console.print(result.table())
+    if run_cfg.out_dir is not None:
+        out = run_cfg.out_dir
+        console.print(f"figures: {out / 'ddp.json'}; weights: {out / 'weights.pt'}")

@@ -1,21 +1,23 @@
-"""The AllReduce (DDP) baseline: equality with single-process SGD, device filtering, failures."""
+"""The AllReduce (DDP) baseline: its plan, equality with single-process SGD, the run options
+it shares with the pipelines (time limit), failures."""
 
 from __future__ import annotations
+
+import functools
+import os
+import signal
 
 import pytest
 import torch
 
+from planner.baseline import allreduce_plan, device_capacity_bytes, eligible_devices
 from planner.cluster import Cluster, parse_cluster
+from planner.plan import Plan
 from profiler.errors import ConfigError, HetPipeRuntimeError
-from runtime.config import ModelSource, OptimizerConfig
+from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.data import DigitsDataset, MinibatchSource
-from runtime.ddp import (
-    accuracy,
-    device_capacity_bytes,
-    eligible_devices,
-    run_allreduce,
-    split_dataset,
-)
+from runtime.ddp import run_allreduce
+from runtime.evaluation import accuracy, split_dataset
 from runtime.model import reference_module
 
 MiB = 2**20
@@ -44,7 +46,27 @@ def test_eligible_devices_filters_by_emulated_cap() -> None:
 
 def test_no_device_holds_the_model_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="no device can hold mlp"):
-        run_allreduce(_cluster([1, 1]), "mlp", 8, 2, memory_bytes=2 * MiB)
+        allreduce_plan(_cluster([1, 1]), "mlp", 8, memory_bytes=2 * MiB)
+
+
+def test_the_plan_has_one_whole_model_vw_per_device_that_holds_it() -> None:
+    plan = allreduce_plan(_cluster([1, 8, 2, 16]), "mlp", 8, memory_bytes=3 * MiB)
+    assert plan.sync == "allreduce" and plan.shards == () and plan.nm == 1
+    assert [(g.node, g.index) for v in plan.virtual_workers for g in v.gpus] == [
+        ("N1", 0),
+        ("N3", 0),
+    ]
+    for vw in plan.virtual_workers:
+        (st,) = vw.stages
+        assert (st.first_index, st.last_index) == (0, plan.num_layers - 1)
+        assert st.fwd_ms > 0 and st.bwd_ms > 0  # the planner's profile paces emulated devices
+    assert plan.predicted.allreduce_gpus == 2
+    again = Plan.from_dict(plan.to_dict())
+    assert again.sync == "allreduce" and again.to_dict() == plan.to_dict()
+
+
+def _plan(caps: list[float]) -> Plan:
+    return allreduce_plan(_cluster(caps), "mlp", 8, memory_bytes=MiB)
 
 
 def test_split_is_disjoint_and_seeded() -> None:
@@ -72,9 +94,8 @@ def _single_process_sgd(
 
 def test_two_ranks_equal_single_process_sgd_on_the_combined_batch() -> None:
     cfg = OptimizerConfig(lr=0.2, momentum=0.5)
-    result = run_allreduce(
-        _cluster([8, 8]), "mlp", 8, 5, optimizer=cfg, memory_bytes=MiB, emulate=False, timeout_s=20
-    )
+    run = RunConfig(steps=5, emulate=False, timeout_s=20)
+    result = run_allreduce(_plan([8, 8]), optimizer=cfg, run=run)
     assert result.devices == ("N0:0", "N1:0")
     assert len(result.losses) == 5 and result.throughput > 0
     train, test = split_dataset(DigitsDataset(), 0.2, seed=0)
@@ -89,15 +110,34 @@ def test_two_ranks_equal_single_process_sgd_on_the_combined_batch() -> None:
     assert result.test_accuracy == pytest.approx(accuracy(module, test, 8))
 
 
+def _kill_at(rank: int, step: int, r: int, p: int) -> None:
+    """A test hook: SIGKILL rank ``rank`` before its step ``step``."""
+    if (r, p) == (rank, step):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def test_a_killed_rank_ends_the_run_naming_it() -> None:
     with pytest.raises(HetPipeRuntimeError, match=r"rank 1 \(device N1:0\).*SIGKILL"):
         run_allreduce(
-            _cluster([8, 8]),
-            "mlp",
-            8,
-            50,
-            memory_bytes=MiB,
-            emulate=False,
-            timeout_s=10,
-            fault="kill:1:3",
+            _plan([8, 8]),
+            run=RunConfig(steps=50, emulate=False, timeout_s=10),
+            hook=functools.partial(_kill_at, 1, 3),
         )
+
+
+def test_a_time_limit_stops_every_rank_after_the_same_step() -> None:
+    result = run_allreduce(_plan([8, 8]), run=RunConfig(time_limit_s=1.0, timeout_s=20))
+    assert result.stopped_by == "time limit"
+    assert {len(c) for c in result.completions_ms} == {result.steps} and result.steps >= 2
+    assert result.steps == len(result.losses)
+
+
+def test_a_pipeline_plan_is_refused() -> None:
+    from planner.manual import cpu_cluster, multi_vw_plan
+    from profiler.graph import ModelGraph
+    from runtime.model import resolve_source
+
+    graph = ModelGraph.from_spec(resolve_source(ModelSource(ref="mlp"), 8, meta=True))
+    plan = multi_vw_plan(graph, [[2], [2]], "mlp", 8, 1, cluster=cpu_cluster(4))
+    with pytest.raises(ConfigError, match="synchronises by 'wsp', not AllReduce"):
+        run_allreduce(plan)

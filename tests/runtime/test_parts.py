@@ -135,7 +135,7 @@ def test_pacing_table_from_a_plan_gives_back_the_planned_stage_times() -> None:
 def test_emulated_stages_and_ddp_are_paced_by_the_planners_profile() -> None:
     """One source of truth: a planned stage's table and the AllReduce baseline's whole-model
     time come from the same CPU profile the planner partitioned with."""
-    from planner.baseline import model_solo_s
+    from planner.baseline import allreduce_plan
     from planner.cluster import load_cluster
     from planner.planner import make_plan
 
@@ -143,13 +143,17 @@ def test_emulated_stages_and_ddp_are_paced_by_the_planners_profile() -> None:
         Path(__file__).resolve().parents[2] / "examples" / "emulated_cluster.yaml"
     )
     plan = make_plan(cluster, model="mlp", batch_size=16, policy="ed", optimizer="sgd")
+    ddp = allreduce_plan(cluster, "mlp", 16, optimizer="sgd")
     worker = plan.virtual_workers[0]
     speeds = [worker.gpus[st.gpu].speed for st in worker.stages]
     cal = Calibration.from_plan("k", [(st.fwd_ms, st.bwd_ms) for st in worker.stages], speeds)
-    fwd_s, bwd_s = model_solo_s(cluster, "mlp", 16)
+    whole = next(v for v in ddp.virtual_workers if v.gpus[0].type == worker.gpus[0].type)
+    solo = Calibration.from_plan(
+        "w", [(whole.stages[0].fwd_ms, whole.stages[0].bwd_ms)], [whole.gpus[0].speed]
+    )
     # the stages of one VW cover the model once: their solo times add up to the whole model's
-    assert sum(cal.fwd_s) == pytest.approx(fwd_s, rel=1e-6)
-    assert sum(cal.bwd_s) == pytest.approx(bwd_s, rel=1e-6)
+    assert sum(cal.fwd_s) == pytest.approx(solo.fwd_s[0], rel=1e-6)
+    assert sum(cal.bwd_s) == pytest.approx(solo.bwd_s[0], rel=1e-6)
 
 
 def test_fast_gather_equals_collating_items_one_by_one() -> None:

@@ -73,3 +73,29 @@ def test_emulated_planned_run_is_paced_by_the_plans_stage_times(tmp_path: Path) 
     for s, (st, v) in enumerate(zip(worker.stages, speeds, strict=True)):
         assert abs(table["fwd_s"][s] / v * 1e3 - st.fwd_ms) < 1e-9
         assert abs(table["bwd_s"][s] / v * 1e3 - st.bwd_ms) < 1e-9
+
+
+def test_run_sync_allreduce_takes_the_run_options_and_prints_the_summary(tmp_path: Path) -> None:
+    """The AllReduce baseline runs a plan made by the planner, with the same options as the
+    pipelines (here --time-limit, --schedule, --out), and prints a summary table."""
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    out = tmp_path / "ddp"
+    res = CliRunner().invoke(
+        app,
+        ["run", str(examples / "emulated_cluster.yaml"), "--sync", "allreduce", "--time-limit",
+         "1", "--schedule", "cosine", "--out", str(out), "--no-progress"],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert "DDP, BSP" in res.output and "predicted" in res.output  # the summary table
+    figures = json.loads((out / "ddp.json").read_text())
+    assert figures["stopped_by"] == "time limit" and figures["steps"] >= 2
+    assert (out / "weights.pt").exists()
+
+
+def test_run_sync_allreduce_refuses_pipeline_options() -> None:
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    res = CliRunner().invoke(
+        app, ["run", str(examples / "emulated_cluster.yaml"), "--sync", "allreduce", "--nm", "3"]
+    )
+    assert res.exit_code == 2
+    assert "--nm does not apply to --sync allreduce" in res.output
