@@ -24,8 +24,8 @@ def _spec(rng: random.Random, v: int, n: int, shared_nodes: bool) -> PipelineSpe
     return PipelineSpec(
         fwd_ms=fwd,
         bwd_ms=tuple(2 * f + rng.uniform(0.0, 1.0) for f in fwd),
-        recv_fwd_ms=(0.0,) + tuple(rng.uniform(0.0, 1.0) for _ in range(n - 1)),
-        recv_bwd_ms=tuple(rng.uniform(0.0, 1.0) for _ in range(n - 1)) + (0.0,),
+        recv_fwd_ms=(0.0, *(rng.uniform(0.0, 1.0) for _ in range(n - 1))),
+        recv_bwd_ms=(*(rng.uniform(0.0, 1.0) for _ in range(n - 1)), 0.0),
         push_ms=tuple(rng.uniform(0.0, 2.0) for _ in range(n)),
         pull_ms=tuple(rng.uniform(0.0, 2.0) for _ in range(n)),
         cross_recv_bytes=tuple(rng.randint(0, 1000) for _ in range(n)),
