@@ -4,17 +4,30 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from profiler.errors import HetPipeError
 
-__all__ = ["EXIT_USAGE", "console", "err_console", "fail", "handle_errors", "setup_logging"]
+__all__ = [
+    "EXIT_USAGE",
+    "console",
+    "err_console",
+    "fail",
+    "handle_errors",
+    "one_line",
+    "setup_logging",
+]
 
 EXIT_USAGE = 2
+MAX_MESSAGE_CHARS = 1000  # an error line longer than this is cut
+_BREAKS = re.compile(r"\s*[\r\n\u2028\u2029]+\s*")  # line breaks and the blanks around them
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 console = Console()
 err_console = Console(stderr=True)
 
@@ -22,9 +35,27 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
+def one_line(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """``message`` made safe to print as one terminal line: line breaks joined with `` | ``,
+    other control characters (terminal escapes) shown as ``\\xNN``, cut to ``limit`` characters.
+
+    >>> one_line("rank 1 failed:\\n  \\x1b[31mboom\\n")
+    'rank 1 failed: | \\\\x1b[31mboom'
+    """
+    text = _BREAKS.sub(" | ", message.strip())
+    text = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def fail(message: str) -> typer.Exit:
-    """Print ``message`` as one red line on stderr and return the exit-2 exception to raise."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    """Print ``message`` as one red line on stderr and return the exit-2 exception to raise.
+
+    The message is printed literally: rich markup in it (``[/path:553]`` in a gloo error) is
+    escaped, and :func:`one_line` keeps it one line without terminal escapes.
+    """
+    err_console.print(
+        f"[bold red]error:[/] {escape(one_line(message))}", highlight=False, soft_wrap=True
+    )
     return typer.Exit(EXIT_USAGE)
 
 

@@ -16,24 +16,43 @@ A node may set ``memory`` (overrides the catalog) and ``host`` (address for mult
 runs). ``emulate: {speed: 0.25, memory: 64MiB}`` runs the node's GPUs as CPU processes
 whose layers are paced to ``calibrated CPU time / speed`` and whose memory is capped.
 The file is validated with pydantic and turned into frozen dataclasses; every error is
-one line naming the file, the field and the fix.
+one line naming the file, the field and the fix. Values are range-checked: sizes, bandwidths
+and latencies finite (bandwidth positive), an emulated memory cap at most the GPU's own memory,
+names printable and short (no newlines or terminal escapes).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
 
 from profiler.catalog import lookup_gpu
-from profiler.errors import ConfigError
+from profiler.errors import ConfigError, shown
+from profiler.inputs import load_document
 from profiler.units import parse_bandwidth, parse_bytes, parse_seconds
 
-__all__ = ["Cluster", "Device", "Emulation", "Link", "Node", "load_cluster", "parse_cluster"]
+__all__ = [
+    "Cluster",
+    "Device",
+    "Emulation",
+    "Link",
+    "Node",
+    "load_cluster",
+    "parse_cluster",
+    "parse_links",
+]
+
+MAX_NAME_CHARS = 128  # node, host, GPU type and cluster names
 
 
 # ---------------------------------------------------------------- typed, frozen result
@@ -123,7 +142,7 @@ class Cluster:
         for n in self.nodes:
             if n.name == name:
                 return n
-        raise ConfigError(f"{self.source}: no node named {name!r}")
+        raise ConfigError(f"{self.source}: no node named {shown(name)}")
 
     def link(self, a: Device, b: Device) -> Link:
         """The link between two devices: intra-node when they share a node."""
@@ -155,6 +174,19 @@ class Cluster:
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _name(v: object) -> object:
+    """A name must be short, printable text (it is echoed on terminals and used as a label)."""
+    if isinstance(v, str) and (len(v) > MAX_NAME_CHARS or not v.isprintable()):
+        raise ValueError(
+            f"{shown(v)} must be at most {MAX_NAME_CHARS} printable characters "
+            "(no newlines, tabs or terminal escapes)"
+        )
+    return v
+
+
+_Name = Annotated[str, BeforeValidator(_name)]
 
 
 class _LinkIn(_Strict):
@@ -194,9 +226,9 @@ class _EmulateIn(_Strict):
 
 
 class _NodeIn(_Strict):
-    name: str = Field(min_length=1)
-    host: str | None = None
-    gpu: str = Field(min_length=1)
+    name: _Name = Field(min_length=1)
+    host: _Name | None = None
+    gpu: _Name = Field(min_length=1)
     count: int = Field(ge=1, le=1024)
     memory: int | None = None
     emulate: _EmulateIn | None = None
@@ -220,16 +252,32 @@ class _NodeIn(_Strict):
 
 
 class _ClusterIn(_Strict):
-    name: str = "cluster"
-    nodes: list[_NodeIn] = Field(min_length=1)
+    name: _Name = "cluster"
+    nodes: list[_NodeIn] = Field(min_length=1, max_length=100_000)
     links: _LinksIn = _LinksIn()
 
 
 def _loc(loc: tuple[int | str, ...]) -> str:
     out = ""
     for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.isidentifier() and len(part) <= 40:
+            out += f".{part}" if out else part
+        else:  # a key the user wrote: escaped and cut
+            out += f"[{shown(part, 40)}]"
     return out or "<document>"
+
+
+def _pydantic_error(exc: ValidationError, source: str) -> ConfigError:
+    err = exc.errors()[0]
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    hint = ""
+    if err["type"] == "missing":
+        hint = " (add it)"
+    elif err["type"] == "extra_forbidden":
+        hint = " (unknown field: remove it or fix its spelling)"
+    return ConfigError(f"{source}: {_loc(tuple(err['loc']))}: {msg}{hint}")
 
 
 def parse_cluster(data: object, source: str = "<memory>") -> Cluster:
@@ -246,14 +294,7 @@ def parse_cluster(data: object, source: str = "<memory>") -> Cluster:
     try:
         parsed = _ClusterIn.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        msg = str(err["msg"]).removeprefix("Value error, ")
-        hint = ""
-        if err["type"] == "missing":
-            hint = " (add it)"
-        elif err["type"] == "extra_forbidden":
-            hint = " (unknown field: remove it or fix its spelling)"
-        raise ConfigError(f"{source}: {_loc(tuple(err['loc']))}: {msg}{hint}") from None
+        raise _pydantic_error(exc, source) from None
     nodes = []
     seen: set[str] = set()
     for i, n in enumerate(parsed.nodes):
@@ -270,6 +311,11 @@ def parse_cluster(data: object, source: str = "<memory>") -> Cluster:
                 raise ConfigError(f"{source}: nodes[{i}].gpu: {exc}") from None
             gpu_type, letter, memory = n.gpu, n.gpu[:1].upper(), n.memory
         memory = n.memory if n.memory is not None else memory
+        if n.emulate is not None and n.emulate.memory > memory:
+            raise ConfigError(
+                f"{source}: nodes[{i}].emulate.memory: {n.emulate.memory} bytes is more than the "
+                f"{gpu_type}'s own {memory} bytes; lower it (or set the node's memory)"
+            )
         emu = Emulation(n.emulate.speed, n.emulate.memory) if n.emulate is not None else None
         nodes.append(Node(n.name, n.host or n.name, gpu_type, letter, n.count, memory, emu))
     emulated = [n.emulation is not None for n in nodes]
@@ -293,16 +339,32 @@ def load_cluster(path: str | os.PathLike[str]) -> Cluster:
     Raises:
         ConfigError: unreadable file, YAML syntax error or invalid content.
     """
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"{p}: cannot read cluster file ({exc.strerror or exc})") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or "invalid YAML"
-        raise ConfigError(f"{p}: YAML syntax error{where}: {problem}") from None
-    return parse_cluster(data, str(p))
+    return parse_cluster(load_document(path, "cluster file", ConfigError), os.fspath(path))
+
+
+def parse_links(data: object, source: str) -> dict[str, Link]:
+    """Validate a links document (``intra_node``/``inter_node``, each with ``bandwidth`` and
+    optional ``latency``, as in cluster.yaml's ``links:``; a top-level ``links:`` key is accepted).
+
+    Returns:
+        The link classes the document names (at least one).
+
+    Raises:
+        ConfigError: one line naming ``source``, the field and the fix.
+    """
+    if isinstance(data, dict) and isinstance(data.get("links"), dict):
+        data = data["links"]
+    if not isinstance(data, dict) or not ({"intra_node", "inter_node"} & set(data)):
+        raise ConfigError(
+            f"{source}: the links file names neither intra_node nor inter_node (write e.g. "
+            "'intra_node: {bandwidth: 12GB/s, latency: 5us}')"
+        )
+    out: dict[str, Link] = {}
+    for key in ("intra_node", "inter_node"):
+        if key in data:
+            try:
+                link = _LinkIn.model_validate(data[key])
+            except ValidationError as exc:
+                raise _pydantic_error(exc, f"{source}: {key}") from None
+            out[key] = Link(link.bandwidth, link.latency)
+    return out

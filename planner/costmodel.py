@@ -26,17 +26,15 @@ import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
-import yaml
 
-from planner.cluster import Device, Link
+from planner.cluster import Device, Link, parse_links
 from planner.schedule import in_flight_bound
 from profiler.errors import ConfigError, ProfileError
 from profiler.graph import crossing_sets
+from profiler.inputs import load_document
 from profiler.table import Profile
-from profiler.units import parse_bandwidth, parse_seconds
 
 __all__ = [
     "DEFAULT_MAX_CUTS",
@@ -103,31 +101,7 @@ def load_links(path: str | os.PathLike[str]) -> dict[str, Link]:
     Raises:
         ConfigError: unreadable file or a missing/invalid field.
     """
-    p = Path(path)
-    try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{p}: cannot read links file ({exc})") from None
-    if isinstance(data, dict) and isinstance(data.get("links"), dict):
-        data = data["links"]
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: links file must be a mapping with intra_node/inter_node")
-    out: dict[str, Link] = {}
-    for key in ("intra_node", "inter_node"):
-        entry = data.get(key)
-        if entry is None:
-            continue
-        if not isinstance(entry, dict) or "bandwidth" not in entry:
-            raise ConfigError(f"{p}: {key}: needs 'bandwidth' (e.g. 12GB/s) and optional 'latency'")
-        try:
-            out[key] = Link(
-                parse_bandwidth(entry["bandwidth"]), parse_seconds(entry.get("latency", 0.0))
-            )
-        except (ValueError, ConfigError) as exc:
-            raise ConfigError(f"{p}: {key}: {exc}") from None
-    if not out:
-        raise ConfigError(f"{p}: links file names neither intra_node nor inter_node")
-    return out
+    return parse_links(load_document(path, "links file", ConfigError), os.fspath(path))
 
 
 @dataclass(frozen=True)

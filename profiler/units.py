@@ -1,13 +1,19 @@
 """Parsing of human-written sizes, bandwidths and durations (``12GiB``, ``56Gbit/s``, ``2us``).
 
-Plain numbers are taken in the base unit: bytes, bytes/s, seconds.
+Plain numbers are taken in the base unit: bytes, bytes/s, seconds. Every result is finite and
+non-negative; a size is at most :data:`MAX_BYTES` (a larger one is a unit mistake).
 """
 
 from __future__ import annotations
 
+import math
 import re
 
-__all__ = ["format_bytes", "parse_bandwidth", "parse_bytes", "parse_seconds"]
+from profiler.errors import shown
+
+__all__ = ["MAX_BYTES", "format_bytes", "parse_bandwidth", "parse_bytes", "parse_seconds"]
+
+MAX_BYTES = 2**60  # 1 EiB: no memory or message is larger (and it fits an int64)
 
 _NUM = r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*"
 
@@ -44,30 +50,45 @@ _TIME_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-
 
 def _parse(value: object, units: dict[str, float] | dict[str, int], what: str) -> float:
     if isinstance(value, bool):
-        raise ValueError(f"expected a {what}, got {value!r}")
+        raise ValueError(f"expected a {what}, got {value}")
     if isinstance(value, (int, float)):
-        number, unit = float(value), ""
+        number, unit = _float(value), ""
     elif isinstance(value, str):
         m = re.fullmatch(_NUM + r"([A-Za-zµ/]*)\s*", value)
         if m is None:
-            raise ValueError(f"cannot read {value!r} as a {what}")
+            raise ValueError(f"cannot read {shown(value)} as a {what}")
         number, unit = float(m.group(1)), m.group(2)
     else:
-        raise ValueError(f"expected a {what}, got {type(value).__name__} {value!r}")
+        raise ValueError(f"expected a {what}, got {type(value).__name__} {shown(value)}")
     # Case matters only between bits and bytes ("Gb/s" is ambiguous, so 'bit' must be spelt out).
     key = unit.lower()
     if key not in units:
         known = ", ".join(sorted(k for k in units if k))
-        raise ValueError(f"unknown unit {unit!r} in {value!r} for a {what} (use one of: {known})")
+        raise ValueError(
+            f"unknown unit {shown(unit, 20)} in {shown(value)} for a {what} (use one of: {known})"
+        )
     result = number * units[key]
+    if not math.isfinite(result):
+        raise ValueError(f"a {what} must be a finite number, got {shown(value)}")
     if result < 0:
-        raise ValueError(f"a {what} cannot be negative, got {value!r}")
+        raise ValueError(f"a {what} cannot be negative, got {shown(value)}")
     return result
+
+
+def _float(value: int | float) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond float range
+        return math.inf if value > 0 else -math.inf
 
 
 def parse_bytes(value: object) -> int:
     """Parse a size such as ``12GiB``, ``8 GB``, ``512MiB`` or a plain number of bytes."""
-    return round(_parse(value, _BYTE_UNITS, "size in bytes (e.g. 12GiB)"))
+    what = "size in bytes (e.g. 12GiB)"
+    n = _parse(value, _BYTE_UNITS, what)
+    if n > MAX_BYTES:
+        raise ValueError(f"a {what} must be at most 1 EiB, got {shown(value)}: check the unit")
+    return round(n)
 
 
 def parse_bandwidth(value: object) -> float:

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from hetpipe._common import console, handle_errors
@@ -20,15 +21,16 @@ def cluster(
 ) -> None:
     """Validate ``path`` and print a table of its nodes."""
     spec = load_cluster(path)
-    table = Table(title=f"cluster {spec.name!r} ({len(spec.devices)} GPUs)")
+    # names are user text: escaped, so '[/x]' in one is shown, not read as rich markup
+    table = Table(title=escape(f"cluster {spec.name!r} ({len(spec.devices)} GPUs)"))
     for col in ("node", "host", "GPU type", "count", "memory", "emulated speed", "emulated memory"):
         table.add_column(col)
     for n in spec.nodes:
         emu = n.emulation
         table.add_row(
-            n.name,
-            n.host,
-            f"{n.gpu_type} ({n.letter})",
+            escape(n.name),
+            escape(n.host),
+            escape(f"{n.gpu_type} ({n.letter})"),
             str(n.count),
             f"{n.memory_bytes / 2**30:.1f} GiB",
             f"{emu.speed:g}" if emu else "-",

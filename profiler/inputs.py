@@ -1,0 +1,119 @@
+"""Reading input files safely: any bytes give either a document or one :class:`HetPipeError` line.
+
+Every loader of a user file (cluster.yaml, plan, profile CSV, PipeDream graph, links.yaml) reads
+it through :func:`read_text` (size cap, strict UTF-8, one-line ``OSError``) and, for YAML/JSON,
+:func:`load_document`, which also refuses documents nested too deeply or blown up by YAML
+aliases (``&a [*b, *b, ...]``) before any validator walks them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import yaml
+
+from profiler.errors import HetPipeError
+
+__all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_VALUES", "load_document", "read_text"]
+
+MAX_FILE_BYTES = 64 * 2**20  # a plan of 10,000 GPUs is ~5 MB; larger input is not ours
+MAX_VALUES = 2_000_000  # values in a document with every YAML alias expanded
+MAX_DEPTH = 32  # nesting of mappings and lists (our files use at most 6)
+
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when built with it
+
+
+def read_text(path: str | os.PathLike[str], what: str, error: type[HetPipeError]) -> str:
+    """The text of ``path``, which must be a UTF-8 file of at most :data:`MAX_FILE_BYTES`.
+
+    Args:
+        path: the file.
+        what: what the file is, for messages (``"cluster file"``).
+        error: the :class:`HetPipeError` subclass to raise.
+
+    Raises:
+        error: the file is missing, not a regular file, unreadable, too large or not UTF-8.
+    """
+    p = Path(path)
+    try:
+        with p.open("rb") as fh:
+            data = fh.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise error(f"{p}: cannot read {what} ({exc.strerror or type(exc).__name__})") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise error(
+            f"{p}: {what} is larger than {MAX_FILE_BYTES // 2**20} MiB; is it the right file?"
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise error(
+            f"{p}: {what} is not UTF-8 text (byte {data[exc.start]:#04x} at line {line}); "
+            "save it as UTF-8"
+        ) from None
+
+
+def load_document(path: str | os.PathLike[str], what: str, error: type[HetPipeError]) -> object:
+    """Parse a YAML (or JSON, which is YAML) file into plain data, bounded in size and depth.
+
+    Raises:
+        error: unreadable file (see :func:`read_text`), syntax error, or a document nested
+            deeper than :data:`MAX_DEPTH` or holding more than :data:`MAX_VALUES` values.
+    """
+    p = Path(path)
+    text = read_text(p, what, error)
+    try:
+        if p.suffix.lower() == ".json":
+            data = json.loads(text)
+        else:
+            _check_yaml_depth(text, p, what, error)
+            data = yaml.load(text, Loader=_LOADER)
+    except RecursionError:
+        raise error(f"{p}: {what} is nested too deeply (at most {MAX_DEPTH} levels)") from None
+    except json.JSONDecodeError as exc:
+        raise error(
+            f"{p}: {what} is not valid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
+        ) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise error(f"{p}: YAML syntax error{where} ({what}): {problem}") from None
+    _check_size(data, p, what, error)
+    return data
+
+
+def _check_yaml_depth(text: str, p: Path, what: str, error: type[HetPipeError]) -> None:
+    """Refuse deep nesting from the parser's events (libyaml's composer would overflow the C
+    stack on ``[[[[...`` and kill the process; its event parser is iterative)."""
+    depth = 0
+    for event in yaml.parse(text, Loader=_LOADER):
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise error(f"{p}: {what} is nested too deeply (at most {MAX_DEPTH} levels)")
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+
+
+def _check_size(data: object, p: Path, what: str, error: type[HetPipeError]) -> None:
+    """Walk the document (aliases expanded) without recursion; refuse bombs and deep nesting."""
+    stack: list[tuple[object, int]] = [(data, 0)]
+    seen = 0
+    while stack:
+        value, depth = stack.pop()
+        seen += 1
+        if seen > MAX_VALUES:
+            raise error(
+                f"{p}: {what} holds more than {MAX_VALUES:,} values once its YAML aliases are "
+                "expanded (an alias bomb?); write the values out"
+            )
+        if depth > MAX_DEPTH:
+            raise error(f"{p}: {what} is nested too deeply (at most {MAX_DEPTH} levels)")
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend((v, depth + 1) for v in value)

@@ -1,0 +1,111 @@
+"""The simulator's predictions are pinned: the optimised event loop must give the same bits.
+
+``GOLDEN`` holds, per case, the SHA-256 of ``repr(SimResult)`` (every float, count and trace
+interval) recorded with the event loop as it was before its rewrite for scale (commit
+6c48df6). Any change of a prediction, however small, changes the digest. If a change of the
+model is intended, re-record with ``python -m tests.planner.test_simulator_golden`` and say
+why in the commit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import pytest
+
+from planner.simulator import PipelineSpec, SimResult, simulate, simulate_pipelines
+from tests.planner.simplan import make_plan
+
+
+def _spec(rng: random.Random, v: int, n: int, shared_nodes: bool) -> PipelineSpec:
+    fwd = tuple(rng.uniform(0.5, 5.0) for _ in range(n))
+    nodes = tuple(f"n{rng.randint(0, 2)}" if shared_nodes else f"v{v}" for _ in range(n))
+    return PipelineSpec(
+        fwd_ms=fwd,
+        bwd_ms=tuple(2 * f + rng.uniform(0.0, 1.0) for f in fwd),
+        recv_fwd_ms=(0.0, *(rng.uniform(0.0, 1.0) for _ in range(n - 1))),
+        recv_bwd_ms=(*(rng.uniform(0.0, 1.0) for _ in range(n - 1)), 0.0),
+        push_ms=tuple(rng.uniform(0.0, 2.0) for _ in range(n)),
+        pull_ms=tuple(rng.uniform(0.0, 2.0) for _ in range(n)),
+        cross_recv_bytes=tuple(rng.randint(0, 1000) for _ in range(n)),
+        cross_sync_bytes=tuple(rng.randint(0, 1000) for _ in range(n)),
+        labels=tuple(f"g{v}.{s}" for s in range(n)),
+        nodes=nodes if shared_nodes or v % 2 else (),
+        push_inter_ms=tuple(rng.uniform(0.0, 3.0) for _ in range(n)) if v % 3 else (),
+    )
+
+
+def _random_case(seed: int, nm: int, D: int, shared: bool) -> SimResult:
+    rng = random.Random(seed)
+    specs = [_spec(rng, v, rng.randint(1, 5), shared) for v in range(rng.randint(1, 7))]
+    if seed % 2:  # a straggler
+        s0 = specs[0]
+        specs[0] = PipelineSpec(**{**s0.__dict__, "fwd_ms": tuple(3 * f for f in s0.fwd_ms)})
+    return simulate_pipelines(specs, nm=nm, D=D, waves=6, batch_size=16, record_trace=True)
+
+
+def _plan_case(nm: int, D: int, placement: str) -> SimResult:
+    vws = [
+        [("V", 3.0, 6.0), ("R", 2.5, 5.0), ("G", 4.0, 8.5), ("Q", 5.0, 9.0)],
+        [("V", 3.1, 6.2), ("V", 2.0, 4.0), ("R", 4.4, 8.0)],
+        [("Q", 9.0, 17.0), ("G", 3.0, 6.0)],
+    ]
+    plan = make_plan(vws, nm=nm, D=D, placement=placement)
+    return simulate(plan, waves=5, record_trace=True)
+
+
+def _many_case() -> SimResult:
+    rng = random.Random(7)
+    specs = []
+    for _ in range(32):
+        fwd = [rng.uniform(2.0, 6.0) for _ in range(4)]
+        specs.append(
+            PipelineSpec.from_times(
+                fwd,
+                [2 * f for f in fwd],
+                [0.0] + [rng.uniform(0.2, 1.0) for _ in range(3)],
+                [rng.uniform(0.2, 1.0) for _ in range(3)] + [0.0],
+                push_ms=rng.uniform(1.0, 4.0),
+                pull_ms=rng.uniform(1.0, 4.0),
+            )
+        )
+    return simulate_pipelines(specs, nm=4, D=0, waves=8, batch_size=32)
+
+
+CASES = {
+    "random-1": lambda: _random_case(1, nm=3, D=0, shared=True),
+    "random-2": lambda: _random_case(2, nm=1, D=1, shared=False),
+    "random-3": lambda: _random_case(3, nm=5, D=2, shared=True),
+    "random-4": lambda: _random_case(4, nm=4, D=0, shared=False),
+    "random-5": lambda: _random_case(5, nm=2, D=0, shared=True),
+    "plan-default": lambda: _plan_case(4, 0, "default"),
+    "plan-local-d1": lambda: _plan_case(3, 1, "local"),
+    "many-vws": _many_case,
+}
+
+GOLDEN = {
+    "random-1": "1322ecfc3ff6cd5899dca364ed450d0119e5c1850306206ed5ee891b72bde8e3",
+    "random-2": "318c87bf7d6f3e4adb739594b9f166a8ee3b75e07aacbb8f41b3373c551bf1d7",
+    "random-3": "d40c514d3200dd6072a23e89ab2663ee4d76f28a06d8547df77b6e4071e67f36",
+    "random-4": "5cf9c7e6cbc7812b21ad0bdc08db2bc166d878fbe01490ec7b7c37ef77ad53dc",
+    "random-5": "3f18ea361b2e3629a7939cba69eab3084ca9dfe2246e14cbd27ab68ad408cdf5",
+    "plan-default": "417bc32fc8e4cdb6fa3bb65af588a464a1ec722d9a6d76844359a63a43d48f25",
+    "plan-local-d1": "e359927112d441d9aeb68dfc300653b50923f2356cd3ac0d2560712578cdcb03",
+    "many-vws": "b1608cae6c68f843ca9dbd210fcce0e092440fe806a0fbeb6e419808e88eeaa4",
+}
+
+
+def digest(res: SimResult) -> str:
+    """SHA-256 of the result's repr (floats print exactly, so equal repr means equal bits)."""
+    return hashlib.sha256(repr(res).encode()).hexdigest()
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_predictions_are_unchanged(name: str) -> None:
+    assert digest(CASES[name]()) == GOLDEN[name]
+
+
+if __name__ == "__main__":
+    for case, run in CASES.items():
+        print(f'    "{case}": "{digest(run())}",')
