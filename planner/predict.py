@@ -20,11 +20,19 @@ trains a full minibatch, then a ring all-reduce over the slowest link moves
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from planner.cluster import Cluster, Device
+from planner.cluster import Cluster, Device, Link
 from planner.costmodel import CostModel
 
-__all__ = ["allreduce_throughput", "cluster_throughput", "vw_throughput"]
+__all__ = [
+    "AllReduceResult",
+    "allreduce_throughput",
+    "cluster_throughput",
+    "ring_link",
+    "simulate_allreduce",
+    "vw_throughput",
+]
 
 
 def vw_throughput(stage_ms: Sequence[float], nm: int, batch_size: int) -> float:
@@ -54,26 +62,92 @@ def cluster_throughput(
     return min(compute_bound, n * nm * batch_size / wave_s)
 
 
+def ring_link(cluster: Cluster, nodes: Sequence[str]) -> Link:
+    """The slowest link of a ring over GPUs on ``nodes``: intra-node on one node, else the
+    slower of the intra- and inter-node links."""
+    if len(set(nodes)) <= 1:
+        return cluster.intra_node
+    return min(cluster.inter_node, cluster.intra_node, key=lambda link: link.bandwidth_bps)
+
+
 def allreduce_throughput(
     cluster: Cluster, cm: CostModel, batch_size: int, devices: Sequence[Device] | None = None
 ) -> tuple[float, int]:
     """Data-parallel AllReduce (BSP) samples/s on the GPUs that hold the whole model (or on
-    ``devices``), and their count."""
+    ``devices``), and their count (:func:`simulate_allreduce` on the planner's cost model)."""
     need = cm.model_memory_bytes(1)
     gpus: list[Device] = (
         list(devices)
         if devices is not None
         else [d for d in cluster.devices if d.memory_bytes >= need and d.type in cm.types]
     )
-    if not gpus:
-        return 0.0, 0
-    step_ms = max(float(cm.compute_ms(d.type)[-1]) for d in gpus)
-    n = len(gpus)
-    if n > 1:
-        nodes = {d.node for d in gpus}
-        link = cluster.inter_node if len(nodes) > 1 else cluster.intra_node
-        if len(nodes) > 1 and cluster.intra_node.bandwidth_bps < link.bandwidth_bps:
-            link = cluster.intra_node
-        chunk = cm.total_param_bytes() / n
-        step_ms += 2 * (n - 1) * link.time_s(chunk) * 1e3
-    return n * batch_size * 1000.0 / step_ms, n
+    times = [float(cm.compute_ms(d.type)[-1]) for d in gpus]
+    nodes = [d.node for d in gpus]
+    r = simulate_allreduce(
+        times, cm.total_param_bytes(), ring_link(cluster, nodes), batch_size, nodes
+    )
+    return r.throughput, r.gpus
+
+
+@dataclass(frozen=True)
+class AllReduceResult:
+    """Data-parallel AllReduce BSP prediction.
+
+    Attributes:
+        throughput: samples/s of all workers together (0.0 when no GPU holds the model).
+        gpus: number of workers (GPUs that hold the whole model).
+        iteration_ms: one BSP step: the slowest worker's compute plus the ring all-reduce.
+        allreduce_ms: the ring all-reduce part.
+        cross_node_bytes_per_iter: bytes crossing nodes per step.
+        labels: the workers' GPU labels.
+    """
+
+    throughput: float
+    gpus: int
+    iteration_ms: float
+    allreduce_ms: float
+    cross_node_bytes_per_iter: int
+    labels: tuple[str, ...] = ()
+
+
+def simulate_allreduce(
+    compute_ms: list[float],
+    param_bytes: int,
+    link: Link,
+    batch_size: int,
+    nodes: list[str] | None = None,
+    labels: tuple[str, ...] = (),
+) -> AllReduceResult:
+    """BSP data parallelism: every step waits for the slowest worker, then a ring all-reduce.
+
+    A ring over ``n`` workers takes ``2 (n - 1)`` steps, each moving ``param_bytes / n`` over
+    ``link`` (the slowest link of the ring). Steps are identical, so one step is the whole
+    simulation: throughput = ``n * batch_size / (max(compute_ms) + allreduce_ms)``.
+
+    Args:
+        compute_ms: forward+backward time of one minibatch of the whole model, per worker.
+        param_bytes: bytes of all parameters (the gradient volume).
+        link: the slowest link on the ring.
+        batch_size: samples per minibatch per worker.
+        nodes: node of each worker, ring ordered node by node, for the cross-node byte count.
+        labels: worker labels (reported only).
+    """
+    n = len(compute_ms)
+    if n == 0:
+        return AllReduceResult(0.0, 0, 0.0, 0.0, 0, labels)
+    chunk = param_bytes / n
+    ar_ms = 2 * (n - 1) * link.time_s(chunk) * 1e3 if n > 1 else 0.0
+    it_ms = max(compute_ms) + ar_ms
+    crossing_edges = 0
+    if nodes is not None and n > 1:
+        ring = sorted(range(n), key=lambda i: nodes[i])
+        crossing_edges = sum(nodes[ring[i]] != nodes[ring[(i + 1) % n]] for i in range(n))
+    per_edge = 2 * (n - 1) * chunk
+    return AllReduceResult(
+        throughput=n * batch_size / (it_ms / 1e3) if it_ms > 0 else float("inf"),
+        gpus=n,
+        iteration_ms=it_ms,
+        allreduce_ms=ar_ms,
+        cross_node_bytes_per_iter=int(crossing_edges * per_edge),
+        labels=labels,
+    )

@@ -4,7 +4,7 @@
 :class:`~planner.sim_engine.PipelineSpec` per virtual worker (stage times and transfer
 times straight from the plan, push/pull times from the shard placement and the cluster's
 links) and runs the discrete-event loop of :mod:`planner.sim_engine`, whose docstring
-defines the model and the throughput. :func:`simulate_allreduce` is the paper's Horovod
+defines the model and the throughput. :func:`planner.predict.simulate_allreduce` is the paper's Horovod
 comparison: data parallelism with a ring all-reduce (BSP) on the GPUs that hold the whole model.
 
 Shard traffic: stage ``s`` of a VW pushes (and pulls) the bytes of its parameters that live
@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 
-from planner.cluster import Link
 from planner.plan import Plan, StagePlan, VirtualWorker
+from planner.predict import AllReduceResult, ring_link, simulate_allreduce
 from planner.sim_engine import (
     PipelineSpec,
     SimResult,
@@ -33,7 +32,6 @@ from profiler.errors import PlanError
 from profiler.table import Profile
 
 __all__ = [
-    "AllReduceResult",
     "PipelineSpec",
     "SimResult",
     "TraceEvent",
@@ -42,7 +40,6 @@ __all__ = [
     "measured_throughput",
     "pipeline_specs",
     "simulate",
-    "simulate_allreduce",
     "simulate_pipelines",
     "stage_shard_bytes",
 ]
@@ -199,70 +196,6 @@ def best_by_simulation(
 # -------------------------------------------------------------------- AllReduce BSP baseline
 
 
-@dataclass(frozen=True)
-class AllReduceResult:
-    """Data-parallel AllReduce BSP prediction.
-
-    Attributes:
-        throughput: samples/s of all workers together (0.0 when no GPU holds the model).
-        gpus: number of workers (GPUs that hold the whole model).
-        iteration_ms: one BSP step: the slowest worker's compute plus the ring all-reduce.
-        allreduce_ms: the ring all-reduce part.
-        cross_node_bytes_per_iter: bytes crossing nodes per step.
-        labels: the workers' GPU labels.
-    """
-
-    throughput: float
-    gpus: int
-    iteration_ms: float
-    allreduce_ms: float
-    cross_node_bytes_per_iter: int
-    labels: tuple[str, ...] = ()
-
-
-def simulate_allreduce(
-    compute_ms: list[float],
-    param_bytes: int,
-    link: Link,
-    batch_size: int,
-    nodes: list[str] | None = None,
-    labels: tuple[str, ...] = (),
-) -> AllReduceResult:
-    """BSP data parallelism: every step waits for the slowest worker, then a ring all-reduce.
-
-    A ring over ``n`` workers takes ``2 (n - 1)`` steps, each moving ``param_bytes / n`` over
-    ``link`` (the slowest link of the ring). Steps are identical, so one step is the whole
-    simulation: throughput = ``n * batch_size / (max(compute_ms) + allreduce_ms)``.
-
-    Args:
-        compute_ms: forward+backward time of one minibatch of the whole model, per worker.
-        param_bytes: bytes of all parameters (the gradient volume).
-        link: the slowest link on the ring.
-        batch_size: samples per minibatch per worker.
-        nodes: node of each worker, ring ordered node by node, for the cross-node byte count.
-        labels: worker labels (reported only).
-    """
-    n = len(compute_ms)
-    if n == 0:
-        return AllReduceResult(0.0, 0, 0.0, 0.0, 0, labels)
-    chunk = param_bytes / n
-    ar_ms = 2 * (n - 1) * link.time_s(chunk) * 1e3 if n > 1 else 0.0
-    it_ms = max(compute_ms) + ar_ms
-    crossing_edges = 0
-    if nodes is not None and n > 1:
-        ring = sorted(range(n), key=lambda i: nodes[i])
-        crossing_edges = sum(nodes[ring[i]] != nodes[ring[(i + 1) % n]] for i in range(n))
-    per_edge = 2 * (n - 1) * chunk
-    return AllReduceResult(
-        throughput=n * batch_size / (it_ms / 1e3) if it_ms > 0 else float("inf"),
-        gpus=n,
-        iteration_ms=it_ms,
-        allreduce_ms=ar_ms,
-        cross_node_bytes_per_iter=int(crossing_edges * per_edge),
-        labels=labels,
-    )
-
-
 def allreduce_for_plan(
     plan: Plan, profiles: Mapping[str, Profile] | None = None
 ) -> AllReduceResult:
@@ -288,7 +221,7 @@ def allreduce_for_plan(
     workers = [d for d in cluster.devices if d.memory_bytes >= need and time_on(d.type) is not None]
     times = [time_on(d.type) or 0.0 for d in workers]
     nodes = [d.node for d in workers]
-    link = cluster.inter_node if len(set(nodes)) > 1 else cluster.intra_node
+    link = ring_link(cluster, nodes)
     return simulate_allreduce(
         times, params, link, plan.batch_size, nodes, tuple(d.label for d in workers)
     )

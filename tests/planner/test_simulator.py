@@ -8,13 +8,13 @@ import random
 import pytest
 
 from planner.cluster import Link
+from planner.predict import simulate_allreduce
 from planner.schedule import in_flight_bound
 from planner.simulator import (
     PipelineSpec,
     allreduce_for_plan,
     measured_throughput,
     simulate,
-    simulate_allreduce,
     simulate_pipelines,
 )
 from profiler.errors import PlanError
