@@ -25,11 +25,11 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from planner.cluster import Device, Link, parse_links
+from planner.plan import StageCost
 from planner.schedule import in_flight_bound
 from profiler.errors import ConfigError, ProfileError
 from profiler.graph import crossing_sets
@@ -40,7 +40,6 @@ __all__ = [
     "DEFAULT_MAX_CUTS",
     "CostModel",
     "LinkFn",
-    "StageCost",
     "candidate_cuts",
     "load_links",
     "optimizer_factor",
@@ -102,26 +101,6 @@ def load_links(path: str | os.PathLike[str]) -> dict[str, Link]:
         ConfigError: unreadable file or a missing/invalid field.
     """
     return parse_links(load_document(path, "links file", ConfigError), os.fspath(path))
-
-
-@dataclass(frozen=True)
-class StageCost:
-    """Cost of one stage (times in ms per minibatch, sizes in bytes)."""
-
-    fwd_ms: float
-    bwd_ms: float
-    recv_fwd_ms: float
-    recv_bwd_ms: float
-    recv_bytes: int
-    send_bytes: int
-    param_bytes: int
-    in_flight: int
-    memory_bytes: int
-
-    @property
-    def time_ms(self) -> float:
-        """Compute plus receive times."""
-        return self.fwd_ms + self.bwd_ms + self.recv_fwd_ms + self.recv_bwd_ms
 
 
 class CostModel:

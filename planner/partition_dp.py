@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.cluster import Device
-from planner.costmodel import CostModel, StageCost
+from planner.costmodel import CostModel
+from planner.plan import StageCost
 from profiler.errors import PlanError
 
 __all__ = [

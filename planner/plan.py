@@ -56,13 +56,10 @@ class GpuSlot:
 
 
 @dataclass(frozen=True)
-class StagePlan:
-    """One pipeline stage: a contiguous range of layers on one GPU.
+class StageCost:
+    """What one stage costs (the cost model's answer for a layer range on a GPU).
 
     Attributes:
-        gpu: position of the stage's GPU in ``VirtualWorker.gpus``.
-        first_layer, last_layer: names of the first and last layer (inclusive).
-        first_index, last_index: their positions in the model graph's linear order.
         fwd_ms, bwd_ms: compute time of one minibatch on this GPU type.
         recv_fwd_ms: time to receive the activations crossing the stage's first cut.
         recv_bwd_ms: time to receive the gradients crossing its last cut.
@@ -71,14 +68,8 @@ class StagePlan:
         param_bytes: bytes of the stage's parameters.
         in_flight: most minibatches this stage holds at once (Sec. 4 scheduling rules).
         memory_bytes: estimated peak memory with ``in_flight`` minibatches.
-        capacity_bytes: the GPU's usable memory.
     """
 
-    gpu: int
-    first_layer: str
-    last_layer: str
-    first_index: int
-    last_index: int
     fwd_ms: float
     bwd_ms: float
     recv_fwd_ms: float
@@ -88,12 +79,38 @@ class StagePlan:
     param_bytes: int
     in_flight: int
     memory_bytes: int
-    capacity_bytes: int
 
     @property
     def time_ms(self) -> float:
         """Stage execution time per minibatch: compute plus receiving activations and gradients."""
         return self.fwd_ms + self.bwd_ms + self.recv_fwd_ms + self.recv_bwd_ms
+
+
+@dataclass(frozen=True)
+class StagePlan(StageCost):
+    """One pipeline stage of a plan: a contiguous range of layers on one GPU, and its cost
+    (the :class:`StageCost` fields).
+
+    Attributes:
+        gpu: position of the stage's GPU in ``VirtualWorker.gpus``.
+        first_layer, last_layer: names of the first and last layer (inclusive).
+        first_index, last_index: their positions in the model graph's linear order.
+        capacity_bytes: the GPU's usable memory.
+    """
+
+    gpu: int
+    first_layer: str
+    last_layer: str
+    first_index: int
+    last_index: int
+    capacity_bytes: int
+
+
+def _stage_dict(stage: StagePlan) -> dict[str, Any]:
+    """A stage as the plan file shows it: where it runs first, then what it costs."""
+    d = asdict(stage)
+    first = ("gpu", "first_layer", "last_layer", "first_index", "last_index")
+    return {**{k: d.pop(k) for k in first}, **d, "time_ms": stage.time_ms}
 
 
 @dataclass(frozen=True)
@@ -212,7 +229,7 @@ class Plan:
             {
                 **asdict(vw),
                 "signature": vw.signature,
-                "stages": [{**asdict(s), "time_ms": s.time_ms} for s in vw.stages],
+                "stages": [_stage_dict(s) for s in vw.stages],
             }
             for vw in self.virtual_workers
         ]

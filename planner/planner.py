@@ -27,7 +27,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from planner.allocation import Allocation, allocate, candidate_allocations, default_policy
@@ -212,16 +212,8 @@ def _stages(pl: _Planner, part: Partition, nm: int) -> tuple[StagePlan, ...]:
                 last_layer=names[b - 1],
                 first_index=a,
                 last_index=b - 1,
-                fwd_ms=cost.fwd_ms,
-                bwd_ms=cost.bwd_ms,
-                recv_fwd_ms=cost.recv_fwd_ms,
-                recv_bwd_ms=cost.recv_bwd_ms,
-                recv_bytes=cost.recv_bytes,
-                send_bytes=cost.send_bytes,
-                param_bytes=cost.param_bytes,
-                in_flight=cost.in_flight,
-                memory_bytes=cost.memory_bytes,
                 capacity_bytes=part.gpus[j].memory_bytes,
+                **asdict(cost),
             )
         )
     return tuple(out)
