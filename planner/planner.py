@@ -250,13 +250,11 @@ def _node_traffic(
 
 
 def _simulated(plan: Plan, waves: int) -> Prediction | None:
-    """The discrete-event simulator's prediction (``None`` when it is unavailable or refuses the plan)."""
+    """The discrete-event simulator's prediction (``None`` when it refuses the plan or waves < 2)."""
     if waves < 2:
         return None
-    try:
-        from planner.simulator import simulate
-    except ImportError:
-        return None
+    from planner.simulator import simulate
+
     try:
         res = simulate(plan, waves=waves)
     except PlanError as exc:
