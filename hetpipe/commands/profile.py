@@ -6,22 +6,18 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
-import torch
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from hetpipe._common import console, handle_errors
-from profiler.analytic import analytic_profile, calibrate, scale_profile
 from profiler.errors import ConfigError
-from profiler.links import DEFAULT_SIZES, measure_links, save_links
-from profiler.measure import Progress as ProgressFn
-from profiler.measure import measure_profile, parse_device
-from profiler.models import resolve_model
-from profiler.pipedream import import_pipedream
-from profiler.table import Profile, load_profile
+
+if TYPE_CHECKING:  # heavy (torch, pandas): imported where a command needs them
+    from profiler.measure import Progress as ProgressFn
+    from profiler.table import Profile
 
 HELP = (
     "Profile a model per layer (forward/backward ms, activation, saved and parameter bytes) on "
@@ -153,6 +149,15 @@ def profile(
     ] = False,
 ) -> None:
     """Write per-layer profiles (or links.yaml) to ``-o``."""
+    import torch
+
+    from profiler.analytic import analytic_profile, calibrate, scale_profile
+    from profiler.links import DEFAULT_SIZES, measure_links, save_links
+    from profiler.measure import measure_profile, parse_device
+    from profiler.models import resolve_model
+    from profiler.pipedream import import_pipedream
+    from profiler.table import load_profile
+
     mode = _one_mode(
         analytic=analytic,
         scale=scale is not None,

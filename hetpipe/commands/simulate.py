@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
 
 from hetpipe._common import console, handle_errors
-from planner.gantt import write_chrome_trace, write_gantt
 from planner.plan import Plan, load_plan
-from planner.simulator import allreduce_for_plan
-from planner.simulator import simulate as run_simulation
 from profiler.errors import ConfigError, HetPipeError
-from profiler.table import Profile, load_profile_set
+
+if TYPE_CHECKING:
+    from profiler.table import Profile
 
 HELP = (
     "Simulate a plan (discrete events: Sec. 4 stage rules, Nm in flight, transfers, WSP) and "
@@ -44,6 +43,11 @@ def simulate(
     ] = None,
 ) -> None:
     """Simulate ``PLAN`` and print the prediction."""
+    from planner.gantt import write_chrome_trace, write_gantt
+    from planner.simulator import allreduce_for_plan
+    from planner.simulator import simulate as run_simulation
+    from profiler.table import load_profile_set
+
     if baseline not in (None, "allreduce"):
         raise ConfigError(f"--baseline {baseline!r}: the only baseline is 'allreduce'")
     if gantt is not None and gantt.suffix.lower() not in (".png", ".svg"):
