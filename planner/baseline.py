@@ -11,11 +11,16 @@ paced by them), and the prediction is :func:`planner.predict.allreduce_throughpu
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 from planner.cluster import Cluster, Device
 from planner.plan import GpuSlot, Plan, Prediction, StagePlan, VirtualWorker
 from profiler.errors import ConfigError
 from profiler.table import Profile
+
+if TYPE_CHECKING:
+    from planner.costmodel import CostModel
 
 __all__ = ["allreduce_plan", "device_capacity_bytes", "eligible_devices", "model_memory_bytes"]
 
@@ -85,33 +90,7 @@ def allreduce_plan(
         )
     if max_devices:
         devices = devices[:max_devices]
-    n_layers = cm.num_layers
-    names = cm.layer_names
-    vws = []
-    for k, d in enumerate(devices):
-        cost = cm.stage_cost([d], 0, 0, n_layers, 1)
-        stage = StagePlan(
-            gpu=0,
-            first_layer=names[0],
-            last_layer=names[-1],
-            first_index=0,
-            last_index=n_layers - 1,
-            fwd_ms=cost.fwd_ms,
-            bwd_ms=cost.bwd_ms,
-            recv_fwd_ms=0.0,
-            recv_bwd_ms=0.0,
-            recv_bytes=0,
-            send_bytes=0,
-            param_bytes=cost.param_bytes,
-            in_flight=1,
-            memory_bytes=need,
-            capacity_bytes=device_capacity_bytes(d),
-        )
-        slot = GpuSlot(
-            d.node, d.index, d.type, stage.capacity_bytes, d.emulation.speed if d.emulation else 0.0
-        )
-        alone = batch * 1e3 / stage.time_ms if stage.time_ms > 0 else 0.0
-        vws.append(VirtualWorker(k, (slot,), (stage,), nm_max=1, throughput=alone))
+    vws = [_whole_model_vw(k, d, cm, need, batch) for k, d in enumerate(devices)]
     planned = [next(v for v in view.devices if v.label == d.label) for d in devices]
     ar, n_gpus = allreduce_throughput(view, cm, batch, planned)
     return Plan(
@@ -125,8 +104,28 @@ def allreduce_plan(
         virtual_workers=tuple(vws),
         shards=(),
         predicted=Prediction(ar, tuple(v.throughput for v in vws), ar, n_gpus, "analytic"),
-        num_layers=n_layers,
+        num_layers=cm.num_layers,
         profiles=provenance,
         optimizer_state_factor=cm.optimizer_state_factor,
         sync="allreduce",
     )
+
+
+def _whole_model_vw(k: int, d: Device, cm: CostModel, need: int, batch: int) -> VirtualWorker:
+    """VW ``k``: device ``d`` alone, one stage over every layer (the cost model's times)."""
+    n_layers = cm.num_layers
+    cost = cm.stage_cost([d], 0, 0, n_layers, 1)
+    stage = StagePlan(
+        gpu=0,
+        first_layer=cm.layer_names[0],
+        last_layer=cm.layer_names[-1],
+        first_index=0,
+        last_index=n_layers - 1,
+        capacity_bytes=device_capacity_bytes(d),
+        **{**asdict(cost), "recv_fwd_ms": 0.0, "recv_bwd_ms": 0.0, "memory_bytes": need},
+    )
+    slot = GpuSlot(
+        d.node, d.index, d.type, stage.capacity_bytes, d.emulation.speed if d.emulation else 0.0
+    )
+    alone = batch * 1e3 / stage.time_ms if stage.time_ms > 0 else 0.0
+    return VirtualWorker(k, (slot,), (stage,), nm_max=1, throughput=alone)
