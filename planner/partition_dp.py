@@ -54,6 +54,9 @@ class Partition:
         objective_ms: the optimum the solver reported (equals ``max(stage_ms)`` up to tolerance).
         solver: ``dp``, ``milp-cbc`` or ``milp-highs``.
         solve_s: wall-clock seconds the solve took.
+        bound_ms: proven lower bound on the optimum bottleneck (``nan``: the exact solvers'
+            own result, i.e. ``objective_ms``; smaller when a time limit or ``--max-cuts`` made
+            the result an approximation).
     """
 
     gpus: tuple[Device, ...]
@@ -63,6 +66,18 @@ class Partition:
     objective_ms: float
     solver: str
     solve_s: float
+    bound_ms: float = float("nan")
+
+    @property
+    def lower_bound_ms(self) -> float:
+        """Proven lower bound on the optimum bottleneck, ms."""
+        return self.objective_ms if self.bound_ms != self.bound_ms else self.bound_ms
+
+    @property
+    def gap(self) -> float:
+        """Relative gap ``bottleneck / lower bound - 1`` (0: proven optimal)."""
+        lb = self.lower_bound_ms
+        return max(0.0, self.bottleneck_ms / lb - 1.0) if lb > 0 else 0.0
 
     @property
     def bottleneck_ms(self) -> float:

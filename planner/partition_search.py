@@ -1,0 +1,326 @@
+"""Exact order *and* split of one virtual worker: a DP over GPU-class multisets, pruned by bounds.
+
+The problem (paper Sec. 4, 7; the cost model is :class:`planner.costmodel.CostModel`): choose the
+VW's GPU order and its ``K - 1`` cut positions so that the slowest stage is as fast as possible,
+every stage fitting its GPU's memory. Stage ``j`` on a GPU of class ``u`` over positions ``[p, q)``
+takes ``comp_u[q] - comp_u[p] + recv(p) + send(q)`` ms, where ``recv``/``send`` are the link times
+to its neighbours. A link depends only on the two GPUs' classes (interchangeable GPUs: same type,
+node and memory), so a partial pipeline is summarised by a *state*: the multiset of classes used,
+the class ``u`` of its last (open) stage and the link into it. Per state a vector ``F[p]`` holds the
+smallest possible slowest *closed* stage when the open stage starts at ``p``. Choosing the next
+class ``s`` closes the open stage::
+
+    F'[q] = min_{p < q, stage fits} max(F[p], comp_u[q] - comp_u[p] + recv(p) + send_{u,s}(q))
+
+This is exact for every order at once (orders of identical GPUs are never told apart), and its
+size is polynomial: ``prod(n_t + 1)`` multisets x classes x links, not ``K! / prod(n_t!)`` orders.
+
+Bounds keep it fast. A few heuristic orders (fixed-order DPs through the same code) give an
+incumbent ``UB``; an ``F`` entry ``>= UB`` is dropped, and so is a start ``p`` whose work bound
+exceeds ``UB``::
+
+    LB(p) = (W[p..C] + recv(p) / rho_u) / (1 / rho_u + sum over the GPUs still unused of 1 / rho_g)
+
+with ``W`` the per-segment minimum over classes of compute and ``rho_t >= 1`` class ``t``'s smallest
+slowdown against it (a GPU of class ``t`` does at most ``T / rho_t`` of that work in ``T`` ms).
+The surviving starts form narrow windows, so each step is a small matrix. When a time limit is
+hit, the incumbent is returned with the proven lower bound: the smallest bound of any state not
+yet expanded (every pipeline passes through one of them).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.cluster import Device, Link
+from planner.costmodel import CostModel
+from planner.memory_fit import MemoryLimits, check_stage_count, min_memory_shortfall
+from planner.milp_bounds import classes, heuristic_orders
+from planner.partition_dp import InfeasiblePartition, Partition, class_key
+from planner.schedule import in_flight_bound
+from profiler.errors import PlanError
+from profiler.units import format_bytes
+
+__all__ = ["lower_bound_ms", "partition_exact"]
+
+log = logging.getLogger(__name__)
+
+_TOL = 1e-9  # relative slack on bounds (float rounding), so a bound never cuts the optimum
+
+
+@dataclass
+class _State:
+    used: tuple[int, ...]
+    u: int  # class of the open stage
+    link: int  # link into the open stage (index into _Search.links; -1: first stage)
+    lo: int  # position of f[0]
+    f: np.ndarray  # smallest slowest closed stage per start position
+    prev: np.ndarray  # predecessor state id per position (-1: none)
+    prev_p: np.ndarray  # start of the predecessor's open stage
+
+
+class _Timeout(Exception):
+    def __init__(self, bound: float) -> None:
+        super().__init__("time limit")
+        self.bound = bound
+
+
+class _Search:
+    """Tables of one VW at one Nm, and the layered DP over states."""
+
+    def __init__(self, cm: CostModel, gpus: Sequence[Device], nm: int, memory: bool) -> None:
+        self.cm, self.nm, self.k, self.c = cm, nm, len(gpus), cm.num_segments
+        self.cls = classes(gpus)
+        reps = self.cls.reps
+        self.counts = tuple(len(m) for m in self.cls.members)
+        self.comp = [cm.compute_ms(r.type) for r in reps]
+        for r, comp in zip(reps, self.comp, strict=True):
+            if np.any(np.diff(comp) < 0) or not np.all(np.isfinite(comp)):
+                raise PlanError(
+                    f"the profile for {r.type!r} has negative or non-finite layer times; re-profile"
+                )
+        self.links: list[Link] = []
+        self.link_of: dict[tuple[int, int], int] = {}
+        for t, a in enumerate(self.cls.members):
+            for u, b in enumerate(self.cls.members):
+                if t == u and len(a) < 2:
+                    continue
+                link = cm.link(a[0], b[1] if t == u else b[0])
+                if link not in self.links:
+                    self.links.append(link)
+                self.link_of[t, u] = self.links.index(link)
+        self.comm = [cm.comm_ms(link) for link in self.links]
+        self.zero = np.zeros(self.c + 1)
+        self.mem = MemoryLimits(cm, nm) if memory else None
+        segs = [np.diff(c) for c in self.comp]
+        fast = np.min(np.stack(segs), axis=0)
+        pos = fast > 0
+        self.inv_rho = [float(1.0 / np.min(s[pos] / fast[pos])) if pos.any() else 1.0 for s in segs]
+        self.work = np.concatenate([[0.0], np.cumsum(fast)])
+        self.states: list[_State] = []
+
+    # ------------------------------------------------------------ one state
+    def recv(self, st: _State) -> np.ndarray:
+        return self.zero if st.link < 0 else self.comm[st.link]
+
+    def qmax(self, u: int, j: int) -> np.ndarray:
+        if self.mem is None:
+            return np.full(self.c + 1, self.c, dtype=np.int64)
+        return self.mem.qmax(
+            float(self.cls.reps[u].memory_bytes), in_flight_bound(j, self.k, self.nm)
+        )
+
+    def bound(self, st: _State) -> np.ndarray:
+        """Lower bound on the whole pipeline's bottleneck per start position of ``st``'s window."""
+        pos = np.arange(st.lo, st.lo + len(st.f))
+        rest = sum((n - u) * r for n, u, r in zip(self.counts, st.used, self.inv_rho, strict=True))
+        iu = self.inv_rho[st.u]
+        lb = (self.work[-1] - self.work[pos] + self.recv(st)[pos] * iu) / (iu + rest)
+        return np.maximum(st.f, lb)
+
+    def state_bound(self, st: _State) -> float:
+        return float(self.bound(st).min()) if len(st.f) else np.inf
+
+    def close(
+        self, st: _State, j: int, out: np.ndarray, inc: float
+    ) -> tuple[int, np.ndarray, np.ndarray] | None:
+        """Close ``st``'s open stage ``j`` (send times ``out``): window start, ``F'``, argmin ``p``."""
+        rows = np.flatnonzero(st.f < inc)
+        if not rows.size:
+            return None
+        p = st.lo + rows
+        comp = self.comp[st.u]
+        a = comp[p] - self.recv(st)[p]  # stage cost = comp[q] - a + out[q]
+        qm = self.qmax(st.u, j)[p]
+        if np.isfinite(inc):
+            qm = np.minimum(qm, np.searchsorted(comp, a + inc, side="left") - 1)
+        q_lo, q_hi = int(p[0]) + 1, min(self.c - (self.k - 1 - j), int(qm.max()))
+        if q_hi < q_lo:
+            return None
+        cols = np.arange(q_lo, q_hi + 1)
+        cand = np.maximum(
+            st.f[rows][:, None], comp[cols][None, :] - a[:, None] + out[cols][None, :]
+        )
+        valid = (cols[None, :] > p[:, None]) & (cols[None, :] <= qm[:, None])
+        cand = np.where(valid, cand, np.inf)
+        arg = np.argmin(cand, axis=0)
+        val = cand[arg, np.arange(len(cols))]
+        val[val >= inc] = np.inf
+        keep = np.flatnonzero(np.isfinite(val))
+        if not keep.size:
+            return None
+        sl = slice(int(keep[0]), int(keep[-1]) + 1)
+        return q_lo + sl.start, val[sl], p[arg][sl]
+
+    def finish(self, st: _State, inc: float) -> tuple[float, int]:
+        """Best value and start of the last stage (``inf`` if none beats ``inc``)."""
+        p = np.arange(st.lo, st.lo + len(st.f))
+        comp = self.comp[st.u]
+        val = np.maximum(st.f, comp[self.c] - comp[p] + self.recv(st)[p])
+        val[self.qmax(st.u, self.k - 1)[p] < self.c] = np.inf
+        i = int(np.argmin(val))
+        return (float(val[i]), int(p[i])) if val[i] < inc else (np.inf, -1)
+
+    # ------------------------------------------------------------ the layered DP
+    def _merge(
+        self, layer: dict[tuple[object, ...], int], key: tuple[object, ...], new: _State
+    ) -> None:
+        if key not in layer:
+            self.states.append(new)
+            layer[key] = len(self.states) - 1
+            return
+        old = self.states[layer[key]]
+        lo = min(old.lo, new.lo)
+        hi = max(old.lo + len(old.f), new.lo + len(new.f))
+        f = np.full(hi - lo, np.inf)
+        prev = np.full(hi - lo, -1, dtype=np.int64)
+        prev_p = np.full(hi - lo, -1, dtype=np.int64)
+        for s in (old, new):
+            i = slice(s.lo - lo, s.lo - lo + len(s.f))
+            better = s.f < f[i]
+            f[i] = np.where(better, s.f, f[i])
+            prev[i] = np.where(better, s.prev, prev[i])
+            prev_p[i] = np.where(better, s.prev_p, prev_p[i])
+        self.states[layer[key]] = _State(old.used, old.u, old.link, lo, f, prev, prev_p)
+
+    def run(
+        self, inc: float, seq: Sequence[int] | None = None, deadline: float | None = None
+    ) -> tuple[float, int, int]:
+        """Best value ``< inc``, its final state id and last-stage start (``inf, -1, -1``: none).
+
+        ``seq`` fixes the class order (a fixed-order DP); ``deadline`` (perf_counter) may raise
+        :class:`_Timeout` carrying the proven lower bound.
+        """
+        n_cls = len(self.counts)
+        layer: dict[tuple[object, ...], int] = {}
+        firsts = [seq[0]] if seq is not None else [t for t in range(n_cls) if self.counts[t]]
+        for u in firsts:
+            used = tuple(int(t == u) for t in range(n_cls))
+            st = _State(used, u, -1, 0, np.zeros(1), np.full(1, -1), np.full(1, -1))
+            self._merge(layer, (used, u, -1), st)
+        best = (np.inf, -1, -1)
+        for j in range(self.k):
+            ids = list(layer.values())
+            nxt: dict[tuple[object, ...], int] = {}
+            for n, sid in enumerate(ids):
+                if deadline is not None and time.perf_counter() > deadline:
+                    rest = ids[n:] + list(nxt.values())
+                    bound = min([self.state_bound(self.states[i]) for i in rest] + [inc])
+                    raise _Timeout(bound)
+                st = self.states[sid]
+                cut = min(inc, best[0])
+                if np.isfinite(cut):
+                    st.f = np.where(self.bound(st) > cut * (1 + _TOL), np.inf, st.f)
+                if j == self.k - 1:
+                    val, p = self.finish(st, cut)
+                    if val < best[0]:
+                        best = (val, sid, p)
+                    continue
+                nexts = [seq[j + 1]] if seq is not None else range(n_cls)
+                by_link: dict[int, list[int]] = {}
+                for s in nexts:
+                    if st.used[s] < self.counts[s]:
+                        by_link.setdefault(self.link_of[st.u, s], []).append(s)
+                for link, group in by_link.items():
+                    res = self.close(st, j, self.comm[link], cut)
+                    if res is None:
+                        continue
+                    lo, f, arg = res
+                    for s in group:
+                        used = tuple(x + (i == s) for i, x in enumerate(st.used))
+                        new = _State(used, s, link, lo, f, np.full(len(f), sid), arg)
+                        self._merge(nxt, (used, s, link), new)
+            layer = nxt
+        return best
+
+    def solution(self, sid: int, p: int) -> tuple[list[int], list[int]]:
+        """Class order and stage bounds ending in state ``sid`` with the last stage from ``p``."""
+        order, starts = [], []
+        while sid >= 0:
+            st = self.states[sid]
+            order.append(st.u)
+            starts.append(p)
+            sid, p = int(st.prev[p - st.lo]), int(st.prev_p[p - st.lo])
+        return order[::-1], [*starts[::-1], self.c]
+
+
+def lower_bound_ms(cm: CostModel, gpus: Sequence[Device]) -> float:
+    """A proven lower bound on the bottleneck of any order and partition of ``gpus`` (work bound)."""
+    search = _Search(cm, gpus, 1, memory=False)
+    return float(search.work[-1] / sum(search.inv_rho[i] * n for i, n in enumerate(search.counts)))
+
+
+def partition_exact(
+    cm: CostModel,
+    gpus: Sequence[Device],
+    nm: int = 1,
+    memory: bool = True,
+    time_limit_s: float | None = None,
+) -> Partition:
+    """Optimal GPU order and partition of one VW (every distinct order), proven by the DP's bounds.
+
+    Args:
+        cm: cost model.
+        gpus: the VW's GPUs (any order).
+        nm: minibatches in flight (sets each stage's memory need).
+        memory: enforce the memory limits.
+        time_limit_s: stop after this long; the best partition found is returned with
+            ``bound_ms`` the proven lower bound (``None``: no limit).
+
+    Raises:
+        InfeasiblePartition: no order and partition fit memory (names the smallest shortfall).
+        PlanError: more GPUs than candidate segments, a bad profile, or the time limit hit
+            before any partition that fits was found.
+    """
+    t0 = time.perf_counter()
+    check_stage_count(cm, len(gpus))
+    search = _Search(cm, gpus, nm, memory)
+    deadline = None if time_limit_s is None else t0 + time_limit_s
+    inc, found = np.inf, (-1, -1)
+    for order in heuristic_orders(search.cls, cm, gpus):
+        seq = [search.cls.keys.index(class_key(d)) for d in order]
+        val, sid, p = search.run(inc, seq=seq)
+        if val < inc:
+            inc, found = val, (sid, p)
+    try:
+        val, sid, p = search.run(inc, deadline=deadline)
+        bound = min(val, inc)
+        if val < inc:
+            inc, found = val, (sid, p)
+    except _Timeout as exc:
+        bound = exc.bound
+        log.info("exact partition: time limit %.1f s hit; bound %.4f ms", time_limit_s, bound)
+    if found[0] < 0:
+        if np.isfinite(bound):
+            raise PlanError(
+                f"the partition search hit its time limit ({time_limit_s:g} s) before finding a "
+                f"partition that fits memory; raise the time limit (--time-limit)"
+            )
+        short = min_memory_shortfall(cm, gpus, nm)
+        letters = "".join(g.letter for g in gpus)
+        raise InfeasiblePartition(
+            f"no order and partition of {cm.num_layers} layers over {letters} fits memory with "
+            f"Nm={nm} (smallest shortfall {format_bytes(short)} on one stage)",
+            short,
+        )
+    class_order, bounds = search.solution(*found)
+    pools = [list(m) for m in search.cls.members]
+    order = tuple(pools[t].pop(0) for t in class_order)
+    stage_ms = tuple(
+        cm.stage_cost(order, j, bounds[j], bounds[j + 1], nm).time_ms for j in range(len(order))
+    )
+    return Partition(
+        gpus=order,
+        bounds=tuple(bounds),
+        cuts=tuple(int(cm.positions[b]) for b in bounds),
+        stage_ms=stage_ms,
+        objective_ms=float(inc),
+        solver="dp",
+        solve_s=time.perf_counter() - t0,
+        bound_ms=float(min(bound, inc)),
+    )
