@@ -9,7 +9,6 @@ milliseconds for hundreds of layers. It is the MILP's cross-check, upper bound a
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -26,7 +25,6 @@ __all__ = [
     "Partition",
     "class_key",
     "distinct_orders",
-    "min_memory_shortfall",
     "partition_dp",
     "partition_dp_best_order",
 ]
@@ -75,9 +73,11 @@ class Partition:
 
     @property
     def gap(self) -> float:
-        """Relative gap ``bottleneck / lower bound - 1`` (0: proven optimal)."""
+        """Relative gap ``bottleneck / lower bound - 1`` (0: proven optimal; float noise below
+        1e-9 counts as 0)."""
         lb = self.lower_bound_ms
-        return max(0.0, self.bottleneck_ms / lb - 1.0) if lb > 0 else 0.0
+        gap = self.bottleneck_ms / lb - 1.0 if lb > 0 else 0.0
+        return gap if gap > 1e-9 else 0.0
 
     @property
     def bottleneck_ms(self) -> float:
@@ -176,23 +176,6 @@ def _check_size(cm: CostModel, gpus: Sequence[Device]) -> None:
 def _shortfall_mats(cm: CostModel, gpus: Sequence[Device], nm: int) -> list[np.ndarray]:
     k = len(gpus)
     return [cm.memory_matrix(k, j, nm) - gpus[j].memory_bytes for j in range(k)]
-
-
-def min_memory_shortfall(
-    cm: CostModel, gpus: Sequence[Device], nm: int, max_orders: int = 5040
-) -> tuple[int, tuple[Device, ...]]:
-    """Smallest achievable overflow (bytes) of the most overflowing stage, over orders and partitions.
-
-    ``<= 0`` means some partition fits. Orders are enumerated (at most ``max_orders``).
-    """
-    best: tuple[float, tuple[Device, ...]] = (np.inf, tuple(gpus))
-    for order in itertools.islice(distinct_orders(gpus), max_orders):
-        value, _ = _bottleneck(_shortfall_mats(cm, order, nm))
-        if value < best[0]:
-            best = (value, order)
-            if value <= 0:
-                break
-    return int(np.ceil(best[0])), best[1]
 
 
 def partition_dp(

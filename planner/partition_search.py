@@ -50,7 +50,7 @@ __all__ = ["lower_bound_ms", "partition_exact"]
 
 log = logging.getLogger(__name__)
 
-_TOL = 1e-9  # relative slack on bounds (float rounding), so a bound never cuts the optimum
+_TOL = 1e-9  # relative: a partition must beat the incumbent by more than this to replace it
 
 
 @dataclass
@@ -102,6 +102,8 @@ class _Search:
         pos = fast > 0
         self.inv_rho = [float(1.0 / np.min(s[pos] / fast[pos])) if pos.any() else 1.0 for s in segs]
         self.work = np.concatenate([[0.0], np.cumsum(fast)])
+        self.segs = segs
+        self._largest: dict[tuple[bool, ...], np.ndarray] = {}
         self.states: list[_State] = []
 
     # ------------------------------------------------------------ one state
@@ -115,13 +117,29 @@ class _Search:
             float(self.cls.reps[u].memory_bytes), in_flight_bound(j, self.k, self.nm)
         )
 
+    def largest(self, st: _State) -> np.ndarray:
+        """``out[p]``: the longest segment after ``p`` on the fastest class still available."""
+        avail = tuple(
+            n > u or t == st.u for t, (n, u) in enumerate(zip(self.counts, st.used, strict=True))
+        )
+        if avail not in self._largest:
+            seg = np.min(np.stack([s for s, a in zip(self.segs, avail, strict=True) if a]), axis=0)
+            self._largest[avail] = np.concatenate([np.maximum.accumulate(seg[::-1])[::-1], [0.0]])
+        return self._largest[avail]
+
     def bound(self, st: _State) -> np.ndarray:
-        """Lower bound on the whole pipeline's bottleneck per start position of ``st``'s window."""
+        """Lower bound on the whole pipeline's bottleneck per start position of ``st``'s window.
+
+        The largest of: the closed stages (``F``), the work bound, the longest segment still to
+        place on the fastest class available, and the open stage's first segment plus its receive.
+        """
         pos = np.arange(st.lo, st.lo + len(st.f))
         rest = sum((n - u) * r for n, u, r in zip(self.counts, st.used, self.inv_rho, strict=True))
         iu = self.inv_rho[st.u]
-        lb = (self.work[-1] - self.work[pos] + self.recv(st)[pos] * iu) / (iu + rest)
-        return np.maximum(st.f, lb)
+        recv = self.recv(st)[pos]
+        lb = (self.work[-1] - self.work[pos] + recv * iu) / (iu + rest)
+        first = np.concatenate([self.segs[st.u], [0.0]])[pos] + recv
+        return np.maximum(np.maximum(st.f, lb), np.maximum(self.largest(st)[pos], first))
 
     def state_bound(self, st: _State) -> float:
         return float(self.bound(st).min()) if len(st.f) else np.inf
@@ -213,9 +231,9 @@ class _Search:
                     bound = min([self.state_bound(self.states[i]) for i in rest] + [inc])
                     raise _Timeout(bound)
                 st = self.states[sid]
-                cut = min(inc, best[0])
+                cut = min(inc, best[0]) * (1 - _TOL)  # improvements below 1e-9 do not count
                 if np.isfinite(cut):
-                    st.f = np.where(self.bound(st) > cut * (1 + _TOL), np.inf, st.f)
+                    st.f = np.where(self.bound(st) >= cut, np.inf, st.f)
                 if j == self.k - 1:
                     val, p = self.finish(st, cut)
                     if val < best[0]:
@@ -287,13 +305,14 @@ def partition_exact(
         val, sid, p = search.run(inc, seq=seq)
         if val < inc:
             inc, found = val, (sid, p)
+    label = "dp"
     try:
         val, sid, p = search.run(inc, deadline=deadline)
         bound = min(val, inc)
         if val < inc:
             inc, found = val, (sid, p)
     except _Timeout as exc:
-        bound = exc.bound
+        bound, label = exc.bound, "dp (time limit)"
         log.info("exact partition: time limit %.1f s hit; bound %.4f ms", time_limit_s, bound)
     if found[0] < 0:
         if np.isfinite(bound):
@@ -320,7 +339,7 @@ def partition_exact(
         cuts=tuple(int(cm.positions[b]) for b in bounds),
         stage_ms=stage_ms,
         objective_ms=float(inc),
-        solver="dp",
+        solver=label,
         solve_s=time.perf_counter() - t0,
         bound_ms=float(min(bound, inc)),
     )

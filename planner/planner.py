@@ -142,6 +142,10 @@ class _Planner:
         use_dp = self.opts.partitioner == "dp" or screen
         ck = (key, nm, use_dp)
         if ck not in self.cache:
+            reuse = self._reusable(key, ordered, nm, use_dp)
+            if reuse is not None:
+                self.cache[ck] = reuse
+        if ck not in self.cache:
             limit = self.opts.time_limit_s
             if use_dp:
                 part = partition_exact(self.cm, ordered, nm, time_limit_s=limit)
@@ -173,6 +177,30 @@ class _Planner:
         )
         cuts = tuple(int(self.cm.positions[b]) for b in bounds)
         return Partition(order, bounds, cuts, stage_ms, max(stage_ms), solver, 0.0, bound)
+
+    def _reusable(
+        self, key: tuple[object, ...], ordered: Sequence[Device], nm: int, use_dp: bool
+    ) -> tuple[tuple[int, ...], tuple[int, ...], float, str] | None:
+        """An optimum at a smaller Nm that still fits memory at ``nm`` (then it is optimal here too).
+
+        Memory only grows with Nm, so the feasible partitions at ``nm`` are a subset of those
+        at any smaller Nm: the smaller Nm's optimum, when it fits, is optimal at ``nm``; its
+        lower bound stays valid.
+        """
+        done = sorted(
+            (ck[1], v) for ck, v in self.cache.items() if ck[0] == key and ck[2] == use_dp
+        )
+        for small, (perm, bounds, bound, solver) in reversed(done):
+            if not isinstance(small, int) or small >= nm:
+                continue
+            order = [ordered[i] for i in perm]
+            if all(
+                self.cm.stage_cost(order, j, bounds[j], bounds[j + 1], nm).memory_bytes
+                <= order[j].memory_bytes
+                for j in range(len(order))
+            ):
+                return perm, bounds, bound, solver
+        return None
 
 
 def _letters(gpus: Sequence[Device]) -> str:
