@@ -30,6 +30,8 @@ yet expanded (every pipeline passes through one of them).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import time
 from collections.abc import Sequence
@@ -51,6 +53,7 @@ __all__ = ["lower_bound_ms", "partition_exact"]
 log = logging.getLogger(__name__)
 
 _TOL = 1e-9  # relative: a partition must beat the incumbent by more than this to replace it
+_BISECT = 0.01  # bisect on the target while the incumbent is this far above the lower bound
 
 
 @dataclass
@@ -62,6 +65,10 @@ class _State:
     f: np.ndarray  # smallest slowest closed stage per start position
     prev: np.ndarray  # predecessor state id per position (-1: none)
     prev_p: np.ndarray  # start of the predecessor's open stage
+
+
+_Part = tuple[int, np.ndarray, int, np.ndarray]
+"""Closed stages reaching a state from one parent: window start, ``F``, parent id, argmin ``p``."""
 
 
 class _Timeout(Exception):
@@ -102,9 +109,50 @@ class _Search:
         pos = fast > 0
         self.inv_rho = [float(1.0 / np.min(s[pos] / fast[pos])) if pos.any() else 1.0 for s in segs]
         self.work = np.concatenate([[0.0], np.cumsum(fast)])
+        self.comm_sums = self._comm_sums()
         self.segs = segs
         self._largest: dict[tuple[bool, ...], np.ndarray] = {}
         self.states: list[_State] = []
+
+    def back_table(self, limit: float) -> dict[tuple[int, ...], int]:
+        """``out[R]``: the earliest position from which the GPUs of multiset ``R`` can cover the
+        model's end with every stage's compute ``< limit`` (transfers and memory ignored).
+
+        For a fixed order, covering greedily from the end reaches furthest (compute is monotone
+        in a stage's range), so a DP over multisets gives the best over their orders: a state
+        whose open stage cannot reach ``out[rest]`` cannot beat ``limit``.
+        """
+        out: dict[tuple[int, ...], int] = {tuple(0 for _ in self.counts): self.c}
+        grid = sorted(itertools.product(*(range(n + 1) for n in self.counts)), key=sum)
+        for rest in grid[1:]:
+            best = self.c
+            for t, n in enumerate(rest):
+                if n:
+                    q = out[tuple(x - (i == t) for i, x in enumerate(rest))]
+                    comp = self.comp[t]
+                    best = min(best, int(np.searchsorted(comp, comp[q] - limit, side="right")))
+            out[rest] = best
+        return out
+
+    def _comm_sums(self) -> np.ndarray:
+        """``out[r, p]``: the sum of the ``r`` cheapest boundary transfers at positions ``> p``.
+
+        Every boundary costs its transfer time twice (send on one side, receive on the other),
+        on some link, at a distinct position: ``2 * out[r, p]`` bounds the transfer time of the
+        ``r`` boundaries still to place after ``p``.
+        """
+        cheapest = np.min(np.stack(self.comm), axis=0) if self.comm else self.zero
+        out = np.zeros((self.k + 1, self.c + 1))
+        smallest: list[float] = []
+        for p in range(self.c - 1, -1, -1):  # boundaries lie in 1 .. C-1
+            if p + 1 < self.c:
+                bisect.insort(smallest, float(cheapest[p + 1]))
+                del smallest[self.k :]
+            out[1 : len(smallest) + 1, p] = np.cumsum(smallest)
+            out[len(smallest) + 1 :, p] = (
+                np.inf if len(smallest) < self.k else out[len(smallest), p]
+            )
+        return out
 
     # ------------------------------------------------------------ one state
     def recv(self, st: _State) -> np.ndarray:
@@ -130,16 +178,47 @@ class _Search:
     def bound(self, st: _State) -> np.ndarray:
         """Lower bound on the whole pipeline's bottleneck per start position of ``st``'s window.
 
-        The largest of: the closed stages (``F``), the work bound, the longest segment still to
-        place on the fastest class available, and the open stage's first segment plus its receive.
+        The largest of: the closed stages (``F``), the work bound (transfers included: the
+        open stage's receive and the cheapest positions for the boundaries still to place), the
+        longest segment still to place on the fastest class available, and the open stage's
+        first segment plus its receive.
         """
         pos = np.arange(st.lo, st.lo + len(st.f))
         rest = sum((n - u) * r for n, u, r in zip(self.counts, st.used, self.inv_rho, strict=True))
         iu = self.inv_rho[st.u]
         recv = self.recv(st)[pos]
-        lb = (self.work[-1] - self.work[pos] + recv * iu) / (iu + rest)
+        boundaries = self.k - sum(st.used)  # the open stage's end and every later one
+        comm = 2.0 * self.comm_sums[boundaries, pos] * min(self.inv_rho)
+        lb = (self.work[-1] - self.work[pos] + recv * iu + comm) / (iu + rest)
         first = np.concatenate([self.segs[st.u], [0.0]])[pos] + recv
         return np.maximum(np.maximum(st.f, lb), np.maximum(self.largest(st)[pos], first))
+
+    def rest(self, st: _State) -> tuple[int, ...]:
+        """The GPUs (per class) not yet in the pipeline of ``st``."""
+        return tuple(n - u for n, u in zip(self.counts, st.used, strict=True))
+
+    def reach(self, st: _State, limit: float) -> np.ndarray:
+        """Per start position: the furthest end of the open stage with compute + receive ``< limit``."""
+        pos = np.arange(st.lo, st.lo + len(st.f))
+        comp = self.comp[st.u]
+        reach: np.ndarray = np.searchsorted(comp, comp[pos] - self.recv(st)[pos] + limit) - 1
+        return reach
+
+    def root_bound(self) -> float:
+        """A lower bound on every pipeline: the best of the first stage's states' bounds."""
+        states = [
+            _State(
+                tuple(int(t == u) for t in range(len(self.counts))),
+                u,
+                -1,
+                0,
+                np.zeros(1),
+                np.zeros(1),
+                np.zeros(1),
+            )
+            for u in range(len(self.counts))
+        ]
+        return min(self.state_bound(st) for st in states)
 
     def state_bound(self, st: _State) -> float:
         return float(self.bound(st).min()) if len(st.f) else np.inf
@@ -185,26 +264,26 @@ class _Search:
         return (float(val[i]), int(p[i])) if val[i] < inc else (np.inf, -1)
 
     # ------------------------------------------------------------ the layered DP
-    def _merge(
-        self, layer: dict[tuple[object, ...], int], key: tuple[object, ...], new: _State
-    ) -> None:
-        if key not in layer:
-            self.states.append(new)
-            layer[key] = len(self.states) - 1
-            return
-        old = self.states[layer[key]]
-        lo = min(old.lo, new.lo)
-        hi = max(old.lo + len(old.f), new.lo + len(new.f))
-        f = np.full(hi - lo, np.inf)
-        prev = np.full(hi - lo, -1, dtype=np.int64)
-        prev_p = np.full(hi - lo, -1, dtype=np.int64)
-        for s in (old, new):
-            i = slice(s.lo - lo, s.lo - lo + len(s.f))
-            better = s.f < f[i]
-            f[i] = np.where(better, s.f, f[i])
-            prev[i] = np.where(better, s.prev, prev[i])
-            prev_p[i] = np.where(better, s.prev_p, prev_p[i])
-        self.states[layer[key]] = _State(old.used, old.u, old.link, lo, f, prev, prev_p)
+    def _materialize(self, key: tuple[tuple[int, ...], int, int], parts: list[_Part]) -> int:
+        """One state from the closed stages reaching ``key`` (elementwise best); its id."""
+        used, u, link = key
+        if len(parts) == 1:
+            lo, f, sid, arg = parts[0]
+            st = _State(used, u, link, lo, f, np.full(len(f), sid), arg)
+        else:
+            lo = min(x[0] for x in parts)
+            width = max(x[0] + len(x[1]) for x in parts) - lo
+            vals = np.full((len(parts), width), np.inf)
+            starts = np.full((len(parts), width), -1, dtype=np.int64)
+            for i, (plo, f, _, arg) in enumerate(parts):
+                vals[i, plo - lo : plo - lo + len(f)] = f
+                starts[i, plo - lo : plo - lo + len(f)] = arg
+            pick = np.argmin(vals, axis=0)
+            cols = np.arange(width)
+            sids = np.array([x[2] for x in parts], dtype=np.int64)
+            st = _State(used, u, link, lo, vals[pick, cols], sids[pick], starts[pick, cols])
+        self.states.append(st)
+        return len(self.states) - 1
 
     def run(
         self, inc: float, seq: Sequence[int] | None = None, deadline: float | None = None
@@ -215,25 +294,27 @@ class _Search:
         :class:`_Timeout` carrying the proven lower bound.
         """
         n_cls = len(self.counts)
-        layer: dict[tuple[object, ...], int] = {}
+        pending: dict[tuple[tuple[int, ...], int, int], list[_Part]] = {}
         firsts = [seq[0]] if seq is not None else [t for t in range(n_cls) if self.counts[t]]
         for u in firsts:
             used = tuple(int(t == u) for t in range(n_cls))
-            st = _State(used, u, -1, 0, np.zeros(1), np.full(1, -1), np.full(1, -1))
-            self._merge(layer, (used, u, -1), st)
+            pending[used, u, -1] = [(0, np.zeros(1), -1, np.full(1, -1, dtype=np.int64))]
         best = (np.inf, -1, -1)
+        back = self.back_table(inc * (1 - _TOL)) if np.isfinite(inc) else None
         for j in range(self.k):
-            ids = list(layer.values())
-            nxt: dict[tuple[object, ...], int] = {}
+            ids = [self._materialize(key, parts) for key, parts in pending.items()]
+            pending = {}
             for n, sid in enumerate(ids):
                 if deadline is not None and time.perf_counter() > deadline:
-                    rest = ids[n:] + list(nxt.values())
+                    rest = ids[n:] + [self._materialize(k, v) for k, v in pending.items()]
                     bound = min([self.state_bound(self.states[i]) for i in rest] + [inc])
                     raise _Timeout(bound)
                 st = self.states[sid]
                 cut = min(inc, best[0]) * (1 - _TOL)  # improvements below 1e-9 do not count
                 if np.isfinite(cut):
                     st.f = np.where(self.bound(st) >= cut, np.inf, st.f)
+                if back is not None and j < self.k - 1:
+                    st.f = np.where(self.reach(st, cut) < back[self.rest(st)], np.inf, st.f)
                 if j == self.k - 1:
                     val, p = self.finish(st, cut)
                     if val < best[0]:
@@ -251,9 +332,7 @@ class _Search:
                     lo, f, arg = res
                     for s in group:
                         used = tuple(x + (i == s) for i, x in enumerate(st.used))
-                        new = _State(used, s, link, lo, f, np.full(len(f), sid), arg)
-                        self._merge(nxt, (used, s, link), new)
-            layer = nxt
+                        pending.setdefault((used, s, link), []).append((lo, f, sid, arg))
         return best
 
     def solution(self, sid: int, p: int) -> tuple[list[int], list[int]]:
@@ -305,14 +384,21 @@ def partition_exact(
         val, sid, p = search.run(inc, seq=seq)
         if val < inc:
             inc, found = val, (sid, p)
-    label = "dp"
+    label, lo = "dp", search.root_bound()
     try:
-        val, sid, p = search.run(inc, deadline=deadline)
-        bound = min(val, inc)
-        if val < inc:
-            inc, found = val, (sid, p)
+        while True:  # bisect on a target: a run that finds a partition below it found the optimum
+            bisect_on = np.isfinite(inc) and inc - lo > _BISECT * inc
+            target = (lo + inc) / 2 if bisect_on else inc
+            val, sid, p = search.run(target, deadline=deadline)
+            if val < target:
+                inc, found = val, (sid, p)
+                break
+            if not bisect_on:
+                break
+            lo = target * (1 - _TOL)  # nothing below the target: a proven lower bound
+        bound = inc
     except _Timeout as exc:
-        bound, label = exc.bound, "dp (time limit)"
+        bound, label = min(inc, max(lo, exc.bound)), "dp (time limit)"
         log.info("exact partition: time limit %.1f s hit; bound %.4f ms", time_limit_s, bound)
     if found[0] < 0:
         if np.isfinite(bound):
