@@ -1,7 +1,8 @@
-"""Partitioner speed: PuLP MILP (HiGHS and CBC) next to the exact DP, and whole-cluster planning time.
+"""Partitioner speed: the exact search, PuLP MILP (HiGHS and CBC) and the per-order DP; planning time.
 
 Run: ``python benchmarks/bench_partition.py`` (from the repo root; ``--paper`` re-runs only the
-paper-cluster part). Prints a table and writes
+paper-cluster part, ``--scaling`` only the exact search's scaling sweep, writing
+``benchmarks/results/partition_scaling.json``). Prints a table and writes
 ``benchmarks/results/partition.json``. Instances: synthetic random layer DAGs (tests/planner/synth.py)
 on VWs of the paper cluster: homogeneous (NP-like, no order to choose), 2 types on 2 nodes (HD-like)
 and one GPU per node (ED-like, the hardest order choice). The DP column is the exact optimum over
@@ -11,6 +12,7 @@ every distinct GPU order (DP per order); "same" says whether the MILP matched it
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -18,10 +20,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from planner.cluster import Device, load_cluster  # noqa: E402
+from planner.cluster import Cluster, Device, load_cluster, parse_cluster  # noqa: E402
 from planner.costmodel import CostModel  # noqa: E402
 from planner.partition_dp import partition_dp, partition_dp_best_order  # noqa: E402
 from planner.partition_milp import available_solvers, partition_milp  # noqa: E402
+from planner.partition_search import partition_exact  # noqa: E402
 from planner.planner import PlanOptions, make_plan  # noqa: E402
 from profiler.errors import PlanError  # noqa: E402
 from tests.planner.synth import synthetic_profiles  # noqa: E402
@@ -177,8 +180,73 @@ def bench_paper_cluster() -> list[dict[str, object]]:
     return rows
 
 
+SWEEP_TYPES = ("A100", "V100", "TITAN RTX", "T4", "GeForce RTX 2060", "K80")
+
+
+def _sweep_vw(cluster: Cluster, gpus: int, types: int) -> list[Device]:
+    """``gpus`` GPUs dealt round-robin over the first ``types`` types (one node per type)."""
+    pools = {t: [d for d in cluster.devices if d.type == t] for t in SWEEP_TYPES[:types]}
+    return [pools[SWEEP_TYPES[i % types]][i // types] for i in range(gpus)]
+
+
+def bench_scaling() -> list[dict[str, object]]:
+    """Exact search (every GPU order, memory on, Nm = 2) vs layers, GPUs per VW and GPU types.
+
+    Each point is the best of 2 runs, in CPU seconds of this process (``cpu_s``: robust to the
+    shared machine's load) and wall seconds; ``proven`` says the search finished (gap 0, no time
+    limit).
+    """
+    cluster = parse_cluster(
+        {
+            "name": "sweep",
+            "nodes": [{"name": f"n{i}", "gpu": t, "count": 16} for i, t in enumerate(SWEEP_TYPES)],
+        }
+    )
+    points = [(n, 8, 4) for n in (50, 150, 300, 600, 1000, 1500)]
+    points += [(300, k, min(4, k)) for k in (2, 4, 12, 16)]
+    points += [(300, 16, t) for t in (1, 2, 3, 5, 6)]
+    rows: list[dict[str, object]] = []
+    cms: dict[int, CostModel] = {}
+    for layers, k, types in points:
+        if layers not in cms:
+            profs = synthetic_profiles(layers, SWEEP_TYPES, seed=1, act_mib=8.0, param_mib=2.0)
+            cms[layers] = CostModel(profs, cluster.link)
+        gpus = _sweep_vw(cluster, k, types)
+        best, cpu, part = float("inf"), float("inf"), None
+        for _ in range(2):
+            t, c = time.perf_counter(), time.process_time()
+            part = partition_exact(cms[layers], gpus, nm=2, time_limit_s=TIME_LIMIT_S)
+            best, cpu = min(best, time.perf_counter() - t), min(cpu, time.process_time() - c)
+        if part is None:
+            continue
+        row = {
+            "layers": layers,
+            "gpus": k,
+            "types": types,
+            "cpu_s": cpu,
+            "solve_s": best,
+            "bottleneck_ms": part.bottleneck_ms,
+            "proven": part.solver == "dp" and part.gap == 0.0,
+            "order": "".join(d.letter for d in part.gpus),
+        }
+        rows.append(row)
+        print(
+            f"{layers:>6} layers  {k:>2} GPUs  {types} types  {cpu:7.3f} CPU s  {best:7.3f} s wall  "
+            f"{'proven optimal' if row['proven'] else 'NOT PROVEN'}  {row['order']}",
+            flush=True,
+        )
+    return rows
+
+
 def main() -> None:
     out = REPO / "benchmarks" / "results" / "partition.json"
+    if "--scaling" in sys.argv:
+        print(f"load average {os.getloadavg()[0]:.2f} (2 cores)")
+        res = {"load_average": os.getloadavg()[0], "sweep": bench_scaling()}
+        path = out.with_name("partition_scaling.json")
+        path.write_text(json.dumps(res, indent=2))
+        print(f"wrote {path}")
+        return
     if "--paper" in sys.argv:  # only the paper-cluster part; keep the stored partition figures
         old = json.loads(out.read_text()) if out.exists() else {}
         print("paper cluster, batch 32, analytic profiles for every GPU type")

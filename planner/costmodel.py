@@ -13,10 +13,11 @@ Its memory with ``Nm`` minibatches in flight (the shared memory model of the pro
     static = param_bytes * (2 + optimizer_state_factor) + buffer_bytes + (Nm - 1) * param_bytes
     memory = static + in_flight_bound(j, K, Nm) * (saved_bytes + cut_bytes[a])
 
-Candidate cuts: every cut ``1 .. L-1`` by default. Graphs with more than ``max_cuts`` cut
-points (e.g. resnet152's 563 fx layers) are *coarsened* to the cuts crossed by exactly one
-tensor (block boundaries); the DP and the MILP use the same candidate set, so their optima
-stay comparable. The arrays below are indexed by *position* ``p`` in the candidate set
+Candidate cuts: every cut ``1 .. L-1`` by default (the partitioners are then exact). Given a
+``max_cuts``, graphs with more cut points (e.g. resnet152's 563 fx layers) are *coarsened* to
+the cuts crossed by exactly one tensor (block boundaries): an approximation (``hetpipe plan
+--max-cuts``), whose plan records a proven lower bound on the exact optimum. The DP, the search
+and the MILP use the same candidate set, so their optima stay comparable. The arrays below are indexed by *position* ``p`` in the candidate set
 ``pos = [0, c_1, ..., L]``; a stage is a position range ``[p, q)``.
 """
 
@@ -37,7 +38,6 @@ from profiler.inputs import load_document
 from profiler.table import Profile
 
 __all__ = [
-    "DEFAULT_MAX_CUTS",
     "CostModel",
     "LinkFn",
     "candidate_cuts",
@@ -46,9 +46,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MAX_CUTS = 320
-"""Graphs with more candidate cuts than this are coarsened to single-tensor cuts."""
 
 LinkFn = Callable[[Device, Device], Link]
 """The link between two devices (``Cluster.link`` or a measured override)."""
@@ -70,7 +67,7 @@ def optimizer_factor(name: str) -> float:
         ) from None
 
 
-def candidate_cuts(profile: Profile, max_cuts: int | None = DEFAULT_MAX_CUTS) -> list[int]:
+def candidate_cuts(profile: Profile, max_cuts: int | None = None) -> list[int]:
     """Cut points the partitioners may use, as layer indices ``0 < k < L``.
 
     Args:
@@ -123,7 +120,7 @@ class CostModel:
         profiles: Mapping[str, Profile],
         link: LinkFn,
         optimizer_state_factor: float = 1.0,
-        max_cuts: int | None = DEFAULT_MAX_CUTS,
+        max_cuts: int | None = None,
         memory_type: str | None = None,
     ) -> None:
         if not profiles:
@@ -257,5 +254,9 @@ class CostModel:
     def model_memory_bytes(self, nm: int = 1) -> int:
         """Bytes to hold the whole model on one GPU (one stage, ``nm`` = 1: data parallelism)."""
         c = self.num_segments
-        mem = self.memory_matrix(1, 0, nm)[0, c]
-        return round(float(mem))
+        mem = (
+            self.static_factor(nm) * float(self.param_prefix[c])
+            + float(self.buffer_prefix[c])
+            + in_flight_bound(0, 1, nm) * (float(self.saved_prefix[c]) + float(self.cut_bytes[0]))
+        )
+        return round(mem)

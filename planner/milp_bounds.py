@@ -24,7 +24,16 @@ from planner.partition_dp import (
     partition_dp,
 )
 
-__all__ = ["EPS", "Classes", "classes", "order_reach", "reach_table", "upper_bound", "windows"]
+__all__ = [
+    "EPS",
+    "Classes",
+    "classes",
+    "heuristic_orders",
+    "order_reach",
+    "reach_table",
+    "upper_bound",
+    "windows",
+]
 
 EPS = 1e-7
 """Relative slack on the upper bound (solver tolerances)."""
@@ -46,7 +55,7 @@ def classes(gpus: Sequence[Device]) -> Classes:
     return Classes(keys, tuple(groups[k][0] for k in keys), tuple(tuple(groups[k]) for k in keys))
 
 
-def _heuristic_orders(
+def heuristic_orders(
     cls: Classes, cm: CostModel, gpus: Sequence[Device]
 ) -> list[tuple[Device, ...]]:
     """A few natural orders: as given, fastest first/last, by memory, grouped by node."""
@@ -68,7 +77,7 @@ def upper_bound(
     else over a few heuristic orders (``None`` if none fits memory)."""
     orders = list(itertools.islice(distinct_orders(gpus), max_orders + 1))
     if len(orders) > max_orders:
-        orders = _heuristic_orders(cls, cm, gpus)
+        orders = heuristic_orders(cls, cm, gpus)
     best: Partition | None = None
     for order in orders:
         try:

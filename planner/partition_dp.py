@@ -9,7 +9,6 @@ milliseconds for hundreds of layers. It is the MILP's cross-check, upper bound a
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -27,7 +26,6 @@ __all__ = [
     "Partition",
     "class_key",
     "distinct_orders",
-    "min_memory_shortfall",
     "partition_dp",
     "partition_dp_best_order",
 ]
@@ -55,6 +53,9 @@ class Partition:
         objective_ms: the optimum the solver reported (equals ``max(stage_ms)`` up to tolerance).
         solver: ``dp``, ``milp-cbc`` or ``milp-highs``.
         solve_s: wall-clock seconds the solve took.
+        bound_ms: proven lower bound on the optimum bottleneck (``nan``: the exact solvers'
+            own result, i.e. ``objective_ms``; smaller when a time limit or ``--max-cuts`` made
+            the result an approximation).
     """
 
     gpus: tuple[Device, ...]
@@ -64,6 +65,20 @@ class Partition:
     objective_ms: float
     solver: str
     solve_s: float
+    bound_ms: float = float("nan")
+
+    @property
+    def lower_bound_ms(self) -> float:
+        """Proven lower bound on the optimum bottleneck, ms."""
+        return self.objective_ms if self.bound_ms != self.bound_ms else self.bound_ms
+
+    @property
+    def gap(self) -> float:
+        """Relative gap ``bottleneck / lower bound - 1`` (0: proven optimal; float noise below
+        1e-9 counts as 0)."""
+        lb = self.lower_bound_ms
+        gap = self.bottleneck_ms / lb - 1.0 if lb > 0 else 0.0
+        return gap if gap > 1e-9 else 0.0
 
     @property
     def bottleneck_ms(self) -> float:
@@ -162,23 +177,6 @@ def _check_size(cm: CostModel, gpus: Sequence[Device]) -> None:
 def _shortfall_mats(cm: CostModel, gpus: Sequence[Device], nm: int) -> list[np.ndarray]:
     k = len(gpus)
     return [cm.memory_matrix(k, j, nm) - gpus[j].memory_bytes for j in range(k)]
-
-
-def min_memory_shortfall(
-    cm: CostModel, gpus: Sequence[Device], nm: int, max_orders: int = 5040
-) -> tuple[int, tuple[Device, ...]]:
-    """Smallest achievable overflow (bytes) of the most overflowing stage, over orders and partitions.
-
-    ``<= 0`` means some partition fits. Orders are enumerated (at most ``max_orders``).
-    """
-    best: tuple[float, tuple[Device, ...]] = (np.inf, tuple(gpus))
-    for order in itertools.islice(distinct_orders(gpus), max_orders):
-        value, _ = _bottleneck(_shortfall_mats(cm, order, nm))
-        if value < best[0]:
-            best = (value, order)
-            if value <= 0:
-                break
-    return int(np.ceil(best[0])), best[1]
 
 
 def partition_dp(

@@ -24,7 +24,8 @@ With several classes, binaries ``w[j, m]`` select the class multiset of stages `
 boundary ``j`` by that multiset's reach; prefix/suffix work cuts tie positions to the classes'
 capacities. ``disaggregate=True`` replaces the compute big-M by ``v[j, t, i]`` variables and a
 work-per-class cut (a stronger LP bound, slower branch-and-bound in our measurements).
-The solver status is always checked: anything but a proven optimum raises :class:`PlanError`.
+The solver status is always checked: anything but a proven optimum returns the best partition
+found marked ``(time limit)`` with a proven lower bound, or raises :class:`PlanError` when none.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import pulp
@@ -51,6 +53,7 @@ from planner.partition_dp import (
     class_key,
     partition_dp,
 )
+from planner.partition_search import lower_bound_ms
 from planner.schedule import in_flight_bound
 from profiler.errors import ConfigError, PlanError
 
@@ -406,12 +409,14 @@ def partition_milp(
         memory: enforce the memory limits.
         solver: ``auto`` (HiGHS when installed, else CBC), ``highs`` or ``cbc``.
         fixed_order: keep ``gpus`` in the given order (then the MILP cross-checks the DP).
-        time_limit_s: solver time limit; hitting it is an error, never a silent plan.
+        time_limit_s: solver time limit; when hit, the best partition found (the solver's or the
+            DP upper bound's) is returned with ``bound_ms`` a proven lower bound (never silently:
+            ``solver`` ends in ``(time limit)``).
         use_bound: use the DP upper bound to fix variables (off only to benchmark the plain model).
 
     Raises:
         InfeasiblePartition: no order and partition fit memory.
-        PlanError: the solver did not prove optimality.
+        PlanError: the solver stopped without any partition that fits.
     """
     t0 = time.perf_counter()
     if len(gpus) > cm.num_segments:
@@ -442,17 +447,36 @@ def partition_milp(
         )
         lp_solver, label = _make_solver("cbc", max(1.0, time_limit_s - (time.perf_counter() - t0)))
         model.prob.solve(lp_solver)
-    status = pulp.LpStatus[model.prob.status]
     if model.prob.status == pulp.LpStatusInfeasible:
         letters = "".join(g.letter for g in gpus)
         raise InfeasiblePartition(
             f"MILP: no order and partition of {letters} fits memory with Nm={nm}", 0
         )
-    if model.prob.status != pulp.LpStatusOptimal or model.prob.sol_status != pulp.LpSolutionOptimal:
-        raise PlanError(
-            f"MILP solver {label} ended with status {status!r} (solution status {model.prob.sol_status}) "
-            f"after {time.perf_counter() - t0:.1f} s; raise the time limit or use fewer candidate cuts"
+    proven = _solved(model.prob)
+    if not proven:
+        # a time limit (or solver trouble): keep the better of the solver's incumbent and the DP
+        # upper bound, and say what is proven about it (never a bare 'Optimal' failure)
+        took = time.perf_counter() - t0
+        has_incumbent = model.prob.sol_status == pulp.LpSolutionIntegerFeasible
+        if not has_incumbent and ub_part is None:
+            raise PlanError(
+                f"MILP solver {label} stopped after {took:.1f} s (time limit {time_limit_s:g} s) "
+                f"without a partition that fits; raise --time-limit or use --partitioner dp"
+            )
+        bound = lower_bound_ms(cm, gpus)
+        log.warning(
+            "MILP %s stopped at its time limit (%.1f s) without proving optimality; keeping the "
+            "best partition found (proven lower bound %.4f ms)",
+            label,
+            took,
+            bound,
         )
+        if ub_part is not None and (
+            not has_incumbent or ub_part.objective_ms <= float(pulp.value(model.z))
+        ):
+            return replace(ub_part, solver=f"{label} (time limit)", bound_ms=bound, solve_s=took)
+    else:
+        bound = float("nan")
     bounds, order = model.solution()
     obj = float(pulp.value(model.z))
     stage_ms = tuple(
@@ -464,8 +488,9 @@ def partition_milp(
         cuts=tuple(int(cm.positions[b]) for b in bounds),
         stage_ms=stage_ms,
         objective_ms=obj,
-        solver=label,
+        solver=label if proven else f"{label} (time limit)",
         solve_s=time.perf_counter() - t0,
+        bound_ms=bound if not proven else float("nan"),
     )
     log.debug(
         "%s: %d GPUs x %d segments in %.3f s, bottleneck %.4f ms",

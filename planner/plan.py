@@ -125,6 +125,10 @@ class VirtualWorker:
         throughput: predicted samples/s of this VW alone at the plan's Nm.
         cross_node_bytes_per_wave: bytes this VW moves across nodes per wave
             (activations/gradients between stages on different nodes plus push/pull).
+        partitioner: the solver that chose order and split (``dp``, ``milp-highs``, ...).
+        bound_ms: proven lower bound on the planner model's best slowest-stage time for these
+            GPUs at this Nm (equal to the slowest stage when proven optimal; smaller after a
+            time limit or ``--max-cuts``; 0: unknown, plans written before it existed).
     """
 
     id: int
@@ -133,6 +137,14 @@ class VirtualWorker:
     nm_max: int
     throughput: float
     cross_node_bytes_per_wave: int = 0
+    partitioner: str = ""
+    bound_ms: float = 0.0
+
+    @property
+    def gap(self) -> float:
+        """Proven relative gap of the partition: slowest stage / ``bound_ms`` - 1 (0: optimal)."""
+        slowest = max((s.time_ms for s in self.stages), default=0.0)
+        return max(0.0, slowest / self.bound_ms - 1.0) if self.bound_ms > 0 else 0.0
 
     @property
     def signature(self) -> str:
@@ -262,6 +274,8 @@ class Plan:
                     nm_max=int(v["nm_max"]),
                     throughput=float(v["throughput"]),
                     cross_node_bytes_per_wave=int(v.get("cross_node_bytes_per_wave", 0)),
+                    partitioner=str(v.get("partitioner", "")),
+                    bound_ms=float(v.get("bound_ms", 0.0)),
                 )
                 for v in d["virtual_workers"]
             )

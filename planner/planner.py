@@ -31,16 +31,13 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from planner.allocation import Allocation, allocate, candidate_allocations, default_policy
+from planner.auto_search import Candidate, compare_allocations
 from planner.cluster import Cluster, Device, Link
-from planner.costmodel import DEFAULT_MAX_CUTS, CostModel, optimizer_factor
-from planner.partition_dp import (
-    InfeasiblePartition,
-    Partition,
-    distinct_orders,
-    min_memory_shortfall,
-    partition_dp_best_order,
-)
+from planner.costmodel import CostModel, optimizer_factor
+from planner.memory_fit import check_stage_count, fits_memory, min_memory_shortfall
+from planner.partition_dp import Partition
 from planner.partition_milp import partition_milp
+from planner.partition_search import lower_bound_ms, partition_exact
 from planner.placement import PipelineLayout, cross_node_bytes_per_wave, place_shards
 from planner.plan import GpuSlot, Plan, Prediction, ShardPlan, StagePlan, VirtualWorker
 from planner.predict import allreduce_throughput, cluster_throughput, vw_throughput
@@ -53,21 +50,24 @@ __all__ = ["PlanOptions", "make_plan", "plan"]
 
 log = logging.getLogger(__name__)
 
-_MAX_ENUM_ORDERS = 720
-
 
 @dataclass(frozen=True)
 class PlanOptions:
     """Knobs of the partitioning step.
 
     Attributes:
-        partitioner: ``milp`` (PuLP MILP choosing order and split) or ``dp`` (exact DP over every
-            distinct GPU order).
+        partitioner: ``dp`` (default: the exact DP over GPU-class multisets,
+            :mod:`planner.partition_search`) or ``milp`` (PuLP MILP choosing order and split).
         solver: MILP back end: ``auto``, ``highs`` or ``cbc``.
-        max_cuts: candidate cut limit before coarsening (:func:`planner.costmodel.candidate_cuts`).
+        max_cuts: ``None`` (default, exact): every layer boundary is a candidate cut. A number
+            coarsens larger graphs to single-tensor cuts (an approximation: each VW then records
+            a proven lower bound on the exact optimum, :func:`planner.partition_search.lower_bound_ms`).
         nm_limit: largest Nm considered.
-        time_limit_s: MILP time limit per VW (hitting it is an error).
+        time_limit_s: solver time limit per partition; when hit, the best partition found is
+            kept and the VW records the proven lower bound (its gap).
         auto_max_vw_gpus: largest VW the ``auto`` policy tries.
+        auto_budget_s: planning-time budget of ``auto``: candidates not reached within it are
+            reported as skipped.
         nm_choice: without a user ``nm``: ``best`` (default) compares Nm = 1..S+2, powers of
             two and the largest feasible Nm by predicted throughput (paper Sec. 8.3: "Nm is set
             such that performance is maximized"; ties go to the smaller Nm, less staleness);
@@ -77,12 +77,13 @@ class PlanOptions:
             estimate is the fallback.
     """
 
-    partitioner: str = "milp"
+    partitioner: str = "dp"
     solver: str = "auto"
-    max_cuts: int | None = DEFAULT_MAX_CUTS
+    max_cuts: int | None = None
     nm_limit: int = 64
     time_limit_s: float = 60.0
-    auto_max_vw_gpus: int = 4
+    auto_max_vw_gpus: int = 16
+    auto_budget_s: float = 120.0
     nm_choice: str = "best"
     simulate_waves: int = 8
 
@@ -93,7 +94,8 @@ class _Planner:
     cm: CostModel
     opts: PlanOptions
     original: Cluster  # the cluster as given (stored in the plan)
-    cache: dict[tuple[object, ...], tuple[tuple[int, ...], tuple[int, ...]]] = field(
+    full: CostModel | None = None  # the uncoarsened model when --max-cuts coarsened ``cm``
+    cache: dict[tuple[object, ...], tuple[tuple[int, ...], tuple[int, ...], float, str]] = field(
         default_factory=dict
     )
     nm_cache: dict[tuple[object, ...], tuple[int, int]] = field(default_factory=dict)
@@ -114,34 +116,17 @@ class _Planner:
             self.nm_cache[key] = self._nm_max(ordered)
         return self.nm_cache[key]
 
-    @staticmethod
-    def _n_orders(gpus: Sequence[Device]) -> int:
-        """Distinct GPU orders, counted up to ``_MAX_ENUM_ORDERS + 1``."""
-        return sum(1 for _ in zip(range(_MAX_ENUM_ORDERS + 1), distinct_orders(gpus), strict=False))
-
-    def _fits(self, gpus: Sequence[Device], nm: int) -> tuple[bool, int]:
-        if self._n_orders(gpus) <= _MAX_ENUM_ORDERS:
-            short, _ = min_memory_shortfall(self.cm, gpus, nm, _MAX_ENUM_ORDERS)
-            return short <= 0, short
-        try:
-            partition_milp(
-                self.cm, gpus, nm, solver=self.opts.solver, time_limit_s=self.opts.time_limit_s
-            )
-        except InfeasiblePartition as exc:
-            return False, exc.shortfall_bytes
-        return True, 0
-
     def _nm_max(self, gpus: Sequence[Device]) -> tuple[int, int]:
-        ok, short = self._fits(gpus, 1)
-        if not ok:
-            return 0, short
+        """Bisection on Nm with the exact every-order memory check (:mod:`planner.memory_fit`)."""
+        if not fits_memory(self.cm, gpus, 1):
+            return 0, min_memory_shortfall(self.cm, gpus, 1)
         lo, hi = 1, 2
-        while hi <= self.opts.nm_limit and self._fits(gpus, hi)[0]:
+        while hi <= self.opts.nm_limit and fits_memory(self.cm, gpus, hi):
             lo, hi = hi, hi * 2
         hi = min(hi, self.opts.nm_limit + 1)
         while hi - lo > 1:  # lo fits, hi does not (or exceeds the limit)
             mid = (lo + hi) // 2
-            if self._fits(gpus, mid)[0]:
+            if fits_memory(self.cm, gpus, mid):
                 lo = mid
             else:
                 hi = mid
@@ -150,44 +135,72 @@ class _Planner:
     def partition(self, gpus: Sequence[Device], nm: int, screen: bool = False) -> Partition:
         """Optimal order and split of ``gpus`` at ``nm`` (cached over isomorphic VWs).
 
-        ``screen``: use the (equally exact, faster) DP over every distinct order when there are at
-        most 720 of them, for comparing Nm candidates; the final plan uses ``opts.partitioner``.
+        ``screen``: use the exact DP search whatever the partitioner, for comparing Nm
+        candidates; the final plan uses ``opts.partitioner``.
         """
         key, ordered = self.canonical(gpus)
-        use_dp = self.opts.partitioner == "dp" or (
-            screen and self._n_orders(ordered) <= _MAX_ENUM_ORDERS
-        )
+        use_dp = self.opts.partitioner == "dp" or screen
         ck = (key, nm, use_dp)
         if ck not in self.cache:
+            reuse = self._reusable(key, ordered, nm, use_dp)
+            if reuse is not None:
+                self.cache[ck] = reuse
+        if ck not in self.cache:
+            limit = self.opts.time_limit_s
             if use_dp:
-                part = partition_dp_best_order(self.cm, ordered, nm)
+                part = partition_exact(self.cm, ordered, nm, time_limit_s=limit)
             elif self.opts.partitioner == "milp":
                 part = partition_milp(
-                    self.cm,
-                    ordered,
-                    nm,
-                    solver=self.opts.solver,
-                    time_limit_s=self.opts.time_limit_s,
+                    self.cm, ordered, nm, solver=self.opts.solver, time_limit_s=limit
                 )
             else:
-                raise PlanError(f"unknown partitioner {self.opts.partitioner!r}; use milp or dp")
+                raise PlanError(f"unknown partitioner {self.opts.partitioner!r}; use dp or milp")
+            bound = part.lower_bound_ms
+            if self.full is not None:  # coarsened (--max-cuts): bound the exact optimum instead
+                bound = min(bound, lower_bound_ms(self.full, ordered))
             where = {id(d): i for i, d in enumerate(ordered)}
-            self.cache[ck] = (tuple(where[id(d)] for d in part.gpus), part.bounds)
+            perm = tuple(where[id(d)] for d in part.gpus)
+            self.cache[ck] = (perm, part.bounds, bound, part.solver)
             log.info(
-                "partitioned %s at Nm=%d with %s in %.3f s",
+                "partitioned %s at Nm=%d with %s in %.3f s (gap %.2g)",
                 _letters(part.gpus),
                 nm,
                 part.solver,
                 part.solve_s,
+                part.gap,
             )
-        perm, bounds = self.cache[ck]
+        perm, bounds, bound, solver = self.cache[ck]
         order = tuple(ordered[i] for i in perm)
         stage_ms = tuple(
             self.cm.stage_cost(order, j, bounds[j], bounds[j + 1], nm).time_ms
             for j in range(len(order))
         )
         cuts = tuple(int(self.cm.positions[b]) for b in bounds)
-        return Partition(order, bounds, cuts, stage_ms, max(stage_ms), self.opts.partitioner, 0.0)
+        return Partition(order, bounds, cuts, stage_ms, max(stage_ms), solver, 0.0, bound)
+
+    def _reusable(
+        self, key: tuple[object, ...], ordered: Sequence[Device], nm: int, use_dp: bool
+    ) -> tuple[tuple[int, ...], tuple[int, ...], float, str] | None:
+        """An optimum at a smaller Nm that still fits memory at ``nm`` (then it is optimal here too).
+
+        Memory only grows with Nm, so the feasible partitions at ``nm`` are a subset of those
+        at any smaller Nm: the smaller Nm's optimum, when it fits, is optimal at ``nm``; its
+        lower bound stays valid.
+        """
+        done = sorted(
+            (ck[1], v) for ck, v in self.cache.items() if ck[0] == key and ck[2] == use_dp
+        )
+        for small, (perm, bounds, bound, solver) in reversed(done):
+            if not isinstance(small, int) or small >= nm:
+                continue
+            order = [ordered[i] for i in perm]
+            if all(
+                self.cm.stage_cost(order, j, bounds[j], bounds[j + 1], nm).memory_bytes
+                <= order[j].memory_bytes
+                for j in range(len(order))
+            ):
+                return perm, bounds, bound, solver
+        return None
 
 
 def _letters(gpus: Sequence[Device]) -> str:
@@ -368,6 +381,8 @@ def _build(
             cross_node_bytes_per_wave=cross_node_bytes_per_wave(
                 layouts[v], shards, names, layer_params, plan_nm
             ),
+            partitioner=p.solver,
+            bound_ms=p.lower_bound_ms,
         )
         for v, p in enumerate(parts)
     )
@@ -418,6 +433,7 @@ def make_plan(
     links: Mapping[str, Link] | None = None,
     options: PlanOptions | None = None,
     reference_type: str | None = None,
+    report: list[Candidate] | None = None,
 ) -> Plan:
     """Plan HetPipe training of a model on a cluster.
 
@@ -437,6 +453,8 @@ def make_plan(
         links: measured ``intra_node``/``inter_node`` links overriding the cluster's.
         options: partitioner knobs.
         reference_type: GPU type an imported profile of unknown hardware was measured on.
+        report: with ``policy="auto"``, receives one :class:`~planner.auto_search.Candidate`
+            row per allocation considered (for ``hetpipe plan``'s table).
 
     Raises:
         PlanError, ProfileError, ConfigError: one line saying what is wrong and how to fix it.
@@ -464,32 +482,42 @@ def make_plan(
     cm = CostModel(
         by_type, cluster.link, optimizer_factor(optimizer), opts.max_cuts, first_measured
     )
-    pl = _Planner(cluster, cm, opts, original)
+    full = None
+    if cm.num_segments < cm.num_layers:  # --max-cuts coarsened the graph: bound the exact optimum
+        full = CostModel(by_type, cluster.link, optimizer_factor(optimizer), None, first_measured)
+        log.warning(
+            "--max-cuts %s: %d of %d candidate cuts kept; each VW records a proven lower bound "
+            "on the exact optimum",
+            opts.max_cuts,
+            cm.num_segments - 1,
+            cm.num_layers - 1,
+        )
+    pl = _Planner(cluster, cm, opts, original, full)
+    args = (model_name, batch, nm, D, placement, provenance)
     if policy is None:
         policy = default_policy(cluster, num_vws)
-    if policy == "auto":
-        best: Plan | None = None
-        reasons = []
-        for alloc in candidate_allocations(cluster, num_vws, opts.auto_max_vw_gpus):
-            try:
-                cand = _plan_allocation(pl, alloc, model_name, batch, nm, D, placement, provenance)
-            except PlanError as exc:
-                reasons.append(f"{'/'.join(alloc.signatures)}: {exc}")
-                continue
-            log.info(
-                "auto: %s -> %.1f samples/s", "/".join(alloc.signatures), cand.predicted.throughput
-            )
-            if best is None or cand.predicted.throughput > best.predicted.throughput:
-                best = cand
-        if best is None:
-            raise PlanError("policy 'auto' found no feasible allocation: " + "; ".join(reasons[:3]))
-        plan = replace(best, policy=f"auto:{best.policy}")
-    else:
-        plan = _plan_allocation(
-            pl, allocate(cluster, policy, num_vws), model_name, batch, nm, D, placement, provenance
-        )
+    if policy != "auto":
+        plan = _plan_allocation(pl, allocate(cluster, policy, num_vws), *args)
+        log.info("planned %s on %s in %.2f s", model_name, cluster.name, time.perf_counter() - t0)
+        return plan
+
+    def bound(alloc: Allocation) -> float:
+        worst = max(lower_bound_ms(cm, g) for g in alloc.groups)
+        for g in alloc.groups:
+            check_stage_count(cm, len(g))
+        return len(alloc.groups) * batch * 1000.0 / worst if worst > 0 else float("inf")
+
+    allocs = candidate_allocations(cluster, num_vws, opts.auto_max_vw_gpus)
+    best, rows = compare_allocations(
+        allocs, bound, lambda al: _plan_allocation(pl, al, *args), opts.auto_budget_s
+    )
+    if report is not None:
+        report.extend(rows)
+    if best is None:
+        reasons = [f"{'/'.join(r.signatures)}: {r.status}" for r in rows]
+        raise PlanError("policy 'auto' found no feasible allocation: " + "; ".join(reasons[:3]))
     log.info("planned %s on %s in %.2f s", model_name, cluster.name, time.perf_counter() - t0)
-    return plan
+    return replace(best, policy=f"auto:{best.policy}")
 
 
 def plan(

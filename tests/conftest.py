@@ -12,7 +12,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
-PIPEDREAM = SHARED / "profiles" / "pipedream"
+PIPEDREAM = REPO / "tests" / "data" / "pipedream"  # vendored (MIT, LICENSE.txt beside)
 EXAMPLES = REPO / "examples"
 
 

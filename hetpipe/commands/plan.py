@@ -7,19 +7,21 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from hetpipe._common import console, err_console, handle_errors
+from planner.auto_search import Candidate
 from planner.cluster import load_cluster
-from planner.costmodel import DEFAULT_MAX_CUTS, load_links
-from planner.plan import Plan
+from planner.costmodel import load_links
+from planner.plan import Plan, VirtualWorker
 from planner.planner import PlanOptions, make_plan
 from profiler.errors import ConfigError
 from profiler.table import Profile, load_profile_set
 
 HELP = (
     "Plan HetPipe training on CLUSTER.yaml: form virtual workers with an allocation policy "
-    "(np, ed, hd or auto), choose each VW's GPU order and layer split with a MILP, pick Nm, place "
+    "(np, ed, hd or auto), choose each VW's GPU order and layer split (exact DP, proven optimal), pick Nm, place "
     "parameter-server shards and predict throughput. Profiles come from --profiles (hetpipe CSVs "
     "or PipeDream graph.txt); GPU types without one get analytic profiles (and the output says so)."
 )
@@ -55,6 +57,15 @@ def _mem(used: float, cap: float) -> str:
     return f"{used / 2**30:.2f}/{cap / 2**30:.2f} GiB"
 
 
+def _proof(vw: VirtualWorker) -> str:
+    """How good the VW's partition is proven to be."""
+    if vw.bound_ms <= 0:
+        return "optimality unknown"
+    if vw.gap <= 1e-6:
+        return f"proven optimal ({escape(vw.partitioner)})"
+    return f"within {100 * vw.gap:.1f} % of optimal (bound {vw.bound_ms:.2f} ms, {escape(vw.partitioner)})"
+
+
 def render(plan: Plan) -> None:
     """Print the VW/stage table and the predictions with rich."""
     table = Table(
@@ -77,7 +88,7 @@ def render(plan: Plan) -> None:
             "",
             "",
             "",
-            f"[dim]Nm max {vw.nm_max}, {vw.throughput:.1f} samples/s[/]",
+            f"[dim]Nm max {vw.nm_max}, {vw.throughput:.1f} samples/s, {_proof(vw)}[/]",
             "",
             "",
             end_section=True,
@@ -100,6 +111,26 @@ def render(plan: Plan) -> None:
     for t, src in plan.profiles.items():
         if src.startswith(("analytic", "scaled", "emulated")) or "assumed" in src:
             console.print(f"[yellow]note:[/] {t}: {src}")
+
+
+def render_candidates(rows: list[Candidate], budget_s: float) -> None:
+    """The allocations policy ``auto`` compared, best bound first."""
+    table = Table(title=f"policy auto: candidates compared (budget {budget_s:g} s)")
+    for col in ("policy", "VWs", "bound samples/s", "predicted samples/s", "Nm", "s", "status"):
+        table.add_column(col, justify="left" if col in ("policy", "VWs", "status") else "right")
+    for r in rows:
+        vws = "/".join(r.signatures)
+        table.add_row(
+            r.policy,
+            escape(vws if len(vws) <= 40 else vws[:37] + "..."),
+            f"{r.bound:.1f}" if r.bound else "-",
+            f"{r.throughput:.1f}" if r.throughput else "-",
+            str(r.nm) if r.nm else "-",
+            f"{r.seconds:.2f}",
+            escape(r.status if len(r.status) <= 120 else r.status[:117] + "..."),
+            style="bold" if r.status == "chosen" else None,
+        )
+    console.print(table)
 
 
 @handle_errors
@@ -138,14 +169,34 @@ def plan(
         str,
         typer.Option("--nm-choice", help="best: fastest predicted Nm | max: largest feasible Nm"),
     ] = "best",
-    partitioner: Annotated[str, typer.Option("--partitioner", help="milp | dp")] = "milp",
+    partitioner: Annotated[
+        str, typer.Option("--partitioner", help="dp (exact, default) | milp")
+    ] = "dp",
     solver: Annotated[str, typer.Option("--solver", help="auto | highs | cbc")] = "auto",
     profile_gpu: Annotated[
         str | None, typer.Option("--profile-gpu", help="GPU an imported profile was measured on")
     ] = None,
     max_cuts: Annotated[
-        int, typer.Option("--max-cuts", help="coarsen graphs with more candidate cuts")
-    ] = DEFAULT_MAX_CUTS,
+        int | None,
+        typer.Option(
+            "--max-cuts",
+            help="approximate: coarsen graphs with more candidate cuts (default: exact, every cut)",
+        ),
+    ] = None,
+    time_limit: Annotated[
+        float,
+        typer.Option(
+            "--time-limit",
+            help="solver seconds per partition; when hit, the best plan found and its proven gap",
+        ),
+    ] = 60.0,
+    auto_budget: Annotated[
+        float,
+        typer.Option("--auto-budget", help="planning seconds policy auto may spend on candidates"),
+    ] = 120.0,
+    auto_max_vw_gpus: Annotated[
+        int, typer.Option("--auto-max-vw-gpus", help="largest VW policy auto tries")
+    ] = 16,
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="write the plan (YAML, or JSON if *.json)")
     ] = None,
@@ -154,12 +205,20 @@ def plan(
     ] = False,
 ) -> None:
     """Plan HetPipe training (see HELP)."""
+    if time_limit <= 0 or auto_budget < 0 or auto_max_vw_gpus < 1:
+        raise ConfigError(
+            f"--time-limit must be > 0, --auto-budget >= 0 and --auto-max-vw-gpus >= 1 (got "
+            f"{time_limit:g}, {auto_budget:g}, {auto_max_vw_gpus})"
+        )
+    if max_cuts is not None and max_cuts < 0:
+        raise ConfigError(f"--max-cuts must be >= 0, got {max_cuts}")
     cl = load_cluster(cluster)
     profs = _load_profiles(profiles, profile_gpu) if profiles else []
     with (console if not as_json else err_console).status(
         f"planning {model or 'the profiled model'} on {cl.name} (profiles, allocation, "
         "partition, Nm, placement, simulation)"
     ):
+        candidates: list[Candidate] = []
         result = make_plan(
             cl,
             profs,
@@ -173,9 +232,16 @@ def plan(
             optimizer=optimizer,
             links=load_links(links) if links else None,
             options=PlanOptions(
-                partitioner=partitioner, solver=solver, max_cuts=max_cuts, nm_choice=nm_choice
+                partitioner=partitioner,
+                solver=solver,
+                max_cuts=max_cuts,
+                nm_choice=nm_choice,
+                time_limit_s=time_limit,
+                auto_max_vw_gpus=auto_max_vw_gpus,
+                auto_budget_s=auto_budget,
             ),
             reference_type=profile_gpu,
+            report=candidates,
         )
     if output is not None:
         result.save(output)
@@ -184,6 +250,8 @@ def plan(
         if output is not None:
             err_console.print(f"wrote {output}")
         return
+    if candidates:
+        render_candidates(candidates, auto_budget)
     render(result)
     if output is not None:
         console.print(f"wrote {output}")

@@ -1,0 +1,178 @@
+"""Whether a virtual worker's GPUs can hold the model at all: a DP over GPU-class multisets.
+
+Stage ``j`` of ``K`` over candidate positions ``[p, q)`` on a GPU with ``cap`` bytes needs (the
+cost model's memory, :class:`planner.costmodel.CostModel`)::
+
+    mem(p, q) = mp_k[q] - mp_k[p] + k * cut[p],   mp_k = sf * params + buffers + k * saved (prefix sums)
+
+with ``k = in_flight_bound(j, K, Nm)`` and ``sf`` the static factor. For a fixed start ``p`` it
+is non-decreasing in ``q``, so the ends that fit form an interval ``(p, qmax(p)]``. Memory does
+not depend on links, so whether the first ``j`` stages can end at ``q`` depends only on the
+*multiset* of GPU classes they use, not on their order: ``reach[M]`` (a boolean vector over
+positions) is a DP over multisets with ``O(C)`` numpy work per step (a difference array marks
+the intervals). That makes the largest feasible Nm and the smallest shortfall exact for every
+GPU order at once, in milliseconds, where enumerating orders would take minutes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from planner.cluster import Device
+from planner.costmodel import CostModel
+from planner.schedule import in_flight_bound
+from profiler.errors import PlanError
+
+__all__ = ["MemoryLimits", "check_stage_count", "fits_memory", "min_memory_shortfall"]
+
+
+def check_stage_count(cm: CostModel, k: int) -> None:
+    """A VW of ``k`` GPUs needs ``k`` non-empty stages: at most one per candidate segment.
+
+    Raises:
+        PlanError: ``k`` is 0 or more than the candidate segments (one line, with the fix).
+    """
+    if k < 1:
+        raise PlanError("a virtual worker needs at least one GPU")
+    if k > cm.num_segments:
+        raise PlanError(
+            f"a virtual worker of {k} GPUs needs {k} non-empty stages, but the model's "
+            f"{cm.num_layers} layers offer only {cm.num_segments} candidate segments; use more "
+            f"VWs (--vws) so that each has at most {cm.num_segments} GPUs, or omit --max-cuts"
+        )
+
+
+@dataclass
+class MemoryLimits:
+    """Per-(capacity, in-flight) ``qmax`` vectors of one cost model at one Nm (cached)."""
+
+    cm: CostModel
+    nm: int
+    _mp: dict[int, np.ndarray] = field(default_factory=dict)
+    _qmax: dict[tuple[float, int], np.ndarray] = field(default_factory=dict)
+
+    def prefix(self, k: int) -> np.ndarray:
+        """``mp_k``: prefix bytes over positions with ``k`` minibatches in flight.
+
+        Raises:
+            PlanError: the profile has negative byte counts (the memory would not be monotone).
+        """
+        if k not in self._mp:
+            cm = self.cm
+            mp = (
+                cm.static_factor(self.nm) * cm.param_prefix.astype(np.float64)
+                + cm.buffer_prefix
+                + k * cm.saved_prefix.astype(np.float64)
+            )
+            if np.any(np.diff(mp) < 0) or np.any(cm.cut_bytes < 0):
+                raise PlanError(
+                    "the profile has negative parameter/buffer/saved/activation bytes; re-profile "
+                    "the model (byte counts must be >= 0)"
+                )
+            self._mp[k] = mp
+        return self._mp[k]
+
+    def qmax(self, cap: float, k: int) -> np.ndarray:
+        """``qmax[p]``: last end position whose stage from ``p`` fits ``cap`` bytes (``<= p``: none)."""
+        key = (float(cap), k)
+        if key not in self._qmax:
+            mp = self.prefix(k)
+            target = cap + mp - k * self.cm.cut_bytes.astype(np.float64)
+            self._qmax[key] = np.searchsorted(mp, target, side="right").astype(np.int64) - 1
+        return self._qmax[key]
+
+
+def _classes(gpus: Sequence[Device]) -> tuple[list[float], list[int]]:
+    """Capacities and counts of the VW's memory classes (GPUs with equal memory)."""
+    caps: dict[int, int] = {}
+    for g in gpus:
+        caps[g.memory_bytes] = caps.get(g.memory_bytes, 0) + 1
+    keys = sorted(caps)
+    return [float(c) for c in keys], [caps[c] for c in keys]
+
+
+def _covered(reach: np.ndarray, qmax: np.ndarray, c: int) -> np.ndarray:
+    """Positions ``q`` with some reachable ``p < q <= qmax[p]``."""
+    p = np.flatnonzero(reach)
+    q = np.minimum(qmax[p], c)
+    ok = q > p
+    diff = np.zeros(c + 2, dtype=np.int64)
+    np.add.at(diff, p[ok] + 1, 1)
+    np.add.at(diff, q[ok] + 1, -1)
+    covered: np.ndarray = np.cumsum(diff)[: c + 1] > 0
+    return covered
+
+
+def fits_memory(
+    cm: CostModel,
+    gpus: Sequence[Device],
+    nm: int,
+    extra_bytes: float = 0.0,
+    limits: MemoryLimits | None = None,
+) -> bool:
+    """Whether some order and partition of ``gpus`` fit memory with ``nm`` in flight.
+
+    Args:
+        cm: cost model.
+        gpus: the VW's GPUs (any order).
+        nm: minibatches in flight.
+        extra_bytes: added to every GPU's capacity (for :func:`min_memory_shortfall`).
+        limits: a cache for this ``cm`` and ``nm``.
+
+    Raises:
+        PlanError: more GPUs than candidate segments, or negative byte counts in the profile.
+    """
+    n_gpus = len(gpus)
+    check_stage_count(cm, n_gpus)
+    lim = limits if limits is not None else MemoryLimits(cm, nm)
+    caps, counts = _classes(gpus)
+    c = cm.num_segments
+    start = np.zeros(c + 1, dtype=bool)
+    start[0] = True
+    layer: dict[tuple[int, ...], np.ndarray] = {tuple(0 for _ in counts): start}
+    for j in range(n_gpus):
+        k = in_flight_bound(j, n_gpus, nm)
+        room = c - (n_gpus - 1 - j)  # later stages need one segment each
+        nxt: dict[tuple[int, ...], np.ndarray] = {}
+        for used, reach in layer.items():
+            for t, n in enumerate(counts):
+                if used[t] >= n:
+                    continue
+                cover = _covered(reach, lim.qmax(caps[t] + extra_bytes, k), c)
+                cover[room + 1 :] = False
+                if not cover.any():
+                    continue
+                key = tuple(u + (i == t) for i, u in enumerate(used))
+                nxt[key] = nxt[key] | cover if key in nxt else cover
+        layer = nxt
+        if not layer:
+            return False
+    return any(bool(r[c]) for r in layer.values())
+
+
+def min_memory_shortfall(cm: CostModel, gpus: Sequence[Device], nm: int) -> int:
+    """Bytes every GPU of the VW would need in addition for some partition to fit (0 if one fits).
+
+    The smallest overflow of the most overflowing stage, over every order and partition: found
+    by bisection on a uniform capacity increase with :func:`fits_memory` (exact to the byte).
+
+    Raises:
+        PlanError: more GPUs than candidate segments, or negative byte counts in the profile.
+    """
+    lim = MemoryLimits(cm, nm)
+    if fits_memory(cm, gpus, nm, 0.0, lim):
+        return 0
+    # with this much more, any GPU holds the whole model as one stage
+    lo, hi = 0, int(np.ceil(lim.prefix(nm)[-1] + nm * float(cm.cut_bytes.max()))) + 1
+    while not fits_memory(cm, gpus, nm, float(hi), lim):
+        hi *= 2
+    while hi - lo > 1:  # lo does not fit, hi does
+        mid = (lo + hi) // 2
+        if fits_memory(cm, gpus, nm, float(mid), lim):
+            hi = mid
+        else:
+            lo = mid
+    return hi
