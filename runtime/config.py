@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from profiler.errors import ConfigError
 
 if TYPE_CHECKING:
+    from runtime.failures import StageFault
     from runtime.snapshot import SnapshotSpec, WriteFault
 
 __all__ = ["LossFn", "ModelSource", "OptimizerConfig", "RunConfig", "WSPConfig"]
@@ -166,6 +167,7 @@ class WSPConfig:
         overwrite: a fresh run may replace another run's outputs in its directory.
         keep: committed snapshots kept.
         write_fault: test hook: a snapshot write that fails as on a full disk.
+        stage_fault: test hook: a stage that kills or freezes itself.
         snapshots: set by the launcher: what every process needs to write and read snapshots.
         resume_hint: the command line to print when the run fails (``--resume DIR`` is appended).
         overlap_pulls: stages keep running tasks while a pull is in flight (``False``: the
@@ -183,4 +185,5 @@ class WSPConfig:
     overwrite: bool = False
     keep: int = 2
     write_fault: WriteFault | None = None
+    stage_fault: StageFault | None = None
     snapshots: SnapshotSpec | None = None

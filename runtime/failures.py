@@ -27,6 +27,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
@@ -37,6 +38,7 @@ __all__ = [
     "GRACE_S",
     "SECONDARY",
     "Heartbeats",
+    "StageFault",
     "rendezvous_dir",
     "root_cause_rank",
     "run_rank",
@@ -218,6 +220,29 @@ def _die_with_parent() -> None:
             ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
 
 
+@dataclass(frozen=True)
+class StageFault:
+    """Test hook, passed in the job description: stage ``stage`` of VW ``vw`` (every VW when
+    ``vw`` is -1) sends itself ``signum`` before minibatch ``at_mb`` (SIGKILL: a crash;
+    SIGSTOP: a frozen process)."""
+
+    stage: int
+    at_mb: int
+    vw: int = -1
+    signum: int = int(signal.SIGKILL)
+
+    def hook(self, vw: int, stage: int) -> Callable[[int], None] | None:
+        """The stage worker's per-minibatch fault hook for ``(vw, stage)``, or ``None``."""
+        if stage != self.stage or self.vw not in (-1, vw):
+            return None
+
+        def fire(mb: int) -> None:
+            if mb == self.at_mb:
+                os.kill(os.getpid(), self.signum)
+
+        return fire
+
+
 class Heartbeats:
     """Liveness of the ranks of one launch: each rank touches ``beat-<rank>`` in the
     rendezvous folder every ``period_s`` (a thread started by :func:`run_rank`); the launcher
@@ -265,15 +290,41 @@ def _beat(path: Path) -> None:
         time.sleep(Heartbeats.period_s)
 
 
+def _dead_forkserver_dir(d: Path) -> bool:
+    """Whether ``d`` (a ``pymp-*`` folder) holds only forkserver sockets nobody listens on
+    any more (its launcher was killed before it could remove it). Linux only."""
+    try:
+        entries = list(d.iterdir())
+        bound = Path("/proc/net/unix").read_text()
+    except OSError:
+        return False
+    return bool(entries) and all(
+        e.name.startswith("listener-") and e.is_socket() and f" {e}\n" not in bound
+        for e in entries
+    )
+
+
+def _sweep_temp(base: Path) -> None:
+    """Remove what killed launchers left in the temp folder: their rendezvous folders (their
+    pid is dead) and their multiprocessing ``pymp-*`` folders (forkserver socket unbound)."""
+    uid = os.getuid()
+    for d in base.glob("hetpipe-rdzv-*-*"):
+        pid = d.name.split("-")[2]
+        with contextlib.suppress(OSError):
+            if pid.isdigit() and d.stat().st_uid == uid and not _alive(int(pid)):
+                shutil.rmtree(d, ignore_errors=True)
+    for d in base.glob("pymp-*"):
+        with contextlib.suppress(OSError):
+            if d.stat().st_uid == uid and _dead_forkserver_dir(d):
+                shutil.rmtree(d, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def rendezvous_dir() -> Iterator[Path]:
     """A fresh ``hetpipe-rdzv-<pid>-*`` temp folder for one launch, removed on exit; first
-    removes the folders of launchers that died without cleaning up (killed by SIGKILL)."""
+    removes what launchers killed by SIGKILL left behind (:func:`_sweep_temp`)."""
     base = Path(tempfile.gettempdir())
-    for d in base.glob("hetpipe-rdzv-*-*"):
-        pid = d.name.split("-")[2]
-        if pid.isdigit() and not _alive(int(pid)) and d.stat().st_uid == os.getuid():
-            shutil.rmtree(d, ignore_errors=True)
+    _sweep_temp(base)
     tmp = Path(tempfile.mkdtemp(prefix=f"hetpipe-rdzv-{os.getpid()}-"))
     try:
         yield tmp

@@ -31,6 +31,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,16 +65,23 @@ _CLOCK_DIR = re.compile(r"^clock-(\d+)$")
 @dataclass(frozen=True)
 class WriteFault:
     """Test hook: writing part ``part`` (any part when empty) at ``clock`` fails with ``errno``
-    as a full disk would. Passed in :class:`SnapshotSpec`, never parsed from a string."""
+    as a full disk would, or (``kill``) its writer dies half-way. Passed in
+    :class:`SnapshotSpec`, never parsed from a string."""
 
     clock: int
     part: str = ""
     errno: int = errno.ENOSPC
+    kill: bool = False  # instead: SIGKILL the writer after the data file, before its record
 
     def check(self, clock: int, part: str, path: Path) -> None:
         """Raise the injected ``OSError`` when ``(clock, part)`` matches."""
-        if clock == self.clock and self.part in ("", part):
+        if clock == self.clock and self.part in ("", part) and not self.kill:
             raise OSError(self.errno, f"{os.strerror(self.errno)} (injected)", str(path))
+
+    def after_data(self, clock: int, part: str) -> None:
+        """With ``kill``: die here when ``(clock, part)`` matches (a crash mid-snapshot)."""
+        if clock == self.clock and self.part in ("", part) and self.kill:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass(frozen=True)
@@ -154,6 +162,8 @@ def write_part(spec: SnapshotSpec, clock: int, name: str, payload: Any) -> None:
                 f"{path}: cannot write ({exc.strerror}); free disk space or choose a writable --out"
             ) from None
     durable_write_bytes(path, data)
+    if spec.fault is not None:
+        spec.fault.after_data(clock, name)
     record = {
         "size": len(data),
         "sha256": hashlib.sha256(data).hexdigest(),

@@ -142,7 +142,9 @@ def stage_main(
 
     def body() -> tuple[str, bytes]:
         worker = StageWorker(ctx, source, optimizer, run, dataset, calibration, events)
-        worker.fault = inject_fault(fault, ctx)
+        worker.fault = (
+            cfg.stage_fault.hook(ctx.vw, ctx.stage) if cfg.stage_fault else inject_fault(fault, ctx)
+        )
         sync = _wave_sync(worker, specs, D, first_wave * ctx.nm, cfg, run.timeout_s)
         if ctx.stage == 0 and run.time_limit_s > 0:
             worker.stop = StopAgreement(_stop_store(init_method), ctx.nm, D)
