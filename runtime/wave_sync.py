@@ -171,9 +171,22 @@ class WaveSync:
         that version and every later one (the master included)."""
         if self._pending is None or self.weights is None:
             return
-        handle, need, version = self._pending
-        if local_version(mb, self.nm) < version:
+        if local_version(mb, self.nm) >= self._pending[2]:
+            self._complete_pull()
+
+    def before_update(self, mb: int) -> None:
+        """Call before the update of minibatch ``mb``. With ``D = 0`` a pull in flight is
+        folded in before the first local update after its push, so the fold always meets
+        the same weights (no local update since the push): the floating-point result does not
+        depend on whether the next forward or the next update came first (task order is
+        FIFO by arrival). With ``D > 0`` the fold waits for the forward that needs it."""
+        if self._pending is not None and self.D == 0:
+            self._complete_pull()
+
+    def _complete_pull(self) -> None:
+        if self._pending is None:
             return
+        handle, need, version = self._pending
         t0 = time.perf_counter()
         res = handle.wait()
         waited = time.perf_counter() - t0

@@ -195,4 +195,5 @@ def _wave_sync(
     )
     worker.after_update = sync.after_update
     worker.before_forward = sync.before_forward
+    worker.before_update = sync.before_update
     return sync
