@@ -69,6 +69,8 @@ class RunDirectory:
         self._fd: int | None = None
 
     def __enter__(self) -> RunDirectory:
+        if self.resume and not self.path.is_dir():
+            raise ConfigError(f"--resume {self.path}: no such run directory")
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
@@ -104,20 +106,20 @@ class RunDirectory:
 
     def _claim(self) -> None:
         existing = self._read()
-        if self.resume:
+        if self.resume:  # RUN.json is rewritten once the snapshot is chosen (write_run_file)
             self.run_id = str(existing.get("run_id", "")) if existing else ""
-        else:
-            held = [n for n in _OUTPUTS if (self.path / n).exists()]
-            if held and not self.overwrite:
-                who = f"run {existing['run_id']}" if existing else "another run's outputs"
-                raise ConfigError(
-                    f"{self.path}: holds {who} ({', '.join(held)}); resume it with --resume "
-                    f"{self.path}, pass --overwrite to replace it, or choose another --out"
-                )
-            for n in held:
-                p = self.path / n
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
-            self.run_id = uuid.uuid4().hex[:12]
+            return
+        held = [n for n in _OUTPUTS if (self.path / n).exists()]
+        if held and not self.overwrite:
+            who = f"run {existing['run_id']}" if existing else "another run's outputs"
+            raise ConfigError(
+                f"{self.path}: holds {who} ({', '.join(held)}); resume it with --resume "
+                f"{self.path}, pass --overwrite to replace it, or choose another --out"
+            )
+        for n in held:
+            p = self.path / n
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+        self.run_id = uuid.uuid4().hex[:12]
         self.write_run_file()
 
     def write_run_file(self, run_id: str | None = None) -> None:

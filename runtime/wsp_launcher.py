@@ -126,7 +126,13 @@ def launch_wsp(
             raise ConfigError("--resume needs the run's directory (--out or a checkpoint folder)")
         return _launch(plan, source, optimizer, run, cfg, dataset, fault, None)
     with RunDirectory(run_dir, resume=cfg.resume, overwrite=cfg.overwrite) as owner:
-        return _launch(plan, source, optimizer, run, cfg, dataset, fault, owner)
+        try:
+            return _launch(plan, source, optimizer, run, cfg, dataset, fault, owner)
+        except KeyboardInterrupt:  # after training (evaluation, outputs): the snapshot stays
+            raise HetPipeRuntimeError(
+                f"interrupted (Ctrl-C); write the outputs from the last snapshot with: "
+                f"{cfg.resume_hint} --resume {run_dir}"
+            ) from None
 
 
 def _launch(

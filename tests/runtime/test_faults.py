@@ -103,6 +103,9 @@ def test_run_directory_lock_and_ownership(tmp_path: Path) -> None:
         assert second.run_id != first.run_id and not (tmp_path / "checkpoints").exists()
     with RunDirectory(tmp_path, resume=True) as third:
         assert third.run_id == second.run_id
+    with pytest.raises(ConfigError, match="no such run directory"):
+        RunDirectory(tmp_path / "typo", resume=True).__enter__()
+    assert not (tmp_path / "typo").exists()
     blocker = tmp_path / "file"
     blocker.write_text("")
     with pytest.raises(HetPipeRuntimeError, match="cannot use the run directory"):
