@@ -144,10 +144,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main_wsp(a: argparse.Namespace, plan: Plan, rank: int, world: int) -> int:
     """Run rank ``rank`` of a multi-VW WSP run (a shard or a stage); returns the exit code."""
-    from runtime.checkpoint import resumable_clock
+    import dataclasses
+
     from runtime.data import default_dataset
     from runtime.model import resolve_source
-    from runtime.wsp_launcher import shard_specs, split_data, wsp_steps
+    from runtime.run_dir import check_settings, job_settings
+    from runtime.snapshot import SnapshotSpec, clean, select
+    from runtime.wsp_launcher import shard_specs, snapshot_parts, split_data, wsp_steps
     from runtime.wsp_procs import ShardRole, shard_main, stage_main
 
     source = ModelSource(ref=plan.model)
@@ -171,10 +174,28 @@ def _main_wsp(a: argparse.Namespace, plan: Plan, rank: int, world: int) -> int:
             f"{needed - len(specs)} stages: start {needed} processes in total "
             "(--nnodes x --nproc-per-node)"
         )
-    first_wave = (resumable_clock(ckpt, len(specs)) or 0) if a.resume and ckpt else 0
-    if a.resume and first_wave == 0:
-        raise ConfigError(f"--resume: no complete checkpoint in {ckpt}; run without --resume")
+    opt = OptimizerConfig(name=a.optimizer, lr=a.lr, momentum=a.momentum)
+    first_wave = 0
+    if ckpt is not None:  # every rank reads the same snapshot; rank 0 tidies before the barrier
+        vw_samples = min(len(d) for d in data)
+        horizon = wsp_steps(run, nm, 0, vw_samples, plan.batch_size)
+        settings = job_settings(source.name, plan.to_json(), nm, D, a.seed, cfg.test_fraction,
+                                f"{type(ds).__name__}:{len(ds)}", opt, horizon)  # type: ignore[arg-type]  # fmt: skip
+        attempt = "-".join(os.environ.get(k, "0") for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"))  # fmt: skip
+        run_id = attempt
+        if a.resume:
+            manifest, _ = select(ckpt, None)
+            check_settings(f"--resume {manifest.path}", manifest.settings, settings)
+            first_wave, run_id = manifest.clock, manifest.run_id
+        if rank == 0:
+            clean(ckpt, first_wave if a.resume else None)
+        snaps = SnapshotSpec(ckpt, run_id, attempt, snapshot_parts(plan), settings, a.checkpoint_every)  # fmt: skip
+        cfg = dataclasses.replace(cfg, snapshots=snaps)
+    elif a.resume:
+        raise ConfigError("--resume needs --out (the run's directory, shared by every host)")
     steps = wsp_steps(run, nm, first_wave, min(len(d) for d in data), plan.batch_size)
+    if steps == 0:
+        raise ConfigError(f"the snapshot is already at wave {first_wave}: nothing left to train")
     sink = _RankSink(a.out, rank)
     try:
         if rank < len(specs):
@@ -184,7 +205,6 @@ def _main_wsp(a: argparse.Namespace, plan: Plan, rank: int, world: int) -> int:
         vw = next(k for k, r in enumerate(ranks) if rank in r)
         ctx = stage_contexts(plan, vw, nm, steps, first_rank=ranks[vw][0])[rank - ranks[vw][0]]
         calibration = Calibration.load(a.calibration) if a.calibration is not None else None
-        opt = OptimizerConfig(name=a.optimizer, lr=a.lr, momentum=a.momentum)
         stage_main(ctx, source, opt, run, data[vw], calibration, specs, D, first_wave, cfg,
                    "env://", world, sink, os.getppid(), "")  # fmt: skip
     except SystemExit as done:  # the entry points exit with their code

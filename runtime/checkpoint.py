@@ -1,25 +1,23 @@
-"""Atomic checkpoints of parameter-server shard state (and any other tensor state).
+"""Checkpoint files: durable atomic writes and the payloads of shards and stages.
 
-A checkpoint is one ``torch.save`` file written next to its final name and moved into place
-with ``os.replace`` after ``fsync``, so a crash leaves either the previous file or the new one,
-never a torn file. It holds only tensors, numbers, strings, lists and dicts, and is read back
-with ``torch.load(weights_only=True)``: loading a checkpoint never executes pickled code.
+A file is written next to its final name, ``fsync``-ed and moved into place with
+``os.replace``, so a crash leaves either the previous file or the new one, never a torn file.
+Payloads hold only tensors, numbers, strings, lists and dicts and are read back with
+``torch.load(weights_only=True)``: loading a checkpoint never executes pickled code.
 
-Shard files are named ``shard-<id>-clock-<clock>.pt``. A run can resume from global clock
-``c`` when every shard has a file for ``c`` (:func:`resumable_clock`); a shard keeps its
-newest ``keep`` files, so a crash while shards write clock ``c`` still leaves ``c - every``.
+The files of one clock are grouped into one verified snapshot by :mod:`runtime.snapshot`:
+that module decides what is committed, this one what a part holds.
 
-``torch.distributed.checkpoint`` is not used for shard state: each shard is one process with
-one flat tensor, which a single atomic file stores exactly; DCP's multi-file directories have
-no atomic commit of their own.
+``torch.distributed.checkpoint`` is not used: each shard is one process with one flat
+tensor, which a single file stores exactly; DCP's multi-file directories have no atomic
+commit of their own, which the snapshot's manifest provides.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import os
-import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,23 +25,24 @@ from typing import Any
 import torch
 
 from profiler.errors import HetPipeRuntimeError
+from profiler.files import atomic_write_bytes
 
 __all__ = [
     "CHECKPOINT_VERSION",
     "LedgerEntry",
     "ShardState",
     "atomic_torch_save",
+    "durable_write_bytes",
     "load_checkpoint",
-    "load_shard_state",
-    "resumable_clock",
-    "save_shard_state",
-    "shard_checkpoint_path",
+    "loads_checkpoint",
+    "shard_from_payload",
+    "shard_payload",
+    "torch_bytes",
 ]
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_VERSION = 1
-_SHARD_FILE = re.compile(r"^shard-(\d+)-clock-(\d+)\.pt$")
+CHECKPOINT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -63,7 +62,7 @@ class LedgerEntry:
 
 @dataclass(frozen=True)
 class ShardState:
-    """Everything needed to resume a shard (what :mod:`runtime.checkpoint` stores).
+    """Everything needed to resume a shard (what a snapshot's shard part stores).
 
     Attributes:
         shard_id: the shard.
@@ -82,21 +81,49 @@ class ShardState:
     momentum: float = 0.0
 
 
-def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> Path:
-    """``torch.save`` ``obj`` to ``path`` atomically (temporary file, fsync, ``os.replace``)."""
+def durable_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically and durably (:func:`profiler.files.atomic_write_bytes`
+    with ``durable=True``: temporary file, fsync, ``os.replace``, fsync of the folder).
+
+    Raises:
+        HetPipeRuntimeError: the write failed (full disk, read-only folder, I/O error); the
+            temporary file is removed and the previous file, if any, is untouched.
+    """
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
     try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(obj, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return p
+        return atomic_write_bytes(p, data, durable=True)
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        raise HetPipeRuntimeError(
+            f"{p}: cannot write ({why}); free disk space or choose a writable --out"
+        ) from None
+
+
+def torch_bytes(obj: Any) -> bytes:
+    """``obj`` serialised by ``torch.save`` (in memory)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> Path:
+    """``torch.save`` ``obj`` to ``path`` atomically and durably (:func:`durable_write_bytes`)."""
+    return durable_write_bytes(path, torch_bytes(obj))
+
+
+def loads_checkpoint(data: bytes, where: str | os.PathLike[str]) -> Any:
+    """Deserialise checkpoint bytes with ``weights_only=True``; ``where`` names them in errors.
+
+    Raises:
+        HetPipeRuntimeError: not a plain-tensor checkpoint (corrupt, truncated, pickled code).
+    """
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError...
+        raise HetPipeRuntimeError(
+            f"{where}: cannot load checkpoint ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+            "use an older one"
+        ) from None
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> Any:
@@ -107,44 +134,19 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Any:
     """
     p = Path(path)
     try:
-        return torch.load(p, map_location="cpu", weights_only=True)
+        data = p.read_bytes()
     except FileNotFoundError:
         raise HetPipeRuntimeError(
             f"{p}: checkpoint not found; check the --resume directory"
         ) from None
-    except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError...
-        raise HetPipeRuntimeError(
-            f"{p}: cannot load checkpoint ({type(exc).__name__}: {exc}); use an older one"
-        ) from None
+    except OSError as exc:
+        raise HetPipeRuntimeError(f"{p}: cannot read checkpoint ({exc.strerror})") from None
+    return loads_checkpoint(data, p)
 
 
-def shard_checkpoint_path(directory: str | os.PathLike[str], shard_id: int, clock: int) -> Path:
-    """The file of shard ``shard_id`` at global clock ``clock`` inside ``directory``."""
-    return Path(directory) / f"shard-{shard_id}-clock-{clock}.pt"
-
-
-def _shard_files(directory: Path) -> dict[int, dict[int, Path]]:
-    out: dict[int, dict[int, Path]] = {}
-    if directory.is_dir():
-        for f in directory.iterdir():
-            m = _SHARD_FILE.match(f.name)
-            if m:
-                out.setdefault(int(m.group(1)), {})[int(m.group(2))] = f
-    return out
-
-
-def save_shard_state(state: ShardState, directory: str | os.PathLike[str], keep: int = 2) -> Path:
-    """Write ``state`` atomically as ``shard-<id>-clock-<clock>.pt``; keep the newest ``keep`` files.
-
-    Args:
-        state: the shard snapshot.
-        directory: checkpoint folder (created if needed).
-        keep: how many files of this shard to keep (>= 1).
-
-    Returns:
-        The written path.
-    """
-    payload = {
+def shard_payload(state: ShardState) -> dict[str, Any]:
+    """The plain-data form of a shard's state (one snapshot part)."""
+    return {
         "version": CHECKPOINT_VERSION,
         "kind": "hetpipe-ps-shard",
         "shard_id": state.shard_id,
@@ -157,55 +159,36 @@ def save_shard_state(state: ShardState, directory: str | os.PathLike[str], keep:
         "optimizer": {k: v.detach().cpu() for k, v in state.optimizer.items()},
         "momentum": float(state.momentum),
     }
-    d = Path(directory)
-    path = atomic_torch_save(payload, shard_checkpoint_path(d, state.shard_id, state.clock))
-    old = sorted(_shard_files(d).get(state.shard_id, {}).items())
-    for _, f in old[: max(0, len(old) - max(1, keep))]:
-        f.unlink(missing_ok=True)
-    log.info("[shard %d] checkpoint at clock %d -> %s", state.shard_id, state.clock, path)
-    return path
 
 
-def load_shard_state(path: str | os.PathLike[str]) -> ShardState:
-    """Read a shard checkpoint written by :func:`save_shard_state`.
+def shard_from_payload(d: Any, where: str | os.PathLike[str]) -> ShardState:
+    """The :class:`ShardState` of a payload written by :func:`shard_payload`.
 
     Raises:
-        HetPipeRuntimeError: unreadable, wrong kind/version, or malformed ledger.
+        HetPipeRuntimeError: wrong kind/version, or malformed fields.
     """
-    d = load_checkpoint(path)
     if not isinstance(d, dict) or d.get("kind") != "hetpipe-ps-shard":
-        raise HetPipeRuntimeError(f"{path}: not a hetpipe parameter-server shard checkpoint")
+        raise HetPipeRuntimeError(f"{where}: not a hetpipe parameter-server shard checkpoint")
     if d.get("version") != CHECKPOINT_VERSION:
         raise HetPipeRuntimeError(
-            f"{path}: checkpoint version {d.get('version')!r} unsupported (expected {CHECKPOINT_VERSION})"
+            f"{where}: checkpoint version {d.get('version')!r} unsupported (expected {CHECKPOINT_VERSION})"
         )
     try:
         led = d["ledger"]
         if led.dim() != 2 or led.shape[1] != 4:
             raise HetPipeRuntimeError(
-                f"{path}: ledger has shape {tuple(led.shape)}, expected (n, 4) (corrupt file)"
+                f"{where}: ledger has shape {tuple(led.shape)}, expected (n, 4) (corrupt file)"
             )
         ledger = tuple(LedgerEntry(*(int(x) for x in row)) for row in led.tolist())
-        weights = d["weights"]
-    except (KeyError, AttributeError, TypeError) as exc:
+        return ShardState(
+            int(d["shard_id"]),
+            int(d["clock"]),
+            d["weights"],
+            ledger,
+            dict(d["optimizer"]),
+            float(d["momentum"]),
+        )
+    except (KeyError, AttributeError, TypeError, ValueError) as exc:
         raise HetPipeRuntimeError(
-            f"{path}: malformed shard checkpoint ({exc}); use an older one"
+            f"{where}: malformed shard checkpoint ({exc}); use an older one"
         ) from None
-    return ShardState(
-        int(d["shard_id"]),
-        int(d["clock"]),
-        weights,
-        ledger,
-        dict(d["optimizer"]),
-        float(d["momentum"]),
-    )
-
-
-def resumable_clock(directory: str | os.PathLike[str], n_shards: int) -> int | None:
-    """The newest global clock for which all ``n_shards`` shards have a checkpoint, or ``None``."""
-    files = _shard_files(Path(directory))
-    common: set[int] | None = None
-    for sid in range(n_shards):
-        clocks = set(files.get(sid, {}))
-        common = clocks if common is None else common & clocks
-    return max(common) if common else None

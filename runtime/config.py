@@ -8,11 +8,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
 from profiler.errors import ConfigError
+
+if TYPE_CHECKING:
+    from runtime.failures import StageFault
+    from runtime.snapshot import SnapshotSpec, WriteFault
 
 __all__ = ["LossFn", "ModelSource", "OptimizerConfig", "RunConfig", "WSPConfig"]
 
@@ -164,8 +168,15 @@ class WSPConfig:
         test_fraction: share of the data held out for the final test accuracy.
         checkpoint_dir: where shards write checkpoints (``None`` = the run's ``out_dir/checkpoints``
             when ``out_dir`` is set, else none).
-        checkpoint_every: checkpoint each time the global clock reaches a multiple of this (0 = never).
-        resume: continue from the newest complete checkpoint in ``checkpoint_dir``.
+        checkpoint_every: snapshot each time the global clock reaches a multiple of this, and at
+            the end (0 = never).
+        resume: continue from the newest snapshot of ``checkpoint_dir`` that verifies.
+        resume_clock: with ``resume``: this clock's snapshot instead (``--resume DIR@CLOCK``).
+        overwrite: a fresh run may replace another run's outputs in its directory.
+        keep: committed snapshots kept.
+        write_fault: test hook: a snapshot write that fails as on a full disk.
+        stage_fault: test hook: a stage that kills or freezes itself.
+        snapshots: set by the launcher: what every process needs to write and read snapshots.
         resume_hint: the command line to print when the run fails (``--resume DIR`` is appended).
         overlap_pulls: stages keep running tasks while a pull is in flight (``False``: the
             stage blocks in the pull at the wave end; a benchmark baseline).
@@ -178,3 +189,9 @@ class WSPConfig:
     resume: bool = False
     resume_hint: str = "hetpipe run ..."
     overlap_pulls: bool = True
+    resume_clock: int | None = None
+    overwrite: bool = False
+    keep: int = 2
+    write_fault: WriteFault | None = None
+    stage_fault: StageFault | None = None
+    snapshots: SnapshotSpec | None = None

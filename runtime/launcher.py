@@ -15,7 +15,6 @@ import math
 import multiprocessing as mp
 import os
 import signal
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,10 +25,19 @@ import torch.distributed as dist
 
 from planner.plan import Plan
 from profiler.errors import ConfigError, HetPipeRuntimeError
+from runtime.checkpoint import atomic_torch_save
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.data import default_dataset
 from runtime.emulation import Calibration, calibrate
-from runtime.failures import root_cause_rank, run_rank, setup_child, stop_all, watch
+from runtime.failures import (
+    Heartbeats,
+    rendezvous_dir,
+    root_cause_rank,
+    run_rank,
+    setup_child,
+    stop_all,
+    watch,
+)
 from runtime.metrics import ProgressBar, RunResult, StageResult, warn_overruns, write_metrics
 from runtime.model import resolve_source, sample_batch
 from runtime.stage import StageContext, StageWorker
@@ -298,8 +306,8 @@ def launch(
         run.out_dir.mkdir(parents=True, exist_ok=True)
     calibration = pacing_table(plan, source, contexts, run)
     predicted = plan.virtual_workers[vw].throughput
-    with tempfile.TemporaryDirectory(prefix="hetpipe-rdzv-") as tmp:
-        init_method = f"file://{Path(tmp) / 'rendezvous'}"
+    with rendezvous_dir() as tmp:
+        init_method = f"file://{tmp / 'rendezvous'}"
         results = _spawn_and_watch(
             contexts, source, optimizer, run, dataset, calibration, init_method, fault, steps
         )
@@ -312,7 +320,7 @@ def launch(
     if run.out_dir is not None:
         write_metrics(result, run.out_dir)
         write_timeline(result.stages, run.out_dir)
-        torch.save(result.state_dict(), run.out_dir / "weights.pt")
+        atomic_torch_save(result.state_dict(), run.out_dir / "weights.pt")
     return result
 
 
@@ -363,7 +371,11 @@ def _spawn_and_watch(
             )
             p.start()
             procs[ctx.rank] = p
-        return _watch(contexts, procs, events, progress, max(120.0, 4 * run.timeout_s))
+        beats = Heartbeats(Path(init_method.removeprefix("file://")).parent,
+                           max(5.0, run.timeout_s / 2), {c.rank: c.where for c in contexts})  # fmt: skip
+        return _watch(contexts, procs, events, progress, max(120.0, 4 * run.timeout_s), beats)
+    except KeyboardInterrupt:
+        raise HetPipeRuntimeError("interrupted (Ctrl-C): every process stopped") from None
     finally:
         progress.stop()
         stop_all(procs)
@@ -375,13 +387,18 @@ def _watch(
     events: Any,
     progress: ProgressBar,
     stall_s: float = 120.0,
+    beats: Heartbeats | None = None,
 ) -> list[StageResult]:
     by_rank = {c.rank: c for c in contexts}
 
     def fail(errors: dict[int, str], done: dict[int, bytes]) -> HetPipeRuntimeError:
+        frozen = beats.frozen() if beats is not None else {}
+        if frozen:  # a frozen rank is the cause of its neighbours' timeouts
+            return _failure(by_rank[min(frozen)], frozen[min(frozen)])
         return _root_cause(by_rank, procs, events, errors, done)
 
-    results = watch(procs, events, len(contexts), progress.event, fail, stall_s)
+    frozen = beats.frozen if beats is not None else None
+    results = watch(procs, events, len(contexts), progress.event, fail, stall_s, frozen=frozen)
     return [loads_result(results[c.rank]) for c in contexts]
 
 

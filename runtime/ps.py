@@ -37,13 +37,12 @@ import queue
 import threading
 from dataclasses import dataclass, field
 from enum import IntEnum
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from profiler.errors import HetPipeRuntimeError
-from runtime.checkpoint import ShardState, save_shard_state
+from runtime.checkpoint import ShardState, shard_payload
 from runtime.ps_core import ClockEvent, PushResult, ShardCore, Status
 from runtime.ps_layout import (
     ClientSpec,
@@ -54,6 +53,7 @@ from runtime.ps_layout import (
     round_robin_assignment,
     shard_specs_for_layout,
 )
+from runtime.snapshot import SnapshotSpec, write_part
 
 __all__ = [
     "ClientSpec",
@@ -173,9 +173,8 @@ class ShardServer:
             names the stuck stages (those of the slowest VWs with no pull waiting) and raises.
             It must exceed the slowest wave time (default 10x ``timeout_s``). A client that
             dies is detected at once anyway (its connection closes).
-        checkpoint_dir: where to write checkpoints (``None``: never).
-        checkpoint_every: checkpoint each time the global clock reaches a multiple of this.
-        keep: checkpoint files kept per shard.
+        snapshots: where and how often the shard writes its part of each snapshot (every
+            ``snapshots.every`` clocks and at the end; ``None``: never).
     """
 
     def __init__(
@@ -183,18 +182,13 @@ class ShardServer:
         core: ShardCore,
         group: dist.ProcessGroup | None = None,
         timeout_s: float = 60.0,
-        checkpoint_dir: str | Path | None = None,
-        checkpoint_every: int = 0,
-        keep: int = 2,
+        snapshots: SnapshotSpec | None = None,
         idle_timeout_s: float | None = None,
     ) -> None:
         self.core, self.group, self.timeout_s = core, group, timeout_s
         self.idle_timeout_s = 10 * timeout_s if idle_timeout_s is None else idle_timeout_s
-        self.checkpoint_dir, self.checkpoint_every, self.keep = (
-            checkpoint_dir,
-            checkpoint_every,
-            keep,
-        )
+        self.snapshots = snapshots
+        self._written = core.clock  # the clock of the last part written (or resumed from)
         self._sends: list[tuple[dist.Work, torch.Tensor, ClientSpec]] = []
         # receive buffers, recycled once their wave is applied: fresh multi-MB tensors cost
         # page faults that are slower than the copy itself
@@ -317,6 +311,8 @@ class ShardServer:
                 done.add(ev.client)
             self._drain_sends(block=False)
         self._drain_sends(block=True)
+        if self.snapshots is not None and self.snapshots.every > 0 and core.clock > self._written:
+            self._write_part()  # the final clock, whatever the period
         log.info(
             "%s done at clock %d: %d updates applied, %d rejected",
             self._prefix,
@@ -369,8 +365,17 @@ class ShardServer:
                 q.next += 1
 
     def _maybe_checkpoint(self, applied: int) -> None:
-        if self.checkpoint_dir is None or self.checkpoint_every <= 0:
+        snaps = self.snapshots
+        if snaps is None or snaps.every <= 0:
             return
         clock = self.core.clock
-        if any((clock - k) % self.checkpoint_every == 0 for k in range(applied)):
-            save_shard_state(self.core.state(), self.checkpoint_dir, self.keep)
+        # a VW's clock moves by at most one per push (a client pushes its waves in order), so
+        # ``applied`` is 0 or 1 and the state written is exactly the one of that clock
+        if any((clock - k) % snaps.every == 0 for k in range(applied)):
+            self._write_part()
+
+    def _write_part(self) -> None:
+        if self.snapshots is not None:
+            state = self.core.state()
+            write_part(self.snapshots, state.clock, f"shard-{state.shard_id}", shard_payload(state))
+            self._written = state.clock

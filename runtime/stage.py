@@ -134,6 +134,7 @@ class StageWorker:
         # called after each update / before each forward with the minibatch number (WSP
         # push and pull, runtime.wave_sync)
         self.after_update: Callable[[int], None] | None = None
+        self.before_update: Callable[[int], None] | None = None
         self.before_forward: Callable[[int], None] | None = None
         self.stop: StopAgreement | None = None  # stage 0 of a multi-VW run: the shared time limit
         self._task_wall0 = 0.0  # wall-clock start of the task being executed (the timeline)
@@ -343,6 +344,8 @@ class StageWorker:
             to_prev.send_grads(grads_x)
 
     def _update(self, mb: int, grads_w: dict[str, Tensor | None]) -> None:
+        if self.before_update is not None:
+            self.before_update(mb)
         self.weights.update(mb, grads_w)
         if self.after_update is not None:
             self.after_update(mb)

@@ -25,15 +25,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from planner.wsp import local_version, required_global_clock
-from runtime.checkpoint import atomic_torch_save, load_checkpoint
+from profiler.errors import HetPipeRuntimeError
 from runtime.metrics import StageResult
 from runtime.ps_client import PSClient, PullHandle
+from runtime.snapshot import SnapshotSpec, load_part, read_manifest, snapshot_dir, write_part
 from runtime.weights import VersionedWeights
 
 __all__ = ["WaveSync"]
@@ -53,10 +53,10 @@ class WaveSync:
         first_mb: minibatch numbers of this run start after this one (a resumed run starts at
             wave ``first_mb // nm``).
         optimizer: the stage's local optimizer (its state is checkpointed).
-        checkpoint_dir: where to write the stage's optimizer state (``None``: never).
-        checkpoint_every: write it after pushing wave ``c`` when ``c + 1`` is a multiple of this,
-            the same clocks the shards checkpoint at.
-        where: ``vw<k>-stage<s>``, the stage's file-name prefix.
+        snapshots: the run's snapshots (``None``: none): the stage writes its part (optimizer
+            state, data position, RNG state) before pushing wave ``c`` when ``c + 1`` is a
+            multiple of ``snapshots.every`` (the clocks the shards write at) and at the end.
+        where: ``vw<k>-stage<s>``, the stage's part name.
     """
 
     def __init__(
@@ -68,8 +68,7 @@ class WaveSync:
         result: StageResult,
         first_mb: int = 0,
         optimizer: torch.optim.Optimizer | None = None,
-        checkpoint_dir: Path | None = None,
-        checkpoint_every: int = 0,
+        snapshots: SnapshotSpec | None = None,
         where: str = "stage",
         weights: VersionedWeights | None = None,
     ) -> None:
@@ -77,42 +76,48 @@ class WaveSync:
         self.result = result
         self.first_mb = first_mb
         self.optimizer = optimizer
-        self.checkpoint_dir, self.checkpoint_every, self.where = (
-            checkpoint_dir,
-            checkpoint_every,
-            where,
-        )
+        self.snapshots, self.where = snapshots, where
         self.pulled_clock = -1
         self.last_clock = 0  # waves pushed (global numbering): the final checkpoint's clock
+        self._written = first_mb // nm  # the clock of the last part written (or resumed from)
         self._snapshot: list[Tensor] = []
         self.weights = weights  # given: pulls overlap the tasks until a forward needs them
         self._pending: tuple[PullHandle, int, int] | None = None  # (pull, needed clock, version)
 
-    def _path(self, clock: int) -> Path:
-        if self.checkpoint_dir is None:
-            raise ValueError("no checkpoint directory")
-        return self.checkpoint_dir / f"{self.where}-clock-{clock}.pt"
-
     def start(self, clock: int = 0) -> None:
-        """Load the global weights at ``clock`` (the run's first wave) into the stage, and its
-        optimizer state of that clock when resuming and a checkpoint has it."""
+        """Load the global weights at ``clock`` (the run's first wave) into the stage and, when
+        resuming, its part of the snapshot at that clock (optimizer and RNG state)."""
         self._pull(clock)
-        if clock > 0 and self.optimizer is not None and self.checkpoint_dir is not None:
-            path = self._path(clock)
-            if path.exists():
-                self.optimizer.load_state_dict(load_checkpoint(path))
-            else:
-                log.warning("%s: no optimizer state at clock %d; it restarts", self.where, clock)
+        if clock > 0 and self.snapshots is not None:
+            manifest = read_manifest(snapshot_dir(self.snapshots.directory, clock))
+            part = load_part(manifest, self.where)
+            where = manifest.path / f"{self.where}.pt"
+            if not isinstance(part, dict) or part.get("kind") != "hetpipe-stage":
+                raise HetPipeRuntimeError(f"{where}: not a hetpipe stage checkpoint")
+            if int(part["data_position"]) != clock * self.nm:
+                raise HetPipeRuntimeError(
+                    f"{where}: data position {part['data_position']}, expected {clock * self.nm} "
+                    "(a snapshot of another Nm)"
+                )
+            if self.optimizer is not None:
+                self.optimizer.load_state_dict(part["optimizer"])
+            torch.set_rng_state(part["rng"])
 
     def _checkpoint(self, clock: int, final: bool = False) -> None:
-        if self.optimizer is None or self.checkpoint_dir is None or self.checkpoint_every <= 0:
+        snaps = self.snapshots
+        if snaps is None or snaps.every <= 0 or (clock % snaps.every and not final):
             return
-        if clock % self.checkpoint_every and not final:
-            return
-        atomic_torch_save(self.optimizer.state_dict(), self._path(clock))
-        old = clock - 2 * self.checkpoint_every  # keep two, like the shards
-        if old > 0 and not final:
-            self._path(old).unlink(missing_ok=True)
+        if clock <= self._written:
+            return  # never rewrite a part a committed manifest may already vouch for
+        payload = {
+            "kind": "hetpipe-stage",
+            "clock": clock,
+            "data_position": clock * self.nm,  # minibatches of this VW's data consumed
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else {},
+            "rng": torch.get_rng_state(),
+        }
+        write_part(snaps, clock, self.where, payload)
+        self._written = clock
 
     def _log_wait(self, clock: int, waited: float) -> None:
         """Record a pull wait for the timeline (the wall clock, like the tasks)."""
@@ -166,9 +171,22 @@ class WaveSync:
         that version and every later one (the master included)."""
         if self._pending is None or self.weights is None:
             return
-        handle, need, version = self._pending
-        if local_version(mb, self.nm) < version:
+        if local_version(mb, self.nm) >= self._pending[2]:
+            self._complete_pull()
+
+    def before_update(self, mb: int) -> None:
+        """Call before the update of minibatch ``mb``. With ``D = 0`` a pull in flight is
+        folded in before the first local update after its push, so the fold always meets
+        the same weights (no local update since the push): the floating-point result does not
+        depend on whether the next forward or the next update came first (task order is
+        FIFO by arrival). With ``D > 0`` the fold waits for the forward that needs it."""
+        if self._pending is not None and self.D == 0:
+            self._complete_pull()
+
+    def _complete_pull(self) -> None:
+        if self._pending is None:
             return
+        handle, need, version = self._pending
         t0 = time.perf_counter()
         res = handle.wait()
         waited = time.perf_counter() - t0
@@ -206,7 +224,7 @@ class WaveSync:
         """Flush the pushes, write the final optimizer state (when checkpointing) and say
         goodbye to the shards."""
         t0 = time.perf_counter()
-        if self.last_clock > 0 and self.checkpoint_every > 0:
+        if self.last_clock > 0:
             self._checkpoint(self.last_clock, final=True)
         if self._pending is not None:  # the last wave's pull: no forward needs it any more
             self._pending[0].wait()

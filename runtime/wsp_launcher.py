@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -27,23 +26,25 @@ from torch.utils.data import Dataset, Subset
 from planner.plan import Plan
 from profiler.errors import ConfigError, HetPipeRuntimeError
 from profiler.graph import ModelGraph
-from runtime.checkpoint import ShardState, resumable_clock, save_shard_state
+from runtime.checkpoint import ShardState
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.data import default_dataset
 from runtime.emulation import Calibration
 from runtime.evaluation import shard_dataset, split_dataset
-from runtime.failures import root_cause_rank, stop_all, watch
+from runtime.failures import Heartbeats, rendezvous_dir, root_cause_rank, stop_all, watch
 from runtime.launcher import PRELOAD, loads_result, pacing_table, process_context, stage_contexts
 from runtime.metrics import ProgressBar, StageResult, warn_overruns
 from runtime.model import resolve_source
 from runtime.ps import ShardSpec
 from runtime.ps_core import ClockEvent
 from runtime.ps_layout import shard_specs_for_layout
+from runtime.run_dir import RunDirectory, check_settings, job_settings
+from runtime.snapshot import Manifest, SnapshotSpec, clean, select
 from runtime.stage import StageContext
 from runtime.wsp_procs import ShardRole, shard_main, stage_main
-from runtime.wsp_result import WSPResult, evaluate
+from runtime.wsp_result import WSPResult, evaluate, export_snapshot
 
-__all__ = ["WSPConfig", "launch_wsp", "shard_specs", "split_data", "wsp_steps"]
+__all__ = ["WSPConfig", "launch_wsp", "shard_specs", "snapshot_parts", "split_data", "wsp_steps"]
 
 log = logging.getLogger(__name__)
 
@@ -80,20 +81,6 @@ def shard_specs(
     return specs, ranks
 
 
-def _resume_clock(cfg: WSPConfig, n_shards: int) -> int | None:
-    if not cfg.resume:
-        return None
-    if cfg.checkpoint_dir is None or not cfg.checkpoint_dir.is_dir():
-        raise ConfigError(f"--resume {cfg.checkpoint_dir}: no such checkpoint directory")
-    clock = resumable_clock(cfg.checkpoint_dir, n_shards)
-    if clock is None:
-        raise ConfigError(
-            f"--resume {cfg.checkpoint_dir}: no clock has a checkpoint of all {n_shards} shards; "
-            "start a fresh run instead"
-        )
-    return clock
-
-
 def launch_wsp(
     plan: Plan,
     source: ModelSource,
@@ -104,6 +91,11 @@ def launch_wsp(
     fault: str = "",
 ) -> WSPResult:
     """Train every virtual worker of ``plan`` through its parameter-server shards on this host.
+
+    The run directory (``run.out_dir``, else ``cfg.checkpoint_dir``) is claimed for this run
+    (:class:`runtime.run_dir.RunDirectory`); snapshots go to ``cfg.checkpoint_dir`` (default
+    ``out_dir/checkpoints``). Resuming a run that already trained every step writes its final
+    outputs from the last snapshot instead (:func:`export_snapshot`).
 
     Args:
         plan: the plan (its VWs, Nm, D and shards).
@@ -118,14 +110,39 @@ def launch_wsp(
             ``killshard:ID:SECONDS`` on a shard).
 
     Raises:
-        ConfigError: bad settings.
-        HetPipeRuntimeError: a process failed or died (the message names it).
+        ConfigError: bad settings, a directory that holds another run, a mismatched resume.
+        HetPipeRuntimeError: a process failed or died (the message names it), a disk error.
     """
     optimizer = optimizer or OptimizerConfig()
     run = run or RunConfig()
     cfg = cfg or WSPConfig()
     if cfg.checkpoint_dir is None and run.out_dir is not None:
         cfg = dataclasses.replace(cfg, checkpoint_dir=run.out_dir / "checkpoints")
+    run_dir = run.out_dir or cfg.checkpoint_dir
+    if run_dir is None:
+        if cfg.resume:
+            raise ConfigError("--resume needs the run's directory (--out or a checkpoint folder)")
+        return _launch(plan, source, optimizer, run, cfg, dataset, fault, None)
+    with RunDirectory(run_dir, resume=cfg.resume, overwrite=cfg.overwrite) as owner:
+        try:
+            return _launch(plan, source, optimizer, run, cfg, dataset, fault, owner)
+        except KeyboardInterrupt:  # after training (evaluation, outputs): the snapshot stays
+            raise HetPipeRuntimeError(
+                f"interrupted (Ctrl-C); write the outputs from the last snapshot with: "
+                f"{cfg.resume_hint} --resume {run_dir}"
+            ) from None
+
+
+def _launch(
+    plan: Plan,
+    source: ModelSource,
+    optimizer: OptimizerConfig,
+    run: RunConfig,
+    cfg: WSPConfig,
+    dataset: Dataset[Any] | None,
+    fault: str,
+    owner: RunDirectory | None,
+) -> WSPResult:
     t_start = time.time()
     nm = run.nm or plan.nm
     D = plan.D if cfg.D is None else cfg.D
@@ -138,8 +155,25 @@ def launch_wsp(
     graph = ModelGraph.from_spec(spec)
     shapes = {n: tuple(p.shape) for n, p in spec.module.named_parameters()}
     specs, _ = shard_specs(plan, graph, shapes, D)
-    first_wave = _resume_clock(cfg, len(specs)) or 0
-    steps = wsp_steps(run, nm, first_wave, min(len(s) for s in shards_data), plan.batch_size)
+    vw_samples = min(len(s) for s in shards_data)
+    horizon = wsp_steps(run, nm, 0, vw_samples, plan.batch_size)
+    settings = job_settings(source.name, plan.to_json(), nm, D, run.seed, cfg.test_fraction,
+                            f"{type(ds).__name__}:{len(ds)}", optimizer, horizon)  # type: ignore[arg-type]  # fmt: skip
+    manifest = _resume_from(cfg, owner, settings)
+    first_wave = manifest.clock if manifest is not None else 0
+    if cfg.checkpoint_dir is not None:
+        clean(cfg.checkpoint_dir, first_wave if cfg.resume else None)
+    if owner is not None and run.out_dir is not None and not cfg.resume:
+        plan.save(run.out_dir / "plan.json")  # --resume reuses it
+    steps = wsp_steps(run, nm, first_wave, vw_samples, plan.batch_size)
+    if steps == 0 and manifest is not None:
+        return export_snapshot(manifest, plan, source, run, specs, test, nm, D)
+    if steps == 0:
+        raise ConfigError("nothing to train: raise --steps or --epochs")
+    if cfg.checkpoint_dir is not None and owner is not None:
+        snaps = SnapshotSpec(cfg.checkpoint_dir, owner.run_id, owner.attempt, snapshot_parts(plan),
+                             settings, cfg.checkpoint_every, cfg.keep, cfg.write_fault)  # fmt: skip
+        cfg = dataclasses.replace(cfg, snapshots=snaps)
     shards = [ShardRole(k, s, plan.shards[k].node) for k, s in enumerate(specs)]
     contexts: list[StageContext] = []
     calibrations: list[Calibration | None] = []
@@ -151,20 +185,15 @@ def launch_wsp(
         cal = pacing_table(plan, source, ctxs, vw_run)
         contexts += ctxs
         calibrations += [cal] * len(ctxs)
-    if run.out_dir is not None:
-        run.out_dir.mkdir(parents=True, exist_ok=True)
     log.info("%d VWs x %s stages, %d shards, Nm %d, D %d, %d minibatches per VW",
              n_vws, [len(v.stages) for v in plan.virtual_workers], len(shards), nm, D, steps)  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="hetpipe-rdzv-") as tmp:
-        init_method = f"file://{Path(tmp) / 'rendezvous'}"
+    with rendezvous_dir() as tmp:
+        init_method = f"file://{tmp / 'rendezvous'}"
         stage_results, states = _spawn_and_watch(
             shards, contexts, calibrations, shards_data, source, optimizer, run, cfg, D,
             first_wave, init_method, fault, plan.batch_size,
         )  # fmt: skip
     warn_overruns(stage_results)
-    if cfg.checkpoint_dir is not None and cfg.checkpoint_every > 0:
-        for state, _ in states:  # the final clock, whatever the checkpoint period
-            save_shard_state(state, cfg.checkpoint_dir)
     result = WSPResult.build(plan, nm, D, stage_results, states, specs, time.time() - t_start)
     ran = {st.steps for st in stage_results}
     if run.time_limit_s > 0 and ran and max(ran) < steps:
@@ -177,11 +206,40 @@ def launch_wsp(
     return result
 
 
+def snapshot_parts(plan: Plan) -> tuple[str, ...]:
+    """The parts of one snapshot of ``plan``'s job: every shard's and every stage's."""
+    parts = [f"shard-{k}" for k in range(len(plan.shards))]
+    parts += [f"vw{k}-stage{s}" for k, vw in enumerate(plan.virtual_workers) for s in range(len(vw.stages))]  # fmt: skip
+    return tuple(parts)
+
+
+def _resume_from(
+    cfg: WSPConfig, owner: RunDirectory | None, settings: tuple[tuple[str, str], ...]
+) -> Manifest | None:
+    """The snapshot a resume starts from (verified, of this run, with the same settings)."""
+    if not cfg.resume or cfg.checkpoint_dir is None:
+        return None
+    manifest, skipped = select(cfg.checkpoint_dir, cfg.resume_clock)
+    for s in skipped:
+        log.warning("resume: skipped %s; using clock %d", s, manifest.clock)
+    where = f"--resume {manifest.path}"
+    if owner is not None:
+        if owner.run_id and owner.run_id != manifest.run_id:
+            raise ConfigError(
+                f"{where}: the snapshot belongs to run {manifest.run_id}, the directory to run "
+                f"{owner.run_id}; resume from that run's own directory"
+            )
+        owner.write_run_file(manifest.run_id)
+    check_settings(where, manifest.settings, settings)
+    return manifest
+
+
 def wsp_steps(run: RunConfig, nm: int, first_wave: int, vw_samples: int, batch_size: int) -> int:
-    """Minibatches each VW trains in this run: whole waves, after the resumed ones.
+    """Minibatches each VW trains in this run: whole waves, after the resumed ones (0: the
+    snapshot already holds every wave asked for).
 
     Raises:
-        ConfigError: less than one minibatch per VW, or nothing left to train.
+        ConfigError: less than one minibatch per VW.
     """
     per_epoch = vw_samples // batch_size
     if per_epoch < 1:
@@ -194,10 +252,7 @@ def wsp_steps(run: RunConfig, nm: int, first_wave: int, vw_samples: int, batch_s
     else:
         steps = 2**62 if run.time_limit_s > 0 else per_epoch
     steps = -(-steps // nm) * nm  # whole waves: every VW pushes the same waves
-    steps = max(0, steps - first_wave * nm)
-    if steps == 0:
-        raise ConfigError(f"the checkpoint is already at wave {first_wave}: nothing left to train")
-    return steps
+    return max(0, steps - first_wave * nm)
 
 
 def _spawn_and_watch(
@@ -243,13 +298,26 @@ def _spawn_and_watch(
             )
             procs[ctx.rank].start()
         labels = {s.rank: s.where for s in shards} | {c.rank: c.where for c in contexts}
-        results = _watch(labels, procs, events, progress, run, cfg)
+        beats = Heartbeats(Path(init_method.removeprefix("file://")).parent,
+                           max(5.0, run.timeout_s / 2), labels)  # fmt: skip
+        results = _watch(labels, procs, events, progress, run, cfg, beats)
+    except KeyboardInterrupt:
+        raise HetPipeRuntimeError(
+            f"interrupted (Ctrl-C): every process stopped{_hint(cfg)}"
+        ) from None
     finally:
         progress.stop()
         stop_all(procs)
     stages = [r for r in results if isinstance(r, StageResult)]
     states = [r for r in results if not isinstance(r, StageResult)]
     return stages, states
+
+
+def _hint(cfg: WSPConfig) -> str:
+    """``; resume with: ...`` when the run has snapshots, else nothing."""
+    if cfg.snapshots is None or cfg.checkpoint_every <= 0:
+        return ""
+    return f"; resume with: {cfg.resume_hint} --resume {cfg.checkpoint_dir}"
 
 
 def _watch(
@@ -259,16 +327,16 @@ def _watch(
     progress: ProgressBar,
     run: RunConfig,
     cfg: WSPConfig,
+    beats: Heartbeats,
 ) -> list[Any]:
     """Every process's result, in rank order."""
 
     def fail(errors: dict[int, str], done: dict[int, bytes]) -> HetPipeRuntimeError:
-        rank = root_cause_rank(procs, events, errors, done, grace_s=1.5)
-        hint = ""
-        if cfg.checkpoint_dir is not None and cfg.checkpoint_every > 0:
-            hint = f"; resume with: {cfg.resume_hint} --resume {cfg.checkpoint_dir}"
-        return HetPipeRuntimeError(f"rank {rank} ({labels[rank]}) failed: {errors[rank]}{hint}")
+        frozen = beats.frozen()  # a frozen rank is the cause of its peers' timeouts
+        rank = min(frozen) if frozen else root_cause_rank(procs, events, errors, done, grace_s=1.5)
+        why = frozen.get(rank) or errors[rank]
+        return HetPipeRuntimeError(f"rank {rank} ({labels[rank]}) failed: {why}{_hint(cfg)}")
 
     stall_s = max(120.0, 4 * run.timeout_s)
-    results = watch(procs, events, len(labels), progress.event, fail, stall_s)
+    results = watch(procs, events, len(labels), progress.event, fail, stall_s, frozen=beats.frozen)
     return [loads_result(results[r]) for r in sorted(results)]

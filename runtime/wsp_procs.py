@@ -18,7 +18,7 @@ from typing import Any
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
-from runtime.checkpoint import load_shard_state, shard_checkpoint_path
+from runtime.checkpoint import shard_from_payload
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.data import MinibatchSource
 from runtime.emulation import Calibration
@@ -27,6 +27,7 @@ from runtime.launcher import dumps_result, inject_fault
 from runtime.model import reference_module
 from runtime.ps import ShardCore, ShardServer, ShardSpec
 from runtime.ps_client import PSClient
+from runtime.snapshot import load_part, read_manifest, snapshot_dir
 from runtime.stage import StageContext, StageWorker
 from runtime.stop import StopAgreement, file_store
 from runtime.wave_sync import WaveSync
@@ -89,9 +90,11 @@ def shard_main(
     _shard_fault(fault, shard.spec.id)
 
     def body() -> tuple[str, bytes]:
-        if resume_clock is not None and cfg.checkpoint_dir is not None:
-            path = shard_checkpoint_path(cfg.checkpoint_dir, shard.spec.id, resume_clock)
-            core = ShardCore(shard.spec, state=load_shard_state(path))
+        if resume_clock is not None and cfg.snapshots is not None:
+            manifest = read_manifest(snapshot_dir(cfg.snapshots.directory, resume_clock))
+            name = f"shard-{shard.spec.id}"
+            state = shard_from_payload(load_part(manifest, name), manifest.path / f"{name}.pt")
+            core = ShardCore(shard.spec, state=state)
         else:
             module, names, _ = reference_module(source, batch_size, seed)
             init = {names[n]: p.detach() for n, p in module.named_parameters()}
@@ -100,8 +103,7 @@ def shard_main(
             core,
             timeout_s=timeout_s,
             idle_timeout_s=4 * timeout_s,
-            checkpoint_dir=cfg.checkpoint_dir if cfg.checkpoint_every > 0 else None,
-            checkpoint_every=cfg.checkpoint_every,
+            snapshots=cfg.snapshots,
         )
         dist.barrier()
         state = server.serve()
@@ -140,7 +142,9 @@ def stage_main(
 
     def body() -> tuple[str, bytes]:
         worker = StageWorker(ctx, source, optimizer, run, dataset, calibration, events)
-        worker.fault = inject_fault(fault, ctx)
+        worker.fault = (
+            cfg.stage_fault.hook(ctx.vw, ctx.stage) if cfg.stage_fault else inject_fault(fault, ctx)
+        )
         sync = _wave_sync(worker, specs, D, first_wave * ctx.nm, cfg, run.timeout_s)
         if ctx.stage == 0 and run.time_limit_s > 0:
             worker.stop = StopAgreement(_stop_store(init_method), ctx.nm, D)
@@ -185,11 +189,11 @@ def _wave_sync(
         worker.result,
         first_mb,
         worker.weights.optimizer,
-        cfg.checkpoint_dir,
-        cfg.checkpoint_every,
+        cfg.snapshots,
         f"vw{ctx.vw}-stage{ctx.stage}",
         worker.weights if cfg.overlap_pulls else None,
     )
     worker.after_update = sync.after_update
     worker.before_forward = sync.before_forward
+    worker.before_update = sync.before_update
     return sync

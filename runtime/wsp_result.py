@@ -8,6 +8,7 @@ bubbles), both summed over the VW's stages, as in the paper's Fig. 9 breakdown.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Sequence
@@ -20,16 +21,19 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from planner.plan import Plan
-from runtime.checkpoint import ShardState, atomic_torch_save
-from runtime.config import ModelSource
+from profiler.errors import HetPipeRuntimeError
+from profiler.files import atomic_write_text
+from runtime.checkpoint import ShardState, atomic_torch_save, shard_from_payload
+from runtime.config import ModelSource, RunConfig
 from runtime.evaluation import evaluate_module
 from runtime.metrics import RunResult, StageResult, write_metrics
 from runtime.model import reference_module
 from runtime.ps_core import ClockEvent
 from runtime.ps_layout import ShardSpec, export_state_dict
+from runtime.snapshot import Manifest, load_part
 from runtime.timeline import write_timeline
 
-__all__ = ["WSPResult", "evaluate"]
+__all__ = ["WSPResult", "evaluate", "export_snapshot"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +53,8 @@ class WSPResult:
         test_accuracy, test_loss: the exported model on the held-out split (NaN if not a classifier).
         stopped_by: why the run ended early (the time limit and the wave it stopped after;
             empty: it trained every minibatch asked for).
+        exported_from: the snapshot folder these outputs were written from, without training
+            (:func:`export_snapshot`; empty for a run that trained).
     """
 
     vws: tuple[RunResult, ...]
@@ -62,6 +68,7 @@ class WSPResult:
     test_accuracy: float = float("nan")
     test_loss: float = float("nan")
     stopped_by: str = ""
+    exported_from: str = ""
 
     @staticmethod
     def build(
@@ -114,11 +121,26 @@ class WSPResult:
 
     def save(self, out_dir: Path) -> None:
         """``vw<k>/metrics.csv``, ``summary.json``, ``weights.pt`` (one ordinary state_dict) and
-        the measured ``timeline.png`` / ``trace.json`` of every VW."""
+        the measured ``timeline.png`` / ``trace.json`` of every VW.
+
+        Raises:
+            HetPipeRuntimeError: a file cannot be written (one line naming it).
+        """
+        try:
+            self._save(out_dir)
+        except OSError as exc:
+            where = exc.filename or out_dir
+            raise HetPipeRuntimeError(
+                f"{where}: cannot write the run's outputs ({exc.strerror or exc}); free disk "
+                f"space, then write them from the last snapshot with --resume {out_dir}"
+            ) from None
+
+    def _save(self, out_dir: Path) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        for k, vw in enumerate(self.vws):
-            write_metrics(vw, out_dir / f"vw{k}")
-        write_timeline([s for vw in self.vws for s in vw.stages], out_dir)
+        if self.vws:
+            for k, vw in enumerate(self.vws):
+                write_metrics(vw, out_dir / f"vw{k}")
+            write_timeline([s for vw in self.vws for s in vw.stages], out_dir)
         atomic_torch_save(self.state_dict(), out_dir / "weights.pt")
         summary = {
             "throughput": self.throughput,
@@ -130,6 +152,8 @@ class WSPResult:
             "test_loss": self.test_loss,
             "wall_s": self.wall_s,
             "stopped_by": self.stopped_by,
+            "global_clock": min((s.clock for s in self.states), default=0),
+            "exported_from": self.exported_from,
             "vws": [
                 {
                     "throughput": v.throughput,
@@ -141,7 +165,7 @@ class WSPResult:
                 for k, v in enumerate(self.vws)
             ],
         }
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+        atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2))
 
     def table(self) -> Table:
         """The summary as a rich table: one row per VW, totals in the title and caption."""
@@ -181,6 +205,10 @@ class WSPResult:
         )
         if self.stopped_by:
             table.caption += f"; {self.stopped_by}"
+        if self.exported_from:
+            table.caption += (
+                f"; written from the snapshot {self.exported_from} (nothing left to train)"
+            )
         return table
 
 
@@ -198,3 +226,29 @@ def evaluate(
     by_orig = {orig: n for n, orig in names.items()}
     module.load_state_dict({by_orig[k]: v for k, v in state.items() if k in by_orig}, strict=False)
     return evaluate_module(module, test, batch_size, loss_fn)
+
+
+def export_snapshot(
+    manifest: Manifest,
+    plan: Plan,
+    source: ModelSource,
+    run: RunConfig,
+    specs: Sequence[ShardSpec],
+    test: Dataset[Any],
+    nm: int,
+    D: int,
+) -> WSPResult:
+    """The final outputs of a run from its snapshot, without training: the shards' weights,
+    the test accuracy, and (with ``run.out_dir``) ``weights.pt`` and ``summary.json``."""
+    states = tuple(
+        shard_from_payload(load_part(manifest, f"shard-{s.id}"), manifest.path / f"shard-{s.id}.pt")
+        for s in specs
+    )
+    result = WSPResult((), nm, D, states, tuple(() for _ in specs), tuple(specs), 0.0,
+                       plan.predicted.throughput, exported_from=str(manifest.path))  # fmt: skip
+    acc, loss = evaluate(source, plan.batch_size, run.seed, result.state_dict(), test)
+    result = dataclasses.replace(result, test_accuracy=acc, test_loss=loss)
+    if run.out_dir is not None:
+        result.save(run.out_dir)
+    log.info("outputs written from the snapshot %s (clock %d)", manifest.path, manifest.clock)
+    return result

@@ -131,8 +131,17 @@ def run(
         ),
     ] = 5,
     resume: Annotated[
-        Path | None, typer.Option("--resume", help="continue from the checkpoints in DIR")
+        str | None,
+        typer.Option(
+            "--resume",
+            help="continue the run in DIR (its --out or its checkpoints folder) from its newest "
+            "verified snapshot, or DIR@CLOCK from that one; on a finished run, write its "
+            "weights.pt and summary.json from the last snapshot",
+        ),
     ] = None,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="replace another run's outputs in --out")
+    ] = False,
     optimizer: Annotated[str, typer.Option(help="sgd or adam")] = "sgd",
     lr: Annotated[float, typer.Option(help="learning rate")] = 0.05,
     momentum: Annotated[float, typer.Option(help="SGD momentum")] = 0.0,
@@ -156,6 +165,7 @@ def run(
     from runtime.config import ModelSource, OptimizerConfig, RunConfig
     from runtime.launcher import launch
     from runtime.metrics import summary_table
+    from runtime.run_dir import resume_target
 
     if sync not in ("wsp", "allreduce"):
         raise ConfigError(f"--sync {sync!r}: use wsp or allreduce")
@@ -164,8 +174,9 @@ def run(
     )
     if sync == "allreduce":
         _refuse_pipeline_options(resume, nm, staleness, vw, vws, stages, policy)
-    if resume is not None and out is None:
-        out = resume.parent if resume.name == "checkpoints" else resume
+    target = resume_target(resume) if resume is not None else None
+    if target is not None and out is None:
+        out = target[0]
     saved = out / "plan.json" if out is not None else None
     if resume is not None and saved is not None and saved.exists():
         plan = load_plan(saved)  # the plan the interrupted run used
@@ -202,7 +213,7 @@ def run(
         _allreduce(plan, cfg, run_cfg)
         return
     if through_wsp:
-        _wsp(path, plan, cfg, run_cfg, staleness, checkpoint_every, resume, out)
+        _wsp(path, plan, cfg, run_cfg, staleness, checkpoint_every, target, out, overwrite)
         return
     vw = max(vw, 0)
     worker = plan.virtual_workers[vw] if 0 <= vw < len(plan.virtual_workers) else None
@@ -227,8 +238,9 @@ def _wsp(
     run_cfg: RunConfig,
     staleness: int | None,
     checkpoint_every: int,
-    resume: Path | None,
+    resume: tuple[Path, Path, int | None] | None,
     out: Path | None,
+    overwrite: bool,
 ) -> None:
     from runtime.config import ModelSource
     from runtime.wsp_launcher import WSPConfig, launch_wsp
@@ -244,14 +256,13 @@ def _wsp(
     )
     wsp = WSPConfig(
         D=staleness,
-        checkpoint_dir=resume,
+        checkpoint_dir=resume[1] if resume is not None else None,
         checkpoint_every=checkpoint_every,
         resume=resume is not None,
+        resume_clock=resume[2] if resume is not None else None,
         resume_hint=_resume_hint(path),
+        overwrite=overwrite,
     )
-    if out is not None and resume is None:
-        out.mkdir(parents=True, exist_ok=True)
-        plan.save(out / "plan.json")  # --resume reuses it
     result = launch_wsp(plan, ModelSource(ref=plan.model), cfg, run_cfg, wsp)
     console.print(result.table())
     if out is not None:
@@ -272,13 +283,13 @@ def _resume_hint(path: Path) -> str:
         if skip or a == "--resume":
             skip = not skip
             continue
-        if not a.startswith("--resume="):
+        if not a.startswith("--resume=") and a != "--overwrite":
             kept.append(a)
     return "hetpipe " + " ".join(shlex.quote(a) for a in kept)
 
 
 def _refuse_pipeline_options(
-    resume: Path | None,
+    resume: str | None,
     nm: int,
     staleness: int | None,
     vw: int,

@@ -25,6 +25,7 @@ from planner.wsp import required_global_clock
 from profiler.errors import HetPipeRuntimeError
 from runtime.ps import ShardCore, ShardServer, ShardSpec
 from runtime.ps_client import PSClient, PullHandle, PullResult
+from runtime.snapshot import SnapshotSpec
 
 EXIT_FAILED = 3
 
@@ -84,13 +85,13 @@ def shard_main(spec: ShardSpec, init: torch.Tensor, cfg: RunConfig, out: str) ->
     _init(spec.rank, cfg)
     try:
         core = ShardCore(spec, init)
-        every = 1 if cfg.checkpoint_dir else 0
+        snaps = None
+        if cfg.checkpoint_dir:  # one snapshot part per shard (the fault tests run one shard)
+            snaps = SnapshotSpec(
+                Path(cfg.checkpoint_dir), "test", "a", (f"shard-{spec.id}",), (), 1
+            )
         server = ShardServer(
-            core,
-            timeout_s=cfg.timeout_s,
-            checkpoint_dir=cfg.checkpoint_dir,
-            checkpoint_every=every,
-            idle_timeout_s=cfg.idle_timeout_s,
+            core, timeout_s=cfg.timeout_s, snapshots=snaps, idle_timeout_s=cfg.idle_timeout_s
         )
         state = server.serve()
         torch.save(

@@ -22,11 +22,7 @@ from planner.wsp import required_global_clock
 from profiler.errors import ConfigError, HetPipeRuntimeError
 from profiler.graph import ModelGraph
 from profiler.models import resolve_model
-from runtime.checkpoint import (
-    load_shard_state,
-    resumable_clock,
-    shard_checkpoint_path,
-)
+from runtime.checkpoint import shard_from_payload
 from runtime.ps import (
     ShardCore,
     ShardSpec,
@@ -37,6 +33,7 @@ from runtime.ps import (
     shard_specs_for_layout,
 )
 from runtime.ps_client import PSClient
+from runtime.snapshot import committed_clocks, load_part, read_manifest, snapshot_dir
 from tests.runtime._ps_procs import (
     RunConfig,
     param_update,
@@ -618,7 +615,7 @@ def test_failed_process_stops_the_others_with_a_clear_error(
     by_name = {p.name: p for p in procs}
     deadline = time.monotonic() + 90
     try:
-        while (resumable_clock(ckpt, 1) or 0) < 3:
+        while max(committed_clocks(ckpt), default=0) < 3:
             alive = all(p.is_alive() for p in procs)
             assert time.monotonic() < deadline and alive, "run did not reach clock 3"
             time.sleep(0.1)
@@ -649,10 +646,11 @@ def test_failed_process_stops_the_others_with_a_clear_error(
     if victim != "shard0":
         assert "parameter-server shard 0 (rank 0) died" in errors["vw0s0"], errors
     # nothing already checkpointed is lost: the newest complete checkpoint loads and is exact
-    clock = resumable_clock(ckpt, 1)
-    assert clock is not None and clock >= 3
+    clock = max(committed_clocks(ckpt), default=0)
+    assert clock >= 3
+    manifest = read_manifest(snapshot_dir(ckpt, clock))
     for spec in run["specs"]:
-        state = load_shard_state(shard_checkpoint_path(ckpt, spec.id, clock))
+        state = shard_from_payload(load_part(manifest, f"shard-{spec.id}"), "shard")
         assert state.clock == clock
         assert sorted((e.vw, e.stage, e.wave) for e in state.ledger) == sorted(
             (v, 0, w) for v in (0, 1) for w in range(clock)

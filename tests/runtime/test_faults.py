@@ -1,0 +1,246 @@
+"""Fault injection: every fault ends with the right exit code, names its culprit, leaves no
+process or temp folder behind, and loses nothing a committed snapshot holds.
+
+Faults come in through the job description (``WSPConfig.write_fault``/``stage_fault``) or from
+outside (signals to a launcher run as a subprocess). Runs are tiny (no pacing, a few waves).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from hetpipe.cli import app
+from planner.manual import multi_vw_plan
+from profiler.errors import ConfigError, HetPipeRuntimeError
+from profiler.graph import ModelGraph
+from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
+from runtime.failures import StageFault, _dead_forkserver_dir, rendezvous_dir
+from runtime.model import resolve_source
+from runtime.run_dir import RunDirectory
+from runtime.snapshot import MANIFEST, WriteFault, committed_clocks, select
+from runtime.wsp_launcher import launch_wsp
+
+pytestmark = pytest.mark.timeout(180)
+
+SOURCE = ModelSource(ref="mlp")
+BATCH = 16
+
+
+def _plan(D: int = 0, nm: int = 2):  # type: ignore[no-untyped-def]
+    graph = ModelGraph.from_spec(resolve_source(SOURCE, BATCH, meta=True))
+    return multi_vw_plan(graph, [(4,), (6,)], "mlp", BATCH, nm=nm, D=D, n_shards=2)
+
+
+def _cli(*args: str) -> tuple[int, str]:
+    res = CliRunner().invoke(
+        app, ["run", *args, "--no-progress", "--no-emulate"], env={"COLUMNS": "300"}
+    )
+    return res.exit_code, res.output
+
+
+def _children() -> list[int]:
+    """This process's live descendants, except multiprocessing's long-lived forkserver and
+    resource tracker (shared by every launch of the test session); the ranks forked by a
+    forkserver are counted."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2 :].split()
+        if fields[0] not in ("Z", "X"):
+            parents[int(stat.parent.name)] = int(fields[1])
+    out, todo = [], [os.getpid()]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        out += kids
+        todo += kids
+    return [c for c in out if _is_rank(c, parents.get(c, 0))]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _is_rank(pid: int, ppid: int) -> bool:
+    cmd = _cmdline(pid)
+    if b"resource_tracker" in cmd:
+        return False
+    return b"forkserver" not in cmd or b"forkserver" in _cmdline(ppid)
+
+
+def _ledger_exactly_once(states) -> None:  # type: ignore[no-untyped-def]
+    for state in states:
+        tags = Counter((e.vw, e.stage, e.wave) for e in state.ledger)
+        assert set(tags.values()) == {1}
+        assert {t[2] for t in tags} == set(range(state.clock))
+
+
+def test_run_directory_lock_and_ownership(tmp_path: Path) -> None:
+    with RunDirectory(tmp_path, resume=False) as first:
+        with pytest.raises(ConfigError, match=f"another run \\(pid {os.getpid()}\\)"):
+            RunDirectory(tmp_path, resume=False).__enter__()
+        (tmp_path / "checkpoints").mkdir()
+    with pytest.raises(ConfigError, match=f"holds run {first.run_id} .*--overwrite"):
+        RunDirectory(tmp_path, resume=False).__enter__()
+    with RunDirectory(tmp_path, resume=False, overwrite=True) as second:
+        assert second.run_id != first.run_id and not (tmp_path / "checkpoints").exists()
+    with RunDirectory(tmp_path, resume=True) as third:
+        assert third.run_id == second.run_id
+    with pytest.raises(ConfigError, match="no such run directory"):
+        RunDirectory(tmp_path / "typo", resume=True).__enter__()
+    assert not (tmp_path / "typo").exists()
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(HetPipeRuntimeError, match="cannot use the run directory"):
+        RunDirectory(blocker / "out", resume=False).__enter__()  # not writable
+
+
+def test_cli_reused_out_mismatched_resume_export_and_corrupt_snapshot(tmp_path: Path) -> None:
+    plan = _plan().save(tmp_path / "plan.yaml")
+    out = tmp_path / "run"
+    code, text = _cli(str(plan), "--steps", "4", "--out", str(out), "--checkpoint-every", "1")
+    assert code == 0, text
+    ckpt = out / "checkpoints"
+    assert committed_clocks(ckpt) == [1, 2]
+    # a second run into the same --out is refused, nothing of the first is touched
+    code, text = _cli(str(plan), "--steps", "4", "--out", str(out))
+    assert code == 2 and "holds run" in text and "--overwrite" in text
+    assert committed_clocks(ckpt) == [1, 2]
+    # a resume that would change the result is refused, naming the setting
+    for flags, field in ((["--nm", "1"], "nm is 1"), (["--seed", "1"], "seed is 1"),
+                         (["--lr", "0.1"], "optimizer.lr is 0.1")):  # fmt: skip
+        code, text = _cli(str(plan), "--resume", str(out), "--steps", "4", *flags)
+        assert code == 2 and field in text, text
+    # outputs lost after the last snapshot: a resume of the finished run writes them
+    (out / "weights.pt").unlink()
+    (out / "summary.json").unlink()
+    code, text = _cli(str(plan), "--resume", str(out), "--steps", "4")
+    assert code == 0 and (out / "weights.pt").exists(), text
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["exported_from"].endswith("clock-2") and summary["global_clock"] == 2
+    # one flipped byte in the newest snapshot: named, and the previous one is used
+    part = ckpt / "clock-2" / "shard-0.pt"
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    part.write_bytes(bytes(data))
+    code, text = _cli(str(plan), "--resume", f"{ckpt}", "--steps", "6")
+    assert code == 0, text
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["global_clock"] == 3 and summary["exported_from"] == ""
+    # (the default period is 5: the resumed run snapshots its final clock only)
+    assert committed_clocks(ckpt) == [1, 3] and not list(ckpt.rglob("*.tmp"))
+
+
+@pytest.mark.parametrize("kill", [False, True], ids=["disk-full", "killed-while-writing"])
+def test_snapshot_write_fault_names_the_writer_and_resume_recovers(
+    tmp_path: Path, kill: bool
+) -> None:
+    # D = 4, a snapshot every clock: a VW may run ahead of the others' snapshots
+    plan = _plan(D=4, nm=1)
+    opt = OptimizerConfig(lr=0.05, momentum=0.5)  # stage optimizer state must survive
+    run = RunConfig(steps=6, timeout_s=15.0, emulate=False, out_dir=tmp_path / "run")
+    fault = WriteFault(clock=3, part="vw1-stage0", kill=kill)
+    with pytest.raises(HetPipeRuntimeError) as info:
+        launch_wsp(plan, SOURCE, opt, run, WSPConfig(checkpoint_every=1, write_fault=fault))
+    message = str(info.value)
+    assert "(vw 1 | stage 0 |" in message and "\n" not in message, message
+    assert ("SIGKILL" if kill else "No space left on device") in message, message
+    assert "--resume" in message and not _children()  # every rank stopped
+    ckpt = run.out_dir / "checkpoints"  # type: ignore[operator]
+    assert max(committed_clocks(ckpt)) == 2 and not list(ckpt.rglob("*.tmp"))
+    if kill:
+        return
+    resumed = launch_wsp(plan, SOURCE, opt, run, WSPConfig(checkpoint_every=1, resume=True))
+    assert [vw.steps for vw in resumed.vws] == [4, 4]
+    _ledger_exactly_once(resumed.states)
+    assert select(ckpt)[0].clock == 6
+
+
+def test_frozen_stage_is_named_not_its_peers(tmp_path: Path) -> None:
+    run = RunConfig(steps=400, timeout_s=8.0, emulate=False)
+    freeze = StageFault(stage=1, at_mb=3, vw=1, signum=int(signal.SIGSTOP))
+    with pytest.raises(HetPipeRuntimeError) as info:
+        launch_wsp(_plan(), SOURCE, None, run, WSPConfig(stage_fault=freeze))
+    message = str(info.value)
+    assert "(vw 1 | stage 1 |" in message and "frozen: no heartbeat" in message, message
+    assert not _children()
+
+
+def _start_cli(tmp_path: Path) -> tuple[subprocess.Popen[str], Path]:
+    plan = _plan().save(tmp_path / "plan.yaml")
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hetpipe", "run", str(plan), "--steps", "100000", "--out",
+           str(out), "--checkpoint-every", "1", "--no-progress", "--no-emulate"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    while not (out / "checkpoints" / "clock-1" / MANIFEST).exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the run did not reach clock 1"
+        time.sleep(0.1)
+    return proc, out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return text[text.rindex(")") + 2] not in "ZX"
+
+
+def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pids = [p for p in pids if _alive(p)]
+        if not pids:
+            break
+        time.sleep(0.1)
+    return pids
+
+
+def test_sigkilled_unreaped_launcher_leaves_no_orphans_and_no_temp(tmp_path: Path) -> None:
+    proc, out = _start_cli(tmp_path)
+    try:
+        ranks = [p for p in _children() if p != proc.pid]
+        assert len(ranks) >= 6  # 2 shards + 4 stages (+ the forkserver)
+        os.kill(proc.pid, signal.SIGKILL)  # not reaped yet: a zombie launcher
+        assert _wait_gone(ranks, 15.0) == [], "children outlived their launcher"
+    finally:
+        proc.kill()
+        proc.communicate()
+    with rendezvous_dir():  # the next launch sweeps what the killed one left
+        tmp = Path(tempfile.gettempdir())
+        assert not list(tmp.glob(f"hetpipe-rdzv-{proc.pid}-*"))
+        assert not [d for d in tmp.glob("pymp-*") if _dead_forkserver_dir(d)]
+    assert committed_clocks(out / "checkpoints")  # what was committed stays usable
+    select(out / "checkpoints")
+
+
+def test_ctrl_c_stops_cleanly_with_one_line_and_the_resume_command(tmp_path: Path) -> None:
+    proc, out = _start_cli(tmp_path)
+    ranks = [p for p in _children() if p != proc.pid]
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "interrupted (Ctrl-C)" in lines[0], err
+    assert f"--resume {out / 'checkpoints'}" in err.replace("\n", "")
+    assert _wait_gone(ranks, 10.0) == []
+    assert not list(Path(tempfile.gettempdir()).glob(f"hetpipe-rdzv-{proc.pid}-*"))
