@@ -44,15 +44,15 @@ def read_text(path: str | os.PathLike[str], what: str, error: type[HetPipeError]
         raise error(f"{p}: cannot read {what} ({exc.strerror or type(exc).__name__})") from None
     if len(data) > MAX_FILE_BYTES:
         raise error(
-            f"{p}: {what} is larger than {MAX_FILE_BYTES // 2**20} MiB; is it the right file?"
+            f"{p}: cannot read {what}: larger than {MAX_FILE_BYTES // 2**20} MiB (the wrong file?)"
         )
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
         raise error(
-            f"{p}: {what} is not UTF-8 text (byte {data[exc.start]:#04x} at line {line}); "
-            "save it as UTF-8"
+            f"{p}: cannot read {what}: not UTF-8 text (byte {data[exc.start]:#04x} at line "
+            f"{line}); save it as UTF-8"
         ) from None
 
 
