@@ -19,7 +19,7 @@ import yaml
 
 from planner.cluster import Cluster, parse_cluster
 from planner.plan_check import check_plan_document, validate_plan
-from profiler.errors import PlanError, shown
+from profiler.errors import ConfigError, PlanError, shown
 from profiler.inputs import load_document
 from profiler.table import atomic_write_text
 
@@ -32,6 +32,7 @@ __all__ = [
     "StagePlan",
     "VirtualWorker",
     "load_plan",
+    "load_plan_or_cluster",
 ]
 
 PLAN_VERSION = 1
@@ -320,3 +321,17 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
     if not isinstance(data, dict):
         raise PlanError(f"{p}: a plan file must be a mapping, got {type(data).__name__}")
     return Plan.from_dict(data, str(p))
+
+
+def load_plan_or_cluster(path: str | os.PathLike[str]) -> Plan | Cluster:
+    """Read a file that is either a plan (it has ``virtual_workers``) or a cluster.yaml.
+
+    Raises:
+        PlanError, ConfigError: unreadable or invalid, as :func:`load_plan` and
+            :func:`planner.cluster.load_cluster` report it.
+    """
+    p = Path(path)
+    data = load_document(p, "plan or cluster file", ConfigError)
+    if isinstance(data, dict) and "virtual_workers" in data:
+        return Plan.from_dict(data, str(p))
+    return parse_cluster(data, str(p))

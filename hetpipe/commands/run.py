@@ -9,11 +9,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-import yaml
 
 from hetpipe._common import console, handle_errors
-from planner.cluster import Cluster, load_cluster
-from planner.plan import Plan, load_plan
+from planner.cluster import Cluster
+from planner.plan import Plan, load_plan, load_plan_or_cluster
 from profiler.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -49,13 +48,9 @@ def _load(
     D: int,
     policy: str | None = None,
 ) -> Plan:
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path}: cannot read ({exc})") from None
-    if isinstance(data, dict) and "virtual_workers" in data:
-        return load_plan(path)
-    cluster = load_cluster(path)
+    cluster = load_plan_or_cluster(path)
+    if isinstance(cluster, Plan):
+        return cluster
     n_vws = vws or _default_vws(cluster)
     if n_vws > 1 or policy is not None:
         if stages:
@@ -285,12 +280,11 @@ def _allreduce(
     from runtime.config import OptimizerConfig
     from runtime.ddp import run_allreduce
 
-    data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    if isinstance(data, dict) and "virtual_workers" in data:
-        plan = load_plan(path)
-        cluster, model, batch_size = plan.cluster, plan.model, plan.batch_size
+    doc = load_plan_or_cluster(path)
+    if isinstance(doc, Plan):
+        cluster, model, batch_size = doc.cluster, doc.model, doc.batch_size
     else:
-        cluster = load_cluster(path)
+        cluster = doc
     if steps == 0:
         steps = 50 * max(1, round(epochs or 1))
     ref = model or "mlp"
