@@ -267,12 +267,16 @@ def check_table(table: pd.DataFrame, source: str) -> pd.DataFrame:
         if bad.any():
             row = int(np.argmax(bad.to_numpy()))
             layer = shown(str(table["layer"].iloc[row]), 40)
-            kind = "a whole number of bytes" if dtype == "int64" else "a finite number"
+            kind = (
+                "a whole number of bytes from 0 to 2**60"
+                if dtype == "int64"
+                else "a finite number >= 0"
+            )
             cell = table[col].iloc[row]
             cell = cell.item() if isinstance(cell, np.generic) else cell
             raise ProfileError(
                 f"{source}: column {col!r}, layer {layer} (line {row + 3}): "
-                f"{shown(cell, 40)} must be {kind} >= 0"
+                f"{shown(cell, 40)} must be {kind}"
             )
         table[col] = values.astype(dtype)
     for row, op in enumerate(table["op"]):
