@@ -237,3 +237,27 @@ def test_error_printer_escapes_markup_and_control_characters() -> None:
     assert lines == [
         "error: rank 3 failed: [/path/gloo.cc:553] Connection closed | \\x1b[31mby peer"
     ], result.output
+
+
+def test_file_oserror_is_one_line_and_other_oserrors_keep_their_traceback() -> None:
+    import typer
+
+    from hetpipe._common import handle_errors, one_line
+
+    @handle_errors
+    def write() -> None:
+        raise PermissionError(13, "Permission denied", "/out/plan.yaml")
+
+    @handle_errors
+    def connect() -> None:
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    runner_app = typer.Typer()
+    runner_app.command()(write)
+    result = CliRunner().invoke(runner_app, [])
+    assert result.exit_code == 2
+    assert result.output.strip() == "error: /out/plan.yaml: Permission denied"
+    with pytest.raises(ConnectionResetError):
+        connect()
+    assert one_line("x" * 5000, limit=10) == "xxxxxxxxxx... (5000 characters)"
+    assert one_line("a\r\n\n  b\u2028c\x07") == "a | b | c\\x07"
