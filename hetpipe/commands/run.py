@@ -13,6 +13,7 @@ import typer
 from hetpipe._common import console, handle_errors
 from planner.cluster import Cluster
 from planner.plan import Plan, load_plan, load_plan_or_cluster
+from planner.plan_check import check_plan_layers
 from profiler.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ def _load(
 ) -> Plan:
     cluster = load_plan_or_cluster(path)
     if isinstance(cluster, Plan):
+        _check_against_model(cluster, path)
         return cluster
     n_vws = vws or _default_vws(cluster)
     if n_vws > 1 or policy is not None:
@@ -70,6 +72,18 @@ def _load(
     from runtime.config import ModelSource
 
     return make_single_vw_plan(ModelSource(ref=model or "mlp"), batch_size, nm, cluster, stages)
+
+
+def _check_against_model(plan: Plan, path: Path) -> None:
+    """Refuse, before any process starts, a plan whose stage boundaries or shard layers are not
+    its model's (a plan made for another model, or edited by hand)."""
+    from profiler.graph import ModelGraph
+    from runtime.config import ModelSource
+    from runtime.model import resolve_source
+
+    spec = resolve_source(ModelSource(ref=plan.model), plan.batch_size, meta=True)
+    names = [layer.name for layer in ModelGraph.from_spec(spec).layers]
+    check_plan_layers(plan, names, str(path), f"model {plan.model!r}")
 
 
 @handle_errors

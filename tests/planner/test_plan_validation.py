@@ -329,3 +329,14 @@ def test_generated_plans_are_valid() -> None:
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
     graph = ModelGraph.from_module(net, (torch.randn(2, 8),))
     validate_plan(multi_vw_plan(graph, [[2], [1, 3]], "mlp", 8, 2, n_shards=2))
+
+
+def test_run_refuses_a_plan_for_another_model(tmp_path: Path) -> None:
+    """The plan is valid in itself, but its 6 layers are not the built-in mlp's 11."""
+    path = good_plan().save(tmp_path / "plan.yaml")
+    result = CliRunner().invoke(app, ["run", str(path), "--steps", "1"])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [
+        f"error: {path}: num_layers: the plan is for a model of 6 layers but model 'mlp' has 11; "
+        "use the profiles or model the plan was made with"
+    ]
