@@ -82,6 +82,10 @@ def load_document(path: str | os.PathLike[str], what: str, error: type[HetPipeEr
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or type(exc).__name__
         raise error(f"{p}: YAML syntax error{where} ({what}): {problem}") from None
+    except (ValueError, OverflowError, TypeError) as exc:  # a scalar no type can hold
+        raise error(
+            f"{p}: {what} holds a value that cannot be read ({type(exc).__name__}: {exc!s:.100})"
+        ) from None
     _check_size(data, p, what, error)
     return data
 
