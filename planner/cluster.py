@@ -38,7 +38,7 @@ from pydantic import (
 
 from profiler.catalog import lookup_gpu
 from profiler.errors import ConfigError, shown
-from profiler.inputs import load_document
+from profiler.inputs import load_document, text_problem
 from profiler.units import parse_bandwidth, parse_bytes, parse_seconds
 
 __all__ = [
@@ -178,11 +178,9 @@ class _Strict(BaseModel):
 
 def _name(v: object) -> object:
     """A name must be short, printable text (it is echoed on terminals and used as a label)."""
-    if isinstance(v, str) and (len(v) > MAX_NAME_CHARS or not v.isprintable()):
-        raise ValueError(
-            f"{shown(v)} must be at most {MAX_NAME_CHARS} printable characters "
-            "(no newlines, tabs or terminal escapes)"
-        )
+    problem = text_problem(v, MAX_NAME_CHARS) if isinstance(v, str) else None
+    if problem is not None:
+        raise ValueError(f"{shown(v)} cannot be a name: {problem}; rename it")
     return v
 
 

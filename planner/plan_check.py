@@ -25,6 +25,7 @@ from dataclasses import MISSING, fields, is_dataclass
 from typing import TYPE_CHECKING, Any
 
 from profiler.errors import PlanError, shown
+from profiler.inputs import text_problem
 from profiler.units import MAX_BYTES
 
 if TYPE_CHECKING:
@@ -214,11 +215,9 @@ def _check_number(value: object, kind: str, path: str, source: str, least: int) 
 def _check_text(value: object, path: str, source: str) -> None:
     if not isinstance(value, str):
         raise PlanError(f"{source}: {path}: {shown(value)} is not a string")
-    if len(value) > MAX_TEXT_CHARS or not value.isprintable():
-        raise PlanError(
-            f"{source}: {path}: {shown(value)} must be at most {MAX_TEXT_CHARS} printable "
-            "characters (no newlines or terminal escapes)"
-        )
+    problem = text_problem(value, MAX_TEXT_CHARS)
+    if problem is not None:
+        raise PlanError(f"{source}: {path}: {shown(value)} cannot be used: {problem}")
 
 
 # ---------------------------------------------------------------- structure

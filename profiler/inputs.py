@@ -10,19 +10,49 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import yaml
 
-from profiler.errors import HetPipeError
+from profiler.errors import HetPipeError, shown
 
-__all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_VALUES", "load_document", "read_text"]
+__all__ = [
+    "MAX_DEPTH",
+    "MAX_FILE_BYTES",
+    "MAX_VALUES",
+    "load_document",
+    "read_text",
+    "text_problem",
+]
 
 MAX_FILE_BYTES = 64 * 2**20  # a plan of 10,000 GPUs is ~5 MB; larger input is not ours
 MAX_VALUES = 2_000_000  # values in a document with every YAML alias expanded
 MAX_DEPTH = 32  # nesting of mappings and lists (our files use at most 6)
 
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when built with it
+_STYLE_TAG = re.compile(r"\[[A-Za-z#/@][^\[\]]*\]")  # what rich reads as markup: [red], [/x]
+
+
+def text_problem(value: str, max_chars: int) -> str | None:
+    """Why ``value`` (a name from an input file) cannot be shown as-is on a terminal, or None.
+
+    Names are printed in tables and messages: they must be at most ``max_chars`` printable
+    characters (no newline, tab or terminal escape) without a console style tag like ``[red]``.
+
+    >>> text_problem("TITAN V", 20) is None
+    True
+    >>> text_problem("V[/x]", 20)
+    "it holds '[/x]', which the console would read as a style tag"
+    """
+    if len(value) > max_chars:
+        return f"it is longer than {max_chars} characters"
+    if not value.isprintable():
+        return "it is not printable text (a newline, tab or terminal escape)"
+    tag = _STYLE_TAG.search(value)
+    if tag is not None:
+        return f"it holds {shown(tag.group(), 20)}, which the console would read as a style tag"
+    return None
 
 
 def read_text(path: str | os.PathLike[str], what: str, error: type[HetPipeError]) -> str:

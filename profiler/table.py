@@ -39,7 +39,7 @@ import pandas as pd
 
 from profiler.errors import ProfileError, shown
 from profiler.graph import crossing_sets
-from profiler.inputs import read_text
+from profiler.inputs import read_text, text_problem
 from profiler.units import MAX_BYTES
 
 __all__ = [
@@ -227,11 +227,11 @@ def _meta(raw: object, p: Path) -> ProfileMeta:
         if f is None:
             raise ProfileError(f"{p}: metadata field {shown(key, 40)} is unknown; remove it")
         ok = {
-            "str": lambda v: isinstance(v, str) and len(v) <= 1000 and v.isprintable(),
+            "str": lambda v: isinstance(v, str) and text_problem(v, 1000) is None,
             "int": lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 2**31,
         }.get(str(f.type), lambda v: isinstance(v, dict))(value)
         if not ok:
-            want = {"int": "a whole number from 1", "str": "printable text"}.get(
+            want = {"int": "a whole number from 1", "str": "printable text without [tags]"}.get(
                 str(f.type), "a JSON object"
             )
             raise ProfileError(f"{p}: metadata field {key}: {shown(value)} is not {want}")
@@ -279,17 +279,17 @@ def check_table(table: pd.DataFrame, source: str) -> pd.DataFrame:
                 f"{shown(cell, 40)} must be {kind}"
             )
         table[col] = values.astype(dtype)
-    for row, op in enumerate(table["op"]):
-        if len(op) > 1000 or not op.isprintable():
-            raise ProfileError(
-                f"{source}: column 'op', line {row + 3}: {shown(op, 40)} must be printable text"
-            )
     names = table["layer"].tolist()
     seen: dict[str, int] = {}
-    for row, name in enumerate(names):
-        if not name or len(name) > 1000 or not name.isprintable() or name in seen:
-            why = "repeats a layer name" if name in seen else "must be a printable, non-empty name"
-            raise ProfileError(f"{source}: column 'layer', line {row + 3}: {shown(name, 40)} {why}")
+    for row, (name, op) in enumerate(zip(names, table["op"], strict=True)):
+        for col, text in (("layer", name), ("op", op)):
+            why = text_problem(text, 1000) if text else "it is empty"
+            if col == "layer" and name in seen:
+                why = f"it repeats the layer of line {seen[name] + 3}"
+            if why is not None:
+                raise ProfileError(
+                    f"{source}: column {col!r}, line {row + 3}: {shown(text, 40)} cannot be used: {why}"
+                )
         seen[name] = row
     for row, cell in enumerate(table["inputs"]):
         for name in (n for n in cell.split(";") if n and n != "nan"):

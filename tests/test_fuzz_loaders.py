@@ -226,8 +226,8 @@ def test_cli_bad_input_is_exit_2_and_one_stderr_line(tmp_path: Path) -> None:
     )
     assert (done.returncode, done.stdout) == (2, ""), done.stderr
     assert done.stderr.splitlines() == [
-        f"error: {bad}: nodes[0].name: '\\x1b[31m[/path:553]' must be at most 128 printable "
-        "characters (no newlines, tabs or terminal escapes)"
+        f"error: {bad}: nodes[0].name: '\\x1b[31m[/path:553]' cannot be a name: it is not "
+        "printable text (a newline, tab or terminal escape); rename it"
     ]
     deep = tmp_path / "deep.yaml"
     deep.write_text("[" * 100_000)

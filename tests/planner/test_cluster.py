@@ -179,7 +179,7 @@ BAD = [
     ),
     (
         'nodes:\n  - {name: "a\\nb\\e[31m", gpu: T4, count: 1}\n',
-        "nodes[0].name: 'a\\nb\\x1b[31m' must be at most 128 printable characters",
+        "nodes[0].name: 'a\\nb\\x1b[31m' cannot be a name: it is not printable text",
     ),
     (
         f"nodes:\n  - {{name: a, gpu: T4, count: 1, host: {'h' * 5000}}}\n",
@@ -239,12 +239,18 @@ def test_unreadable_cluster_is_one_line(tmp_path: Path) -> None:
         assert len(lines) == 1 and f"{path}: cannot read cluster file ({why}" in lines[0]
 
 
-def test_names_with_markup_are_shown_literally(tmp_path: Path) -> None:
+def test_names_with_style_tags_are_refused_and_others_shown_literally(tmp_path: Path) -> None:
+    """'[/x]' in a name would crash or restyle every table that prints it; 'gpu[0]' is fine."""
     path = tmp_path / "cluster.yaml"
-    path.write_text('nodes:\n  - {name: "[/path:553]", gpu: "[b]X", count: 1, memory: 1GiB}\n')
+    path.write_text('nodes:\n  - {name: "[/path:553]", gpu: T4, count: 1}\n')
+    with pytest.raises(ConfigError, match=re.escape("which the console would read as a style tag")):
+        load_cluster(path)
+    path.write_text(
+        'name: "c [0]"\nnodes:\n  - {name: "gpu[0]", gpu: "X[1]", count: 1, memory: 1GiB}\n'
+    )
     result = CliRunner().invoke(app, ["cluster", str(path)])
     assert result.exit_code == 0, result.output
-    assert "[/path:5" in result.output and "[b]X" in result.output
+    assert "gpu[0]" in result.output and "X[1]" in result.output and "c [0]" in result.output
 
 
 def test_bad_cluster_through_the_cli_exits_2_without_traceback(tmp_path: Path) -> None:

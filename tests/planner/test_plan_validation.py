@@ -258,9 +258,14 @@ BAD: list[tuple[str, Callable[[Doc], None], str]] = [
         "shards[1].layers: layer 'l1' is also in shard 0",
     ),
     (
+        "style_tag",
+        _set("virtual_workers[0].stages[0].first_layer", "[/path:553]"),
+        "stages[0].first_layer: '[/path:553]' cannot be used: it holds '[/path:553]'",
+    ),
+    (
         "control_chars",
         _set("model", "mlp\n\x1b[31m"),
-        r"model: 'mlp\n\x1b[31m' must be at most 1000 printable characters",
+        r"model: 'mlp\n\x1b[31m' cannot be used: it is not printable text",
     ),
     ("version", _set("version", 99), "plan version 99 is not supported"),
     ("cluster", _set("cluster.nodes[0].count", 0), "cluster: nodes[0].count"),

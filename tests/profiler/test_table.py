@@ -71,10 +71,21 @@ CELLS = [
         "column 'saved_bytes', layer 'a' (line 4): 9999999999999999999999999999999999999999 must be a whole number of bytes from 0 to 2**60",
     ),
     ("a", "act_bytes", "lots", "column 'act_bytes', layer 'a' (line 4): 'lots' must be a whole"),
-    ("b", "layer", "a", "column 'layer', line 5: 'a' repeats a layer name"),
+    (
+        "b",
+        "layer",
+        "a",
+        "column 'layer', line 5: 'a' cannot be used: it repeats the layer of line 4",
+    ),
     ("b", "inputs", "output", "layer 'b' (line 5): 'output' is not an earlier layer"),
     ("b", "inputs", "ghost", "layer 'b' (line 5): 'ghost' is not an earlier layer"),
-    ("b", "op", "\x1b[31mred", r"column 'op', line 5: '\x1b[31mred' must be printable text"),
+    ("b", "op", "[red]x", "column 'op', line 5: '[red]x' cannot be used: it holds '[red]'"),
+    (
+        "b",
+        "op",
+        "\x1b[31mred",
+        r"column 'op', line 5: '\x1b[31mred' cannot be used: it is not printable",
+    ),
 ]
 
 
@@ -97,7 +108,11 @@ META = [
     ('"batch_size": 8', '"batch_size": true', "metadata field batch_size: True is not"),
     ('"batch_size": 8', '"batch_size": "8"', "metadata field batch_size: '8' is not"),
     ('"batch_size": 8', '"batch_size": 1e400', "metadata field batch_size: inf is not"),
-    ('"model": "tiny"', '"model": "t\\niny"', r"metadata field model: 't\niny' is not printable"),
+    (
+        '"model": "tiny"',
+        '"model": "t\\niny"',
+        r"metadata field model: 't\niny' is not printable text",
+    ),
     ('"model": "tiny"', '"colour": "red"', "metadata field 'colour' is unknown"),
     ('"model": "tiny"', '"model": ["tiny"]', "metadata field model: ['tiny'] is not"),
     ('"extra": {', '"extra": [1], "x": {', "metadata field extra: [1] is not a JSON object"),
