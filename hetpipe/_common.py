@@ -60,7 +60,9 @@ def fail(message: str) -> typer.Exit:
 
 
 def handle_errors(fn: Callable[P, R]) -> Callable[P, R]:
-    """Turn :class:`HetPipeError` into one red line and exit code 2, never a traceback."""
+    """Turn :class:`HetPipeError` (and an ``OSError`` on a file the loaders did not catch, such
+    as an output folder that cannot be written) into one red line and exit code 2, never a
+    traceback."""
 
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -68,6 +70,10 @@ def handle_errors(fn: Callable[P, R]) -> Callable[P, R]:
             return fn(*args, **kwargs)
         except HetPipeError as exc:
             raise fail(str(exc)) from None
+        except OSError as exc:
+            if exc.filename is None:  # not about a file: a real failure, keep its traceback
+                raise
+            raise fail(f"{exc.filename}: {exc.strerror or exc}") from None
 
     return wrapper
 

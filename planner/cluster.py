@@ -38,7 +38,7 @@ from pydantic import (
 
 from profiler.catalog import lookup_gpu
 from profiler.errors import ConfigError, shown
-from profiler.inputs import load_document
+from profiler.inputs import load_document, text_problem
 from profiler.units import parse_bandwidth, parse_bytes, parse_seconds
 
 __all__ = [
@@ -173,16 +173,14 @@ class Cluster:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 def _name(v: object) -> object:
     """A name must be short, printable text (it is echoed on terminals and used as a label)."""
-    if isinstance(v, str) and (len(v) > MAX_NAME_CHARS or not v.isprintable()):
-        raise ValueError(
-            f"{shown(v)} must be at most {MAX_NAME_CHARS} printable characters "
-            "(no newlines, tabs or terminal escapes)"
-        )
+    problem = text_problem(v, MAX_NAME_CHARS) if isinstance(v, str) else None
+    if problem is not None:
+        raise ValueError(f"{shown(v)} cannot be a name: {problem}; rename it")
     return v
 
 

@@ -18,9 +18,11 @@ from typing import Any
 import yaml
 
 from planner.cluster import Cluster, parse_cluster
+from planner.plan_check import check_plan_document, validate_plan
 from planner.wsp import s_global, s_local
-from profiler.errors import PlanError
+from profiler.errors import ConfigError, PlanError, shown
 from profiler.files import atomic_write_text
+from profiler.inputs import load_document
 
 __all__ = [
     "PLAN_VERSION",
@@ -31,6 +33,7 @@ __all__ = [
     "StagePlan",
     "VirtualWorker",
     "load_plan",
+    "load_plan_or_cluster",
 ]
 
 PLAN_VERSION = 1
@@ -253,7 +256,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "<memory>") -> Plan:
-        """Inverse of :meth:`to_dict`.
+        """Inverse of :meth:`to_dict`; the result is checked by :func:`planner.plan_check.validate_plan`.
 
         Raises:
             PlanError: wrong version or a missing/invalid field, naming it.
@@ -261,9 +264,10 @@ class Plan:
         try:
             if d.get("version") != PLAN_VERSION:
                 raise PlanError(
-                    f"{source}: plan version {d.get('version')!r} is not supported (this hetpipe reads "
+                    f"{source}: plan version {shown(d.get('version'), 20)} is not supported (this hetpipe reads "
                     f"version {PLAN_VERSION}); re-run 'hetpipe plan'"
                 )
+            check_plan_document(d, source)
             vws = tuple(
                 VirtualWorker(
                     id=int(v["id"]),
@@ -280,7 +284,7 @@ class Plan:
                 for v in d["virtual_workers"]
             )
             pred = d["predicted"]
-            return cls(
+            plan = cls(
                 model=str(d["model"]),
                 batch_size=int(d["batch_size"]),
                 policy=str(d["policy"]),
@@ -309,10 +313,14 @@ class Plan:
             )
         except KeyError as exc:
             raise PlanError(
-                f"{source}: plan lacks field {exc} (truncated or not a hetpipe plan)"
+                f"{source}: plan lacks field {shown(exc.args[0], 40)} (truncated or not a hetpipe plan)"
             ) from None
-        except (TypeError, ValueError) as exc:
-            raise PlanError(f"{source}: malformed plan ({exc})") from None
+        except (TypeError, ValueError, AttributeError, OverflowError) as exc:
+            raise PlanError(
+                f"{source}: malformed plan ({type(exc).__name__}: {exc!s:.120})"
+            ) from None
+        validate_plan(plan, source)
+        return plan
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the plan atomically, as JSON if the name ends in ``.json``, else YAML."""
@@ -355,14 +363,21 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
         PlanError: unreadable, not a mapping, or invalid.
     """
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise PlanError(f"{p}: cannot read plan file ({exc.strerror or exc})") from exc
-    try:
-        data = yaml.safe_load(text)  # JSON is YAML
-    except yaml.YAMLError as exc:
-        raise PlanError(f"{p}: plan file is not valid YAML/JSON ({exc})") from None
+    data = load_document(p, "plan file", PlanError)
     if not isinstance(data, dict):
         raise PlanError(f"{p}: a plan file must be a mapping, got {type(data).__name__}")
     return Plan.from_dict(data, str(p))
+
+
+def load_plan_or_cluster(path: str | os.PathLike[str]) -> Plan | Cluster:
+    """Read a file that is either a plan (it has ``virtual_workers``) or a cluster.yaml.
+
+    Raises:
+        PlanError, ConfigError: unreadable or invalid, as :func:`load_plan` and
+            :func:`planner.cluster.load_cluster` report it.
+    """
+    p = Path(path)
+    data = load_document(p, "plan or cluster file", ConfigError)
+    if isinstance(data, dict) and "virtual_workers" in data:
+        return Plan.from_dict(data, str(p))
+    return parse_cluster(data, str(p))

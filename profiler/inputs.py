@@ -10,19 +10,49 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import yaml
 
-from profiler.errors import HetPipeError
+from profiler.errors import HetPipeError, shown
 
-__all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_VALUES", "load_document", "read_text"]
+__all__ = [
+    "MAX_DEPTH",
+    "MAX_FILE_BYTES",
+    "MAX_VALUES",
+    "load_document",
+    "read_text",
+    "text_problem",
+]
 
 MAX_FILE_BYTES = 64 * 2**20  # a plan of 10,000 GPUs is ~5 MB; larger input is not ours
 MAX_VALUES = 2_000_000  # values in a document with every YAML alias expanded
 MAX_DEPTH = 32  # nesting of mappings and lists (our files use at most 6)
 
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when built with it
+_STYLE_TAG = re.compile(r"\[[A-Za-z#/@][^\[\]]*\]")  # what rich reads as markup: [red], [/x]
+
+
+def text_problem(value: str, max_chars: int) -> str | None:
+    """Why ``value`` (a name from an input file) cannot be shown as-is on a terminal, or None.
+
+    Names are printed in tables and messages: they must be at most ``max_chars`` printable
+    characters (no newline, tab or terminal escape) without a console style tag like ``[red]``.
+
+    >>> text_problem("TITAN V", 20) is None
+    True
+    >>> text_problem("V[/x]", 20)
+    "it holds '[/x]', which the console would read as a style tag"
+    """
+    if len(value) > max_chars:
+        return f"it is longer than {max_chars} characters"
+    if not value.isprintable():
+        return "it is not printable text (a newline, tab or terminal escape)"
+    tag = _STYLE_TAG.search(value)
+    if tag is not None:
+        return f"it holds {shown(tag.group(), 20)}, which the console would read as a style tag"
+    return None
 
 
 def read_text(path: str | os.PathLike[str], what: str, error: type[HetPipeError]) -> str:
@@ -44,15 +74,15 @@ def read_text(path: str | os.PathLike[str], what: str, error: type[HetPipeError]
         raise error(f"{p}: cannot read {what} ({exc.strerror or type(exc).__name__})") from None
     if len(data) > MAX_FILE_BYTES:
         raise error(
-            f"{p}: {what} is larger than {MAX_FILE_BYTES // 2**20} MiB; is it the right file?"
+            f"{p}: cannot read {what}: larger than {MAX_FILE_BYTES // 2**20} MiB (the wrong file?)"
         )
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
         raise error(
-            f"{p}: {what} is not UTF-8 text (byte {data[exc.start]:#04x} at line {line}); "
-            "save it as UTF-8"
+            f"{p}: cannot read {what}: not UTF-8 text (byte {data[exc.start]:#04x} at line "
+            f"{line}); save it as UTF-8"
         ) from None
 
 
@@ -82,6 +112,10 @@ def load_document(path: str | os.PathLike[str], what: str, error: type[HetPipeEr
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or type(exc).__name__
         raise error(f"{p}: YAML syntax error{where} ({what}): {problem}") from None
+    except (ValueError, OverflowError, TypeError) as exc:  # a scalar no type can hold
+        raise error(
+            f"{p}: {what} holds a value that cannot be read ({type(exc).__name__}: {exc!s:.100})"
+        ) from None
     _check_size(data, p, what, error)
     return data
 

@@ -24,8 +24,10 @@ from pathlib import Path
 import networkx as nx
 import pandas as pd
 
-from profiler.errors import ProfileError
-from profiler.table import COLUMNS, Profile, ProfileMeta
+from profiler.errors import ProfileError, shown
+from profiler.inputs import read_text
+from profiler.table import COLUMNS, Profile, ProfileMeta, check_table
+from profiler.units import MAX_BYTES
 
 __all__ = ["PipeDreamNode", "import_pipedream", "parse_graph_txt"]
 
@@ -81,10 +83,12 @@ class PipeDreamNode:
 def _number(text: str, field: str, where: str) -> float:
     try:
         value = float(text)
-    except ValueError as exc:
-        raise ProfileError(f"{where}: field {field} has non-numeric value {text!r}") from exc
-    if value != value or value < 0:  # NaN or negative
-        raise ProfileError(f"{where}: field {field} must be a non-negative number, got {text!r}")
+    except ValueError:
+        raise ProfileError(f"{where}: field {field} has non-numeric value {shown(text)}") from None
+    if not 0 <= value <= MAX_BYTES:  # NaN, infinite, negative or absurd
+        raise ProfileError(
+            f"{where}: field {field} must be a finite number from 0 to 2**60, got {shown(text)}"
+        )
     return value
 
 
@@ -195,11 +199,7 @@ def import_pipedream(
         ProfileError: the file is unreadable or malformed.
     """
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise ProfileError(f"{p}: cannot read PipeDream graph ({reason})") from exc
+    text = read_text(p, "PipeDream graph", ProfileError)
     nodes, edges = parse_graph_txt(text, str(p))
     by_id = {n.node_id: n for n in nodes}
     preds: dict[str, list[str]] = {n: [] for n in by_id}
@@ -243,7 +243,7 @@ def import_pipedream(
             "flops": 0.0,
         }
     )
-    table = pd.DataFrame(rows, columns=list(COLUMNS)).astype(COLUMNS)
+    table = check_table(pd.DataFrame(rows, columns=list(COLUMNS)), str(p))
     meta = ProfileMeta(
         model=p.parent.name if p.name == "graph.txt" else p.stem,
         device_type=device_type,

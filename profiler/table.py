@@ -25,22 +25,27 @@ Columns (units in the names):
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
-from profiler.errors import ProfileError
+from profiler.errors import ProfileError, shown
 from profiler.files import atomic_write_text
+from profiler.inputs import read_text, text_problem
+from profiler.units import MAX_BYTES
 
 __all__ = [
     "COLUMNS",
     "Profile",
     "ProfileMeta",
+    "check_table",
     "load_profile",
     "load_profile_set",
 ]
@@ -151,55 +156,130 @@ class Profile:
 
 
 def load_profile(path: str | os.PathLike[str]) -> Profile:
-    """Read a profile written by :meth:`Profile.save`.
+    """Read a profile written by :meth:`Profile.save`, checking every value.
 
     Raises:
-        ProfileError: the file is missing, unreadable, truncated or not a hetpipe profile.
+        ProfileError: the file is missing, unreadable, truncated, not a hetpipe profile, or holds
+            a value out of range (see :func:`check_table`); one line naming the file and field.
     """
     p = Path(path)
+    text = read_text(p, "profile", ProfileError)
+    first, _, body = text.partition("\n")
+    if not first.startswith(_MAGIC):
+        raise ProfileError(
+            f"{p}: not a hetpipe profile (first line must start with {_MAGIC.strip()!r})"
+        )
     try:
-        with p.open(encoding="utf-8") as fh:
-            first = fh.readline()
-            if not first.startswith(_MAGIC):
-                raise ProfileError(
-                    f"{p}: not a hetpipe profile (first line must start with {_MAGIC.strip()!r})"
-                )
-            meta_raw = json.loads(first[len(_MAGIC) :])
-            table = pd.read_csv(
-                fh, dtype={"layer": str, "op": str, "inputs": str}, keep_default_na=False
-            )
-    except OSError as exc:
-        raise ProfileError(f"{p}: cannot read profile ({exc.strerror or exc})") from exc
-    except (
-        json.JSONDecodeError,
-        pd.errors.ParserError,
-        pd.errors.EmptyDataError,
-        UnicodeDecodeError,
-    ) as exc:
-        raise ProfileError(f"{p}: malformed profile ({type(exc).__name__}: {exc})") from exc
+        meta_raw = json.loads(first[len(_MAGIC) :])
+    except (ValueError, RecursionError) as exc:
+        raise ProfileError(f"{p}: line 1: the metadata is not valid JSON ({exc!s:.80})") from None
+    meta = _meta(meta_raw, p)
     try:
-        meta = ProfileMeta(**meta_raw)
-    except TypeError as exc:
-        raise ProfileError(f"{p}: malformed profile metadata ({exc})") from exc
+        table = pd.read_csv(
+            io.StringIO(body),
+            dtype={"layer": str, "op": str, "inputs": str},
+            keep_default_na=False,
+            engine="c",
+        )
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, ValueError, OverflowError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ProfileError(f"{p}: malformed profile table ({reason:.120})") from None
     missing = [c for c in COLUMNS if c not in table.columns]
     if missing:
         raise ProfileError(f"{p}: profile lacks columns {missing} (truncated or foreign file?)")
-    try:
-        for col, dtype in COLUMNS.items():
-            if dtype != "str":
-                table[col] = pd.to_numeric(table[col], errors="raise").astype(dtype)
-    except (ValueError, TypeError) as exc:
-        raise ProfileError(f"{p}: column {col!r} holds a non-numeric value ({exc})") from exc
-    if table.empty:
-        raise ProfileError(f"{p}: profile has no layers")
+    table = check_table(table, str(p))
     extra = dict(meta.extra)
     rows = extra.pop("rows", None)
     if rows is not None and rows != len(table):
         raise ProfileError(
-            f"{p}: profile is truncated ({len(table)} of {rows} layer rows); re-create it"
+            f"{p}: profile is truncated ({len(table)} of {shown(rows)} layer rows); re-create it"
         )
-    meta = replace(meta, extra=extra)
-    return Profile(table, meta)
+    return Profile(table, replace(meta, extra=extra))
+
+
+def _meta(raw: object, p: Path) -> ProfileMeta:
+    """The metadata line's fields, type- and range-checked."""
+    if not isinstance(raw, dict):
+        raise ProfileError(f"{p}: line 1: the metadata must be a JSON object")
+    names = {f.name: f for f in fields(ProfileMeta)}
+    for key, value in raw.items():
+        f = names.get(key)
+        if f is None:
+            raise ProfileError(f"{p}: metadata field {shown(key, 40)} is unknown; remove it")
+        ok = {
+            "str": lambda v: isinstance(v, str) and text_problem(v, 1000) is None,
+            "int": lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 2**31,
+        }.get(str(f.type), lambda v: isinstance(v, dict))(value)
+        if not ok:
+            want = {"int": "a whole number from 1", "str": "printable text without [tags]"}.get(
+                str(f.type), "a JSON object"
+            )
+            raise ProfileError(f"{p}: metadata field {key}: {shown(value)} is not {want}")
+    try:
+        return ProfileMeta(**raw)
+    except TypeError as exc:
+        raise ProfileError(f"{p}: malformed profile metadata ({exc})") from None
+
+
+def check_table(table: pd.DataFrame, source: str) -> pd.DataFrame:
+    """Convert and range-check a profile table's columns (schema in this module's docstring).
+
+    Times and FLOPs must be finite and non-negative, byte counts whole, non-negative and at most
+    2**60; layer names non-empty, printable and unique; every input an earlier layer.
+
+    Returns:
+        The table with every numeric column of its declared dtype.
+
+    Raises:
+        ProfileError: one line naming ``source``, the column, the row's layer and the value.
+    """
+    if table.empty:
+        raise ProfileError(f"{source}: profile has no layers")
+    table = table.copy()
+    for col, dtype in COLUMNS.items():
+        if dtype == "str":
+            table[col] = table[col].astype(dtype)
+            continue
+        values = pd.to_numeric(table[col], errors="coerce").astype("float64")
+        bad = ~np.isfinite(values) | (values < 0)
+        if dtype == "int64":
+            bad |= (values > MAX_BYTES) | (values != np.floor(values))
+        if bad.any():
+            row = int(np.argmax(bad.to_numpy()))
+            layer = shown(str(table["layer"].iloc[row]), 40)
+            kind = (
+                "a whole number of bytes from 0 to 2**60"
+                if dtype == "int64"
+                else "a finite number >= 0"
+            )
+            cell = table[col].iloc[row]
+            cell = cell.item() if isinstance(cell, np.generic) else cell
+            raise ProfileError(
+                f"{source}: column {col!r}, layer {layer} (line {row + 3}): "
+                f"{shown(cell, 40)} must be {kind}"
+            )
+        table[col] = values.astype(dtype)
+    names = table["layer"].tolist()
+    seen: dict[str, int] = {}
+    for row, (name, op) in enumerate(zip(names, table["op"], strict=True)):
+        for col, text in (("layer", name), ("op", op)):
+            why = text_problem(text, 1000) if text else "it is empty"
+            if col == "layer" and name in seen:
+                why = f"it repeats the layer of line {seen[name] + 3}"
+            if why is not None:
+                raise ProfileError(
+                    f"{source}: column {col!r}, line {row + 3}: {shown(text, 40)} cannot be used: {why}"
+                )
+        seen[name] = row
+    for row, cell in enumerate(table["inputs"]):
+        for name in (n for n in cell.split(";") if n and n != "nan"):
+            if seen.get(name, row) >= row:
+                raise ProfileError(
+                    f"{source}: column 'inputs', layer {shown(names[row], 40)} (line {row + 3}): "
+                    f"{shown(name, 40)} is not an earlier layer (the rows must be in "
+                    "topological order)"
+                )
+    return table
 
 
 def load_profile_set(paths: Iterable[str | os.PathLike[str]]) -> list[Profile]:

@@ -9,11 +9,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-import yaml
 
 from hetpipe._common import console, handle_errors
-from planner.cluster import load_cluster
-from planner.plan import Plan, load_plan
+from planner.plan import Plan, load_plan, load_plan_or_cluster
+from planner.plan_check import check_plan_layers
 from profiler.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -43,15 +42,14 @@ def _load(
     D: int,
     policy: str | None = None,
 ) -> Plan:
-    """The plan in ``path``, or a plan made on the fly for the cluster in ``path`` with the
-    planner's defaults (the same as ``hetpipe plan``), or a hand cut into ``--stages``."""
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path}: cannot read ({type(exc).__name__})") from None
-    if isinstance(data, dict) and "virtual_workers" in data:
-        return load_plan(path)
-    cluster = load_cluster(path)
+    """The plan in ``path`` (checked against its model), or a plan made on the fly for the
+    cluster in ``path`` with the planner's defaults (the same as ``hetpipe plan``), or a hand
+    cut into ``--stages``."""
+    doc = load_plan_or_cluster(path)
+    if isinstance(doc, Plan):
+        _check_against_model(doc, path)
+        return doc
+    cluster = doc
     if stages:
         if vws > 1 or policy is not None:
             raise ConfigError("--stages hand-cuts one VW; drop --stages, or drop --vws/--policy")
@@ -70,6 +68,18 @@ def _load(
         policy=policy,
         D=D,
     )
+
+
+def _check_against_model(plan: Plan, path: Path) -> None:
+    """Refuse, before any process starts, a plan whose stage boundaries or shard layers are not
+    its model's (a plan made for another model, or edited by hand)."""
+    from profiler.graph import ModelGraph
+    from runtime.config import ModelSource
+    from runtime.model import resolve_source
+
+    spec = resolve_source(ModelSource(ref=plan.model), plan.batch_size, meta=True)
+    names = [layer.name for layer in ModelGraph.from_spec(spec).layers]
+    check_plan_layers(plan, names, str(path), f"model {plan.model!r}")
 
 
 @handle_errors
@@ -321,17 +331,14 @@ def _load_allreduce(path: Path, model: str | None, batch_size: int, cfg: Optimiz
     :func:`planner.baseline.allreduce_plan` on its cluster (a plan file's model and batch)."""
     from planner.baseline import allreduce_plan
 
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path}: cannot read ({type(exc).__name__})") from None
-    if isinstance(data, dict) and "virtual_workers" in data:
-        given = load_plan(path)
-        if given.sync == "allreduce":
-            return given
-        cluster, model, batch_size = given.cluster, given.model, given.batch_size
+    doc = load_plan_or_cluster(path)
+    if isinstance(doc, Plan):
+        if doc.sync == "allreduce":
+            _check_against_model(doc, path)
+            return doc
+        cluster, model, batch_size = doc.cluster, doc.model, doc.batch_size
     else:
-        cluster = load_cluster(path)
+        cluster = doc
     return allreduce_plan(cluster, model or "mlp", batch_size, optimizer=cfg.memory_class)
 
 

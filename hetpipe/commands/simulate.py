@@ -6,10 +6,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from hetpipe._common import console, handle_errors
 from planner.plan import Plan, load_plan
+from planner.plan_check import check_plan_layers
 from profiler.errors import ConfigError, HetPipeError
 
 if TYPE_CHECKING:
@@ -52,9 +54,11 @@ def simulate(
         raise ConfigError(f"--baseline {baseline!r}: the only baseline is 'allreduce'")
     if gantt is not None and gantt.suffix.lower() not in (".png", ".svg"):
         raise ConfigError(f"--gantt {gantt}: use a .png or .svg file name")
-    plan = load_plan(plan_path)
+    plan = load_plan(plan_path)  # validated: coverage, GPUs, memory, Nm, batch, finite times
     by_type: dict[str, Profile] = {}
     for prof in load_profile_set(profiles or []):
+        what = f"the --profiles profile of {prof.meta.model!r} on {prof.meta.device_type!r}"
+        check_plan_layers(plan, prof.layers, str(plan_path), what)
         by_type.setdefault(prof.meta.device_type, prof)
     source = "--profiles" if by_type else ""
     if not by_type:
@@ -68,7 +72,7 @@ def simulate(
         f"{plan.model} (batch {plan.batch_size}), policy {plan.policy}, Nm={plan.nm}, D={plan.D}, "
         f"placement {plan.placement}: {len(plan.virtual_workers)} VWs, {waves} waves"
     )
-    vt = Table(title=title)
+    vt = Table(title=escape(title))
     for col in (
         "VW",
         "GPUs",
@@ -83,7 +87,7 @@ def simulate(
     for i, vw in enumerate(plan.virtual_workers):
         vt.add_row(
             str(vw.id),
-            vw.signature,
+            escape(vw.signature),
             f"{res.per_vw_throughput[i]:.1f}",
             f"{res.waiting_s[i]:.3f}",
             f"{res.idle_s[i]:.3f}",

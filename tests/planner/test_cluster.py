@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -147,6 +148,51 @@ BAD = [
         "nodes:\n  - {name: a, gpu: T4, count: 1, emulate: {speed: 0.2}}\n",
         "nodes[0].emulate.memory: Field required",
     ),
+    # range checks: finite, positive, sane units, printable bounded names
+    (
+        "nodes:\n  - {name: a, gpu: TITAN V, count: 1, memory: 1e400GiB}\n",
+        "nodes[0].memory: a size in bytes (e.g. 12GiB) must be a finite number, got '1e400GiB'",
+    ),
+    (
+        "nodes:\n  - {name: a, gpu: TITAN V, count: 1, memory: 4e9TiB}\n",
+        "nodes[0].memory: a size in bytes (e.g. 12GiB) must be at most 1 EiB",
+    ),
+    (
+        "nodes:\n  - {name: a, gpu: TITAN V, count: 1}\nlinks:\n  inter_node: {bandwidth: .nan}\n",
+        "links.inter_node.bandwidth: a bandwidth (e.g. 15.75GB/s or 56Gbit/s) must be a finite number, got nan",
+    ),
+    (
+        "nodes:\n  - {name: a, gpu: TITAN V, count: 1}\nlinks:\n  intra_node: {bandwidth: .inf}\n",
+        "links.intra_node.bandwidth: a bandwidth (e.g. 15.75GB/s or 56Gbit/s) must be a finite number, got inf",
+    ),
+    (
+        "nodes:\n  - {name: a, gpu: TITAN V, count: 1}\nlinks:\n  intra_node: {bandwidth: 1GB/s, latency: -.inf}\n",
+        "links.intra_node.latency: a duration (e.g. 5us or 0.2ms) must be a finite number",
+    ),
+    (
+        "nodes:\n  - {name: a, gpu: T4, count: 1, emulate: {speed: 0.2, memory: 32GiB}}\n",
+        "nodes[0].emulate.memory: 34359738368 bytes is more than the T4's own 17179869184 bytes",
+    ),
+    (
+        "nodes:\n  - {name: a, gpu: T4, count: 1, emulate: {speed: .nan, memory: 1GiB}}\n",
+        "nodes[0].emulate.speed: Input should be a finite number",
+    ),
+    (
+        'nodes:\n  - {name: "a\\nb\\e[31m", gpu: T4, count: 1}\n',
+        "nodes[0].name: 'a\\nb\\x1b[31m' cannot be a name: it is not printable text",
+    ),
+    (
+        f"nodes:\n  - {{name: a, gpu: T4, count: 1, host: {'h' * 5000}}}\n",
+        "nodes[0].host: 'hhhhhhhhhh",
+    ),
+    ("[" * 10_000 + "]" * 10_000, "cluster file is nested too deeply (at most 32 levels)"),
+    (
+        "a: &a [x, x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+        "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]\nd: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]\n"
+        "e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]\nf: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e, *e]\n"
+        "g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f, *f]\nnodes: *g\n",
+        "holds more than 2,000,000 values once its YAML aliases are expanded",
+    ),
 ]
 
 
@@ -160,6 +206,51 @@ def test_bad_cluster_is_one_clear_line(tmp_path: Path, text: str, fragment: str)
     assert "\n" not in message
     assert message.startswith(str(path))
     assert fragment in message
+
+
+def test_host_echo_is_cut(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.yaml"
+    path.write_text(BAD[-3][0])
+    with pytest.raises(ConfigError) as info:
+        load_cluster(path)
+    assert len(str(info.value)) < 400  # the 5,000-character host is not echoed whole
+
+
+@pytest.mark.parametrize(
+    ("data", "fragment"),
+    [
+        (b"nodes:\n  - {name: \xe9, gpu: T4, count: 1}\n", "not UTF-8 text (byte 0xe9 at line 2)"),
+        (bytes(range(256)), "not UTF-8 text (byte 0x80 at line 2)"),
+        (b"\x00\x01\x02 binary", "YAML syntax error"),
+    ],
+)
+def test_non_text_cluster_is_one_line(tmp_path: Path, data: bytes, fragment: str) -> None:
+    path = tmp_path / "cluster.yaml"
+    path.write_bytes(data)
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        load_cluster(path)
+
+
+def test_unreadable_cluster_is_one_line(tmp_path: Path) -> None:
+    for path, why in ((tmp_path / "none.yaml", "No such file"), (tmp_path, "Is a directory")):
+        result = CliRunner().invoke(app, ["cluster", str(path)])
+        assert result.exit_code == 2
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1 and f"{path}: cannot read cluster file ({why}" in lines[0]
+
+
+def test_names_with_style_tags_are_refused_and_others_shown_literally(tmp_path: Path) -> None:
+    """'[/x]' in a name would crash or restyle every table that prints it; 'gpu[0]' is fine."""
+    path = tmp_path / "cluster.yaml"
+    path.write_text('nodes:\n  - {name: "[/path:553]", gpu: T4, count: 1}\n')
+    with pytest.raises(ConfigError, match=re.escape("which the console would read as a style tag")):
+        load_cluster(path)
+    path.write_text(
+        'name: "c [0]"\nnodes:\n  - {name: "gpu[0]", gpu: "X[1]", count: 1, memory: 1GiB}\n'
+    )
+    result = CliRunner().invoke(app, ["cluster", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "gpu[0]" in result.output and "X[1]" in result.output and "c [0]" in result.output
 
 
 def test_bad_cluster_through_the_cli_exits_2_without_traceback(tmp_path: Path) -> None:
