@@ -72,6 +72,11 @@ def _unit(span_ms: float) -> tuple[str, float]:
     return ("s", 1e3) if span_ms >= 2000 else ("ms", 1.0)
 
 
+def _num(x: float) -> str:
+    """A time for the title: ``1,500`` or ``11.35``, never ``1.5e+03``."""
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.4g}"
+
+
 def write_gantt(
     trace: Sequence[TraceEvent],
     path: str | os.PathLike[str],
@@ -145,8 +150,8 @@ def write_gantt(
     ax.set_xlim(from_ms / scale, end / scale)
     ax.set_ylim(-0.6, len(rows) - 0.4)
     ax.set_xlabel(f"time ({unit})")
-    shown = f"{from_ms / scale:.3g}-{end / scale:.4g} {unit}"
-    whole = f"{total / 1e3:.3g} s" if total >= 2000 else f"{total:.4g} ms"
+    shown = f"{_num(from_ms / scale)}-{_num(end / scale)} {unit}"
+    whole = f"{_num(total / 1e3)} s" if total >= 2000 else f"{_num(total)} ms"
     ax.set_title(f"{title}\ntime window {shown} of a {whole} trace", fontsize=9)
     used = sorted({cat for _, cat in bars}, key=list(COLORS).index)
     handles = [
