@@ -71,10 +71,6 @@ log = logging.getLogger(__name__)
 _DONE, _PUSHED, _PULLED = 0, 1, 2  # event codes
 _NO_LINK = -1
 
-# What a task of one stage costs: (receive ms, id of the sender's link or _NO_LINK, compute ms,
-# cross-node bytes received). Precomputed per stage so an event does no spec lookups.
-_Cost = tuple[float, int, float, int]
-
 
 class _Links:
     """When each link is free next (ms), by integer id: every GPU's own link and every node's
@@ -98,29 +94,79 @@ class _Links:
         return self._cards[node]
 
 
+class _Stage:
+    """One GPU of a VW during a run: its task queue, what its tasks cost and its compute
+    intervals, in one object so that an event touches few cache lines (see docs/simulator.md,
+    *Scale*)."""
+
+    __slots__ = (
+        "b_bytes",
+        "b_comp",
+        "b_link",
+        "b_recv",
+        "ends",
+        "f_bytes",
+        "f_comp",
+        "f_link",
+        "f_recv",
+        "forward_kind",
+        "max_in_flight",
+        "own_link",
+        "push_card",
+        "queue",
+        "starts",
+    )
+
+    def __init__(self, spec: PipelineSpec, v: int, s: int, links: _Links, own: list[int]) -> None:
+        n, nodes = spec.n_stages, spec.nodes
+
+        def sender(src: int, recv: float) -> int:
+            """The link a transfer from stage ``src`` to this stage occupies."""
+            if not recv > 0.0:
+                return _NO_LINK
+            return links.card(nodes[src]) if nodes and nodes[src] != nodes[s] else own[src]
+
+        self.queue = StageQueue(s, n)
+        self.forward_kind = self.queue.forward_kind
+        self.own_link = own[s]
+        inter = spec.push_inter_ms
+        self.push_card = (
+            links.card(nodes[s] if nodes else f"{v}/{s}") if inter and inter[s] > 0.0 else _NO_LINK
+        )
+        # forward (or the last stage's FB) and backward tasks: receive ms, the sender's link,
+        # compute ms, cross-node bytes received
+        fwd, bwd, xb = spec.fwd_ms, spec.bwd_ms, spec.cross_recv_bytes
+        self.f_recv = spec.recv_fwd_ms[s]
+        self.f_link = sender(s - 1, self.f_recv) if s > 0 else _NO_LINK
+        self.f_comp = fwd[s] + (bwd[s] if s == n - 1 else 0.0)
+        self.f_bytes = xb[s] if s > 0 else 0
+        last = s == n - 1  # the last stage has no backward task
+        self.b_recv = 0.0 if last else spec.recv_bwd_ms[s]
+        self.b_link = _NO_LINK if last else sender(s + 1, self.b_recv)
+        self.b_comp = 0.0 if last else bwd[s]
+        self.b_bytes = 0 if last else xb[s + 1]
+        # compute intervals in time order (one task at a time): flat arrays, not tuples, so
+        # 10,000 GPUs x 400 tasks stay small and outside the garbage collector
+        self.starts = array("d")
+        self.ends = array("d")
+        self.max_in_flight = 0
+
+
 class _VW:
     """Mutable per-VW state of one simulation run (private to the event loop)."""
 
     __slots__ = (
         "admitted",
-        "busy_end",
-        "busy_start",
-        "bwd_cost",
         "completions",
-        "forward_kind",
-        "fwd_cost",
         "in_flight",
-        "max_in_flight",
         "n",
         "need",
         "next_push_wave",
-        "own_link",
         "pulled",
         "pulling",
-        "push_card",
         "pushed",
-        "queues",
         "spec",
+        "stages",
         "v",
         "wait_start",
         "waits",
@@ -131,36 +177,8 @@ class _VW:
         self.v = v
         self.spec = spec
         self.n = n
-        self.queues = [StageQueue(s, n) for s in range(n)]
-        self.forward_kind = [q.forward_kind for q in self.queues]
         own = links.new(n)
-        self.own_link = own
-        nodes = spec.nodes
-
-        def sender(src: int, s: int, recv: float) -> int:
-            if not recv > 0.0:
-                return _NO_LINK
-            return links.card(nodes[src]) if nodes and nodes[src] != nodes[s] else own[src]
-
-        fwd, bwd, xb = spec.fwd_ms, spec.bwd_ms, spec.cross_recv_bytes
-        self.fwd_cost: list[_Cost] = [
-            (
-                spec.recv_fwd_ms[s],
-                sender(s - 1, s, spec.recv_fwd_ms[s]) if s > 0 else _NO_LINK,
-                fwd[s] + (bwd[s] if s == n - 1 else 0.0),
-                xb[s] if s > 0 else 0,
-            )
-            for s in range(n)
-        ]
-        self.bwd_cost: list[_Cost] = [
-            (spec.recv_bwd_ms[s], sender(s + 1, s, spec.recv_bwd_ms[s]), bwd[s], xb[s + 1])
-            for s in range(n - 1)
-        ]
-        inter = spec.push_inter_ms
-        self.push_card = [
-            links.card(nodes[s] if nodes else f"{v}/{s}") if inter and inter[s] > 0.0 else _NO_LINK
-            for s in range(n)
-        ]
+        self.stages = [_Stage(spec, v, s, links, own) for s in range(n)]
         self.admitted = 0
         self.in_flight = 0
         self.pulled = 0  # global clock held locally
@@ -170,12 +188,7 @@ class _VW:
         self.pushed = [0]  # per wave: stages whose push arrived
         self.next_push_wave = 0
         self.completions: list[float] = []
-        # compute intervals per stage, in time order (one task at a time): flat arrays, not
-        # tuples, so 10,000 GPUs x 400 tasks stay small and outside the garbage collector
-        self.busy_start = [array("d") for _ in range(n)]
-        self.busy_end = [array("d") for _ in range(n)]
         self.waits: list[tuple[float, float]] = []
-        self.max_in_flight = [0] * n
 
 
 class _Sim:
@@ -217,14 +230,15 @@ class _Sim:
                 else:
                     self._pulled(w, t, now)
                 continue
-            queues = w.queues
-            queues[s].done(t)
+            stages = w.stages
+            stages[s].queue.done(t)
             kind = t.kind
             if kind is F:
-                queues[s + 1].ready(Task(s + 1, w.forward_kind[s + 1], t.mb))
+                nxt = stages[s + 1]
+                nxt.queue.ready(Task(s + 1, nxt.forward_kind, t.mb))
                 dispatch(w, s + 1, now)
             elif s > 0:
-                queues[s - 1].ready(Task(s - 1, B, t.mb))
+                stages[s - 1].queue.ready(Task(s - 1, B, t.mb))
                 dispatch(w, s - 1, now)
             if kind is not F and t.mb % nm == 0:
                 self._push(w, s, t.mb // nm - 1, now)
@@ -252,7 +266,8 @@ class _Sim:
                 break
             w.admitted += 1
             w.in_flight += 1
-            w.queues[0].ready(Task(0, w.forward_kind[0], mb))
+            first = w.stages[0]
+            first.queue.ready(Task(0, first.forward_kind, mb))
         self._dispatch(w, 0, now)
 
     def _start_pull(self, w: _VW, now: float) -> None:
@@ -275,11 +290,12 @@ class _Sim:
 
     def _push(self, w: _VW, s: int, wave: int, now: float) -> None:
         free = self.links.free
-        own = w.own_link[s]
+        st = w.stages[s]
+        own = st.own_link
         start = free[own] if free[own] > now else now
         end = start + w.spec.push_ms[s]
         free[own] = end
-        card = w.push_card[s]
+        card = st.push_card
         if card != _NO_LINK:
             end = (free[card] if free[card] > end else end) + w.spec.push_inter_ms[s]
             free[card] = end
@@ -308,14 +324,18 @@ class _Sim:
 
     def _dispatch(self, w: _VW, s: int, now: float) -> None:
         """Start stage ``s``'s next task if its queue allows one: receive, then compute."""
-        q = w.queues[s]
+        st = w.stages[s]
+        q = st.queue
         t = q.next()
         if t is None:
             return
         held = q.in_flight
-        if held > w.max_in_flight[s]:
-            w.max_in_flight[s] = held
-        recv, link, comp, xbytes = (w.bwd_cost if t.kind is Kind.B else w.fwd_cost)[s]
+        if held > st.max_in_flight:
+            st.max_in_flight = held
+        if t.kind is Kind.B:
+            recv, link, comp, xbytes = st.b_recv, st.b_link, st.b_comp, st.b_bytes
+        else:
+            recv, link, comp, xbytes = st.f_recv, st.f_link, st.f_comp, st.f_bytes
         start = now
         if link != _NO_LINK:  # the transfer waits for the sender's link (FIFO)
             free = self.links.free
@@ -327,8 +347,8 @@ class _Sim:
         self.cross_bytes += xbytes
         c0 = start + recv
         end = c0 + comp
-        w.busy_start[s].append(c0)
-        w.busy_end[s].append(end)
+        st.starts.append(c0)
+        st.ends.append(end)
         if self.record:
             self.trace.append(TraceEvent(w.v, s, t.kind.value, t.mb, c0, end))
         heapq.heappush(self.heap, (end, next(self.seq), _DONE, w, s, t))
@@ -346,14 +366,14 @@ class _Sim:
             else (min(c[self.nm - 1] for c in comps), max(c[-1] for c in comps))
         )
         busy = tuple(
-            tuple(
-                busy_ms(a, b, lo, hi) / (hi - lo)
-                for a, b in zip(w.busy_start, w.busy_end, strict=True)
-            )
+            tuple(busy_ms(st.starts, st.ends, lo, hi) / (hi - lo) for st in w.stages)
             for w in self.vws
         )
         waiting = tuple(sum(b - a for a, b in w.waits) / 1e3 for w in self.vws)
-        idle = tuple(idle_ms(w.waits, w.busy_start, w.busy_end) / 1e3 for w in self.vws)
+        idle = tuple(
+            idle_ms(w.waits, [st.starts for st in w.stages], [st.ends for st in w.stages]) / 1e3
+            for w in self.vws
+        )
         return SimResult(
             throughput=thr,
             per_vw_throughput=tuple(
@@ -364,7 +384,7 @@ class _Sim:
             gpu_busy=busy,
             waiting_s=waiting,
             idle_s=idle,
-            max_in_flight=tuple(tuple(w.max_in_flight) for w in self.vws),
+            max_in_flight=tuple(tuple(st.max_in_flight for st in w.stages) for w in self.vws),
             cross_node_bytes=self.cross_bytes,
             max_clock_distance=self.max_distance,
             events=self.events,
