@@ -35,7 +35,7 @@ class Kind(str, Enum):
     FB = "FB"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Task:
     """One unit of work of a stage.
 
@@ -81,6 +81,19 @@ class StageQueue:
         stage: 0-based stage index.
         n_stages: number of stages of the pipeline (``stage == n_stages - 1`` is the last).
     """
+
+    __slots__ = (
+        "_forward_kind",
+        "_in_flight",
+        "_next_b",
+        "_next_f",
+        "_ready",
+        "_running",
+        "_seq",
+        "is_last",
+        "n_stages",
+        "stage",
+    )
 
     def __init__(self, stage: int, n_stages: int) -> None:
         if not 0 <= stage < n_stages:
