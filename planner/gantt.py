@@ -137,10 +137,17 @@ def write_gantt(
                 hatch="//",
                 linewidth=0.5,
             )
-        elif cat in _LANE or cat == "wait":  # beneath the compute bar, never over it
-            hatch = {"hatch": "//", "facecolors": "none", "edgecolors": COLORS[cat]}
-            style = hatch if cat == "wait" else {"facecolors": COLORS[cat]}
-            ax.broken_barh(spans, (y - 0.42, 0.27), linewidth=0.0, **style)  # type: ignore[arg-type]
+        elif cat == "wait":  # a stage's own wait: in the lane beneath, never over compute
+            ax.broken_barh(
+                spans,
+                (y - 0.42, 0.27),
+                facecolors="none",
+                edgecolors=COLORS[cat],
+                hatch="//",
+                linewidth=0.0,
+            )
+        elif cat in _LANE:
+            ax.broken_barh(spans, (y - 0.42, 0.27), facecolors=COLORS[cat], linewidth=0.0)
         else:
             ax.broken_barh(
                 spans, (y - 0.1, 0.5), facecolors=COLORS[cat], edgecolors="black", linewidth=0.2
