@@ -12,6 +12,7 @@ from hetpipe.commands import plan as plan_cmd
 from hetpipe.commands import profile as profile_cmd
 from hetpipe.commands import run as run_cmd
 from hetpipe.commands import simulate as simulate_cmd
+from hetpipe.commands import timeline as timeline_cmd
 
 __all__ = ["app", "main"]
 
@@ -30,6 +31,7 @@ app.command("plan", help=plan_cmd.HELP)(plan_cmd.plan)
 app.command("simulate", help=simulate_cmd.HELP)(simulate_cmd.simulate)
 app.command("run", help=run_cmd.HELP)(run_cmd.run)
 app.command("cluster", help=cluster_cmd.HELP)(cluster_cmd.cluster)
+app.command("timeline", help=timeline_cmd.HELP)(timeline_cmd.timeline)
 
 
 def main() -> None:

@@ -35,7 +35,7 @@ class Kind(str, Enum):
     FB = "FB"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Task:
     """One unit of work of a stage.
 
@@ -82,14 +82,29 @@ class StageQueue:
         n_stages: number of stages of the pipeline (``stage == n_stages - 1`` is the last).
     """
 
+    __slots__ = (
+        "_forward_kind",
+        "_in_flight",
+        "_next_b",
+        "_next_f",
+        "_ready",
+        "_running",
+        "_seq",
+        "is_last",
+        "n_stages",
+        "stage",
+    )
+
     def __init__(self, stage: int, n_stages: int) -> None:
         if not 0 <= stage < n_stages:
             raise ValueError(f"stage {stage} is outside 0..{n_stages - 1}")
         self.stage = stage
         self.n_stages = n_stages
         self.is_last = stage == n_stages - 1
+        self._forward_kind = Kind.FB if self.is_last else Kind.F
         self._seq = 0  # readiness counter (FIFO order)
-        self._ready: dict[tuple[Kind, int], int] = {}  # (kind, mb) -> readiness sequence number
+        # (kind, mb) -> (readiness sequence number, the task as made ready)
+        self._ready: dict[tuple[Kind, int], tuple[int, Task]] = {}
         self._next_f = 1  # next forward (or fused) minibatch allowed by rule 1
         self._next_b = 1  # next backward minibatch allowed by rule 2
         self._running: Task | None = None
@@ -110,7 +125,7 @@ class StageQueue:
     @property
     def forward_kind(self) -> Kind:
         """``Kind.FB`` on the last stage, else ``Kind.F``."""
-        return Kind.FB if self.is_last else Kind.F
+        return self._forward_kind
 
     def ready(self, task: Task) -> None:
         """Record that ``task``'s inputs arrived (activations for F/FB, gradients for B).
@@ -132,26 +147,26 @@ class StageQueue:
         done_before = self._next_b if task.kind is Kind.B else self._next_f
         if task.mb < done_before or key in self._ready:
             raise ValueError(f"task {task} was already made ready")
-        self._ready[key] = self._seq
+        self._ready[key] = (self._seq, task)
         self._seq += 1
 
     def next(self) -> Task | None:
         """The task to run now (and mark it running), or ``None`` if none may run yet."""
         if self._running is not None:
             return None
-        f_key = (self.forward_kind, self._next_f)
-        f_seq = self._ready.get(f_key)
-        b_seq = None if self.is_last else self._ready.get((Kind.B, self._next_b))
-        if f_seq is None and b_seq is None:
+        ready = self._ready
+        f_key = (self._forward_kind, self._next_f)
+        f = ready.get(f_key)
+        b = None if self.is_last else ready.get((Kind.B, self._next_b))
+        if f is None and b is None:
             return None
-        if b_seq is not None and (f_seq is None or b_seq < f_seq):
+        if b is not None and (f is None or b[0] < f[0]):
             key = (Kind.B, self._next_b)
         else:
             key = f_key
             if not self.is_last:
                 self._in_flight += 1
-        del self._ready[key]
-        self._running = Task(self.stage, key[0], key[1])
+        self._running = ready.pop(key)[1]
         return self._running
 
     def done(self, task: Task) -> None:
@@ -160,7 +175,7 @@ class StageQueue:
         Raises:
             ValueError: ``task`` is not the running task.
         """
-        if task != self._running:
+        if task is not self._running and task != self._running:
             raise ValueError(
                 f"task {task} is not running on stage {self.stage} (running: {self._running})"
             )

@@ -1,16 +1,28 @@
 """Data of the simulator: what it simulates (:class:`PipelineSpec`) and what it records.
 
-Split from :mod:`planner.sim_engine` (the event loop), which re-exports these names.
+Split from :mod:`planner.sim_engine` (the event loop), which re-exports the data classes; the
+result statistics (:func:`busy_ms`, :func:`idle_ms`) visit only the intervals a window touches.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
+from operator import sub
 
 from profiler.errors import PlanError
 
-__all__ = ["PipelineSpec", "SimResult", "TraceEvent", "measured_throughput", "own_rate"]
+__all__ = [
+    "PipelineSpec",
+    "SimResult",
+    "TraceEvent",
+    "busy_ms",
+    "idle_ms",
+    "measured_throughput",
+    "own_rate",
+]
 
 
 @dataclass(frozen=True)
@@ -220,6 +232,52 @@ def own_rate(c: Sequence[float], waves: int, nm: int, batch_size: int) -> float:
 
 
 def _count_in(c: Sequence[float], lo: float, hi: float) -> int:
-    import bisect
+    return bisect_right(c, hi) - bisect_right(c, lo)
 
-    return bisect.bisect_right(c, hi) - bisect.bisect_right(c, lo)
+
+def busy_ms(starts: Sequence[float], ends: Sequence[float], lo: float, hi: float) -> float:
+    """Time (ms) of one stage's intervals (sorted, disjoint) inside ``[lo, hi]``.
+
+    Only the intervals overlapping the window are visited (bisection); the ones inside it are
+    added whole, in time order, so the sum is the same float as clipping every interval.
+    """
+    i, j = bisect_right(ends, lo), bisect_left(starts, hi)  # intervals i .. j-1 overlap
+    if i >= j:
+        return 0.0
+    first = max(0.0, min(ends[i], hi) - max(starts[i], lo))
+    if j - i == 1:
+        return first
+    last = max(0.0, min(ends[j - 1], hi) - max(starts[j - 1], lo))
+    inner = map(sub, ends[i + 1 : j - 1], starts[i + 1 : j - 1])
+    return sum(chain((first,), inner, (last,)))
+
+
+def idle_ms(
+    waits: Sequence[tuple[float, float]],
+    busy_start: Sequence[Sequence[float]],
+    busy_end: Sequence[Sequence[float]],
+) -> float:
+    """Waiting time (ms) during which none of a VW's GPUs computed.
+
+    Args:
+        waits: the VW's ``(start, end)`` waits (ms).
+        busy_start, busy_end: per stage, its compute intervals in time order (ms).
+
+    For each wait, the union of the compute intervals that touch it (found by bisection in each
+    stage's sorted intervals) is subtracted: the same floats as merging all intervals first.
+    """
+    idle = 0.0
+    for a, b in waits:
+        touching: list[tuple[float, float]] = []
+        for st, en in zip(busy_start, busy_end, strict=True):
+            i, j = bisect_left(en, a), bisect_right(st, b)  # intervals i .. j-1 touch [a, b]
+            touching.extend(zip(st[i:j], en[i:j], strict=True))
+        touching.sort()
+        merged: list[tuple[float, float]] = []
+        for x, y in touching:
+            if merged and x <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], y))
+            else:
+                merged.append((x, y))
+        idle += (b - a) - sum(max(0.0, min(y, b) - max(x, a)) for x, y in merged)
+    return idle

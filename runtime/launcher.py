@@ -41,7 +41,7 @@ from runtime.failures import (
 from runtime.metrics import ProgressBar, RunResult, StageResult, warn_overruns, write_metrics
 from runtime.model import resolve_source, sample_batch
 from runtime.stage import StageContext, StageWorker
-from runtime.timeline import write_timeline
+from runtime.timeline import describe_run, write_timeline
 
 __all__ = [
     "PRELOAD",
@@ -319,7 +319,7 @@ def launch(
     result = RunResult(tuple(results), plan.batch_size, nm, predicted, time.time() - t_start, bound)
     if run.out_dir is not None:
         write_metrics(result, run.out_dir)
-        write_timeline(result.stages, run.out_dir)
+        write_timeline(result.stages, run.out_dir, about=describe_run(plan, vw))
         atomic_torch_save(result.state_dict(), run.out_dir / "weights.pt")
     return result
 

@@ -151,14 +151,17 @@ class WaveSync:
         self._checkpoint(wave + 1)  # before the push: a wave the shards hold has its file
         self.last_clock = wave + 1
         need = required_global_clock(total_mb + self.nm, self.nm, self.D)
+        t_push = time.time()
         if need <= self.pulled_clock:
             self.client.push(wave, delta)
         elif self.weights is None:
             self.client.push(wave, delta)
+            self.result.log_interval("push", wave, t_push, time.time())
             self._pull(need)
             return
         else:  # the pull request rides in the push; wait only when a forward needs the weights
             self._pending = (self.client.push_pull(wave, delta, need), need, mb)
+        self.result.log_interval("push", wave, t_push, time.time())  # for the timeline
         # the local copy moves on by this wave's update: the next delta starts here
         with torch.no_grad():
             for s, p in zip(self._snapshot, self.params, strict=True):

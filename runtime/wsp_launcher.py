@@ -41,6 +41,7 @@ from runtime.ps_layout import shard_specs_for_layout
 from runtime.run_dir import RunDirectory, check_settings, job_settings
 from runtime.snapshot import Manifest, SnapshotSpec, clean, select
 from runtime.stage import StageContext
+from runtime.timeline import describe_run
 from runtime.wsp_procs import ShardRole, shard_main, stage_main
 from runtime.wsp_result import WSPResult, evaluate, export_snapshot
 
@@ -202,7 +203,7 @@ def _launch(
     accuracy = evaluate(source, plan.batch_size, run.seed, result.state_dict(), test)
     result = dataclasses.replace(result, test_accuracy=accuracy[0], test_loss=accuracy[1])
     if run.out_dir is not None:
-        result.save(run.out_dir)
+        result.save(run.out_dir, about=describe_run(plan))
     return result
 
 

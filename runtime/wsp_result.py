@@ -119,15 +119,16 @@ class WSPResult:
         """The trained model's parameters by original name (the shards' global weights)."""
         return export_state_dict(self.specs, [s.weights for s in self.states])
 
-    def save(self, out_dir: Path) -> None:
+    def save(self, out_dir: Path, about: str = "") -> None:
         """``vw<k>/metrics.csv``, ``summary.json``, ``weights.pt`` (one ordinary state_dict) and
-        the measured ``timeline.png`` / ``trace.json`` of every VW.
+        the measured ``timeline.png`` / ``trace.json`` of every VW (``about``: model and plan,
+        :func:`runtime.timeline.describe_run`).
 
         Raises:
             HetPipeRuntimeError: a file cannot be written (one line naming it).
         """
         try:
-            self._save(out_dir)
+            self._save(out_dir, about)
         except OSError as exc:
             where = exc.filename or out_dir
             raise HetPipeRuntimeError(
@@ -135,12 +136,12 @@ class WSPResult:
                 f"space, then write them from the last snapshot with --resume {out_dir}"
             ) from None
 
-    def _save(self, out_dir: Path) -> None:
+    def _save(self, out_dir: Path, about: str) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
         if self.vws:
             for k, vw in enumerate(self.vws):
                 write_metrics(vw, out_dir / f"vw{k}")
-            write_timeline([s for vw in self.vws for s in vw.stages], out_dir)
+            write_timeline([s for vw in self.vws for s in vw.stages], out_dir, about=about)
         atomic_torch_save(self.state_dict(), out_dir / "weights.pt")
         summary = {
             "throughput": self.throughput,

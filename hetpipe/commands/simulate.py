@@ -124,8 +124,16 @@ def simulate(
     if gantt is not None:
         c0 = res.completions_ms[0]
         until = c0[min(len(c0), _GANTT_WAVES * plan.nm) - 1]
-        write_gantt(res.trace, gantt, labels, until_ms=until, title=title)
-        console.print(f"Gantt chart (first {_GANTT_WAVES} waves): {gantt}")
+        shown = min(_GANTT_WAVES, waves)
+        head = title.rsplit(", ", 1)[0]  # the table's title without "N waves"
+        write_gantt(
+            res.trace,
+            gantt,
+            labels,
+            until_ms=until,
+            title=f"{head}: waves 0-{shown - 1} of {waves} (VW 0)",
+        )
+        console.print(f"Gantt chart (first {shown} of {waves} waves): {gantt}")
     if trace is not None:
         write_chrome_trace(res.trace, trace, labels)
         console.print(f"Chrome trace (open in https://ui.perfetto.dev): {trace}")
