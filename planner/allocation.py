@@ -9,7 +9,8 @@
   VWs' aggregate compute (FP32 peak) and memory as equal as possible, scored as
   ``log(max/min compute) + log(max/min memory)``, fewer nodes per VW breaking ties.
 - ``auto``: :func:`candidate_allocations` lists every applicable allocation (each policy with
-  every VW count that divides the cluster); the planner keeps the best predicted throughput.
+  every VW count that divides the cluster, and HD with mixed groupings); the planner compares
+  them (:mod:`planner.auto_search`) and keeps the best predicted throughput.
 
 On ``examples/paper_cluster.yaml`` this gives Table 3 exactly: NP = VVVV/RRRR/GGGG/QQQQ,
 ED = 4 x VRGQ, HD = 2 x VVQQ + 2 x RRGG. A policy that cannot apply raises
@@ -146,7 +147,10 @@ def _imbalance(groups: Sequence[Sequence[Device]], speed: SpeedFn) -> float:
 
 
 def hybrid_distribution(
-    cluster: Cluster, num_vws: int | None = None, speed: SpeedFn | None = None
+    cluster: Cluster,
+    num_vws: int | None = None,
+    speed: SpeedFn | None = None,
+    mixed: bool = False,
 ) -> Allocation:
     """HD: group nodes (>= 2 per group, not all) and spread each group evenly over its VWs.
 
@@ -155,6 +159,9 @@ def hybrid_distribution(
         num_vws: number of VWs (default: one per node, as in the paper; where that gives no
             even grouping, e.g. single-GPU nodes, the largest VW count that does).
         speed: relative compute of a GPU type (default: catalog FP32 peak).
+        mixed: also allow single-node groups beside the multi-node ones (at least one group
+            still mixes nodes), e.g. AAVV + TTTT + 2 x KKKK on 2 A100, 4 T4, 8 K80, 2 V100,
+            where no grouping of >= 2 nodes per group yields equal VWs (``auto`` tries it).
 
     Raises:
         PlanError: fewer than 3 nodes, or no grouping yields equal-size VWs.
@@ -185,7 +192,9 @@ def hybrid_distribution(
     devs = _node_devices(cluster)
     best: tuple[tuple[float, int], list[tuple[Device, ...]]] | None = None
     for part in _set_partitions(list(range(n))):
-        if any(len(b) < 2 or len(b) == n for b in part):
+        if any(len(b) == n for b in part) or not any(len(b) >= 2 for b in part):
+            continue
+        if not mixed and any(len(b) < 2 for b in part):
             continue
         groups: list[tuple[Device, ...]] = []
         for block in sorted(part):
@@ -207,7 +216,8 @@ def hybrid_distribution(
     return Allocation(
         "hd",
         tuple(best[1]),
-        f"node groups balancing compute and memory (imbalance {best[0][0]:.3f})",
+        f"{'mixed ' if mixed else ''}node groups balancing compute and memory "
+        f"(imbalance {best[0][0]:.3f})",
     )
 
 
@@ -243,7 +253,8 @@ def allocate(
 def candidate_allocations(
     cluster: Cluster, num_vws: int | None = None, max_vw_gpus: int = 8
 ) -> list[Allocation]:
-    """Every distinct applicable allocation for ``auto``: each policy x each VW count.
+    """Every distinct applicable allocation for ``auto``: each policy x each VW count, and HD
+    with mixed groupings (single-node groups beside multi-node ones).
 
     VW counts range over divisors of the GPU total whose VWs have at most ``max_vw_gpus`` GPUs
     (or just ``num_vws``). Allocations with the same VW signatures are listed once.
@@ -256,10 +267,13 @@ def candidate_allocations(
     )
     seen: set[tuple[str, ...]] = set()
     out = []
-    for policy in ("np", "ed", "hd"):
+    for policy in ("np", "ed", "hd", "hd-mixed"):
         for v in counts:
             try:
-                alloc = allocate(cluster, policy, v)
+                if policy == "hd-mixed":
+                    alloc = hybrid_distribution(cluster, v, mixed=True)
+                else:
+                    alloc = allocate(cluster, policy, v)
             except PlanError:
                 continue
             key = tuple(sorted(alloc.signatures))

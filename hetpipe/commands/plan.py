@@ -113,13 +113,29 @@ def render(plan: Plan) -> None:
             console.print(f"[yellow]note:[/] {t}: {src}")
 
 
+def _vw_summary(signatures: tuple[str, ...]) -> str:
+    """``('VVQQ', 'VVQQ', 'RRGG', 'RRGG')`` -> ``2xVVQQ 2xRRGG``."""
+    out: list[tuple[str, int]] = []
+    for sig in signatures:
+        if out and out[-1][0] == sig:
+            out[-1] = (sig, out[-1][1] + 1)
+        else:
+            out.append((sig, 1))
+    return " ".join(f"{n}x{sig}" if n > 1 else sig for sig, n in out)
+
+
 def render_candidates(rows: list[Candidate], budget_s: float) -> None:
-    """The allocations policy ``auto`` compared, best bound first."""
+    """The allocations policy ``auto`` compared (best bound first), then why some were infeasible."""
     table = Table(title=f"policy auto: candidates compared (budget {budget_s:g} s)")
-    for col in ("policy", "VWs", "bound samples/s", "predicted samples/s", "Nm", "s", "status"):
+    for col in ("policy", "VWs", "bound/s", "predicted/s", "Nm", "s", "status"):
         table.add_column(col, justify="left" if col in ("policy", "VWs", "status") else "right")
+    reasons: list[str] = []
     for r in rows:
-        vws = "/".join(r.signatures)
+        vws = _vw_summary(r.signatures)
+        status = r.status
+        if status.startswith("infeasible: "):
+            reasons.append(f"{r.policy} {vws}: {status[len('infeasible: ') :]}")
+            status = f"infeasible ({len(reasons)})"
         table.add_row(
             r.policy,
             escape(vws if len(vws) <= 40 else vws[:37] + "..."),
@@ -127,10 +143,12 @@ def render_candidates(rows: list[Candidate], budget_s: float) -> None:
             f"{r.throughput:.1f}" if r.throughput else "-",
             str(r.nm) if r.nm else "-",
             f"{r.seconds:.2f}",
-            escape(r.status if len(r.status) <= 120 else r.status[:117] + "..."),
+            escape(status),
             style="bold" if r.status == "chosen" else None,
         )
     console.print(table)
+    for n, reason in enumerate(reasons, 1):
+        console.print(f"[dim]({n}) {escape(reason[:300])}[/]")
 
 
 @handle_errors

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from planner.allocation import allocate, candidate_allocations
+from planner.allocation import allocate, candidate_allocations, hybrid_distribution
 from planner.cluster import Cluster, load_cluster, parse_cluster
 from profiler.errors import PlanError
 from tests.conftest import EXAMPLES
@@ -64,3 +64,17 @@ def test_candidates_are_distinct(paper: Cluster) -> None:
     assert len(keys) == len(set(keys))
     assert ("VRGQ",) * 4 in keys and ("RRGG", "RRGG", "VVQQ", "VVQQ") in keys
     assert all(len(g) <= 4 for a in cands for g in a.groups)
+
+
+def test_hd_mixed_groupings_where_plain_hd_has_none() -> None:
+    cl = _cluster(("a", "A100", 2), ("t", "T4", 4), ("k", "K80", 8), ("v", "V100", 2))
+    with pytest.raises(PlanError, match="found no grouping"):
+        allocate(cl, "hd", 4)
+    mixed = hybrid_distribution(cl, 4, mixed=True)
+    assert sorted(mixed.signatures) == ["ATTW", "ATTW", "KKKK", "KKKK"]
+    sigs = {tuple(sorted(a.signatures)) for a in candidate_allocations(cl, None, 16)}
+    assert ("ATTW", "ATTW", "KKKK", "KKKK") in sigs
+    assert ("ATTKKKKW", "ATTKKKKW") in sigs  # ED with 8-GPU VWs
+    # on the paper cluster mixed groupings add nothing: Table 3's HD stays
+    paper = load_cluster(EXAMPLES / "paper_cluster.yaml")
+    assert hybrid_distribution(paper, mixed=True).signatures == ("VVQQ", "VVQQ", "RRGG", "RRGG")

