@@ -208,6 +208,17 @@ def allreduce_for_plan(
     minibatch in flight and one weight version.
     """
     cluster = plan.cluster
+    if plan.sync == "allreduce":  # the baseline's own plan: its devices and whole-model times
+        stages = [vw.stages[0] for vw in plan.virtual_workers]
+        nodes = [vw.gpus[0].node for vw in plan.virtual_workers]
+        return simulate_allreduce(
+            [st.fwd_ms + st.bwd_ms for st in stages],
+            stages[0].param_bytes,
+            ring_link(cluster, nodes),
+            plan.batch_size,
+            nodes,
+            tuple(f"{vw.gpus[0].node}:{vw.gpus[0].index}" for vw in plan.virtual_workers),
+        )
     if profiles:
         from planner.costmodel import CostModel
 

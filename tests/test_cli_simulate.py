@@ -43,3 +43,26 @@ def test_simulate_errors_are_one_line(tmp_path: Path) -> None:
         res = CliRunner().invoke(app, args)
         assert res.exit_code == 2, (args, res.output)
         assert "Traceback" not in res.output
+
+
+def test_plan_and_simulate_the_allreduce_baseline(tmp_path: Path) -> None:
+    """The DDP baseline has a plan like any run: made by 'plan --sync allreduce', predicted by
+    'simulate' (BSP, ring all-reduce) with the same figure the plan records."""
+    from planner.plan import load_plan
+
+    out = tmp_path / "ar.yaml"
+    cluster = Path(__file__).resolve().parents[1] / "examples" / "paper_cluster.yaml"
+    res = CliRunner().invoke(
+        app, ["plan", str(cluster), "--model", "resnet", "--sync", "allreduce", "-o", str(out)]
+    )
+    assert res.exit_code == 0, res.output
+    plan = load_plan(out)
+    assert plan.sync == "allreduce" and plan.shards == ()
+    assert all(len(vw.stages) == 1 for vw in plan.virtual_workers)
+    sim = CliRunner().invoke(app, ["simulate", str(out)])
+    assert sim.exit_code == 0, sim.output
+    assert f"{plan.predicted.throughput:.1f}" in sim.output
+    bad = CliRunner().invoke(
+        app, ["plan", str(cluster), "--model", "resnet", "--sync", "allreduce", "--nm", "2"]
+    )
+    assert bad.exit_code == 2 and "drop them with --sync allreduce" in bad.output

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
 from hetpipe._common import console, err_console, handle_errors
-from planner.auto_search import Candidate
-from planner.cluster import load_cluster
-from planner.costmodel import load_links
+from planner.cluster import Cluster, load_cluster
 from planner.plan import Plan, VirtualWorker
-from planner.planner import PlanOptions, make_plan
 from profiler.errors import ConfigError
-from profiler.table import Profile, load_profile_set
+
+if TYPE_CHECKING:  # heavy (torch, pandas, PuLP): imported when a plan is made
+    from planner.auto_search import Candidate
+    from profiler.table import Profile
 
 HELP = (
     "Plan HetPipe training on CLUSTER.yaml: form virtual workers with an allocation policy "
@@ -30,6 +30,7 @@ HELP = (
 def _load_profiles(paths: list[Path], reference_type: str | None) -> list[Profile]:
     """hetpipe CSV profiles from files/folders, plus PipeDream ``graph.txt`` files or their folders."""
     from profiler.pipedream import import_pipedream
+    from profiler.table import load_profile_set
 
     out: list[Profile] = []
     csvs: list[Path] = []
@@ -66,6 +67,14 @@ def _proof(vw: VirtualWorker) -> str:
     return f"within {100 * vw.gap:.1f} % of optimal (bound {vw.bound_ms:.2f} ms, {escape(vw.partitioner)})"
 
 
+def _allreduce_plan(
+    cluster: Cluster, profiles: list[Profile], model: str | None, batch: int | None, opt: str
+) -> Plan:
+    from planner.baseline import allreduce_plan
+
+    return allreduce_plan(cluster, model, batch, profiles=profiles or None, optimizer=opt)
+
+
 def render(plan: Plan) -> None:
     """Print the VW/stage table and the predictions with rich."""
     table = Table(
@@ -95,6 +104,12 @@ def render(plan: Plan) -> None:
         )
     console.print(table)
     pr = plan.predicted
+    if plan.sync == "allreduce":
+        console.print(
+            f"AllReduce (DDP, BSP) on {len(plan.virtual_workers)} devices that hold the whole "
+            f"model: predicted [bold]{pr.throughput:.1f}[/] samples/s ({pr.method})"
+        )
+        return
     console.print(
         f"Nm = {plan.nm}, D = {plan.D}: local staleness {plan.local_staleness}, global staleness bound "
         f"{plan.global_staleness}; placement {plan.placement}"
@@ -221,8 +236,19 @@ def plan(
     as_json: Annotated[
         bool, typer.Option("--json", help="print the plan as JSON on stdout")
     ] = False,
+    sync: Annotated[
+        str,
+        typer.Option(
+            "--sync",
+            help="wsp: HetPipe (VWs, pipelines, parameter servers) | allreduce: the DDP "
+            "baseline's plan (every device that holds the whole model)",
+        ),
+    ] = "wsp",
 ) -> None:
     """Plan HetPipe training (see HELP)."""
+    from planner.costmodel import load_links
+    from planner.planner import PlanOptions, make_plan
+
     if time_limit <= 0 or auto_budget < 0 or auto_max_vw_gpus < 1:
         raise ConfigError(
             f"--time-limit must be > 0, --auto-budget >= 0 and --auto-max-vw-gpus >= 1 (got "
@@ -230,36 +256,46 @@ def plan(
         )
     if max_cuts is not None and max_cuts < 0:
         raise ConfigError(f"--max-cuts must be >= 0, got {max_cuts}")
+    if sync not in ("wsp", "allreduce"):
+        raise ConfigError(f"--sync {sync!r}: use wsp or allreduce")
+    if sync == "allreduce" and (policy or vws or nm or staleness):
+        raise ConfigError(
+            "--policy, --vws, --nm and -D shape HetPipe plans; drop them with --sync allreduce"
+        )
     cl = load_cluster(cluster)
     profs = _load_profiles(profiles, profile_gpu) if profiles else []
+    candidates: list[Candidate] = []
     with (console if not as_json else err_console).status(
         f"planning {model or 'the profiled model'} on {cl.name} (profiles, allocation, "
         "partition, Nm, placement, simulation)"
     ):
-        candidates: list[Candidate] = []
-        result = make_plan(
-            cl,
-            profs,
-            model=model,
-            batch_size=batch_size,
-            policy=policy,
-            nm=nm,
-            D=staleness,
-            placement=placement,
-            num_vws=vws,
-            optimizer=optimizer,
-            links=load_links(links) if links else None,
-            options=PlanOptions(
-                partitioner=partitioner,
-                solver=solver,
-                max_cuts=max_cuts,
-                nm_choice=nm_choice,
-                time_limit_s=time_limit,
-                auto_max_vw_gpus=auto_max_vw_gpus,
-                auto_budget_s=auto_budget,
-            ),
-            reference_type=profile_gpu,
-            report=candidates,
+        result = (
+            _allreduce_plan(cl, profs, model, batch_size, optimizer)
+            if sync == "allreduce"
+            else make_plan(
+                cl,
+                profs,
+                model=model,
+                batch_size=batch_size,
+                policy=policy,
+                nm=nm,
+                D=staleness,
+                placement=placement,
+                num_vws=vws,
+                optimizer=optimizer,
+                links=load_links(links) if links else None,
+                options=PlanOptions(
+                    partitioner=partitioner,
+                    solver=solver,
+                    max_cuts=max_cuts,
+                    nm_choice=nm_choice,
+                    time_limit_s=time_limit,
+                    auto_max_vw_gpus=auto_max_vw_gpus,
+                    auto_budget_s=auto_budget,
+                ),
+                reference_type=profile_gpu,
+                report=candidates,
+            )
         )
     if output is not None:
         result.save(output)

@@ -55,6 +55,9 @@ def simulate(
     if gantt is not None and gantt.suffix.lower() not in (".png", ".svg"):
         raise ConfigError(f"--gantt {gantt}: use a .png or .svg file name")
     plan = load_plan(plan_path)  # validated: coverage, GPUs, memory, Nm, batch, finite times
+    if plan.sync == "allreduce":
+        _show_allreduce(plan)
+        return
     by_type: dict[str, Profile] = {}
     for prof in load_profile_set(profiles or []):
         what = f"the --profiles profile of {prof.meta.model!r} on {prof.meta.device_type!r}"
@@ -137,6 +140,28 @@ def simulate(
     if trace is not None:
         write_chrome_trace(res.trace, trace, labels)
         console.print(f"Chrome trace (open in https://ui.perfetto.dev): {trace}")
+
+
+def _show_allreduce(plan: Plan) -> None:
+    """The prediction of an AllReduce plan (BSP: no pipeline, nothing to draw)."""
+    from planner.simulator import allreduce_for_plan
+
+    ar = allreduce_for_plan(plan)
+    table = Table(title=escape(f"{plan.model} (batch {plan.batch_size} per device): AllReduce"))
+    for col in ("devices", "samples/s", "step ms", "all-reduce ms", "cross-node MB/step"):
+        table.add_column(col, justify="left" if col == "devices" else "right")
+    table.add_row(
+        escape(" ".join(ar.labels)),
+        f"{ar.throughput:.1f}",
+        f"{ar.iteration_ms:.2f}",
+        f"{ar.allreduce_ms:.2f}",
+        f"{ar.cross_node_bytes_per_iter / 1e6:.3f}",
+    )
+    console.print(table)
+    console.print(
+        "BSP data parallelism: every step waits for the slowest device, then a ring "
+        "all-reduce of the gradients (planner.predict.simulate_allreduce)"
+    )
 
 
 def _analytic_profiles(plan: Plan) -> dict[str, Profile]:
