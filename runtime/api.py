@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from torch.utils.data import Dataset, default_collate
@@ -28,9 +28,13 @@ from planner.plan import Plan, load_plan
 from planner.planner import make_plan
 from profiler.errors import ConfigError
 from profiler.graph import ModelGraph
-from runtime.config import LossFn, ModelSource, OptimizerConfig, RunConfig
-from runtime.launcher import launch
-from runtime.metrics import RunResult
+from runtime.config import LossFn, ModelSource, OptimizerConfig, RunConfig, WSPConfig
+from runtime.run import run_plan
+
+if TYPE_CHECKING:
+    from runtime.ddp import DDPResult
+    from runtime.metrics import RunResult
+    from runtime.wsp_result import WSPResult
 from runtime.model import resolve_source
 
 __all__ = ["make_single_vw_plan", "train"]
@@ -77,8 +81,13 @@ def train(
     return_state: bool = True,
     timeout_s: float = 30.0,
     emulate: bool = True,
-) -> RunResult:
-    """Train ``model`` on one virtual worker, one process per stage on this host.
+    D: int | None = None,
+    checkpoint_every: int = 0,
+    vw: int = -1,
+) -> RunResult | WSPResult | DDPResult:
+    """Train ``model`` with any plan on this host: what ``hetpipe run`` does, through the same
+    entry (:func:`runtime.run.run_plan`): several VWs through the WSP parameter servers, one
+    VW, or the AllReduce baseline, by the plan (default: one VW cut by hand or planned).
 
     Args:
         model: an ``nn.Module`` (traceable with ``torch.fx``) or a model reference (``mlp``).
@@ -98,13 +107,21 @@ def train(
         return_state: return the final parameters (``result.state_dict()``).
         timeout_s: timeout of every process-group operation.
         emulate: pace emulated devices and cap their memory.
+        D: WSP clock-distance threshold of a plan with shards (``None`` = the plan's).
+        checkpoint_every: with shards and ``out_dir``, checkpoint every K global clocks.
+        vw: train only this VW of the plan, without parameter servers (-1 = every VW).
 
     Returns:
-        The :class:`RunResult` (losses, throughput, per-stage measurements, final weights).
+        One VW: the :class:`RunResult` (losses, throughput, per-stage measurements, final
+        weights); several VWs: the :class:`runtime.wsp_result.WSPResult`; an AllReduce plan:
+        the :class:`runtime.ddp.DDPResult`. Each has ``state_dict()`` or ``state``.
 
     Raises:
         HetPipeError: invalid inputs or a failed run (naming the rank, VW and stage).
     """
+    given = load_plan(plan) if isinstance(plan, (str, os.PathLike)) else plan
+    if given is not None:
+        batch_size = given.batch_size  # the plan's minibatch, also for the sample inputs
     if isinstance(model, str):
         source = ModelSource(ref=model, loss=loss_fn)
     else:
@@ -118,11 +135,11 @@ def train(
         xs, y = default_collate([dataset[i] for i in range(batch_size)])
         inputs = tuple(xs) if isinstance(xs, (tuple, list)) else (xs,)
         source = ModelSource(module=model, sample_inputs=inputs, sample_targets=y, loss=loss_fn)
-    if plan is None:
+    if given is None:
         cl = load_cluster(cluster) if isinstance(cluster, (str, os.PathLike)) else cluster
         the_plan = make_single_vw_plan(source, batch_size, nm, cl, stages, cuts)
     else:
-        the_plan = load_plan(plan) if isinstance(plan, (str, os.PathLike)) else plan
+        the_plan = given
     run = RunConfig(
         steps=steps,
         epochs=epochs,
@@ -135,4 +152,5 @@ def train(
         return_state=return_state,
         progress=progress,
     )
-    return launch(the_plan, source, optimizer, run, dataset)
+    wsp = WSPConfig(D=D, checkpoint_every=checkpoint_every)
+    return run_plan(the_plan, source, optimizer, run, wsp, dataset, vw=vw)

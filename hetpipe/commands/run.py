@@ -16,7 +16,7 @@ from planner.plan_check import check_plan_layers
 from profiler.errors import ConfigError
 
 if TYPE_CHECKING:
-    from runtime.config import OptimizerConfig, RunConfig
+    from runtime.config import OptimizerConfig
 
 HELP = (
     "Train with a plan: PLAN.yaml (from 'hetpipe plan'), or CLUSTER.yaml (planned on the fly; "
@@ -99,7 +99,11 @@ def run(
         typer.Option(help="minibatches each VW trains (per VW, not in total; 0 = from --epochs)"),
     ] = 0,
     epochs: Annotated[
-        float, typer.Option(help="passes over the data set (default 1 when no --steps)")
+        float,
+        typer.Option(
+            help="passes over each VW's share of the data (default: 40 when several VWs train "
+            "together, else 1; unused with --steps)"
+        ),
     ] = 0.0,
     time_limit: Annotated[
         float,
@@ -172,9 +176,8 @@ def run(
     progress: Annotated[bool, typer.Option(help="show a progress bar")] = True,
 ) -> None:
     """Train a plan (all its VWs through WSP, one VW, or the AllReduce baseline); print the summary."""
-    from runtime.config import ModelSource, OptimizerConfig, RunConfig
-    from runtime.launcher import launch
-    from runtime.metrics import summary_table
+    from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
+    from runtime.run import describe_training, outputs, run_plan, summary
     from runtime.run_dir import resume_target
 
     if sync not in ("wsp", "allreduce"):
@@ -203,11 +206,6 @@ def run(
         raise ConfigError(
             f"--model {model} does not match the plan's model {plan.model!r}; drop --model"
         )
-    n_vws = len(plan.virtual_workers)
-    through_wsp = vw < 0 and bool(plan.shards)  # every VW, through the parameter servers
-    all_vws = through_wsp or plan.sync == "allreduce"
-    if all_vws and n_vws > 1 and steps == 0 and epochs == 0 and time_limit == 0:
-        epochs = 40.0  # the main job: a few minutes on a 2-core machine
     run_cfg = RunConfig(
         steps=steps,
         epochs=epochs,
@@ -219,67 +217,20 @@ def run(
         emulate=emulate,
         progress=progress,
     )
-    if plan.sync == "allreduce":
-        _allreduce(plan, cfg, run_cfg)
-        return
-    if through_wsp:
-        _wsp(path, plan, cfg, run_cfg, staleness, checkpoint_every, target, out, overwrite)
-        return
-    vw = max(vw, 0)
-    worker = plan.virtual_workers[vw] if 0 <= vw < len(plan.virtual_workers) else None
-    if worker is not None:
-        console.print(
-            f"training {plan.model} on VW {vw} ({worker.signature}, {len(worker.stages)} stages), "
-            f"batch {plan.batch_size}, Nm {nm or plan.nm}"
-        )
-    result = launch(plan, ModelSource(ref=plan.model), cfg, run_cfg, vw=vw)
-    console.print(summary_table(result))
-    if out is not None:
-        console.print(
-            f"metrics: {out / 'metrics.csv'}, {out / 'stages.csv'}; weights: {out / 'weights.pt'}; "
-            f"timeline: {out / 'timeline.png'}, {out / 'trace.json'}"
-        )
-
-
-def _wsp(
-    path: Path,
-    plan: Plan,
-    cfg: OptimizerConfig,
-    run_cfg: RunConfig,
-    staleness: int | None,
-    checkpoint_every: int,
-    resume: tuple[Path, Path, int | None] | None,
-    out: Path | None,
-    overwrite: bool,
-) -> None:
-    from runtime.config import ModelSource
-    from runtime.wsp_launcher import WSPConfig, launch_wsp
-
-    sigs = ", ".join(
-        f"VW {k} {w.signature} ({len(w.stages)} stages)" for k, w in enumerate(plan.virtual_workers)
-    )
-    D = plan.D if staleness is None else staleness
-    console.print(
-        f"training {plan.model} on {len(plan.virtual_workers)} VWs through {len(plan.shards)} "
-        f"parameter-server shards (WSP, D={D}): {sigs}; batch {plan.batch_size}, "
-        f"Nm {run_cfg.nm or plan.nm}"
-    )
     wsp = WSPConfig(
         D=staleness,
-        checkpoint_dir=resume[1] if resume is not None else None,
+        checkpoint_dir=target[1] if target is not None else None,
         checkpoint_every=checkpoint_every,
-        resume=resume is not None,
-        resume_clock=resume[2] if resume is not None else None,
+        resume=target is not None,
+        resume_clock=target[2] if target is not None else None,
         resume_hint=_resume_hint(path),
         overwrite=overwrite,
     )
-    result = launch_wsp(plan, ModelSource(ref=plan.model), cfg, run_cfg, wsp)
-    console.print(result.table())
+    console.print(describe_training(plan, vw, run_cfg.nm or plan.nm, staleness))
+    result = run_plan(plan, ModelSource(ref=plan.model), cfg, run_cfg, wsp, vw=vw)
+    console.print(summary(result))
     if out is not None:
-        console.print(
-            f"metrics: {out}/vw*/metrics.csv, {out}/summary.json; weights: {out / 'weights.pt'}; "
-            f"timeline: {out / 'timeline.png'}, {out / 'trace.json'}"
-        )
+        console.print(f"outputs: {', '.join(str(out / f) for f in outputs(result))}")
 
 
 def _resume_hint(path: Path) -> str:
@@ -340,18 +291,3 @@ def _load_allreduce(path: Path, model: str | None, batch_size: int, cfg: Optimiz
     else:
         cluster = doc
     return allreduce_plan(cluster, model or "mlp", batch_size, optimizer=cfg.memory_class)
-
-
-def _allreduce(plan: Plan, cfg: OptimizerConfig, run_cfg: RunConfig) -> None:
-    from runtime.ddp import run_allreduce
-
-    console.print(
-        f"training {plan.model} with DDP AllReduce (BSP) on {len(plan.virtual_workers)} devices "
-        f"({' '.join(w.signature for w in plan.virtual_workers)}) of {plan.cluster.name}; batch "
-        f"{plan.batch_size} per device"
-    )
-    result = run_allreduce(plan, optimizer=cfg, run=run_cfg)
-    console.print(result.table())
-    if run_cfg.out_dir is not None:
-        out = run_cfg.out_dir
-        console.print(f"figures: {out / 'ddp.json'}; weights: {out / 'weights.pt'}")
