@@ -299,8 +299,7 @@ def _dead_forkserver_dir(d: Path) -> bool:
     except OSError:
         return False
     return bool(entries) and all(
-        e.name.startswith("listener-") and e.is_socket() and f" {e}\n" not in bound
-        for e in entries
+        e.name.startswith("listener-") and e.is_socket() and f" {e}\n" not in bound for e in entries
     )
 
 

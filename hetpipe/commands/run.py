@@ -142,6 +142,17 @@ def run(
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="replace another run's outputs in --out")
     ] = False,
+    on_failure: Annotated[
+        str,
+        typer.Option(
+            "--on-failure",
+            help="stop: a failed process ends the run; restart: restart the whole job from its "
+            "last snapshot (up to --max-restarts times)",
+        ),
+    ] = "stop",
+    max_restarts: Annotated[
+        int, typer.Option("--max-restarts", help="restarts allowed with --on-failure restart")
+    ] = 3,
     optimizer: Annotated[str, typer.Option(help="sgd or adam")] = "sgd",
     lr: Annotated[float, typer.Option(help="learning rate")] = 0.05,
     momentum: Annotated[float, typer.Option(help="SGD momentum")] = 0.0,
@@ -169,6 +180,12 @@ def run(
 
     if sync not in ("wsp", "allreduce"):
         raise ConfigError(f"--sync {sync!r}: use wsp or allreduce")
+    if on_failure not in ("stop", "restart"):
+        raise ConfigError(
+            f"--on-failure {on_failure!r}: use stop or restart (continue, which evicts a lost VW, "
+            "is not implemented: see docs/fault_tolerance.md)"
+        )
+    restarts = max_restarts if on_failure == "restart" else 0
     if sync == "allreduce" and resume is None:
         _allreduce(
             path, model, batch_size, steps, epochs, seed, lr, momentum, out, timeout, emulate
@@ -205,7 +222,9 @@ def run(
         progress=progress,
     )
     if through_wsp:
-        _wsp(path, plan, cfg, run_cfg, staleness, checkpoint_every, target, out, overwrite)
+        _wsp(
+            path, plan, cfg, run_cfg, staleness, checkpoint_every, target, out, overwrite, restarts
+        )
         return
     vw = max(vw, 0)
     worker = plan.virtual_workers[vw] if 0 <= vw < len(plan.virtual_workers) else None
@@ -233,6 +252,7 @@ def _wsp(
     resume: tuple[Path, Path, int | None] | None,
     out: Path | None,
     overwrite: bool,
+    max_restarts: int,
 ) -> None:
     from runtime.config import ModelSource
     from runtime.wsp_launcher import WSPConfig, launch_wsp
@@ -254,6 +274,7 @@ def _wsp(
         resume_clock=resume[2] if resume is not None else None,
         resume_hint=_resume_hint(path),
         overwrite=overwrite,
+        max_restarts=max_restarts,
     )
     result = launch_wsp(plan, ModelSource(ref=plan.model), cfg, run_cfg, wsp)
     console.print(result.table())
@@ -275,7 +296,7 @@ def _resume_hint(path: Path) -> str:
         if skip or a == "--resume":
             skip = not skip
             continue
-        if not a.startswith("--resume=") and a != "--overwrite":
+        if not a.startswith("--resume=") and a != "--overwrite":  # --resume reuses the run
             kept.append(a)
     return "hetpipe " + " ".join(shlex.quote(a) for a in kept)
 

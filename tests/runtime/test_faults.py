@@ -173,6 +173,20 @@ def test_snapshot_write_fault_names_the_writer_and_resume_recovers(
     assert select(ckpt)[0].clock == 6
 
 
+def test_on_failure_restart_resumes_the_job_from_its_last_snapshot(tmp_path: Path) -> None:
+    plan = _plan(D=0, nm=1)
+    run = RunConfig(steps=8, timeout_s=15.0, emulate=False, out_dir=tmp_path / "run")
+    kill = StageFault(stage=1, at_mb=6, vw=0)  # fires in the first attempt only
+    cfg = WSPConfig(checkpoint_every=2, stage_fault=kill, max_restarts=1)
+    result = launch_wsp(plan, SOURCE, None, run, cfg)
+    assert len(result.restarts) == 1 and "(vw 0 | stage 1 |" in result.restarts[0]
+    assert "SIGKILL" in result.restarts[0] and "restarted from clock 4" in result.restarts[0]
+    assert {s.clock for s in result.states} == {8} and not _children()
+    _ledger_exactly_once(result.states)  # the lost waves 4-5 were recomputed, applied once
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["restarts"] == list(result.restarts)
+
+
 def test_frozen_stage_is_named_not_its_peers(tmp_path: Path) -> None:
     run = RunConfig(steps=400, timeout_s=8.0, emulate=False)
     freeze = StageFault(stage=1, at_mb=3, vw=1, signum=int(signal.SIGSTOP))
