@@ -155,14 +155,15 @@ def _launch_restarting(
             break
         except HetPipeRuntimeError as exc:
             ckpt = cfg.checkpoint_dir
-            if len(restarts) >= cfg.max_restarts or ckpt is None or not committed_clocks(ckpt):
+            if len(restarts) >= cfg.max_restarts or ckpt is None:
                 raise
+            committed = committed_clocks(ckpt)  # none yet: start again from the beginning
             why = str(exc).split("; resume with:")[0]
-            restarts.append(f"{why} (restarted from clock {max(committed_clocks(ckpt))})")
+            restarts.append(f"{why} (restarted from clock {max(committed, default=0)})")
             log.warning("restart %d of %d from the last snapshot after: %s",
                         len(restarts), cfg.max_restarts, restarts[-1])  # fmt: skip
-            cfg = dataclasses.replace(cfg, resume=True, resume_clock=None, stage_fault=None,
-                                      write_fault=None)  # fmt: skip
+            cfg = dataclasses.replace(cfg, resume=bool(committed), resume_clock=None,
+                                      stage_fault=None, write_fault=None)  # fmt: skip
             fault = ""
     if restarts:
         result = dataclasses.replace(result, restarts=tuple(restarts))
