@@ -176,6 +176,8 @@ class WSPConfig:
         keep: committed snapshots kept.
         write_fault: test hook: a snapshot write that fails as on a full disk.
         stage_fault: test hook: a stage that kills or freezes itself.
+        max_restarts: ``--on-failure restart``: after a process failure, restart the whole job
+            from its last committed snapshot, at most this many times (0: stop at the first).
         snapshots: set by the launcher: what every process needs to write and read snapshots.
         resume_hint: the command line to print when the run fails (``--resume DIR`` is appended).
         overlap_pulls: stages keep running tasks while a pull is in flight (``False``: the
@@ -194,4 +196,5 @@ class WSPConfig:
     keep: int = 2
     write_fault: WriteFault | None = None
     stage_fault: StageFault | None = None
+    max_restarts: int = 0
     snapshots: SnapshotSpec | None = None

@@ -39,7 +39,7 @@ from runtime.ps import ShardSpec
 from runtime.ps_core import ClockEvent
 from runtime.ps_layout import shard_specs_for_layout
 from runtime.run_dir import RunDirectory, check_settings, job_settings
-from runtime.snapshot import Manifest, SnapshotSpec, clean, select
+from runtime.snapshot import Manifest, SnapshotSpec, clean, committed_clocks, select
 from runtime.stage import StageContext
 from runtime.timeline import describe_run
 from runtime.wsp_procs import ShardRole, shard_main, stage_main
@@ -126,12 +126,49 @@ def launch_wsp(
         return _launch(plan, source, optimizer, run, cfg, dataset, fault, None)
     with RunDirectory(run_dir, resume=cfg.resume, overwrite=cfg.overwrite) as owner:
         try:
-            return _launch(plan, source, optimizer, run, cfg, dataset, fault, owner)
+            return _launch_restarting(plan, source, optimizer, run, cfg, dataset, fault, owner)
         except KeyboardInterrupt:  # after training (evaluation, outputs): the snapshot stays
             raise HetPipeRuntimeError(
                 f"interrupted (Ctrl-C); write the outputs from the last snapshot with: "
                 f"{cfg.resume_hint} --resume {run_dir}"
             ) from None
+
+
+def _launch_restarting(
+    plan: Plan,
+    source: ModelSource,
+    optimizer: OptimizerConfig,
+    run: RunConfig,
+    cfg: WSPConfig,
+    dataset: Dataset[Any] | None,
+    fault: str,
+    owner: RunDirectory,
+) -> WSPResult:
+    """``--on-failure restart``: after a process failure, restart the whole job from its last
+    committed snapshot, up to ``cfg.max_restarts`` times (test faults fire in the first
+    attempt only); the result lists the failures survived."""
+    restarts: list[str] = []
+    while True:
+        try:
+            result = _launch(plan, source, optimizer, run, cfg, dataset, fault, owner)
+            break
+        except HetPipeRuntimeError as exc:
+            ckpt = cfg.checkpoint_dir
+            if len(restarts) >= cfg.max_restarts or ckpt is None:
+                raise
+            committed = committed_clocks(ckpt)  # none yet: start again from the beginning
+            why = str(exc).split("; resume with:")[0]
+            restarts.append(f"{why} (restarted from clock {max(committed, default=0)})")
+            log.warning("restart %d of %d from the last snapshot after: %s",
+                        len(restarts), cfg.max_restarts, restarts[-1])  # fmt: skip
+            cfg = dataclasses.replace(cfg, resume=bool(committed), resume_clock=None,
+                                      stage_fault=None, write_fault=None)  # fmt: skip
+            fault = ""
+    if restarts:
+        result = dataclasses.replace(result, restarts=tuple(restarts))
+        if run.out_dir is not None:
+            result.save(run.out_dir)  # the summary says what was survived
+    return result
 
 
 def _launch(

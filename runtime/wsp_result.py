@@ -55,6 +55,8 @@ class WSPResult:
             empty: it trained every minibatch asked for).
         exported_from: the snapshot folder these outputs were written from, without training
             (:func:`export_snapshot`; empty for a run that trained).
+        restarts: the failures survived by restarting from the last snapshot (``--on-failure
+            restart``), oldest first; this result is the last attempt's.
     """
 
     vws: tuple[RunResult, ...]
@@ -69,6 +71,7 @@ class WSPResult:
     test_loss: float = float("nan")
     stopped_by: str = ""
     exported_from: str = ""
+    restarts: tuple[str, ...] = ()
 
     @staticmethod
     def build(
@@ -155,6 +158,7 @@ class WSPResult:
             "stopped_by": self.stopped_by,
             "global_clock": min((s.clock for s in self.states), default=0),
             "exported_from": self.exported_from,
+            "restarts": list(self.restarts),
             "vws": [
                 {
                     "throughput": v.throughput,
@@ -206,6 +210,8 @@ class WSPResult:
         )
         if self.stopped_by:
             table.caption += f"; {self.stopped_by}"
+        if self.restarts:
+            table.caption += f"; restarted {len(self.restarts)}x from the last snapshot"
         if self.exported_from:
             table.caption += (
                 f"; written from the snapshot {self.exported_from} (nothing left to train)"

@@ -156,6 +156,17 @@ def run(
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="replace another run's outputs in --out")
     ] = False,
+    on_failure: Annotated[
+        str,
+        typer.Option(
+            "--on-failure",
+            help="stop: a failed process ends the run; restart: restart the whole job from its "
+            "last snapshot (up to --max-restarts times)",
+        ),
+    ] = "stop",
+    max_restarts: Annotated[
+        int, typer.Option("--max-restarts", help="restarts allowed with --on-failure restart")
+    ] = 3,
     optimizer: Annotated[str, typer.Option(help="sgd or adam")] = "sgd",
     lr: Annotated[float, typer.Option(help="learning rate")] = 0.05,
     momentum: Annotated[float, typer.Option(help="SGD momentum")] = 0.0,
@@ -182,6 +193,12 @@ def run(
 
     if sync not in ("wsp", "allreduce"):
         raise ConfigError(f"--sync {sync!r}: use wsp or allreduce")
+    if on_failure not in ("stop", "restart"):
+        raise ConfigError(
+            f"--on-failure {on_failure!r}: use stop or restart (continue, which evicts a lost VW, "
+            "is not implemented: see docs/fault_tolerance.md)"
+        )
+    restarts = max_restarts if on_failure == "restart" else 0
     cfg = OptimizerConfig(
         name=optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay, schedule=schedule
     )
@@ -225,6 +242,7 @@ def run(
         resume_clock=target[2] if target is not None else None,
         resume_hint=_resume_hint(path),
         overwrite=overwrite,
+        max_restarts=restarts,
     )
     console.print(describe_training(plan, vw, run_cfg.nm or plan.nm, staleness))
     result = run_plan(plan, ModelSource(ref=plan.model), cfg, run_cfg, wsp, vw=vw)
@@ -244,7 +262,7 @@ def _resume_hint(path: Path) -> str:
         if skip or a == "--resume":
             skip = not skip
             continue
-        if not a.startswith("--resume=") and a != "--overwrite":
+        if not a.startswith("--resume=") and a != "--overwrite":  # --resume reuses the run
             kept.append(a)
     return "hetpipe " + " ".join(shlex.quote(a) for a in kept)
 
