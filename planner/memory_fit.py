@@ -26,7 +26,13 @@ from planner.costmodel import CostModel
 from planner.schedule import in_flight_bound
 from profiler.errors import PlanError
 
-__all__ = ["MemoryLimits", "check_stage_count", "fits_memory", "min_memory_shortfall"]
+__all__ = [
+    "MemoryLimits",
+    "check_stage_count",
+    "feasible_order",
+    "fits_memory",
+    "min_memory_shortfall",
+]
 
 
 def check_stage_count(cm: CostModel, k: int) -> None:
@@ -106,6 +112,37 @@ def _covered(reach: np.ndarray, qmax: np.ndarray, c: int) -> np.ndarray:
     return covered
 
 
+def _reach_layers(
+    cm: CostModel, gpus: Sequence[Device], nm: int, extra_bytes: float, lim: MemoryLimits
+) -> list[dict[tuple[int, ...], np.ndarray]]:
+    """``out[j][M]``: positions the first ``j`` stages can end at using memory-class multiset ``M``."""
+    n_gpus = len(gpus)
+    check_stage_count(cm, n_gpus)
+    caps, counts = _classes(gpus)
+    c = cm.num_segments
+    start = np.zeros(c + 1, dtype=bool)
+    start[0] = True
+    layers: list[dict[tuple[int, ...], np.ndarray]] = [{tuple(0 for _ in counts): start}]
+    for j in range(n_gpus):
+        k = in_flight_bound(j, n_gpus, nm)
+        room = c - (n_gpus - 1 - j)  # later stages need one segment each
+        nxt: dict[tuple[int, ...], np.ndarray] = {}
+        for used, reach in layers[-1].items():
+            for t, n in enumerate(counts):
+                if used[t] >= n:
+                    continue
+                cover = _covered(reach, lim.qmax(caps[t] + extra_bytes, k), c)
+                cover[room + 1 :] = False
+                if not cover.any():
+                    continue
+                key = tuple(u + (i == t) for i, u in enumerate(used))
+                nxt[key] = nxt[key] | cover if key in nxt else cover
+        layers.append(nxt)
+        if not nxt:
+            break
+    return layers
+
+
 def fits_memory(
     cm: CostModel,
     gpus: Sequence[Device],
@@ -125,32 +162,41 @@ def fits_memory(
     Raises:
         PlanError: more GPUs than candidate segments, or negative byte counts in the profile.
     """
-    n_gpus = len(gpus)
-    check_stage_count(cm, n_gpus)
     lim = limits if limits is not None else MemoryLimits(cm, nm)
+    layers = _reach_layers(cm, gpus, nm, extra_bytes, lim)
+    return len(layers) == len(gpus) + 1 and any(bool(r[-1]) for r in layers[-1].values())
+
+
+def feasible_order(cm: CostModel, gpus: Sequence[Device], nm: int) -> list[Device] | None:
+    """A GPU order for which some partition fits memory (``None``: none does).
+
+    Backtracks through :func:`_reach_layers` from the model's end: the last stage on a class
+    whose predecessor multiset can end where this stage starts. The partition search uses it
+    as a first incumbent when its heuristic orders do not fit.
+    """
+    lim = MemoryLimits(cm, nm)
+    layers = _reach_layers(cm, gpus, nm, 0.0, lim)
     caps, counts = _classes(gpus)
-    c = cm.num_segments
-    start = np.zeros(c + 1, dtype=bool)
-    start[0] = True
-    layer: dict[tuple[int, ...], np.ndarray] = {tuple(0 for _ in counts): start}
-    for j in range(n_gpus):
+    c, n_gpus = cm.num_segments, len(gpus)
+    used = tuple(counts)
+    if len(layers) != n_gpus + 1 or not layers[-1].get(used, np.zeros(1, dtype=bool))[-1]:
+        return None
+    q, classes = c, []
+    for j in range(n_gpus - 1, -1, -1):
         k = in_flight_bound(j, n_gpus, nm)
-        room = c - (n_gpus - 1 - j)  # later stages need one segment each
-        nxt: dict[tuple[int, ...], np.ndarray] = {}
-        for used, reach in layer.items():
-            for t, n in enumerate(counts):
-                if used[t] >= n:
-                    continue
-                cover = _covered(reach, lim.qmax(caps[t] + extra_bytes, k), c)
-                cover[room + 1 :] = False
-                if not cover.any():
-                    continue
-                key = tuple(u + (i == t) for i, u in enumerate(used))
-                nxt[key] = nxt[key] | cover if key in nxt else cover
-        layer = nxt
-        if not layer:
-            return False
-    return any(bool(r[c]) for r in layer.values())
+        for t, n in enumerate(used):
+            prev = tuple(u - (i == t) for i, u in enumerate(used))
+            if not n or prev not in layers[j]:
+                continue
+            p = np.flatnonzero(layers[j][prev][:q] & (lim.qmax(caps[t], k)[:q] >= q))
+            if p.size:
+                classes.append(t)
+                used, q = prev, int(p[-1])
+                break
+    pools: dict[float, list[Device]] = {}
+    for g in gpus:
+        pools.setdefault(float(g.memory_bytes), []).append(g)
+    return [pools[caps[t]].pop(0) for t in reversed(classes)]
 
 
 def min_memory_shortfall(cm: CostModel, gpus: Sequence[Device], nm: int) -> int:

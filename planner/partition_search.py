@@ -42,7 +42,12 @@ import numpy as np
 
 from planner.cluster import Device, Link
 from planner.costmodel import CostModel
-from planner.memory_fit import MemoryLimits, check_stage_count, min_memory_shortfall
+from planner.memory_fit import (
+    MemoryLimits,
+    check_stage_count,
+    feasible_order,
+    min_memory_shortfall,
+)
 from planner.milp_bounds import classes, heuristic_orders
 from planner.partition_dp import InfeasiblePartition, Partition, class_key
 from planner.schedule import in_flight_bound
@@ -379,7 +384,12 @@ def partition_exact(
     search = _Search(cm, gpus, nm, memory)
     deadline = None if time_limit_s is None else t0 + time_limit_s
     inc, found = np.inf, (-1, -1)
-    for order in heuristic_orders(search.cls, cm, gpus):
+    for order in [*heuristic_orders(search.cls, cm, gpus), None]:
+        if order is None:  # no heuristic order fits memory: take one that does, if any
+            fit = feasible_order(cm, gpus, nm) if memory and not np.isfinite(inc) else None
+            if fit is None:
+                break
+            order = tuple(fit)
         seq = [search.cls.keys.index(class_key(d)) for d in order]
         val, sid, p = search.run(inc, seq=seq)
         if val < inc:

@@ -64,7 +64,10 @@ def _proof(vw: VirtualWorker) -> str:
         return "optimality unknown"
     if vw.gap <= 1e-6:
         return f"proven optimal ({escape(vw.partitioner)})"
-    return f"within {100 * vw.gap:.1f} % of optimal (bound {vw.bound_ms:.2f} ms, {escape(vw.partitioner)})"
+    return (
+        f"slowest stage <= {100 * vw.gap:.1f} % above the optimum (proven bound "
+        f"{vw.bound_ms:.2f} ms, {escape(vw.partitioner)})"
+    )
 
 
 def _allreduce_plan(

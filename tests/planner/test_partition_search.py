@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from planner.cluster import Cluster, Device, load_cluster, parse_cluster
 from planner.costmodel import CostModel
-from planner.memory_fit import fits_memory, min_memory_shortfall
+from planner.memory_fit import feasible_order, fits_memory, min_memory_shortfall
 from planner.partition_dp import (
     InfeasiblePartition,
     _bottleneck,
@@ -215,3 +215,17 @@ def test_milp_and_dp_agree_with_random_memory(
     assert min_memory_shortfall(cm, gpus, nm) == 0
     _close(partition_exact(cm, gpus, nm).objective_ms, ref)
     _close(partition_milp(cm, gpus, nm).objective_ms, ref)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_feasible_order_fits_exactly_when_memory_allows(paper: Cluster, seed: int) -> None:
+    profs = synthetic_profiles(20 + seed, seed=seed, act_mib=600.0, param_mib=120.0)
+    cm = CostModel(profs, paper.link)
+    for vw in ("V0 R0 G0 Q0", "V0 V1 Q0 Q1", "V0 R0 R1 G0 Q0 Q1"):
+        gpus = _vw(paper, vw)
+        for nm in (1, 3):
+            order = feasible_order(cm, gpus, nm)
+            assert (order is not None) == fits_memory(cm, gpus, nm)
+            if order is not None:
+                assert sorted(d.label for d in order) == sorted(d.label for d in gpus)
+                partition_dp(cm, order, nm)  # raises InfeasiblePartition if it does not fit

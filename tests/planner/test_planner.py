@@ -54,8 +54,10 @@ def test_pipedream_profiles_plan_under_every_policy(
 def test_table3_and_milp_equals_dp(paper: Cluster) -> None:
     profs = synthetic_profiles(40, TYPES, seed=4)
     for policy, sig in (("np", ["VVVV", "RRRR", "GGGG", "QQQQ"]), ("hd", None)):
-        milp = make_plan(paper, profs, policy=policy)
-        dp = make_plan(paper, profs, policy=policy, options=PlanOptions(partitioner="dp"))
+        milp = make_plan(paper, profs, policy=policy, options=PlanOptions(partitioner="milp"))
+        dp = make_plan(paper, profs, policy=policy)  # the exact search is the default
+        assert {vw.partitioner for vw in milp.virtual_workers} <= {"milp-highs", "milp-cbc"}
+        assert {vw.partitioner for vw in dp.virtual_workers} == {"dp"}
         if sig:
             assert [vw.signature for vw in milp.virtual_workers] == sig
         for a, b in zip(milp.virtual_workers, dp.virtual_workers, strict=True):
