@@ -56,7 +56,8 @@ def text_problem(value: str, max_chars: int) -> str | None:
 
 
 def read_text(path: str | os.PathLike[str], what: str, error: type[HetPipeError]) -> str:
-    """The text of ``path``, which must be a UTF-8 file of at most :data:`MAX_FILE_BYTES`.
+    """The text of ``path``, which must be a UTF-8 file (byte-order mark allowed) of at most
+    :data:`MAX_FILE_BYTES`.
 
     Args:
         path: the file.
@@ -77,7 +78,7 @@ def read_text(path: str | os.PathLike[str], what: str, error: type[HetPipeError]
             f"{p}: cannot read {what}: larger than {MAX_FILE_BYTES // 2**20} MiB (the wrong file?)"
         )
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")  # a leading byte-order mark (Windows editors) is dropped
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
         raise error(

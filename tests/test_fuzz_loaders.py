@@ -3,7 +3,7 @@ the project's one-line error (a :class:`HetPipeError`), never another exception 
 
 Inputs are random bytes, random edits of valid files (bytes flipped, cut, spliced), and valid
 documents with one value replaced by an arbitrary one (wrong types, NaN, huge numbers, control
-characters, deep lists). Each loader gets 120 examples per property; the whole module takes seconds.
+characters, deep lists). Each loader gets 100 examples per property; the whole module takes seconds.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from tests.planner.test_plan_validation import good_plan
 from tests.profiler.test_table import small_profile
 
 FUZZ = settings(
-    max_examples=120,
+    max_examples=100,
     deadline=None,
     derandomize=True,  # the same examples every run: a failure is reproducible
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],

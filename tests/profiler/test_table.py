@@ -149,6 +149,15 @@ def test_truncated_or_foreign_profile_is_one_line(
         load_profile(path)
 
 
+def test_byte_order_mark_is_accepted(tmp_path: Path) -> None:
+    """A profile re-saved by a Windows editor starts with a UTF-8 byte-order mark."""
+    path = small_profile().save(tmp_path / "p.csv")
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes().replace(b"\n", b"\r\n"))
+    back = load_profile(path)
+    assert back.meta == small_profile().meta
+    pd.testing.assert_frame_equal(back.table, small_profile().table)
+
+
 def test_non_utf8_and_unreadable_profiles(tmp_path: Path) -> None:
     path = tmp_path / "p.csv"
     path.write_bytes(b"# hetpipe-profile {}\n\xff\xfe")
