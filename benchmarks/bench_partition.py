@@ -22,9 +22,9 @@ sys.path.insert(0, str(REPO))
 
 from planner.cluster import Cluster, Device, load_cluster, parse_cluster  # noqa: E402
 from planner.costmodel import CostModel  # noqa: E402
-from planner.partition_dp import partition_dp, partition_dp_best_order  # noqa: E402
-from planner.partition_milp import available_solvers, partition_milp  # noqa: E402
-from planner.partition_search import partition_exact  # noqa: E402
+from planner.partition.dp import partition_dp, partition_dp_best_order  # noqa: E402
+from planner.partition.milp import available_solvers, partition_milp  # noqa: E402
+from planner.partition.search import partition_exact  # noqa: E402
 from planner.planner import PlanOptions, make_plan  # noqa: E402
 from profiler.errors import PlanError  # noqa: E402
 from tests.planner.synth import synthetic_profiles  # noqa: E402

@@ -9,7 +9,7 @@ reader threads): a shard and one stage. For each message size the stage does ``r
   - *push, pull (packed)*: ``push(wave, [x])`` then ``pull(wave + 1, out=[y])``: the push packs
     ``x`` into its message (a copy) and the pull is a second request;
   - *push_pull, in place*: the update is written straight into the push message
-    (``update_buffers``, as :class:`runtime.wave_sync.WaveSync` computes its wave delta there)
+    (``update_buffers``, as :class:`runtime.sync.wave.WaveSync` computes its wave delta there)
     and the pull request rides in the push (``push_pull``), as WaveSync does.
   Either way the shard applies the update to the global weights, keeps the ledger, sends an
   acknowledgement and replies; the reply lands straight in ``y`` (one flat tensor).
@@ -38,8 +38,10 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import spawn
 
-from runtime.ps import ShardCore, ShardServer, make_shard_specs
-from runtime.ps_client import PSClient
+from runtime.ps.client import PSClient
+from runtime.ps.core import ShardCore
+from runtime.ps.layout import make_shard_specs
+from runtime.ps.server import ShardServer
 
 RESULTS = Path(__file__).resolve().parent / "results" / "parameter_server.json"
 

@@ -46,12 +46,12 @@ import torch.distributed as dist  # noqa: E402
 from planner.cluster import load_cluster  # noqa: E402
 from planner.manual import cpu_cluster, manual_plan  # noqa: E402
 from profiler.graph import ModelGraph  # noqa: E402
-from runtime.comm import cut_specs  # noqa: E402
 from runtime.config import ModelSource, OptimizerConfig, RunConfig  # noqa: E402
 from runtime.data import MinibatchSource, default_dataset  # noqa: E402
-from runtime.emulation import Calibration, pace_until  # noqa: E402
-from runtime.launcher import launch  # noqa: E402
-from runtime.model import build_stage, reference_module, resolve_source  # noqa: E402
+from runtime.launch.single import launch  # noqa: E402
+from runtime.stage.comm import cut_specs  # noqa: E402
+from runtime.stage.emulation import Calibration, pace_until  # noqa: E402
+from runtime.stage.model import build_stage, reference_module, resolve_source  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "runtime.json"
 
@@ -74,8 +74,8 @@ def time_balanced_cuts(model: str, batch: int, speeds: list[float]) -> tuple[int
 
     Layer times come from the same contention-free calibration, one layer per stage.
     """
-    from runtime.emulation import calibrate
-    from runtime.model import sample_batch
+    from runtime.stage.emulation import calibrate
+    from runtime.stage.model import sample_batch
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -111,7 +111,7 @@ def time_balanced_cuts(model: str, batch: int, speeds: list[float]) -> tuple[int
 
 def emulated_vw(model: str, batch: int, nm: int, steps: int, out: Path) -> dict[str, Any]:
     """Run one VW on the emulated cluster; compare with the simulator and the bound."""
-    from planner.simulator import simulate
+    from planner.sim.simulator import simulate
 
     source = ModelSource(ref=model)
     graph = ModelGraph.from_spec(resolve_source(source, batch, meta=True))

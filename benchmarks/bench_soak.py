@@ -104,8 +104,8 @@ def _killer(proc: subprocess.Popen[str], out: Path, args: argparse.Namespace,
 def check_ledger(ckpt: Path) -> int:
     """Every shard of the newest snapshot holds every (vw, stage, wave) once; returns the clock."""
     sys.path.insert(0, str(REPO))
-    from runtime.checkpoint import shard_from_payload
-    from runtime.snapshot import load_part, select
+    from runtime.persist.checkpoint import shard_from_payload
+    from runtime.persist.snapshot import load_part, select
 
     manifest, _ = select(ckpt)
     for name in manifest.parts:

@@ -1,7 +1,7 @@
 """Predicted throughput for the paper's Fig. 4 policies and Table 4 configurations, beside the paper.
 
 Paper cluster (``examples/paper_cluster.yaml``), analytic profiles of vgg19 and resnet152 at
-batch 32, D = 0. Nm is chosen by simulation (:func:`planner.simulator.best_by_simulation`
+batch 32, D = 0. Nm is chosen by simulation (:func:`planner.sim.simulator.best_by_simulation`
 over caps 1..32). Table 4: V4 = one VW of the 4 TITAN V; +R, +Q, +G = ED-local with 4 VWs
 on the V, R(, Q(, G)) nodes; Horovod = the AllReduce baseline on the same GPUs.
 Writes ``benchmarks/results/paper_table4.json`` and prints markdown tables.
@@ -19,7 +19,7 @@ from typing import Any
 
 from planner.cluster import Cluster, load_cluster
 from planner.planner import make_plan
-from planner.simulator import allreduce_for_plan, best_by_simulation
+from planner.sim.simulator import allreduce_for_plan, best_by_simulation
 from profiler.analytic import analytic_profile
 from profiler.table import Profile
 

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from profiler.table import Profile, load_profile
     from runtime.api import train
     from runtime.config import ModelSource, OptimizerConfig, RunConfig
-    from runtime.metrics import RunResult
+    from runtime.results.metrics import RunResult
 
 try:
     __version__ = version("hetpipe")
@@ -61,7 +61,7 @@ _WHERE = {
     "ModelSource": "runtime.config",
     "OptimizerConfig": "runtime.config",
     "RunConfig": "runtime.config",
-    "RunResult": "runtime.metrics",
+    "RunResult": "runtime.results.metrics",
 }
 
 __all__ = [

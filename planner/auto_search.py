@@ -2,7 +2,7 @@
 
 Candidates (every policy x VW count, :func:`planner.allocation.candidate_allocations`) are
 visited in decreasing order of an optimistic throughput bound (``#VWs x batch / slowest VW's
-lower bound``, :func:`planner.partition_search.lower_bound_ms`; WSP is straggler-bound, so no
+lower bound``, :func:`planner.partition.search.lower_bound_ms`; WSP is straggler-bound, so no
 plan of that allocation can do better). A candidate is planned in full unless
 
 - its bound is below the best prediction so far divided by :data:`MARGIN` (it cannot win:

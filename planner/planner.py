@@ -17,7 +17,7 @@ Steps (paper Sec. 4, 7, 8.1):
 4. each VW is partitioned at that Nm (MILP by default); isomorphic VWs (same GPU types and
    node pattern, e.g. the four ED VWs) are solved once;
 5. shards are placed and throughput is predicted: by the discrete-event simulator
-   (``planner.simulator``) when it is available, else analytically (:mod:`planner.predict`);
+   (``planner.sim.simulator``) when it is available, else analytically (:mod:`planner.predict`);
    ``auto`` ranks its candidate allocations by that prediction.
 """
 
@@ -34,10 +34,10 @@ from planner.allocation import Allocation, allocate, candidate_allocations, defa
 from planner.auto_search import Candidate, compare_allocations
 from planner.cluster import Cluster, Device, Link
 from planner.costmodel import CostModel, optimizer_factor
-from planner.memory_fit import check_stage_count, fits_memory, min_memory_shortfall
-from planner.partition_dp import Partition
-from planner.partition_milp import partition_milp
-from planner.partition_search import lower_bound_ms, partition_exact
+from planner.partition.dp import Partition
+from planner.partition.memory import check_stage_count, fits_memory, min_memory_shortfall
+from planner.partition.milp import partition_milp
+from planner.partition.search import lower_bound_ms, partition_exact
 from planner.placement import PipelineLayout, cross_node_bytes_per_wave, place_shards
 from planner.plan import GpuSlot, Plan, Prediction, ShardPlan, StagePlan, VirtualWorker
 from planner.predict import allreduce_throughput, cluster_throughput, vw_throughput
@@ -57,11 +57,11 @@ class PlanOptions:
 
     Attributes:
         partitioner: ``dp`` (default: the exact DP over GPU-class multisets,
-            :mod:`planner.partition_search`) or ``milp`` (PuLP MILP choosing order and split).
+            :mod:`planner.partition.search`) or ``milp`` (PuLP MILP choosing order and split).
         solver: MILP back end: ``auto``, ``highs`` or ``cbc``.
         max_cuts: ``None`` (default, exact): every layer boundary is a candidate cut. A number
             coarsens larger graphs to single-tensor cuts (an approximation: each VW then records
-            a proven lower bound on the exact optimum, :func:`planner.partition_search.lower_bound_ms`).
+            a proven lower bound on the exact optimum, :func:`planner.partition.search.lower_bound_ms`).
         nm_limit: largest Nm considered.
         time_limit_s: solver time limit per partition; when hit, the best partition found is
             kept and the VW records the proven lower bound (its gap).
@@ -73,7 +73,7 @@ class PlanOptions:
             such that performance is maximized"; ties go to the smaller Nm, less staleness);
             ``max`` takes the largest feasible Nm (the minimum over VWs of their ``nm_max``).
         simulate_waves: when >= 2, the prediction (and ``auto``'s ranking) comes from the
-            discrete-event simulator (``planner.simulator``) over this many waves; the analytic
+            discrete-event simulator (``planner.sim.simulator``) over this many waves; the analytic
             estimate is the fallback.
     """
 
@@ -117,7 +117,7 @@ class _Planner:
         return self.nm_cache[key]
 
     def _nm_max(self, gpus: Sequence[Device]) -> tuple[int, int]:
-        """Bisection on Nm with the exact every-order memory check (:mod:`planner.memory_fit`)."""
+        """Bisection on Nm with the exact every-order memory check (:mod:`planner.partition.memory`)."""
         if not fits_memory(self.cm, gpus, 1):
             return 0, min_memory_shortfall(self.cm, gpus, 1)
         lo, hi = 1, 2
@@ -266,7 +266,7 @@ def _simulated(plan: Plan, waves: int) -> Prediction | None:
     """The discrete-event simulator's prediction (``None`` when it refuses the plan or waves < 2)."""
     if waves < 2:
         return None
-    from planner.simulator import simulate
+    from planner.sim.simulator import simulate
 
     try:
         res = simulate(plan, waves=waves)

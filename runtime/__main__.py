@@ -23,7 +23,7 @@ order (the numbering of ``hetpipe run``). torchrun gives each host a contiguous 
 
 (on each host). Every rank writes its result to ``--out/rank<r>.pt`` (a stage's
 ``StageResult`` or a shard's final state and clock trace); :func:`collect_wsp` turns the
-files into a :class:`runtime.wsp_result.WSPResult`. ``--checkpoint-every`` and ``--resume``
+files into a :class:`runtime.results.wsp.WSPResult`. ``--checkpoint-every`` and ``--resume``
 need ``--out`` on a file system every host shares; ``--time-limit`` stops every VW at one
 agreed wave (through the process group's store).
 """
@@ -47,10 +47,10 @@ from profiler.errors import ConfigError, HetPipeError, HetPipeRuntimeError
 from profiler.files import atomic_write_bytes
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
-from runtime.emulation import Calibration
-from runtime.launcher import stage_contexts, total_steps
-from runtime.stage import StageWorker
-from runtime.wsp_result import WSPResult
+from runtime.launch.single import stage_contexts, total_steps
+from runtime.results.wsp import WSPResult
+from runtime.stage.emulation import Calibration
+from runtime.stage.worker import StageWorker
 
 log = logging.getLogger("runtime")
 
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             timeout_s=a.timeout, out_dir=a.out,
         )  # fmt: skip
         from runtime.data import default_dataset
-        from runtime.model import resolve_source
+        from runtime.stage.model import resolve_source
 
         source = ModelSource(ref=plan.model)
         spec = resolve_source(source, plan.batch_size, meta=True)
@@ -147,11 +147,11 @@ def _main_wsp(a: argparse.Namespace, plan: Plan, rank: int, world: int) -> int:
     import dataclasses
 
     from runtime.data import default_dataset
-    from runtime.model import resolve_source
-    from runtime.run_dir import check_settings, job_settings
-    from runtime.snapshot import SnapshotSpec, clean, select
-    from runtime.wsp_launcher import shard_specs, snapshot_parts, split_data, wsp_steps
-    from runtime.wsp_procs import ShardRole, shard_main, stage_main
+    from runtime.launch.procs import ShardRole, shard_main, stage_main
+    from runtime.launch.wsp import shard_specs, snapshot_parts, split_data, wsp_steps
+    from runtime.persist.run_dir import check_settings, job_settings
+    from runtime.persist.snapshot import SnapshotSpec, clean, select
+    from runtime.stage.model import resolve_source
 
     source = ModelSource(ref=plan.model)
     run = RunConfig(
@@ -238,10 +238,10 @@ def collect_wsp(plan: Plan, out: Path, nm: int = 0, D: int | None = None) -> WSP
     Raises:
         HetPipeRuntimeError: a rank's file is missing (that rank failed).
     """
-    from runtime.launcher import loads_result
-    from runtime.metrics import StageResult
-    from runtime.model import resolve_source
-    from runtime.wsp_launcher import shard_specs
+    from runtime.launch.single import loads_result
+    from runtime.launch.wsp import shard_specs
+    from runtime.results.metrics import StageResult
+    from runtime.stage.model import resolve_source
 
     D = plan.D if D is None else D
     spec = resolve_source(ModelSource(ref=plan.model), plan.batch_size, meta=True)

@@ -32,10 +32,10 @@ from runtime.config import LossFn, ModelSource, OptimizerConfig, RunConfig, WSPC
 from runtime.run import run_plan
 
 if TYPE_CHECKING:
-    from runtime.ddp import DDPResult
-    from runtime.metrics import RunResult
-    from runtime.wsp_result import WSPResult
-from runtime.model import resolve_source
+    from runtime.results.metrics import RunResult
+    from runtime.results.wsp import WSPResult
+    from runtime.sync.allreduce import DDPResult
+from runtime.stage.model import resolve_source
 
 __all__ = ["make_single_vw_plan", "train"]
 
@@ -113,8 +113,8 @@ def train(
 
     Returns:
         One VW: the :class:`RunResult` (losses, throughput, per-stage measurements, final
-        weights); several VWs: the :class:`runtime.wsp_result.WSPResult`; an AllReduce plan:
-        the :class:`runtime.ddp.DDPResult`. Each has ``state_dict()`` or ``state``.
+        weights); several VWs: the :class:`runtime.results.wsp.WSPResult`; an AllReduce plan:
+        the :class:`runtime.sync.allreduce.DDPResult`. Each has ``state_dict()`` or ``state``.
 
     Raises:
         HetPipeError: invalid inputs or a failed run (naming the rank, VW and stage).

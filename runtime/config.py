@@ -15,8 +15,8 @@ from torch import Tensor, nn
 from profiler.errors import ConfigError
 
 if TYPE_CHECKING:
-    from runtime.failures import StageFault
-    from runtime.snapshot import SnapshotSpec, WriteFault
+    from runtime.launch.failures import StageFault
+    from runtime.persist.snapshot import SnapshotSpec, WriteFault
 
 __all__ = ["LossFn", "ModelSource", "OptimizerConfig", "RunConfig", "WSPConfig"]
 

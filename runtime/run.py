@@ -3,11 +3,11 @@
 The plan says how its virtual workers synchronise (``plan.sync``) and whether it has
 parameter-server shards; this picks the launcher that executes it:
 
-- ``sync == "allreduce"``: the DDP baseline (:func:`runtime.ddp.run_allreduce`);
+- ``sync == "allreduce"``: the DDP baseline (:func:`runtime.sync.allreduce.run_allreduce`);
 - shards and every VW (``vw < 0``): WSP through the parameter servers
-  (:func:`runtime.wsp_launcher.launch_wsp`), one VW included;
+  (:func:`runtime.launch.wsp.launch_wsp`), one VW included;
 - one VW of the plan alone, without parameter servers (``vw >= 0``, or a plan without shards
-  and one VW): :func:`runtime.launcher.launch`.
+  and one VW): :func:`runtime.launch.single.launch`.
 
 The runtime never plans: a plan comes from :mod:`planner` (``make_plan``,
 ``planner.baseline.allreduce_plan`` or ``planner.manual``).
@@ -25,9 +25,9 @@ from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 if TYPE_CHECKING:
     from rich.table import Table
 
-    from runtime.ddp import DDPResult
-    from runtime.metrics import RunResult
-    from runtime.wsp_result import WSPResult
+    from runtime.results.metrics import RunResult
+    from runtime.results.wsp import WSPResult
+    from runtime.sync.allreduce import DDPResult
 
 __all__ = [
     "MAIN_JOB_EPOCHS",
@@ -67,11 +67,11 @@ def run_plan(
     how = launcher_for(plan, vw)
     run = default_length(run or RunConfig(), plan, how)
     if how == "allreduce":
-        from runtime.ddp import run_allreduce
+        from runtime.sync.allreduce import run_allreduce
 
         return run_allreduce(plan, source=source, optimizer=optimizer, run=run, dataset=dataset)
     if how == "wsp":
-        from runtime.wsp_launcher import launch_wsp
+        from runtime.launch.wsp import launch_wsp
 
         return launch_wsp(plan, source, optimizer, run, wsp, dataset)
     if wsp is not None and wsp.resume:
@@ -79,7 +79,7 @@ def run_plan(
             "--resume needs parameter-server shards (they write the checkpoints); this run "
             "trains one VW without them (plan it with 'hetpipe plan', which places shards)"
         )
-    from runtime.launcher import launch
+    from runtime.launch.single import launch
 
     return launch(plan, source, optimizer, run, dataset, vw=max(vw, 0))
 
@@ -147,8 +147,8 @@ def describe_training(plan: Plan, vw: int, nm: int, D: int | None) -> str:
 
 def outputs(result: RunResult | WSPResult | DDPResult) -> list[str]:
     """The files a run with ``--out`` wrote, relative to its folder."""
-    from runtime.ddp import DDPResult
-    from runtime.metrics import RunResult
+    from runtime.results.metrics import RunResult
+    from runtime.sync.allreduce import DDPResult
 
     if isinstance(result, DDPResult):
         return ["ddp.json", "weights.pt"]
@@ -159,6 +159,6 @@ def outputs(result: RunResult | WSPResult | DDPResult) -> list[str]:
 
 def summary(result: RunResult | WSPResult | DDPResult) -> Table:
     """The summary table of any run (what ``hetpipe run`` prints)."""
-    from runtime.metrics import RunResult, summary_table
+    from runtime.results.metrics import RunResult, summary_table
 
     return summary_table(result) if isinstance(result, RunResult) else result.table()

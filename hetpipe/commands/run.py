@@ -75,7 +75,7 @@ def _check_against_model(plan: Plan, path: Path) -> None:
     its model's (a plan made for another model, or edited by hand)."""
     from profiler.graph import ModelGraph
     from runtime.config import ModelSource
-    from runtime.model import resolve_source
+    from runtime.stage.model import resolve_source
 
     spec = resolve_source(ModelSource(ref=plan.model), plan.batch_size, meta=True)
     names = [layer.name for layer in ModelGraph.from_spec(spec).layers]
@@ -188,8 +188,8 @@ def run(
 ) -> None:
     """Train a plan (all its VWs through WSP, one VW, or the AllReduce baseline); print the summary."""
     from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
+    from runtime.persist.run_dir import resume_target
     from runtime.run import describe_training, outputs, run_plan, summary
-    from runtime.run_dir import resume_target
 
     if sync not in ("wsp", "allreduce"):
         raise ConfigError(f"--sync {sync!r}: use wsp or allreduce")

@@ -45,9 +45,9 @@ def simulate(
     ] = None,
 ) -> None:
     """Simulate ``PLAN`` and print the prediction."""
-    from planner.gantt import write_chrome_trace, write_gantt
-    from planner.simulator import allreduce_for_plan
-    from planner.simulator import simulate as run_simulation
+    from planner.sim.gantt import write_chrome_trace, write_gantt
+    from planner.sim.simulator import allreduce_for_plan
+    from planner.sim.simulator import simulate as run_simulation
     from profiler.table import load_profile_set
 
     if baseline not in (None, "allreduce"):
@@ -144,7 +144,7 @@ def simulate(
 
 def _show_allreduce(plan: Plan) -> None:
     """The prediction of an AllReduce plan (BSP: no pipeline, nothing to draw)."""
-    from planner.simulator import allreduce_for_plan
+    from planner.sim.simulator import allreduce_for_plan
 
     ar = allreduce_for_plan(plan)
     table = Table(title=escape(f"{plan.model} (batch {plan.batch_size} per device): AllReduce"))

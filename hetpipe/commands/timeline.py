@@ -31,7 +31,7 @@ def timeline(
     ] = None,
 ) -> None:
     """Draw ``RUN_DIR``'s timeline for ``--window``."""
-    from runtime.timeline import draw_window, parse_window
+    from runtime.results.timeline import draw_window, parse_window
 
     path = draw_window(run_dir, parse_window(window), out)
     console.print(f"timeline: {escape(str(path))}")

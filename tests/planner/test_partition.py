@@ -6,13 +6,13 @@ import pytest
 
 from planner.cluster import Cluster, Device, load_cluster
 from planner.costmodel import CostModel
-from planner.partition_dp import (
+from planner.partition.dp import (
     InfeasiblePartition,
     distinct_orders,
     partition_dp,
     partition_dp_best_order,
 )
-from planner.partition_milp import available_solvers, partition_milp
+from planner.partition.milp import available_solvers, partition_milp
 from profiler.analytic import scale_profile
 from profiler.pipedream import import_pipedream
 from tests.conftest import EXAMPLES, PIPEDREAM

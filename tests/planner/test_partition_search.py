@@ -11,8 +11,7 @@ from hypothesis import strategies as st
 
 from planner.cluster import Cluster, Device, load_cluster, parse_cluster
 from planner.costmodel import CostModel
-from planner.memory_fit import feasible_order, fits_memory, min_memory_shortfall
-from planner.partition_dp import (
+from planner.partition.dp import (
     InfeasiblePartition,
     _bottleneck,
     _shortfall_mats,
@@ -20,8 +19,9 @@ from planner.partition_dp import (
     partition_dp,
     partition_dp_best_order,
 )
-from planner.partition_milp import partition_milp
-from planner.partition_search import lower_bound_ms, partition_exact
+from planner.partition.memory import feasible_order, fits_memory, min_memory_shortfall
+from planner.partition.milp import partition_milp
+from planner.partition.search import lower_bound_ms, partition_exact
 from profiler.analytic import scale_profile
 from profiler.errors import PlanError
 from profiler.pipedream import import_pipedream

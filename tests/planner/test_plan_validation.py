@@ -325,7 +325,7 @@ def test_generated_plans_are_valid() -> None:
     from torch import nn
 
     from planner.manual import multi_vw_plan
-    from runtime.model import ModelGraph
+    from runtime.stage.model import ModelGraph
     from tests.planner.simplan import make_plan
 
     validate_plan(

@@ -140,7 +140,7 @@ def test_vw_throughput_formula() -> None:
 
 def test_in_flight_bound_matches_simulator(paper: Cluster) -> None:
     """The memory model's per-stage in-flight count (Sec. 4 rules) is what the simulator observes."""
-    from planner.simulator import simulate
+    from planner.sim.simulator import simulate
 
     profs = synthetic_profiles(30, TYPES, seed=5)
     plan = make_plan(paper, profs, policy="hd", nm=4, options=PlanOptions(simulate_waves=0))

@@ -10,7 +10,7 @@ import pytest
 from planner.cluster import Link
 from planner.predict import simulate_allreduce
 from planner.schedule import in_flight_bound
-from planner.simulator import (
+from planner.sim.simulator import (
     PipelineSpec,
     allreduce_for_plan,
     measured_throughput,

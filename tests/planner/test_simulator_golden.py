@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from planner.simulator import PipelineSpec, SimResult, simulate, simulate_pipelines
+from planner.sim.simulator import PipelineSpec, SimResult, simulate, simulate_pipelines
 from tests.planner.simplan import make_plan
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from planner.cluster import Cluster, load_cluster
 from planner.plan import Plan
-from planner.simulator import SimResult, allreduce_for_plan, best_by_simulation, simulate
+from planner.sim.simulator import SimResult, allreduce_for_plan, best_by_simulation, simulate
 from profiler.table import Profile
 from tests.conftest import EXAMPLES
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from planner.gantt import _chart_rows, read_chrome_trace, write_chrome_trace, write_gantt
-from planner.simulator import PipelineSpec, TraceEvent, simulate_pipelines
+from planner.sim.gantt import _chart_rows, read_chrome_trace, write_chrome_trace, write_gantt
+from planner.sim.simulator import PipelineSpec, TraceEvent, simulate_pipelines
 from profiler.errors import ConfigError
 
 
@@ -70,7 +70,7 @@ def test_gantt_draws_a_window_and_rejects_an_empty_one(tmp_path: Path) -> None:
 
 
 def test_chrome_trace_names_the_wait_thread() -> None:
-    from planner.gantt import chrome_trace
+    from planner.sim.gantt import chrome_trace
 
     doc = chrome_trace(_trace())
     names = {

@@ -23,9 +23,11 @@ import torch.distributed as dist
 
 from planner.wsp import required_global_clock
 from profiler.errors import HetPipeRuntimeError
-from runtime.ps import ShardCore, ShardServer, ShardSpec
-from runtime.ps_client import PSClient, PullHandle, PullResult
-from runtime.snapshot import SnapshotSpec
+from runtime.persist.snapshot import SnapshotSpec
+from runtime.ps.client import PSClient, PullHandle, PullResult
+from runtime.ps.core import ShardCore
+from runtime.ps.layout import ShardSpec
+from runtime.ps.server import ShardServer
 
 EXIT_FAILED = 3
 
@@ -294,7 +296,7 @@ def protocol_main(rank: int, store: str, out: str) -> None:
     cfg = RunConfig(store=store, world=3, nm=1, D=0, waves=1, timeout_s=20.0)
     _init(rank, cfg)
     pair = dist.new_group([1, 2])
-    from runtime.ps import make_shard_specs
+    from runtime.ps.layout import make_shard_specs
 
     (spec,) = make_shard_specs({"w": (8,)}, {"w": 0}, [0], [(0, 0, 1, ["w"]), (1, 0, 2, ["w"])])
     seen: dict[str, object] = {}

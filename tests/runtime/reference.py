@@ -10,7 +10,7 @@ from torch.func import functional_call
 
 from runtime.config import OptimizerConfig
 from runtime.data import MinibatchSource
-from runtime.weights import build_optimizer, lr_at
+from runtime.stage.weights import build_optimizer, lr_at
 
 
 def plain_loop(

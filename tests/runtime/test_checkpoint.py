@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from profiler.errors import ConfigError, HetPipeRuntimeError
-from runtime.checkpoint import load_checkpoint, shard_from_payload, shard_payload
-from runtime.ps import ShardCore, Status
-from runtime.snapshot import (
+from runtime.persist.checkpoint import load_checkpoint, shard_from_payload, shard_payload
+from runtime.persist.snapshot import (
     MANIFEST,
     SnapshotSpec,
     WriteFault,
@@ -23,6 +22,7 @@ from runtime.snapshot import (
     snapshot_dir,
     write_part,
 )
+from runtime.ps.core import ShardCore, Status
 from tests.runtime.test_ps import all_pushes, init_weights, specs, update
 
 PARTS = ("shard-0", "vw0-stage0")

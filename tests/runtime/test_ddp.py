@@ -16,9 +16,9 @@ from planner.plan import Plan
 from profiler.errors import ConfigError, HetPipeRuntimeError
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.data import DigitsDataset, MinibatchSource
-from runtime.ddp import run_allreduce
-from runtime.evaluation import accuracy, split_dataset
-from runtime.model import reference_module
+from runtime.results.evaluation import accuracy, split_dataset
+from runtime.stage.model import reference_module
+from runtime.sync.allreduce import run_allreduce
 
 MiB = 2**20
 
@@ -135,7 +135,7 @@ def test_a_time_limit_stops_every_rank_after_the_same_step() -> None:
 def test_a_pipeline_plan_is_refused() -> None:
     from planner.manual import cpu_cluster, multi_vw_plan
     from profiler.graph import ModelGraph
-    from runtime.model import resolve_source
+    from runtime.stage.model import resolve_source
 
     graph = ModelGraph.from_spec(resolve_source(ModelSource(ref="mlp"), 8, meta=True))
     plan = multi_vw_plan(graph, [[2], [2]], "mlp", 8, 1, cluster=cpu_cluster(4))

@@ -1,4 +1,4 @@
-"""Tests of runtime/ddp_watch.py: collecting rank results and naming a stall."""
+"""Tests of runtime/sync/allreduce_watch.py: collecting rank results and naming a stall."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from profiler.errors import HetPipeRuntimeError
-from runtime.ddp_watch import watch_ranks
+from runtime.sync.allreduce_watch import watch_ranks
 
 
 def _payload(value: int) -> bytes:

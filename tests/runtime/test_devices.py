@@ -10,8 +10,8 @@ from planner.manual import balanced_cuts, cpu_cluster, manual_plan
 from profiler.errors import ConfigError
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource
-from runtime.launcher import require_devices, stage_contexts
-from runtime.model import resolve_source
+from runtime.launch.single import require_devices, stage_contexts
+from runtime.stage.model import resolve_source
 
 
 def _graph() -> ModelGraph:

@@ -10,8 +10,8 @@ from planner.manual import balanced_cuts, manual_plan
 from profiler.errors import HetPipeRuntimeError
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource, RunConfig
-from runtime.launcher import launch
-from runtime.model import resolve_source
+from runtime.launch.single import launch
+from runtime.stage.model import resolve_source
 
 
 def _plan() -> tuple[ModelSource, object]:

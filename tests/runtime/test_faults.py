@@ -25,11 +25,11 @@ from planner.manual import multi_vw_plan
 from profiler.errors import ConfigError, HetPipeRuntimeError
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
-from runtime.failures import StageFault, _dead_forkserver_dir, rendezvous_dir
-from runtime.model import resolve_source
-from runtime.run_dir import RunDirectory
-from runtime.snapshot import MANIFEST, WriteFault, committed_clocks, select
-from runtime.wsp_launcher import launch_wsp
+from runtime.launch.failures import StageFault, _dead_forkserver_dir, rendezvous_dir
+from runtime.launch.wsp import launch_wsp
+from runtime.persist.run_dir import RunDirectory
+from runtime.persist.snapshot import MANIFEST, WriteFault, committed_clocks, select
+from runtime.stage.model import resolve_source
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -10,12 +10,12 @@ import torch
 from planner.manual import balanced_cuts, manual_plan
 from profiler.errors import ConfigError, HetPipeRuntimeError
 from profiler.graph import ModelGraph
-from runtime.comm import cut_specs
 from runtime.config import ModelSource, RunConfig
 from runtime.data import DigitsDataset, MinibatchSource, SyntheticDataset
-from runtime.emulation import Calibration, MemoryMeter, pace_until
-from runtime.launcher import stage_contexts, total_steps
-from runtime.model import build_stage, reference_module, resolve_source
+from runtime.launch.single import stage_contexts, total_steps
+from runtime.stage.comm import cut_specs
+from runtime.stage.emulation import Calibration, MemoryMeter, pace_until
+from runtime.stage.model import build_stage, reference_module, resolve_source
 
 
 def test_minibatch_order_is_deterministic_and_covers_each_epoch() -> None:
@@ -178,8 +178,8 @@ def test_fast_gather_equals_collating_items_one_by_one() -> None:
 
 
 def test_measured_trace_puts_stage_0_pull_waits_behind_the_whole_vw() -> None:
-    from runtime.metrics import StageResult
-    from runtime.timeline import measured_trace
+    from runtime.results.metrics import StageResult
+    from runtime.results.timeline import measured_trace
 
     s0 = StageResult(rank=1, vw=0, stage=0, device="V:0")
     s1 = StageResult(rank=2, vw=0, stage=1, device="Q:0")

@@ -22,18 +22,17 @@ from planner.wsp import required_global_clock
 from profiler.errors import ConfigError, HetPipeRuntimeError
 from profiler.graph import ModelGraph
 from profiler.models import resolve_model
-from runtime.checkpoint import shard_from_payload
-from runtime.ps import (
-    ShardCore,
+from runtime.persist.checkpoint import shard_from_payload
+from runtime.persist.snapshot import committed_clocks, load_part, read_manifest, snapshot_dir
+from runtime.ps.client import PSClient
+from runtime.ps.core import ShardCore, Status
+from runtime.ps.layout import (
     ShardSpec,
-    Status,
     export_state_dict,
     make_shard_specs,
     round_robin_assignment,
     shard_specs_for_layout,
 )
-from runtime.ps_client import PSClient
-from runtime.snapshot import committed_clocks, load_part, read_manifest, snapshot_dir
 from tests.runtime._ps_procs import (
     RunConfig,
     param_update,

@@ -13,7 +13,7 @@ from hetpipe.cli import app
 from planner.manual import balanced_cuts, cpu_cluster, manual_plan
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource
-from runtime.model import resolve_source
+from runtime.stage.model import resolve_source
 
 
 def test_run_plan_file_prints_summary_and_writes_metrics(tmp_path: Path) -> None:

@@ -15,9 +15,9 @@ from planner.manual import cpu_cluster, manual_plan, multi_vw_plan
 from profiler.errors import ConfigError
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource, RunConfig
-from runtime.model import resolve_source
+from runtime.results.wsp import WSPResult
 from runtime.run import default_length, launcher_for
-from runtime.wsp_result import WSPResult
+from runtime.stage.model import resolve_source
 
 
 def _graph() -> ModelGraph:

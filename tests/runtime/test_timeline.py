@@ -8,10 +8,10 @@ import pytest
 from typer.testing import CliRunner
 
 from hetpipe.cli import app
-from planner.gantt import read_chrome_trace
+from planner.sim.gantt import read_chrome_trace
 from profiler.errors import ConfigError
-from runtime.metrics import StageResult
-from runtime.timeline import draw_window, parse_window, write_timeline
+from runtime.results.metrics import StageResult
+from runtime.results.timeline import draw_window, parse_window, write_timeline
 
 
 def _stages() -> list[StageResult]:

@@ -13,7 +13,7 @@ import torch
 from planner.manual import balanced_cuts, manual_plan
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource
-from runtime.model import resolve_source
+from runtime.stage.model import resolve_source
 
 
 def _free_port() -> int:
@@ -53,7 +53,7 @@ def test_torchrun_two_hosts_train_every_vw_through_wsp_like_hetpipe_run(tmp_path
     from planner.manual import multi_vw_plan
     from runtime.__main__ import collect_wsp
     from runtime.config import OptimizerConfig, RunConfig
-    from runtime.wsp_launcher import launch_wsp
+    from runtime.launch.wsp import launch_wsp
 
     graph = ModelGraph.from_spec(resolve_source(ModelSource(ref="mlp"), 16, meta=True))
     plan = multi_vw_plan(graph, [(4,), (6,)], "mlp", 16, nm=2, D=0, n_shards=2)

@@ -11,7 +11,7 @@ from torch.testing import assert_close
 
 from profiler.errors import HetPipeRuntimeError
 from runtime.config import OptimizerConfig
-from runtime.weights import VersionedWeights, lr_at
+from runtime.stage.weights import VersionedWeights, lr_at
 
 
 def _grad(w: torch.Tensor, mb: int) -> torch.Tensor:

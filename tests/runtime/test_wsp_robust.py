@@ -15,9 +15,9 @@ from planner.manual import multi_vw_plan
 from profiler.errors import HetPipeRuntimeError
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
-from runtime.model import resolve_source
-from runtime.snapshot import committed_clocks, read_manifest, snapshot_dir
-from runtime.wsp_launcher import launch_wsp
+from runtime.launch.wsp import launch_wsp
+from runtime.persist.snapshot import committed_clocks, read_manifest, snapshot_dir
+from runtime.stage.model import resolve_source
 
 pytestmark = pytest.mark.timeout(120)
 

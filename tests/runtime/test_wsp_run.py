@@ -21,10 +21,10 @@ from profiler.errors import HetPipeRuntimeError
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.data import MinibatchSource, default_dataset
-from runtime.model import reference_module, resolve_source
-from runtime.snapshot import committed_clocks
-from runtime.wsp_launcher import WSPConfig, launch_wsp, split_data
-from runtime.wsp_result import WSPResult
+from runtime.launch.wsp import WSPConfig, launch_wsp, split_data
+from runtime.persist.snapshot import committed_clocks
+from runtime.results.wsp import WSPResult
+from runtime.stage.model import reference_module, resolve_source
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,0 +1,431 @@
+"""The simulator's event loop: pipelines inside virtual workers plus WSP across them.
+
+It executes exactly the rules the runtime executes, imported from the same modules:
+:class:`planner.schedule.StageQueue` (paper Sec. 4) on every GPU and
+:func:`planner.wsp.required_global_clock` / :class:`planner.wsp.GlobalClock` (Sec. 5) for
+admission. Times are milliseconds inside the simulator; results report seconds and samples/s.
+
+Model (one event heap, O(log n) per event; see docs/simulator.md, *Scale*, for the cost):
+
+- **Compute**: stage ``s`` runs ``F(p)`` for ``fwd_ms[s]``, ``B(p)`` for ``bwd_ms[s]``; the last
+  stage runs ``FB(p)`` for ``fwd_ms + bwd_ms``. One task at a time per GPU, chosen by its
+  ``StageQueue``.
+- **Transfers**: the activations of ``p`` (gradients) become available when the sender's
+  ``F(p)`` (``B(p)``) ends; the receiver's task starts by receiving them: it takes
+  ``recv_fwd_ms[s]`` (``recv_bwd_ms[s]``) of the receiving GPU (the paper's stage time counts
+  receive time, Sec. 4) and occupies the *sender's link* for that time: its own GPU link for
+  a transfer inside a node, its node's network card (shared by every GPU of that node, of
+  every VW) for a transfer to another node. A link carries one transfer at a time, first
+  come first served; when it is busy the receiver waits. Specs without ``nodes`` give every
+  GPU its own card (no sharing).
+- **Admission**: a VW admits minibatch ``p`` into stage 0 when fewer than ``Nm`` are in flight
+  (admitted, stage-0 backward not finished) and its pulled global clock is at least
+  :func:`~planner.wsp.required_global_clock`.
+- **WSP**: when stage ``s`` finishes the backward of a wave's last minibatch it pushes its
+  aggregated update to the parameter-server shards: ``push_ms[s]`` (shards on its node) on
+  its own link, then ``push_inter_ms[s]`` (shards on other nodes) on its node's card, FIFO
+  with the activation traffic. The VW's local clock advances when all its stages' pushes arrived;
+  the global clock is the minimum over VWs. A VW that needs a newer global clock waits for
+  it, then pulls (``pull_ms``: the slowest stage's pull, all stages pulling in parallel;
+  shard-side contention is not modelled) and only then admits. Waiting = admission blocked
+  by WSP (waiting for the clock plus the pull); idle = waiting while no GPU of the VW computes.
+- **Throughput** (:func:`measured_throughput`, the runtime uses the same function): wave 0
+  is warm-up. ``t_a`` = the latest end of wave 0 over VWs, ``t_b`` = the earliest end of the
+  last wave; throughput = batch size x minibatches whose stage-0 backward ended in
+  ``(t_a, t_b]`` / ``(t_b - t_a)``. With one VW this is exactly the samples of waves
+  ``1..W-1`` over their wall time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from array import array
+from collections.abc import Sequence
+from itertools import count
+from typing import Any
+
+from planner.schedule import Kind, StageQueue, Task
+from planner.sim.types import (
+    PipelineSpec,
+    SimResult,
+    TraceEvent,
+    busy_ms,
+    idle_ms,
+    measured_throughput,
+    own_rate,
+)
+from planner.wsp import GlobalClock, required_global_clock
+from profiler.errors import PlanError
+
+__all__ = [
+    "PipelineSpec",
+    "SimResult",
+    "TraceEvent",
+    "measured_throughput",
+    "simulate_pipelines",
+]
+
+log = logging.getLogger(__name__)
+
+_DONE, _PUSHED, _PULLED = 0, 1, 2  # event codes
+_NO_LINK = -1
+
+
+class _Links:
+    """When each link is free next (ms), by integer id: every GPU's own link and every node's
+    network card (one list: an event indexes it instead of hashing node names)."""
+
+    def __init__(self) -> None:
+        self.free: list[float] = []
+        self._cards: dict[str, int] = {}
+
+    def new(self, n: int) -> list[int]:
+        """Ids of ``n`` new links (a VW's GPU links)."""
+        first = len(self.free)
+        self.free.extend([0.0] * n)
+        return list(range(first, first + n))
+
+    def card(self, node: str) -> int:
+        """Id of ``node``'s network card, shared by every VW using that node."""
+        if node not in self._cards:
+            self._cards[node] = len(self.free)
+            self.free.append(0.0)
+        return self._cards[node]
+
+
+class _Stage:
+    """One GPU of a VW during a run: its task queue, what its tasks cost and its compute
+    intervals, in one object so that an event touches few cache lines (see docs/simulator.md,
+    *Scale*)."""
+
+    __slots__ = (
+        "b_bytes",
+        "b_comp",
+        "b_link",
+        "b_recv",
+        "ends",
+        "f_bytes",
+        "f_comp",
+        "f_link",
+        "f_recv",
+        "forward_kind",
+        "max_in_flight",
+        "own_link",
+        "push_card",
+        "queue",
+        "starts",
+    )
+
+    def __init__(self, spec: PipelineSpec, v: int, s: int, links: _Links, own: list[int]) -> None:
+        n, nodes = spec.n_stages, spec.nodes
+
+        def sender(src: int, recv: float) -> int:
+            """The link a transfer from stage ``src`` to this stage occupies."""
+            if not recv > 0.0:
+                return _NO_LINK
+            return links.card(nodes[src]) if nodes and nodes[src] != nodes[s] else own[src]
+
+        self.queue = StageQueue(s, n)
+        self.forward_kind = self.queue.forward_kind
+        self.own_link = own[s]
+        inter = spec.push_inter_ms
+        self.push_card = (
+            links.card(nodes[s] if nodes else f"{v}/{s}") if inter and inter[s] > 0.0 else _NO_LINK
+        )
+        # forward (or the last stage's FB) and backward tasks: receive ms, the sender's link,
+        # compute ms, cross-node bytes received
+        fwd, bwd, xb = spec.fwd_ms, spec.bwd_ms, spec.cross_recv_bytes
+        self.f_recv = spec.recv_fwd_ms[s]
+        self.f_link = sender(s - 1, self.f_recv) if s > 0 else _NO_LINK
+        self.f_comp = fwd[s] + (bwd[s] if s == n - 1 else 0.0)
+        self.f_bytes = xb[s] if s > 0 else 0
+        last = s == n - 1  # the last stage has no backward task
+        self.b_recv = 0.0 if last else spec.recv_bwd_ms[s]
+        self.b_link = _NO_LINK if last else sender(s + 1, self.b_recv)
+        self.b_comp = 0.0 if last else bwd[s]
+        self.b_bytes = 0 if last else xb[s + 1]
+        # compute intervals in time order (one task at a time): flat arrays, not tuples, so
+        # 10,000 GPUs x 400 tasks stay small and outside the garbage collector
+        self.starts = array("d")
+        self.ends = array("d")
+        self.max_in_flight = 0
+
+
+class _VW:
+    """Mutable per-VW state of one simulation run (private to the event loop)."""
+
+    __slots__ = (
+        "admitted",
+        "completions",
+        "in_flight",
+        "n",
+        "need",
+        "next_push_wave",
+        "pulled",
+        "pulling",
+        "pushed",
+        "spec",
+        "stages",
+        "v",
+        "wait_start",
+        "waits",
+    )
+
+    def __init__(self, spec: PipelineSpec, v: int, links: _Links) -> None:
+        n = spec.n_stages
+        self.v = v
+        self.spec = spec
+        self.n = n
+        own = links.new(n)
+        self.stages = [_Stage(spec, v, s, links, own) for s in range(n)]
+        self.admitted = 0
+        self.in_flight = 0
+        self.pulled = 0  # global clock held locally
+        self.wait_start = -1.0  # >= 0 while admission is blocked by WSP
+        self.need = 0  # global clock the blocked admission needs
+        self.pulling = False
+        self.pushed = [0]  # per wave: stages whose push arrived
+        self.next_push_wave = 0
+        self.completions: list[float] = []
+        self.waits: list[tuple[float, float]] = []
+
+
+class _Sim:
+    """The event loop (private; use :func:`simulate_pipelines`)."""
+
+    def __init__(
+        self, specs: Sequence[PipelineSpec], nm: int, D: int, waves: int, record: bool
+    ) -> None:
+        self.links = _Links()
+        self.vws = [_VW(s.validated(), v, self.links) for v, s in enumerate(specs)]
+        self.nm, self.D, self.total = nm, D, waves * nm
+        self.clock = GlobalClock(len(self.vws))
+        # (time ms, sequence number, event code, VW, stage, task/wave/version): ties in time
+        # run in the order they were scheduled
+        self.heap: list[tuple[float, int, int, _VW, int, Any]] = []
+        self.seq = count()
+        self.events = 0
+        self.cross_bytes = 0
+        self.max_distance = 0
+        self.record = record
+        self.trace: list[TraceEvent] = []
+        self.blocked: set[int] = set()
+
+    def run(self) -> None:
+        """Process events in time order (ties: in the order they were scheduled) until none is left.
+
+        Stage-task completions, almost every event, are handled inline: this loop is the
+        simulator's hot path (see docs/simulator.md, *Scale*).
+        """
+        for w in self.vws:
+            self._admit(w, 0.0)
+        heap, pop, dispatch, nm = self.heap, heapq.heappop, self._dispatch, self.nm
+        F, B = Kind.F, Kind.B
+        while heap:
+            now, _, code, w, s, t = pop(heap)
+            if code != _DONE:
+                if code == _PUSHED:
+                    self._pushed(w, t, now)
+                else:
+                    self._pulled(w, t, now)
+                continue
+            stages = w.stages
+            stages[s].queue.done(t)
+            kind = t.kind
+            if kind is F:
+                nxt = stages[s + 1]
+                nxt.queue.ready(Task(s + 1, nxt.forward_kind, t.mb))
+                dispatch(w, s + 1, now)
+            elif s > 0:
+                stages[s - 1].queue.ready(Task(s - 1, B, t.mb))
+                dispatch(w, s - 1, now)
+            if kind is not F and t.mb % nm == 0:
+                self._push(w, s, t.mb // nm - 1, now)
+            if s == 0 and (kind is B or w.n == 1):
+                w.completions.append(now)
+                w.in_flight -= 1
+                self._admit(w, now)  # ends by offering stage 0 its next task
+            else:
+                dispatch(w, s, now)
+        self.events = next(self.seq)  # every scheduled event was processed
+
+    # ---------------------------------------------------------------- admission and WSP
+
+    def _admit(self, w: _VW, now: float) -> None:
+        while w.admitted < self.total and w.in_flight < self.nm and not w.pulling:
+            mb = w.admitted + 1
+            need = required_global_clock(mb, self.nm, self.D)
+            if need > w.pulled:
+                if w.wait_start < 0:
+                    w.wait_start, w.need = now, need
+                if self.clock.global_clock >= need:
+                    self._start_pull(w, now)
+                else:
+                    self.blocked.add(w.v)
+                break
+            w.admitted += 1
+            w.in_flight += 1
+            first = w.stages[0]
+            first.queue.ready(Task(0, first.forward_kind, mb))
+        self._dispatch(w, 0, now)
+
+    def _start_pull(self, w: _VW, now: float) -> None:
+        w.pulling = True
+        self.blocked.discard(w.v)
+        self.cross_bytes += sum(w.spec.cross_sync_bytes)
+        heapq.heappush(
+            self.heap,
+            (now + max(w.spec.pull_ms), next(self.seq), _PULLED, w, -1, self.clock.global_clock),
+        )
+
+    def _pulled(self, w: _VW, version: int, now: float) -> None:
+        w.pulling = False
+        w.pulled = version
+        w.waits.append((w.wait_start, now))
+        if self.record:
+            self.trace.append(TraceEvent(w.v, -1, "wait", w.need - 1, w.wait_start, now))
+        w.wait_start = -1.0
+        self._admit(w, now)
+
+    def _push(self, w: _VW, s: int, wave: int, now: float) -> None:
+        free = self.links.free
+        st = w.stages[s]
+        own = st.own_link
+        start = free[own] if free[own] > now else now
+        end = start + w.spec.push_ms[s]
+        free[own] = end
+        card = st.push_card
+        if card != _NO_LINK:
+            end = (free[card] if free[card] > end else end) + w.spec.push_inter_ms[s]
+            free[card] = end
+        self.cross_bytes += w.spec.cross_sync_bytes[s]
+        if self.record and end > start:
+            self.trace.append(TraceEvent(w.v, s, "push", wave, start, end))
+        heapq.heappush(self.heap, (end, next(self.seq), _PUSHED, w, s, wave))
+
+    def _pushed(self, w: _VW, wave: int, now: float) -> None:
+        while len(w.pushed) <= wave:
+            w.pushed.append(0)
+        w.pushed[wave] += 1
+        advanced = False
+        while w.next_push_wave < len(w.pushed) and w.pushed[w.next_push_wave] == w.n:
+            before = self.clock.global_clock
+            self.clock.push(w.v, w.next_push_wave)
+            w.next_push_wave += 1
+            self.max_distance = max(self.max_distance, self.clock.distance)
+            advanced = advanced or self.clock.global_clock > before
+        if advanced:
+            g = self.clock.global_clock
+            for u in sorted(u for u in self.blocked if self.vws[u].need <= g):
+                self._start_pull(self.vws[u], now)
+
+    # ---------------------------------------------------------------- stage execution
+
+    def _dispatch(self, w: _VW, s: int, now: float) -> None:
+        """Start stage ``s``'s next task if its queue allows one: receive, then compute."""
+        st = w.stages[s]
+        q = st.queue
+        t = q.next()
+        if t is None:
+            return
+        held = q.in_flight
+        if held > st.max_in_flight:
+            st.max_in_flight = held
+        if t.kind is Kind.B:
+            recv, link, comp, xbytes = st.b_recv, st.b_link, st.b_comp, st.b_bytes
+        else:
+            recv, link, comp, xbytes = st.f_recv, st.f_link, st.f_comp, st.f_bytes
+        start = now
+        if link != _NO_LINK:  # the transfer waits for the sender's link (FIFO)
+            free = self.links.free
+            if free[link] > now:
+                start = free[link]
+            free[link] = start + recv
+            if self.record:
+                self.trace.append(TraceEvent(w.v, s, "recv", t.mb, start, start + recv))
+        self.cross_bytes += xbytes
+        c0 = start + recv
+        end = c0 + comp
+        st.starts.append(c0)
+        st.ends.append(end)
+        if self.record:
+            self.trace.append(TraceEvent(w.v, s, t.kind.value, t.mb, c0, end))
+        heapq.heappush(self.heap, (end, next(self.seq), _DONE, w, s, t))
+
+    # ---------------------------------------------------------------- results
+
+    def result(self, batch_size: int) -> SimResult:
+        comps = [w.completions for w in self.vws]
+        thr = measured_throughput(comps, self.nm, batch_size)
+        t_a = max(c[self.nm - 1] for c in comps)
+        t_b = min(c[-1] for c in comps)
+        lo, hi = (
+            (t_a, t_b)
+            if t_b > t_a
+            else (min(c[self.nm - 1] for c in comps), max(c[-1] for c in comps))
+        )
+        busy = tuple(
+            tuple(busy_ms(st.starts, st.ends, lo, hi) / (hi - lo) for st in w.stages)
+            for w in self.vws
+        )
+        waiting = tuple(sum(b - a for a, b in w.waits) / 1e3 for w in self.vws)
+        idle = tuple(
+            idle_ms(w.waits, [st.starts for st in w.stages], [st.ends for st in w.stages]) / 1e3
+            for w in self.vws
+        )
+        return SimResult(
+            throughput=thr,
+            per_vw_throughput=tuple(
+                own_rate(c, len(c) // self.nm, self.nm, batch_size) for c in comps
+            ),
+            makespan_s=max(c[-1] for c in comps) / 1e3,
+            window_s=(lo / 1e3, hi / 1e3),
+            gpu_busy=busy,
+            waiting_s=waiting,
+            idle_s=idle,
+            max_in_flight=tuple(tuple(st.max_in_flight for st in w.stages) for w in self.vws),
+            cross_node_bytes=self.cross_bytes,
+            max_clock_distance=self.max_distance,
+            events=self.events,
+            completions_ms=tuple(tuple(c) for c in comps),
+            trace=tuple(sorted(self.trace, key=lambda e: (e.start_ms, e.vw, e.stage))),
+        )
+
+
+def simulate_pipelines(
+    specs: Sequence[PipelineSpec],
+    nm: int,
+    D: int = 0,
+    waves: int = 20,
+    batch_size: int = 1,
+    record_trace: bool = False,
+) -> SimResult:
+    """Simulate virtual workers given as plain per-stage times (the low-level entry).
+
+    Args:
+        specs: one :class:`PipelineSpec` per virtual worker.
+        nm: minibatches in flight per VW (= minibatches per wave).
+        D: WSP threshold (clock distance at most ``D + 1``).
+        waves: waves each VW runs (>= 2; wave 0 is warm-up).
+        batch_size: samples per minibatch (throughput is in samples/s).
+        record_trace: keep every interval in ``SimResult.trace`` (for Gantt charts).
+
+    Raises:
+        PlanError: no VW, ``nm < 1``, ``D < 0``, ``waves < 2`` or an invalid spec.
+    """
+    if not specs:
+        raise PlanError("nothing to simulate: the plan has no virtual workers")
+    if nm < 1 or D < 0 or waves < 2:
+        raise PlanError(f"need nm >= 1, D >= 0 and waves >= 2 (got nm={nm}, D={D}, waves={waves})")
+    sim = _Sim(specs, nm, D, waves, record_trace)
+    sim.run()
+    res = sim.result(batch_size)
+    log.debug(
+        "simulated %d VWs x %d waves: %d events, %.1f samples/s",
+        len(specs),
+        waves,
+        sim.events,
+        res.throughput,
+    )
+    return res

@@ -1,0 +1,269 @@
+"""`hetpipe simulate`'s engine: predict a plan's behaviour, and the AllReduce BSP baseline.
+
+:func:`simulate` turns a :class:`~planner.plan.Plan` into one
+:class:`~planner.sim.engine.PipelineSpec` per virtual worker (stage times and transfer
+times straight from the plan, push/pull times from the shard placement and the cluster's
+links) and runs the discrete-event loop of :mod:`planner.sim.engine`, whose docstring
+defines the model and the throughput. :func:`planner.predict.simulate_allreduce` is the paper's Horovod
+comparison: data parallelism with a ring all-reduce (BSP) on the GPUs that hold the whole model.
+
+Shard traffic: stage ``s`` of a VW pushes (and pulls) the bytes of its parameters that live
+in each shard. With a profile (layer names and ``param_bytes``) the split is exact. Without
+one it is estimated: ``local`` placement sends a stage's parameters to the shards on its own
+node (when there is one); otherwise each shard receives a share proportional to its size.
+Transfers to a shard on the GPU's own node use the intra-node link, others the inter-node one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+
+from planner.plan import Plan, StagePlan, VirtualWorker
+from planner.predict import AllReduceResult, ring_link, simulate_allreduce
+from planner.sim.engine import (
+    PipelineSpec,
+    SimResult,
+    TraceEvent,
+    measured_throughput,
+    simulate_pipelines,
+)
+from profiler.errors import PlanError
+from profiler.table import Profile
+
+__all__ = [
+    "PipelineSpec",
+    "SimResult",
+    "TraceEvent",
+    "allreduce_for_plan",
+    "best_by_simulation",
+    "measured_throughput",
+    "pipeline_specs",
+    "simulate",
+    "simulate_pipelines",
+    "stage_shard_bytes",
+]
+
+log = logging.getLogger(__name__)
+
+
+def stage_shard_bytes(
+    plan: Plan, vw: VirtualWorker, stage: StagePlan, profile: Profile | None = None
+) -> list[tuple[str, int]]:
+    """``(shard node, bytes)`` of ``stage``'s parameters held by each shard (see module doc)."""
+    shards = [s for s in plan.shards if s.param_bytes > 0]
+    if not shards or stage.param_bytes <= 0:
+        return []
+    if profile is not None:
+        table = profile.table
+        index = {
+            str(n): (i, int(b))
+            for i, (n, b) in enumerate(zip(table["layer"], table["param_bytes"], strict=True))
+        }
+        out = []
+        for sh in shards:
+            got = [index.get(name) for name in sh.layers]
+            if any(g is None for g in got):
+                break
+            nbytes = sum(b for i, b in got if stage.first_index <= i <= stage.last_index)  # type: ignore[misc]
+            if nbytes:
+                out.append((sh.node, nbytes))
+        else:
+            return out
+        log.warning("shard layer names are not in the profile: estimating shard traffic")
+    node = vw.gpus[stage.gpu].node
+    if plan.placement == "local":
+        mine = [s for s in shards if s.node == node]
+        if mine:
+            total = sum(s.param_bytes for s in mine)
+            return [(s.node, stage.param_bytes * s.param_bytes // total) for s in mine]
+    total = sum(s.param_bytes for s in shards)
+    return [(s.node, stage.param_bytes * s.param_bytes // total) for s in shards]
+
+
+def pipeline_specs(plan: Plan, profile: Profile | None = None) -> list[PipelineSpec]:
+    """One simulator spec per virtual worker of ``plan`` (times in ms, as planned).
+
+    Raises:
+        PlanError: a VW has no stage or a stage points at a missing GPU.
+    """
+    specs = []
+    for vw in plan.virtual_workers:
+        if not vw.stages:
+            raise PlanError(f"plan: virtual worker {vw.id} has no stages (re-run 'hetpipe plan')")
+        push, push_inter, cross_recv, cross_sync, labels = [], [], [], [], []
+        for j, st in enumerate(vw.stages):
+            if not 0 <= st.gpu < len(vw.gpus):
+                raise PlanError(
+                    f"plan: VW {vw.id} stage {j} uses GPU {st.gpu} but the VW has {len(vw.gpus)}"
+                )
+            gpu = vw.gpus[st.gpu]
+            labels.append(f"{gpu.node}:{gpu.index}")
+            prev = vw.gpus[vw.stages[j - 1].gpu].node if j > 0 else gpu.node
+            cross_recv.append(st.recv_bytes if prev != gpu.node else 0)
+            traffic = stage_shard_bytes(plan, vw, st, profile)
+            cl = plan.cluster
+            push.append(sum(cl.intra_node.time_s(b) for n, b in traffic if n == gpu.node) * 1e3)
+            push_inter.append(
+                sum(cl.inter_node.time_s(b) for n, b in traffic if n != gpu.node) * 1e3
+            )
+            cross_sync.append(sum(b for n, b in traffic if n != gpu.node))
+        specs.append(
+            PipelineSpec(
+                fwd_ms=tuple(s.fwd_ms for s in vw.stages),
+                bwd_ms=tuple(s.bwd_ms for s in vw.stages),
+                recv_fwd_ms=tuple(s.recv_fwd_ms if j > 0 else 0.0 for j, s in enumerate(vw.stages)),
+                recv_bwd_ms=tuple(
+                    s.recv_bwd_ms if j < len(vw.stages) - 1 else 0.0
+                    for j, s in enumerate(vw.stages)
+                ),
+                push_ms=tuple(push),
+                pull_ms=tuple(
+                    a + b for a, b in zip(push, push_inter, strict=True)
+                ),  # same bytes back
+                cross_recv_bytes=tuple(cross_recv),
+                cross_sync_bytes=tuple(cross_sync),
+                labels=tuple(labels),
+                nodes=tuple(vw.gpus[s.gpu].node for s in vw.stages),
+                push_inter_ms=tuple(push_inter),
+            ).validated()
+        )
+    return specs
+
+
+def simulate(
+    plan: Plan, waves: int = 20, profile: Profile | None = None, record_trace: bool = False
+) -> SimResult:
+    """Simulate ``plan`` for ``waves`` waves per virtual worker.
+
+    Args:
+        plan: the plan (its Nm, D, stages, shards and cluster are used as they are).
+        waves: waves per VW (>= 2; wave 0 is warm-up and not measured).
+        profile: optional profile of the model (any GPU type) for exact shard traffic.
+        record_trace: keep every interval for Gantt charts and Chrome traces.
+
+    Raises:
+        PlanError: invalid plan or ``waves < 2``.
+    """
+    return simulate_pipelines(
+        pipeline_specs(plan, profile), plan.nm, plan.D, waves, plan.batch_size, record_trace
+    )
+
+
+def best_by_simulation(
+    make: Callable[[int], Plan],
+    caps: Iterable[int],
+    waves: int = 10,
+    profile: Profile | None = None,
+) -> tuple[Plan, SimResult]:
+    """Choose Nm by simulation: plan with each Nm cap, simulate, keep the fastest.
+
+    A larger Nm can force a worse partition (more in-flight memory on the early stages), and
+    with Nm equal to the number of stages the FIFO rule may not fill the pipeline (see
+    docs/simulator.md), so the analytic best is not always the real best.
+
+    Args:
+        make: builds the plan for an Nm cap (e.g. ``lambda nm: make_plan(..., nm=nm)``); it
+            may raise :class:`PlanError` for caps that do not fit, which are skipped.
+        caps: Nm caps to try.
+        waves: waves per simulation.
+        profile: optional profile for exact shard traffic.
+
+    Raises:
+        PlanError: no cap gave a plan.
+    """
+    best: tuple[Plan, SimResult] | None = None
+    seen: set[int] = set()
+    last_error: PlanError | None = None
+    for cap in caps:
+        try:
+            plan = make(cap)
+        except PlanError as exc:
+            last_error = exc
+            continue
+        if plan.nm in seen:
+            continue
+        seen.add(plan.nm)
+        res = simulate(plan, waves=waves, profile=profile)
+        log.debug("Nm cap %d -> Nm %d: %.1f samples/s simulated", cap, plan.nm, res.throughput)
+        if best is None or res.throughput > best[1].throughput:
+            best = (plan, res)
+    if best is None:
+        raise PlanError(f"no Nm cap gave a plan ({last_error})")
+    return best
+
+
+# -------------------------------------------------------------------- AllReduce BSP baseline
+
+
+def allreduce_for_plan(
+    plan: Plan, profiles: Mapping[str, Profile] | None = None
+) -> AllReduceResult:
+    """The AllReduce baseline on ``plan``'s cluster: every GPU that can hold the whole model.
+
+    With ``profiles`` (one per GPU type, as for planning) whole-model time and memory come
+    from the planner's cost model. Without them they are estimated from the plan: a VW made
+    of one GPU type gives that type's whole-model time exactly; other types are scaled by
+    catalog fp32 peak; the whole-model memory is the plan's per-stage memory with one
+    minibatch in flight and one weight version.
+    """
+    cluster = plan.cluster
+    if plan.sync == "allreduce":  # the baseline's own plan: its devices and whole-model times
+        stages = [vw.stages[0] for vw in plan.virtual_workers]
+        nodes = [vw.gpus[0].node for vw in plan.virtual_workers]
+        return simulate_allreduce(
+            [st.fwd_ms + st.bwd_ms for st in stages],
+            stages[0].param_bytes,
+            ring_link(cluster, nodes),
+            plan.batch_size,
+            nodes,
+            tuple(f"{vw.gpus[0].node}:{vw.gpus[0].index}" for vw in plan.virtual_workers),
+        )
+    if profiles:
+        from planner.costmodel import CostModel
+
+        cm = CostModel(dict(profiles), cluster.link, plan.optimizer_state_factor)
+        need = cm.model_memory_bytes(1)
+        params = cm.total_param_bytes()
+        whole = {t: float(cm.compute_ms(t)[-1]) for t in cm.types}
+        time_on: Callable[[str], float | None] = whole.get
+    else:
+        need, params, time_on = _estimate_from_plan(plan)
+    workers = [d for d in cluster.devices if d.memory_bytes >= need and time_on(d.type) is not None]
+    times = [time_on(d.type) or 0.0 for d in workers]
+    nodes = [d.node for d in workers]
+    link = ring_link(cluster, nodes)
+    return simulate_allreduce(
+        times, params, link, plan.batch_size, nodes, tuple(d.label for d in workers)
+    )
+
+
+def _estimate_from_plan(plan: Plan) -> tuple[int, int, Callable[[str], float | None]]:
+    from profiler.catalog import CATALOG
+
+    f = plan.optimizer_state_factor
+    vw0 = plan.virtual_workers[0]
+    params = sum(s.param_bytes for s in vw0.stages)
+    need = 0
+    for s in vw0.stages:
+        static = s.param_bytes * (2 + f) + (plan.nm - 1) * s.param_bytes
+        per_mb = max(0.0, s.memory_bytes - static) / max(1, s.in_flight)
+        need += int(s.param_bytes * (2 + f) + per_mb)
+    exact: dict[str, float] = {}
+    for vw in plan.virtual_workers:
+        types = {vw.gpus[s.gpu].type for s in vw.stages}
+        if len(types) == 1:
+            exact[types.pop()] = sum(s.fwd_ms + s.bwd_ms for s in vw.stages)
+
+    def peak(t: str) -> float:
+        spec = CATALOG.get(t)
+        return spec.fp32_tflops if spec is not None else 0.0
+
+    def time_on(t: str) -> float | None:
+        if t in exact:
+            return exact[t]
+        if peak(t) <= 0:
+            return None
+        return sum((s.fwd_ms + s.bwd_ms) * peak(vw0.gpus[s.gpu].type) / peak(t) for s in vw0.stages)
+
+    return need, params, time_on

@@ -1,0 +1,212 @@
+"""A run directory belongs to one run: its lock, its run id, and the settings a resume must keep.
+
+While a launcher runs, it holds an exclusive ``flock`` on ``<dir>/.hetpipe.lock`` (the kernel
+drops it when the process dies, however it dies, so a lock is never stale; the pid written in
+the file only names the holder). ``<dir>/RUN.json`` records the run id. A fresh run refuses a
+directory that holds another run (its ``RUN.json``, checkpoints or final weights) unless told
+to overwrite it; a resume keeps the run id and checks the snapshot's settings
+(:func:`check_settings`): every setting that changes the result must match, the number of
+steps may grow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import time
+import uuid
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from profiler.errors import ConfigError, HetPipeRuntimeError
+
+__all__ = [
+    "LOCK_FILE",
+    "RUN_FILE",
+    "RunDirectory",
+    "check_settings",
+    "job_settings",
+    "resume_target",
+]
+
+RUN_FILE = "RUN.json"
+LOCK_FILE = ".hetpipe.lock"
+_OUTPUTS = (RUN_FILE, "checkpoints", "weights.pt", "summary.json")
+
+# the command-line flag of each setting, for the message of a mismatched resume
+_FLAGS = {
+    "nm": "--nm", "D": "--D", "seed": "--seed", "model": "--model", "plan": "the plan file",
+    "optimizer.name": "--optimizer", "optimizer.lr": "--lr", "optimizer.momentum": "--momentum",
+    "optimizer.weight_decay": "--weight-decay", "optimizer.schedule": "--schedule",
+    "schedule_horizon": "--steps/--epochs (the cosine schedule's horizon)",
+}  # fmt: skip
+
+
+class RunDirectory:
+    """Claims ``path`` for one launch (a context manager): lock, run id, ``RUN.json``.
+
+    Args:
+        path: the run directory (created if needed).
+        resume: continue the run already there (keep its id) instead of starting one.
+        overwrite: a fresh run may replace another run's outputs in ``path``.
+
+    Raises (on entry):
+        ConfigError: another live run holds the lock, or ``path`` holds another run.
+        HetPipeRuntimeError: ``path`` cannot be created or written (read-only, full disk).
+    """
+
+    def __init__(self, path: Path, resume: bool, overwrite: bool = False) -> None:
+        self.path, self.resume, self.overwrite = path, resume, overwrite
+        self.run_id = ""  # set on entry ("" when resuming a directory without RUN.json)
+        self.attempt = uuid.uuid4().hex[:12]
+        self._fd: int | None = None
+
+    def __enter__(self) -> RunDirectory:
+        if self.resume and not self.path.is_dir():
+            raise ConfigError(f"--resume {self.path}: no such run directory")
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise HetPipeRuntimeError(
+                f"{self.path}: cannot use the run directory ({exc.strerror}); choose a writable --out"
+            ) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise ConfigError(
+                f"{self.path}: another run (pid {holder}) is using this directory; wait for it "
+                "to end or choose another --out"
+            ) from None
+        self._fd = fd
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            self._claim()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # releases the flock
+            self._fd = None
+
+    def _claim(self) -> None:
+        existing = self._read()
+        if self.resume:  # RUN.json is rewritten once the snapshot is chosen (write_run_file)
+            self.run_id = str(existing.get("run_id", "")) if existing else ""
+            return
+        held = [n for n in _OUTPUTS if (self.path / n).exists()]
+        if held and not self.overwrite:
+            who = f"run {existing['run_id']}" if existing else "another run's outputs"
+            raise ConfigError(
+                f"{self.path}: holds {who} ({', '.join(held)}); resume it with --resume "
+                f"{self.path}, pass --overwrite to replace it, or choose another --out"
+            )
+        for n in held:
+            p = self.path / n
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+        self.run_id = uuid.uuid4().hex[:12]
+        self.write_run_file()
+
+    def write_run_file(self, run_id: str | None = None) -> None:
+        """(Re)write ``RUN.json`` (with ``run_id`` when given: adopt a snapshot's run id)."""
+        from runtime.persist.checkpoint import durable_write_bytes
+
+        self.run_id = run_id or self.run_id
+        info = {"run_id": self.run_id, "attempt": self.attempt, "pid": os.getpid(),
+                "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}  # fmt: skip
+        durable_write_bytes(self.path / RUN_FILE, json.dumps(info, indent=1).encode())
+
+    def _read(self) -> dict[str, Any] | None:
+        try:
+            d = json.loads((self.path / RUN_FILE).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            raise ConfigError(
+                f"{self.path / RUN_FILE}: unreadable ({exc}); remove it or choose another --out"
+            ) from None
+        return d if isinstance(d, dict) else None
+
+
+def job_settings(
+    model: str,
+    plan_json: str,
+    nm: int,
+    D: int,
+    seed: int,
+    test_fraction: float,
+    data: str,
+    optimizer: Any,
+    horizon: int,
+) -> tuple[tuple[str, str], ...]:
+    """The settings that change a run's result, as text (recorded in every snapshot).
+
+    Args:
+        model: the model's name.
+        plan_json: the plan as JSON (recorded by its sha256).
+        nm, D, seed, test_fraction: the run's.
+        data: the data set's identity (type and size).
+        optimizer: the stages' :class:`runtime.config.OptimizerConfig`.
+        horizon: minibatches per VW of the whole run (recorded only for the cosine schedule,
+            whose learning rates depend on it; otherwise a longer run is a safe change).
+    """
+    opt = {
+        f"optimizer.{f.name}": repr(getattr(optimizer, f.name))
+        for f in dataclasses.fields(optimizer)
+        if f.name != "total_updates"
+    }
+    plan = hashlib.sha256(plan_json.encode()).hexdigest()[:16]
+    out = {"model": model, "plan": plan, "nm": str(nm), "D": str(D), "seed": str(seed),
+           "test_fraction": repr(test_fraction), "data": data, "precision": "float32", **opt}  # fmt: skip
+    if getattr(optimizer, "schedule", "") == "cosine":
+        out["schedule_horizon"] = str(optimizer.total_updates or horizon)
+    return tuple(sorted(out.items()))
+
+
+def check_settings(where: str, snapshot: dict[str, str], now: tuple[tuple[str, str], ...]) -> None:
+    """Refuse a resume whose settings differ from the snapshot's, naming the first field.
+
+    Raises:
+        ConfigError: ``<where>: <field> is <now> but the snapshot was taken with <then>``.
+    """
+    for name, value in now:
+        then = snapshot.get(name)
+        if then is not None and then != value:
+            flag = _FLAGS.get(name, name)
+            raise ConfigError(
+                f"{where}: {name} is {value} but the snapshot was taken with {then} ({flag}); "
+                "resume with the same setting, or start a new run in another --out"
+            )
+    missing = sorted(set(snapshot) - {n for n, _ in now})
+    if missing:
+        raise ConfigError(f"{where}: the snapshot records {missing[0]}, which this run lacks")
+
+
+def resume_target(arg: str | os.PathLike[str]) -> tuple[Path, Path, int | None]:
+    """``--resume DIR[@CLOCK]`` as ``(run directory, checkpoint folder, clock or None)``.
+
+    ``DIR`` may be the run's ``--out`` directory or its ``checkpoints`` folder.
+    """
+    text, clock = str(arg), None
+    m = re.fullmatch(r"(.+)@(\d+)", text)
+    if m:
+        text, clock = m.group(1), int(m.group(2))
+    p = Path(text)
+    if p.name == "checkpoints" and not (p / "checkpoints").is_dir():
+        return p.parent, p, clock
+    return p, p / "checkpoints", clock

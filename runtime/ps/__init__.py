@@ -1,0 +1,1 @@
+"""Parameter servers: the shard state machine (exactly-once ledger), its process, client, layout."""

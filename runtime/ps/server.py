@@ -1,0 +1,359 @@
+"""WSP parameter-server shards (paper Sec. 5 and 8.1): the shard process and the wire protocol.
+
+A shard holds the global weights of its layers as one flat tensor. Every stage of every
+virtual worker (VW) that owns some of those layers is a *client* of the shard. At the end
+of wave ``c`` (``Nm`` minibatches) each client pushes its aggregated update for wave ``c``
+as one flat message (its slice of the shard, in shard order). The shard
+
+- keeps an exactly-once *ledger* keyed ``(vw, stage, wave)``: a duplicate tag is rejected,
+  a push of a later wave while an earlier one is missing is buffered, and a push further
+  ahead than WSP allows (``wave > global_clock + D``) is rejected as a protocol violation;
+- applies wave ``c`` once every client of every VW has pushed wave ``c``: the updates are
+  added to the global weights in ``(vw, stage)`` order (so the floating-point result does not
+  depend on arrival order), or their sum goes through server-side momentum, and the global
+  clock becomes ``c + 1``;
+- answers a pull ``(min_clock)`` once its global clock is ``>= min_clock`` with the client's
+  slice of the global weights, which then hold exactly the updates of waves ``0..clock-1``.
+
+The global clock is per shard (GeePS's per-shard clocks): a VW's clock at a shard is the
+number of consecutive waves all of its clients there have pushed, the shard's global clock
+is the minimum over VWs (:class:`planner.wsp.GlobalClock` semantics). With clients that admit
+minibatch ``p`` only when :func:`planner.wsp.required_global_clock` holds, a push of wave ``c``
+happens at global clock ``>= c - D``, so the clock distance (fastest VW clock minus global
+clock) never exceeds ``D + 1``; every accepted push is recorded in :attr:`ShardCore.trace` so
+tests can check that bound.
+
+:class:`ShardCore` (in :mod:`runtime.ps.core`) is pure and unit-tested on its own;
+:class:`ShardServer` runs it in a shard process over torch.distributed point-to-point
+messages (gloo), one reader thread per client. The wire protocol is shared with
+:mod:`runtime.ps.client`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import torch
+import torch.distributed as dist
+
+from profiler.errors import HetPipeRuntimeError
+from runtime.persist.checkpoint import ShardState, shard_payload
+from runtime.persist.snapshot import SnapshotSpec, write_part
+from runtime.ps.core import ShardCore, Status
+from runtime.ps.layout import (
+    ClientSpec,
+)
+
+__all__ = ["Op", "ShardServer", "irecv", "isend"]
+
+log = logging.getLogger(__name__)
+
+# ------------------------------------------------------------------ wire protocol
+TAG_BASE = 7_000_000  # far from any tag the pipeline runtime uses between stages
+TAG_REQUEST = TAG_BASE + 1  # client -> shard: int64 [op, arg, seq, 0] (PULL, BYE)
+TAG_PUSH = TAG_BASE + 2  # client -> shard: one push message, see push_message()
+TAG_ACK = TAG_BASE + 3  # shard -> client: int64 [status, wave, global clock, 0] per push
+TAG_PULL_HEADER = TAG_BASE + 4  # shard -> client: int64 [status, global clock, min_clock, seq]
+TAG_PULL_DATA = TAG_BASE + 5  # shard -> client: the client's flat slice of the weights
+HEADER_LEN = 4
+HEADER_BYTES = HEADER_LEN * 8
+NO_PULL = -1  # a push header's pull clock when the push asks for no pull
+LAST_PUSH = 1  # push header flag: no more pushes follow (the client is closing), no update
+
+
+class Op(IntEnum):
+    """Request kinds a client sends on ``TAG_REQUEST`` (pushes have their own tag)."""
+
+    PULL = 2  # arg = minimum global clock, seq = the client's pull number
+    BYE = 3  # the client is done; no more requests follow
+
+
+def push_message(numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A push message buffer: ``(message, header, payload)``.
+
+    One push is **one** gloo message of ``HEADER_BYTES + 4 * numel`` bytes: an int64 header
+    ``[wave, pull clock or NO_PULL, pull seq, flags]`` followed by the float32 update. ``header`` and
+    ``payload`` are views of ``message`` (uint8), so filling the payload in place is the only copy
+    a push needs, and a push can carry the client's next pull request (saving a message and a
+    rendezvous on the critical path of a wave).
+    """
+    msg = torch.empty(HEADER_BYTES + 4 * numel, dtype=torch.uint8)
+    return msg, msg[:HEADER_BYTES].view(torch.int64), msg[HEADER_BYTES:].view(torch.float32)
+
+
+# ------------------------------------------------------------------ the shard process
+@dataclass(frozen=True)
+class _Event:
+    kind: str  # push | pull | bye | error
+    client: int
+    arg: int = 0  # push: wave; pull: min clock
+    message: torch.Tensor | None = None  # push: the whole message buffer (recycled)
+    seq: int = 0  # pull: the client's pull number
+    pull: int = NO_PULL  # push: the pull clock it carries
+    error: str = ""
+
+
+def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None, tag: int) -> dist.Work:
+    """``dist.isend`` that never returns ``None`` (which means this rank is not in ``group``)."""
+    work = dist.isend(tensor, dst=dst, group=group, tag=tag)
+    if work is None:
+        raise HetPipeRuntimeError(
+            f"this rank is not in the parameter-server process group (send to rank {dst})"
+        )
+    return work
+
+
+def irecv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None, tag: int) -> dist.Work:
+    """``dist.irecv`` that never returns ``None`` (which means this rank is not in ``group``)."""
+    work = dist.irecv(tensor, src=src, group=group, tag=tag)
+    if work is None:
+        raise HetPipeRuntimeError(
+            f"this rank is not in the parameter-server process group (recv from rank {src})"
+        )
+    return work
+
+
+_IDLE_FOREVER_S = (
+    7 * 24 * 3600.0
+)  # a gloo timeout closes the connection, so never time out idle readers
+
+
+@dataclass
+class _Pulls:
+    """One client's pull requests not answered yet: ``seq -> min clock``, and the next seq."""
+
+    waiting: dict[int, int] = field(default_factory=dict)
+    next: int = 0
+
+
+def _wait(work: dist.Work, timeout_s: float) -> None:
+    work.wait(datetime.timedelta(seconds=timeout_s))
+
+
+class ShardServer:
+    """Runs a :class:`ShardCore` in the shard's process, serving its clients over gloo p2p.
+
+    Two daemon threads per client block on that client's next push message and next
+    standalone request (pull, bye) and queue them; the calling thread owns the core, applies pushes, acknowledges
+    each push and answers pulls, per client in request order, once the clock allows.
+
+    Args:
+        core: the shard state machine.
+        group: process group holding the shard and its clients (``None``: the default group).
+        timeout_s: longest wait for one message to complete once started (a payload after its
+            header, a reply send).
+        idle_timeout_s: longest time without any request from any client; then the shard
+            names the stuck stages (those of the slowest VWs with no pull waiting) and raises.
+            It must exceed the slowest wave time (default 10x ``timeout_s``). A client that
+            dies is detected at once anyway (its connection closes).
+        snapshots: where and how often the shard writes its part of each snapshot (every
+            ``snapshots.every`` clocks and at the end; ``None``: never).
+    """
+
+    def __init__(
+        self,
+        core: ShardCore,
+        group: dist.ProcessGroup | None = None,
+        timeout_s: float = 60.0,
+        snapshots: SnapshotSpec | None = None,
+        idle_timeout_s: float | None = None,
+    ) -> None:
+        self.core, self.group, self.timeout_s = core, group, timeout_s
+        self.idle_timeout_s = 10 * timeout_s if idle_timeout_s is None else idle_timeout_s
+        self.snapshots = snapshots
+        self._written = core.clock  # the clock of the last part written (or resumed from)
+        self._sends: list[tuple[dist.Work, torch.Tensor, ClientSpec]] = []
+        # receive buffers, recycled once their wave is applied: fresh multi-MB tensors cost
+        # page faults that are slower than the copy itself
+        self._free: list[queue.SimpleQueue[torch.Tensor]] = [
+            queue.SimpleQueue() for _ in core.spec.clients
+        ]
+        self._held: dict[tuple[int, int], torch.Tensor] = {}  # (client index, wave) -> buffer
+        self._prefix = f"[shard {core.spec.id} | rank {core.spec.rank}]"
+
+    def _request_reader(self, idx: int, client: ClientSpec, events: queue.Queue[_Event]) -> None:
+        """Reads one client's standalone requests (``PULL``, ``BYE``) in order."""
+        try:
+            while True:
+                hdr = torch.zeros(HEADER_LEN, dtype=torch.int64)
+                _wait(
+                    irecv(hdr, src=client.rank, group=self.group, tag=TAG_REQUEST),
+                    _IDLE_FOREVER_S,  # a client waiting on a pull is silent: hangs are judged in serve()
+                )
+                op = int(hdr[0])
+                if op == Op.PULL:
+                    events.put(_Event("pull", idx, int(hdr[1]), seq=int(hdr[2])))
+                elif op == Op.BYE:
+                    events.put(_Event("bye", idx))
+                    return
+                else:
+                    events.put(_Event("error", idx, error=f"unknown request op {op}"))
+                    return
+        except (RuntimeError, HetPipeRuntimeError) as exc:  # gloo: peer closed, or timeout
+            events.put(_Event("error", idx, error=str(exc).splitlines()[0][:300]))
+
+    def _push_reader(self, idx: int, client: ClientSpec, events: queue.Queue[_Event]) -> None:
+        """Reads one client's push messages until its ``LAST_PUSH``: the receive is always
+        posted, so a push is one message with no rendezvous wait."""
+        numel = self.core.spec.client_numel(client)
+        try:
+            while True:
+                try:
+                    msg = self._free[idx].get_nowait()
+                except queue.Empty:
+                    msg = push_message(numel)[0]
+                _wait(irecv(msg, src=client.rank, group=self.group, tag=TAG_PUSH), _IDLE_FOREVER_S)
+                wave, pull, seq, flags = msg[:HEADER_BYTES].view(torch.int64).tolist()
+                if flags & LAST_PUSH:
+                    return
+                events.put(_Event("push", idx, wave, msg, seq=seq, pull=pull))
+        except (RuntimeError, HetPipeRuntimeError) as exc:  # gloo: peer closed, or timeout
+            events.put(_Event("error", idx, error=str(exc).splitlines()[0][:300]))
+
+    def _send(self, tensor: torch.Tensor, client: ClientSpec, tag: int) -> None:
+        try:
+            work = isend(tensor, dst=client.rank, group=self.group, tag=tag)
+        except RuntimeError as exc:
+            raise self._lost(client, str(exc)) from None
+        self._sends.append((work, tensor, client))
+
+    def _drain_sends(self, block: bool) -> None:
+        still = []
+        for work, t, client in self._sends:
+            try:
+                if block:
+                    _wait(work, self.timeout_s)
+                elif not work.is_completed():
+                    still.append((work, t, client))
+            except RuntimeError as exc:
+                raise self._lost(client, str(exc)) from None
+        self._sends = still
+
+    def _lost(self, c: ClientSpec, why: str) -> HetPipeRuntimeError:
+        return HetPipeRuntimeError(
+            f"{self._prefix} lost client vw {c.vw} stage {c.stage} (rank {c.rank}): {why.splitlines()[0][:200]}; "
+            "that stage process died or hung: stop the run and resume from the last checkpoint"
+        )
+
+    def serve(self) -> ShardState:
+        """Serve until every client said BYE; return the final state.
+
+        Raises:
+            HetPipeRuntimeError: a client died or went silent, naming it (the caller exits
+                non-zero so the launcher stops the run).
+        """
+        spec, core = self.core.spec, self.core
+        events: queue.Queue[_Event] = queue.Queue()
+        for i, c in enumerate(spec.clients):
+            for kind, target in (("req", self._request_reader), ("push", self._push_reader)):
+                name = f"ps{spec.id}-vw{c.vw}s{c.stage}-{kind}"
+                threading.Thread(target=target, args=(i, c, events), daemon=True, name=name).start()
+        pulls = [_Pulls() for _ in spec.clients]
+        done: set[int] = set()
+        log.info(
+            "%s serving %d clients, %d elements, clock %d",
+            self._prefix,
+            len(spec.clients),
+            spec.numel,
+            core.clock,
+        )
+        while len(done) < len(spec.clients) or any(q.waiting for q in pulls):
+            try:
+                ev = events.get(timeout=self.idle_timeout_s)
+            except queue.Empty:
+                raise self._stuck(pulls) from None
+            c = spec.clients[ev.client]
+            if ev.kind == "error":
+                raise self._lost(c, ev.error)
+            if ev.kind == "push" and ev.message is not None:
+                self._drain_sends(block=True)  # pull replies may be views of the weights
+                payload = ev.message[HEADER_BYTES:].view(torch.float32)
+                res = core.push(c.vw, c.stage, ev.arg, payload, copy=False)
+                self._recycle(ev.client, ev.arg, ev.message, res.status == Status.OK)
+                if ev.pull != NO_PULL:
+                    pulls[ev.client].waiting[ev.seq] = ev.pull
+                self._answer_pulls(pulls)  # replies first: a client may be blocked on one
+                ack = torch.tensor([int(res.status), ev.arg, core.clock, 0], dtype=torch.int64)
+                self._send(ack, c, TAG_ACK)
+                if res.applied:
+                    self._maybe_checkpoint(res.applied)
+            elif ev.kind == "pull":
+                pulls[ev.client].waiting[ev.seq] = ev.arg
+                self._answer_pulls(pulls)
+            elif ev.kind == "bye":
+                done.add(ev.client)
+            self._drain_sends(block=False)
+        self._drain_sends(block=True)
+        if self.snapshots is not None and self.snapshots.every > 0 and core.clock > self._written:
+            self._write_part()  # the final clock, whatever the period
+        log.info(
+            "%s done at clock %d: %d updates applied, %d rejected",
+            self._prefix,
+            core.clock,
+            len(core.ledger),
+            len(core.rejected),
+        )
+        return core.state()
+
+    def _stuck(self, pulls: list[_Pulls]) -> HetPipeRuntimeError:
+        """The error when no client spoke for ``idle_timeout_s``: name the stages the global
+        clock waits for (stages of the slowest VWs that are not waiting on a pull)."""
+        core, spec = self.core, self.core.spec
+        local = dict(zip(spec.vws, core.local_clocks(), strict=True))
+        stuck = [
+            f"vw {c.vw} stage {c.stage} (rank {c.rank})"
+            for i, c in enumerate(spec.clients)
+            if local[c.vw] == core.clock and not pulls[i].waiting
+        ]
+        return HetPipeRuntimeError(
+            f"{self._prefix} no request from any client for {self.idle_timeout_s:.0f} s; global clock "
+            f"{core.clock} waits for wave {core.clock} from {', '.join(stuck) or 'no one (all are pulling)'}, "
+            "which hung or is slower than the idle timeout: stop the run and resume from the last checkpoint"
+        )
+
+    def _recycle(self, idx: int, wave: int, buf: torch.Tensor, kept: bool) -> None:
+        """Return receive buffers the core no longer holds (rejected, or their wave applied)."""
+        if kept:
+            self._held[(idx, wave)] = buf
+        else:
+            self._free[idx].put(buf)
+        for key in [k for k in self._held if k[1] < self.core.clock]:
+            self._free[key[0]].put(self._held.pop(key))
+
+    def _answer_pulls(self, pulls: list[_Pulls]) -> None:
+        """Answer each client's waiting pulls in its pull order while the clock allows.
+
+        A pull request travels on its own or inside a push message (two readers), so requests
+        may arrive out of order; the client numbers them and replies go out strictly in that
+        order, matching the receives the client posted."""
+        for i, q in enumerate(pulls):
+            c = self.core.spec.clients[i]
+            while q.next in q.waiting and self.core.can_pull(q.waiting[q.next]):
+                min_clock = q.waiting.pop(q.next)
+                hdr = torch.tensor(
+                    [int(Status.OK), self.core.clock, min_clock, q.next], dtype=torch.int64
+                )
+                self._send(hdr, c, TAG_PULL_HEADER)
+                self._send(self.core.read(c.vw, c.stage, copy=False), c, TAG_PULL_DATA)
+                q.next += 1
+
+    def _maybe_checkpoint(self, applied: int) -> None:
+        snaps = self.snapshots
+        if snaps is None or snaps.every <= 0:
+            return
+        clock = self.core.clock
+        # a VW's clock moves by at most one per push (a client pushes its waves in order), so
+        # ``applied`` is 0 or 1 and the state written is exactly the one of that clock
+        if any((clock - k) % snaps.every == 0 for k in range(applied)):
+            self._write_part()
+
+    def _write_part(self) -> None:
+        if self.snapshots is not None:
+            state = self.core.state()
+            write_part(self.snapshots, state.clock, f"shard-{state.shard_id}", shard_payload(state))
+            self._written = state.clock

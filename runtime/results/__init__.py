@@ -1,0 +1,1 @@
+"""What a run reports: metrics, timeline, test accuracy, the WSP summary."""

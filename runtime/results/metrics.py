@@ -1,0 +1,302 @@
+"""Run measurements: per-stage results, the run summary, CSV/TensorBoard output, the table.
+
+Throughput is samples per second with the simulator's definition
+(:func:`planner.sim.engine.measured_throughput`): stage-0 backward completions after the
+warm-up wave, so the pipeline's fill is excluded and measured and predicted agree in meaning.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+from torch import Tensor
+
+__all__ = ["ProgressBar", "RunResult", "StageResult", "summary_table", "write_metrics"]
+
+log = logging.getLogger(__name__)
+
+MAX_TASK_LOG = 4000  # tasks (and waits) a stage logs for the timeline: a long run's log stays small
+
+
+@dataclass
+class StageResult:
+    """What one stage process measured (an accumulator, filled while it runs).
+
+    Attributes:
+        rank, vw, stage, device: who.
+        start_time: wall-clock start (after the start barrier), seconds since the epoch.
+        wall_s: time from start to this stage's end.
+        busy_s: time spent executing tasks (compute, pacing, posting sends).
+        tasks: tasks executed.
+        steps: minibatches whose backward finished here.
+        max_in_flight: most minibatches held at once (forward started, backward not done).
+        peak_bytes: peak of the byte accounting.
+        losses: ``(minibatch, loss)`` (last stage only).
+        done_times: wall-clock time each backward finished.
+        state: final parameters by original name (when requested).
+        wait_s: time blocked waiting for the parameter servers (WSP pulls and pushes).
+        clocks: ``(required global clock, pulled global clock)`` of every WSP pull.
+        overrun_s: time paced tasks ran past their target (an emulated device whose real
+            computation is slower than its planned time: the plan overrates it).
+        task_log: ``(kind, minibatch or wave, start, end)`` wall-clock seconds of the first
+            tasks (``F``, ``B``, ``FB``) and WSP pull waits (``wait``), for the timeline.
+    """
+
+    rank: int
+    vw: int
+    stage: int
+    device: str
+    start_time: float = 0.0
+    wall_s: float = 0.0
+    busy_s: float = 0.0
+    tasks: int = 0
+    steps: int = 0
+    max_in_flight: int = 0
+    peak_bytes: int = 0
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    done_times: list[float] = field(default_factory=list)
+    state: dict[str, Tensor] | None = None
+    wait_s: float = 0.0
+    clocks: list[tuple[int, int]] = field(default_factory=list)
+    overrun_s: float = 0.0
+    task_log: list[tuple[str, int, float, float]] = field(default_factory=list)
+
+    def log_interval(self, kind: str, mb: int, start: float, end: float) -> None:
+        """Record a task or wait for the timeline (the first :data:`MAX_TASK_LOG` of a run)."""
+        if len(self.task_log) < MAX_TASK_LOG:
+            self.task_log.append((kind, mb, start, end))
+
+    @property
+    def busy_fraction(self) -> float:
+        """Busy share of the stage's wall time."""
+        return self.busy_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """A finished run.
+
+    Attributes:
+        stages: per-stage results in pipeline order.
+        batch_size: samples per minibatch.
+        nm: minibatches in flight.
+        predicted_throughput: the plan's prediction for this VW (samples/s, 0 = none).
+        wall_s: launcher wall time including start-up.
+        bound_throughput: emulated runs: batch / slowest stage's paced forward+backward time
+            (the pipeline's upper bound, samples/s; 0 = not emulated).
+    """
+
+    stages: tuple[StageResult, ...]
+    batch_size: int
+    nm: int
+    predicted_throughput: float = 0.0
+    wall_s: float = 0.0
+    bound_throughput: float = 0.0
+
+    @property
+    def steps(self) -> int:
+        """Minibatches trained."""
+        return self.stages[0].steps if self.stages else 0
+
+    @property
+    def losses(self) -> list[float]:
+        """Loss of every minibatch, in order."""
+        return [loss for _, loss in sorted(self.stages[-1].losses)]
+
+    @property
+    def throughput(self) -> float:
+        """Samples/s with the simulator's definition (``planner.sim.engine.measured_throughput``:
+        stage-0 backward completions after warm-up wave 0); whole-run average for runs shorter
+        than two waves."""
+        times = sorted(self.stages[0].done_times)
+        if len(times) >= 2 * self.nm:
+            from planner.sim.engine import measured_throughput
+
+            start = self.stages[0].start_time
+            return measured_throughput(
+                [[(t - start) * 1e3 for t in times]], self.nm, self.batch_size
+            )
+        if not times:
+            return 0.0
+        span = times[-1] - self.stages[0].start_time
+        return len(times) * self.batch_size / span if span > 0 else 0.0
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Final parameters of the whole model by original name (when the run returned them)."""
+        out: dict[str, Tensor] = {}
+        for s in self.stages:
+            out.update(s.state or {})
+        return out
+
+
+def write_metrics(result: RunResult, out_dir: Path) -> Path:
+    """Write ``metrics.csv`` (one row per minibatch) and ``stages.csv``; TensorBoard when installed."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "metrics.csv"
+    done = sorted(result.stages[0].done_times)
+    start = result.stages[0].start_time
+    with path.open("w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["minibatch", "loss", "done_s", "samples"])
+        for i, (mb, loss) in enumerate(sorted(result.stages[-1].losses)):
+            t = done[i] - start if i < len(done) else float("nan")
+            w.writerow([mb, f"{loss:.6f}", f"{t:.6f}", mb * result.batch_size])
+    with (out_dir / "stages.csv").open("w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(
+            [
+                "vw",
+                "stage",
+                "rank",
+                "device",
+                "busy_s",
+                "wall_s",
+                "busy_fraction",
+                "max_in_flight",
+                "peak_bytes",
+            ]
+        )
+        for s in result.stages:
+            w.writerow(
+                [
+                    s.vw,
+                    s.stage,
+                    s.rank,
+                    s.device,
+                    f"{s.busy_s:.4f}",
+                    f"{s.wall_s:.4f}",
+                    f"{s.busy_fraction:.4f}",
+                    s.max_in_flight,
+                    s.peak_bytes,
+                ]
+            )
+    _tensorboard(result, out_dir)
+    return path
+
+
+def _tensorboard(result: RunResult, out_dir: Path) -> None:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is optional
+        return
+    writer = SummaryWriter(str(out_dir / "tb"))
+    try:
+        for mb, loss in sorted(result.stages[-1].losses):
+            writer.add_scalar("loss", loss, mb)
+        writer.add_scalar("throughput", result.throughput, result.steps)
+    finally:
+        writer.close()
+
+
+def summary_table(result: RunResult) -> Table:
+    """The run summary as a rich table: per-stage busy/idle, in-flight, memory; throughput."""
+    measured = result.throughput
+    title = f"{result.steps} minibatches x {result.batch_size} samples, Nm={result.nm}: {measured:.1f} samples/s"
+    if result.predicted_throughput > 0:
+        title += f" (predicted {result.predicted_throughput:.1f}, measured/predicted {measured / result.predicted_throughput:.2f})"
+    if result.bound_throughput > 0:
+        title += f"; bound 1/slowest stage {result.bound_throughput:.1f} ({measured / result.bound_throughput:.0%})"
+    table = Table(title=title)
+    for col in ("stage", "device", "busy", "idle", "max in flight", "peak MiB"):
+        table.add_column(col, justify="right")
+    for s in result.stages:
+        table.add_row(
+            str(s.stage),
+            s.device,
+            f"{s.busy_fraction:.0%}",
+            f"{1 - s.busy_fraction:.0%}",
+            str(s.max_in_flight),
+            f"{s.peak_bytes / 2**20:.2f}",
+        )
+    if result.losses:
+        table.caption = f"loss: first {result.losses[0]:.4f}, last {result.losses[-1]:.4f}"
+    return table
+
+
+class ProgressBar:
+    """Rich progress bar fed by the stages' events (no-op when disabled).
+
+    It is shown from the moment the processes start ("starting processes", with a spinner and
+    the elapsed time) and turns into the training bar at the first finished minibatch."""
+
+    def __init__(self, enabled: bool, total: int, batch_size: int) -> None:
+        self.bar: Any = None
+        self.batch_size = batch_size
+        self.t0 = time.time()
+        self.loss = float("nan")
+        self.done = 0
+        if enabled:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                SpinnerColumn,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self.bar = Progress(
+                SpinnerColumn(),
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeElapsedColumn(),
+                transient=False,
+            )
+            self.task = self.bar.add_task(
+                "starting processes",
+                total=total if total < 2**40 else None,
+                info="(joining the process group, building stages)",
+            )
+            self.bar.start()
+
+    def event(self, msg: tuple[Any, ...]) -> None:
+        if msg[0] == "loss":
+            self.loss = float(msg[3])
+        elif msg[0] == "done":
+            self.done += 1
+            if self.done == 1:
+                self.t0 = float(msg[3])
+            if self.bar is not None:
+                rate = (self.done - 1) * self.batch_size / max(1e-9, float(msg[3]) - self.t0)
+                self.bar.update(
+                    self.task,
+                    description="training",
+                    completed=self.done,
+                    info=f"{rate:.1f} samples/s  loss {self.loss:.4f}",
+                )
+
+    def stop(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def warn_overruns(
+    stages: Sequence[StageResult], share: float = 0.25, min_s: float = 0.05
+) -> list[str]:
+    """Log (and return) a warning for each emulated stage whose computation ran past its paced
+    target for more than ``share`` of its busy time and ``min_s`` seconds in all: its device
+    is much slower than the plan says (e.g. a plan made from an analytic GPU profile), so
+    measured and predicted times diverge. Smaller overruns are expected when tasks last 1-3 ms:
+    the stage's fixed Python cost per task (autograd, weight versions, memory accounting) is
+    not in a per-layer profile and two cores are shared by every process; ``min_s`` keeps a
+    stage planned at ~0 ms (e.g. only a reshape) quiet."""
+    out = []
+    for r in stages:
+        if r.busy_s > 0 and r.overrun_s > max(share * r.busy_s, min_s):
+            msg = (
+                f"vw {r.vw} stage {r.stage} ({r.device}): tasks ran {r.overrun_s:.2f} s past their "
+                f"planned times ({r.overrun_s / r.busy_s:.0%} of busy time): the device is slower "
+                "than its profile; re-profile ('hetpipe profile') or lower its speed"
+            )
+            log.warning(msg)
+            out.append(msg)
+    return out

@@ -1,0 +1,261 @@
+"""The result of a multi-VW (WSP) run: per-VW figures, the shards' final state, the summary.
+
+Per VW: throughput (the simulator's definition, stage-0 completions after the warm-up wave),
+**waiting** (seconds its stages spent blocked on the parameter servers: WSP pulls and the
+final flush), **idle** (seconds its stages had no task to run and were not waiting: pipeline
+bubbles), both summed over the VW's stages, as in the paper's Fig. 9 breakdown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+from torch import Tensor
+from torch.utils.data import Dataset
+
+from planner.plan import Plan
+from profiler.errors import HetPipeRuntimeError
+from profiler.files import atomic_write_text
+from runtime.config import ModelSource, RunConfig
+from runtime.persist.checkpoint import ShardState, atomic_torch_save, shard_from_payload
+from runtime.persist.snapshot import Manifest, load_part
+from runtime.ps.core import ClockEvent
+from runtime.ps.layout import ShardSpec, export_state_dict
+from runtime.results.evaluation import evaluate_module
+from runtime.results.metrics import RunResult, StageResult, write_metrics
+from runtime.results.timeline import write_timeline
+from runtime.stage.model import reference_module
+
+__all__ = ["WSPResult", "evaluate", "export_snapshot"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WSPResult:
+    """A finished multi-VW run.
+
+    Attributes:
+        vws: one :class:`RunResult` per VW (its stages, its predicted throughput).
+        nm, D: minibatches per wave and the clock-distance threshold.
+        states: every shard's final state, in shard order.
+        traces: every shard's clock trace (one event per accepted push).
+        specs: every shard's spec (for :meth:`state_dict`).
+        wall_s: launcher wall time including start-up, seconds.
+        predicted_throughput: the plan's prediction for all VWs together (samples/s).
+        test_accuracy, test_loss: the exported model on the held-out split (NaN if not a classifier).
+        stopped_by: why the run ended early (the time limit and the wave it stopped after;
+            empty: it trained every minibatch asked for).
+        exported_from: the snapshot folder these outputs were written from, without training
+            (:func:`export_snapshot`; empty for a run that trained).
+        restarts: the failures survived by restarting from the last snapshot (``--on-failure
+            restart``), oldest first; this result is the last attempt's.
+    """
+
+    vws: tuple[RunResult, ...]
+    nm: int
+    D: int
+    states: tuple[ShardState, ...]
+    traces: tuple[tuple[ClockEvent, ...], ...]
+    specs: tuple[ShardSpec, ...]
+    wall_s: float
+    predicted_throughput: float = 0.0
+    test_accuracy: float = float("nan")
+    test_loss: float = float("nan")
+    stopped_by: str = ""
+    exported_from: str = ""
+    restarts: tuple[str, ...] = ()
+
+    @staticmethod
+    def build(
+        plan: Plan,
+        nm: int,
+        D: int,
+        stages: Sequence[StageResult],
+        states: Sequence[tuple[ShardState, Sequence[ClockEvent]]],
+        specs: Sequence[ShardSpec],
+        wall_s: float,
+    ) -> WSPResult:
+        """Group stage results by VW and shard results by shard id."""
+        vws = []
+        for k, vw in enumerate(plan.virtual_workers):
+            mine = tuple(sorted((s for s in stages if s.vw == k), key=lambda s: s.stage))
+            vws.append(RunResult(mine, plan.batch_size, nm, vw.throughput, wall_s))
+        ordered = sorted(states, key=lambda st: st[0].shard_id)
+        return WSPResult(
+            tuple(vws),
+            nm,
+            D,
+            tuple(s for s, _ in ordered),
+            tuple(tuple(t) for _, t in ordered),
+            tuple(specs),
+            wall_s,
+            plan.predicted.throughput,
+        )
+
+    @property
+    def throughput(self) -> float:
+        """Samples/s of all VWs together."""
+        return sum(v.throughput for v in self.vws)
+
+    @property
+    def max_clock_distance(self) -> int:
+        """Largest clock distance (fastest VW clock - global clock) any shard recorded."""
+        return max((e.distance for t in self.traces for e in t), default=0)
+
+    def waiting_s(self, vw: int) -> float:
+        """Seconds VW ``vw``'s stages spent blocked on the parameter servers (summed)."""
+        return sum(s.wait_s for s in self.vws[vw].stages)
+
+    def idle_s(self, vw: int) -> float:
+        """Seconds VW ``vw``'s stages had no task and were not waiting (summed)."""
+        return sum(max(0.0, s.wall_s - s.busy_s - s.wait_s) for s in self.vws[vw].stages)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The trained model's parameters by original name (the shards' global weights)."""
+        return export_state_dict(self.specs, [s.weights for s in self.states])
+
+    def save(self, out_dir: Path, about: str = "") -> None:
+        """``vw<k>/metrics.csv``, ``summary.json``, ``weights.pt`` (one ordinary state_dict) and
+        the measured ``timeline.png`` / ``trace.json`` of every VW (``about``: model and plan,
+        :func:`runtime.results.timeline.describe_run`).
+
+        Raises:
+            HetPipeRuntimeError: a file cannot be written (one line naming it).
+        """
+        try:
+            self._save(out_dir, about)
+        except OSError as exc:
+            where = exc.filename or out_dir
+            raise HetPipeRuntimeError(
+                f"{where}: cannot write the run's outputs ({exc.strerror or exc}); free disk "
+                f"space, then write them from the last snapshot with --resume {out_dir}"
+            ) from None
+
+    def _save(self, out_dir: Path, about: str) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if self.vws:
+            for k, vw in enumerate(self.vws):
+                write_metrics(vw, out_dir / f"vw{k}")
+            write_timeline([s for vw in self.vws for s in vw.stages], out_dir, about=about)
+        atomic_torch_save(self.state_dict(), out_dir / "weights.pt")
+        summary = {
+            "throughput": self.throughput,
+            "predicted_throughput": self.predicted_throughput,
+            "nm": self.nm,
+            "D": self.D,
+            "max_clock_distance": self.max_clock_distance,
+            "test_accuracy": self.test_accuracy,
+            "test_loss": self.test_loss,
+            "wall_s": self.wall_s,
+            "stopped_by": self.stopped_by,
+            "global_clock": min((s.clock for s in self.states), default=0),
+            "exported_from": self.exported_from,
+            "restarts": list(self.restarts),
+            "vws": [
+                {
+                    "throughput": v.throughput,
+                    "predicted": v.predicted_throughput,
+                    "steps": v.steps,
+                    "waiting_s": self.waiting_s(k),
+                    "idle_s": self.idle_s(k),
+                }
+                for k, v in enumerate(self.vws)
+            ],
+        }
+        atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2))
+
+    def table(self) -> Table:
+        """The summary as a rich table: one row per VW, totals in the title and caption."""
+        title = f"{len(self.vws)} VWs, Nm={self.nm}, D={self.D}: {self.throughput:.1f} samples/s"
+        if self.predicted_throughput > 0:
+            title += f" (predicted {self.predicted_throughput:.1f}, ratio {self.throughput / self.predicted_throughput:.2f})"
+        table = Table(title=title)
+        for col in (
+            "VW",
+            "devices",
+            "minibatches",
+            "samples/s",
+            "predicted",
+            "waiting s",
+            "idle s",
+            "last loss",
+        ):
+            table.add_column(col, justify="right")
+        for k, v in enumerate(self.vws):
+            losses = v.losses
+            table.add_row(
+                str(k),
+                " ".join(s.device for s in v.stages),
+                str(v.steps),
+                f"{v.throughput:.1f}",
+                f"{v.predicted_throughput:.1f}",
+                f"{self.waiting_s(k):.2f}",
+                f"{self.idle_s(k):.2f}",
+                f"{losses[-1]:.4f}" if losses else "-",
+            )
+        applied = sum(len(s.ledger) for s in self.states)
+        table.caption = (
+            f"test accuracy {self.test_accuracy:.2%} (loss {self.test_loss:.4f}); global clock "
+            f"{min((s.clock for s in self.states), default=0)}, {applied} updates applied once, "
+            f"max clock distance {self.max_clock_distance} (bound D+1 = {self.D + 1}); "
+            f"wall {self.wall_s:.1f} s"
+        )
+        if self.stopped_by:
+            table.caption += f"; {self.stopped_by}"
+        if self.restarts:
+            table.caption += f"; restarted {len(self.restarts)}x from the last snapshot"
+        if self.exported_from:
+            table.caption += (
+                f"; written from the snapshot {self.exported_from} (nothing left to train)"
+            )
+        return table
+
+
+def evaluate(
+    source: ModelSource,
+    batch_size: int,
+    seed: int,
+    state: dict[str, Tensor],
+    test: Dataset[Any],
+) -> tuple[float, float]:
+    """Test accuracy and mean loss of ``state`` loaded into the model (NaN accuracy if not a classifier)."""
+    if len(test) == 0:  # type: ignore[arg-type]
+        return float("nan"), float("nan")
+    module, names, loss_fn = reference_module(source, batch_size, seed)
+    by_orig = {orig: n for n, orig in names.items()}
+    module.load_state_dict({by_orig[k]: v for k, v in state.items() if k in by_orig}, strict=False)
+    return evaluate_module(module, test, batch_size, loss_fn)
+
+
+def export_snapshot(
+    manifest: Manifest,
+    plan: Plan,
+    source: ModelSource,
+    run: RunConfig,
+    specs: Sequence[ShardSpec],
+    test: Dataset[Any],
+    nm: int,
+    D: int,
+) -> WSPResult:
+    """The final outputs of a run from its snapshot, without training: the shards' weights,
+    the test accuracy, and (with ``run.out_dir``) ``weights.pt`` and ``summary.json``."""
+    states = tuple(
+        shard_from_payload(load_part(manifest, f"shard-{s.id}"), manifest.path / f"shard-{s.id}.pt")
+        for s in specs
+    )
+    result = WSPResult((), nm, D, states, tuple(() for _ in specs), tuple(specs), 0.0,
+                       plan.predicted.throughput, exported_from=str(manifest.path))  # fmt: skip
+    acc, loss = evaluate(source, plan.batch_size, run.seed, result.state_dict(), test)
+    result = dataclasses.replace(result, test_accuracy=acc, test_loss=loss)
+    if run.out_dir is not None:
+        result.save(run.out_dir)
+    log.info("outputs written from the snapshot %s (clock %d)", manifest.path, manifest.clock)
+    return result

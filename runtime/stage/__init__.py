@@ -1,0 +1,1 @@
+"""One pipeline stage: its model piece, transport, weights and emulated device."""

@@ -1,0 +1,432 @@
+"""The stage worker: one process running one pipeline stage of one virtual worker.
+
+It builds only its stage (:func:`runtime.stage.model.build_stage`), then executes the tasks in the
+order :class:`planner.schedule.StageQueue` gives (paper Sec. 4): ``F(p)`` after ``F(p-1)``,
+``B(p)`` after ``B(p-1)``, FIFO among ready tasks, the last stage runs ``FB(p)``. Stage 0
+admits a new minibatch each time one completes its backward pass, so at most ``Nm`` are in
+flight. Weights follow :class:`runtime.stage.weights.VersionedWeights` (exact local staleness).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.func import functional_call
+
+from planner.schedule import Kind, StageQueue, Task
+from profiler.errors import HetPipeRuntimeError
+from runtime.config import ModelSource, OptimizerConfig, RunConfig
+from runtime.data import MinibatchSource, default_dataset
+from runtime.launch.stop import StopAgreement
+from runtime.results.metrics import StageResult
+from runtime.stage.comm import Channel, Event, GradReceiver, cut_specs, start_activation_receiver
+from runtime.stage.emulation import Calibration, MemoryMeter, SavedBytes, pace_until
+from runtime.stage.model import build_stage
+from runtime.stage.weights import VersionedWeights
+
+__all__ = ["StageContext", "StageWorker"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """Everything a stage process learns from the plan and the launcher.
+
+    Attributes:
+        rank: global rank.
+        vw, stage, n_stages: position in the virtual worker.
+        nm: minibatches in flight.
+        cuts: cut points of the virtual worker's pipeline.
+        batch_size: samples per minibatch.
+        device: device label (``G:0``).
+        speed: emulated relative speed (0 = not paced).
+        cap_bytes: memory cap (0 = none).
+        optimizer_state_factor: optimizer state bytes per parameter byte.
+        prev_rank, next_rank: neighbours' global ranks (``None`` at the ends).
+        total_steps: minibatches to train (stage 0 may stop earlier on a time limit).
+    """
+
+    rank: int
+    vw: int
+    stage: int
+    n_stages: int
+    nm: int
+    cuts: tuple[int, ...]
+    batch_size: int
+    device: str
+    speed: float
+    cap_bytes: int
+    optimizer_state_factor: float
+    prev_rank: int | None
+    next_rank: int | None
+    total_steps: int
+
+    @property
+    def where(self) -> str:
+        """Log prefix ``vw 0 | stage 2 | rank 2 | device G:0``."""
+        return f"vw {self.vw} | stage {self.stage} | rank {self.rank} | device {self.device}"
+
+
+@dataclass
+class _Held:
+    inputs: tuple[Tensor, ...]
+    outputs: tuple[Tensor, ...] = ()
+    grads_in: tuple[Tensor, ...] = field(default_factory=tuple)
+    targets: Tensor | None = None  # single-stage pipelines: read with the inputs
+
+
+class StageWorker:
+    """Runs one stage to completion; :meth:`run` returns its :class:`StageResult`."""
+
+    def __init__(
+        self,
+        ctx: StageContext,
+        source: ModelSource,
+        optimizer: OptimizerConfig,
+        run: RunConfig,
+        dataset: Any = None,
+        calibration: Calibration | None = None,
+        events: Any = None,
+    ) -> None:
+        self.ctx = ctx
+        self.run_cfg = run
+        self.events = events
+        self.calibration = calibration if ctx.speed > 0 else None
+        built = build_stage(source, ctx.batch_size, ctx.cuts, ctx.stage, run.seed)
+        self.module = built.module.train()
+        self.loss_fn = built.loss
+        self.names = built.names
+        bounds = [0, *ctx.cuts, len(built.graph.layers)]
+        self.in_specs = cut_specs(built.graph, bounds[ctx.stage]) if ctx.stage > 0 else ()
+        self.out_specs = () if self.last else cut_specs(built.graph, bounds[ctx.stage + 1])
+        self.data: MinibatchSource | None = None
+        if ctx.stage == 0 or self.last:
+            ds = (
+                dataset
+                if dataset is not None
+                else default_dataset(
+                    source.name, built.spec.inputs, built.spec.targets, ctx.batch_size
+                )
+            )
+            self.data = MinibatchSource(
+                ds, ctx.batch_size, run.seed, tuple(built.spec.targets.shape)
+            )
+        params = dict(self.module.named_parameters())
+        self.weights = VersionedWeights(params, ctx.nm, optimizer, ctx.total_steps)
+        buffer_bytes = sum(b.numel() * b.element_size() for b in self.module.buffers())
+        factor = ctx.optimizer_state_factor
+        self.memory = MemoryMeter(
+            ctx.where, ctx.cap_bytes, self.weights.param_bytes, buffer_bytes, factor
+        )
+        self.queue = StageQueue(ctx.stage, ctx.n_stages)
+        self.inbox: queue.Queue[Event] = queue.Queue()
+        self.held: dict[int, _Held] = {}
+        self.result = StageResult(ctx.rank, ctx.vw, ctx.stage, ctx.device)
+        self.fault: Callable[[int], None] | None = None  # fault injection (tests)
+        # called after each update / before each forward with the minibatch number (WSP
+        # push and pull, runtime.sync.wave)
+        self.after_update: Callable[[int], None] | None = None
+        self.before_update: Callable[[int], None] | None = None
+        self.before_forward: Callable[[int], None] | None = None
+        self.stop: StopAgreement | None = None  # stage 0 of a multi-VW run: the shared time limit
+        self._task_wall0 = 0.0  # wall-clock start of the task being executed (the timeline)
+
+    @property
+    def last(self) -> bool:
+        """Whether this is the pipeline's last stage."""
+        return self.ctx.stage == self.ctx.n_stages - 1
+
+    # ------------------------------------------------------------ main loop
+
+    def run(self, start_time: float) -> StageResult:
+        """Execute every task of this stage; returns its measurements."""
+        ctx = self.ctx
+        self.result.start_time = start_time
+        to_next = Channel(ctx.next_rank, self.out_specs) if ctx.next_rank is not None else None
+        to_prev = Channel(ctx.prev_rank, self.in_specs) if ctx.prev_rank is not None else None
+        grad_rx = (
+            GradReceiver(ctx.next_rank, self.out_specs, self.inbox)
+            if ctx.next_rank is not None
+            else None
+        )
+        if ctx.prev_rank is not None:
+            start_activation_receiver(ctx.prev_rank, self.in_specs, self.inbox)
+        self._received = 0  # forward messages received (stage 0: minibatches admitted)
+        self._stop_in = ctx.stage == 0  # whether the number of minibatches is final
+        total = ctx.total_steps
+        f_done = b_done = 0
+        stop_sent = False
+        try:
+            if ctx.stage == 0:
+                self._admit(min(ctx.nm, total))
+            while True:
+                self._drain(block=False)
+                if ctx.stage == 0:
+                    total = self._final_total(total, start_time)
+                closed = ctx.stage > 0 or self._received == total
+                if (
+                    to_next is not None
+                    and self._stop_in
+                    and closed
+                    and not stop_sent
+                    and f_done == self._received
+                ):
+                    to_next.send_stop()
+                    stop_sent = True
+                if self._stop_in and closed and b_done == self._received:
+                    break
+                task = self.queue.next()
+                if task is None:
+                    self._drain(block=True)
+                    continue
+                self.result.max_in_flight = max(self.result.max_in_flight, self.queue.in_flight)
+                t0 = time.perf_counter()
+                self._execute(task, to_next, to_prev, grad_rx)
+                self.result.busy_s += time.perf_counter() - t0
+                # from after any pull wait (_task_wall0 is set when the device starts)
+                self.result.log_interval(task.kind.value, task.mb, self._task_wall0, time.time())
+                self.result.tasks += 1
+                self.queue.done(task)
+                if task.kind is not Kind.B:
+                    f_done += 1
+                if task.kind is not Kind.F:
+                    b_done += 1
+                    self._completed(task.mb)
+                    if ctx.stage == 0:
+                        total = self._final_total(total, start_time)
+                    if ctx.stage == 0 and self._received < total:
+                        if not self.run_cfg.flush_every_wave:
+                            self._admit(1)
+                        elif b_done == self._received:  # baseline: the whole wave drained
+                            self._admit(min(ctx.nm, total - self._received))
+            for ch in (to_next, to_prev):
+                if ch is not None:
+                    ch.flush()
+        finally:
+            if grad_rx is not None:
+                grad_rx.close()
+        self.result.wall_s = time.time() - start_time
+        self.result.peak_bytes = self.memory.peak_bytes
+        self.result.steps = b_done
+        if self.run_cfg.return_state or self.run_cfg.out_dir is not None:
+            self.result.state = {
+                self.names[n]: p.detach().clone() for n, p in self.module.named_parameters()
+            }
+        return self.result
+
+    def _admit(self, n: int) -> None:
+        """Stage 0: let ``n`` more minibatches into the pipeline."""
+        for _ in range(n):
+            self._received += 1
+            self.queue.ready(Task(0, self.queue.forward_kind, self._received))
+
+    def _final_total(self, total: int, start_time: float) -> int:
+        """Stage 0: minibatches to run in all, given the time limit (never below those admitted).
+
+        Alone, a VW stops admitting when its time is up. With a :class:`StopAgreement` (several
+        VWs through parameter servers) every VW runs the agreed number of waves instead.
+        """
+        if self.stop is None:
+            return min(total, self._received) if self._time_up(start_time) else total
+        agreed = self.stop.total(self._received, self._time_up(start_time))
+        return total if agreed is None else max(self._received, min(total, agreed))
+
+    def _time_up(self, start_time: float) -> bool:
+        limit = self.run_cfg.time_limit_s
+        return limit > 0 and time.time() - start_time >= limit
+
+    def _drain(self, block: bool) -> None:
+        """Hand arrived messages to the queue in arrival order (waiting for one if ``block``)."""
+        if block:
+            try:
+                ev = self.inbox.get(timeout=self.run_cfg.timeout_s)
+            except queue.Empty:
+                raise HetPipeRuntimeError(
+                    f"[{self.ctx.where}] no message from a neighbour stage for {self.run_cfg.timeout_s:.0f} s "
+                    "(a peer is stuck or dead)"
+                ) from None
+            self._handle(ev)
+        while True:
+            try:
+                ev = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(ev)
+
+    def _handle(self, ev: Event) -> None:
+        log.debug("[%s] event %s %d", self.ctx.where, ev.kind, ev.mb)
+        if ev.kind == "error":
+            raise HetPipeRuntimeError(
+                f"[{self.ctx.where}] receive failed: {ev.error}"
+            ) from ev.error
+        if ev.kind == "act":
+            self._received += 1
+            self.held[ev.mb] = _Held(ev.tensors)
+            self.queue.ready(Task(self.ctx.stage, self.queue.forward_kind, ev.mb))
+        elif ev.kind == "grad":
+            self.held[ev.mb].grads_in = ev.tensors
+            self.queue.ready(Task(self.ctx.stage, Kind.B, ev.mb))
+        elif ev.kind == "stop":
+            self._stop_in = True
+
+    # ------------------------------------------------------------ tasks
+
+    @property
+    def _paced(self) -> bool:
+        """Whether this stage emulates a device (its tasks are paced to the plan's times)."""
+        return self.calibration is not None and self.run_cfg.emulate
+
+    def _deadline(self, t0: float, kind: Kind) -> float:
+        """When a task of ``kind`` started at ``t0`` ends on the emulated device (``t0`` when
+        not paced)."""
+        if self.calibration is None or not self.run_cfg.emulate:
+            return t0
+        return t0 + self.calibration.task_s(self.ctx.stage, kind.value) / self.ctx.speed
+
+    def _pace(self, t0: float, kind: Kind) -> None:
+        if self._paced:
+            self.result.overrun_s += pace_until(self._deadline(t0, kind))
+
+    def _execute(
+        self,
+        task: Task,
+        to_next: Channel | None,
+        to_prev: Channel | None,
+        grad_rx: GradReceiver | None,
+    ) -> None:
+        mb = task.mb
+        if task.kind is not Kind.B:  # neither loading a minibatch (a host-side data loader's
+            # job) nor waiting for a WSP pull is device time: pace from after them
+            if self.ctx.stage == 0:
+                self._load(mb)
+            if self.before_forward is not None:
+                self.before_forward(mb)
+        t0, self._task_wall0 = time.perf_counter(), time.time()
+        log.debug("[%s] task %s", self.ctx.where, task)
+        if self.fault is not None:
+            self.fault(mb)
+        if task.kind is Kind.B:
+            grads_w, grads_x = self._backward(mb)
+        else:
+            out = self._forward(mb)
+            if task.kind is Kind.F:
+                self._pace(t0, task.kind)
+                if to_next is not None and grad_rx is not None:
+                    grad_rx.expect(mb)
+                    to_next.send_activations(mb, out)
+                return
+            grads_w, grads_x = self._loss_backward(mb, out)
+        if not self._paced:  # the gradients leave first: the previous stage waits on them
+            if to_prev is not None:
+                to_prev.send_grads(grads_x)
+            self._update(mb, grads_w)
+            return
+        # An emulated device: the optimizer step and the wave's bookkeeping are device work (on
+        # a GPU a few passes over the weights at memory bandwidth, ~1 % of a step), so they run
+        # inside the task's paced window, not on top of it at CPU speed; a WSP pull the update
+        # blocks on is not device time. The gradients leave when the emulated backward ends.
+        deadline = self._deadline(t0, task.kind)
+        # only the computation can make the device late: the update's CPU time past the
+        # deadline is the runtime's cost (on a GPU it is microseconds), not a slow device
+        self.result.overrun_s += max(0.0, time.perf_counter() - deadline)
+        waited = self.result.wait_s
+        self._update(mb, grads_w)
+        pace_until(deadline + (self.result.wait_s - waited))
+        if to_prev is not None:
+            to_prev.send_grads(grads_x)
+
+    def _update(self, mb: int, grads_w: dict[str, Tensor | None]) -> None:
+        if self.before_update is not None:
+            self.before_update(mb)
+        self.weights.update(mb, grads_w)
+        if self.after_update is not None:
+            self.after_update(mb)
+
+    def _load(self, mb: int) -> None:
+        """Stage 0: fetch minibatch ``mb`` of this worker's data."""
+        if self.data is None:
+            raise HetPipeRuntimeError(f"[{self.ctx.where}] stage 0 has no data")
+        inputs, targets = self.data.batch(mb)
+        self.held[mb] = _Held(inputs, targets=targets)
+
+    def _forward(self, mb: int) -> Any:
+        held = self.held[mb]
+        held.inputs = tuple(
+            x.requires_grad_() if x.is_floating_point() and self.ctx.stage > 0 else x
+            for x in held.inputs
+        )
+        leaves = self.weights.acquire(mb)
+        if self.ctx.cap_bytes > 0:  # emulated device: account what autograd saves
+            with SavedBytes([*leaves.values(), *held.inputs]) as saved:
+                out = self._call(leaves, held.inputs)
+            recv_bytes = sum(x.numel() * x.element_size() for x in held.inputs)
+            self.memory.check(mb, saved.nbytes + recv_bytes, self.weights.stashed_bytes)
+        else:
+            out = self._call(leaves, held.inputs)
+        if not self.last:
+            held.outputs = tuple(out)
+        return out
+
+    def _call(self, leaves: dict[str, Tensor], inputs: tuple[Tensor, ...]) -> Any:
+        """The stage's forward with a weight version (Nm = 1: the master parameters themselves)."""
+        if self.ctx.nm == 1:
+            return self.module(*inputs)
+        return functional_call(self.module, leaves, inputs)
+
+    def _input_grads(self, held: _Held, grads: tuple[Tensor | None, ...]) -> list[Tensor | None]:
+        needs = [x for x in held.inputs if x.requires_grad]
+        by_id = {id(x): g for x, g in zip(needs, grads, strict=True)}
+        return [by_id.get(id(x)) for x in held.inputs if x.is_floating_point()]
+
+    def _grad(
+        self, mb: int, outs: list[Tensor], gouts: list[Tensor] | None
+    ) -> tuple[dict[str, Tensor | None], list[Tensor | None]]:
+        held = self.held[mb]
+        leaves = self.weights.leaves(mb)
+        names = list(leaves)
+        wrt = [*leaves.values(), *(x for x in held.inputs if x.requires_grad)]
+        res: tuple[Tensor | None, ...] = (None,) * len(wrt)
+        if outs and wrt:
+            res = torch.autograd.grad(outs, wrt, gouts, allow_unused=True)
+        grads_w: dict[str, Tensor | None] = dict(zip(names, res[: len(names)], strict=True))
+        return grads_w, self._input_grads(held, res[len(names) :])
+
+    def _backward(self, mb: int) -> tuple[dict[str, Tensor | None], list[Tensor | None]]:
+        held = self.held[mb]
+        pairs = [
+            (o, g)
+            for o, g in zip(
+                (o for o in held.outputs if o.is_floating_point()), held.grads_in, strict=True
+            )
+            if o.requires_grad
+        ]
+        return self._grad(mb, [o for o, _ in pairs], [g for _, g in pairs])
+
+    def _loss_backward(
+        self, mb: int, out: Any
+    ) -> tuple[dict[str, Tensor | None], list[Tensor | None]]:
+        if self.data is None:
+            raise HetPipeRuntimeError(f"[{self.ctx.where}] last stage has no data")
+        held = self.held[mb]
+        targets = held.targets if held.targets is not None else self.data.targets(mb)
+        loss = self.loss_fn(out, targets)
+        value = float(loss.item())
+        self.result.losses.append((mb, value))
+        if self.events is not None:
+            self.events.put(("loss", self.ctx.rank, mb, value, time.time()))
+        return self._grad(mb, [loss], None)
+
+    def _completed(self, mb: int) -> None:
+        self.held.pop(mb, None)
+        self.memory.release(mb)
+        self.result.done_times.append(time.time())
+        if self.ctx.stage == 0 and self.events is not None:
+            self.events.put(("done", self.ctx.rank, mb, time.time()))

@@ -1,0 +1,1 @@
+"""Synchronisation across virtual workers, runtime side: WSP waves and AllReduce."""

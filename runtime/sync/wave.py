@@ -1,0 +1,242 @@
+"""One stage's side of Wave Synchronous Parallel (paper Sec. 5): push each wave, pull when needed.
+
+A stage trains its partition locally with exact local staleness
+(:class:`runtime.stage.weights.VersionedWeights`). :class:`WaveSync` hooks in after each update:
+
+- at the end of wave ``c`` (update of minibatch ``(c+1)*Nm``) it pushes the wave's aggregated
+  update, the change of its master weights since the wave started (with plain SGD, ``-lr`` times
+  the sum of the wave's gradients), as one flat message per shard (:class:`PSClient`);
+- the next minibatch that uses the weights after this update is ``(c+2)*Nm``
+  (:func:`planner.wsp.local_version`), which needs the global clock
+  ``required_global_clock((c+2)*Nm, Nm, D) = max(0, c + 1 - D)``. When the last pulled clock is
+  below that, it pulls (blocking until every VW pushed enough waves) and sets its master
+  weights to the *local copy*: the global weights plus its own pushed updates they do not hold
+  yet (:meth:`PSClient.pull`'s default).
+
+Earlier minibatches of the next wave use earlier versions, which already satisfy their (lower)
+requirement, so no minibatch ever runs on weights missing a global update older than the WSP
+bound. Pulls happen at the same point of every run, so with ``D = 0`` the result is meant to be
+deterministic (the global clock cannot run ahead of a VW that has not pushed); emulated
+multi-VW runs were seen to differ by up to 1.8e-3 in the weights (docs/wsp_runtime.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from planner.wsp import local_version, required_global_clock
+from profiler.errors import HetPipeRuntimeError
+from runtime.persist.snapshot import (
+    SnapshotSpec,
+    load_part,
+    read_manifest,
+    snapshot_dir,
+    write_part,
+)
+from runtime.ps.client import PSClient, PullHandle
+from runtime.results.metrics import StageResult
+from runtime.stage.weights import VersionedWeights
+
+__all__ = ["WaveSync"]
+
+log = logging.getLogger(__name__)
+
+
+class WaveSync:
+    """Pushes a stage's wave updates and pulls global weights as WSP requires.
+
+    Args:
+        client: the stage's parameter-server client (its parameter order = ``params``).
+        params: the stage's master parameters, in the client's order.
+        nm: minibatches per wave.
+        D: clock-distance threshold.
+        result: the stage's result accumulator (waiting time and clock trace go there).
+        first_mb: minibatch numbers of this run start after this one (a resumed run starts at
+            wave ``first_mb // nm``).
+        optimizer: the stage's local optimizer (its state is checkpointed).
+        snapshots: the run's snapshots (``None``: none): the stage writes its part (optimizer
+            state, data position, RNG state) before pushing wave ``c`` when ``c + 1`` is a
+            multiple of ``snapshots.every`` (the clocks the shards write at) and at the end.
+        where: ``vw<k>-stage<s>``, the stage's part name.
+    """
+
+    def __init__(
+        self,
+        client: PSClient,
+        params: Sequence[nn.Parameter],
+        nm: int,
+        D: int,
+        result: StageResult,
+        first_mb: int = 0,
+        optimizer: torch.optim.Optimizer | None = None,
+        snapshots: SnapshotSpec | None = None,
+        where: str = "stage",
+        weights: VersionedWeights | None = None,
+    ) -> None:
+        self.client, self.params, self.nm, self.D = client, list(params), nm, D
+        self.result = result
+        self.first_mb = first_mb
+        self.optimizer = optimizer
+        self.snapshots, self.where = snapshots, where
+        self.pulled_clock = -1
+        self.last_clock = 0  # waves pushed (global numbering): the final checkpoint's clock
+        self._written = first_mb // nm  # the clock of the last part written (or resumed from)
+        self._snapshot: list[Tensor] = []
+        self.weights = weights  # given: pulls overlap the tasks until a forward needs them
+        self._pending: tuple[PullHandle, int, int] | None = None  # (pull, needed clock, version)
+
+    def start(self, clock: int = 0) -> None:
+        """Load the global weights at ``clock`` (the run's first wave) into the stage and, when
+        resuming, its part of the snapshot at that clock (optimizer and RNG state)."""
+        self._pull(clock)
+        if clock > 0 and self.snapshots is not None:
+            manifest = read_manifest(snapshot_dir(self.snapshots.directory, clock))
+            part = load_part(manifest, self.where)
+            where = manifest.path / f"{self.where}.pt"
+            if not isinstance(part, dict) or part.get("kind") != "hetpipe-stage":
+                raise HetPipeRuntimeError(f"{where}: not a hetpipe stage checkpoint")
+            if int(part["data_position"]) != clock * self.nm:
+                raise HetPipeRuntimeError(
+                    f"{where}: data position {part['data_position']}, expected {clock * self.nm} "
+                    "(a snapshot of another Nm)"
+                )
+            if self.optimizer is not None:
+                self.optimizer.load_state_dict(part["optimizer"])
+            torch.set_rng_state(part["rng"])
+
+    def _checkpoint(self, clock: int, final: bool = False) -> None:
+        snaps = self.snapshots
+        if snaps is None or snaps.every <= 0 or (clock % snaps.every and not final):
+            return
+        if clock <= self._written:
+            return  # never rewrite a part a committed manifest may already vouch for
+        payload = {
+            "kind": "hetpipe-stage",
+            "clock": clock,
+            "data_position": clock * self.nm,  # minibatches of this VW's data consumed
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else {},
+            "rng": torch.get_rng_state(),
+        }
+        write_part(snaps, clock, self.where, payload)
+        self._written = clock
+
+    def _log_wait(self, clock: int, waited: float) -> None:
+        """Record a pull wait for the timeline (the wall clock, like the tasks)."""
+        if waited > 1e-4:
+            end = time.time()
+            self.result.log_interval("wait", clock, end - waited, end)
+
+    def _pull(self, min_clock: int) -> None:
+        t0 = time.perf_counter()
+        res = self.client.pull(min_clock, out=self.params)
+        waited = time.perf_counter() - t0
+        self._log_wait(min_clock, waited)
+        self.result.wait_s += waited
+        self.result.busy_s -= waited  # the hook runs inside a timed task: waiting is not work
+        self.result.clocks.append((min_clock, res.clock))
+        self.pulled_clock = res.clock
+        self._snapshot = [p.detach().clone() for p in self.params]
+        log.debug("pulled clock %d (needed %d) in %.3f s", res.clock, min_clock, waited)
+
+    def after_update(self, mb: int) -> None:
+        """Call after the update of minibatch ``mb`` (this run's numbering, 1-based)."""
+        if mb % self.nm:
+            return
+        total_mb = self.first_mb + mb
+        wave = total_mb // self.nm - 1
+        # the wave's update, computed straight into the push messages (no packing copy)
+        delta = self.client.update_buffers()
+        with torch.no_grad():
+            for d, p, s in zip(delta, self.params, self._snapshot, strict=True):
+                torch.sub(p.detach(), s, out=d)
+        self._checkpoint(wave + 1)  # before the push: a wave the shards hold has its file
+        self.last_clock = wave + 1
+        need = required_global_clock(total_mb + self.nm, self.nm, self.D)
+        t_push = time.time()
+        if need <= self.pulled_clock:
+            self.client.push(wave, delta)
+        elif self.weights is None:
+            self.client.push(wave, delta)
+            self.result.log_interval("push", wave, t_push, time.time())
+            self._pull(need)
+            return
+        else:  # the pull request rides in the push; wait only when a forward needs the weights
+            self._pending = (self.client.push_pull(wave, delta, need), need, mb)
+        self.result.log_interval("push", wave, t_push, time.time())  # for the timeline
+        # the local copy moves on by this wave's update: the next delta starts here
+        with torch.no_grad():
+            for s, p in zip(self._snapshot, self.params, strict=True):
+                s.copy_(p.detach())
+        log.debug("pushed wave %d", wave)
+
+    def before_forward(self, mb: int) -> None:
+        """Call before the forward of minibatch ``mb``: it runs on version ``mb - Nm``; if that
+        version needs a pull still in flight, wait for it and fold the pulled local copy into
+        that version and every later one (the master included)."""
+        if self._pending is None or self.weights is None:
+            return
+        if local_version(mb, self.nm) >= self._pending[2]:
+            self._complete_pull()
+
+    def before_update(self, mb: int) -> None:
+        """Call before the update of minibatch ``mb``. With ``D = 0`` a pull in flight is
+        folded in before the first local update after its push, so the fold always meets
+        the same weights (no local update since the push): the floating-point result does not
+        depend on whether the next forward or the next update came first (task order is
+        FIFO by arrival). With ``D > 0`` the fold waits for the forward that needs it."""
+        if self._pending is not None and self.D == 0:
+            self._complete_pull()
+
+    def _complete_pull(self) -> None:
+        if self._pending is None:
+            return
+        handle, need, version = self._pending
+        t0 = time.perf_counter()
+        res = handle.wait()
+        waited = time.perf_counter() - t0
+        self._log_wait(need, waited)
+        self.result.wait_s += waited
+        self.result.busy_s -= waited
+        self.result.clocks.append((need, res.clock))
+        self.pulled_clock, self._pending = res.clock, None
+        self._fold(version, list(res.tensors))
+        log.debug("pulled clock %d (needed %d), waited %.3f s", res.clock, need, waited)
+
+    def _fold(self, version: int, pulled: list[Tensor]) -> None:
+        """Replace the wave-end weights by the pulled local copy in ``version`` and later ones:
+        add ``pulled - snapshot`` to each distinct storage (each once)."""
+        if self.weights is None:
+            return
+        with torch.no_grad():
+            correction = [g - s for g, s in zip(pulled, self._snapshot, strict=True)]
+            self._snapshot = [s + c for s, c in zip(self._snapshot, correction, strict=True)]
+            names = list(self.weights.master)
+            groups: list[list[Tensor]] = [list(self.weights.master.values())]
+            groups += [
+                [leaves[n] for n in names]
+                for v, leaves in self.weights._versions.items()
+                if v >= version
+            ]
+            seen: set[int] = set()
+            for group in groups:
+                for t, c in zip(group, correction, strict=True):
+                    if t.data_ptr() not in seen:
+                        seen.add(t.data_ptr())
+                        t.data.add_(c)
+
+    def close(self) -> None:
+        """Flush the pushes, write the final optimizer state (when checkpointing) and say
+        goodbye to the shards."""
+        t0 = time.perf_counter()
+        if self.last_clock > 0:
+            self._checkpoint(self.last_clock, final=True)
+        if self._pending is not None:  # the last wave's pull: no forward needs it any more
+            self._pending[0].wait()
+            self._pending = None
+        self.client.close()
+        self.result.wait_s += time.perf_counter() - t0
