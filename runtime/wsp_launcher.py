@@ -31,7 +31,14 @@ from runtime.checkpoint import ShardState
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.data import default_dataset
 from runtime.emulation import Calibration
-from runtime.failures import Heartbeats, rendezvous_dir, root_cause_rank, stop_all, watch
+from runtime.failures import (
+    Heartbeats,
+    Interrupted,
+    rendezvous_dir,
+    root_cause_rank,
+    stop_all,
+    watch,
+)
 from runtime.launcher import PRELOAD, loads_result, pacing_table, process_context, stage_contexts
 from runtime.metrics import ProgressBar, StageResult, warn_overruns
 from runtime.model import resolve_source
@@ -155,7 +162,7 @@ def _launch_restarting(
             break
         except HetPipeRuntimeError as exc:
             ckpt = cfg.checkpoint_dir
-            if len(restarts) >= cfg.max_restarts or ckpt is None:
+            if len(restarts) >= cfg.max_restarts or ckpt is None or isinstance(exc, Interrupted):
                 raise
             committed = committed_clocks(ckpt)  # none yet: start again from the beginning
             why = str(exc).split("; resume with:")[0]
@@ -341,9 +348,7 @@ def _spawn_and_watch(
                            max(5.0, run.timeout_s / 2), labels)  # fmt: skip
         results = _watch(labels, procs, events, progress, run, cfg, beats)
     except KeyboardInterrupt:
-        raise HetPipeRuntimeError(
-            f"interrupted (Ctrl-C): every process stopped{_hint(cfg)}"
-        ) from None
+        raise Interrupted(f"interrupted (Ctrl-C): every process stopped{_hint(cfg)}") from None
     finally:
         progress.stop()
         stop_all(procs)
