@@ -38,6 +38,7 @@ __all__ = [
     "GRACE_S",
     "SECONDARY",
     "Heartbeats",
+    "Interrupted",
     "StageFault",
     "rendezvous_dir",
     "root_cause_rank",
@@ -218,6 +219,10 @@ def _die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+
+
+class Interrupted(HetPipeRuntimeError):
+    """The user stopped the run (Ctrl-C): never restarted by ``--on-failure restart``."""
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.data import default_dataset
 from runtime.launch.failures import (
     Heartbeats,
+    Interrupted,
     rendezvous_dir,
     root_cause_rank,
     run_rank,
@@ -381,7 +382,7 @@ def _spawn_and_watch(
                            max(5.0, run.timeout_s / 2), {c.rank: c.where for c in contexts})  # fmt: skip
         return _watch(contexts, procs, events, progress, max(120.0, 4 * run.timeout_s), beats)
     except KeyboardInterrupt:
-        raise HetPipeRuntimeError("interrupted (Ctrl-C): every process stopped") from None
+        raise Interrupted("interrupted (Ctrl-C): every process stopped") from None
     finally:
         progress.stop()
         stop_all(procs)

@@ -28,7 +28,14 @@ from profiler.errors import ConfigError, HetPipeRuntimeError
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.data import default_dataset
-from runtime.launch.failures import Heartbeats, rendezvous_dir, root_cause_rank, stop_all, watch
+from runtime.launch.failures import (
+    Heartbeats,
+    Interrupted,
+    rendezvous_dir,
+    root_cause_rank,
+    stop_all,
+    watch,
+)
 from runtime.launch.procs import ShardRole, shard_main, stage_main
 from runtime.launch.single import (
     PRELOAD,
@@ -159,7 +166,7 @@ def _launch_restarting(
             break
         except HetPipeRuntimeError as exc:
             ckpt = cfg.checkpoint_dir
-            if len(restarts) >= cfg.max_restarts or ckpt is None:
+            if len(restarts) >= cfg.max_restarts or ckpt is None or isinstance(exc, Interrupted):
                 raise
             committed = committed_clocks(ckpt)  # none yet: start again from the beginning
             why = str(exc).split("; resume with:")[0]
@@ -345,9 +352,7 @@ def _spawn_and_watch(
                            max(5.0, run.timeout_s / 2), labels)  # fmt: skip
         results = _watch(labels, procs, events, progress, run, cfg, beats)
     except KeyboardInterrupt:
-        raise HetPipeRuntimeError(
-            f"interrupted (Ctrl-C): every process stopped{_hint(cfg)}"
-        ) from None
+        raise Interrupted(f"interrupted (Ctrl-C): every process stopped{_hint(cfg)}") from None
     finally:
         progress.stop()
         stop_all(procs)

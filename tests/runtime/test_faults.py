@@ -197,13 +197,15 @@ def test_frozen_stage_is_named_not_its_peers(tmp_path: Path) -> None:
     assert not _children()
 
 
-def _start_cli(tmp_path: Path, until_clock: bool) -> tuple[subprocess.Popen[str], Path]:
+def _start_cli(
+    tmp_path: Path, until_clock: bool, *extra: str
+) -> tuple[subprocess.Popen[str], Path]:
     """``hetpipe run`` in a subprocess, returned once every rank beats (and, with
     ``until_clock``, once snapshot 1 is committed)."""
     plan = _plan().save(tmp_path / "plan.yaml")
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "hetpipe", "run", str(plan), "--steps", "100000", "--out",
-           str(out), "--checkpoint-every", "1", "--no-progress", "--no-emulate"]  # fmt: skip
+           str(out), "--checkpoint-every", "1", "--no-progress", "--no-emulate", *extra]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     tmp = Path(tempfile.gettempdir())
     deadline = time.monotonic() + 150  # a loaded 2-core machine starts 7 processes slowly
@@ -253,7 +255,7 @@ def test_sigkilled_unreaped_launcher_leaves_no_orphans_and_no_temp(tmp_path: Pat
 
 
 def test_ctrl_c_stops_cleanly_with_one_line_and_the_resume_command(tmp_path: Path) -> None:
-    proc, out = _start_cli(tmp_path, until_clock=False)
+    proc, out = _start_cli(tmp_path, False, "--on-failure", "restart")  # Ctrl-C never restarts
     ranks = [p for p in _children() if p != proc.pid]
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
