@@ -13,6 +13,7 @@ chrome://tracing: one process per VW, one thread per stage, thread 0 for the VW'
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from collections import defaultdict
@@ -22,7 +23,7 @@ from typing import Any
 
 from planner.sim.engine import TraceEvent
 from profiler.errors import ConfigError
-from profiler.files import atomic_write_text
+from profiler.files import atomic_write_bytes, atomic_write_text
 
 __all__ = ["COLORS", "chrome_trace", "read_chrome_trace", "write_chrome_trace", "write_gantt"]
 
@@ -173,12 +174,10 @@ def write_gantt(
     ax.legend(
         handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False
     )
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.tmp{p.suffix}")
-    fig.savefig(tmp, dpi=120, bbox_inches="tight")
+    buf = io.BytesIO()
+    fig.savefig(buf, format=p.suffix.lstrip(".").lower() or "png", dpi=120, bbox_inches="tight")
     plt.close(fig)
-    os.replace(tmp, p)
-    return p
+    return atomic_write_bytes(p, buf.getvalue())
 
 
 def chrome_trace(
