@@ -185,7 +185,8 @@ class Untraceable(nn.Module):
 
 
 def test_untraceable_model_is_a_clear_error() -> None:
-    with pytest.raises(ModelError, match="cannot trace"):
+    # the message names the user's line and a fix that works for tensor-dependent control flow
+    with pytest.raises(ModelError, match=r"cannot capture .*test_graph\.py:\d+.*torch\.where"):
         ModelGraph.from_module(Untraceable(), (torch.randn(2),))
 
 
