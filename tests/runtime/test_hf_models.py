@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.testing import assert_close
 from torch.utils.data import Dataset
@@ -104,3 +105,60 @@ def test_gpt2_pipeline_equals_one_process_with_tied_embedding(stages: int) -> No
 @pytest.mark.parametrize("stages", [2, 3])
 def test_bert_pipeline_equals_one_process(stages: int) -> None:
     _check_against_reference(bert(), stages)
+
+
+class Block(nn.Module):
+    """A torchvision-style basic block with in-place ReLUs."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += x
+        return self.relu(out)  # type: ignore[no-any-return]
+
+
+class TinyResNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(inplace=True))
+        self.layer1 = nn.Sequential(Block(8), Block(8))
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.layer1(self.stem(x))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+@pytest.mark.parametrize("relu_cut", [False, True])
+def test_resnet_with_inplace_relu_equals_one_process(relu_cut: bool) -> None:
+    from torch.utils.data import TensorDataset
+
+    from profiler.graph import ModelGraph
+    from tests.runtime.reference import plain_loop as reference_loop
+
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32, 3, 8, 8, generator=gen), torch.randint(0, 4, (32,)))
+    torch.manual_seed(0)
+    model = TinyResNet()
+    graph = ModelGraph.from_module(model, (data.tensors[0][:4],))
+    relus = [lay.index for lay in graph.layers if lay.op == "ReLU"]
+    # a cut right before an in-place ReLU: the received activation is cloned before it
+    cuts = (relus[2],) if relu_cut else (len(graph.layers) // 2,)
+    reference = copy.deepcopy(model)
+    cfg = OptimizerConfig(lr=0.05)
+    result = train(
+        model, data, F.cross_entropy, cuts=cuts, nm=1, batch_size=4, steps=3, optimizer=cfg
+    )
+    losses, params = reference_loop(reference, MinibatchSource(data, 4, 0), F.cross_entropy, cfg, 3)
+    assert_close(torch.tensor(result.losses), torch.tensor(losses), rtol=1e-5, atol=1e-5)
+    state = result.state_dict()
+    for name, p in params.items():
+        assert_close(state[name], p, rtol=1e-5, atol=1e-5)
