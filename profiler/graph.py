@@ -19,6 +19,7 @@ Stage modules are built with ``torch.fx.passes.split_module`` on the captured gr
 from __future__ import annotations
 
 import bisect
+import hashlib
 import itertools
 import operator
 from collections.abc import Sequence
@@ -361,6 +362,35 @@ class ModelGraph:
         return cls.from_module(spec.module, spec.inputs, fake=fake, input_names=spec.input_names)
 
     # ------------------------------------------------------------ queries
+
+    def flat_inputs(self, inputs: tuple[Any, ...], names: Sequence[str] = ()) -> tuple[Any, ...]:
+        """``inputs`` (keyword ``names`` for a ``module(**batch)`` model) in placeholder order."""
+        if not self.input_names:
+            return inputs
+        given = dict(zip(names, inputs, strict=True))
+        return tuple(given[n] for n in self.input_names)
+
+    def structured_output(self, flat: Any) -> Any:
+        """The graph's flat output in the model's own structure (e.g. a ``ModelOutput``)."""
+        if self.out_spec is None:
+            return flat
+        return pytree.tree_unflatten(list(flat), self.out_spec)
+
+    def fingerprint(self) -> str:
+        """A digest of the graph: every layer's op, inputs, output shapes and parameter bytes.
+
+        Two models with the same fingerprint have the same profile table layout and sizes.
+        """
+        h = hashlib.sha256()
+        for lay in self.layers:
+            h.update(
+                f"{lay.op}|{lay.inputs}|{lay.out_shapes}|{lay.param_bytes}|{lay.buffer_bytes};".encode()
+            )
+        for node in self._nodes:
+            meta = node.meta.get("tensor_meta")
+            if node.op == "placeholder" and isinstance(meta, TensorMetadata):
+                h.update(f"{meta.dtype};".encode())
+        return h.hexdigest()[:16]
 
     def __len__(self) -> int:
         return len(self.layers)

@@ -419,11 +419,12 @@ def measure_profile(
     dev = parse_device(device) if isinstance(device, str) else device
     module = spec.module.to(dev).train()
     inputs = tuple(t.to(dev) for t in spec.inputs)
-    graph = ModelGraph.from_module(module, inputs)
+    graph = ModelGraph.from_module(module, inputs, input_names=spec.input_names)
+    inputs = graph.flat_inputs(inputs, spec.input_names)
     targets = spec.targets.to(dev)
 
     def loss(output: Any) -> Tensor:
-        return spec.loss(output, targets)
+        return spec.loss(graph.structured_output(output), targets)
 
     table = profile_rows(graph, inputs, dev, repeats, warmup, progress, clock_fn, loss)
     if device_type is None:
@@ -466,8 +467,11 @@ def step_time_ms(
     inputs = tuple(t.to(dev) for t in spec.inputs)
     targets = spec.targets.to(dev)
 
+    kwargs = dict(zip(spec.input_names, inputs, strict=True))
+
     def step() -> None:
-        loss = spec.loss(module(*inputs), targets)
+        out = module(**kwargs) if spec.input_names else module(*inputs)
+        loss = spec.loss(out, targets)
         loss.backward()
 
     times = []

@@ -17,7 +17,30 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["TiedGrads"]
+from planner.plan import Plan
+from profiler.errors import ConfigError
+from profiler.graph import ModelGraph
+
+__all__ = ["TiedGrads", "check_untied_for_ps"]
+
+
+def check_untied_for_ps(graph: ModelGraph, plan: Plan) -> None:
+    """Parameter servers keep one copy of each parameter per VW stage that owns it: a tied
+    parameter split over two stages cannot go through them yet.
+
+    Raises:
+        ConfigError: a virtual worker's cuts put a tied parameter on two stages.
+    """
+    for k, worker in enumerate(plan.virtual_workers):
+        cuts = tuple(st.first_index for st in worker.stages[1:])
+        shared = graph.shared_params(cuts)
+        if shared:
+            name, stages = next(iter(sorted(shared.items())))
+            raise ConfigError(
+                f"plan: VW {k} holds the tied parameter {name!r} on stages {list(stages)}; "
+                "several VWs (parameter servers) need each parameter on one stage: untie it "
+                "(e.g. config.tie_word_embeddings=False) or train one VW (--vw 0)"
+            )
 
 
 class TiedGrads:

@@ -40,6 +40,7 @@ from runtime.ps import ShardSpec
 from runtime.ps_core import ClockEvent
 from runtime.ps_layout import shard_specs_for_layout
 from runtime.stage import StageContext
+from runtime.tied import check_untied_for_ps
 from runtime.wsp_procs import ShardRole, shard_main, stage_main
 from runtime.wsp_result import WSPResult, evaluate
 
@@ -138,6 +139,7 @@ def launch_wsp(
     )  # fmt: skip
     shards_data, test = split_data(ds, n_vws, cfg.test_fraction, run.seed)
     graph = ModelGraph.from_spec(spec)
+    check_untied_for_ps(graph, plan)
     shapes = {n: tuple(p.shape) for n, p in spec.module.named_parameters()}
     specs, _ = shard_specs(plan, graph, shapes, D)
     first_wave = _resume_clock(cfg, len(specs)) or 0
