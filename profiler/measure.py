@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import hashlib
 import logging
 import platform
 import statistics
@@ -37,7 +38,7 @@ from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from profiler.catalog import lookup_gpu
-from profiler.errors import ConfigError
+from profiler.errors import ConfigError, ModelError
 from profiler.graph import ModelGraph
 from profiler.interpret import LayerCall, backward_call, bind_node, run_layers, tensors_of
 from profiler.memory import SavedTensorCounter, cuda_peak_bytes, reset_cuda_peak
@@ -447,6 +448,32 @@ def measure_profile(
         },
     )
     return Profile(table, meta)
+
+
+def profile_key(model: str, batch_size: int, device: str = "cpu") -> str:
+    """What a cached profile of ``model`` depends on: its graph, batch, precision and device.
+
+    The graph part is :meth:`ModelGraph.fingerprint` (op types, edges, shapes, parameter
+    sizes), so a factory that now returns another model never reuses the old profile. The
+    model is built on the ``meta`` device when its factory allows (no weights are made).
+
+    Raises:
+        ModelError: the model cannot be resolved or captured.
+    """
+    from profiler.models import resolve_model
+
+    try:
+        with torch.device("meta"):
+            spec = resolve_model(model, batch_size)
+        graph = ModelGraph.from_spec(spec)
+    except ModelError:
+        raise
+    except Exception:  # a factory that cannot run on meta: build it for real
+        spec = resolve_model(model, batch_size)
+        graph = ModelGraph.from_spec(spec)
+    dtype = next((p.dtype for p in spec.module.parameters()), torch.float32)
+    text = f"{graph.fingerprint()}|batch={batch_size}|{dtype}|{device}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def step_time_ms(
