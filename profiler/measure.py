@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from profiler.catalog import lookup_gpu
-from profiler.errors import ConfigError, ModelError
+from profiler.errors import ConfigError
 from profiler.graph import ModelGraph
 from profiler.interpret import LayerCall, backward_call, bind_node, run_layers, tensors_of
 from profiler.memory import SavedTensorCounter, cuda_peak_bytes, reset_cuda_peak
@@ -460,17 +460,10 @@ def profile_key(model: str, batch_size: int, device: str = "cpu") -> str:
     Raises:
         ModelError: the model cannot be resolved or captured.
     """
-    from profiler.models import resolve_model
+    from profiler.models import resolve_model_for_graph
 
-    try:
-        with torch.device("meta"):
-            spec = resolve_model(model, batch_size)
-        graph = ModelGraph.from_spec(spec)
-    except ModelError:
-        raise
-    except Exception:  # a factory that cannot run on meta: build it for real
-        spec = resolve_model(model, batch_size)
-        graph = ModelGraph.from_spec(spec)
+    spec = resolve_model_for_graph(model, batch_size)
+    graph = ModelGraph.from_spec(spec)
     dtype = next((p.dtype for p in spec.module.parameters()), torch.float32)
     text = f"{graph.fingerprint()}|batch={batch_size}|{dtype}|{device}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]

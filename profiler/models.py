@@ -28,7 +28,14 @@ from torch import Tensor, nn
 
 from profiler.errors import ModelError
 
-__all__ = ["BUILTIN_MODELS", "ModelSpec", "keyword_spec", "output_loss", "resolve_model"]
+__all__ = [
+    "BUILTIN_MODELS",
+    "ModelSpec",
+    "keyword_spec",
+    "output_loss",
+    "resolve_model",
+    "resolve_model_for_graph",
+]
 
 LossFn = Callable[[Any, Tensor], Tensor]
 
@@ -396,6 +403,31 @@ def _as_spec(ref: str, result: object, batch_size: int) -> ModelSpec:
         f"model factory {ref!r} returned {type(result).__name__}; it must return a ModelSpec, "
         "(nn.Module, (inputs, targets)) with tensors or (nn.Module, {name: tensor})"
     )
+
+
+def resolve_model_for_graph(ref: str, batch_size: int) -> ModelSpec:
+    """``ref`` built on the ``meta`` device (no weights) when its graph does not depend on it.
+
+    ``torch.fx`` graphs do not; models only ``torch.export`` captures (Hugging Face) may take
+    other code paths on ``meta`` (their graph would not match the one every stage process
+    builds on CPU), so those, and factories that cannot run on ``meta``, are built on CPU.
+
+    Raises:
+        ModelError: as :func:`resolve_model`.
+    """
+    import torch.fx as fx
+
+    try:
+        with torch.device("meta"):
+            spec = resolve_model(ref, batch_size)
+        if not spec.input_names:
+            fx.symbolic_trace(spec.module)
+            return spec
+    except ModelError:
+        raise
+    except Exception:  # fx cannot trace it, or the factory cannot run on meta
+        pass
+    return resolve_model(ref, batch_size)
 
 
 def resolve_model(ref: str, batch_size: int) -> ModelSpec:

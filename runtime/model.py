@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from profiler.errors import ModelError
 from profiler.graph import ModelGraph, StageModule
-from profiler.models import ModelSpec, output_loss, resolve_model
+from profiler.models import ModelSpec, output_loss, resolve_model, resolve_model_for_graph
 from runtime.config import LossFn, ModelSource
 
 __all__ = ["BuiltStage", "build_stage", "original_names", "reference_module", "resolve_source"]
@@ -99,9 +99,8 @@ def resolve_source(source: ModelSource, batch_size: int, meta: bool) -> ModelSpe
         )
     if source.ref is None:
         raise ModelError("model source has neither a reference nor a module")
-    if meta:
-        with torch.device("meta"):
-            return resolve_model(source.ref, batch_size)
+    if meta:  # on CPU when the graph could depend on the device (see resolve_model_for_graph)
+        return resolve_model_for_graph(source.ref, batch_size)
     return resolve_model(source.ref, batch_size)
 
 
