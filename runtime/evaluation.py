@@ -57,7 +57,9 @@ def evaluate_module(
     loss_sum, batches = 0.0, 0
     classifier = True
     for batch in DataLoader(dataset, batch_size=batch_size, drop_last=True):
-        xs, y = (batch, batch.get("labels", torch.zeros(0))) if isinstance(batch, Mapping) else batch
+        xs, y = (
+            (batch, batch.get("labels", torch.zeros(0))) if isinstance(batch, Mapping) else batch
+        )
         if isinstance(xs, Mapping):  # keyword inputs, in the order the (stage) module takes them
             inputs = tuple(xs[n] for n in getattr(module, "input_names", xs))
         else:
