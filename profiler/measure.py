@@ -487,7 +487,7 @@ def step_time_ms(
     inputs = tuple(t.to(dev) for t in spec.inputs)
     targets = spec.targets.to(dev)
 
-    kwargs = dict(zip(spec.input_names, inputs, strict=True))
+    kwargs = dict(zip(spec.input_names, inputs, strict=True)) if spec.input_names else {}
 
     def step() -> None:
         out = module(**kwargs) if spec.input_names else module(*inputs)
