@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -73,7 +74,9 @@ def candidate_cuts(profile: Profile, max_cuts: int | None = None) -> list[int]:
     Args:
         profile: any profile of the model (the graph is the same for every GPU type).
         max_cuts: keep every cut when there are at most this many; otherwise keep only the
-            cuts crossed by exactly one tensor (block boundaries). ``None`` keeps every cut.
+            cuts crossed by exactly one tensor besides those that cross more than half of all
+            cuts (block boundaries; the labels and attention mask of a language model cross
+            everywhere). ``None`` keeps every cut.
 
     Returns:
         Sorted layer indices.
@@ -83,7 +86,11 @@ def candidate_cuts(profile: Profile, max_cuts: int | None = None) -> list[int]:
     if max_cuts is None or len(every) <= max_cuts:
         return every
     cross = crossing_sets(profile.input_indices())
-    single = [k for k in every if len(cross[k]) == 1]
+    # tensors live across most of the model (a language model's labels and attention mask)
+    # cross every block boundary: they do not count, so the boundaries stay candidates
+    span = Counter(i for c in cross for i in c)
+    ambient = {i for i, n in span.items() if n > len(every) // 2}
+    single = [k for k in every if len(set(cross[k]) - ambient) == 1]
     log.info("coarsened %d cut points to %d single-tensor cuts", len(every), len(single))
     return single
 

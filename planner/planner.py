@@ -297,9 +297,17 @@ def _plan_allocation(
     for v, gpus in enumerate(alloc.groups):
         best, short = pl.nm_max(gpus)
         if best == 0:
+            fix = "give it more or larger GPUs (another policy or --vws)"
+            emulated = {g.node: g.emulation for g in gpus if g.emulation is not None}
+            if emulated:  # every stage fits once each GPU has the smallest shortfall more
+                fix = "raise emulate.memory in the cluster file: " + ", ".join(
+                    f"node {node} {format_bytes(e.memory_bytes)} -> "
+                    f"{format_bytes(e.memory_bytes + int(short) + 1)}"
+                    for node, e in sorted(emulated.items())
+                )
             raise PlanError(
                 f"VW {v} ({_letters(gpus)}) cannot hold {model} even with Nm=1: smallest shortfall "
-                f"{format_bytes(short)} on one stage; give it more or larger GPUs (another policy or --vws)"
+                f"{format_bytes(short)} on one stage; {fix}"
             )
         nm_max.append(best)
     plan_nm = min(nm_max)

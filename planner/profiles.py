@@ -150,14 +150,20 @@ def profile_cache_dir() -> Path | None:
 
 
 def _cache_path(model: str, batch: int) -> Path | None:
-    """Cache file of the measured CPU profile of ``model`` at ``batch`` on this machine."""
+    """Cache file of the measured CPU profile of ``model`` at ``batch`` on this machine.
+
+    The key covers the model's graph (:func:`profiler.measure.profile_key`), not only its name.
+    """
     import torch
+
+    from profiler.measure import profile_key
 
     root = profile_cache_dir()
     if root is None:
         return None
     host = f"{platform.machine()}|{platform.processor()}|{os.cpu_count()}|{torch.__version__}"
-    digest = hashlib.sha256(f"{model}|{batch}|{host}".encode()).hexdigest()[:16]
+    key = profile_key(model, batch, "cpu")
+    digest = hashlib.sha256(f"{model}|{batch}|{key}|{host}".encode()).hexdigest()[:16]
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model)[:40]
     return root / "profiles" / f"cpu-{safe}-b{batch}-{digest}.csv"
 

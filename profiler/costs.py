@@ -22,10 +22,11 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from profiler.graph import ModelGraph, trace_module
+from profiler.capture import Captured, capture
+from profiler.graph import ModelGraph
 from profiler.interpret import LayerCall, backward_call, run_layers, tensors_of
 from profiler.memory import SavedTensorCounter, storage_bytes, tensor_bytes
-from profiler.models import resolve_model
+from profiler.models import ModelSpec, resolve_model
 
 __all__ = ["LayerCost", "layer_costs"]
 
@@ -99,9 +100,9 @@ def _tensor_meta(value: Any) -> Any:
     )
 
 
-def _trace(module: torch.nn.Module) -> tuple[fx.GraphModule, dict[str, str]]:
-    """Trace like :meth:`ModelGraph.from_module`, leaving shapes to the counting pass."""
-    return trace_module(module)
+def _trace(spec: ModelSpec) -> Captured:
+    """Capture like :meth:`ModelGraph.from_module`, leaving shapes to the counting pass."""
+    return capture(spec.module, spec.inputs, spec.input_names)
 
 
 @dataclass(frozen=True)
@@ -206,7 +207,8 @@ def layer_costs(model_ref: str, batch_size: int) -> tuple[LayerCost, ...]:
     with torch.device("meta"):
         spec = resolve_model(model_ref, batch_size)
     spec.module.train()
-    gm, renames = _trace(spec.module)
+    cap = _trace(spec)
+    gm, renames = cap.gm, cap.param_renames
     counter = SavedTensorCounter(exclude=list(spec.module.parameters()))
     costs: dict[int, tuple[float, ...]] = {}
     memos: dict[str, _Memo] = {}
@@ -219,8 +221,14 @@ def layer_costs(model_ref: str, batch_size: int) -> tuple[LayerCost, ...]:
         call.node.meta["tensor_meta"] = _tensor_meta(out)
         return out
 
-    run_layers(gm, spec.inputs, visit)
-    graph = ModelGraph(gm, renames)  # shapes come from the pass above: no second propagation
+    inputs = spec.inputs
+    if cap.input_names:
+        given = dict(zip(spec.input_names, spec.inputs, strict=True))
+        inputs = tuple(given[n] for n in cap.input_names)
+    run_layers(gm, inputs, visit)
+    graph = ModelGraph(
+        gm, renames, cap.out_spec, cap.input_names
+    )  # shapes come from the pass above: no second propagation
     names = graph.names
     result = []
     for lay in graph.layers:

@@ -8,14 +8,20 @@ partition is a list of cut points ``0 < c1 < c2 < ... < L``; stage ``s`` holds l
 exactly the outputs of earlier layers that a later layer (or the model output) uses;
 the runtime forwards them stage to stage and the cost model charges for them.
 
-Stage modules are built with ``torch.fx.passes.split_module`` on the traced graph.
-Bare tensor attributes (``get_attr`` of a parameter, e.g. a positional embedding) are
-first rewritten into tiny holder modules so each parameter is owned by exactly one stage.
+The graph comes from :mod:`profiler.capture` (``torch.fx`` or ``torch.export``), where every
+tensor attribute is read through a holder module placed with its user. Layers carry a
+*position* for cuts: a holder counts at its user and a ``getitem`` of a tuple at the tuple's
+producer, so only tensors (activations, token ids, masks) ever cross a cut; a parameter read
+on two stages (tied embeddings) is held by both (:meth:`ModelGraph.shared_params`).
+Stage modules are built with ``torch.fx.passes.split_module`` on the captured graph.
 """
 
 from __future__ import annotations
 
+import bisect
+import hashlib
 import itertools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -26,7 +32,9 @@ import torch.fx as fx
 from torch import Tensor, nn
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 from torch.fx.passes.split_module import split_module
+from torch.utils import _pytree as pytree
 
+from profiler.capture import HOLDER_PREFIX, capture
 from profiler.errors import ModelError
 from profiler.models import ModelSpec
 
@@ -35,7 +43,6 @@ __all__ = [
     "ModelGraph",
     "StageModule",
     "crossing_sets",
-    "rewrite_tensor_attrs",
     "trace_module",
 ]
 
@@ -67,29 +74,39 @@ class Layer:
     params: tuple[str, ...]
 
 
-def crossing_sets(inputs: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+def crossing_sets(
+    inputs: Sequence[Sequence[int]], positions: Sequence[int] | None = None
+) -> list[tuple[int, ...]]:
     """For every cut ``k`` (between layer ``k-1`` and layer ``k``), the layers whose output crosses it.
 
     Args:
         inputs: ``inputs[j]`` lists the producers that layer ``j`` reads.
+        positions: where each layer counts for the cuts (default: its index). A getitem of a
+            tuple counts at its producer and a parameter holder at its user, so neither a
+            tuple nor a parameter is ever cut from what reads it.
 
     Returns:
-        ``result[k]`` for ``k`` in ``0..L``: sorted producer indices ``i < k`` with a
-        consumer ``j >= k``. ``result[0]`` and ``result[L]`` are empty.
+        ``result[k]`` for ``k`` in ``0..L``: sorted producers ``i`` at a position below ``k``
+        with a consumer at ``k`` or above. ``result[0]`` and ``result[L]`` are empty.
     """
     n = len(inputs)
-    last_use = list(range(n))  # a layer's output is "used" until its last consumer
+    pos = list(range(n)) if positions is None else list(positions)
+    last_use = list(pos)  # a layer's output is "used" until its last consumer
     for j, preds in enumerate(inputs):
         for i in preds:
-            if i >= j:
+            if i >= j or pos[i] > pos[j]:
                 raise ModelError(
                     f"layer {j} reads layer {i}, which is not earlier: the order is not topological"
                 )
-            last_use[i] = max(last_use[i], j)
+            last_use[i] = max(last_use[i], pos[j])
+    starts: dict[int, list[int]] = {}
+    for i in range(n):
+        if last_use[i] > pos[i]:
+            starts.setdefault(pos[i] + 1, []).append(i)
     result: list[tuple[int, ...]] = [()]
     live: set[int] = set()
     for k in range(1, n + 1):
-        live.add(k - 1)
+        live.update(starts.get(k, ()))
         live = {i for i in live if last_use[i] >= k}
         result.append(tuple(sorted(live)))
     result[n] = ()
@@ -117,67 +134,16 @@ def _meta_bytes(meta: Any) -> tuple[int, list[tuple[int, ...]]]:
     return 0, []
 
 
-class _AttrHolder(nn.Module):
-    """Owns one bare tensor attribute so it can be placed on a single stage."""
-
-    def __init__(self, value: Tensor) -> None:
-        super().__init__()
-        if isinstance(value, nn.Parameter):
-            self.value = value
-        else:
-            self.register_buffer("value", value)
-
-    def forward(self) -> Tensor:
-        return self.value  # type: ignore[no-any-return]
-
-
-def rewrite_tensor_attrs(gm: fx.GraphModule) -> dict[str, str]:
-    """Replace each ``get_attr`` of a tensor by a call to a holder module.
-
-    Returns:
-        Map from holder-module parameter names to the original qualified names.
-    """
-    renames: dict[str, str] = {}
-    for i, node in enumerate(list(gm.graph.nodes)):
-        if node.op != "get_attr":
-            continue
-        value = _get_attr(gm, str(node.target))
-        if not isinstance(value, Tensor):
-            continue
-        holder_name = f"_hp_attr{i}"
-        gm.add_submodule(holder_name, _AttrHolder(value))
-        renames[f"{holder_name}.value"] = str(node.target)
-        with gm.graph.inserting_before(node):
-            new = gm.graph.call_module(holder_name)
-        new.meta = dict(node.meta)
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
-    gm.graph.lint()
-    gm.recompile()
-    return renames
-
-
-def trace_module(module: nn.Module) -> tuple[fx.GraphModule, dict[str, str]]:
-    """``torch.fx.symbolic_trace`` plus :func:`rewrite_tensor_attrs`, without shape propagation.
+def trace_module(
+    module: nn.Module, inputs: tuple[Tensor, ...] | None = None
+) -> tuple[fx.GraphModule, dict[str, str]]:
+    """Capture ``module`` (:func:`profiler.capture.capture`) without shape propagation.
 
     Raises:
-        ModelError: the module cannot be traced symbolically.
+        ModelError: the module cannot be captured.
     """
-    try:
-        gm = fx.symbolic_trace(module)
-    except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
-        raise ModelError(
-            f"cannot trace {type(module).__name__} with torch.fx ({type(exc).__name__}: {exc}); "
-            "remove data-dependent Python control flow from forward()"
-        ) from exc
-    return gm, rewrite_tensor_attrs(gm)
-
-
-def _get_attr(gm: nn.Module, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
+    cap = capture(module, inputs)
+    return cap.gm, cap.param_renames
 
 
 def _op_name(node: fx.Node, gm: fx.GraphModule) -> str:
@@ -189,13 +155,30 @@ def _op_name(node: fx.Node, gm: fx.GraphModule) -> str:
     return getattr(target, "__name__", str(target))
 
 
+def _is_holder(node: fx.Node) -> bool:
+    return node.op == "call_module" and str(node.target).startswith(HOLDER_PREFIX)
+
+
+def _mutates_input(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` may write into its first input (``ReLU(inplace=True)``, ``x.add_(y)``)."""
+    if node.kwargs.get("inplace") is True:
+        return True
+    if node.op == "call_module":
+        return bool(getattr(gm.get_submodule(str(node.target)), "inplace", False))
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        return bool(node.target._schema.is_mutable)
+    name = str(getattr(node.target, "__name__", node.target))
+    return name.endswith("_") and not name.endswith("__")
+
+
 class StageModule(nn.Module):
-    """A contiguous range of layers as a module: crossing tensors in, crossing tensors out.
+    """A range of layers as a module: crossing tensors in, crossing tensors out.
 
     ``forward(*inputs)`` takes the tensors crossing the stage's first cut (in
     ``input_names`` order) and returns those crossing its last cut (``output_names``
     order), passing skip tensors through. The last stage returns the model's output
-    in its original structure instead.
+    in its original structure instead. Inputs the stage writes in place (an in-place
+    ReLU right after the cut) are cloned first: a received activation is an autograd leaf.
     """
 
     def __init__(
@@ -206,6 +189,8 @@ class StageModule(nn.Module):
         input_names: tuple[str, ...],
         output_names: tuple[str, ...],
         output_structure: Any = None,
+        out_spec: Any = None,
+        clone_inputs: frozenset[str] = frozenset(),
     ) -> None:
         super().__init__()
         self.inner = inner
@@ -214,6 +199,8 @@ class StageModule(nn.Module):
         self.input_names = input_names
         self.output_names = output_names
         self.output_structure = output_structure  # fx output args, for the last stage
+        self.out_spec = out_spec  # pytree spec of an exported model's output
+        self.clone_inputs = clone_inputs
 
     def forward(self, *inputs: Any) -> Any:
         if len(inputs) != len(self.input_names):
@@ -221,71 +208,81 @@ class StageModule(nn.Module):
                 f"stage expects {len(self.input_names)} inputs {self.input_names}, got {len(inputs)}"
             )
         env: dict[str, Any] = dict(zip(self.input_names, inputs, strict=True))
+        for name in self.clone_inputs:
+            env[name] = env[name].clone()
         if self.inner is not None:
             result = self.inner(*(env[n] for n in self.inner_inputs))
             if len(self.inner_outputs) == 1:
                 result = (result,)
             env.update(zip(self.inner_outputs, result, strict=True))
-        if self.output_structure is not None:
-            return fx.node.map_aggregate(
-                self.output_structure, lambda a: env[a.name] if isinstance(a, fx.Node) else a
-            )
-        return tuple(env[n] for n in self.output_names)
+        if self.output_structure is None:
+            return tuple(env[n] for n in self.output_names)
+        out = fx.node.map_aggregate(
+            self.output_structure, lambda a: env[a.name] if isinstance(a, fx.Node) else a
+        )
+        if self.out_spec is not None:
+            return pytree.tree_unflatten(list(out), self.out_spec)
+        return out
 
 
 class ModelGraph:
-    """A traced model as a layer DAG with shapes, bytes and cut information.
+    """A captured model as a layer DAG with shapes, bytes and cut information.
 
     Build with :meth:`from_module` or :meth:`from_spec`. Attributes:
-        gm: the traced (and attribute-rewritten) ``GraphModule``.
+        gm: the captured ``GraphModule`` (tensor attributes behind holder modules).
         layers: the layers in topological order.
         dag: ``networkx.DiGraph`` over layer indices, edges weighted by ``bytes``.
+        positions: where each layer counts for cuts (a holder at its user, a getitem of a
+            tuple at its producer); stage ``s`` holds the layers positioned in its range.
         crossing: ``crossing[k]`` = layers whose output crosses cut ``k``.
         param_renames: holder parameter name -> original qualified name.
+        out_spec: pytree spec of an exported model's output (``None`` for fx).
+        input_names: keyword names of the model inputs in placeholder order (``()``: positional).
     """
 
-    def __init__(self, gm: fx.GraphModule, param_renames: dict[str, str]) -> None:
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        param_renames: dict[str, str],
+        out_spec: Any = None,
+        input_names: tuple[str, ...] = (),
+    ) -> None:
         self.gm = gm
         self.param_renames = param_renames
+        self.out_spec = out_spec
+        self.input_names = input_names
         self._nodes = [n for n in gm.graph.nodes]
         index = {n: i for i, n in enumerate(self._nodes)}
         self._index = index
+        self.positions = self._positions()
         owner: dict[int, int] = {}  # id(param) -> first layer index using it
         layers: list[Layer] = []
         for i, node in enumerate(self._nodes):
-            preds = tuple(sorted({index[a] for a in node.all_input_nodes}))
+            # a parameter is not an activation: its bytes go to the layer reading it
+            preds = tuple(sorted({index[a] for a in node.all_input_nodes if not _is_holder(a)}))
             nbytes, shapes = _meta_bytes(node.meta.get("tensor_meta"))
             pbytes = bbytes = 0
             names: list[str] = []
-            if node.op == "call_module":
-                sub = gm.get_submodule(str(node.target))
-                for pname, p in sub.named_parameters():
+            for mod in self._owned_modules(node):
+                for pname, p in gm.get_submodule(mod).named_parameters():
                     if id(p) not in owner:
                         owner[id(p)] = i
                         pbytes += p.numel() * p.element_size()
-                        qual = f"{node.target}.{pname}"
+                        qual = f"{mod}.{pname}"
                         names.append(param_renames.get(qual, qual))
-                for _, b in sub.named_buffers():
+                for _, b in gm.get_submodule(mod).named_buffers():
                     if id(b) not in owner:
                         owner[id(b)] = i
                         bbytes += b.numel() * b.element_size()
-            if node.op == "output":
+            if node.op == "output" or _is_holder(node):
                 nbytes, shapes = 0, []
+            op = "param" if _is_holder(node) else _op_name(node, gm)
             layers.append(
-                Layer(
-                    i,
-                    node.name,
-                    _op_name(node, gm),
-                    preds,
-                    tuple(shapes),
-                    nbytes,
-                    pbytes,
-                    bbytes,
-                    tuple(names),
-                )
+                Layer(i, node.name, op, preds, tuple(shapes), nbytes, pbytes, bbytes, tuple(names))
             )
         self.layers: tuple[Layer, ...] = tuple(layers)
-        self.crossing = crossing_sets([lay.inputs for lay in layers])
+        inputs = [tuple(index[a] for a in n.all_input_nodes) for n in self._nodes]
+        self.crossing = crossing_sets(inputs, self.positions)
         dag = nx.DiGraph()
         for lay in layers:
             dag.add_node(lay.index, name=lay.name, op=lay.op)
@@ -293,46 +290,107 @@ class ModelGraph:
                 dag.add_edge(src, lay.index, bytes=layers[src].act_bytes)
         self.dag = dag
 
+    def _owned_modules(self, node: fx.Node) -> list[str]:
+        """Submodules whose parameters ``node`` uses: its own, and those of the holders it reads."""
+        mods = [str(a.target) for a in node.all_input_nodes if _is_holder(a)]
+        if node.op == "call_module" and not _is_holder(node):
+            mods.append(str(node.target))
+        return mods
+
+    def _positions(self) -> list[int]:
+        index = self._index
+        pos = list(range(len(self._nodes)))
+        for i, node in enumerate(self._nodes):
+            if node.target is operator.getitem and node.args:
+                src = node.args[0]
+                if isinstance(src, fx.Node) and not isinstance(
+                    src.meta.get("tensor_meta"), TensorMetadata
+                ):
+                    pos[i] = pos[index[src]]  # stays with the tuple it unpacks
+        for i, node in enumerate(self._nodes):
+            if _is_holder(node) and len(node.users) == 1:
+                pos[i] = pos[index[next(iter(node.users))]]  # lives with its one user
+        return pos
+
     # ------------------------------------------------------------ construction
 
     @classmethod
     def from_module(
-        cls, module: nn.Module, inputs: tuple[Tensor, ...], *, fake: bool = True
+        cls,
+        module: nn.Module,
+        inputs: tuple[Tensor, ...],
+        *,
+        fake: bool = True,
+        input_names: Sequence[str] = (),
     ) -> ModelGraph:
-        """Trace ``module`` with ``torch.fx`` and propagate the shapes of ``inputs``.
+        """Capture ``module`` (:func:`profiler.capture.capture`) and propagate the shapes of ``inputs``.
 
         Args:
-            module: any traceable module (``nn.Sequential``, residual nets, transformers, ...).
-            inputs: one sample minibatch of positional inputs.
+            module: any module ``torch.fx`` or ``torch.export`` captures.
+            inputs: one sample minibatch of inputs (positional, or keyword with ``input_names``).
             fake: propagate shapes with fake tensors (no compute, works for ImageNet-sized
                 models in well under a second); ``False`` runs the real forward.
+            input_names: keyword names of ``inputs`` (the model is called as ``module(**batch)``).
 
         Raises:
-            ModelError: the module cannot be traced symbolically.
+            ModelError: the module cannot be captured or fails on the sample input.
         """
-        gm, renames = trace_module(module)
+        cap = capture(module, inputs, input_names)
+        flat = inputs
+        if cap.input_names:
+            given = dict(zip(input_names, inputs, strict=True))
+            flat = tuple(given[n] for n in cap.input_names)
         try:
             if fake:
                 from torch._subclasses.fake_tensor import FakeTensorMode
 
-                ShapeProp(gm, fake_mode=FakeTensorMode(allow_non_fake_inputs=True)).propagate(
-                    *inputs
+                ShapeProp(cap.gm, fake_mode=FakeTensorMode(allow_non_fake_inputs=True)).propagate(
+                    *flat
                 )
             else:
                 with torch.no_grad():
-                    ShapeProp(gm).propagate(*inputs)
+                    ShapeProp(cap.gm).propagate(*flat)
         except Exception as exc:  # shape errors surface as RuntimeError/TypeError from user code
             raise ModelError(
                 f"running {type(module).__name__} on the sample input failed: {exc}"
             ) from exc
-        return cls(gm, renames)
+        return cls(cap.gm, cap.param_renames, cap.out_spec, cap.input_names)
 
     @classmethod
     def from_spec(cls, spec: ModelSpec, *, fake: bool = True) -> ModelGraph:
         """Build the graph of a resolved model with its sample inputs."""
-        return cls.from_module(spec.module, spec.inputs, fake=fake)
+        return cls.from_module(spec.module, spec.inputs, fake=fake, input_names=spec.input_names)
 
     # ------------------------------------------------------------ queries
+
+    def flat_inputs(self, inputs: tuple[Any, ...], names: Sequence[str] = ()) -> tuple[Any, ...]:
+        """``inputs`` (keyword ``names`` for a ``module(**batch)`` model) in placeholder order."""
+        if not self.input_names:
+            return inputs
+        given = dict(zip(names, inputs, strict=True))
+        return tuple(given[n] for n in self.input_names)
+
+    def structured_output(self, flat: Any) -> Any:
+        """The graph's flat output in the model's own structure (e.g. a ``ModelOutput``)."""
+        if self.out_spec is None:
+            return flat
+        return pytree.tree_unflatten(list(flat), self.out_spec)
+
+    def fingerprint(self) -> str:
+        """A digest of the graph: every layer's op, inputs, output shapes and parameter bytes.
+
+        Two models with the same fingerprint have the same profile table layout and sizes.
+        """
+        h = hashlib.sha256()
+        for lay in self.layers:
+            h.update(
+                f"{lay.op}|{lay.inputs}|{lay.out_shapes}|{lay.param_bytes}|{lay.buffer_bytes};".encode()
+            )
+        for node in self._nodes:
+            meta = node.meta.get("tensor_meta")
+            if node.op == "placeholder" and isinstance(meta, TensorMetadata):
+                h.update(f"{meta.dtype};".encode())
+        return h.hexdigest()[:16]
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -369,15 +427,20 @@ class ModelGraph:
         return bounds
 
     def stage_of_layer(self, cuts: Sequence[int]) -> list[int]:
-        """Stage index of every layer for the given cut points."""
+        """Stage index of every layer for the given cut points (by its position)."""
         bounds = self._check_cuts(cuts)
-        stage = []
-        s = 0
-        for i in range(len(self.layers)):
-            while i >= bounds[s + 1]:
-                s += 1
-            stage.append(s)
-        return stage
+        return [bisect.bisect_right(bounds, p) - 1 for p in self.positions]
+
+    def shared_params(self, cuts: Sequence[int]) -> dict[str, tuple[int, ...]]:
+        """Original names of the parameters read on several stages -> those stages (tied weights)."""
+        stage = self.stage_of_layer(cuts)
+        where: dict[str, set[int]] = {}
+        for i, node in enumerate(self._nodes):
+            if _is_holder(node):
+                for pname, _ in self.gm.get_submodule(str(node.target)).named_parameters():
+                    qual = f"{node.target}.{pname}"
+                    where.setdefault(self.param_renames.get(qual, qual), set()).add(stage[i])
+        return {n: tuple(sorted(s)) for n, s in where.items() if len(s) > 1}
 
     def build_stages(self, cuts: Sequence[int], only: int | None = None) -> list[StageModule]:
         """Split the model at ``cuts`` with ``torch.fx.passes.split_module``.
@@ -387,7 +450,8 @@ class ModelGraph:
             only: build just this stage; the list then holds that one module.
 
         Returns:
-            One :class:`StageModule` per stage, sharing parameters with the traced model.
+            One :class:`StageModule` per stage, sharing parameters with the captured model
+            (a tied parameter appears in every stage that reads it).
         """
         stage = self.stage_of_layer(cuts)
         n_stages = len(cuts) + 1
@@ -398,7 +462,6 @@ class ModelGraph:
             keep_original_node_name=True,
         )
         children = dict(split.named_children())
-        self._check_param_ownership(children)
         output_node = self._nodes[-1]
         bounds = [0, *cuts, len(self.layers)]
         result = []
@@ -407,12 +470,17 @@ class ModelGraph:
             inner = cast("fx.GraphModule | None", children.get(f"submod_{s}"))
             inner_in: tuple[str, ...] = ()
             inner_out: tuple[str, ...] = ()
+            clone: set[str] = set()
             if inner is not None:
                 sub_graph = inner.graph
-                inner_in = tuple(n.name for n in sub_graph.nodes if n.op == "placeholder")
+                placeholders = [n for n in sub_graph.nodes if n.op == "placeholder"]
+                inner_in = tuple(n.name for n in placeholders)
                 out_arg = next(n for n in sub_graph.nodes if n.op == "output").args[0]
                 outs = out_arg if isinstance(out_arg, (tuple, list)) else (out_arg,)
                 inner_out = tuple(o.name for o in outs)
+                clone = {
+                    p.name for p in placeholders if any(_mutates_input(inner, u) for u in p.users)
+                }
             in_names = (
                 self.cut_names(bounds[s])
                 if s > 0
@@ -421,19 +489,19 @@ class ModelGraph:
             last = s == n_stages - 1
             out_names = () if last else self.cut_names(bounds[s + 1])
             structure = output_node.args[0] if last else None
-            result.append(StageModule(inner, inner_in, inner_out, in_names, out_names, structure))
+            result.append(
+                StageModule(
+                    inner,
+                    inner_in,
+                    inner_out,
+                    in_names,
+                    out_names,
+                    structure,
+                    self.out_spec if last else None,
+                    frozenset(clone & set(in_names)) if s > 0 else frozenset(),
+                )
+            )
         return result
-
-    def _check_param_ownership(self, children: dict[str, nn.Module]) -> None:
-        seen: dict[int, str] = {}
-        for name, child in children.items():
-            for pname, p in child.named_parameters():
-                if id(p) in seen and seen[id(p)] != name:
-                    raise ModelError(
-                        f"parameter {pname!r} is used by two stages ({seen[id(p)]}, {name}); "
-                        "shared weights must stay on one stage: move the cut"
-                    )
-                seen[id(p)] = name
 
     def original_param_name(self, stage_param_name: str) -> str:
         """Map a stage parameter name (``inner.layers.0.conv1.weight``) to the original model's name."""

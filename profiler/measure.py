@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import hashlib
 import logging
 import platform
 import statistics
@@ -419,11 +420,12 @@ def measure_profile(
     dev = parse_device(device) if isinstance(device, str) else device
     module = spec.module.to(dev).train()
     inputs = tuple(t.to(dev) for t in spec.inputs)
-    graph = ModelGraph.from_module(module, inputs)
+    graph = ModelGraph.from_module(module, inputs, input_names=spec.input_names)
+    inputs = graph.flat_inputs(inputs, spec.input_names)
     targets = spec.targets.to(dev)
 
     def loss(output: Any) -> Tensor:
-        return spec.loss(output, targets)
+        return spec.loss(graph.structured_output(output), targets)
 
     table = profile_rows(graph, inputs, dev, repeats, warmup, progress, clock_fn, loss)
     if device_type is None:
@@ -448,6 +450,25 @@ def measure_profile(
     return Profile(table, meta)
 
 
+def profile_key(model: str, batch_size: int, device: str = "cpu") -> str:
+    """What a cached profile of ``model`` depends on: its graph, batch, precision and device.
+
+    The graph part is :meth:`ModelGraph.fingerprint` (op types, edges, shapes, parameter
+    sizes), so a factory that now returns another model never reuses the old profile. The
+    model is built on the ``meta`` device when its factory allows (no weights are made).
+
+    Raises:
+        ModelError: the model cannot be resolved or captured.
+    """
+    from profiler.models import resolve_model_for_graph
+
+    spec = resolve_model_for_graph(model, batch_size)
+    graph = ModelGraph.from_spec(spec)
+    dtype = next((p.dtype for p in spec.module.parameters()), torch.float32)
+    text = f"{graph.fingerprint()}|batch={batch_size}|{dtype}|{device}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def step_time_ms(
     spec: ModelSpec,
     device: str | torch.device = "cpu",
@@ -466,8 +487,11 @@ def step_time_ms(
     inputs = tuple(t.to(dev) for t in spec.inputs)
     targets = spec.targets.to(dev)
 
+    kwargs = dict(zip(spec.input_names, inputs, strict=True)) if spec.input_names else {}
+
     def step() -> None:
-        loss = spec.loss(module(*inputs), targets)
+        out = module(**kwargs) if spec.input_names else module(*inputs)
+        loss = spec.loss(out, targets)
         loss.backward()
 
     times = []

@@ -5,16 +5,22 @@ Every model is returned as a :class:`ModelSpec`: the ``nn.Module``, one sample b
 Built-in names: ``mlp``, ``resnet`` (small, CIFAR-shaped), ``transformer`` (small causal
 language model), ``vgg19`` and ``resnet152`` (the paper's models, ImageNet shapes).
 Custom models are named ``package.module:factory``; the factory takes ``batch_size``
-(or nothing) and returns a ``ModelSpec`` or a ``(module, (inputs, targets))`` pair.
+(or nothing) and returns a ``ModelSpec``, a ``(module, (inputs, targets))`` pair or a
+``(module, {name: tensor})`` pair for a model called with keyword inputs (Hugging Face
+style, the loss taken from the model's output). The module is imported the way
+``python -m`` does: the current directory comes first on the import path.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import re
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,9 +28,58 @@ from torch import Tensor, nn
 
 from profiler.errors import ModelError
 
-__all__ = ["BUILTIN_MODELS", "ModelSpec", "resolve_model"]
+__all__ = [
+    "BUILTIN_MODELS",
+    "ModelSpec",
+    "keyword_spec",
+    "output_loss",
+    "resolve_model",
+    "resolve_model_for_graph",
+]
 
-LossFn = Callable[[Tensor, Tensor], Tensor]
+LossFn = Callable[[Any, Tensor], Tensor]
+
+
+def output_loss(outputs: Any, targets: Tensor) -> Tensor:
+    """The loss the model computed itself (Hugging Face models return ``loss`` given ``labels``).
+
+    Raises:
+        ModelError: the output carries no loss.
+    """
+    del targets  # the labels went into the model with the other inputs
+    loss = outputs.get("loss") if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
+    if loss is None and isinstance(outputs, (tuple, list)) and outputs:
+        loss = outputs[0]
+    if not isinstance(loss, Tensor) or loss.dim() != 0:
+        raise ModelError(
+            f"the model returned {type(outputs).__name__} without a scalar 'loss'; put 'labels' "
+            "in each sample or give a loss function (loss_fn=...)"
+        )
+    return loss
+
+
+def keyword_spec(
+    name: str, module: nn.Module, batch: Mapping[str, Tensor], loss: LossFn | None = None
+) -> ModelSpec:
+    """A spec for a model called as ``module(**batch)``; the loss defaults to :func:`output_loss`.
+
+    ``batch["labels"]`` (when present) is also the target a user loss receives.
+    """
+    from profiler.capture import as_keywords
+
+    names, inputs = as_keywords(batch, module)
+    first = next(iter(batch.values()))
+    batch_size = int(first.shape[0]) if first.dim() > 0 else 1
+    targets = batch["labels"] if "labels" in batch else torch.zeros(batch_size)
+    return ModelSpec(
+        name,
+        module,
+        inputs,
+        targets,
+        loss if loss is not None else output_loss,
+        batch_size,
+        names,
+    )
 
 
 @dataclass(frozen=True)
@@ -38,6 +93,8 @@ class ModelSpec:
         targets: sample targets for the same minibatch.
         loss: ``loss(outputs, targets) -> scalar``; cross-entropy unless the factory says otherwise.
         batch_size: minibatch size of the sample.
+        input_names: keyword names of ``inputs`` when the model is called as
+            ``module(**batch)`` (Hugging Face style); ``()`` = positional inputs.
     """
 
     name: str
@@ -46,6 +103,7 @@ class ModelSpec:
     targets: Tensor
     loss: LossFn = field(default=F.cross_entropy)
     batch_size: int = 0
+    input_names: tuple[str, ...] = ()
 
 
 # ---------------------------------------------------------------- built-in modules
@@ -313,11 +371,15 @@ def _load_factory(ref: str) -> Callable[..., object]:
             f"unknown model {ref!r}: use a built-in name ({', '.join(BUILTIN_MODELS)}) "
             "or 'package.module:factory'"
         )
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:  # like `python -m`: the current directory
+        sys.path.insert(0, cwd)
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ModelError(
-            f"model {ref!r}: cannot import module {module_name!r} ({exc}); check PYTHONPATH"
+            f"model {ref!r}: cannot import module {module_name!r} ({exc}); run from the directory "
+            "that holds it or add that directory to PYTHONPATH"
         ) from exc
     factory = getattr(module, attr, None)
     if not callable(factory):
@@ -330,15 +392,42 @@ def _as_spec(ref: str, result: object, batch_size: int) -> ModelSpec:
         return result
     if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module):
         module, batch = result
+        if isinstance(batch, Mapping) and all(isinstance(t, Tensor) for t in batch.values()):
+            return keyword_spec(ref, module, batch)
         if isinstance(batch, (tuple, list)) and len(batch) == 2:
             inputs, targets = batch
             inputs_t = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
             if all(isinstance(t, Tensor) for t in inputs_t) and isinstance(targets, Tensor):
                 return ModelSpec(ref, module, inputs_t, targets, batch_size=int(targets.shape[0]))
     raise ModelError(
-        f"model factory {ref!r} returned {type(result).__name__}; it must return a ModelSpec "
-        "or (nn.Module, (inputs, targets)) with tensors"
+        f"model factory {ref!r} returned {type(result).__name__}; it must return a ModelSpec, "
+        "(nn.Module, (inputs, targets)) with tensors or (nn.Module, {name: tensor})"
     )
+
+
+def resolve_model_for_graph(ref: str, batch_size: int) -> ModelSpec:
+    """``ref`` built on the ``meta`` device (no weights) when its graph does not depend on it.
+
+    ``torch.fx`` graphs do not; models only ``torch.export`` captures (Hugging Face) may take
+    other code paths on ``meta`` (their graph would not match the one every stage process
+    builds on CPU), so those, and factories that cannot run on ``meta``, are built on CPU.
+
+    Raises:
+        ModelError: as :func:`resolve_model`.
+    """
+    import torch.fx as fx
+
+    try:
+        with torch.device("meta"):
+            spec = resolve_model(ref, batch_size)
+        if not spec.input_names:
+            fx.symbolic_trace(spec.module)
+            return spec
+    except ModelError:
+        raise
+    except Exception:  # fx cannot trace it, or the factory cannot run on meta
+        pass
+    return resolve_model(ref, batch_size)
 
 
 def resolve_model(ref: str, batch_size: int) -> ModelSpec:

@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,14 +29,15 @@ from planner.plan import Plan, load_plan
 from planner.planner import make_plan
 from profiler.errors import ConfigError
 from profiler.graph import ModelGraph
+from profiler.models import keyword_spec
 from runtime.config import LossFn, ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.run import run_plan
+from runtime.stage.model import resolve_source
 
 if TYPE_CHECKING:
     from runtime.results.metrics import RunResult
     from runtime.results.wsp import WSPResult
     from runtime.sync.allreduce import DDPResult
-from runtime.stage.model import resolve_source
 
 __all__ = ["make_single_vw_plan", "train"]
 
@@ -58,6 +60,35 @@ def make_single_vw_plan(
     spec = resolve_source(source, batch_size, meta=source.module is None)
     graph = ModelGraph.from_spec(spec)
     return hand_cut_plan(graph, source.name, batch_size, nm, cluster, stages, cuts)
+
+
+def _module_source(
+    model: nn.Module, dataset: Dataset[Any], loss_fn: LossFn | None, batch_size: int
+) -> ModelSource:
+    """The user's module with its first minibatch as the sample: ``(inputs, target)`` items,
+    or dict items (``{"input_ids", "attention_mask", "labels"}``) passed as keywords."""
+    batch = default_collate([dataset[i] for i in range(batch_size)])
+    if isinstance(batch, Mapping):
+        spec = keyword_spec(type(model).__name__, model, batch, loss_fn)
+        return ModelSource(
+            module=model,
+            sample_inputs=spec.inputs,
+            sample_targets=spec.targets,
+            loss=spec.loss,
+            input_names=spec.input_names,
+        )
+    xs, y = batch
+    if isinstance(xs, Mapping):
+        spec = keyword_spec(type(model).__name__, model, xs, loss_fn)
+        return ModelSource(
+            module=model,
+            sample_inputs=spec.inputs,
+            sample_targets=y,
+            loss=loss_fn,
+            input_names=spec.input_names,
+        )
+    inputs = tuple(xs) if isinstance(xs, (tuple, list)) else (xs,)
+    return ModelSource(module=model, sample_inputs=inputs, sample_targets=y, loss=loss_fn)
 
 
 def train(
@@ -90,9 +121,12 @@ def train(
     VW, or the AllReduce baseline, by the plan (default: one VW cut by hand or planned).
 
     Args:
-        model: an ``nn.Module`` (traceable with ``torch.fx``) or a model reference (``mlp``).
-        dataset: items ``(inputs, target)``; ``None`` = the built-in default data.
-        loss_fn: ``loss(outputs, targets)``; ``None`` = the model spec's (cross-entropy).
+        model: an ``nn.Module`` (captured with ``torch.fx`` or ``torch.export``, e.g. a Hugging
+            Face model) or a model reference (``mlp``).
+        dataset: items ``(inputs, target)``, or dicts of tensors passed to the model as
+            keywords (``{"input_ids", "attention_mask", "labels"}``); ``None`` = built-in data.
+        loss_fn: ``loss(outputs, targets)``; ``None`` = the model spec's (cross-entropy), or
+            the model's own ``loss`` output for dict samples.
         plan: a plan (object or file); its batch size and Nm are used.
         cluster: cluster (object or cluster.yaml) to plan on when no plan is given.
         stages: number of stages when no plan is given (default: one per cluster device).
@@ -132,9 +166,7 @@ def train(
             raise ConfigError(
                 f"the data set has {size} samples, fewer than batch_size={batch_size}"
             )
-        xs, y = default_collate([dataset[i] for i in range(batch_size)])
-        inputs = tuple(xs) if isinstance(xs, (tuple, list)) else (xs,)
-        source = ModelSource(module=model, sample_inputs=inputs, sample_targets=y, loss=loss_fn)
+        source = _module_source(model, dataset, loss_fn, batch_size)
     if given is None:
         cl = load_cluster(cluster) if isinstance(cluster, (str, os.PathLike)) else cluster
         the_plan = make_single_vw_plan(source, batch_size, nm, cl, stages, cuts)

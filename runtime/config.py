@@ -5,11 +5,13 @@ Everything here is a frozen dataclass that pickles cleanly into spawned processe
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor, nn
 
 from profiler.errors import ConfigError
@@ -90,6 +92,7 @@ class ModelSource:
         module: the user's model.
         sample_inputs: one minibatch of inputs for tracing ``module``.
         sample_targets: one minibatch of targets for ``module``.
+        input_names: keyword names of ``sample_inputs`` (``module(**batch)``); ``()`` = positional.
         loss: loss function; ``None`` = the model spec's (cross-entropy by default).
     """
 
@@ -98,6 +101,7 @@ class ModelSource:
     sample_inputs: tuple[Tensor, ...] = ()
     sample_targets: Tensor | None = None
     loss: LossFn | None = None
+    input_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.ref is None) == (self.module is None):
@@ -113,6 +117,27 @@ class ModelSource:
     def name(self) -> str:
         """Display name of the model."""
         return self.ref if self.ref is not None else type(self.module).__name__
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle the user's module as one ``torch.save`` blob.
+
+        ``multiprocessing`` would otherwise share every tensor through its own file
+        descriptor (``too many fds`` for a ResNet-50) and every stage process would see the
+        *same* storage, so one stage's update of a tied weight would reach the other.
+        """
+        state = dict(self.__dict__)
+        if self.module is not None:
+            buf = io.BytesIO()
+            torch.save(self.module, buf)
+            state["module"] = buf.getvalue()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if isinstance(state.get("module"), bytes):
+            # our own blob from __getstate__ (the module's classes must be importable)
+            state["module"] = torch.load(io.BytesIO(state["module"]), weights_only=False)
+        for key, value in state.items():
+            object.__setattr__(self, key, value)
 
 
 @dataclass(frozen=True)

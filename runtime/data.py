@@ -13,7 +13,9 @@ Built-in defaults: scikit-learn's *digits* (1,797 8x8 images -> 64 features, off
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -59,6 +61,7 @@ class SyntheticDataset(Dataset[tuple[Any, Tensor]]):
         classes: range of integer values.
         size: number of samples.
         seed: data seed.
+        input_names: keyword names of the inputs (samples are then ``({name: x}, y)``).
     """
 
     def __init__(
@@ -70,6 +73,7 @@ class SyntheticDataset(Dataset[tuple[Any, Tensor]]):
         classes: int,
         size: int = 4096,
         seed: int = 0,
+        input_names: tuple[str, ...] = (),
     ) -> None:
         self.input_shapes = input_shapes
         self.input_dtypes = input_dtypes
@@ -78,6 +82,7 @@ class SyntheticDataset(Dataset[tuple[Any, Tensor]]):
         self.classes = classes
         self.size = size
         self.seed = seed
+        self.input_names = input_names
 
     def __len__(self) -> int:
         return self.size
@@ -94,11 +99,17 @@ class SyntheticDataset(Dataset[tuple[Any, Tensor]]):
             for s, d in zip(self.input_shapes, self.input_dtypes, strict=True)
         )
         y = self._tensor(self.target_shape, self.target_dtype, gen)
+        if self.input_names:  # a model called with keyword inputs gets dict samples
+            return dict(zip(self.input_names, xs, strict=True)), y
         return (xs[0] if len(xs) == 1 else xs), y
 
 
 def default_dataset(
-    model_name: str, sample_inputs: tuple[Tensor, ...], sample_targets: Tensor, batch_size: int
+    model_name: str,
+    sample_inputs: tuple[Tensor, ...],
+    sample_targets: Tensor,
+    batch_size: int,
+    input_names: tuple[str, ...] = (),
 ) -> Dataset[Any]:
     """The built-in data set for a model: digits for ``mlp``, synthetic otherwise.
 
@@ -108,6 +119,7 @@ def default_dataset(
         sample_inputs: one minibatch of inputs (only shapes and dtypes are used; may be meta).
         sample_targets: one minibatch of targets (shape and dtype only).
         batch_size: the minibatch size of the samples.
+        input_names: keyword names of the inputs (a model called as ``module(**batch)``).
     """
     is_mlp = model_name == "mlp" or model_name.replace(" ", "").startswith("mlp(")
     if is_mlp and tuple(sample_inputs[0].shape[1:]) == (64,):
@@ -122,6 +134,7 @@ def default_dataset(
         per_sample,
         sample_targets.dtype,
         _BUILTIN_CLASSES.get(model_name, 10),
+        input_names=input_names,
     )
 
 
@@ -156,17 +169,20 @@ class MinibatchSource:
     """Minibatch ``p`` of a run, as a pure function of ``p``.
 
     Attributes:
-        dataset: the data set (items are ``(inputs, target)``; inputs a tensor or a tuple).
+        dataset: the data set: items ``(inputs, target)`` (inputs a tensor, a tuple or a dict
+            of tensors) or a dict of tensors (``labels``, when present, is the target).
         batch_size: samples per minibatch.
         seed: data-order seed.
         target_shape: shape the collated targets are reshaped to (the model's sample target
             shape, e.g. ``(B*T,)`` for a language model); ``()`` keeps the collated shape.
+        input_names: for dict inputs, the keys in the order the model graph takes them.
     """
 
     dataset: Dataset[Any]
     batch_size: int
     seed: int = 0
     target_shape: tuple[int, ...] = ()
+    input_names: tuple[str, ...] = field(default=(), kw_only=True)
 
     def __post_init__(self) -> None:
         if self.steps_per_epoch < 1:
@@ -190,9 +206,28 @@ class MinibatchSource:
         """Collated ``(inputs, targets)`` of minibatch ``mb``."""
         idx = self.indices(mb)
         fast = _gather(self.dataset, idx)
-        xs, y = fast if fast is not None else default_collate([self.dataset[i] for i in idx])
-        inputs = tuple(xs) if isinstance(xs, (tuple, list)) else (xs,)
-        if self.target_shape:
+        batch: Any = fast if fast is not None else default_collate([self.dataset[i] for i in idx])
+        xs: Any
+        y: Any
+        if isinstance(batch, Mapping):  # {"input_ids", "attention_mask", "labels"}
+            xs, y = batch, batch.get("labels")
+        else:
+            xs, y = batch
+        if isinstance(xs, Mapping):
+            missing = [k for k in self.input_names if k not in xs]
+            if missing:
+                raise ConfigError(
+                    f"data set samples have keys {sorted(xs)}; the model takes {missing} too: "
+                    "add them to each sample"
+                )
+            inputs = (
+                tuple(xs[k] for k in self.input_names) if self.input_names else tuple(xs.values())
+            )
+        else:
+            inputs = tuple(xs) if isinstance(xs, (tuple, list)) else (xs,)
+        if y is None:  # the loss comes from the model's output
+            y = torch.zeros(self.batch_size)
+        elif self.target_shape and y.numel() == math.prod(self.target_shape):
             y = y.reshape(self.target_shape)
         return inputs, y
 

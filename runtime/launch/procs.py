@@ -171,7 +171,9 @@ def _wave_sync(
     ctx = worker.ctx
     if worker.data is not None and first_mb:
         d = worker.data
-        worker.data = ShiftedSource(d.dataset, d.batch_size, d.seed, d.target_shape, first_mb)
+        worker.data = ShiftedSource(
+            d.dataset, d.batch_size, d.seed, d.target_shape, first_mb, input_names=d.input_names
+        )
     worker.weights.first_update = first_mb  # the lr schedule goes on where it stopped
     worker.weights.total_updates = first_mb + ctx.total_steps  # the cosine horizon
     named = list(worker.module.named_parameters())

@@ -8,7 +8,7 @@ that evaluate checkpoints offline (``benchmarks/convergence.py``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -63,16 +63,23 @@ def evaluate_module(
     correct = total = 0
     loss_sum, batches = 0.0, 0
     classifier = True
-    for xs, y in DataLoader(dataset, batch_size=batch_size, drop_last=True):
-        inputs = tuple(xs) if isinstance(xs, (tuple, list)) else (xs,)
+    for batch in DataLoader(dataset, batch_size=batch_size, drop_last=True):
+        xs, y = (
+            (batch, batch.get("labels", torch.zeros(0))) if isinstance(batch, Mapping) else batch
+        )
+        if isinstance(xs, Mapping):  # keyword inputs, in the order the (stage) module takes them
+            inputs = tuple(xs[n] for n in getattr(module, "input_names", xs))
+        else:
+            inputs = tuple(xs) if isinstance(xs, (tuple, list)) else (xs,)
         out = module(*inputs)
+        logits = isinstance(out, Tensor) and out.dim() == 2
         if loss_fn is not None:
             try:
-                loss_sum += float(loss_fn(out, y.reshape(-1) if out.dim() == 2 else y))
+                loss_sum += float(loss_fn(out, y.reshape(-1) if logits else y))
                 batches += 1
             except RuntimeError as exc:
                 log.info("test loss not computed: %s", exc)
-        if isinstance(out, Tensor) and out.dim() == 2 and out.shape[0] == y.numel():
+        if logits and out.shape[0] == y.numel():
             correct += int((out.argmax(dim=1) == y.reshape(-1)).sum())
             total += y.numel()
         else:

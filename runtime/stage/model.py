@@ -20,11 +20,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from profiler.errors import ModelError
 from profiler.graph import ModelGraph, StageModule
-from profiler.models import ModelSpec, resolve_model
+from profiler.models import ModelSpec, output_loss, resolve_model, resolve_model_for_graph
 from runtime.config import LossFn, ModelSource
 
 __all__ = ["BuiltStage", "build_stage", "original_names", "reference_module", "resolve_source"]
@@ -92,13 +93,14 @@ def resolve_source(source: ModelSource, batch_size: int, meta: bool) -> ModelSpe
             source.module,
             source.sample_inputs,
             targets,
-            batch_size=batch_size,
+            output_loss if source.input_names else F.cross_entropy,
+            batch_size,
+            source.input_names,
         )
     if source.ref is None:
         raise ModelError("model source has neither a reference nor a module")
-    if meta:
-        with torch.device("meta"):
-            return resolve_model(source.ref, batch_size)
+    if meta:  # on CPU when the graph could depend on the device (see resolve_model_for_graph)
+        return resolve_model_for_graph(source.ref, batch_size)
     return resolve_model(source.ref, batch_size)
 
 

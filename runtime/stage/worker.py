@@ -29,6 +29,7 @@ from runtime.results.metrics import StageResult
 from runtime.stage.comm import Channel, Event, GradReceiver, cut_specs, start_activation_receiver
 from runtime.stage.emulation import Calibration, MemoryMeter, SavedBytes, pace_until
 from runtime.stage.model import build_stage
+from runtime.stage.tied import TiedGrads
 from runtime.stage.weights import VersionedWeights
 
 __all__ = ["StageContext", "StageWorker"]
@@ -113,13 +114,25 @@ class StageWorker:
                 dataset
                 if dataset is not None
                 else default_dataset(
-                    source.name, built.spec.inputs, built.spec.targets, ctx.batch_size
+                    source.name,
+                    built.spec.inputs,
+                    built.spec.targets,
+                    ctx.batch_size,
+                    built.graph.input_names,
                 )
             )
             self.data = MinibatchSource(
-                ds, ctx.batch_size, run.seed, tuple(built.spec.targets.shape)
+                ds,
+                ctx.batch_size,
+                run.seed,
+                tuple(built.spec.targets.shape),
+                input_names=built.graph.input_names,
             )
         params = dict(self.module.named_parameters())
+        local = {orig: name for name, orig in self.names.items()}
+        self.tied = TiedGrads(
+            ctx.stage, ctx.rank - ctx.stage, built.graph.shared_params(ctx.cuts), local
+        )
         self.weights = VersionedWeights(params, ctx.nm, optimizer, ctx.total_steps)
         buffer_bytes = sum(b.numel() * b.element_size() for b in self.module.buffers())
         factor = ctx.optimizer_state_factor
@@ -337,6 +350,9 @@ class StageWorker:
         # only the computation can make the device late: the update's CPU time past the
         # deadline is the runtime's cost (on a GPU it is microseconds), not a slow device
         self.result.overrun_s += max(0.0, time.perf_counter() - deadline)
+        if self.tied and to_prev is not None:  # the tied exchange waits on earlier stages
+            to_prev.send_grads(grads_x)
+            to_prev = None
         waited = self.result.wait_s
         self._update(mb, grads_w)
         pace_until(deadline + (self.result.wait_s - waited))
@@ -346,6 +362,8 @@ class StageWorker:
     def _update(self, mb: int, grads_w: dict[str, Tensor | None]) -> None:
         if self.before_update is not None:
             self.before_update(mb)
+        if self.tied:  # a parameter held by several stages: every copy takes the summed step
+            grads_w = self.tied.exchange(grads_w, self.weights.master)
         self.weights.update(mb, grads_w)
         if self.after_update is not None:
             self.after_update(mb)

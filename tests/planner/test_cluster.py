@@ -275,5 +275,10 @@ def test_emulated_whimpy_devices_cannot_hold_the_default_model_alone() -> None:
     from profiler.errors import PlanError
 
     c = load_cluster(EXAMPLES / "emulated_cluster.yaml")
-    with pytest.raises(PlanError, match=r"VW \d \((G|Q)\) cannot hold mlp even with Nm=1"):
+    with pytest.raises(PlanError, match=r"VW \d \((G|Q)\) cannot hold mlp even with Nm=1") as info:
         make_plan(c, None, model="mlp", batch_size=32, policy="np")
+    # the message says which emulate.memory to raise and to what (above today's cap)
+    fixes = re.findall(r"node (\w) ([\d.]+ \w+) -> ([\d.]+ \w+)", str(info.value))
+    assert "raise emulate.memory" in str(info.value) and fixes, str(info.value)
+    for _, old, new in fixes:
+        assert parse_bytes(new.replace(" ", "")) > parse_bytes(old.replace(" ", ""))

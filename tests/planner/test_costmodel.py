@@ -95,3 +95,18 @@ def test_links_file(tmp_path: object) -> None:
     p.write_text("foo: 1\n")
     with pytest.raises(ConfigError, match="neither"):
         load_links(p)
+
+
+def test_coarsening_ignores_tensors_that_cross_most_cuts() -> None:
+    """A language model's labels reach the last layer: block boundaries stay candidates."""
+    rows = [("ids", "placeholder", ""), ("labels", "placeholder", "")]
+    rows += [(f"h{i}", "block", "ids" if i == 0 else f"h{i - 1}") for i in range(6)]
+    rows += [("loss", "nll", "h5;labels"), ("output", "output", "loss")]
+    base = _profile("TITAN V", 1.0)
+    row = base.table.iloc[1].to_dict()
+    table = pd.DataFrame([{**row, "layer": n, "op": op, "inputs": i} for n, op, i in rows])
+    prof = base.with_table(table[list(COLUMNS)].astype(COLUMNS))
+    every = candidate_cuts(prof, None)
+    assert len(every) == 9
+    # labels cross cuts 2..8 with one block output each: every cut stays (not only 1 and 9)
+    assert candidate_cuts(prof, 3) == every

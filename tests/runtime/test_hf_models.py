@@ -1,0 +1,164 @@
+"""Real models end to end: Hugging Face GPT-2 and BERT (torch.export path) and a
+torchvision-style ResNet (torch.fx path) split into 2 and 3 stages equal one process."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.testing import assert_close
+from torch.utils.data import Dataset
+
+from runtime.api import train
+from runtime.config import OptimizerConfig
+from runtime.data import MinibatchSource
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ = 96, 8
+
+
+class TokenData(Dataset[dict[str, Tensor]]):
+    """Seeded token samples ``{"input_ids", "attention_mask", "labels"}``."""
+
+    def __init__(self, n: int = 64, mask: bool = True) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=gen)
+        self.mask = mask
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+    def __getitem__(self, i: int) -> dict[str, Tensor]:
+        item = {"input_ids": self.ids[i], "labels": self.ids[i]}
+        if self.mask:
+            item["attention_mask"] = torch.ones(SEQ, dtype=torch.int64)
+        return item
+
+
+def gpt2() -> nn.Module:
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def bert() -> nn.Module:
+    cfg = transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+        vocab_size=VOCAB, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.BertForMaskedLM(cfg)
+
+
+def plain_loop(
+    model: nn.Module, data: MinibatchSource, names: tuple[str, ...], lr: float, steps: int
+) -> tuple[list[float], dict[str, Tensor]]:
+    """One process, keyword inputs, the model's own loss, plain SGD."""
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, foreach=True)
+    losses = []
+    for p in range(1, steps + 1):
+        inputs, _ = data.batch(p)
+        opt.zero_grad(set_to_none=True)
+        loss = model(**dict(zip(names, inputs, strict=True))).loss
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.item()))
+    return losses, {n: q.detach().clone() for n, q in model.named_parameters()}
+
+
+def _check_against_reference(model: nn.Module, stages: int, steps: int = 4) -> Any:
+    data = TokenData()
+    reference = copy.deepcopy(model)
+    cfg = OptimizerConfig(lr=0.1)
+    result = train(model, data, stages=stages, nm=1, batch_size=4, steps=steps, optimizer=cfg)
+    names = tuple(n for n in ("input_ids", "attention_mask", "labels") if n in data[0])
+    losses, params = plain_loop(
+        reference, MinibatchSource(data, 4, 0, (), input_names=names), names, 0.1, steps
+    )
+    assert losses[-1] < losses[0]  # it trains
+    assert_close(torch.tensor(result.losses), torch.tensor(losses), rtol=1e-5, atol=1e-5)
+    state = result.state_dict()
+    for name, p in params.items():
+        assert_close(state[name], p, rtol=1e-5, atol=1e-5)
+    return result
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_gpt2_pipeline_equals_one_process_with_tied_embedding(stages: int) -> None:
+    result = _check_against_reference(gpt2(), stages)
+    holders = [st.state for st in result.stages if "transformer.wte.weight" in st.state]
+    assert len(holders) == 2  # the tied embedding lives on the first and the last stage
+    assert torch.equal(holders[0]["transformer.wte.weight"], holders[1]["transformer.wte.weight"])
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_bert_pipeline_equals_one_process(stages: int) -> None:
+    _check_against_reference(bert(), stages)
+
+
+class Block(nn.Module):
+    """A torchvision-style basic block with in-place ReLUs."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += x
+        return self.relu(out)  # type: ignore[no-any-return]
+
+
+class TinyResNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(inplace=True))
+        self.layer1 = nn.Sequential(Block(8), Block(8))
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.layer1(self.stem(x))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+@pytest.mark.parametrize("relu_cut", [False, True])
+def test_resnet_with_inplace_relu_equals_one_process(relu_cut: bool) -> None:
+    from torch.utils.data import TensorDataset
+
+    from profiler.graph import ModelGraph
+    from tests.runtime.reference import plain_loop as reference_loop
+
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32, 3, 8, 8, generator=gen), torch.randint(0, 4, (32,)))
+    torch.manual_seed(0)
+    model = TinyResNet()
+    graph = ModelGraph.from_module(model, (data.tensors[0][:4],))
+    relus = [lay.index for lay in graph.layers if lay.op == "ReLU"]
+    # a cut right before an in-place ReLU: the received activation is cloned before it
+    cuts = (relus[2],) if relu_cut else (len(graph.layers) // 2,)
+    reference = copy.deepcopy(model)
+    cfg = OptimizerConfig(lr=0.05)
+    result = train(
+        model, data, F.cross_entropy, cuts=cuts, nm=1, batch_size=4, steps=3, optimizer=cfg
+    )
+    losses, params = reference_loop(reference, MinibatchSource(data, 4, 0), F.cross_entropy, cfg, 3)
+    assert_close(torch.tensor(result.losses), torch.tensor(losses), rtol=1e-5, atol=1e-5)
+    state = result.state_dict()
+    for name, p in params.items():
+        assert_close(state[name], p, rtol=1e-5, atol=1e-5)
