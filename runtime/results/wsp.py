@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,8 +203,14 @@ class WSPResult:
                 f"{losses[-1]:.4f}" if losses else "-",
             )
         applied = sum(len(s.ledger) for s in self.states)
+        acc = self.test_accuracy
+        tested = (  # a model whose output is not class scores (a language model) has no accuracy
+            f"test loss {self.test_loss:.4f}"
+            if math.isnan(acc)
+            else f"test accuracy {acc:.2%} (loss {self.test_loss:.4f})"
+        )
         table.caption = (
-            f"test accuracy {self.test_accuracy:.2%} (loss {self.test_loss:.4f}); global clock "
+            f"{tested}; global clock "
             f"{min((s.clock for s in self.states), default=0)}, {applied} updates applied once, "
             f"max clock distance {self.max_clock_distance} (bound D+1 = {self.D + 1}); "
             f"wall {self.wall_s:.1f} s"
