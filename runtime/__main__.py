@@ -47,6 +47,7 @@ from profiler.errors import ConfigError, HetPipeError, HetPipeRuntimeError
 from profiler.files import atomic_write_bytes
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
+from runtime.defaults import CHECKPOINT_EVERY, TIMEOUT_S
 from runtime.launch.single import stage_contexts, total_steps
 from runtime.results.wsp import WSPResult
 from runtime.stage.emulation import Calibration
@@ -72,15 +73,28 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--nm", type=int, default=0)
     p.add_argument("--vw", type=int, default=None, help="one VW; -1 = all through WSP")
     p.add_argument("--D", type=int, default=None, help="WSP clock-distance threshold")
-    p.add_argument("--momentum", type=float, default=0.0)
-    p.add_argument("--checkpoint-every", type=int, default=0)
+    # the defaults are hetpipe run's: OptimizerConfig's and runtime.defaults
+    opt = OptimizerConfig()
+    p.add_argument("--optimizer", default=opt.name, help="sgd or adam")
+    p.add_argument("--lr", type=float, default=opt.lr)
+    p.add_argument("--momentum", type=float, default=opt.momentum)
+    p.add_argument("--weight-decay", type=float, default=opt.weight_decay)
+    p.add_argument("--schedule", default=opt.schedule, help="constant, step, cosine, warmup")
+    p.add_argument(
+        "--checkpoint-every", type=int, default=CHECKPOINT_EVERY, help="with --out; 0 = never"
+    )
     p.add_argument("--resume", action="store_true", help="continue from --out/checkpoints")
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--optimizer", default="sgd")
-    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--timeout", type=float, default=TIMEOUT_S)
     p.add_argument("--calibration", type=Path, default=None)
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
+
+
+def _optimizer(a: argparse.Namespace) -> OptimizerConfig:
+    return OptimizerConfig(
+        name=a.optimizer, lr=a.lr, momentum=a.momentum, weight_decay=a.weight_decay,
+        schedule=a.schedule,
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             backend, init_method="env://", timeout=timedelta(seconds=run.timeout_s)
         )
         try:
-            cfg = OptimizerConfig(name=a.optimizer, lr=a.lr, momentum=a.momentum)
+            cfg = _optimizer(a)
             worker = StageWorker(ctx, source, cfg, run, None, calibration)
             dist.barrier()
             result = worker.run(time.time())
@@ -174,7 +188,7 @@ def _main_wsp(a: argparse.Namespace, plan: Plan, rank: int, world: int) -> int:
             f"{needed - len(specs)} stages: start {needed} processes in total "
             "(--nnodes x --nproc-per-node)"
         )
-    opt = OptimizerConfig(name=a.optimizer, lr=a.lr, momentum=a.momentum)
+    opt = _optimizer(a)
     first_wave = 0
     if ckpt is not None:  # every rank reads the same snapshot; rank 0 tidies before the barrier
         vw_samples = min(len(d) for d in data)

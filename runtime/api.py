@@ -31,6 +31,7 @@ from profiler.errors import ConfigError
 from profiler.graph import ModelGraph
 from profiler.models import keyword_spec
 from runtime.config import LossFn, ModelSource, OptimizerConfig, RunConfig, WSPConfig
+from runtime.defaults import TIMEOUT_S
 from runtime.run import run_plan
 from runtime.stage.model import resolve_source
 
@@ -110,7 +111,7 @@ def train(
     out_dir: str | os.PathLike[str] | None = None,
     progress: bool = False,
     return_state: bool = True,
-    timeout_s: float = 30.0,
+    timeout_s: float = TIMEOUT_S,
     emulate: bool = True,
     D: int | None = None,
     checkpoint_every: int = 0,

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from profiler.errors import ConfigError
+from runtime.defaults import TIMEOUT_S
 
 if TYPE_CHECKING:
     from runtime.launch.failures import StageFault
@@ -166,7 +167,7 @@ class RunConfig:
     seed: int = 0
     nm: int = 0
     out_dir: Path | None = None
-    timeout_s: float = 30.0
+    timeout_s: float = TIMEOUT_S
     emulate: bool = True
     return_state: bool = False
     progress: bool = False

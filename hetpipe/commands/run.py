@@ -14,6 +14,7 @@ from hetpipe._common import console, handle_errors
 from planner.plan import Plan, load_plan, load_plan_or_cluster
 from planner.plan_check import check_plan_layers
 from profiler.errors import ConfigError
+from runtime.defaults import CHECKPOINT_EVERY, TIMEOUT_S
 
 if TYPE_CHECKING:
     from runtime.config import OptimizerConfig
@@ -143,7 +144,7 @@ def run(
             "--checkpoint-every",
             help="checkpoint every K global clocks into --out/checkpoints (0 = never)",
         ),
-    ] = 5,
+    ] = CHECKPOINT_EVERY,
     resume: Annotated[
         str | None,
         typer.Option(
@@ -180,7 +181,7 @@ def run(
     ] = None,
     timeout: Annotated[
         float, typer.Option(help="seconds before a stuck process-group operation fails")
-    ] = 30.0,
+    ] = TIMEOUT_S,
     emulate: Annotated[
         bool, typer.Option(help="pace emulated devices and enforce their memory caps")
     ] = True,

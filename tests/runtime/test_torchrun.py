@@ -106,3 +106,18 @@ def test_torchrun_time_limit_stops_every_vw_at_one_agreed_wave(tmp_path: Path) -
     (n,) = steps
     assert n >= 2 and n % 2 == 0  # whole waves of Nm = 2, and it did train
     assert all(state.clock == n // 2 for state in result.states)
+
+
+def test_the_torchrun_entry_has_hetpipe_runs_defaults() -> None:
+    """`python -m runtime` (torchrun) and `hetpipe run` share their defaults (the torchrun
+    entry used to time out after 60 s instead of 30 and never checkpoint)."""
+    import inspect
+
+    from hetpipe.commands.run import run
+    from runtime.__main__ import _args
+
+    parsed = vars(_args(["plan.yaml"]))
+    defaults = inspect.signature(run).parameters
+    names = ("timeout", "checkpoint_every", "optimizer", "lr", "momentum", "weight_decay",
+             "schedule", "seed", "steps", "epochs", "time_limit", "nm")  # fmt: skip
+    assert {n: parsed[n] for n in names} == {n: defaults[n].default for n in names}
