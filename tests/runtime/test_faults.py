@@ -28,7 +28,7 @@ from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.launch.failures import StageFault, _dead_forkserver_dir, rendezvous_dir
 from runtime.launch.wsp import launch_wsp
 from runtime.persist.run_dir import RunDirectory
-from runtime.persist.snapshot import MANIFEST, WriteFault, committed_clocks, select
+from runtime.persist.snapshot import WriteFault, committed_clocks, select
 from runtime.stage.model import resolve_source
 
 pytestmark = pytest.mark.timeout(300)
@@ -164,11 +164,14 @@ def test_snapshot_write_fault_names_the_writer_and_resume_recovers(
     assert ("SIGKILL" if kill else "No space left on device") in message, message
     assert "--resume" in message and not _children()  # every rank stopped
     ckpt = run.out_dir / "checkpoints"  # type: ignore[operator]
-    assert max(committed_clocks(ckpt)) == 2 and not list(ckpt.rglob("*.tmp"))
+    # clock 3 can never commit (its vw1-stage0 part failed); clock 2 did unless the failure
+    # stopped a slower rank before it wrote its clock-2 part: then clock 1 is the newest
+    last = max(committed_clocks(ckpt))
+    assert last in (1, 2) and not list(ckpt.rglob("*.tmp")), committed_clocks(ckpt)
     if kill:
         return
     resumed = launch_wsp(plan, SOURCE, opt, run, WSPConfig(checkpoint_every=1, resume=True))
-    assert [vw.steps for vw in resumed.vws] == [4, 4]
+    assert [vw.steps for vw in resumed.vws] == [6 - last, 6 - last]
     _ledger_exactly_once(resumed.states)
     assert select(ckpt)[0].clock == 6
 
@@ -209,13 +212,26 @@ def _start_cli(
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     tmp = Path(tempfile.gettempdir())
     deadline = time.monotonic() + 150  # a loaded 2-core machine starts 7 processes slowly
-    while len(list(tmp.glob(f"hetpipe-rdzv-{proc.pid}-*/beat-*"))) < 6 or (
-        until_clock and not (out / "checkpoints" / "clock-1" / MANIFEST).exists()
-    ):
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "the run did not start training"
-        time.sleep(0.1)
+    try:
+        # any committed snapshot (clock 1 may already be rotated away on a quiet machine)
+        while len(list(tmp.glob(f"hetpipe-rdzv-{proc.pid}-*/beat-*"))) < 6 or (
+            until_clock and not _committed(out / "checkpoints")
+        ):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the run did not start training"
+            time.sleep(0.1)
+    except BaseException:
+        proc.kill()  # never leave a 100,000-step run behind a failed test
+        proc.communicate()
+        raise
     return proc, out
+
+
+def _committed(ckpt: Path) -> bool:
+    try:
+        return bool(committed_clocks(ckpt))
+    except OSError:  # the folder is being created or rotated
+        return False
 
 
 def _alive(pid: int) -> bool:
