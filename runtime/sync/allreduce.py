@@ -286,11 +286,9 @@ def run_allreduce(
             f"{world} x {batch}; use a smaller --batch-size or more data"
         )
     steps = total_steps(run, per_epoch)
-    jobs = _jobs(plan, source, opt, run, steps)
-    log.info("AllReduce on %d devices (%s)", world, " ".join(j.device for j in jobs))
     with tempfile.TemporaryDirectory(prefix="hetpipe-ddp-") as tmp:
-        init = f"file://{Path(tmp) / 'rendezvous'}"
-        jobs = [_with(j, init, hook) for j in jobs]
+        jobs = _jobs(plan, source, opt, run, steps, f"file://{Path(tmp) / 'rendezvous'}", hook)
+        log.info("AllReduce on %d devices (%s)", world, " ".join(j.device for j in jobs))
         results = _spawn_and_watch(jobs, train, run, batch * world)
     need = max(vw.stages[0].memory_bytes for vw in plan.virtual_workers)
     result = _assemble(jobs, results, test, need, plan.predicted.throughput, time.time() - t_start)
@@ -300,9 +298,16 @@ def run_allreduce(
 
 
 def _jobs(
-    plan: Plan, source: ModelSource, opt: OptimizerConfig, run: RunConfig, steps: int
+    plan: Plan,
+    source: ModelSource,
+    opt: OptimizerConfig,
+    run: RunConfig,
+    steps: int,
+    init_method: str,
+    hook: StepHook | None,
 ) -> list[_RankJob]:
-    """One job per device: its role from the plan (:func:`runtime.launch.single.stage_contexts`)."""
+    """One frozen job per device: its role from the plan
+    (:func:`runtime.launch.single.stage_contexts`), the rendezvous and the test hook."""
     jobs = []
     for k, vw in enumerate(plan.virtual_workers):
         (ctx,) = stage_contexts(plan, k, 1, steps, first_rank=k)
@@ -321,16 +326,11 @@ def _jobs(
                 seed=run.seed,
                 optimizer=opt,
                 run=run,
-                init_method="",
+                init_method=init_method,
+                hook=hook,
             )
         )
     return jobs
-
-
-def _with(job: _RankJob, init_method: str, hook: StepHook | None) -> _RankJob:
-    from dataclasses import replace
-
-    return replace(job, init_method=init_method, hook=hook)
 
 
 def _assemble(
