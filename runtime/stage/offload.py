@@ -108,6 +108,9 @@ class OffloadManager:
         self._buffers = list(buffers)
         self._exclude: set[int] = set()
         self._packed: dict[int, list[_Packed]] = {}
+        # during a forward: storage -> view -> its packed copy (each counted and copied once)
+        self._seen: dict[int, dict[tuple[Any, ...], _Packed]] = {}
+        self._alive: list[Tensor] = []
         self._mb = 0
         self.saved_bytes = 0  # bytes the last forward saved (device or host)
         self.working_bytes = 0  # recompute: one minibatch's activations, measured on the first
@@ -136,6 +139,7 @@ class OffloadManager:
         worker accounts itself)."""
         self.saved_bytes = 0
         self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self._seen = {}
         if self.recompute and self.working_bytes > 0:
             return checkpoint(
                 fn,
@@ -150,6 +154,7 @@ class OffloadManager:
         self._packed[mb] = []
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             out = fn(*inputs)
+        self._seen, self._alive = {}, []  # no references past the forward
         if self.recompute:  # the first minibatch: measured, kept (the rest are checkpointed)
             self.working_bytes = max(1, self.saved_bytes)
         return out
@@ -160,12 +165,21 @@ class OffloadManager:
 
     def _pack(self, t: Tensor) -> Any:
         storage = t.untyped_storage()
-        if storage.data_ptr() in self._exclude:
+        ptr = storage.data_ptr()
+        if ptr in self._exclude:
             return t
-        nbytes = int(t.numel() * t.element_size())
-        self.saved_bytes += nbytes
+        if ptr not in self._seen:  # a storage saved twice (ReLU and the next layer) counts once
+            self._seen[ptr] = {}
+            self.saved_bytes += int(storage.nbytes())
+            # alive until the forward ends: a freed storage's address could be reused by a
+            # later tensor of the same shape, which would then match the old copy
+            self._alive.append(t)
         if not self.offload:
             return t
+        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if key in self._seen[ptr]:  # the same view again: one host copy
+            return self._seen[ptr][key]
+        nbytes = int(t.numel() * t.element_size())
         if self._stream is not None and t.is_cuda:
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             self._stream.wait_stream(torch.cuda.current_stream())
@@ -176,6 +190,7 @@ class OffloadManager:
             host = t.detach().clone()
         packed = _Packed(host, t.device, nbytes)
         self._packed[self._mb].append(packed)
+        self._seen[ptr][key] = packed
         return packed
 
     def _unpack(self, packed: Any) -> Tensor:
