@@ -77,9 +77,10 @@ class PlanOptions:
             discrete-event simulator (``planner.sim.simulator``) over this many waves; the analytic
             estimate is the fallback.
         memory: the memory manager (:mod:`planner.offload`): ``keep`` (default: everything on
-            the device), ``auto`` (per Nm, each VW is partitioned under the first placement of
-            :data:`planner.offload.LADDER` that fits; then each stage takes its fastest fitting
-            placement) or one placement for every stage (``activations:recompute``).
+            the device), ``auto`` (per Nm, each VW is partitioned under every placement of
+            :data:`planner.offload.LADDER` that fits, each stage then takes its fastest fitting
+            placement, and the fastest result wins) or one placement for every stage
+            (``activations:recompute``).
     """
 
     partitioner: str = "dp"
@@ -124,12 +125,18 @@ class _Planner:
             self.cms[placement] = self.cm.with_placement(placement)
         return self.cms[placement]
 
-    def policy(self, gpus: Sequence[Device], nm: int) -> MemoryPlacement:
-        """The first placement of the ladder under which some partition of ``gpus`` fits at ``nm``."""
-        for pl in self.ladder:
-            if fits_memory(self.cm_for(pl), gpus, nm):
-                return pl
-        return self.ladder[-1]
+    def refined_ms(self, part: Partition, nm: int) -> float:
+        """Slowest stage of ``part`` once every stage takes its fastest fitting placement."""
+        worst = 0.0
+        for j, gpu in enumerate(part.gpus):
+            p, q = part.bounds[j], part.bounds[j + 1]
+            host = self.cluster.host_memory_bytes(gpu.node)
+            mem = self.cm.choose_placement(part.gpus, j, p, q, nm, self.candidates, host)
+            if mem is None:
+                return float("inf")
+            cost = self.cm.stage_cost(part.gpus, j, p, q, nm, mem.placement)
+            worst = max(worst, cost.time_ms)
+        return worst
 
     # ------------------------------------------------------------ isomorphic VWs
     @staticmethod
@@ -172,12 +179,31 @@ class _Planner:
     def partition(self, gpus: Sequence[Device], nm: int, screen: bool = False) -> Partition:
         """Optimal order and split of ``gpus`` at ``nm`` (cached over isomorphic VWs).
 
+        With several ladder placements (``--memory auto``) each one under which the VW fits is
+        partitioned, and the partition whose slowest stage is fastest once each stage takes its
+        own best placement (:meth:`refined_ms`) wins; ties go to the cheaper ladder entry.
+
         ``screen``: use the exact DP search whatever the partitioner, for comparing Nm
         candidates; the final plan uses ``opts.partitioner``.
         """
+        best: tuple[float, Partition] | None = None
+        for pl in self.ladder:
+            if len(self.ladder) > 1 and not fits_memory(self.cm_for(pl), gpus, nm):
+                continue
+            part = self._partition_under(gpus, nm, screen, pl)
+            ms = self.refined_ms(part, nm) if len(self.ladder) > 1 else part.bottleneck_ms
+            if best is None or ms < best[0]:
+                best = (ms, part)
+        if best is None:  # nothing fits: the partitioner's own error names the shortfall
+            return self._partition_under(gpus, nm, screen, self.ladder[-1])
+        return best[1]
+
+    def _partition_under(
+        self, gpus: Sequence[Device], nm: int, screen: bool, placement: MemoryPlacement
+    ) -> Partition:
+        """Optimal order and split of ``gpus`` at ``nm`` with every stage under ``placement``."""
         key, ordered = self.canonical(gpus)
         use_dp = self.opts.partitioner == "dp" or screen
-        placement = self.policy(ordered, nm)
         cm = self.cm_for(placement)
         ck = (key, nm, use_dp, placement)
         if ck not in self.cache:
