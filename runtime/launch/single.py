@@ -111,6 +111,8 @@ def stage_contexts(
                 prev_rank=first_rank + s - 1 if s > 0 else None,
                 next_rank=first_rank + s + 1 if s < n - 1 else None,
                 total_steps=steps,
+                memory=st.memory,
+                host_cap_bytes=plan.cluster.host_memory_bytes(gpu.node),
             )
         )
     return out

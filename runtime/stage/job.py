@@ -36,6 +36,8 @@ class StageContext:
         optimizer_state_factor: optimizer state bytes per parameter byte.
         prev_rank, next_rank: neighbours' global ranks (``None`` at the ends).
         total_steps: minibatches to train (stage 0 may stop earlier on a time limit).
+        memory: the stage's memory placement (``StagePlan.memory``, :mod:`planner.offload`).
+        host_cap_bytes: host memory the stage may offload to (0 = unbounded).
     """
 
     rank: int
@@ -52,6 +54,8 @@ class StageContext:
     prev_rank: int | None
     next_rank: int | None
     total_steps: int
+    memory: str = "keep"
+    host_cap_bytes: int = 0
 
     @property
     def where(self) -> str:

@@ -25,9 +25,10 @@ from runtime.data import MinibatchSource, default_dataset
 from runtime.launch.stop import StopAgreement, stop_store
 from runtime.results.metrics import StageResult
 from runtime.stage.comm import Channel, Event, GradReceiver, cut_specs, start_activation_receiver
-from runtime.stage.emulation import MemoryMeter, SavedBytes, pace_until
+from runtime.stage.emulation import SavedBytes, pace_until
 from runtime.stage.job import StageJob
 from runtime.stage.model import build_stage
+from runtime.stage.offload import memory_manager
 from runtime.stage.tied import TiedGrads
 from runtime.stage.weights import VersionedWeights
 from runtime.sync.registry import stage_sync
@@ -74,9 +75,10 @@ class StageWorker:
         )
         buffer_bytes = sum(b.numel() * b.element_size() for b in self.module.buffers())
         factor = ctx.optimizer_state_factor
-        self.memory = MemoryMeter(
-            ctx.where, ctx.cap_bytes, self.weights.param_bytes, buffer_bytes, factor
-        )
+        self.offload, self.memory = memory_manager(
+            ctx.memory, ctx.where, ctx.cap_bytes, ctx.host_cap_bytes,
+            self.weights.param_bytes, buffer_bytes, factor, list(self.module.buffers()),
+        )  # fmt: skip
         self.queue = StageQueue(ctx.stage, ctx.n_stages)
         self.inbox: queue.Queue[Event] = queue.Queue()
         self.held: dict[int, _Held] = {}
@@ -284,6 +286,8 @@ class StageWorker:
             self.sync.before_forward(mb)
         t0, self._task_wall0 = time.perf_counter(), time.time()
         log.debug("[%s] task %s", self.ctx.where, task)
+        if self.offload is not None:  # offloaded activations come back one task ahead
+            self.offload.prefetch_ahead()
         if self.fault is not None:
             self.fault(mb)
         if task.kind is Kind.B:
@@ -341,7 +345,12 @@ class StageWorker:
             for x in held.inputs
         )
         leaves = self.weights.acquire(mb)
-        if self.ctx.cap_bytes > 0:  # emulated device: account what autograd saves
+        if self.offload is not None:  # the memory manager runs and accounts the forward
+            excl = [*leaves.values(), *held.inputs]
+            out = self.offload.forward(mb, lambda *xs: self._call(leaves, xs), held.inputs, excl)
+            recv_bytes = sum(x.numel() * x.element_size() for x in held.inputs)
+            self.memory.check(mb, self.offload.saved_bytes + recv_bytes, self.weights.stashed_bytes)
+        elif self.ctx.cap_bytes > 0:  # emulated device: account what autograd saves
             with SavedBytes([*leaves.values(), *held.inputs]) as saved:
                 out = self._call(leaves, held.inputs)
             recv_bytes = sum(x.numel() * x.element_size() for x in held.inputs)
@@ -404,6 +413,8 @@ class StageWorker:
     def _completed(self, mb: int) -> None:
         self.held.pop(mb, None)
         self.memory.release(mb)
+        if self.offload is not None:
+            self.offload.release(mb, self.memory)
         self.result.done_times.append(time.time())
         if self.ctx.stage == 0 and self.events is not None:
             self.events.put(("done", self.ctx.rank, mb, time.time()))
