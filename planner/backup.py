@@ -9,8 +9,9 @@ One source of truth for the simulator (:mod:`planner.sim.waves`) and the paramet
 - a push of a wave that is already closed is *dropped*: it never reaches the weights, and the
   shard records it once (a second copy of the same tag is a duplicate, not a second drop);
 - waves close in order, D = 0 semantics otherwise: a VW needs wave ``c`` closed before it may
-  finish wave ``c + 1``; a late VW pulls the new global weights and goes on at the current
-  clock (:func:`resume_wave`: the waves that closed while it was late are skipped).
+  finish wave ``c + 1``; a late VW goes on from the newest global weights (its pull returns
+  the current clock, without its dropped update) with its next wave, whose push counts if it
+  comes among the first ``N``.
 
 With ``b = 0`` every wave waits for every VW: exactly WSP with ``D = 0``.
 
@@ -24,15 +25,13 @@ and its update is ``u0 + u2`` (VW id order); VW 1's push comes late and is dropp
 (0, 2)
 >>> q.arrive(1, 0)
 <Arrival.DROPPED: 2>
->>> resume_wave(1, q.clock)  # VW 1's next wave: wave 1 (it is not late for that one)
-1
 """
 
 from __future__ import annotations
 
 from enum import IntEnum
 
-__all__ = ["Arrival", "QuorumClock", "quorum", "resume_wave"]
+__all__ = ["Arrival", "QuorumClock", "quorum"]
 
 
 def quorum(n_vws: int, backups: int) -> int:
@@ -53,15 +52,6 @@ def quorum(n_vws: int, backups: int) -> int:
     return n_vws - backups
 
 
-def resume_wave(next_wave: int, clock: int) -> int:
-    """The wave a VW works on next: its own next wave, or the clock if waves closed without it.
-
-    >>> resume_wave(3, 5)
-    5
-    """
-    return max(next_wave, clock)
-
-
 class Arrival(IntEnum):
     """What a VW's (complete) push of a wave did."""
 
@@ -80,12 +70,13 @@ class QuorumClock:
     Args:
         n_vws: number of virtual workers.
         backups: ``b``; the quorum is ``n_vws - b``.
+        clock: waves already closed (a resumed run).
     """
 
-    def __init__(self, n_vws: int, backups: int = 0) -> None:
+    def __init__(self, n_vws: int, backups: int = 0, clock: int = 0) -> None:
         self.n = quorum(n_vws, backups)
         self.n_vws = n_vws
-        self._clock = 0
+        self._clock = clock
         self._open: dict[int, list[int]] = {}  # wave -> VWs pushed (arrival order)
         self._closed: dict[int, tuple[int, ...]] = {}  # wave -> counted VWs (id order)
         self._dropped: set[tuple[int, int]] = set()

@@ -8,11 +8,23 @@ apply the elastic update with the moving rate ``alpha`` (Zhang et al.'s ``eta * 
     w_i <- w_i - alpha (w_i - c)                 (each VW: :func:`elastic_worker`)
     c   <- c + alpha sum_i (w_i - c)             (the shards: :func:`elastic_centre`)
 
-both computed from the values *before* the exchange. The seed's Sync EASGD replaces the
-original round-robin (one worker at a time, ordered by rank) by one reduction per exchange:
-every VW sends its flat weights (one message per shard), the shard sums ``w_i - c`` in VW id
-order (deterministic, whatever the arrival order) and answers every VW with the old centre.
-The centre ``c`` is the model the run exports and evaluates.
+both computed from the values *before* the exchange. Both are one quantity, the *elastic
+difference* ``d_i = alpha (w_i - c)`` (:func:`elastic_difference`): the VW subtracts it, the
+centre adds the sum over VWs. The seed's Sync EASGD replaces the original round-robin (one
+worker at a time, ordered by rank) by one reduction per exchange; over the parameter-server
+shards exchange ``k`` is:
+
+1. the VW pulls the centre ``c_k`` (one flat message per shard; it holds exchanges
+   ``0 .. k-1`` of every VW, exactly like a WSP pull of global clock ``k``);
+2. it computes ``d_i``, subtracts it from its weights and pushes it (one flat message per
+   shard) as its "update" of wave ``k``;
+3. the shard adds the VWs' ``d_i`` in ``(vw, stage)`` order once all arrived: ``c_{k+1}``. This is
+   the shard's WSP rule with ``D = 0`` on exchanges, so it needs no new shard logic and the
+   result does not depend on arrival order.
+
+A VW waits at exchange ``k`` only for the others' exchange ``k - 1`` (``tau`` waves earlier): the
+same arithmetic as the barrier of the seed's Algorithm 2, less waiting. The centre is the
+model the run exports and evaluates.
 
 Example: 2 VWs, alpha = 0.25, scalars for weights.
 
@@ -32,6 +44,7 @@ from typing import Protocol, TypeVar
 __all__ = [
     "check_elastic",
     "elastic_centre",
+    "elastic_difference",
     "elastic_worker",
     "exchange_index",
     "exchanges_after",
@@ -85,9 +98,14 @@ def exchange_index(wave: int, tau: int) -> int:
     return (wave + 1) // tau - 1
 
 
+def elastic_difference(w: _V, centre: _V, alpha: float) -> _V:
+    """``d = alpha (w - centre)``: what the VW subtracts and the centre adds (summed)."""
+    return (w - centre) * alpha
+
+
 def elastic_worker(w: _V, centre: _V, alpha: float) -> _V:
     """A VW's weights after an exchange: ``w - alpha (w - centre)`` (``centre`` before it)."""
-    return w - (w - centre) * alpha
+    return w - elastic_difference(w, centre, alpha)
 
 
 def elastic_centre(centre: _V, ws: Sequence[_V], alpha: float) -> _V:
@@ -97,7 +115,7 @@ def elastic_centre(centre: _V, ws: Sequence[_V], alpha: float) -> _V:
     """
     if not ws:
         raise ValueError("an exchange needs at least one VW's weights")
-    total = ws[0] - centre
+    total = elastic_difference(ws[0], centre, alpha)
     for w in ws[1:]:
-        total = total + (w - centre)
-    return centre + total * alpha
+        total = total + elastic_difference(w, centre, alpha)
+    return centre + total

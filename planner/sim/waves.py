@@ -13,9 +13,10 @@ and the throughput of the samples that reached the weights:
   global and ends no sooner than one minibatch (``T_v x slowdown / Nm``) after wave ``c - D - 1``;
 - ``backup`` (``b`` backups, :mod:`planner.backup`): the same gates with ``D = 0`` on the
   *closing* times, a wave closing with its ``N``-th push; a late VW's push is dropped and it
-  resumes at the current clock;
-- ``easgd`` (every ``tau`` waves, :mod:`planner.easgd`): VWs run free between exchanges and meet
-  at each exchange (one reduction: everybody waits for the slowest).
+  goes on with its next wave;
+- ``easgd`` (every ``tau`` waves, :mod:`planner.easgd`): VWs run free between exchanges; at
+  exchange ``k`` a VW waits until every VW made exchange ``k - 1`` (the centre it pulls holds
+  them), i.e. a WSP clock over exchanges with ``D = 0``.
 
 It ignores the push/pull transfer times (the pipeline simulator has them) and the pipeline
 fill: a model of what the rule costs when devices straggle, not of the pipeline.
@@ -36,7 +37,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from planner.backup import Arrival, QuorumClock, resume_wave
+from planner.backup import Arrival, QuorumClock
 from planner.easgd import exchanges_after
 from planner.straggle import NO_STRAGGLE, Straggle
 from planner.wsp import required_global_clock
@@ -119,7 +120,7 @@ def _play_clocked(
         else:
             pushed[c] += 1
         closed += [t] * (quorum.clock - before)
-        state[v] = (resume_wave(c + 1, quorum.clock), t)
+        state[v] = (c + 1, t)
         schedule(v)
         if quorum.clock > before:
             for u in sorted(blocked):
@@ -139,21 +140,23 @@ def _play_clocked(
 def _play_easgd(
     wave_ms: Sequence[float], waves: int, nm: int, straggle: Straggle, tau: int
 ) -> WavePlay:
-    """Free-running VWs that meet at every exchange (after waves ``tau-1, 2 tau-1, ...``)."""
+    """Free-running VWs; exchange ``k`` (after wave ``(k+1) tau - 1``) waits for every VW's
+    exchange ``k - 1``. ``closed_ms[c]``: when every VW finished wave ``c``."""
     n = len(wave_ms)
     free = [0.0] * n
     arrivals, closed = [], []
+    made: list[float] = []  # when every VW had made exchange k
     for c in range(waves):
         ends = [free[v] + wave_ms[v] * straggle.slowdown(v, c) for v in range(n)]
         arrivals.append(tuple(sorted(ends)))
-        if exchanges_after(c, tau) or c == waves - 1:
-            meet = max(ends)
-            free = [meet] * n
-            closed.append(meet)
-        else:
-            free = ends
-            closed.append(max(ends))
-    return WavePlay("easgd", tuple(arrivals), tuple(closed), 0, n * waves, closed[-1], nm)
+        closed.append(max(ends))
+        if exchanges_after(c, tau):
+            k = (c + 1) // tau - 1
+            gate = made[k - 1] if k > 0 else 0.0
+            ends = [max(e, gate) for e in ends]  # pull the centre c_k, then push d_i
+            made.append(max(ends))
+        free = ends
+    return WavePlay("easgd", tuple(arrivals), tuple(closed), 0, n * waves, max(free), nm)
 
 
 def play_waves(
