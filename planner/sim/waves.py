@@ -56,6 +56,7 @@ class WavePlay:
         arrivals_ms: per wave, the push times of the VWs that pushed it, sorted (k-th = the
             time to collect k pushes); dropped pushes included.
         closed_ms: per wave, when it reached the weights (the global clock passed it).
+        counted: per wave, the VWs whose pushes reached the weights (VW id order).
         dropped: pushes dropped (backup only).
         applied: pushes that reached the weights.
         makespan_ms: when the last wave closed.
@@ -65,6 +66,7 @@ class WavePlay:
     rule: str
     arrivals_ms: tuple[tuple[float, ...], ...]
     closed_ms: tuple[float, ...]
+    counted: tuple[tuple[int, ...], ...]
     dropped: int
     applied: int
     makespan_ms: float
@@ -130,6 +132,7 @@ def _play_clocked(
         "backup" if backups else "wsp",
         tuple(tuple(sorted(a)) for a in arrivals),
         tuple(closed),
+        tuple(quorum.counted(c) for c in range(len(closed))),
         dropped,
         sum(pushed),
         closed[-1] if closed else 0.0,
@@ -156,7 +159,10 @@ def _play_easgd(
             ends = [max(e, gate) for e in ends]  # pull the centre c_k, then push d_i
             made.append(max(ends))
         free = ends
-    return WavePlay("easgd", tuple(arrivals), tuple(closed), 0, n * waves, max(free), nm)
+    everyone = tuple(range(n))
+    return WavePlay(
+        "easgd", tuple(arrivals), tuple(closed), (everyone,) * waves, 0, n * waves, max(free), nm
+    )
 
 
 def play_waves(

@@ -21,6 +21,8 @@ from torch import Tensor
 from torch.func import functional_call
 
 from planner.schedule import Kind, StageQueue, Task
+from planner.straggle import NO_STRAGGLE, Straggle
+from planner.wsp import wave_of
 from profiler.errors import HetPipeRuntimeError
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.data import MinibatchSource, default_dataset
@@ -53,6 +55,8 @@ class StageContext:
         optimizer_state_factor: optimizer state bytes per parameter byte.
         prev_rank, next_rank: neighbours' global ranks (``None`` at the ends).
         total_steps: minibatches to train (stage 0 may stop earlier on a time limit).
+        straggle: the emulated device's straggler model: a paced task of wave ``c`` takes
+            ``straggle.slowdown(vw, c)`` times longer (:mod:`planner.straggle`).
     """
 
     rank: int
@@ -69,6 +73,7 @@ class StageContext:
     prev_rank: int | None
     next_rank: int | None
     total_steps: int
+    straggle: Straggle = NO_STRAGGLE
 
     @property
     def where(self) -> str:
@@ -144,6 +149,7 @@ class StageWorker:
         self.held: dict[int, _Held] = {}
         self.result = StageResult(ctx.rank, ctx.vw, ctx.stage, ctx.device)
         self.fault: Callable[[int], None] | None = None  # fault injection (tests)
+        self._task_mb = 1  # the minibatch of the task being paced (its wave may straggle)
         # called after each update / before each forward with the minibatch number (WSP
         # push and pull, runtime.sync.wave)
         self.after_update: Callable[[int], None] | None = None
@@ -302,7 +308,8 @@ class StageWorker:
         not paced)."""
         if self.calibration is None or not self.run_cfg.emulate:
             return t0
-        return t0 + self.calibration.task_s(self.ctx.stage, kind.value) / self.ctx.speed
+        slow = self.ctx.straggle.slowdown(self.ctx.vw, wave_of(self._task_mb, self.ctx.nm))
+        return t0 + self.calibration.task_s(self.ctx.stage, kind.value) / self.ctx.speed * slow
 
     def _pace(self, t0: float, kind: Kind) -> None:
         if self._paced:
@@ -315,7 +322,7 @@ class StageWorker:
         to_prev: Channel | None,
         grad_rx: GradReceiver | None,
     ) -> None:
-        mb = task.mb
+        mb = self._task_mb = task.mb
         if task.kind is not Kind.B:  # neither loading a minibatch (a host-side data loader's
             # job) nor waiting for a WSP pull is device time: pace from after them
             if self.ctx.stage == 0:
