@@ -18,7 +18,9 @@ are reused): ``n`` virtual workers (VWs), each on its own disjoint shard of the 
 All settings see the same number of *computed* samples (``n x steps_per_vw`` minibatches):
 backup workers' dropped pushes are computed and thrown away, which is their price.
 Target (issue 16): accuracy within 1 point of sequential SGD for b = 1, 2 and for EASGD at its
-best ``tau``/``alpha``. A self-check asserts that backup with ``b = 0`` equals the WSP reference
+best ``tau``/``alpha``. Backup rows come twice: at equal computed samples and at equal
+*applied* samples (``n / N`` times the steps: the samples that reach the weights equal
+sequential SGD's); WSP at ``D = 0`` is there for reference. A self-check asserts that backup with ``b = 0`` equals the WSP reference
 at ``D = 0`` bit for bit.
 
     python benchmarks/sync_convergence.py [--steps 2880 --lr 0.02 --vws 4 --nm 2 --seeds 2]
@@ -193,10 +195,17 @@ def run_all(args: argparse.Namespace, train: Any, test: Any) -> list[dict[str, A
     settings: list[tuple[str, Callable[[Trainer, int], tuple[Tensor, Curve, int]]]] = [
         ("seq", lambda tr, s: (*sequential(tr, train, args.steps, args.lr, s, args.eval_every), 0))
     ]
+    settings.append(("wsp D=0", lambda tr, s: (*wsp(
+        tr, shards_of(train, n), per_vw, nm, 0, args.lr, s, args.eval_every)[:2], 0)))  # fmt: skip
     for b in args.backups:
-        firsts = who_first(n, per_vw // nm + 1, nm, b, straggle)
-        settings.append((f"backup b={b}", lambda tr, s, f=firsts: backup(
-            tr, shards_of(train, n), per_vw, nm, args.lr, s, args.eval_every, f.__getitem__)))  # fmt: skip
+        # equal computed samples, then equal *applied* samples (n / N times the steps)
+        for label, steps in (
+            (f"backup b={b}", per_vw),
+            (f"backup b={b} equal applied", per_vw * n // (n - b)),
+        ):
+            firsts = who_first(n, steps // nm + 1, nm, b, straggle)
+            settings.append((label, lambda tr, s, f=firsts, k=steps: backup(
+                tr, shards_of(train, n), k, nm, args.lr, s, args.eval_every, f.__getitem__)))  # fmt: skip
     easgd_lr = args.easgd_lr if args.easgd_lr is not None else args.lr * n
     for tau in args.taus:
         for alpha in args.alphas:

@@ -33,16 +33,23 @@ True
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from planner.backup import Arrival, QuorumClock
 from planner.easgd import exchanges_after
+from planner.plan import Plan
+from planner.sim.simulator import simulate
 from planner.straggle import NO_STRAGGLE, Straggle
 from planner.wsp import required_global_clock
+from profiler.errors import ConfigError
+from profiler.table import Profile
 
-__all__ = ["RULES", "WavePlay", "play_waves"]
+__all__ = ["RULES", "WavePlay", "plan_slowdown", "play_waves", "predict_rule", "vw_wave_ms"]
+
+Slowdown = Callable[[int, int], float]  # (vw, wave) -> time multiplier
 
 RULES = ("wsp", "backup", "easgd")
 
@@ -85,7 +92,7 @@ def _gate(closed: Sequence[float], wave: int) -> float | None:
 
 
 def _play_clocked(
-    wave_ms: Sequence[float], waves: int, nm: int, straggle: Straggle, D: int, backups: int
+    wave_ms: Sequence[float], waves: int, nm: int, slowdown: Slowdown, D: int, backups: int
 ) -> WavePlay:
     """WSP (``backups = 0``) or backup workers (``D = 0``) as events in time order."""
     n = len(wave_ms)
@@ -107,7 +114,7 @@ def _play_clocked(
         if start is None or end is None:
             blocked.add(v)
             return
-        t = wave_ms[v] * straggle.slowdown(v, c)
+        t = wave_ms[v] * slowdown(v, c)
         heapq.heappush(heap, (max(max(free, start) + t, end + t / nm), v, c))
 
     for v in range(n):
@@ -141,7 +148,7 @@ def _play_clocked(
 
 
 def _play_easgd(
-    wave_ms: Sequence[float], waves: int, nm: int, straggle: Straggle, tau: int
+    wave_ms: Sequence[float], waves: int, nm: int, slowdown: Slowdown, tau: int
 ) -> WavePlay:
     """Free-running VWs; exchange ``k`` (after wave ``(k+1) tau - 1``) waits for every VW's
     exchange ``k - 1``. ``closed_ms[c]``: when every VW finished wave ``c``."""
@@ -150,7 +157,7 @@ def _play_easgd(
     arrivals, closed = [], []
     made: list[float] = []  # when every VW had made exchange k
     for c in range(waves):
-        ends = [free[v] + wave_ms[v] * straggle.slowdown(v, c) for v in range(n)]
+        ends = [free[v] + wave_ms[v] * slowdown(v, c) for v in range(n)]
         arrivals.append(tuple(sorted(ends)))
         closed.append(max(ends))
         if exchanges_after(c, tau):
@@ -170,7 +177,7 @@ def play_waves(
     wave_ms: Sequence[float],
     waves: int,
     nm: int,
-    straggle: Straggle = NO_STRAGGLE,
+    straggle: Straggle | Slowdown = NO_STRAGGLE,
     D: int = 0,
     backups: int = 0,
     tau: int = 1,
@@ -182,7 +189,8 @@ def play_waves(
         wave_ms: each VW's wave time without stragglers (ms).
         waves: waves to close.
         nm: minibatches per wave.
-        straggle: the slowdown draws (keyed by VW id and wave).
+        straggle: the slowdown draws (keyed by VW id and wave), or a function
+            ``(vw, wave) -> multiplier`` (:func:`plan_slowdown`).
         D: WSP threshold (``wsp`` only).
         backups: ``b`` (``backup`` only).
         tau: waves between exchanges (``easgd`` only).
@@ -193,12 +201,55 @@ def play_waves(
     if not wave_ms or waves < 1 or nm < 1 or min(wave_ms) <= 0:
         raise ValueError(f"need VWs with positive wave times, waves >= 1 and Nm >= 1 (got "
                          f"{list(wave_ms)}, {waves}, {nm})")  # fmt: skip
+    slow = straggle.slowdown if isinstance(straggle, Straggle) else straggle
     if rule == "wsp":
-        return _play_clocked(wave_ms, waves, nm, straggle, D, 0)
+        return _play_clocked(wave_ms, waves, nm, slow, D, 0)
     if rule == "backup":
-        return _play_clocked(wave_ms, waves, nm, straggle, 0, backups)
+        return _play_clocked(wave_ms, waves, nm, slow, 0, backups)
     if rule == "easgd":
         if tau < 1:
             raise ValueError(f"tau must be >= 1, got {tau}")
-        return _play_easgd(wave_ms, waves, nm, straggle, tau)
+        return _play_easgd(wave_ms, waves, nm, slow, tau)
     raise ValueError(f"unknown synchronisation rule {rule!r}; use one of {', '.join(RULES)}")
+
+
+def plan_slowdown(plan: Plan) -> Slowdown:
+    """The emulated cluster's straggler model per VW: a VW's wave is as slow as its slowest
+    device's draw (every stage of the VW draws the same number, :func:`planner.straggle.uniform`)."""
+    per_vw: list[list[Straggle]] = []
+    for vw in plan.virtual_workers:
+        models = []
+        for node in sorted({g.node for g in vw.gpus}):
+            try:
+                emu = plan.cluster.node(node).emulation
+            except ConfigError:
+                emu = None
+            if emu is not None and emu.straggle.active:
+                models.append(emu.straggle)
+        per_vw.append(models)
+
+    def slowdown(v: int, c: int) -> float:
+        return max((s.slowdown(v, c) for s in per_vw[v]), default=1.0)
+
+    return slowdown
+
+
+def vw_wave_ms(plan: Plan, profile: Profile | None = None, waves: int = 6) -> list[float]:
+    """Each VW's wave time (ms) alone: the pipeline simulator with a threshold no VW reaches."""
+    free = simulate(dataclasses.replace(plan, D=waves + 1), waves, profile)
+    return [plan.nm * plan.batch_size / r * 1e3 for r in free.per_vw_throughput]
+
+
+def predict_rule(
+    plan: Plan,
+    rule: str,
+    waves: int = 100,
+    D: int = 0,
+    backups: int = 0,
+    tau: int = 1,
+    profile: Profile | None = None,
+) -> WavePlay:
+    """Play ``rule`` on ``plan``'s VWs (pipeline-simulated wave times, the cluster's stragglers)."""
+    return play_waves(
+        rule, vw_wave_ms(plan, profile), waves, plan.nm, plan_slowdown(plan), D, backups, tau
+    )

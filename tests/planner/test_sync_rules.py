@@ -150,3 +150,20 @@ def test_easgd_meets_every_tau_waves() -> None:
     assert fast == [10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0, 130.0, 140.0, 150.0]
     with pytest.raises(ValueError, match="unknown synchronisation rule"):
         play_waves("gossip", [1.0], 2, 1)
+
+
+def test_predict_rule_on_a_plan_uses_the_clusters_stragglers() -> None:
+    from planner.cluster import load_cluster
+    from planner.planner import make_plan
+    from planner.sim.waves import plan_slowdown, predict_rule
+
+    doc = load_cluster("examples/emulated_cluster.yaml").to_dict()
+    for node in doc["nodes"]:
+        node["emulate"]["straggle"] = {"p": 0.2, "factor": 3}
+    plan = make_plan(parse_cluster(doc), model="mlp", batch_size=32, num_vws=2, policy="hd")
+    slow = plan_slowdown(plan)
+    assert {slow(v, c) for v in range(2) for c in range(40)} == {1.0, 3.0}
+    wsp = predict_rule(plan, "wsp", 30)
+    easgd = predict_rule(plan, "easgd", 30, tau=4)
+    assert easgd.makespan_ms < wsp.makespan_ms  # exchanges every 4 waves absorb stragglers
+    assert predict_rule(plan, "backup", 30, backups=1).dropped > 0
