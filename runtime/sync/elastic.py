@@ -27,8 +27,11 @@ import torch
 from torch import nn
 
 from planner.easgd import elastic_difference, exchange_index, exchanges_after
+from planner.sync import param
+from profiler.errors import ConfigError
 from runtime.ps.client import PSClient
 from runtime.results.metrics import StageResult
+from runtime.sync.rule import Grads, StageView, SyncSpec
 
 __all__ = ["ElasticSync"]
 
@@ -61,10 +64,36 @@ class ElasticSync:
         self.result = result
         self.exchanges = 0
 
-    def start(self, clock: int = 0) -> None:
+    @classmethod
+    def create(cls, spec: SyncSpec, view: StageView) -> ElasticSync:
+        """The ``easgd`` rule's factory (:mod:`runtime.sync.rule`): the stage's shard client
+        and hooks (``spec.params``: ``tau``, ``alpha``).
+
+        Raises:
+            ConfigError: a resumed run or snapshots (not supported by this rule yet).
+        """
+        if spec.first_wave or spec.snapshots is not None:
+            raise ConfigError(
+                "--sync easgd does not write or resume snapshots yet; drop --checkpoint-every "
+                "and --resume (or use --sync wsp)"
+            )
+        client = PSClient(
+            view.vw,
+            view.stage,
+            [(name, tuple(p.shape)) for name, p in view.params],
+            spec.shards,
+            timeout_s=spec.timeout_s,
+            pull_timeout_s=2 * spec.timeout_s,
+        )
+        tau, alpha = int(param(spec.params, "tau", 1.0)), param(spec.params, "alpha")
+        return cls(client, [p for _, p in view.params], view.nm, tau, alpha, view.result)
+
+    def reduce_grads(self, mb: int, grads: Grads) -> Grads:
+        """Each VW applies its own gradients."""
+        return grads
+
+    def start(self, first_wave: int = 0) -> None:
         """Start from the centre (the shards' initial weights, the same model init)."""
-        if clock:
-            raise ValueError("elastic averaging cannot resume from a snapshot yet")
         self._wait_pull(0, into_params=True)
 
     def _wait_pull(self, clock: int, into_params: bool = False) -> list[torch.Tensor]:
@@ -86,6 +115,7 @@ class ElasticSync:
         k = exchange_index(mb // self.nm - 1, self.tau)
         centre = self._wait_pull(k)
         t_push = time.time()
+        self.result.pushes.append((k, t_push))
         with torch.no_grad():
             diffs = [
                 elastic_difference(p.detach(), c, self.alpha)
