@@ -18,14 +18,18 @@ the runtime agree on. Each rule's pure logic lives in ``planner/`` (WSP's clocks
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from planner.backup import quorum
 from planner.easgd import check_elastic
 from profiler.errors import ConfigError, PlanError
+
+if TYPE_CHECKING:
+    from planner.plan import Plan
 
 __all__ = [
     "RULES",
@@ -36,6 +40,7 @@ __all__ = [
     "effective_rule",
     "global_slice",
     "param",
+    "with_rule",
 ]
 
 SyncParams = tuple[tuple[str, float], ...]
@@ -143,6 +148,19 @@ def check_rule_values(rule: str, params: SyncParams, n_vws: int, source: str) ->
             check_elastic(n_vws, int(tau), param(params, "alpha"))
     except ValueError as exc:
         raise PlanError(f"{source}: sync_params ({rule}): {exc}") from None
+
+
+def with_rule(plan: Plan, rule: str, given: Mapping[str, Any], source: str = "--sync") -> Plan:
+    """``plan`` synchronised by ``rule`` with parameters ``given`` (the rule's defaults for the
+    rest): checked like a plan file; backup workers and elastic averaging run at ``D = 0``.
+
+    Raises:
+        PlanError: an unknown rule or parameter, or a value the plan cannot take.
+    """
+    params = check_sync_params(rule, given, source)
+    check_rule_values(rule, params, len(plan.virtual_workers), source)
+    D = 0 if rule in ("backup", "easgd") else plan.D
+    return dataclasses.replace(plan, sync=rule, sync_params=params, D=D)
 
 
 def param(params: SyncParams, name: str, default: float = 0.0) -> float:
