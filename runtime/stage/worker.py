@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.func import functional_call
 
 from planner.schedule import Kind, StageQueue, Task
+from planner.wsp import wave_of
 from profiler.errors import HetPipeRuntimeError
 from runtime.data import MinibatchSource, default_dataset
 from runtime.launch.stop import StopAgreement, stop_store
@@ -95,6 +96,7 @@ class StageWorker:
             if job.agree_stop and ctx.stage == 0 and run.time_limit_s > 0
             else None
         )
+        self._task_mb = 1  # the minibatch of the task being paced (its wave may straggle)
         self._task_wall0 = 0.0  # wall-clock start of the task being executed (the timeline)
 
     @staticmethod
@@ -265,7 +267,8 @@ class StageWorker:
         not paced)."""
         if self.calibration is None or not self.run_cfg.emulate:
             return t0
-        return t0 + self.calibration.task_s(self.ctx.stage, kind.value) / self.ctx.speed
+        slow = self.ctx.straggle.slowdown(self.ctx.vw, wave_of(self._task_mb, self.ctx.nm))
+        return t0 + self.calibration.task_s(self.ctx.stage, kind.value) / self.ctx.speed * slow
 
     def _pace(self, t0: float, kind: Kind) -> None:
         if self._paced:
@@ -278,7 +281,7 @@ class StageWorker:
         to_prev: Channel | None,
         grad_rx: GradReceiver | None,
     ) -> None:
-        mb = task.mb
+        mb = self._task_mb = task.mb
         if task.kind is not Kind.B:  # neither loading a minibatch (a host-side data loader's
             # job) nor waiting for a WSP pull is device time: pace from after them
             if self.ctx.stage == 0:

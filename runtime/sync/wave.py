@@ -188,6 +188,7 @@ class WaveSync:
         self.last_clock = wave + 1
         need = required_global_clock(total_mb + self.nm, self.nm, self.D)
         t_push = time.time()
+        self.result.pushes.append((wave, t_push))
         if need <= self.pulled_clock:
             self.client.push(wave, delta)
         elif self.weights is None:
@@ -269,4 +270,5 @@ class WaveSync:
             self._pending[0].wait()
             self._pending = None
         self.client.close()
+        self.result.dropped = list(self.client.dropped)
         self.result.wait_s += time.perf_counter() - t0
