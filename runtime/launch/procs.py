@@ -32,6 +32,7 @@ from runtime.ps.server import ShardServer
 from runtime.stage.emulation import Calibration
 from runtime.stage.model import reference_module
 from runtime.stage.worker import StageContext, StageWorker
+from runtime.sync.tied_mirror import TiedMirror
 from runtime.sync.wave import WaveSync
 
 __all__ = ["ShardRole", "ShiftedSource", "shard_main", "stage_main"]
@@ -176,7 +177,9 @@ def _wave_sync(
         )
     worker.weights.first_update = first_mb  # the lr schedule goes on where it stopped
     worker.weights.total_updates = first_mb + ctx.total_steps  # the cosine horizon
-    named = list(worker.module.named_parameters())
+    mirror = TiedMirror(worker.tied, worker.weights, timeout_s) if worker.tied else None
+    followed = mirror.followed if mirror is not None else set()
+    named = [(n, p) for n, p in worker.module.named_parameters() if n not in followed]
     client = PSClient(
         ctx.vw,
         ctx.stage,
@@ -196,6 +199,8 @@ def _wave_sync(
         cfg.snapshots,
         f"vw{ctx.vw}-stage{ctx.stage}",
         worker.weights if cfg.overlap_pulls else None,
+        [n for n, _ in named],
+        mirror,
     )
     worker.after_update = sync.after_update
     worker.before_forward = sync.before_forward

@@ -55,7 +55,6 @@ from runtime.results.timeline import describe_run
 from runtime.results.wsp import WSPResult, evaluate, export_snapshot
 from runtime.stage.emulation import Calibration
 from runtime.stage.model import resolve_source
-from runtime.stage.tied import check_untied_for_ps
 from runtime.stage.worker import StageContext
 
 __all__ = ["WSPConfig", "launch_wsp", "shard_specs", "snapshot_parts", "split_data", "wsp_steps"]
@@ -204,7 +203,6 @@ def _launch(
     )  # fmt: skip
     shards_data, test = split_data(ds, n_vws, cfg.test_fraction, run.seed)
     graph = ModelGraph.from_spec(spec)
-    check_untied_for_ps(graph, plan)
     shapes = {n: tuple(p.shape) for n, p in spec.module.named_parameters()}
     specs, _ = shard_specs(plan, graph, shapes, D)
     vw_samples = min(len(s) for s in shards_data)

@@ -29,7 +29,7 @@ from runtime.results.metrics import StageResult
 from runtime.stage.comm import Channel, Event, GradReceiver, cut_specs, start_activation_receiver
 from runtime.stage.emulation import Calibration, MemoryMeter, SavedBytes, pace_until
 from runtime.stage.model import build_stage
-from runtime.stage.tied import TiedGrads
+from runtime.stage.tied import TiedGrads, tied_params
 from runtime.stage.weights import VersionedWeights
 
 __all__ = ["StageContext", "StageWorker"]
@@ -131,7 +131,7 @@ class StageWorker:
         params = dict(self.module.named_parameters())
         local = {orig: name for name, orig in self.names.items()}
         self.tied = TiedGrads(
-            ctx.stage, ctx.rank - ctx.stage, built.graph.shared_params(ctx.cuts), local
+            ctx.stage, ctx.rank - ctx.stage, tied_params(built.graph, ctx.cuts), local
         )
         self.weights = VersionedWeights(params, ctx.nm, optimizer, ctx.total_steps)
         buffer_bytes = sum(b.numel() * b.element_size() for b in self.module.buffers())
