@@ -23,6 +23,7 @@ from planner.wsp import s_global, s_local
 from profiler.errors import ConfigError, PlanError, shown
 from profiler.files import atomic_write_text
 from profiler.inputs import load_document
+from profiler.precision import check_precision
 
 __all__ = [
     "PLAN_VERSION",
@@ -222,6 +223,7 @@ class Plan:
     profiles: dict[str, str] = field(default_factory=dict)  # GPU type -> provenance
     optimizer_state_factor: float = 1.0
     sync: str = "wsp"  # the synchronisation rule across VWs: "wsp" (shards, D) or "allreduce"
+    precision: str = "fp32"  # "fp32" or "bf16" (autocast, fp32 master weights; profiler.precision)
     version: int = PLAN_VERSION
 
     @property
@@ -310,6 +312,7 @@ class Plan:
                 profiles={str(k): str(v) for k, v in d.get("profiles", {}).items()},
                 optimizer_state_factor=float(d.get("optimizer_state_factor", 1.0)),
                 sync=_sync(d.get("sync", "wsp"), source),
+                precision=check_precision(str(d.get("precision", "fp32")), f"{source}: precision"),
             )
         except KeyError as exc:
             raise PlanError(

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from profiler.errors import ConfigError
+from profiler.precision import check_precision
 from runtime.defaults import TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -159,6 +160,8 @@ class RunConfig:
         log_every: minibatches between metric log lines.
         flush_every_wave: baseline mode for benchmarks: admit the next ``Nm`` minibatches only
             when the whole previous wave finished (a pipeline flush, as GPipe/1F1B schedules do).
+        precision: ``fp32`` or ``bf16`` (autocast, fp32 master weights, bfloat16 activations
+            across cuts: :mod:`profiler.precision`); ``""`` = the plan's.
     """
 
     steps: int = 0
@@ -173,8 +176,11 @@ class RunConfig:
     progress: bool = False
     log_every: int = 10
     flush_every_wave: bool = False
+    precision: str = ""
 
     def __post_init__(self) -> None:
+        if self.precision:
+            check_precision(self.precision)
         if self.steps < 0 or self.epochs < 0 or self.time_limit_s < 0:
             raise ConfigError(
                 f"--steps/--epochs/--time-limit must be >= 0, got {self.steps}/{self.epochs}/{self.time_limit_s}"

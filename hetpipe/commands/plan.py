@@ -247,6 +247,10 @@ def plan(
             "baseline's plan (every device that holds the whole model)",
         ),
     ] = "wsp",
+    precision: Annotated[
+        str,
+        typer.Option(help="fp32 | bf16: the memory model's bytes (autocast, fp32 master weights)"),
+    ] = "fp32",
 ) -> None:
     """Plan HetPipe training (see HELP)."""
     from planner.costmodel import load_links
@@ -298,6 +302,7 @@ def plan(
                 ),
                 reference_type=profile_gpu,
                 report=candidates,
+                precision=precision,
             )
         )
     if output is not None:

@@ -208,7 +208,7 @@ def _launch(
     vw_samples = min(len(s) for s in shards_data)
     horizon = wsp_steps(run, nm, 0, vw_samples, plan.batch_size)
     settings = job_settings(source.name, plan.to_json(), nm, D, run.seed, cfg.test_fraction,
-                            f"{type(ds).__name__}:{len(ds)}", optimizer, horizon)  # type: ignore[arg-type]  # fmt: skip
+                            f"{type(ds).__name__}:{len(ds)}", optimizer, horizon, run.precision)  # type: ignore[arg-type]  # fmt: skip
     manifest = _resume_from(cfg, owner, settings)
     first_wave = manifest.clock if manifest is not None else 0
     if cfg.checkpoint_dir is not None:

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from profiler.errors import ModelError
 from profiler.graph import ModelGraph
+from profiler.precision import wire_dtype
 
 __all__ = [
     "Channel",
@@ -58,8 +59,9 @@ class TensorSpec:
         return torch.empty(self.shape, dtype=self.dtype)
 
 
-def cut_specs(graph: ModelGraph, cut: int) -> tuple[TensorSpec, ...]:
-    """The tensors crossing cut ``cut`` in the order stage modules use (``graph.cut_names``).
+def cut_specs(graph: ModelGraph, cut: int, precision: str = "fp32") -> tuple[TensorSpec, ...]:
+    """The tensors crossing cut ``cut`` in the order stage modules use (``graph.cut_names``),
+    floating-point ones in bfloat16 under ``bf16`` (:func:`profiler.precision.wire_dtype`).
 
     Raises:
         ModelError: a crossing value is not a single tensor (e.g. a tuple output).
@@ -74,7 +76,11 @@ def cut_specs(graph: ModelGraph, cut: int) -> tuple[TensorSpec, ...]:
                 "move the cut so it does not separate a tuple from its getitem"
             )
         specs.append(
-            TensorSpec(graph.layers[i].name, tuple(int(d) for d in meta.shape), meta.dtype)
+            TensorSpec(
+                graph.layers[i].name,
+                tuple(int(d) for d in meta.shape),
+                wire_dtype(meta.dtype, precision),
+            )
         )
     return tuple(specs)
 

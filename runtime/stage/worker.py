@@ -22,6 +22,7 @@ from torch.func import functional_call
 
 from planner.schedule import Kind, StageQueue, Task
 from profiler.errors import HetPipeRuntimeError
+from profiler.precision import autocast
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.data import MinibatchSource, default_dataset
 from runtime.launch.stop import StopAgreement
@@ -105,9 +106,11 @@ class StageWorker:
         self.module = built.module.train()
         self.loss_fn = built.loss
         self.names = built.names
-        bounds = [0, *ctx.cuts, len(built.graph.layers)]
-        self.in_specs = cut_specs(built.graph, bounds[ctx.stage]) if ctx.stage > 0 else ()
-        self.out_specs = () if self.last else cut_specs(built.graph, bounds[ctx.stage + 1])
+        self.precision = run.precision or "fp32"
+        self.device_type = next((p.device.type for p in self.module.parameters()), "cpu")
+        bounds, prec = [0, *ctx.cuts, len(built.graph.layers)], self.precision
+        self.in_specs = cut_specs(built.graph, bounds[ctx.stage], prec) if ctx.stage > 0 else ()
+        self.out_specs = () if self.last else cut_specs(built.graph, bounds[ctx.stage + 1], prec)
         self.data: MinibatchSource | None = None
         if ctx.stage == 0 or self.last:
             ds = (
@@ -389,15 +392,21 @@ class StageWorker:
             self.memory.check(mb, saved.nbytes + recv_bytes, self.weights.stashed_bytes)
         else:
             out = self._call(leaves, held.inputs)
-        if not self.last:
-            held.outputs = tuple(out)
+        if not self.last:  # cast inside autograd: the gradients come back in the wire dtype
+            held.outputs = tuple(
+                o.to(s.dtype) if o.is_floating_point() else o
+                for o, s in zip(out, self.out_specs, strict=True)
+            )
+            return held.outputs
         return out
 
     def _call(self, leaves: dict[str, Tensor], inputs: tuple[Tensor, ...]) -> Any:
-        """The stage's forward with a weight version (Nm = 1: the master parameters themselves)."""
-        if self.ctx.nm == 1:
-            return self.module(*inputs)
-        return functional_call(self.module, leaves, inputs)
+        """The stage's forward with a weight version (Nm = 1: the master parameters themselves),
+        under autocast with ``--precision bf16``."""
+        with autocast(self.device_type, self.precision):
+            if self.ctx.nm == 1:
+                return self.module(*inputs)
+            return functional_call(self.module, leaves, inputs)
 
     def _input_grads(self, held: _Held, grads: tuple[Tensor | None, ...]) -> list[Tensor | None]:
         needs = [x for x in held.inputs if x.requires_grad]
@@ -435,7 +444,8 @@ class StageWorker:
             raise HetPipeRuntimeError(f"[{self.ctx.where}] last stage has no data")
         held = self.held[mb]
         targets = held.targets if held.targets is not None else self.data.targets(mb)
-        loss = self.loss_fn(out, targets)
+        with autocast(self.device_type, self.precision):
+            loss = self.loss_fn(out, targets)
         value = float(loss.item())
         self.result.losses.append((mb, value))
         if self.events is not None:
