@@ -41,6 +41,7 @@ from runtime.persist.snapshot import (
 from runtime.ps.client import PSClient, PullHandle
 from runtime.results.metrics import StageResult
 from runtime.stage.weights import VersionedWeights
+from runtime.sync.rule import Grads, StageView, SyncSpec
 from runtime.sync.tied_mirror import TiedMirror
 
 __all__ = ["WaveSync"]
@@ -97,6 +98,42 @@ class WaveSync:
         self._pending: tuple[PullHandle, int, int] | None = None  # (pull, needed clock, version)
         self.names = None if names is None else list(names)
         self.mirror = mirror
+
+    @classmethod
+    def create(cls, spec: SyncSpec, view: StageView) -> WaveSync:
+        """The ``wsp`` rule's factory (:mod:`runtime.sync.rule`): the stage's shard client
+        and hooks; a resumed run goes on at ``spec.first_wave``."""
+        # a tied parameter's other holders follow its owner instead of talking to the shards
+        mirror = TiedMirror(view.tied, view.weights, spec.timeout_s) if view.tied else None
+        followed = mirror.followed if mirror is not None else set()
+        local = {p: n for n, p in view.weights.master.items()}  # parameter -> stage name
+        params = [(name, p) for name, p in view.params if local[p] not in followed]
+        client = PSClient(
+            view.vw,
+            view.stage,
+            [(name, tuple(p.shape)) for name, p in params],
+            spec.shards,
+            timeout_s=spec.timeout_s,
+            pull_timeout_s=2 * spec.timeout_s,
+        )
+        return cls(
+            client,
+            [p for _, p in params],
+            view.nm,
+            spec.D,
+            view.result,
+            spec.first_wave * view.nm,
+            view.weights.optimizer,
+            spec.snapshots,
+            view.where,
+            view.weights if spec.overlap_pulls else None,
+            [local[p] for _, p in params],
+            mirror,
+        )
+
+    def reduce_grads(self, mb: int, grads: Grads) -> Grads:
+        """WSP applies the stage's own gradients locally (the waves carry them to the shards)."""
+        return grads
 
     def start(self, clock: int = 0) -> None:
         """Load the global weights at ``clock`` (the run's first wave) into the stage and, when
