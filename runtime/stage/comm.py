@@ -12,6 +12,7 @@ metadata travels.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -34,6 +35,7 @@ __all__ = [
     "TensorSpec",
     "cut_specs",
     "start_activation_receiver",
+    "wire_specs",
 ]
 
 log = logging.getLogger(__name__)
@@ -59,9 +61,15 @@ class TensorSpec:
         return torch.empty(self.shape, dtype=self.dtype)
 
 
+def wire_specs(specs: tuple[TensorSpec, ...], precision: str) -> tuple[TensorSpec, ...]:
+    """``specs`` as they travel under ``precision``: floating-point tensors in bfloat16 under
+    ``bf16`` (:func:`profiler.precision.wire_dtype`)."""
+    return tuple(dataclasses.replace(s, dtype=wire_dtype(s.dtype, precision)) for s in specs)
+
+
 def cut_specs(graph: ModelGraph, cut: int, precision: str = "fp32") -> tuple[TensorSpec, ...]:
     """The tensors crossing cut ``cut`` in the order stage modules use (``graph.cut_names``),
-    floating-point ones in bfloat16 under ``bf16`` (:func:`profiler.precision.wire_dtype`).
+    as they travel under ``precision`` (:func:`wire_specs`).
 
     Raises:
         ModelError: a crossing value is not a single tensor (e.g. a tuple output).

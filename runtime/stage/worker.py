@@ -25,11 +25,11 @@ from profiler.precision import autocast
 from runtime.data import MinibatchSource, default_dataset
 from runtime.launch.stop import StopAgreement, stop_store
 from runtime.results.metrics import StageResult
-from runtime.stage.comm import Channel, Event, GradReceiver, cut_specs, start_activation_receiver
+from runtime.stage.comm import Channel, Event, GradReceiver, start_activation_receiver, wire_specs
 from runtime.stage.emulation import MemoryMeter, SavedBytes, pace_until
 from runtime.stage.job import StageJob
-from runtime.stage.model import build_stage
-from runtime.stage.tied import TiedGrads, tied_params
+from runtime.stage.model import BuiltStage, build_stage
+from runtime.stage.tied import TiedGrads
 from runtime.stage.weights import VersionedWeights
 from runtime.sync.registry import stage_sync
 from runtime.sync.rule import StageView
@@ -62,14 +62,13 @@ class StageWorker:
         self.names = built.names
         self.precision = run.precision or "fp32"
         self.device_type = next((p.device.type for p in self.module.parameters()), "cpu")
-        bounds, prec = [0, *ctx.cuts, len(built.graph.layers)], self.precision
-        self.in_specs = cut_specs(built.graph, bounds[ctx.stage], prec) if ctx.stage > 0 else ()
-        self.out_specs = () if self.last else cut_specs(built.graph, bounds[ctx.stage + 1], prec)
+        self.in_specs = wire_specs(built.in_specs, self.precision)
+        self.out_specs = wire_specs(built.out_specs, self.precision)
         self.data = self._data(job, built) if ctx.stage == 0 or self.last else None
         params = dict(self.module.named_parameters())
         local = {orig: name for name, orig in self.names.items()}
         self.tied = TiedGrads(
-            ctx.stage, ctx.rank - ctx.stage, tied_params(built.graph, ctx.cuts), local
+            ctx.stage, ctx.rank - ctx.stage, built.tied, local
         )
         # a resumed run's lr schedule goes on where it stopped (cosine horizon included)
         self.weights = VersionedWeights(
@@ -100,17 +99,17 @@ class StageWorker:
         self._task_wall0 = 0.0  # wall-clock start of the task being executed (the timeline)
 
     @staticmethod
-    def _data(job: StageJob, built: Any) -> MinibatchSource:
+    def _data(job: StageJob, built: BuiltStage) -> MinibatchSource:
         """The minibatches of this VW (stage 0 reads inputs, the last stage targets)."""
         ds = job.dataset
         if ds is None:
             ds = default_dataset(
-                job.source.name, built.spec.inputs, built.spec.targets,
-                job.ctx.batch_size, built.graph.input_names,
+                job.source.name, built.inputs, built.targets,
+                job.ctx.batch_size, built.input_names,
             )  # fmt: skip
         return MinibatchSource(
-            ds, job.ctx.batch_size, job.run.seed, tuple(built.spec.targets.shape),
-            input_names=built.graph.input_names, offset=job.first_mb, slice_of=job.data_slice,
+            ds, job.ctx.batch_size, job.run.seed, tuple(built.targets.shape),
+            input_names=built.input_names, offset=job.first_mb, slice_of=job.data_slice,
         )  # fmt: skip
 
     @property
