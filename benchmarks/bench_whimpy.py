@@ -220,6 +220,7 @@ def main() -> None:
     ap.add_argument("--hd-steps", type=int, default=60, help="minibatches per VW, equal memory")
     ap.add_argument("--reps", type=int, default=1, help="alternating repetitions, equal memory")
     ap.add_argument("--skip-equal-memory", action="store_true")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="the JSON to write")
     args = ap.parse_args()
     cluster = load_cluster(args.cluster)
     caps = {d.node: device_capacity_bytes(d) for d in cluster.devices}
@@ -281,9 +282,9 @@ def main() -> None:
         print(f"equal device memory: HD, {args.hd_model}, batch {args.hd_batch}")
         out["equal_memory"] = equal_memory(cluster, args)
     out["loadavg_after"] = os.getloadavg()
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {RESULTS}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
