@@ -12,6 +12,15 @@ the shard process. The rules (see ``docs/parameter_server.md``):
   their sum goes through server-side momentum; the global clock becomes ``c + 1``;
 - a pull ``(min_clock)`` can be answered once the global clock is ``>= min_clock``.
 
+Eviction (``--on-failure continue``, GaDei Sec. 4.3): with ``peers`` (the other shards' ids),
+a wave is applied only once every member VW's push of it is complete at *every* shard (each
+shard reports its VW clocks to the others, :meth:`ShardCore.peer_report`), so no shard ever
+folds a wave that another shard may lack. A VW whose client died is :meth:`ShardCore.lose`-t;
+once no more of its pushes can arrive here (:meth:`ShardCore.end_pushes`) and every shard has
+said so, every shard computes the same cut ``min over shards of its VW clock``: its waves
+below the cut are in everywhere, the buffered ones at or above it are discarded once, and the
+global clock stops waiting for it (:class:`Eviction`).
+
 The global clock is the minimum of the VW clocks (:class:`planner.wsp.GlobalClock`). With
 clients that admit minibatch ``p`` only when :func:`planner.wsp.required_global_clock` holds,
 a push of wave ``c`` happens at global clock ``>= c - D``, so the clock distance never
@@ -22,6 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -32,7 +42,7 @@ from profiler.errors import ConfigError
 from runtime.persist.checkpoint import LedgerEntry, ShardState
 from runtime.ps.layout import ShardSpec
 
-__all__ = ["ClockEvent", "PushResult", "ShardCore", "Status"]
+__all__ = ["ClockEvent", "Eviction", "PushResult", "ShardCore", "Status"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +82,16 @@ class ClockEvent:
 
 
 @dataclass(frozen=True)
+class Eviction:
+    """A VW left out of the global clock: its waves ``< wave`` are applied at every shard,
+    none at or above; ``discarded`` of its buffered pushes were dropped at this shard."""
+
+    vw: int
+    wave: int
+    discarded: int
+
+
+@dataclass(frozen=True)
 class PushResult:
     """What :meth:`ShardCore.push` did: ``status``, a message when rejected, waves applied."""
 
@@ -93,6 +113,8 @@ class ShardCore:
             client's every wave below the clock was applied exactly once (a wave is applied
             only as a whole, once, and tags below the clock are rejected), so a week-long run
             need not grow its ledger and checkpoints without bound.
+        peers: the other shards' ids whose VW clocks gate applying a wave (eviction mode,
+            ``--on-failure continue``); empty: a wave complete here is applied at once.
     """
 
     def __init__(
@@ -102,6 +124,7 @@ class ShardCore:
         state: ShardState | None = None,
         momentum: float = 0.0,
         max_ledger_waves: int | None = None,
+        peers: Sequence[int] = (),
     ) -> None:
         self.spec = spec
         self.max_ledger_waves = max_ledger_waves
@@ -140,6 +163,13 @@ class ShardCore:
         self._seq = max((e.seq for e in self._ledger), default=-1) + 1
         self.trace: list[ClockEvent] = []
         self.rejected: list[tuple[int, int, int, Status]] = []
+        n = len(spec.vws)  # eviction mode: what the other shards reported, VW id order
+        self._peer_clocks = {p: [self._clock] * n for p in peers}
+        self._peer_final = {p: [False] * n for p in peers}
+        self._lost: set[int] = set()  # VW indices with a dead client
+        self._ended: set[tuple[int, int]] = set()  # clients whose pushes can no longer arrive
+        self._cut: dict[int, int] = {}  # evicted VW index -> first wave left out
+        self.evictions: list[Eviction] = []
 
     @property
     def clock(self) -> int:
@@ -213,10 +243,7 @@ class ShardCore:
         vi = self._vw_index[vw]
         while all(k in self._pending.get(self._gclock.local(vi), {}) for k in self._vw_keys[vi]):
             self._gclock.push(vi, self._gclock.local(vi))
-        applied = 0
-        while self._clock < self._gclock.global_clock:
-            self._apply(self._pending.pop(self._clock))
-            applied += 1
+        applied = self._advance()
         self.trace.append(
             ClockEvent(self._seq - 1, vw, stage, wave, self.local_clocks(), self._clock)
         )
@@ -228,13 +255,92 @@ class ShardCore:
         log.warning(msg)
         return PushResult(status, msg)
 
-    def _apply(self, wave_updates: dict[tuple[int, int], tuple[torch.Tensor, int]]) -> None:
-        """Fold one complete wave into the weights: clients in (vw, stage) order, so the
-        floating-point result does not depend on arrival order."""
+    def _committed(self, vi: int) -> int:
+        """Waves of VW index ``vi`` complete at every shard (here and as the peers reported)."""
+        return min([self._gclock.local(vi), *(c[vi] for c in self._peer_clocks.values())])
+
+    def _advance(self) -> int:
+        """Apply every wave whose member VWs' pushes are complete at every shard."""
+        applied = 0
+        while True:
+            members = [
+                vi for vi in range(len(self.spec.vws)) if self._cut.get(vi, 2**62) > self._clock
+            ]
+            if not members or any(self._committed(vi) <= self._clock for vi in members):
+                return applied
+            self._apply(self._pending.pop(self._clock, {}), members)
+            applied += 1
+
+    def lose(self, vw: int) -> int:
+        """VW ``vw`` lost a client (a process died): evict it once no more of its pushes can
+        arrive anywhere (:meth:`end_pushes`, :meth:`peer_report`). Returns waves applied."""
+        if vw in self._vw_index:
+            self._lost.add(self._vw_index[vw])
+        return self._settle()
+
+    def end_pushes(self, vw: int, stage: int) -> int:
+        """Client ``(vw, stage)`` sends no more pushes (its stream ended). Returns waves applied."""
+        self._ended.add((vw, stage))
+        return self._settle()
+
+    def report(self) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+        """What this shard tells its peers: each VW's clock here, and whether it is final
+        (the VW is lost and none of its pushes can arrive here any more), VW id order."""
+        final = tuple(
+            vi in self._lost and all(k in self._ended for k in self._vw_keys[vi])
+            for vi in range(len(self.spec.vws))
+        )
+        return self.local_clocks(), final
+
+    def peer_report(self, shard: int, clocks: Sequence[int], final: Sequence[bool]) -> int:
+        """Shard ``shard``'s :meth:`report` arrived. Returns waves applied.
+
+        Raises:
+            ConfigError: not a peer, or a report of another VW count (a wiring bug).
+        """
+        n = len(self.spec.vws)
+        if shard not in self._peer_clocks or len(clocks) != n or len(final) != n:
+            raise ConfigError(
+                f"shard {self.spec.id}: report of shard {shard} with {len(clocks)} VW clocks; "
+                f"expected a peer in {sorted(self._peer_clocks)} with {n}"
+            )
+        for vi in range(n):
+            self._peer_clocks[shard][vi] = max(self._peer_clocks[shard][vi], int(clocks[vi]))
+            self._peer_final[shard][vi] = self._peer_final[shard][vi] or bool(final[vi])
+        return self._settle()
+
+    def _settle(self) -> int:
+        """Evict every lost VW that is final at every shard (the same cut everywhere), then
+        apply what became ready."""
+        final_here = self.report()[1]
+        for vi in sorted(self._lost - self._cut.keys()):
+            if final_here[vi] and all(f[vi] for f in self._peer_final.values()):
+                cut, dropped = self._committed(vi), 0
+                for w in [w for w in self._pending if w >= cut]:
+                    for k in self._vw_keys[vi]:
+                        dropped += self._pending[w].pop(k, None) is not None
+                self._cut[vi] = cut
+                self.evictions.append(Eviction(self.spec.vws[vi], cut, dropped))
+                log.warning("shard %d: vw %d evicted at wave %d (%d buffered pushes discarded)",
+                            self.spec.id, self.spec.vws[vi], cut, dropped)  # fmt: skip
+        return self._advance()
+
+    @property
+    def waiting_on_eviction(self) -> bool:
+        """A VW is lost but not evicted yet (the shard must keep serving until it is)."""
+        return bool(self._lost - self._cut.keys())
+
+    def _apply(
+        self, wave_updates: dict[tuple[int, int], tuple[torch.Tensor, int]], members: list[int]
+    ) -> None:
+        """Fold one complete wave of the ``members`` (VW indices) into the weights: clients
+        in (vw, stage) order, so the floating-point result does not depend on arrival order."""
         target = self._w
         if self.momentum:
             target = torch.zeros_like(self._w)  # the wave's summed update, then m = mu*m + sum
         for c in self.spec.clients:
+            if self._vw_index[c.vw] not in members:
+                continue
             upd, seq = wave_updates[(c.vw, c.stage)]
             pos = 0
             for off, n in self.spec.segments(c):
@@ -286,4 +392,5 @@ class ShardCore:
             tuple(self._ledger),
             {k: v.clone() for k, v in self._opt.items()},
             self.momentum,
+            tuple((e.vw, e.wave, e.discarded) for e in self.evictions),
         )
