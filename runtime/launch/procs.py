@@ -41,11 +41,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ShardRole:
-    """One parameter-server shard process: its rank, spec and node."""
+    """One parameter-server shard process: its rank, spec and node; ``peers`` (shard id,
+    rank) of the other shards in eviction mode (``--on-failure continue``), else ``None``."""
 
     rank: int
     spec: ShardSpec
     node: str
+    peers: tuple[tuple[int, int], ...] | None = None
 
     @property
     def where(self) -> str:
@@ -95,17 +97,19 @@ def shard_main(
         if resume_clock is not None and cfg.snapshots is not None:
             manifest = read_manifest(snapshot_dir(cfg.snapshots.directory, resume_clock))
             name = f"shard-{shard.spec.id}"
-            state = shard_from_payload(load_part(manifest, name), manifest.path / f"{name}.pt")
-            core = ShardCore(shard.spec, state=state)
+            init, state = None, shard_from_payload(load_part(manifest, name), manifest.path / f"{name}.pt")
         else:
             module, names, _ = reference_module(source, batch_size, seed)
-            init = {names[n]: p.detach() for n, p in module.named_parameters()}
-            core = ShardCore(shard.spec, shard.spec.flatten(init))
+            init = shard.spec.flatten({names[n]: p.detach() for n, p in module.named_parameters()})
+            state = None
+        peers = dict(shard.peers) if shard.peers is not None else None
+        core = ShardCore(shard.spec, init, state=state, peers=tuple(peers or ()))
         server = ShardServer(
             core,
             timeout_s=timeout_s,
             idle_timeout_s=4 * timeout_s,
             snapshots=cfg.snapshots,
+            peer_ranks=peers,
         )
         dist.barrier()
         state = server.serve()

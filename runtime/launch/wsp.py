@@ -28,6 +28,7 @@ from profiler.errors import ConfigError, HetPipeRuntimeError
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.data import default_dataset
+from runtime.launch.evict import VWEvictor
 from runtime.launch.failures import (
     Heartbeats,
     Interrupted,
@@ -52,7 +53,7 @@ from runtime.ps.layout import ShardSpec, shard_specs_for_layout
 from runtime.results.evaluation import shard_dataset, split_dataset
 from runtime.results.metrics import ProgressBar, StageResult, warn_overruns
 from runtime.results.timeline import describe_run
-from runtime.results.wsp import WSPResult, evaluate, export_snapshot
+from runtime.results.wsp import LostVW, WSPResult, evaluate, export_snapshot
 from runtime.stage.emulation import Calibration
 from runtime.stage.model import resolve_source
 from runtime.stage.tied import check_untied_for_ps
@@ -226,7 +227,9 @@ def _launch(
         snaps = SnapshotSpec(cfg.checkpoint_dir, owner.run_id, owner.attempt, snapshot_parts(plan),
                              settings, cfg.checkpoint_every, cfg.keep, cfg.write_fault)  # fmt: skip
         cfg = dataclasses.replace(cfg, snapshots=snaps)
-    shards = [ShardRole(k, s, plan.shards[k].node) for k, s in enumerate(specs)]
+    shards = [
+        ShardRole(k, s, plan.shards[k].node, _peers(s, specs, cfg)) for k, s in enumerate(specs)
+    ]
     contexts: list[StageContext] = []
     calibrations: list[Calibration | None] = []
     for k in range(n_vws):
@@ -241,12 +244,15 @@ def _launch(
              n_vws, [len(v.stages) for v in plan.virtual_workers], len(shards), nm, D, steps)  # fmt: skip
     with rendezvous_dir() as tmp:
         init_method = f"file://{tmp / 'rendezvous'}"
-        stage_results, states = _spawn_and_watch(
+        stage_results, states, lost = _spawn_and_watch(
             shards, contexts, calibrations, shards_data, source, optimizer, run, cfg, D,
             first_wave, init_method, fault, plan.batch_size,
         )  # fmt: skip
     warn_overruns(stage_results)
     result = WSPResult.build(plan, nm, D, stage_results, states, specs, time.time() - t_start)
+    if lost:
+        gone = LostVW.from_shards(lost, [s for s, _ in states], first_wave + steps // nm)
+        result = dataclasses.replace(result, lost=gone)
     ran = {st.steps for st in stage_results}
     if run.time_limit_s > 0 and ran and max(ran) < steps:
         note = f"time limit {run.time_limit_s:g} s: every VW stopped after wave {first_wave + max(ran) // nm}"
@@ -256,6 +262,13 @@ def _launch(
     if run.out_dir is not None:
         result.save(run.out_dir, about=describe_run(plan))
     return result
+
+
+def _peers(
+    spec: ShardSpec, specs: tuple[ShardSpec, ...], cfg: WSPConfig
+) -> tuple[tuple[int, int], ...] | None:
+    """``--on-failure continue``: (id, rank) of the other shards, which gate each wave."""
+    return tuple((s.id, s.rank) for s in specs if s.id != spec.id) if cfg.evict else None
 
 
 def snapshot_parts(plan: Plan) -> tuple[str, ...]:
@@ -321,8 +334,9 @@ def _spawn_and_watch(
     init_method: str,
     fault: str,
     batch_size: int,
-) -> tuple[list[StageResult], list[tuple[ShardState, list[ClockEvent]]]]:
-    """Start every process and watch them; returns the stage results and the shard states."""
+) -> tuple[list[StageResult], list[tuple[ShardState, list[ClockEvent]]], dict[int, str]]:
+    """Start every process and watch them; returns the stage results, the shard states and
+    the VWs lost (``--on-failure continue``: VW -> cause)."""
     mpc = process_context()
     mpc.set_forkserver_preload([*PRELOAD, "runtime.launch.wsp", "runtime.launch.procs"])
     events = mpc.Queue()
@@ -352,7 +366,13 @@ def _spawn_and_watch(
         labels = {s.rank: s.where for s in shards} | {c.rank: c.where for c in contexts}
         beats = Heartbeats(Path(init_method.removeprefix("file://")).parent,
                            max(5.0, run.timeout_s / 2), labels)  # fmt: skip
-        results = _watch(labels, procs, events, progress, run, cfg, beats)
+        evictor = None
+        if cfg.evict:
+            vw_ranks: dict[int, tuple[int, ...]] = {}
+            for c in contexts:
+                vw_ranks[c.vw] = (*vw_ranks.get(c.vw, ()), c.rank)
+            evictor = VWEvictor(vw_ranks, procs, labels)
+        results = _watch(labels, procs, events, progress, run, cfg, beats, evictor)
     except KeyboardInterrupt:
         raise Interrupted(f"interrupted (Ctrl-C): every process stopped{_hint(cfg)}") from None
     finally:
@@ -360,7 +380,7 @@ def _spawn_and_watch(
         stop_all(procs)
     stages = [r for r in results if isinstance(r, StageResult)]
     states = [r for r in results if not isinstance(r, StageResult)]
-    return stages, states
+    return stages, states, dict(evictor.lost) if evictor is not None else {}
 
 
 def _hint(cfg: WSPConfig) -> str:
@@ -378,6 +398,7 @@ def _watch(
     run: RunConfig,
     cfg: WSPConfig,
     beats: Heartbeats,
+    evictor: VWEvictor | None = None,
 ) -> list[Any]:
     """Every process's result, in rank order."""
 
@@ -388,5 +409,6 @@ def _watch(
         return HetPipeRuntimeError(f"rank {rank} ({labels[rank]}) failed: {why}{_hint(cfg)}")
 
     stall_s = max(120.0, 4 * run.timeout_s)
-    results = watch(procs, events, len(labels), progress.event, fail, stall_s, frozen=beats.frozen)
+    results = watch(procs, events, len(labels), progress.event, fail, stall_s,
+                    frozen=beats.frozen, absorb=evictor)  # fmt: skip
     return [loads_result(results[r]) for r in sorted(results)]

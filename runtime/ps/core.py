@@ -330,6 +330,11 @@ class ShardCore:
         """A VW is lost but not evicted yet (the shard must keep serving until it is)."""
         return bool(self._lost - self._cut.keys())
 
+    @property
+    def unsettled(self) -> bool:
+        """A lost VW is not evicted yet, or pushes wait for a wave to be applied."""
+        return self.waiting_on_eviction or any(self._pending.values())
+
     def _apply(
         self, wave_updates: dict[tuple[int, int], tuple[torch.Tensor, int]], members: list[int]
     ) -> None:
