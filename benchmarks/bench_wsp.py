@@ -4,7 +4,7 @@ For each allocation policy in ``--policies`` (a plan made once per policy on
 ``examples/emulated_cluster.yaml``: ``ed`` = one VW of V R G Q, ``hd`` = 2 VWs Q V and R G) and
 each D in ``--ds``: ``launch_wsp`` for ``--steps`` minibatches per VW (throughput, the plan's
 prediction, waiting and idle seconds per VW, test accuracy); then the DDP AllReduce baseline
-(``runtime.sync.allreduce.run_allreduce`` on ``planner.baseline.allreduce_plan``) on the devices of the same cluster that hold the whole model, on
+(``runtime.launch.ddp.run_allreduce`` on ``planner.baseline.allreduce_plan``) on the devices of the same cluster that hold the whole model, on
 the same data, for the same number of samples as the first HetPipe run. The default model
 ``mlp(hidden=384,depth=4)`` (3.8 MiB as a whole with plain SGD) fits only V and R, as the paper's
 large models fit only some GPUs; at batch 128 (stages of milliseconds, so compute dominates
@@ -27,9 +27,9 @@ from pathlib import Path
 from planner.baseline import allreduce_plan
 from planner.cluster import load_cluster
 from planner.planner import make_plan
-from runtime.config import ModelSource, OptimizerConfig, RunConfig
-from runtime.launch.wsp import WSPConfig, launch_wsp
-from runtime.sync.allreduce import run_allreduce
+from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
+from runtime.launch.ddp import run_allreduce
+from runtime.launch.wsp import launch_wsp
 
 REPO = Path(__file__).resolve().parent.parent
 

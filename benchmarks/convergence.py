@@ -40,8 +40,8 @@ from torch.utils.data import Dataset, Subset
 from planner.wsp import required_global_clock, s_global, wave_of
 from runtime.config import ModelSource
 from runtime.data import DigitsDataset, MinibatchSource
+from runtime.results.evaluation import accuracy, split_dataset
 from runtime.stage.model import reference_module
-from runtime.sync.allreduce import accuracy, split_dataset
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

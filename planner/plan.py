@@ -19,6 +19,7 @@ import yaml
 
 from planner.cluster import Cluster, parse_cluster
 from planner.plan_check import check_plan_document, validate_plan
+from planner.sync import SyncParams, check_sync_params
 from planner.wsp import s_global, s_local
 from profiler.errors import ConfigError, PlanError, shown
 from profiler.files import atomic_write_text
@@ -192,15 +193,8 @@ class Prediction:
     method: str = "analytic"
 
 
-SYNC_RULES = ("wsp", "allreduce")
-
-
 def _sync(value: Any, source: str) -> str:
-    if value not in SYNC_RULES:
-        raise PlanError(
-            f"{source}: sync: {str(value)[:40]!r} is not a synchronisation rule; use one of "
-            f"{', '.join(SYNC_RULES)}"
-        )
+    check_sync_params(value, {}, source)  # the rule exists (planner.sync.RULES)
     return str(value)
 
 
@@ -221,7 +215,9 @@ class Plan:
     num_layers: int
     profiles: dict[str, str] = field(default_factory=dict)  # GPU type -> provenance
     optimizer_state_factor: float = 1.0
-    sync: str = "wsp"  # the synchronisation rule across VWs: "wsp" (shards, D) or "allreduce"
+    sync: str = "wsp"  # the synchronisation rule across VWs (planner.sync.RULES): "wsp" (shards, D),
+    # "allreduce" or "local"
+    sync_params: SyncParams = ()  # the rule's parameters (planner.sync.check_sync_params)
     version: int = PLAN_VERSION
 
     @property
@@ -249,6 +245,7 @@ class Plan:
             for vw in self.virtual_workers
         ]
         d["shards"] = [asdict(s) for s in self.shards]
+        d["sync_params"] = dict(self.sync_params)
         d["predicted"] = asdict(self.predicted)
         d["local_staleness"] = self.local_staleness
         d["global_staleness"] = self.global_staleness
@@ -310,6 +307,9 @@ class Plan:
                 profiles={str(k): str(v) for k, v in d.get("profiles", {}).items()},
                 optimizer_state_factor=float(d.get("optimizer_state_factor", 1.0)),
                 sync=_sync(d.get("sync", "wsp"), source),
+                sync_params=check_sync_params(
+                    d.get("sync", "wsp"), d.get("sync_params") or {}, source
+                ),
             )
         except KeyError as exc:
             raise PlanError(

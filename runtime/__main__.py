@@ -34,7 +34,6 @@ import argparse
 import logging
 import os
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -51,7 +50,9 @@ from runtime.defaults import CHECKPOINT_EVERY, TIMEOUT_S
 from runtime.launch.single import stage_contexts, total_steps
 from runtime.results.wsp import WSPResult
 from runtime.stage.emulation import Calibration
+from runtime.stage.job import StageJob
 from runtime.stage.worker import StageWorker
+from runtime.sync.rule import SyncSpec
 
 log = logging.getLogger("runtime")
 
@@ -134,10 +135,11 @@ def main(argv: list[str] | None = None) -> int:
             backend, init_method="env://", timeout=timedelta(seconds=run.timeout_s)
         )
         try:
-            cfg = _optimizer(a)
-            worker = StageWorker(ctx, source, cfg, run, None, calibration)
+            sync = SyncSpec("local", timeout_s=run.timeout_s)
+            job = StageJob(ctx, source, _optimizer(a), run, sync, calibration=calibration)
+            worker = StageWorker(job)
             dist.barrier()
-            result = worker.run(time.time())
+            result = worker.run()
         finally:
             dist.destroy_process_group()
     except HetPipeError as exc:
@@ -161,7 +163,7 @@ def _main_wsp(a: argparse.Namespace, plan: Plan, rank: int, world: int) -> int:
     import dataclasses
 
     from runtime.data import default_dataset
-    from runtime.launch.procs import ShardRole, shard_main, stage_main
+    from runtime.launch.procs import ShardJob, shard_main, stage_main
     from runtime.launch.wsp import shard_specs, snapshot_parts, split_data, wsp_steps
     from runtime.persist.run_dir import check_settings, job_settings
     from runtime.persist.snapshot import SnapshotSpec, clean, select
@@ -211,16 +213,19 @@ def _main_wsp(a: argparse.Namespace, plan: Plan, rank: int, world: int) -> int:
     if steps == 0:
         raise ConfigError(f"the snapshot is already at wave {first_wave}: nothing left to train")
     sink = _RankSink(a.out, rank)
+    sync = SyncSpec("wsp", plan.sync_params, D, specs, cfg.snapshots, first_wave,
+                    timeout_s=a.timeout)  # fmt: skip
     try:
         if rank < len(specs):
-            role = ShardRole(rank, specs[rank], plan.shards[rank].node)
-            shard_main(role, source, plan.batch_size, a.seed, cfg, first_wave if a.resume else None,
-                       a.timeout, "env://", world, sink, os.getppid())  # fmt: skip
+            shard = ShardJob(rank, specs[rank], plan.shards[rank].node, source, plan.batch_size,
+                             a.seed, sync, a.resume, "env://", world)  # fmt: skip
+            shard_main(shard, sink, os.getppid())
         vw = next(k for k, r in enumerate(ranks) if rank in r)
         ctx = stage_contexts(plan, vw, nm, steps, first_rank=ranks[vw][0])[rank - ranks[vw][0]]
         calibration = Calibration.load(a.calibration) if a.calibration is not None else None
-        stage_main(ctx, source, opt, run, data[vw], calibration, specs, D, first_wave, cfg,
-                   "env://", world, sink, os.getppid(), "")  # fmt: skip
+        job = StageJob(ctx, source, opt, run, sync, data[vw], calibration=calibration,
+                       init_method="env://", world_size=world, agree_stop=True)  # fmt: skip
+        stage_main(job, sink, os.getppid())
     except SystemExit as done:  # the entry points exit with their code
         return int(done.code or 0)
     return 0
@@ -252,7 +257,7 @@ def collect_wsp(plan: Plan, out: Path, nm: int = 0, D: int | None = None) -> WSP
     Raises:
         HetPipeRuntimeError: a rank's file is missing (that rank failed).
     """
-    from runtime.launch.single import loads_result
+    from runtime.launch.procs import loads_result
     from runtime.launch.wsp import shard_specs
     from runtime.results.metrics import StageResult
     from runtime.stage.model import resolve_source

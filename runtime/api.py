@@ -36,9 +36,9 @@ from runtime.run import run_plan
 from runtime.stage.model import resolve_source
 
 if TYPE_CHECKING:
+    from runtime.launch.ddp import DDPResult
     from runtime.results.metrics import RunResult
     from runtime.results.wsp import WSPResult
-    from runtime.sync.allreduce import DDPResult
 
 __all__ = ["make_single_vw_plan", "train"]
 
@@ -149,7 +149,7 @@ def train(
     Returns:
         One VW: the :class:`RunResult` (losses, throughput, per-stage measurements, final
         weights); several VWs: the :class:`runtime.results.wsp.WSPResult`; an AllReduce plan:
-        the :class:`runtime.sync.allreduce.DDPResult`. Each has ``state_dict()`` or ``state``.
+        the :class:`runtime.launch.ddp.DDPResult`. Each has ``state_dict()`` or ``state``.
 
     Raises:
         HetPipeError: invalid inputs or a failed run (naming the rank, VW and stage).

@@ -18,7 +18,7 @@ from profiler.errors import ConfigError
 from runtime.defaults import TIMEOUT_S
 
 if TYPE_CHECKING:
-    from runtime.launch.failures import StageFault
+    from runtime.launch.failures import ShardFault, StageFault
     from runtime.persist.snapshot import SnapshotSpec, WriteFault
 
 __all__ = ["LossFn", "ModelSource", "OptimizerConfig", "RunConfig", "WSPConfig"]
@@ -202,6 +202,7 @@ class WSPConfig:
         keep: committed snapshots kept.
         write_fault: test hook: a snapshot write that fails as on a full disk.
         stage_fault: test hook: a stage that kills or freezes itself.
+        shard_fault: test hook: a shard that kills itself.
         max_restarts: ``--on-failure restart``: after a process failure, restart the whole job
             from its last committed snapshot, at most this many times (0: stop at the first).
         evict: ``--on-failure continue``: a VW whose process fails is evicted from the global
@@ -225,6 +226,7 @@ class WSPConfig:
     keep: int = 2
     write_fault: WriteFault | None = None
     stage_fault: StageFault | None = None
+    shard_fault: ShardFault | None = None
     max_restarts: int = 0
     evict: bool = False
     snapshots: SnapshotSpec | None = None

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset, Subset, TensorDataset, default_collate
 
+from planner.sync import global_slice
 from profiler.errors import ConfigError
 
 __all__ = ["DigitsDataset", "MinibatchSource", "SyntheticDataset", "default_dataset"]
@@ -176,6 +177,11 @@ class MinibatchSource:
         target_shape: shape the collated targets are reshaped to (the model's sample target
             shape, e.g. ``(B*T,)`` for a language model); ``()`` keeps the collated shape.
         input_names: for dict inputs, the keys in the order the model graph takes them.
+        offset: minibatch ``p`` is minibatch ``offset + p`` of the data order (a resumed run
+            goes on where its snapshot stopped).
+        slice_of: ``(rank, world)``: this rank's ``batch_size`` samples of every global
+            minibatch of ``world * batch_size`` (:func:`planner.sync.global_slice`, the
+            ``allreduce`` rule's data); ``(0, 1)``: the whole minibatch.
     """
 
     dataset: Dataset[Any]
@@ -183,6 +189,8 @@ class MinibatchSource:
     seed: int = 0
     target_shape: tuple[int, ...] = ()
     input_names: tuple[str, ...] = field(default=(), kw_only=True)
+    offset: int = field(default=0, kw_only=True)
+    slice_of: tuple[int, int] = field(default=(0, 1), kw_only=True)
 
     def __post_init__(self) -> None:
         if self.steps_per_epoch < 1:
@@ -193,14 +201,17 @@ class MinibatchSource:
 
     @property
     def steps_per_epoch(self) -> int:
-        """Full minibatches per epoch (the remainder is dropped)."""
-        return len(self.dataset) // self.batch_size  # type: ignore[arg-type]
+        """Full (global) minibatches per epoch (the remainder is dropped)."""
+        return len(self.dataset) // (self.batch_size * self.slice_of[1])  # type: ignore[arg-type]
 
     def indices(self, mb: int) -> list[int]:
         """Sample indices of 1-based minibatch ``mb``."""
-        epoch, pos = divmod(mb - 1, self.steps_per_epoch)
+        epoch, pos = divmod(self.offset + mb - 1, self.steps_per_epoch)
         perm = _permutation(len(self.dataset), self.seed * 7919 + epoch)  # type: ignore[arg-type]
-        return list(perm[pos * self.batch_size : (pos + 1) * self.batch_size])
+        rank, world = self.slice_of
+        lo, hi = global_slice(rank, self.batch_size)
+        start = pos * self.batch_size * world
+        return list(perm[start + lo : start + hi])
 
     def batch(self, mb: int) -> tuple[tuple[Tensor, ...], Tensor]:
         """Collated ``(inputs, targets)`` of minibatch ``mb``."""

@@ -3,7 +3,7 @@
 The plan says how its virtual workers synchronise (``plan.sync``) and whether it has
 parameter-server shards; this picks the launcher that executes it:
 
-- ``sync == "allreduce"``: the DDP baseline (:func:`runtime.sync.allreduce.run_allreduce`);
+- ``sync == "allreduce"``: the DDP baseline (:func:`runtime.launch.ddp.run_allreduce`);
 - shards and every VW (``vw < 0``): WSP through the parameter servers
   (:func:`runtime.launch.wsp.launch_wsp`), one VW included;
 - one VW of the plan alone, without parameter servers (``vw >= 0``, or a plan without shards
@@ -25,9 +25,9 @@ from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 if TYPE_CHECKING:
     from rich.table import Table
 
+    from runtime.launch.ddp import DDPResult
     from runtime.results.metrics import RunResult
     from runtime.results.wsp import WSPResult
-    from runtime.sync.allreduce import DDPResult
 
 __all__ = [
     "MAIN_JOB_EPOCHS",
@@ -67,7 +67,7 @@ def run_plan(
     how = launcher_for(plan, vw)
     run = default_length(run or RunConfig(), plan, how)
     if how == "allreduce":
-        from runtime.sync.allreduce import run_allreduce
+        from runtime.launch.ddp import run_allreduce
 
         return run_allreduce(plan, source=source, optimizer=optimizer, run=run, dataset=dataset)
     if how == "wsp":
@@ -147,8 +147,8 @@ def describe_training(plan: Plan, vw: int, nm: int, D: int | None) -> str:
 
 def outputs(result: RunResult | WSPResult | DDPResult) -> list[str]:
     """The files a run with ``--out`` wrote, relative to its folder."""
+    from runtime.launch.ddp import DDPResult
     from runtime.results.metrics import RunResult
-    from runtime.sync.allreduce import DDPResult
 
     if isinstance(result, DDPResult):
         return ["ddp.json", "weights.pt"]

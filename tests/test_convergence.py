@@ -10,7 +10,7 @@ import torch
 
 from planner.wsp import s_global
 from runtime.data import DigitsDataset
-from runtime.sync.allreduce import split_dataset
+from runtime.results.evaluation import split_dataset
 
 PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "convergence.py"
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,12 +32,14 @@ class VWEvictor:
         procs: rank -> ``multiprocessing.Process``.
         labels: rank -> description for messages.
         lost: VW id -> why it was evicted (the rank blamed), filled as VWs fail.
+        grace_s: longest wait for the death of the rank that caused a neighbour's error.
     """
 
     vw_ranks: Mapping[int, tuple[int, ...]]
     procs: Mapping[int, Any]
     labels: Mapping[int, str]
     lost: dict[int, str] = field(default_factory=dict)
+    grace_s: float = 1.5
 
     def __call__(self, errors: dict[int, str]) -> set[int]:
         """Stop the VWs of the failed ranks; their ranks, or an empty set when the run must
@@ -59,21 +62,26 @@ class VWEvictor:
         return gone
 
     def _culprit(self, ranks: tuple[int, ...], errors: dict[int, str]) -> tuple[int, str]:
-        """The rank of the VW that caused the failure: one that is frozen, else one that died
-        without reporting an error (killed), else one whose error is not a consequence."""
+        """The rank of the VW that caused the failure: one that is frozen, else one whose
+        error is not a consequence of another's, else one that died without reporting (a
+        neighbour's "connection closed" can arrive before the launcher learns of the death:
+        up to ``grace_s`` is given for that), else the lowest rank that reported."""
         frozen = [r for r in ranks if "frozen" in errors.get(r, "")]
         if frozen:
             return frozen[0], errors[frozen[0]]
-        for r in ranks:
-            code = self.procs[r].exitcode
-            if code not in (None, 0) and errors.get(r, "died") == "died":
-                how = (
-                    f"killed by signal {signal.Signals(-code).name}"
-                    if code < 0
-                    else f"exited with code {code}"
-                )
-                return r, how
-        mine = {r: m for r, m in errors.items() if r in ranks}
+        mine = {r: m for r, m in errors.items() if r in ranks and m != "died"}
         primary = [r for r, m in mine.items() if not any(s in m for s in SECONDARY)]
-        r = min(primary or mine)
-        return r, mine[r]
+        if primary:
+            return min(primary), mine[min(primary)]
+        deadline = time.monotonic() + self.grace_s
+        while True:
+            for r in ranks:
+                code = self.procs[r].exitcode
+                if code not in (None, 0) and r not in mine:
+                    how = f"exited with code {code}"
+                    return r, f"killed by signal {signal.Signals(-code).name}" if code < 0 else how
+            if time.monotonic() > deadline or not mine:
+                break
+            time.sleep(0.05)  # polls the exit codes until the deadline
+        r = min(mine) if mine else min(r for r in errors if r in ranks)
+        return r, errors[r]

@@ -39,6 +39,7 @@ __all__ = [
     "SECONDARY",
     "Heartbeats",
     "Interrupted",
+    "ShardFault",
     "StageFault",
     "rendezvous_dir",
     "root_cause_rank",
@@ -244,7 +245,7 @@ class Interrupted(HetPipeRuntimeError):
 class StageFault:
     """Test hook, passed in the job description: stage ``stage`` of VW ``vw`` (every VW when
     ``vw`` is -1) sends itself ``signum`` before minibatch ``at_mb`` (SIGKILL: a crash;
-    SIGSTOP: a frozen process)."""
+    SIGSTOP: a frozen process; 0: it raises ``RuntimeError``, a failure in Python)."""
 
     stage: int
     at_mb: int
@@ -257,10 +258,28 @@ class StageFault:
             return None
 
         def fire(mb: int) -> None:
+            if mb == self.at_mb and self.signum == 0:
+                raise RuntimeError(f"injected fault at minibatch {mb}")
             if mb == self.at_mb:
                 os.kill(os.getpid(), self.signum)
 
         return fire
+
+
+@dataclass(frozen=True)
+class ShardFault:
+    """Test hook, passed in the shard's job: shard ``shard`` SIGKILLs itself ``after_s``
+    seconds after it starts."""
+
+    shard: int
+    after_s: float
+
+    def arm(self, shard_id: int) -> None:
+        """Start the timer in shard ``shard_id``'s process (nothing for another shard)."""
+        if shard_id == self.shard:
+            timer = threading.Timer(self.after_s, os.kill, (os.getpid(), signal.SIGKILL))
+            timer.daemon = True
+            timer.start()
 
 
 class Heartbeats:

@@ -9,19 +9,15 @@ when the launcher disappears, and every process-group operation has a timeout.
 
 from __future__ import annotations
 
-import io
 import logging
 import math
 import multiprocessing as mp
 import os
-import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from planner.plan import Plan
 from profiler.errors import ConfigError, HetPipeRuntimeError
@@ -30,13 +26,13 @@ from runtime.data import default_dataset
 from runtime.launch.failures import (
     Heartbeats,
     Interrupted,
+    StageFault,
     rendezvous_dir,
     root_cause_rank,
-    run_rank,
-    setup_child,
     stop_all,
     watch,
 )
+from runtime.launch.procs import loads_result, stage_main
 from runtime.persist.checkpoint import atomic_torch_save
 from runtime.results.metrics import (
     ProgressBar,
@@ -47,15 +43,13 @@ from runtime.results.metrics import (
 )
 from runtime.results.timeline import describe_run, write_timeline
 from runtime.stage.emulation import Calibration, calibrate
+from runtime.stage.job import StageContext, StageJob
 from runtime.stage.model import resolve_source, sample_batch
-from runtime.stage.worker import StageContext, StageWorker
+from runtime.sync.rule import SyncSpec
 
 __all__ = [
     "PRELOAD",
-    "dumps_result",
-    "inject_fault",
     "launch",
-    "loads_result",
     "pacing_table",
     "process_context",
     "stage_contexts",
@@ -204,70 +198,6 @@ def pacing_table(
     return cal
 
 
-def dumps_result(obj: Any) -> bytes:
-    """A child's result as bytes for the launcher's event queue (``torch.save``)."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def loads_result(data: bytes) -> Any:
-    """The launcher's side of :func:`dumps_result`: the bytes come from its own children, so
-    pickled objects (result dataclasses) are allowed, unlike checkpoints."""
-    return torch.load(io.BytesIO(data), weights_only=False)
-
-
-def inject_fault(fault: str, ctx: StageContext) -> Callable[[int], None] | None:
-    """``raise:S:P`` / ``kill:S:P``: stage S raises / SIGKILLs itself at minibatch P (tests)."""
-    if not fault:
-        return None
-    kind, stage, mb = fault.split(":")
-    if int(stage) != ctx.stage:
-        return None
-
-    def hook(p: int) -> None:
-        if p == int(mb):
-            if kind == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            raise RuntimeError(f"injected fault at minibatch {p}")
-
-    return hook
-
-
-def worker_main(
-    ctx: StageContext,
-    source: ModelSource,
-    optimizer: OptimizerConfig,
-    run: RunConfig,
-    dataset: Any,
-    calibration: Calibration | None,
-    init_method: str,
-    world_size: int,
-    events: Any,
-    parent: int,
-    fault: str = "",
-) -> None:
-    """Entry point of one stage process (spawned by :func:`launch`)."""
-    setup_child(ctx.where, parent, logging.INFO)
-    log.debug("[%s] process up", ctx.where)
-
-    def body() -> tuple[str, bytes]:
-        t0 = time.perf_counter()
-        worker = StageWorker(ctx, source, optimizer, run, dataset, calibration, events)
-        worker.fault = inject_fault(fault, ctx)
-        t1 = time.perf_counter()
-        dist.barrier()
-        log.debug(
-            "[%s] built in %.2f s, waited %.2f s at the start barrier",
-            ctx.where,
-            t1 - t0,
-            time.perf_counter() - t1,
-        )
-        return "result", dumps_result(worker.run(time.time()))
-
-    run_rank(ctx.rank, events, init_method, world_size, run.timeout_s, body)
-
-
 def launch(
     plan: Plan,
     source: ModelSource,
@@ -275,7 +205,7 @@ def launch(
     run: RunConfig | None = None,
     dataset: Any = None,
     vw: int = 0,
-    fault: str = "",
+    fault: StageFault | None = None,
 ) -> RunResult:
     """Train virtual worker ``vw`` of ``plan`` with one process per stage on this host.
 
@@ -286,7 +216,7 @@ def launch(
         run: run settings.
         dataset: the user's data set (``None`` = built-in default).
         vw: which virtual worker to run.
-        fault: fault injection for tests (``raise:S:P`` or ``kill:S:P``).
+        fault: test hook: a stage that fails (:class:`StageFault`).
 
     Raises:
         HetPipeRuntimeError: a rank failed or died (the message names it).
@@ -315,9 +245,22 @@ def launch(
     predicted = plan.virtual_workers[vw].throughput
     with rendezvous_dir() as tmp:
         init_method = f"file://{tmp / 'rendezvous'}"
-        results = _spawn_and_watch(
-            contexts, source, optimizer, run, dataset, calibration, init_method, fault, steps
-        )
+        jobs = [
+            StageJob(
+                ctx,
+                source,
+                optimizer,
+                run,
+                SyncSpec("local", timeout_s=run.timeout_s),
+                dataset,
+                calibration=calibration,
+                fault=fault,
+                init_method=init_method,
+                world_size=len(contexts),
+            )
+            for ctx in contexts
+        ]
+        results = _spawn_and_watch(jobs, run, steps)
     warn_overruns(results)
     bound = 0.0
     if calibration is not None:
@@ -342,42 +285,19 @@ def process_context() -> Any:
     return ctx
 
 
-def _spawn_and_watch(
-    contexts: list[StageContext],
-    source: ModelSource,
-    optimizer: OptimizerConfig,
-    run: RunConfig,
-    dataset: Any,
-    calibration: Calibration | None,
-    init_method: str,
-    fault: str,
-    steps: int,
-) -> list[StageResult]:
+def _spawn_and_watch(jobs: list[StageJob], run: RunConfig, steps: int) -> list[StageResult]:
     mpc = process_context()
     events = mpc.Queue()
     procs: dict[int, Any] = {}
-    progress = ProgressBar(run.progress, steps, contexts[0].batch_size)
+    progress = ProgressBar(run.progress, steps, jobs[0].ctx.batch_size)
+    contexts = [j.ctx for j in jobs]
     try:
-        for ctx in contexts:
-            p = mpc.Process(
-                target=worker_main,
-                args=(
-                    ctx,
-                    source,
-                    optimizer,
-                    run,
-                    dataset,
-                    calibration,
-                    init_method,
-                    len(contexts),
-                    events,
-                    os.getpid(),
-                    fault,
-                ),
-                name=f"hetpipe-vw{ctx.vw}-stage{ctx.stage}",
-            )
+        for job in jobs:
+            p = mpc.Process(target=stage_main, args=(job, events, os.getpid()),
+                            name=f"hetpipe-vw{job.ctx.vw}-stage{job.ctx.stage}")  # fmt: skip
             p.start()
-            procs[ctx.rank] = p
+            procs[job.ctx.rank] = p
+        init_method = jobs[0].init_method
         beats = Heartbeats(Path(init_method.removeprefix("file://")).parent,
                            max(5.0, run.timeout_s / 2), {c.rank: c.where for c in contexts})  # fmt: skip
         return _watch(contexts, procs, events, progress, max(120.0, 4 * run.timeout_s), beats)

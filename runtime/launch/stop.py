@@ -15,11 +15,12 @@ import logging
 import time
 from collections.abc import Callable
 
+import torch.distributed as dist
 from torch._C._distributed_c10d import FileStore, Store
 
 from planner.wsp import stop_wave
 
-__all__ = ["StopAgreement", "file_store"]
+__all__ = ["StopAgreement", "file_store", "stop_store"]
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,14 @@ KEY = "hetpipe/stop_wave"
 def file_store(path: str) -> Store:
     """A store in the file ``path`` (every process of one host opens the same file)."""
     return FileStore(path, -1)
+
+
+def stop_store(init_method: str) -> Store:
+    """Where the VWs agree on the stop wave: a file beside a one-host run's rendezvous file,
+    else (torchrun, ``env://``) the process group's own store, which every host reaches."""
+    if init_method.startswith("file://"):
+        return file_store(init_method.removeprefix("file://") + ".stop")
+    return dist.distributed_c10d._get_default_store()
 
 
 class StopAgreement:

@@ -37,14 +37,8 @@ from runtime.launch.failures import (
     stop_all,
     watch,
 )
-from runtime.launch.procs import ShardRole, shard_main, stage_main
-from runtime.launch.single import (
-    PRELOAD,
-    loads_result,
-    pacing_table,
-    process_context,
-    stage_contexts,
-)
+from runtime.launch.procs import ShardJob, loads_result, shard_main, stage_main
+from runtime.launch.single import PRELOAD, pacing_table, process_context, stage_contexts
 from runtime.persist.checkpoint import ShardState
 from runtime.persist.run_dir import RunDirectory, check_settings, job_settings
 from runtime.persist.snapshot import Manifest, SnapshotSpec, clean, committed_clocks, select
@@ -54,12 +48,12 @@ from runtime.results.evaluation import shard_dataset, split_dataset
 from runtime.results.metrics import ProgressBar, StageResult, warn_overruns
 from runtime.results.timeline import describe_run
 from runtime.results.wsp import LostVW, WSPResult, evaluate, export_snapshot
-from runtime.stage.emulation import Calibration
+from runtime.stage.job import StageJob
 from runtime.stage.model import resolve_source
 from runtime.stage.tied import check_untied_for_ps
-from runtime.stage.worker import StageContext
+from runtime.sync.rule import SyncSpec
 
-__all__ = ["WSPConfig", "launch_wsp", "shard_specs", "snapshot_parts", "split_data", "wsp_steps"]
+__all__ = ["launch_wsp", "shard_specs", "snapshot_parts", "split_data", "wsp_steps"]
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +97,6 @@ def launch_wsp(
     run: RunConfig | None = None,
     cfg: WSPConfig | None = None,
     dataset: Dataset[Any] | None = None,
-    fault: str = "",
 ) -> WSPResult:
     """Train every virtual worker of ``plan`` through its parameter-server shards on this host.
 
@@ -121,8 +114,6 @@ def launch_wsp(
             the first VW's time is up: see :mod:`runtime.launch.stop`).
         cfg: WSP settings.
         dataset: the user's data set (``None`` = the model's built-in one).
-        fault: fault injection for tests (``raise:S:P``/``kill:S:P`` on every VW's stage S,
-            ``killshard:ID:SECONDS`` on a shard).
 
     Raises:
         ConfigError: bad settings, a directory that holds another run, a mismatched resume.
@@ -137,10 +128,10 @@ def launch_wsp(
     if run_dir is None:
         if cfg.resume:
             raise ConfigError("--resume needs the run's directory (--out or a checkpoint folder)")
-        return _launch(plan, source, optimizer, run, cfg, dataset, fault, None)
+        return _launch(plan, source, optimizer, run, cfg, dataset, None)
     with RunDirectory(run_dir, resume=cfg.resume, overwrite=cfg.overwrite) as owner:
         try:
-            return _launch_restarting(plan, source, optimizer, run, cfg, dataset, fault, owner)
+            return _launch_restarting(plan, source, optimizer, run, cfg, dataset, owner)
         except KeyboardInterrupt:  # after training (evaluation, outputs): the snapshot stays
             raise HetPipeRuntimeError(
                 f"interrupted (Ctrl-C); write the outputs from the last snapshot with: "
@@ -155,7 +146,6 @@ def _launch_restarting(
     run: RunConfig,
     cfg: WSPConfig,
     dataset: Dataset[Any] | None,
-    fault: str,
     owner: RunDirectory,
 ) -> WSPResult:
     """``--on-failure restart``: after a process failure, restart the whole job from its last
@@ -164,7 +154,7 @@ def _launch_restarting(
     restarts: list[str] = []
     while True:
         try:
-            result = _launch(plan, source, optimizer, run, cfg, dataset, fault, owner)
+            result = _launch(plan, source, optimizer, run, cfg, dataset, owner)
             break
         except HetPipeRuntimeError as exc:
             ckpt = cfg.checkpoint_dir
@@ -176,8 +166,7 @@ def _launch_restarting(
             log.warning("restart %d of %d from the last snapshot after: %s",
                         len(restarts), cfg.max_restarts, restarts[-1])  # fmt: skip
             cfg = dataclasses.replace(cfg, resume=bool(committed), resume_clock=None,
-                                      stage_fault=None, write_fault=None)  # fmt: skip
-            fault = ""
+                                      stage_fault=None, write_fault=None, shard_fault=None)  # fmt: skip
     if restarts:
         result = dataclasses.replace(result, restarts=tuple(restarts))
         if run.out_dir is not None:
@@ -192,7 +181,6 @@ def _launch(
     run: RunConfig,
     cfg: WSPConfig,
     dataset: Dataset[Any] | None,
-    fault: str,
     owner: RunDirectory | None,
 ) -> WSPResult:
     t_start = time.time()
@@ -227,27 +215,35 @@ def _launch(
         snaps = SnapshotSpec(cfg.checkpoint_dir, owner.run_id, owner.attempt, snapshot_parts(plan),
                              settings, cfg.checkpoint_every, cfg.keep, cfg.write_fault)  # fmt: skip
         cfg = dataclasses.replace(cfg, snapshots=snaps)
-    shards = [
-        ShardRole(k, s, plan.shards[k].node, _peers(s, specs, cfg)) for k, s in enumerate(specs)
-    ]
-    contexts: list[StageContext] = []
-    calibrations: list[Calibration | None] = []
-    for k in range(n_vws):
-        ctxs = stage_contexts(plan, k, nm, steps, first_rank=len(shards) + len(contexts))
-        vw_run = (
-            run if run.out_dir is None else dataclasses.replace(run, out_dir=run.out_dir / f"vw{k}")
-        )
-        cal = pacing_table(plan, source, ctxs, vw_run)
-        contexts += ctxs
-        calibrations += [cal] * len(ctxs)
-    log.info("%d VWs x %s stages, %d shards, Nm %d, D %d, %d minibatches per VW",
-             n_vws, [len(v.stages) for v in plan.virtual_workers], len(shards), nm, D, steps)  # fmt: skip
+    sync = SyncSpec("wsp", plan.sync_params, D, specs, cfg.snapshots, first_wave,
+                    cfg.overlap_pulls, run.timeout_s)  # fmt: skip
     with rendezvous_dir() as tmp:
         init_method = f"file://{tmp / 'rendezvous'}"
-        stage_results, states, lost = _spawn_and_watch(
-            shards, contexts, calibrations, shards_data, source, optimizer, run, cfg, D,
-            first_wave, init_method, fault, plan.batch_size,
-        )  # fmt: skip
+        stages = _stage_jobs(
+            plan, source, optimizer, run, cfg, sync, shards_data, steps, init_method
+        )
+        world = len(specs) + len(stages)
+        shards = [
+            ShardJob(
+                k,
+                s,
+                plan.shards[k].node,
+                source,
+                plan.batch_size,
+                run.seed,
+                sync,
+                cfg.resume,
+                init_method,
+                world,
+                cfg.shard_fault,
+                _peers(s, specs, cfg),
+            )
+            for k, s in enumerate(specs)
+        ]
+        stages = [dataclasses.replace(j, world_size=world) for j in stages]
+        log.info("%d VWs x %s stages, %d shards, Nm %d, D %d, %d minibatches per VW",
+                 n_vws, [len(v.stages) for v in plan.virtual_workers], len(shards), nm, D, steps)  # fmt: skip
+        stage_results, states, lost = _spawn_and_watch(shards, stages, run, cfg, plan.batch_size)
     warn_overruns(stage_results)
     result = WSPResult.build(plan, nm, D, stage_results, states, specs, time.time() - t_start)
     if lost:
@@ -262,6 +258,43 @@ def _launch(
     if run.out_dir is not None:
         result.save(run.out_dir, about=describe_run(plan))
     return result
+
+
+def _stage_jobs(
+    plan: Plan,
+    source: ModelSource,
+    optimizer: OptimizerConfig,
+    run: RunConfig,
+    cfg: WSPConfig,
+    sync: SyncSpec,
+    data: list[Subset[Any]],
+    steps: int,
+    init_method: str,
+) -> list[StageJob]:
+    """Every stage's job, VW by VW after the shards' ranks (``world_size`` set by the caller)."""
+    jobs: list[StageJob] = []
+    for k in range(len(plan.virtual_workers)):
+        ctxs = stage_contexts(plan, k, run.nm or plan.nm, steps, len(plan.shards) + len(jobs))
+        vw_run = (
+            run if run.out_dir is None else dataclasses.replace(run, out_dir=run.out_dir / f"vw{k}")
+        )
+        cal = pacing_table(plan, source, ctxs, vw_run)
+        jobs += [
+            StageJob(
+                ctx,
+                source,
+                optimizer,
+                run,
+                sync,
+                data[k],
+                calibration=cal,
+                fault=cfg.stage_fault,
+                init_method=init_method,
+                agree_stop=True,
+            )
+            for ctx in ctxs
+        ]
+    return jobs
 
 
 def _peers(
@@ -321,18 +354,10 @@ def wsp_steps(run: RunConfig, nm: int, first_wave: int, vw_samples: int, batch_s
 
 
 def _spawn_and_watch(
-    shards: list[ShardRole],
-    contexts: list[StageContext],
-    calibrations: list[Calibration | None],
-    data: list[Subset[Any]],
-    source: ModelSource,
-    optimizer: OptimizerConfig,
+    shards: list[ShardJob],
+    stages: list[StageJob],
     run: RunConfig,
     cfg: WSPConfig,
-    D: int,
-    first_wave: int,
-    init_method: str,
-    fault: str,
     batch_size: int,
 ) -> tuple[list[StageResult], list[tuple[ShardState, list[ClockEvent]]], dict[int, str]]:
     """Start every process and watch them; returns the stage results, the shard states and
@@ -341,36 +366,28 @@ def _spawn_and_watch(
     mpc.set_forkserver_preload([*PRELOAD, "runtime.launch.wsp", "runtime.launch.procs"])
     events = mpc.Queue()
     procs: dict[int, Any] = {}
-    world = len(shards) + len(contexts)
-    specs = tuple(s.spec for s in shards)
-    n_vws = 1 + max(c.vw for c in contexts)
-    total = contexts[0].total_steps * n_vws
-    progress = ProgressBar(run.progress, total, batch_size)
-    resume_clock = first_wave if cfg.resume else None
+    n_vws = 1 + max(j.ctx.vw for j in stages)
+    progress = ProgressBar(run.progress, stages[0].ctx.total_steps * n_vws, batch_size)
     try:
         for sh in shards:
-            args = (sh, source, batch_size, run.seed, cfg, resume_clock, run.timeout_s,
-                    init_method, world, events, os.getpid(), fault)  # fmt: skip
             procs[sh.rank] = mpc.Process(
-                target=shard_main, args=args, name=f"hetpipe-shard{sh.spec.id}"
+                target=shard_main, args=(sh, events, os.getpid()), name=f"hetpipe-shard{sh.spec.id}"
             )
             procs[sh.rank].start()
-        for ctx, cal in zip(contexts, calibrations, strict=True):
-            stage_fault = "" if fault.startswith("killshard:") else fault
-            args2 = (ctx, source, optimizer, run, data[ctx.vw], cal, specs, D, first_wave,
-                     cfg, init_method, world, events, os.getpid(), stage_fault)  # fmt: skip
-            procs[ctx.rank] = mpc.Process(
-                target=stage_main, args=args2, name=f"hetpipe-vw{ctx.vw}-stage{ctx.stage}"
-            )
+        for job in stages:
+            ctx = job.ctx
+            procs[ctx.rank] = mpc.Process(target=stage_main, args=(job, events, os.getpid()),
+                                          name=f"hetpipe-vw{ctx.vw}-stage{ctx.stage}")  # fmt: skip
             procs[ctx.rank].start()
-        labels = {s.rank: s.where for s in shards} | {c.rank: c.where for c in contexts}
+        labels = {s.rank: s.where for s in shards} | {j.ctx.rank: j.ctx.where for j in stages}
+        init_method = stages[0].init_method
         beats = Heartbeats(Path(init_method.removeprefix("file://")).parent,
                            max(5.0, run.timeout_s / 2), labels)  # fmt: skip
         evictor = None
         if cfg.evict:
             vw_ranks: dict[int, tuple[int, ...]] = {}
-            for c in contexts:
-                vw_ranks[c.vw] = (*vw_ranks.get(c.vw, ()), c.rank)
+            for j in stages:
+                vw_ranks[j.ctx.vw] = (*vw_ranks.get(j.ctx.vw, ()), j.ctx.rank)
             evictor = VWEvictor(vw_ranks, procs, labels)
         results = _watch(labels, procs, events, progress, run, cfg, beats, evictor)
     except KeyboardInterrupt:
@@ -378,9 +395,9 @@ def _spawn_and_watch(
     finally:
         progress.stop()
         stop_all(procs)
-    stages = [r for r in results if isinstance(r, StageResult)]
+    stage_results = [r for r in results if isinstance(r, StageResult)]
     states = [r for r in results if not isinstance(r, StageResult)]
-    return stages, states, dict(evictor.lost) if evictor is not None else {}
+    return stage_results, states, dict(evictor.lost) if evictor is not None else {}
 
 
 def _hint(cfg: WSPConfig) -> str:

@@ -34,6 +34,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,6 +42,9 @@ from planner.wsp import GlobalClock
 from profiler.errors import ConfigError
 from runtime.persist.checkpoint import LedgerEntry, ShardState
 from runtime.ps.layout import ShardSpec
+
+if TYPE_CHECKING:
+    from runtime.sync.rule import WaveFold
 
 __all__ = ["ClockEvent", "Eviction", "PushResult", "ShardCore", "Status"]
 
@@ -113,6 +117,9 @@ class ShardCore:
             client's every wave below the clock was applied exactly once (a wave is applied
             only as a whole, once, and tags below the clock are rejected), so a week-long run
             need not grow its ledger and checkpoints without bound.
+        fold: the synchronisation rule's way to fold a complete wave's summed update into
+            the weights (:class:`runtime.sync.rule.WaveFold`); ``None``: add it (or through
+            ``momentum``), client by client.
         peers: the other shards' ids whose VW clocks gate applying a wave (eviction mode,
             ``--on-failure continue``); empty: a wave complete here is applied at once.
     """
@@ -124,9 +131,11 @@ class ShardCore:
         state: ShardState | None = None,
         momentum: float = 0.0,
         max_ledger_waves: int | None = None,
+        fold: WaveFold | None = None,
         peers: Sequence[int] = (),
     ) -> None:
         self.spec = spec
+        self.fold = fold
         self.max_ledger_waves = max_ledger_waves
         if state is not None:
             if state.shard_id != spec.id:
@@ -341,7 +350,7 @@ class ShardCore:
         """Fold one complete wave of the ``members`` (VW indices) into the weights: clients
         in (vw, stage) order, so the floating-point result does not depend on arrival order."""
         target = self._w
-        if self.momentum:
+        if self.momentum or self.fold is not None:
             target = torch.zeros_like(self._w)  # the wave's summed update, then m = mu*m + sum
         for c in self.spec.clients:
             if self._vw_index[c.vw] not in members:
@@ -352,7 +361,9 @@ class ShardCore:
                 target[off : off + n] += upd[pos : pos + n]
                 pos += n
             self._ledger.append(LedgerEntry(c.vw, c.stage, self._clock, seq))
-        if self.momentum:
+        if self.fold is not None:
+            self.fold.fold(self._w, target, self._opt)
+        elif self.momentum:
             buf = self._opt["momentum"]
             buf.mul_(self.momentum).add_(target)
             self._w.add_(buf)

@@ -72,7 +72,12 @@ class VersionedWeights:
     """
 
     def __init__(
-        self, params: dict[str, nn.Parameter], nm: int, cfg: OptimizerConfig, total_updates: int = 0
+        self,
+        params: dict[str, nn.Parameter],
+        nm: int,
+        cfg: OptimizerConfig,
+        total_updates: int = 0,
+        first_update: int = 0,
     ) -> None:
         self.master = params
         self.nm = nm
@@ -80,7 +85,7 @@ class VersionedWeights:
         self.total_updates = total_updates
         self.optimizer = build_optimizer(list(params.values()), cfg) if params else None
         self.version = 0  # updates applied to the master
-        self.first_update = 0  # updates before this run (a resumed run's lr-schedule position)
+        self.first_update = first_update  # updates before this run (a resumed run's lr-schedule position)
         self._versions: dict[int, dict[str, Tensor]] = {}
         self._users: dict[int, int] = {}
         self._last_acquired = 0

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,58 +21,21 @@ from torch.func import functional_call
 
 from planner.schedule import Kind, StageQueue, Task
 from profiler.errors import HetPipeRuntimeError
-from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.data import MinibatchSource, default_dataset
-from runtime.launch.stop import StopAgreement
+from runtime.launch.stop import StopAgreement, stop_store
 from runtime.results.metrics import StageResult
 from runtime.stage.comm import Channel, Event, GradReceiver, cut_specs, start_activation_receiver
-from runtime.stage.emulation import Calibration, MemoryMeter, SavedBytes, pace_until
+from runtime.stage.emulation import MemoryMeter, SavedBytes, pace_until
+from runtime.stage.job import StageJob
 from runtime.stage.model import build_stage
 from runtime.stage.tied import TiedGrads
 from runtime.stage.weights import VersionedWeights
+from runtime.sync.registry import stage_sync
+from runtime.sync.rule import StageView
 
-__all__ = ["StageContext", "StageWorker"]
+__all__ = ["StageWorker"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StageContext:
-    """Everything a stage process learns from the plan and the launcher.
-
-    Attributes:
-        rank: global rank.
-        vw, stage, n_stages: position in the virtual worker.
-        nm: minibatches in flight.
-        cuts: cut points of the virtual worker's pipeline.
-        batch_size: samples per minibatch.
-        device: device label (``G:0``).
-        speed: emulated relative speed (0 = not paced).
-        cap_bytes: memory cap (0 = none).
-        optimizer_state_factor: optimizer state bytes per parameter byte.
-        prev_rank, next_rank: neighbours' global ranks (``None`` at the ends).
-        total_steps: minibatches to train (stage 0 may stop earlier on a time limit).
-    """
-
-    rank: int
-    vw: int
-    stage: int
-    n_stages: int
-    nm: int
-    cuts: tuple[int, ...]
-    batch_size: int
-    device: str
-    speed: float
-    cap_bytes: int
-    optimizer_state_factor: float
-    prev_rank: int | None
-    next_rank: int | None
-    total_steps: int
-
-    @property
-    def where(self) -> str:
-        """Log prefix ``vw 0 | stage 2 | rank 2 | device G:0``."""
-        return f"vw {self.vw} | stage {self.stage} | rank {self.rank} | device {self.device}"
 
 
 @dataclass
@@ -87,53 +49,29 @@ class _Held:
 class StageWorker:
     """Runs one stage to completion; :meth:`run` returns its :class:`StageResult`."""
 
-    def __init__(
-        self,
-        ctx: StageContext,
-        source: ModelSource,
-        optimizer: OptimizerConfig,
-        run: RunConfig,
-        dataset: Any = None,
-        calibration: Calibration | None = None,
-        events: Any = None,
-    ) -> None:
+    def __init__(self, job: StageJob, events: Any = None) -> None:
+        ctx, run = job.ctx, job.run
         self.ctx = ctx
         self.run_cfg = run
         self.events = events
-        self.calibration = calibration if ctx.speed > 0 else None
-        built = build_stage(source, ctx.batch_size, ctx.cuts, ctx.stage, run.seed)
+        self.calibration = job.calibration if ctx.speed > 0 else None
+        built = build_stage(job.source, ctx.batch_size, ctx.cuts, ctx.stage, run.seed)
         self.module = built.module.train()
         self.loss_fn = built.loss
         self.names = built.names
         bounds = [0, *ctx.cuts, len(built.graph.layers)]
         self.in_specs = cut_specs(built.graph, bounds[ctx.stage]) if ctx.stage > 0 else ()
         self.out_specs = () if self.last else cut_specs(built.graph, bounds[ctx.stage + 1])
-        self.data: MinibatchSource | None = None
-        if ctx.stage == 0 or self.last:
-            ds = (
-                dataset
-                if dataset is not None
-                else default_dataset(
-                    source.name,
-                    built.spec.inputs,
-                    built.spec.targets,
-                    ctx.batch_size,
-                    built.graph.input_names,
-                )
-            )
-            self.data = MinibatchSource(
-                ds,
-                ctx.batch_size,
-                run.seed,
-                tuple(built.spec.targets.shape),
-                input_names=built.graph.input_names,
-            )
+        self.data = self._data(job, built) if ctx.stage == 0 or self.last else None
         params = dict(self.module.named_parameters())
         local = {orig: name for name, orig in self.names.items()}
         self.tied = TiedGrads(
             ctx.stage, ctx.rank - ctx.stage, built.graph.shared_params(ctx.cuts), local
         )
-        self.weights = VersionedWeights(params, ctx.nm, optimizer, ctx.total_steps)
+        # a resumed run's lr schedule goes on where it stopped (cosine horizon included)
+        self.weights = VersionedWeights(
+            params, ctx.nm, job.optimizer, job.first_mb + ctx.total_steps, job.first_mb
+        )
         buffer_bytes = sum(b.numel() * b.element_size() for b in self.module.buffers())
         factor = ctx.optimizer_state_factor
         self.memory = MemoryMeter(
@@ -143,14 +81,33 @@ class StageWorker:
         self.inbox: queue.Queue[Event] = queue.Queue()
         self.held: dict[int, _Held] = {}
         self.result = StageResult(ctx.rank, ctx.vw, ctx.stage, ctx.device)
-        self.fault: Callable[[int], None] | None = None  # fault injection (tests)
-        # called after each update / before each forward with the minibatch number (WSP
-        # push and pull, runtime.sync.wave)
-        self.after_update: Callable[[int], None] | None = None
-        self.before_update: Callable[[int], None] | None = None
-        self.before_forward: Callable[[int], None] | None = None
-        self.stop: StopAgreement | None = None  # stage 0 of a multi-VW run: the shared time limit
+        self.fault = job.fault.hook(ctx.vw, ctx.stage) if job.fault is not None else None
+        self.first_wave = job.sync.first_wave
+        view = StageView(
+            ctx.rank, ctx.vw, ctx.stage, ctx.nm, f"vw{ctx.vw}-stage{ctx.stage}",
+            tuple((self.names[n], p) for n, p in params.items()), self.weights, self.result,
+        )  # fmt: skip
+        self.sync = stage_sync(job.sync, view)  # the synchronisation rule's hooks
+        self.stop = (  # several VWs: every stage 0 stops at one agreed wave on a time limit
+            StopAgreement(stop_store(job.init_method), ctx.nm, job.sync.D)
+            if job.agree_stop and ctx.stage == 0 and run.time_limit_s > 0
+            else None
+        )
         self._task_wall0 = 0.0  # wall-clock start of the task being executed (the timeline)
+
+    @staticmethod
+    def _data(job: StageJob, built: Any) -> MinibatchSource:
+        """The minibatches of this VW (stage 0 reads inputs, the last stage targets)."""
+        ds = job.dataset
+        if ds is None:
+            ds = default_dataset(
+                job.source.name, built.spec.inputs, built.spec.targets,
+                job.ctx.batch_size, built.graph.input_names,
+            )  # fmt: skip
+        return MinibatchSource(
+            ds, job.ctx.batch_size, job.run.seed, tuple(built.spec.targets.shape),
+            input_names=built.graph.input_names, offset=job.first_mb, slice_of=job.data_slice,
+        )  # fmt: skip
 
     @property
     def last(self) -> bool:
@@ -159,9 +116,12 @@ class StageWorker:
 
     # ------------------------------------------------------------ main loop
 
-    def run(self, start_time: float) -> StageResult:
-        """Execute every task of this stage; returns its measurements."""
+    def run(self, start_time: float | None = None) -> StageResult:
+        """Start the synchronisation rule, execute every task of this stage, close the rule;
+        returns the stage's measurements (``start_time``: now, after the rule started)."""
         ctx = self.ctx
+        self.sync.start(self.first_wave)
+        start_time = time.time() if start_time is None else start_time
         self.result.start_time = start_time
         to_next = Channel(ctx.next_rank, self.out_specs) if ctx.next_rank is not None else None
         to_prev = Channel(ctx.prev_rank, self.in_specs) if ctx.prev_rank is not None else None
@@ -233,6 +193,7 @@ class StageWorker:
             self.result.state = {
                 self.names[n]: p.detach().clone() for n, p in self.module.named_parameters()
             }
+        self.sync.close()
         return self.result
 
     def _admit(self, n: int) -> None:
@@ -320,8 +281,7 @@ class StageWorker:
             # job) nor waiting for a WSP pull is device time: pace from after them
             if self.ctx.stage == 0:
                 self._load(mb)
-            if self.before_forward is not None:
-                self.before_forward(mb)
+            self.sync.before_forward(mb)
         t0, self._task_wall0 = time.perf_counter(), time.time()
         log.debug("[%s] task %s", self.ctx.where, task)
         if self.fault is not None:
@@ -360,13 +320,12 @@ class StageWorker:
             to_prev.send_grads(grads_x)
 
     def _update(self, mb: int, grads_w: dict[str, Tensor | None]) -> None:
-        if self.before_update is not None:
-            self.before_update(mb)
+        grads_w = self.sync.reduce_grads(mb, grads_w)
+        self.sync.before_update(mb)
         if self.tied:  # a parameter held by several stages: every copy takes the summed step
             grads_w = self.tied.exchange(grads_w, self.weights.master)
         self.weights.update(mb, grads_w)
-        if self.after_update is not None:
-            self.after_update(mb)
+        self.sync.after_update(mb)
 
     def _load(self, mb: int) -> None:
         """Stage 0: fetch minibatch ``mb`` of this worker's data."""

@@ -1,4 +1,4 @@
-"""Supervision of the AllReduce baseline's rank processes (:mod:`runtime.sync.allreduce`).
+"""Supervision of the AllReduce baseline's rank processes (:mod:`runtime.launch.ddp`).
 
 The parent waits for every rank's result on one queue; the first failing rank (not its peers,
 whose links then break) is blamed by :func:`runtime.launch.failures.root_cause_rank`.

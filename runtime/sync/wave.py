@@ -41,6 +41,7 @@ from runtime.persist.snapshot import (
 from runtime.ps.client import PSClient, PullHandle
 from runtime.results.metrics import StageResult
 from runtime.stage.weights import VersionedWeights
+from runtime.sync.rule import Grads, StageView, SyncSpec
 
 __all__ = ["WaveSync"]
 
@@ -89,6 +90,35 @@ class WaveSync:
         self._snapshot: list[Tensor] = []
         self.weights = weights  # given: pulls overlap the tasks until a forward needs them
         self._pending: tuple[PullHandle, int, int] | None = None  # (pull, needed clock, version)
+
+    @classmethod
+    def create(cls, spec: SyncSpec, view: StageView) -> WaveSync:
+        """The ``wsp`` rule's factory (:mod:`runtime.sync.rule`): the stage's shard client
+        and hooks; a resumed run goes on at ``spec.first_wave``."""
+        client = PSClient(
+            view.vw,
+            view.stage,
+            [(name, tuple(p.shape)) for name, p in view.params],
+            spec.shards,
+            timeout_s=spec.timeout_s,
+            pull_timeout_s=2 * spec.timeout_s,
+        )
+        return cls(
+            client,
+            [p for _, p in view.params],
+            view.nm,
+            spec.D,
+            view.result,
+            spec.first_wave * view.nm,
+            view.weights.optimizer,
+            spec.snapshots,
+            view.where,
+            view.weights if spec.overlap_pulls else None,
+        )
+
+    def reduce_grads(self, mb: int, grads: Grads) -> Grads:
+        """WSP applies the stage's own gradients locally (the waves carry them to the shards)."""
+        return grads
 
     def start(self, clock: int = 0) -> None:
         """Load the global weights at ``clock`` (the run's first wave) into the stage and, when

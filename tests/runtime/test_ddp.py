@@ -16,9 +16,9 @@ from planner.plan import Plan
 from profiler.errors import ConfigError, HetPipeRuntimeError
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.data import DigitsDataset, MinibatchSource
+from runtime.launch.ddp import run_allreduce
 from runtime.results.evaluation import accuracy, split_dataset
 from runtime.stage.model import reference_module
-from runtime.sync.allreduce import run_allreduce
 
 MiB = 2**20
 

@@ -10,6 +10,7 @@ from planner.manual import balanced_cuts, manual_plan
 from profiler.errors import HetPipeRuntimeError
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource, RunConfig
+from runtime.launch.failures import StageFault
 from runtime.launch.single import launch
 from runtime.stage.model import resolve_source
 
@@ -21,13 +22,17 @@ def _plan() -> tuple[ModelSource, object]:
 
 
 @pytest.mark.parametrize(
-    ("fault", "expected"), [("raise:1:3", "injected fault at minibatch 3"), ("kill:1:3", "SIGKILL")]
+    ("fault", "expected"),
+    [
+        (StageFault(1, 3, signum=0), "injected fault at minibatch 3"),
+        (StageFault(1, 3), "SIGKILL"),
+    ],
 )
-def test_failing_stage_ends_run_naming_it(fault: str, expected: str) -> None:
+def test_failing_stage_ends_run_naming_it(fault: StageFault, expected: str) -> None:
     source, plan = _plan()
     t0 = time.monotonic()
     with pytest.raises(HetPipeRuntimeError) as info:
-        launch(plan, source, None, RunConfig(steps=50, timeout_s=20), fault=fault)  # type: ignore[arg-type]
+        launch(plan, source, None, RunConfig(steps=50, timeout_s=20), fault=fault)
     elapsed = time.monotonic() - t0
     message = str(info.value)
     assert "rank 1 (vw 0, stage 1" in message

@@ -13,7 +13,7 @@ import pytest
 
 from profiler.errors import HetPipeRuntimeError
 from runtime.config import RunConfig, WSPConfig
-from runtime.launch.failures import StageFault
+from runtime.launch.failures import ShardFault, StageFault
 from runtime.launch.wsp import launch_wsp
 from runtime.persist.checkpoint import ShardState
 from tests.runtime.test_faults import SOURCE, _children, _plan
@@ -59,5 +59,7 @@ def test_a_lost_vw_is_evicted_and_the_survivor_finishes(
 def test_a_lost_shard_still_stops_the_run(tmp_path: Path) -> None:
     run = RunConfig(steps=400, timeout_s=8.0, emulate=False)
     with pytest.raises(HetPipeRuntimeError, match=r"\(shard 1 \|.*SIGKILL"):
-        launch_wsp(_plan(), SOURCE, None, run, WSPConfig(evict=True), fault="killshard:1:4")
+        launch_wsp(
+            _plan(), SOURCE, None, run, WSPConfig(evict=True, shard_fault=ShardFault(1, 4.0))
+        )
     assert not _children()

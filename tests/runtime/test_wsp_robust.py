@@ -15,6 +15,7 @@ from planner.manual import multi_vw_plan
 from profiler.errors import HetPipeRuntimeError
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
+from runtime.launch.failures import StageFault
 from runtime.launch.wsp import launch_wsp
 from runtime.persist.snapshot import committed_clocks, read_manifest, snapshot_dir
 from runtime.stage.model import resolve_source
@@ -66,7 +67,7 @@ def test_resume_continues_lr_schedule_and_momentum_exactly(tmp_path: Path) -> No
     whole = launch_wsp(plan, SOURCE, opt, run(tmp_path / "whole"))
     out = tmp_path / "cut"
     with pytest.raises(HetPipeRuntimeError):
-        launch_wsp(plan, SOURCE, opt, run(out), WSPConfig(checkpoint_every=2), fault="kill:0:6")
+        launch_wsp(plan, SOURCE, opt, run(out), WSPConfig(checkpoint_every=2, stage_fault=StageFault(0, 6)))
     ckpt = out / "checkpoints"
     assert committed_clocks(ckpt) == [2, 4]
     resumed = launch_wsp(plan, SOURCE, opt, run(out), WSPConfig(checkpoint_every=2, resume=True))

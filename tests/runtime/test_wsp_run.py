@@ -8,6 +8,7 @@ same algorithm.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,10 @@ from torch.func import functional_call
 from planner.manual import multi_vw_plan
 from profiler.errors import HetPipeRuntimeError
 from profiler.graph import ModelGraph
-from runtime.config import ModelSource, OptimizerConfig, RunConfig
+from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.data import MinibatchSource, default_dataset
-from runtime.launch.wsp import WSPConfig, launch_wsp, split_data
+from runtime.launch.failures import ShardFault, StageFault
+from runtime.launch.wsp import launch_wsp, split_data
 from runtime.persist.snapshot import committed_clocks
 from runtime.results.wsp import WSPResult
 from runtime.stage.model import reference_module, resolve_source
@@ -163,7 +165,7 @@ def _kill_then_resume(plan: Any, out: Path, steps: int) -> tuple[str, WSPResult]
     cfg = WSPConfig(checkpoint_every=2, resume_hint="hetpipe run X")
     opt = OptimizerConfig(lr=LR, momentum=0.5)  # stage-side optimizer state is checkpointed too
     with pytest.raises(HetPipeRuntimeError) as err:
-        launch_wsp(plan, SOURCE, opt, run, cfg, fault="kill:1:7")
+        launch_wsp(plan, SOURCE, opt, run, replace(cfg, stage_fault=StageFault(1, 7)))
     resumed = launch_wsp(
         plan,
         SOURCE,
@@ -196,7 +198,8 @@ def test_killed_shard_stops_the_run_naming_it(tmp_path: Path) -> None:
     plan = multi_vw_plan(_graph(), [(4,), (6,)], "mlp", BATCH, nm=1, D=0, n_shards=2)
     run = RunConfig(steps=100_000, timeout_s=15.0, emulate=False)
     with pytest.raises(HetPipeRuntimeError) as err:
-        launch_wsp(plan, SOURCE, OptimizerConfig(lr=LR), run, WSPConfig(), fault="killshard:1:3")
+        cfg = WSPConfig(shard_fault=ShardFault(1, 3.0))
+        launch_wsp(plan, SOURCE, OptimizerConfig(lr=LR), run, cfg)
     message = str(err.value)
     assert message.startswith("rank 1 (shard 1 |"), message
     assert "killed by signal SIGKILL" in message

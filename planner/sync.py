@@ -1,0 +1,138 @@
+"""The synchronisation rules across virtual workers, as a plan names them (pure, no processes).
+
+A plan says how its VWs synchronise: ``Plan.sync`` names the rule and ``Plan.sync_params``
+holds its parameters, a small frozen mapping (sorted ``(name, value)`` pairs; in the plan file
+``sync_params: {alpha: 0.5}``). :data:`RULES` is the one list the planner, the simulator and
+the runtime agree on. Each rule's pure logic lives in ``planner/`` (WSP's clocks in
+:mod:`planner.wsp`, AllReduce's below and its predictor in
+:func:`planner.predict.simulate_allreduce`), its process side in :mod:`runtime.sync`
+(:mod:`runtime.sync.rule` says how to add one).
+
+>>> check_sync_params("wsp", {}, "plan.yaml")
+()
+>>> effective_rule("wsp", n_shards=0, n_vws=1)
+'local'
+>>> global_slice(rank=2, batch_size=8)
+(16, 24)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from profiler.errors import ConfigError, PlanError
+
+__all__ = [
+    "RULES",
+    "RuleInfo",
+    "SyncParams",
+    "check_sync_params",
+    "effective_rule",
+    "global_slice",
+    "param",
+]
+
+SyncParams = tuple[tuple[str, float], ...]
+"""A rule's parameters: sorted ``(name, value)`` pairs (frozen, hashable, pickles anywhere)."""
+
+
+@dataclass(frozen=True)
+class RuleInfo:
+    """One synchronisation rule as the planner sees it.
+
+    Attributes:
+        name: what ``Plan.sync`` says (``wsp``).
+        uses_shards: the VWs synchronise through parameter-server shards (the launcher starts
+            them; the plan must place some).
+        params: the parameters the rule takes, with their defaults (``Plan.sync_params``).
+        doc: one line for error messages and ``--help``.
+    """
+
+    name: str
+    uses_shards: bool
+    params: SyncParams
+    doc: str
+
+
+RULES: Mapping[str, RuleInfo] = MappingProxyType(
+    {
+        "wsp": RuleInfo(
+            "wsp",
+            True,
+            (),
+            "Wave Synchronous Parallel through the shards (paper Sec. 5; threshold Plan.D)",
+        ),
+        "local": RuleInfo("local", False, (), "one VW alone: nothing to synchronise"),
+        "allreduce": RuleInfo(
+            "allreduce",
+            False,
+            (),
+            "BSP data parallelism: gradients averaged over every VW after every minibatch",
+        ),
+    }
+)
+
+
+def check_sync_params(rule: str, given: Mapping[str, Any], source: str) -> SyncParams:
+    """``given`` completed with the rule's defaults, checked and frozen.
+
+    Raises:
+        PlanError: an unknown rule, an unknown parameter or a value that is not a finite
+            number (names the file, the field and the choices).
+    """
+    info = RULES.get(rule)
+    if info is None:
+        raise PlanError(
+            f"{source}: sync: {str(rule)[:40]!r} is not a synchronisation rule; use one of "
+            f"{', '.join(RULES)}"
+        )
+    if not isinstance(given, Mapping):
+        raise PlanError(f"{source}: sync_params must be a mapping of names to numbers")
+    defaults = dict(info.params)
+    out = dict(defaults)
+    for key, value in given.items():
+        if key not in defaults:
+            known = ", ".join(defaults) or "none"
+            raise PlanError(
+                f"{source}: sync_params: {str(key)[:40]!r} is not a parameter of rule "
+                f"{rule!r} (it takes: {known})"
+            )
+        if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+            raise PlanError(f"{source}: sync_params.{key}: {str(value)[:40]!r} is not a number")
+        out[key] = float(value)
+    return tuple(sorted(out.items()))
+
+
+def param(params: SyncParams, name: str, default: float = 0.0) -> float:
+    """The value of parameter ``name`` (``default`` when the rule does not set it)."""
+    return dict(params).get(name, default)
+
+
+def effective_rule(sync: str, n_shards: int, n_vws: int, vw: int = -1) -> str:
+    """The rule that actually trains: a rule through shards with no shards to go through, or
+    one VW of the plan trained alone (``vw >= 0``), is ``local`` (nothing to synchronise).
+
+    Raises:
+        ConfigError: several VWs to synchronise by a shard rule without any shard.
+    """
+    info = RULES[sync]
+    if not info.uses_shards:
+        return sync
+    if vw >= 0 or (n_shards == 0 and n_vws == 1):
+        return "local"
+    if n_shards == 0:
+        raise ConfigError(
+            f"the plan has {n_vws} VWs but no parameter-server shards to synchronise them by "
+            f"{sync!r}; re-plan with shards (hetpipe plan) or train one VW (vw=K)"
+        )
+    return sync
+
+
+def global_slice(rank: int, batch_size: int) -> tuple[int, int]:
+    """AllReduce's data rule: rank ``r`` trains on samples ``[r*B, (r+1)*B)`` of every global
+    minibatch of ``world * B`` samples, so the ranks' shards are disjoint within every epoch
+    (like ``DistributedSampler``) and a step equals SGD on the combined minibatch."""
+    return rank * batch_size, (rank + 1) * batch_size

@@ -1,0 +1,100 @@
+"""One stage process's job: everything it learns from the plan and the launcher, frozen.
+
+The launcher (:mod:`runtime.launch`) builds a :class:`StageJob` whole for every stage process
+(a one-host launch and every torchrun rank alike); the :class:`runtime.stage.worker.StageWorker`
+is built from it and nothing is patched afterwards. The stage never sees the ``Plan``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from runtime.config import ModelSource, OptimizerConfig, RunConfig
+from runtime.sync.rule import SyncSpec
+
+if TYPE_CHECKING:
+    from runtime.launch.failures import StageFault
+    from runtime.stage.emulation import Calibration
+
+__all__ = ["StageContext", "StageJob"]
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """A stage's place in the plan.
+
+    Attributes:
+        rank: global rank.
+        vw, stage, n_stages: position in the virtual worker.
+        nm: minibatches in flight.
+        cuts: cut points of the virtual worker's pipeline.
+        batch_size: samples per minibatch.
+        device: device label (``G:0``).
+        speed: emulated relative speed (0 = not paced).
+        cap_bytes: memory cap (0 = none).
+        optimizer_state_factor: optimizer state bytes per parameter byte.
+        prev_rank, next_rank: neighbours' global ranks (``None`` at the ends).
+        total_steps: minibatches to train (stage 0 may stop earlier on a time limit).
+    """
+
+    rank: int
+    vw: int
+    stage: int
+    n_stages: int
+    nm: int
+    cuts: tuple[int, ...]
+    batch_size: int
+    device: str
+    speed: float
+    cap_bytes: int
+    optimizer_state_factor: float
+    prev_rank: int | None
+    next_rank: int | None
+    total_steps: int
+
+    @property
+    def where(self) -> str:
+        """Log prefix ``vw 0 | stage 2 | rank 2 | device G:0``."""
+        return f"vw {self.vw} | stage {self.stage} | rank {self.rank} | device {self.device}"
+
+
+@dataclass(frozen=True)
+class StageJob:
+    """Everything one stage process needs.
+
+    Attributes:
+        ctx: its place in the plan.
+        source: the model.
+        optimizer: the local optimizer and schedule.
+        run: run settings.
+        sync: the synchronisation rule's part (:mod:`runtime.sync.rule`).
+        dataset: this VW's training data (``None``: the model's built-in data set).
+        data_slice: ``(rank, world)``: train on this slice of global minibatches of
+            ``world * batch_size`` (the ``allreduce`` rule's data); ``(0, 1)``: whole ones.
+        calibration: the pacing table of an emulated device (``None``: not paced).
+        fault: test hook: the stage kills or freezes itself (:class:`StageFault`).
+        init_method: the process group's rendezvous (``file://...`` on one host, ``env://``
+            under torchrun).
+        world_size: processes in the group.
+        agree_stop: stage 0 agrees the time limit's last wave with the other VWs
+            (:class:`runtime.launch.stop.StopAgreement`).
+    """
+
+    ctx: StageContext
+    source: ModelSource
+    optimizer: OptimizerConfig
+    run: RunConfig
+    sync: SyncSpec = field(default_factory=SyncSpec)
+    dataset: Any = None
+    data_slice: tuple[int, int] = (0, 1)
+    calibration: Calibration | None = None
+    fault: StageFault | None = None
+    init_method: str = "env://"
+    world_size: int = 1
+    agree_stop: bool = False
+
+    @property
+    def first_mb(self) -> int:
+        """Minibatches trained before this run (a resumed run's position)."""
+        return self.sync.first_wave * self.ctx.nm

@@ -1,0 +1,170 @@
+"""The synchronisation rule across virtual workers: one plug-in, the same launcher for every rule.
+
+Today's rules: ``wsp`` (Wave Synchronous Parallel through parameter-server shards, with D;
+:class:`runtime.sync.wave.WaveSync`), ``allreduce`` (BSP data parallelism: gradients
+averaged over the VWs every minibatch; :class:`runtime.sync.allreduce.AllReduceSync`) and
+``local`` (one VW alone; :class:`LocalSync`).
+
+How to add a rule (e.g. backup workers, elastic averaging):
+
+1. **Name and parameters** -- add a :class:`planner.sync.RuleInfo` to :data:`planner.sync.RULES`:
+   its name, whether it goes through shards, its parameters with defaults. A plan names it in
+   ``sync`` and sets the parameters in ``sync_params`` (plan file: ``sync: easgd``,
+   ``sync_params: {alpha: 0.5}``); the plan loader checks both. They reach every process in
+   the frozen :class:`SyncSpec` of its job (``spec.rule``, ``spec.params``; read one with
+   :func:`planner.sync.param`).
+2. **Pure logic** -- a module of plain functions over plain data in ``planner/`` (like
+   :mod:`planner.wsp`), unit-tested without processes, imported by the simulator
+   (``planner/sim``) to predict and by your runtime class to execute: never two copies.
+3. **Process side** -- ``runtime/sync/<name>.py``: a class with the :class:`StageSync` hooks
+   and a ``create(spec, view)`` factory; when the shards must treat a wave differently (how a
+   complete wave's update folds into the global weights), a :class:`WaveFold`.
+4. **Register** it in :data:`runtime.sync.registry.RULES` (one line).
+
+Who calls what (nothing else in the launcher or the worker knows the rule):
+
+- the launcher (:mod:`runtime.launch`) puts one :class:`SyncSpec` into every process's job
+  and starts shard processes when ``planner.sync.RULES[rule].uses_shards``;
+- the stage worker's constructor calls the rule's ``create(spec, view)`` once, after its
+  module is built and the process group is up: the place to make shard clients or the rule's
+  own process groups (every stage process calls it once; ``spec.groups`` lists the ranks of
+  each stage position; a rule with shards that needs new groups must create them in the shard
+  processes too, in the same order);
+- the worker calls the :class:`StageSync` hooks: ``start`` once after the start barrier;
+  ``before_forward(mb)`` before each forward of minibatch ``mb``; ``reduce_grads(mb, grads)``
+  after each backward, before the update (returns the gradients to apply);
+  ``before_update(mb)`` / ``after_update(mb)`` around each local update -- a *wave boundary*
+  is ``mb % nm == 0``; ``close()`` after the last task;
+- a shard process folds each complete wave with the rule's :class:`WaveFold` (``None``: the
+  plain sum, optionally with server momentum: :class:`runtime.ps.core.ShardCore`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from planner.sync import SyncParams
+from runtime.defaults import TIMEOUT_S
+
+if TYPE_CHECKING:
+    from torch import Tensor, nn
+
+    from runtime.persist.snapshot import SnapshotSpec
+    from runtime.ps.layout import ShardSpec
+    from runtime.results.metrics import StageResult
+    from runtime.stage.weights import VersionedWeights
+
+__all__ = ["LocalSync", "StageSync", "StageView", "SyncSpec", "WaveFold"]
+
+Grads = dict[str, "Tensor | None"]
+
+
+@dataclass(frozen=True)
+class SyncSpec:
+    """The rule part of a process's job (frozen; the same for every process of a run).
+
+    Attributes:
+        rule: the rule's name (:data:`planner.sync.RULES`).
+        params: its parameters (``Plan.sync_params``).
+        D: WSP clock-distance threshold.
+        shards: every parameter-server shard's spec (empty: no shards).
+        snapshots: the run's snapshots (``None``: none).
+        first_wave: the wave this run starts at (a resumed run's snapshot clock).
+        overlap_pulls: WSP: keep running tasks while a pull is in flight.
+        timeout_s: timeout of the rule's own waits (pushes, pulls, collectives).
+        groups: the global ranks of each stage position over the VWs (``groups[s]``: every
+            VW's stage ``s``), for rules that reduce across VWs.
+    """
+
+    rule: str = "local"
+    params: SyncParams = ()
+    D: int = 0
+    shards: tuple[ShardSpec, ...] = ()
+    snapshots: SnapshotSpec | None = None
+    first_wave: int = 0
+    overlap_pulls: bool = True
+    timeout_s: float = TIMEOUT_S
+    groups: tuple[tuple[int, ...], ...] = ()
+
+
+@dataclass(frozen=True)
+class StageView:
+    """What a rule sees of its stage when the worker creates it.
+
+    Attributes:
+        rank, vw, stage: the stage's global rank and place.
+        nm: minibatches per wave.
+        where: the stage's snapshot part name and log label (``vw0-stage1``).
+        params: ``(global name, master parameter)`` in the stage's order.
+        weights: the stage's weight versions and optimizer.
+        result: the stage's result (wait time, clock trace and timeline go there).
+    """
+
+    rank: int
+    vw: int
+    stage: int
+    nm: int
+    where: str
+    params: tuple[tuple[str, nn.Parameter], ...]
+    weights: VersionedWeights
+    result: StageResult
+
+
+class StageSync(Protocol):
+    """A stage's side of a synchronisation rule (the hooks the stage worker calls)."""
+
+    def start(self, first_wave: int) -> None:
+        """Once, after the start barrier, before the first task (WSP: pull the weights)."""
+
+    def before_forward(self, mb: int) -> None:
+        """Before the forward of minibatch ``mb`` (1-based, this run's numbering)."""
+
+    def reduce_grads(self, mb: int, grads: Grads) -> Grads:
+        """After the backward of ``mb``: the gradients to apply (AllReduce: the mean)."""
+        ...
+
+    def before_update(self, mb: int) -> None:
+        """Before the local update of ``mb``."""
+
+    def after_update(self, mb: int) -> None:
+        """After the local update of ``mb`` (a wave ends when ``mb % nm == 0``)."""
+
+    def close(self) -> None:
+        """After the last task: flush, write the final snapshot part, say goodbye."""
+
+
+class WaveFold(Protocol):
+    """What a shard does with a complete wave (a rule whose shards differ from WSP's sum)."""
+
+    def fold(self, weights: Tensor, update: Tensor, state: dict[str, Tensor]) -> None:
+        """Fold the wave's summed update (the shard's flat layout) into ``weights`` in place;
+        ``state`` is the shard's checkpointed optimizer state (tensors it may update)."""
+
+
+class LocalSync:
+    """The ``local`` rule: one VW alone, nothing to synchronise (every hook does nothing)."""
+
+    @classmethod
+    def create(cls, spec: SyncSpec, view: StageView) -> LocalSync:
+        """The rule's factory (see the module doc)."""
+        return cls()
+
+    def start(self, first_wave: int) -> None:
+        """Nothing to load."""
+
+    def before_forward(self, mb: int) -> None:
+        """Nothing to wait for."""
+
+    def reduce_grads(self, mb: int, grads: Grads) -> Grads:
+        """The stage's own gradients."""
+        return grads
+
+    def before_update(self, mb: int) -> None:
+        """Nothing to wait for."""
+
+    def after_update(self, mb: int) -> None:
+        """Nothing to push."""
+
+    def close(self) -> None:
+        """Nothing to flush."""
