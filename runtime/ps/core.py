@@ -10,7 +10,11 @@ the shard process. The rules (see ``docs/parameter_server.md``):
 - wave ``c`` is applied once every client of every VW pushed it: updates are added in
   ``(vw, stage)`` order, so the floating-point result does not depend on arrival order, or
   their sum goes through server-side momentum; the global clock becomes ``c + 1``;
-- a pull ``(min_clock)`` can be answered once the global clock is ``>= min_clock``.
+- a pull ``(min_clock)`` can be answered once the global clock is ``>= min_clock``;
+- with ``backups = b > 0`` (synchronous SGD with backup workers, :mod:`planner.backup`) wave
+  ``c`` is applied as soon as ``N = VWs - b`` VWs pushed it completely, their updates added in
+  ``(vw, stage)`` order; any other push of ``c`` (late, or a part of a VW that did not make
+  the quorum) is ``DROPPED``: never applied, recorded once in :attr:`ShardCore.dropped`.
 
 Eviction (``--on-failure continue``, GaDei Sec. 4.3): with ``peers`` (the other shards' ids),
 a wave is applied only once every member VW's push of it is complete at *every* shard (each
@@ -38,6 +42,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from planner.backup import Arrival, QuorumClock
 from planner.wsp import GlobalClock
 from profiler.errors import ConfigError
 from runtime.persist.checkpoint import LedgerEntry, ShardState
@@ -59,6 +64,7 @@ class Status(IntEnum):
     TOO_FAR_AHEAD = 2  # wave > global clock + D: the client broke the WSP admission rule
     BAD_WAVE = 3  # negative wave, or a wave already folded into the global weights
     BAD_SIZE = 4  # payload length does not match the client's slice
+    DROPPED = 5  # backup workers: the wave closed without this VW; recorded, never applied
 
 
 @dataclass(frozen=True)
@@ -120,6 +126,7 @@ class ShardCore:
         fold: the synchronisation rule's way to fold a complete wave's summed update into
             the weights (:class:`runtime.sync.rule.WaveFold`); ``None``: add it (or through
             ``momentum``), client by client.
+        backups: backup VWs ``b`` (0: every VW's push is waited for, plain WSP).
         peers: the other shards' ids whose VW clocks gate applying a wave (eviction mode,
             ``--on-failure continue``); empty: a wave complete here is applied at once.
     """
@@ -132,6 +139,7 @@ class ShardCore:
         momentum: float = 0.0,
         max_ledger_waves: int | None = None,
         fold: WaveFold | None = None,
+        backups: int = 0,
         peers: Sequence[int] = (),
     ) -> None:
         self.spec = spec
@@ -172,6 +180,12 @@ class ShardCore:
         self._seq = max((e.seq for e in self._ledger), default=-1) + 1
         self.trace: list[ClockEvent] = []
         self.rejected: list[tuple[int, int, int, Status]] = []
+        self._quorum = (
+            QuorumClock(len(self._vw_keys), backups, self._clock) if backups > 0 else None
+        )
+        self.dropped: list[LedgerEntry] = []  # backup workers: every dropped push, once
+        self._dropped_tags: set[tuple[int, int, int]] = set()
+        self._seen = [self._clock] * len(self._vw_keys)
         n = len(spec.vws)  # eviction mode: what the other shards reported, VW id order
         self._peer_clocks = {p: [self._clock] * n for p in peers}
         self._peer_final = {p: [False] * n for p in peers}
@@ -191,7 +205,11 @@ class ShardCore:
         return tuple(self._ledger)
 
     def local_clocks(self) -> tuple[int, ...]:
-        """Each VW's clock at this shard (consecutive waves pushed by all its clients), VW id order."""
+        """Each VW's clock at this shard (consecutive waves pushed by all its clients), VW id order.
+
+        With backup workers: the waves each VW pushed, counted or dropped (highest + 1)."""
+        if self._quorum is not None:
+            return tuple(self._seen)
         return tuple(self._gclock.local(i) for i in range(len(self.spec.vws)))
 
     def push(
@@ -214,6 +232,8 @@ class ShardCore:
                 Status.BAD_WAVE,
                 f"shard {self.spec.id} has no client vw {vw} stage {stage}",
             )
+        if 0 <= wave < self._clock and self._late(vw, stage, wave):
+            return self._drop(vw, stage, wave)
         if wave < 0 or wave < self._clock:
             # every client's every wave below the clock was applied: a non-negative one is a duplicate
             status = Status.DUPLICATE if wave >= 0 else Status.BAD_WAVE
@@ -250,6 +270,8 @@ class ShardCore:
         )
         self._seq += 1
         vi = self._vw_index[vw]
+        if self._quorum is not None:
+            return self._push_quorum(vi, vw, stage, wave)
         while all(k in self._pending.get(self._gclock.local(vi), {}) for k in self._vw_keys[vi]):
             self._gclock.push(vi, self._gclock.local(vi))
         applied = self._advance()
@@ -257,6 +279,53 @@ class ShardCore:
             ClockEvent(self._seq - 1, vw, stage, wave, self.local_clocks(), self._clock)
         )
         return PushResult(Status.OK, "", applied)
+
+    def _late(self, vw: int, stage: int, wave: int) -> bool:
+        """Backup workers: whether a push of closed ``wave`` is a late one (not a duplicate)."""
+        if self._quorum is None or (vw, stage, wave) in self._dropped_tags:
+            return False
+        try:
+            counted = self._quorum.counted(wave)
+        except KeyError:  # forgotten (older than max_ledger_waves): cannot tell, refuse it
+            return False
+        return self._vw_index[vw] not in counted
+
+    def _drop(self, vw: int, stage: int, wave: int, seq: int | None = None) -> PushResult:
+        """Record a push of a wave that closed without its VW; it never reaches the weights."""
+        if seq is None:
+            seq, self._seq = self._seq, self._seq + 1
+        self._dropped_tags.add((vw, stage, wave))
+        vi = self._vw_index[vw]
+        self._seen[vi] = max(self._seen[vi], wave + 1)
+        self.dropped.append(LedgerEntry(vw, stage, wave, seq))
+        log.debug(
+            "shard %d: push (vw %d, stage %d, wave %d) dropped", self.spec.id, vw, stage, wave
+        )
+        return PushResult(Status.DROPPED, f"wave {wave} closed without vw {vw}")
+
+    def _push_quorum(self, vi: int, vw: int, stage: int, wave: int) -> PushResult:
+        """Backup workers: count ``vw`` once all its clients pushed ``wave``; close waves."""
+        assert self._quorum is not None
+        pend = self._pending[wave]
+        before = self._quorum.clock
+        self._seen[vi] = max(self._seen[vi], wave + 1)
+        complete = all(k in pend for k in self._vw_keys[vi])
+        if complete and self._quorum.arrive(vi, wave) is Arrival.DROPPED:  # the wave is full
+            for k in self._vw_keys[vi]:
+                self._drop(*k, wave, seq=pend.pop(k)[1])
+            return PushResult(Status.DROPPED, f"wave {wave} already has its quorum")
+        for c in range(before, self._quorum.clock):
+            counted = {self.spec.vws[i] for i in self._quorum.counted(c)}
+            ups = self._pending.pop(c)
+            for k in sorted(k for k in ups if k[0] not in counted):  # parts of late VWs
+                self._drop(*k, c, seq=ups.pop(k)[1])
+            self._apply(ups, counted)
+        if self.max_ledger_waves is not None:
+            self._quorum.forget(self._clock - self.max_ledger_waves)
+        self.trace.append(
+            ClockEvent(self._seq - 1, vw, stage, wave, self.local_clocks(), self._clock)
+        )
+        return PushResult(Status.OK, "", self._quorum.clock - before)
 
     def _reject(self, vw: int, stage: int, wave: int, status: Status, why: str) -> PushResult:
         self.rejected.append((vw, stage, wave, status))
@@ -277,7 +346,7 @@ class ShardCore:
             ]
             if not members or any(self._committed(vi) <= self._clock for vi in members):
                 return applied
-            self._apply(self._pending.pop(self._clock, {}), members)
+            self._apply(self._pending.pop(self._clock, {}), {self.spec.vws[vi] for vi in members})
             applied += 1
 
     def lose(self, vw: int) -> int:
@@ -345,15 +414,17 @@ class ShardCore:
         return self.waiting_on_eviction or any(self._pending.values())
 
     def _apply(
-        self, wave_updates: dict[tuple[int, int], tuple[torch.Tensor, int]], members: list[int]
+        self,
+        wave_updates: dict[tuple[int, int], tuple[torch.Tensor, int]],
+        vws: set[int] | None = None,
     ) -> None:
-        """Fold one complete wave of the ``members`` (VW indices) into the weights: clients
-        in (vw, stage) order, so the floating-point result does not depend on arrival order."""
+        """Fold one complete wave into the weights: clients in (vw, stage) order, so the
+        floating-point result does not depend on arrival order (only ``vws``' when given)."""
         target = self._w
         if self.momentum or self.fold is not None:
             target = torch.zeros_like(self._w)  # the wave's summed update, then m = mu*m + sum
         for c in self.spec.clients:
-            if self._vw_index[c.vw] not in members:
+            if vws is not None and c.vw not in vws:
                 continue
             upd, seq = wave_updates[(c.vw, c.stage)]
             pos = 0
