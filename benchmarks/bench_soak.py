@@ -198,45 +198,39 @@ def main() -> None:
         calm = run(args, Path(tmp) / "calm", kill=False)
         soak = run(args, Path(tmp) / "soak", kill=True)
         if args.mode == "continue":
-            return _report_continue(args, calm, soak)
-        clock = check_ledger(Path(tmp) / "soak" / "checkpoints")
-    restarts = soak["summary"]["restarts"]
-    froms = [int(m.group(1)) for r in restarts if (m := re.search(r"from clock (\d+)", r))]
-    lost = [k["at_clock"] - f for k, f in zip(soak["kills"], froms, strict=False)]
+            figures = {**continue_figures(soak), "final_clock": soak["summary"]["global_clock"]}
+        else:
+            figures = restart_figures(soak, check_ledger(Path(tmp) / "soak" / "checkpoints"))
     result = {
         "command": " ".join(sys.argv),
         "load_average": os.getloadavg(),
         "steps": args.steps,
         "accuracy_undisturbed": calm["summary"]["test_accuracy"],
         "accuracy_soak": soak["summary"]["test_accuracy"],
-        "failures_survived": len(restarts),
-        "kills": soak["kills"],
-        "waves_lost_per_failure": lost,
-        "final_clock": clock,
-        "ledger_exactly_once": True,
+        **figures,
         "wall_s": {"undisturbed": calm["wall_s"], "soak": soak["wall_s"]},
-        "restarts": restarts,
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2))
+    path = RESULTS if args.mode == "restart" else RESULTS.with_name("soak_continue.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
     print(json.dumps({k: v for k, v in result.items() if k != "restarts"}, indent=2))
 
 
-def _report_continue(args: argparse.Namespace, calm: dict[str, Any], soak: dict[str, Any]) -> None:
-    result = {
-        "command": " ".join(sys.argv),
-        "load_average": os.getloadavg(),
-        "steps": args.steps,
-        "accuracy_undisturbed": calm["summary"]["test_accuracy"],
-        "accuracy_soak": soak["summary"]["test_accuracy"],
-        **continue_figures(soak),
-        "final_clock": soak["summary"]["global_clock"],
-        "wall_s": {"undisturbed": calm["wall_s"], "soak": soak["wall_s"]},
+def restart_figures(soak: dict[str, Any], clock: int) -> dict[str, Any]:
+    """Failures survived, waves lost per failure (newest clock started at the kill minus the
+    clock restarted from), the final clock (its ledger checked exact)."""
+    restarts = soak["summary"]["restarts"]
+    froms = [int(m.group(1)) for r in restarts if (m := re.search(r"from clock (\d+)", r))]
+    return {
+        "failures_survived": len(restarts),
+        "kills": soak["kills"],
+        "waves_lost_per_failure": [
+            k["at_clock"] - f for k, f in zip(soak["kills"], froms, strict=False)
+        ],
+        "final_clock": clock,
+        "ledger_exactly_once": True,
+        "restarts": restarts,
     }
-    path = RESULTS.with_name("soak_continue.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
