@@ -63,3 +63,17 @@ def test_a_lost_shard_still_stops_the_run(tmp_path: Path) -> None:
             _plan(), SOURCE, None, run, WSPConfig(evict=True, shard_fault=ShardFault(1, 4.0))
         )
     assert not _children()
+
+
+def test_cli_continue_without_a_failure_loses_nothing(tmp_path: Path) -> None:
+    from tests.runtime.test_faults import _cli
+
+    plan = _plan(D=1, nm=2).save(tmp_path / "plan.yaml")
+    code, output = _cli(str(plan), "--on-failure", "sometimes")
+    assert code == 2 and "use stop, restart or continue" in output
+    out = tmp_path / "run"
+    code, output = _cli(str(plan), "--steps", "8", "--out", str(out), "--on-failure", "continue")
+    assert code == 0, output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["lost"] == [] and summary["global_clock"] == 4
+    assert not _children()
