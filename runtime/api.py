@@ -36,7 +36,6 @@ from runtime.run import run_plan
 from runtime.stage.model import resolve_source
 
 if TYPE_CHECKING:
-    from runtime.launch.ddp import DDPResult
     from runtime.results.metrics import RunResult
     from runtime.results.wsp import WSPResult
 
@@ -116,7 +115,7 @@ def train(
     D: int | None = None,
     checkpoint_every: int = 0,
     vw: int = -1,
-) -> RunResult | WSPResult | DDPResult:
+) -> RunResult | WSPResult:
     """Train ``model`` with any plan on this host: what ``hetpipe run`` does, through the same
     entry (:func:`runtime.run.run_plan`): several VWs through the WSP parameter servers, one
     VW, or the AllReduce baseline, by the plan (default: one VW cut by hand or planned).
@@ -148,8 +147,8 @@ def train(
 
     Returns:
         One VW: the :class:`RunResult` (losses, throughput, per-stage measurements, final
-        weights); several VWs: the :class:`runtime.results.wsp.WSPResult`; an AllReduce plan:
-        the :class:`runtime.launch.ddp.DDPResult`. Each has ``state_dict()`` or ``state``.
+        weights); several VWs (WSP or AllReduce): the :class:`runtime.results.wsp.WSPResult`.
+        Each has ``state_dict()``.
 
     Raises:
         HetPipeError: invalid inputs or a failed run (naming the rank, VW and stage).

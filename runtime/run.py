@@ -1,13 +1,9 @@
 """The one training entry: ``hetpipe run`` and ``hetpipe.train`` both execute a plan here.
 
-The plan says how its virtual workers synchronise (``plan.sync``) and whether it has
-parameter-server shards; this picks the launcher that executes it:
-
-- ``sync == "allreduce"``: the DDP baseline (:func:`runtime.launch.ddp.run_allreduce`);
-- shards and every VW (``vw < 0``): WSP through the parameter servers
-  (:func:`runtime.launch.wsp.launch_wsp`), one VW included;
-- one VW of the plan alone, without parameter servers (``vw >= 0``, or a plan without shards
-  and one VW): :func:`runtime.launch.single.launch`.
+The plan names how its virtual workers synchronise (``plan.sync``, :mod:`planner.sync`); the
+one launcher (:func:`runtime.launch.launcher.launch`) trains it with that rule: ``wsp``
+through the parameter-server shards, ``allreduce`` (the DDP baseline), or ``local`` for one
+VW alone (a plan without shards and one VW, or ``vw >= 0``).
 
 The runtime never plans: a plan comes from :mod:`planner` (``make_plan``,
 ``planner.baseline.allreduce_plan`` or ``planner.manual``).
@@ -19,13 +15,13 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from planner.plan import Plan
+from planner.sync import effective_rule
 from profiler.errors import ConfigError
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 
 if TYPE_CHECKING:
     from rich.table import Table
 
-    from runtime.launch.ddp import DDPResult
     from runtime.results.metrics import RunResult
     from runtime.results.wsp import WSPResult
 
@@ -33,8 +29,8 @@ __all__ = [
     "MAIN_JOB_EPOCHS",
     "default_length",
     "describe_training",
-    "launcher_for",
     "outputs",
+    "rule_for",
     "run_plan",
     "summary",
 ]
@@ -48,40 +44,26 @@ def run_plan(
     wsp: WSPConfig | None = None,
     dataset: Any = None,
     vw: int = -1,
-) -> RunResult | WSPResult | DDPResult:
-    """Train ``plan`` with the launcher its synchronisation rule needs (see the module doc).
+) -> RunResult | WSPResult:
+    """Train ``plan`` with its synchronisation rule (see the module doc).
 
     Args:
         plan: the plan.
         source: the model.
         optimizer: each worker's optimizer and schedule.
         run: run length, seed, out dir, timeout, emulation, progress.
-        wsp: WSP settings (D, checkpoints, resume) for a plan with shards.
+        wsp: settings of several VWs (D, checkpoints, resume, restarts).
         dataset: the user's data set (``None`` = the model's built-in one).
-        vw: train only this VW, without parameter servers (``-1`` = every VW).
+        vw: train only this VW, alone (``-1`` = every VW).
 
     Raises:
         ConfigError: the plan cannot be run as asked (says why and what to change).
         HetPipeRuntimeError: a process failed (names it).
     """
-    how = launcher_for(plan, vw)
-    run = default_length(run or RunConfig(), plan, how)
-    if how == "allreduce":
-        from runtime.launch.ddp import run_allreduce
+    from runtime.launch.launcher import launch
 
-        return run_allreduce(plan, source=source, optimizer=optimizer, run=run, dataset=dataset)
-    if how == "wsp":
-        from runtime.launch.wsp import launch_wsp
-
-        return launch_wsp(plan, source, optimizer, run, wsp, dataset)
-    if wsp is not None and wsp.resume:
-        raise ConfigError(
-            "--resume needs parameter-server shards (they write the checkpoints); this run "
-            "trains one VW without them (plan it with 'hetpipe plan', which places shards)"
-        )
-    from runtime.launch.single import launch
-
-    return launch(plan, source, optimizer, run, dataset, vw=max(vw, 0))
+    run = default_length(run or RunConfig(), plan, rule_for(plan, vw))
+    return launch(plan, source, optimizer, run, wsp, dataset, vw)
 
 
 MAIN_JOB_EPOCHS = 40.0
@@ -94,39 +76,29 @@ def default_length(run: RunConfig, plan: Plan, how: str) -> RunConfig:
     time limit) and several VWs train together (WSP or AllReduce); one VW: one epoch."""
     if run.steps or run.epochs or run.time_limit_s:
         return run
-    if how in ("wsp", "allreduce") and len(plan.virtual_workers) > 1:
+    if how != "local" and len(plan.virtual_workers) > 1:
         return replace(run, epochs=MAIN_JOB_EPOCHS)
     return run
 
 
-def launcher_for(plan: Plan, vw: int = -1) -> str:
-    """Which launcher trains ``plan``: ``allreduce``, ``wsp`` or ``single`` (see the module doc).
+def rule_for(plan: Plan, vw: int = -1) -> str:
+    """The rule that trains ``plan``: ``wsp``, ``allreduce`` or ``local`` (see the module doc).
 
     Raises:
         ConfigError: several VWs without shards, or one VW of an AllReduce plan.
     """
-    if plan.sync == "allreduce":
-        if vw >= 0:
-            raise ConfigError("an AllReduce plan trains every device together; drop --vw")
-        return "allreduce"
-    if vw < 0 and plan.shards:
-        return "wsp"
-    n_vws = len(plan.virtual_workers)
-    if vw < 0 and n_vws > 1:
-        raise ConfigError(
-            f"the {plan.model} plan has {n_vws} VWs but no parameter-server shards to "
-            "synchronise them; re-plan with shards (hetpipe plan) or train one VW (vw=K)"
-        )
-    return "single"
+    if plan.sync == "allreduce" and vw >= 0:
+        raise ConfigError("an AllReduce plan trains every device together; drop --vw")
+    return effective_rule(plan.sync, len(plan.shards), len(plan.virtual_workers), vw)
 
 
 def describe_training(plan: Plan, vw: int, nm: int, D: int | None) -> str:
     """One line saying what is about to train (the first thing ``hetpipe run`` prints)."""
-    how = launcher_for(plan, vw)
+    how = rule_for(plan, vw)
     workers = plan.virtual_workers
     if how == "allreduce":
         return (
-            f"training {plan.model} with DDP AllReduce (BSP) on {len(workers)} devices "
+            f"training {plan.model} with AllReduce (BSP) on {len(workers)} devices "
             f"({' '.join(w.signature for w in workers)}) of {plan.cluster.name}; batch "
             f"{plan.batch_size} per device"
         )
@@ -145,19 +117,16 @@ def describe_training(plan: Plan, vw: int, nm: int, D: int | None) -> str:
     return f"training {plan.model} on VW {k} ({stages}), batch {plan.batch_size}, Nm {nm}"
 
 
-def outputs(result: RunResult | WSPResult | DDPResult) -> list[str]:
+def outputs(result: RunResult | WSPResult) -> list[str]:
     """The files a run with ``--out`` wrote, relative to its folder."""
-    from runtime.launch.ddp import DDPResult
     from runtime.results.metrics import RunResult
 
-    if isinstance(result, DDPResult):
-        return ["ddp.json", "weights.pt"]
     if isinstance(result, RunResult):
         return ["metrics.csv", "stages.csv", "weights.pt", "timeline.png", "trace.json"]
     return ["vw*/metrics.csv", "summary.json", "weights.pt", "timeline.png", "trace.json"]
 
 
-def summary(result: RunResult | WSPResult | DDPResult) -> Table:
+def summary(result: RunResult | WSPResult) -> Table:
     """The summary table of any run (what ``hetpipe run`` prints)."""
     from runtime.results.metrics import RunResult, summary_table
 

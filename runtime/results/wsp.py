@@ -1,4 +1,4 @@
-"""The result of a multi-VW (WSP) run: per-VW figures, the shards' final state, the summary.
+"""The result of a run of several VWs (any rule): per-VW figures, the shards' state, the summary.
 
 Per VW: throughput (the simulator's definition, stage-0 completions after the warm-up wave),
 **waiting** (seconds its stages spent blocked on the parameter servers: WSP pulls and the
@@ -58,6 +58,7 @@ class WSPResult:
             (:func:`export_snapshot`; empty for a run that trained).
         restarts: the failures survived by restarting from the last snapshot (``--on-failure
             restart``), oldest first; this result is the last attempt's.
+        sync: the synchronisation rule the VWs trained under (``wsp``, ``allreduce``).
     """
 
     vws: tuple[RunResult, ...]
@@ -73,6 +74,7 @@ class WSPResult:
     stopped_by: str = ""
     exported_from: str = ""
     restarts: tuple[str, ...] = ()
+    sync: str = "wsp"
 
     @staticmethod
     def build(
@@ -83,6 +85,7 @@ class WSPResult:
         states: Sequence[tuple[ShardState, Sequence[ClockEvent]]],
         specs: Sequence[ShardSpec],
         wall_s: float,
+        sync: str = "wsp",
     ) -> WSPResult:
         """Group stage results by VW and shard results by shard id."""
         vws = []
@@ -99,6 +102,7 @@ class WSPResult:
             tuple(specs),
             wall_s,
             plan.predicted.throughput,
+            sync=sync,
         )
 
     @property
@@ -120,7 +124,10 @@ class WSPResult:
         return sum(max(0.0, s.wall_s - s.busy_s - s.wait_s) for s in self.vws[vw].stages)
 
     def state_dict(self) -> dict[str, Tensor]:
-        """The trained model's parameters by original name (the shards' global weights)."""
+        """The trained model's parameters by original name: the shards' global weights; without
+        shards (AllReduce: every VW holds the same model) VW 0's."""
+        if not self.specs and self.vws:
+            return self.vws[0].state_dict()
         return export_state_dict(self.specs, [s.weights for s in self.states])
 
     def save(self, out_dir: Path, about: str = "") -> None:
@@ -160,6 +167,7 @@ class WSPResult:
             "global_clock": min((s.clock for s in self.states), default=0),
             "exported_from": self.exported_from,
             "restarts": list(self.restarts),
+            "sync": self.sync,
             "vws": [
                 {
                     "throughput": v.throughput,
@@ -175,7 +183,8 @@ class WSPResult:
 
     def table(self) -> Table:
         """The summary as a rich table: one row per VW, totals in the title and caption."""
-        title = f"{len(self.vws)} VWs, Nm={self.nm}, D={self.D}: {self.throughput:.1f} samples/s"
+        how = f"Nm={self.nm}, D={self.D}" if self.sync == "wsp" else f"{self.sync} (BSP)"
+        title = f"{len(self.vws)} VWs, {how}: {self.throughput:.1f} samples/s"
         if self.predicted_throughput > 0:
             title += f" (predicted {self.predicted_throughput:.1f}, ratio {self.throughput / self.predicted_throughput:.2f})"
         table = Table(title=title)
@@ -209,12 +218,13 @@ class WSPResult:
             if math.isnan(acc)
             else f"test accuracy {acc:.2%} (loss {self.test_loss:.4f})"
         )
-        table.caption = (
-            f"{tested}; global clock "
-            f"{min((s.clock for s in self.states), default=0)}, {applied} updates applied once, "
-            f"max clock distance {self.max_clock_distance} (bound D+1 = {self.D + 1}); "
-            f"wall {self.wall_s:.1f} s"
+        clocks = (
+            f"global clock {min((s.clock for s in self.states), default=0)}, {applied} updates "
+            f"applied once, max clock distance {self.max_clock_distance} (bound D+1 = {self.D + 1})"
+            if self.states
+            else "gradients averaged over every VW each minibatch"
         )
+        table.caption = f"{tested}; {clocks}; wall {self.wall_s:.1f} s"
         if self.stopped_by:
             table.caption += f"; {self.stopped_by}"
         if self.restarts:

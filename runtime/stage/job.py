@@ -77,8 +77,6 @@ class StageJob:
         init_method: the process group's rendezvous (``file://...`` on one host, ``env://``
             under torchrun).
         world_size: processes in the group.
-        agree_stop: stage 0 agrees the time limit's last wave with the other VWs
-            (:class:`runtime.launch.stop.StopAgreement`).
     """
 
     ctx: StageContext
@@ -92,7 +90,6 @@ class StageJob:
     fault: StageFault | None = None
     init_method: str = "env://"
     world_size: int = 1
-    agree_stop: bool = False
 
     @property
     def first_mb(self) -> int:

@@ -22,7 +22,6 @@ from torch.func import functional_call
 from planner.schedule import Kind, StageQueue, Task
 from profiler.errors import HetPipeRuntimeError
 from runtime.data import MinibatchSource, default_dataset
-from runtime.launch.stop import StopAgreement, stop_store
 from runtime.results.metrics import StageResult
 from runtime.stage.comm import Channel, Event, GradReceiver, cut_specs, start_activation_receiver
 from runtime.stage.emulation import MemoryMeter, SavedBytes, pace_until
@@ -86,13 +85,9 @@ class StageWorker:
         view = StageView(
             ctx.rank, ctx.vw, ctx.stage, ctx.nm, f"vw{ctx.vw}-stage{ctx.stage}",
             tuple((self.names[n], p) for n, p in params.items()), self.weights, self.result,
+            job.init_method,
         )  # fmt: skip
         self.sync = stage_sync(job.sync, view)  # the synchronisation rule's hooks
-        self.stop = (  # several VWs: every stage 0 stops at one agreed wave on a time limit
-            StopAgreement(stop_store(job.init_method), ctx.nm, job.sync.D)
-            if job.agree_stop and ctx.stage == 0 and run.time_limit_s > 0
-            else None
-        )
         self._task_wall0 = 0.0  # wall-clock start of the task being executed (the timeline)
 
     @staticmethod
@@ -205,12 +200,12 @@ class StageWorker:
     def _final_total(self, total: int, start_time: float) -> int:
         """Stage 0: minibatches to run in all, given the time limit (never below those admitted).
 
-        Alone, a VW stops admitting when its time is up. With a :class:`StopAgreement` (several
-        VWs through parameter servers) every VW runs the agreed number of waves instead.
+        Alone, a VW stops admitting when its time is up; several VWs end where their rule
+        agrees (:meth:`runtime.sync.rule.StageSync.agreed_total`).
         """
-        if self.stop is None:
-            return min(total, self._received) if self._time_up(start_time) else total
-        agreed = self.stop.total(self._received, self._time_up(start_time))
+        if self.run_cfg.time_limit_s <= 0:
+            return total
+        agreed = self.sync.agreed_total(self._received, self._time_up(start_time))
         return total if agreed is None else max(self._received, min(total, agreed))
 
     def _time_up(self, start_time: float) -> bool:

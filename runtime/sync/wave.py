@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from planner.wsp import local_version, required_global_clock
 from profiler.errors import HetPipeRuntimeError
+from runtime.launch.stop import StopAgreement, stop_store
 from runtime.persist.snapshot import (
     SnapshotSpec,
     load_part,
@@ -41,14 +42,14 @@ from runtime.persist.snapshot import (
 from runtime.ps.client import PSClient, PullHandle
 from runtime.results.metrics import StageResult
 from runtime.stage.weights import VersionedWeights
-from runtime.sync.rule import Grads, StageView, SyncSpec
+from runtime.sync.rule import StageSync, StageView, SyncSpec
 
 __all__ = ["WaveSync"]
 
 log = logging.getLogger(__name__)
 
 
-class WaveSync:
+class WaveSync(StageSync):
     """Pushes a stage's wave updates and pulls global weights as WSP requires.
 
     Args:
@@ -64,6 +65,9 @@ class WaveSync:
             state, data position, RNG state) before pushing wave ``c`` when ``c + 1`` is a
             multiple of ``snapshots.every`` (the clocks the shards write at) and at the end.
         where: ``vw<k>-stage<s>``, the stage's part name.
+        weights: given: pulls overlap the tasks until a forward needs them.
+        stop: stage 0 under a time limit: where the VWs agree on the last wave
+            (:class:`runtime.launch.stop.StopAgreement`; ``None``: this VW stops alone).
     """
 
     def __init__(
@@ -78,6 +82,7 @@ class WaveSync:
         snapshots: SnapshotSpec | None = None,
         where: str = "stage",
         weights: VersionedWeights | None = None,
+        stop: Callable[[], StopAgreement] | None = None,
     ) -> None:
         self.client, self.params, self.nm, self.D = client, list(params), nm, D
         self.result = result
@@ -90,6 +95,8 @@ class WaveSync:
         self._snapshot: list[Tensor] = []
         self.weights = weights  # given: pulls overlap the tasks until a forward needs them
         self._pending: tuple[PullHandle, int, int] | None = None  # (pull, needed clock, version)
+        self._make_stop = stop
+        self._stop: StopAgreement | None = None  # the agreement is made on first use
 
     @classmethod
     def create(cls, spec: SyncSpec, view: StageView) -> WaveSync:
@@ -114,11 +121,17 @@ class WaveSync:
             spec.snapshots,
             view.where,
             view.weights if spec.overlap_pulls else None,
+            lambda: StopAgreement(stop_store(view.init_method), view.nm, spec.D),
         )
 
-    def reduce_grads(self, mb: int, grads: Grads) -> Grads:
-        """WSP applies the stage's own gradients locally (the waves carry them to the shards)."""
-        return grads
+    def agreed_total(self, admitted: int, time_up: bool) -> int | None:
+        """Every VW runs the same waves: the first whose time is up proposes the last one
+        (:func:`planner.wsp.stop_wave`) through a store, the others read it."""
+        if self._make_stop is None:
+            return super().agreed_total(admitted, time_up)
+        if self._stop is None:
+            self._stop = self._make_stop()
+        return self._stop.total(admitted, time_up)
 
     def start(self, clock: int = 0) -> None:
         """Load the global weights at ``clock`` (the run's first wave) into the stage and, when
