@@ -91,7 +91,7 @@ def _module_source(
     return ModelSource(module=model, sample_inputs=inputs, sample_targets=y, loss=loss_fn)
 
 
-def train(
+def train(  # long by its signature and docstring (every option, documented); the body is ~30 lines
     model: nn.Module | str,
     dataset: Dataset[Any] | None = None,
     loss_fn: LossFn | None = None,
@@ -156,22 +156,10 @@ def train(
     given = load_plan(plan) if isinstance(plan, (str, os.PathLike)) else plan
     if given is not None:
         batch_size = given.batch_size  # the plan's minibatch, also for the sample inputs
-    if isinstance(model, str):
-        source = ModelSource(ref=model, loss=loss_fn)
-    else:
-        if dataset is None:
-            raise ConfigError("a user nn.Module needs a dataset (items are (inputs, target))")
-        size = len(dataset)  # type: ignore[arg-type]
-        if size < batch_size:
-            raise ConfigError(
-                f"the data set has {size} samples, fewer than batch_size={batch_size}"
-            )
-        source = _module_source(model, dataset, loss_fn, batch_size)
+    source = _source(model, dataset, loss_fn, batch_size)
     if given is None:
         cl = load_cluster(cluster) if isinstance(cluster, (str, os.PathLike)) else cluster
-        the_plan = make_single_vw_plan(source, batch_size, nm, cl, stages, cuts)
-    else:
-        the_plan = given
+        given = make_single_vw_plan(source, batch_size, nm, cl, stages, cuts)
     run = RunConfig(
         steps=steps,
         epochs=epochs,
@@ -185,4 +173,23 @@ def train(
         progress=progress,
     )
     wsp = WSPConfig(D=D, checkpoint_every=checkpoint_every)
-    return run_plan(the_plan, source, optimizer, run, wsp, dataset, vw=vw)
+    return run_plan(given, source, optimizer, run, wsp, dataset, vw=vw)
+
+
+def _source(
+    model: nn.Module | str, dataset: Dataset[Any] | None, loss_fn: LossFn | None, batch_size: int
+) -> ModelSource:
+    """Where the processes get ``model`` from: a reference, or the user's module with one
+    minibatch of ``dataset`` to trace it.
+
+    Raises:
+        ConfigError: a module without a data set, or a data set smaller than a minibatch.
+    """
+    if isinstance(model, str):
+        return ModelSource(ref=model, loss=loss_fn)
+    if dataset is None:
+        raise ConfigError("a user nn.Module needs a dataset (items are (inputs, target))")
+    size = len(dataset)  # type: ignore[arg-type]
+    if size < batch_size:
+        raise ConfigError(f"the data set has {size} samples, fewer than batch_size={batch_size}")
+    return _module_source(model, dataset, loss_fn, batch_size)

@@ -18,7 +18,7 @@ from profiler.errors import ConfigError
 from runtime.defaults import TIMEOUT_S
 
 if TYPE_CHECKING:
-    from runtime.launch.failures import ShardFault, StageFault
+    from runtime.launch.faults import ShardFault, StageFault
     from runtime.persist.snapshot import SnapshotSpec, WriteFault
 
 __all__ = ["LossFn", "ModelSource", "OptimizerConfig", "RunConfig", "WSPConfig"]

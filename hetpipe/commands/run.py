@@ -95,7 +95,7 @@ OPT = OPTIONS  # the defaults below are the table's: one source for hetpipe run 
 
 
 @handle_errors
-def run(
+def run(  # long only by its typer signature (the command's options); the body is ~15 lines
     path: Annotated[Path, typer.Argument(help="plan.yaml/plan.json, or cluster.yaml with --model")],
     model: Annotated[
         str | None, typer.Option(help="model for a cluster.yaml (built-in name or pkg.mod:factory)")

@@ -28,6 +28,7 @@ from runtime.persist.snapshot import Manifest, SnapshotSpec, clean, select
 from runtime.ps.layout import ShardSpec, shard_specs_for_layout
 from runtime.results.evaluation import shard_dataset, split_dataset
 from runtime.results.wsp import WSPResult, export_snapshot
+from runtime.stage.job import StageJob
 from runtime.stage.model import resolve_source
 from runtime.stage.tied import check_untied_for_ps
 from runtime.sync.rule import SyncSpec
@@ -117,7 +118,27 @@ def prepare_wsp(
                              settings, cfg.checkpoint_every, cfg.keep, cfg.write_fault)  # fmt: skip
     sync = SyncSpec("wsp", plan.sync_params, D, specs, snaps, first_wave, cfg.overlap_pulls,
                     run.timeout_s)  # fmt: skip
-    stages = vw_stage_jobs(plan, source, optimizer, run, cfg, sync, list(shards_data), steps,
+    shards, stages = _jobs(plan, source, optimizer, run, cfg, sync, shards_data, steps, init_method)
+    hint = ""
+    if snaps is not None and cfg.checkpoint_every > 0:
+        hint = f"; resume with: {cfg.resume_hint} --resume {cfg.checkpoint_dir}"
+    return Prepared(shards, stages, steps, first_wave, nm, D, test, hint)
+
+
+def _jobs(
+    plan: Plan,
+    source: ModelSource,
+    optimizer: OptimizerConfig,
+    run: RunConfig,
+    cfg: WSPConfig,
+    sync: SyncSpec,
+    data: list[Subset[Any]],
+    steps: int,
+    init_method: str,
+) -> tuple[tuple[ShardJob, ...], tuple[StageJob, ...]]:
+    """The shards' jobs (ranks ``0..n-1``) and every VW's stages' (the next ranks)."""
+    nm, specs = run.nm or plan.nm, sync.shards
+    stages = vw_stage_jobs(plan, source, optimizer, run, cfg, sync, list(data), steps,
                            init_method, nm, first_rank=len(specs))  # fmt: skip
     world = len(specs) + len(stages)
     shards = tuple(
@@ -136,14 +157,10 @@ def prepare_wsp(
         )
         for k, s in enumerate(specs)
     )
-    stages = [dataclasses.replace(j, world_size=world) for j in stages]
     log.info("%d VWs x %s stages, %d shards, Nm %d, D %d, %d minibatches per VW",
              len(plan.virtual_workers), [len(v.stages) for v in plan.virtual_workers],
-             len(shards), nm, D, steps)  # fmt: skip
-    hint = ""
-    if snaps is not None and cfg.checkpoint_every > 0:
-        hint = f"; resume with: {cfg.resume_hint} --resume {cfg.checkpoint_dir}"
-    return Prepared(shards, tuple(stages), steps, first_wave, nm, D, test, hint)
+             len(shards), nm, sync.D, steps)  # fmt: skip
+    return shards, tuple(dataclasses.replace(j, world_size=world) for j in stages)
 
 
 def snapshot_parts(plan: Plan) -> tuple[str, ...]:

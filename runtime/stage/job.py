@@ -11,11 +11,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
+from runtime.data import MinibatchSource, default_dataset
 from runtime.sync.rule import SyncSpec
 
 if TYPE_CHECKING:
-    from runtime.launch.failures import StageFault
+    from runtime.launch.faults import StageFault
     from runtime.stage.emulation import Calibration
+    from runtime.stage.model import BuiltStage
 
 __all__ = ["StageContext", "StageJob"]
 
@@ -95,3 +97,17 @@ class StageJob:
     def first_mb(self) -> int:
         """Minibatches trained before this run (a resumed run's position)."""
         return self.sync.first_wave * self.ctx.nm
+
+    def minibatches(self, built: BuiltStage) -> MinibatchSource:
+        """This VW's minibatches (stage 0 reads the inputs, the last stage the targets), going
+        on after :attr:`first_mb`, sliced by :attr:`data_slice`."""
+        ds = self.dataset
+        if ds is None:
+            ds = default_dataset(
+                self.source.name, built.spec.inputs, built.spec.targets,
+                self.ctx.batch_size, built.graph.input_names,
+            )  # fmt: skip
+        return MinibatchSource(
+            ds, self.ctx.batch_size, self.run.seed, tuple(built.spec.targets.shape),
+            input_names=built.graph.input_names, offset=self.first_mb, slice_of=self.data_slice,
+        )  # fmt: skip

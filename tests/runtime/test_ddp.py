@@ -12,7 +12,7 @@ from planner.plan import Plan
 from profiler.errors import ConfigError, HetPipeRuntimeError
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.data import DigitsDataset, MinibatchSource
-from runtime.launch.failures import StageFault
+from runtime.launch.faults import StageFault
 from runtime.launch.launcher import launch
 from runtime.results.evaluation import accuracy, split_dataset
 from runtime.results.wsp import WSPResult
