@@ -62,7 +62,12 @@ def run_plan(
     """
     from runtime.launch.launcher import launch
 
-    run = default_length(run or RunConfig(), plan, rule_for(plan, vw))
+    rule = rule_for(plan, vw)
+    run = default_length(run or RunConfig(), plan, rule)
+    if not run.precision:
+        run = replace(run, precision=plan.precision)
+    if run.precision != "fp32" and rule == "allreduce":
+        raise ConfigError("--precision bf16 is for pipelines (hetpipe plans); AllReduce runs fp32")
     return launch(plan, source, optimizer, run, wsp, dataset, vw)
 
 
@@ -102,13 +107,16 @@ def describe_training(plan: Plan, vw: int, nm: int, D: int | None) -> str:
             f"({' '.join(w.signature for w in workers)}) of {plan.cluster.name}; batch "
             f"{plan.batch_size} per device"
         )
-    if how == "wsp":
+    if how != "local":  # a rule through the parameter-server shards
+        from runtime.results.sync import describe_rule
+
+        rule = describe_rule(how, plan.sync_params, plan.D if D is None else D)
         sigs = ", ".join(
             f"VW {k} {w.signature} ({len(w.stages)} stages)" for k, w in enumerate(workers)
         )
         return (
             f"training {plan.model} on {len(workers)} VWs through {len(plan.shards)} "
-            f"parameter-server shards (WSP, D={plan.D if D is None else D}): {sigs}; batch "
+            f"parameter-server shards ({rule.replace('WSP D=', 'WSP, D=')}): {sigs}; batch "
             f"{plan.batch_size}, Nm {nm}"
         )
     k = max(vw, 0)

@@ -147,6 +147,9 @@ def profile(  # long only by its typer signature (the command's options); the bo
     links: Annotated[
         bool, typer.Option("--links", help="measure point-to-point link latency and bandwidth")
     ] = False,
+    precision: Annotated[
+        str, typer.Option(help="fp32 | bf16: measure under bfloat16 autocast")
+    ] = "fp32",
 ) -> None:
     """Write per-layer profiles (or links.yaml) to ``-o``."""
     mode = _one_mode(
@@ -173,7 +176,7 @@ def profile(  # long only by its typer signature (the command's options); the bo
     elif mode == "analytic":
         _analytic(model, output, batch_size, types, calibrate_from)
     else:
-        _measure(model, output, batch_size, types, device, repeats, warmup, clock)
+        _measure(model, output, batch_size, types, device, repeats, warmup, clock, precision)
 
 
 def _links(output: Path, repeats: int, warmup: int) -> None:
@@ -240,8 +243,9 @@ def _measure(
     repeats: int,
     warmup: int,
     clock: str,
+    precision: str,
 ) -> None:
-    """Measure ``model`` layer by layer on ``device``."""
+    """Measure ``model`` layer by layer on ``device`` (``precision``: fp32 or bf16 autocast)."""
     from profiler.measure import measure_profile, parse_device
     from profiler.models import resolve_model
 
@@ -253,6 +257,6 @@ def _measure(
     spec = resolve_model(model, bs)
     with _progress(f"profiling {model} (batch {bs}) on {dev}") as update:
         prof = measure_profile(
-            spec, dev, types[0] if types else None, repeats, warmup, update, clock
+            spec, dev, types[0] if types else None, repeats, warmup, update, clock, precision
         )
     _summary(prof, prof.save(_target(output, prof)))

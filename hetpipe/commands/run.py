@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from hetpipe._common import console, handle_errors
+from hetpipe._rules import SYNC_HELP, AlphaOpt, BackupsOpt, TauOpt, apply_rule, rule_params
 from planner.plan import Plan, load_plan, load_plan_or_cluster
 from planner.plan_check import check_plan_layers
 from profiler.errors import ConfigError
@@ -42,6 +44,7 @@ def _load(
     vws: int,
     D: int,
     policy: str | None = None,
+    precision: str = "fp32",
 ) -> Plan:
     """The plan in ``path`` (checked against its model), or a plan made on the fly for the
     cluster in ``path`` with the planner's defaults (the same as ``hetpipe plan``), or a hand
@@ -57,7 +60,8 @@ def _load(
         from runtime.api import make_single_vw_plan
         from runtime.config import ModelSource
 
-        return make_single_vw_plan(ModelSource(ref=model or "mlp"), batch_size, nm, cluster, stages)
+        hand = make_single_vw_plan(ModelSource(ref=model or "mlp"), batch_size, nm, cluster, stages)
+        return replace(hand, precision=precision)
     from planner.planner import make_plan
 
     return make_plan(
@@ -68,6 +72,7 @@ def _load(
         num_vws=vws or None,
         policy=policy,
         D=D,
+        precision=precision,
     )
 
 
@@ -120,9 +125,10 @@ def run(  # long only by its typer signature (the command's options); the body i
             "where it applies, else ed; the same as 'hetpipe plan')",
         ),
     ] = None,
-    sync: Annotated[
-        str, typer.Option(help="wsp (parameter servers) or allreduce (DDP baseline)")
-    ] = "wsp",
+    sync: Annotated[str, typer.Option(help=SYNC_HELP + "; default: the plan's rule")] = "wsp",
+    backups: BackupsOpt = None,
+    tau: TauOpt = None,
+    alpha: AlphaOpt = None,
     resume: Annotated[
         str | None,
         typer.Option(
@@ -155,22 +161,22 @@ def run(  # long only by its typer signature (the command's options); the body i
     schedule: Annotated[str, _opt("schedule")] = OPT["schedule"].default,
     timeout: Annotated[float, _opt("timeout")] = OPT["timeout"].default,
     emulate: Annotated[bool, _opt("emulate")] = OPT["emulate"].default,
+    precision: Annotated[str, _opt("precision")] = OPT["precision"].default,
 ) -> None:
     """Train a plan (all its VWs through WSP, one VW, or the AllReduce baseline); print the summary."""
     from runtime.options import configs
     from runtime.persist.run_dir import resume_target
 
     values = {name: value for name, value in locals().items() if name in OPTIONS}
-    if sync not in ("wsp", "allreduce"):
-        raise ConfigError(f"--sync {sync!r}: use wsp or allreduce")
+    rule = rule_params(sync, backups, tau, alpha)
     if sync == "allreduce":
         _refuse_pipeline_options(resume, nm, staleness, vw, vws, stages, policy)
     target = resume_target(resume) if resume is not None else None
     opt, run_cfg, wsp = configs(values, out or (target[0] if target else None), progress, target,
                                 _resume_hint(path))  # fmt: skip
     plan = _plan(path, model, batch_size, nm, stages, vws, staleness, policy, sync, opt,
-                 run_cfg.out_dir if resume is not None else None)  # fmt: skip
-    _train(plan, opt, run_cfg, wsp, vw)
+                 run_cfg.out_dir if resume is not None else None, precision)  # fmt: skip
+    _train(apply_rule(plan, sync, rule), opt, run_cfg, wsp, vw)
 
 
 def _plan(
@@ -185,6 +191,7 @@ def _plan(
     sync: str,
     opt: OptimizerConfig,
     resumed: Path | None,
+    precision: str,
 ) -> Plan:
     """The plan to train: a resumed run's own ``plan.json``, the plan file, or one made on the
     fly for a cluster file (the AllReduce baseline's with ``--sync allreduce``)."""
@@ -199,7 +206,8 @@ def _plan(
             if sync == "allreduce":
                 plan = _load_allreduce(path, model, batch_size, opt)
             else:
-                plan = _load(path, model, batch_size, nm, stages, vws, staleness or 0, policy)
+                plan = _load(path, model, batch_size, nm, stages, vws, staleness or 0, policy,
+                             precision or "fp32")  # fmt: skip
     if model is not None and model != plan.model:
         raise ConfigError(
             f"--model {model} does not match the plan's model {plan.model!r}; drop --model"

@@ -74,6 +74,7 @@ def simulate(
         f"placement {plan.placement}: {len(plan.virtual_workers)} VWs, {waves} waves"
     )
     _show(plan, res, title)
+    _show_rules(plan, waves, any_profile)
     if baseline == "allreduce":
         _show_baseline(plan, res, by_type, waves, source)
     _pictures(plan, res, title, waves, gantt, trace)
@@ -161,6 +162,47 @@ def _pictures(
     if trace is not None:
         write_chrome_trace(res.trace, trace, labels)
         console.print(f"Chrome trace (open in https://ui.perfetto.dev): {trace}")
+
+
+def _show_rules(plan: Plan, waves: int, profile: Profile | None) -> None:
+    """With stragglers in the cluster or a rule other than WSP: the rules played on whole waves
+    (:mod:`planner.sim.waves`): WSP at D = 0 and the plan's D, and the plan's rule."""
+    from planner.sim.waves import plan_slowdown, play_waves, vw_wave_ms
+    from runtime.results.sync import describe_rule
+
+    slow = plan_slowdown(plan)
+    n = len(plan.virtual_workers)
+    stragglers = any(slow(v, c) > 1 for v in range(n) for c in range(waves))
+    if not stragglers and plan.sync not in ("backup", "easgd"):
+        return
+    params = dict(plan.sync_params)
+    rows = [("wsp", {"D": 0})]
+    if plan.D:
+        rows.append(("wsp", {"D": plan.D}))
+    if plan.sync == "backup":
+        rows.append(("backup", {"backups": int(params["backups"])}))
+    elif plan.sync == "easgd":
+        rows.append(("easgd", {"tau": int(params["tau"])}))
+    wave_ms = vw_wave_ms(plan, profile)
+    table = Table(
+        title=f"rules on whole waves, {waves} waves{' with stragglers' if stragglers else ''}"
+    )
+    for col in ("rule", "applied samples/s", "dropped VW-waves", "k-th push after the first (ms)"):
+        table.add_column(col, justify="left" if col == "rule" else "right")
+    for rule, kw in rows:
+        play = play_waves(rule, wave_ms, waves, plan.nm, slow, **kw)
+        full = [a for a in play.arrivals_ms if len(a) == n]
+        kth = [sum(a[k] - a[0] for a in full) / len(full) for k in range(n)] if full else []
+        name = describe_rule(
+            rule, tuple((k, float(v)) for k, v in kw.items() if k != "D"), kw.get("D", 0)
+        )
+        table.add_row(
+            name,
+            f"{play.throughput(plan.batch_size):.1f}",
+            str(play.dropped),
+            " ".join(f"{t:.1f}" for t in kth),
+        )
+    console.print(table)
 
 
 def _show_allreduce(plan: Plan) -> None:

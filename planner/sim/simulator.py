@@ -126,6 +126,10 @@ def pipeline_specs(plan: Plan, profile: Profile | None = None) -> list[PipelineS
                 labels=tuple(labels),
                 nodes=tuple(vw.gpus[s.gpu].node for s in vw.stages),
                 push_inter_ms=tuple(push_inter),
+                host_ms=tuple(
+                    plan.cluster.host_link.time_s(s.transfer_bytes) * 1e3 for s in vw.stages
+                ),
+                host_exposed_ms=tuple(s.transfer_ms for s in vw.stages),
             ).validated()
         )
     return specs
@@ -222,7 +226,8 @@ def allreduce_for_plan(
     if profiles:
         from planner.costmodel import CostModel
 
-        cm = CostModel(dict(profiles), cluster.link, plan.optimizer_state_factor)
+        at = {t: prof.at_precision(plan.precision) for t, prof in profiles.items()}
+        cm = CostModel(at, cluster.link, plan.optimizer_state_factor)
         need = cm.model_memory_bytes(1)
         params = cm.total_param_bytes()
         whole = {t: float(cm.compute_ms(t)[-1]) for t in cm.types}

@@ -30,7 +30,6 @@ from runtime.results.evaluation import shard_dataset, split_dataset
 from runtime.results.wsp import WSPResult, export_snapshot
 from runtime.stage.job import StageJob
 from runtime.stage.model import resolve_source
-from runtime.stage.tied import check_untied_for_ps
 from runtime.sync.rule import SyncSpec
 
 __all__ = ["prepare_wsp", "shard_specs", "snapshot_parts", "split_data", "wsp_steps"]
@@ -89,17 +88,17 @@ def prepare_wsp(
         ConfigError: bad settings, a mismatched resume, nothing to train.
     """
     nm = run.nm or plan.nm
-    D = plan.D if cfg.D is None else cfg.D
+    rule = plan.sync if plan.sync in ("backup", "easgd") else "wsp"  # the shard rules
+    D = (plan.D if cfg.D is None else cfg.D) if rule == "wsp" else 0  # the others: D = 0
     spec = resolve_source(source, plan.batch_size, meta=source.module is None)
     shards_data, test = split_data(dataset, len(plan.virtual_workers), cfg.test_fraction, run.seed)
     graph = ModelGraph.from_spec(spec)
-    check_untied_for_ps(graph, plan)
     shapes = {n: tuple(p.shape) for n, p in spec.module.named_parameters()}
     specs, _ = shard_specs(plan, graph, shapes, D)
     vw_samples = min(len(s) for s in shards_data)
     horizon = wsp_steps(run, nm, 0, vw_samples, plan.batch_size)
     settings = job_settings(source.name, plan.to_json(), nm, D, run.seed, cfg.test_fraction,
-                            f"{type(dataset).__name__}:{len(dataset)}", optimizer, horizon)  # type: ignore[arg-type]  # fmt: skip
+                            f"{type(dataset).__name__}:{len(dataset)}", optimizer, horizon, run.precision)  # type: ignore[arg-type]  # fmt: skip
     manifest = _resume_from(cfg, owner, settings)
     first_wave = manifest.clock if manifest is not None else 0
     tidies = owner is None or owner.tidies  # one process of the job tidies the folder
@@ -113,10 +112,10 @@ def prepare_wsp(
     if steps == 0:
         raise ConfigError("nothing to train: raise --steps or --epochs")
     snaps = None
-    if cfg.checkpoint_dir is not None and owner is not None:
+    if cfg.checkpoint_dir is not None and owner is not None and rule != "easgd":
         snaps = SnapshotSpec(cfg.checkpoint_dir, owner.run_id, owner.attempt, snapshot_parts(plan),
                              settings, cfg.checkpoint_every, cfg.keep, cfg.write_fault)  # fmt: skip
-    sync = SyncSpec("wsp", plan.sync_params, D, specs, snaps, first_wave, cfg.overlap_pulls,
+    sync = SyncSpec(rule, plan.sync_params, D, specs, snaps, first_wave, cfg.overlap_pulls,
                     run.timeout_s)  # fmt: skip
     shards, stages = _jobs(plan, source, optimizer, run, cfg, sync, shards_data, steps, init_method)
     hint = ""

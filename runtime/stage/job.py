@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from planner.straggle import NO_STRAGGLE, Straggle
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.data import MinibatchSource, default_dataset
 from runtime.sync.rule import SyncSpec
@@ -38,6 +39,10 @@ class StageContext:
         optimizer_state_factor: optimizer state bytes per parameter byte.
         prev_rank, next_rank: neighbours' global ranks (``None`` at the ends).
         total_steps: minibatches to train (stage 0 may stop earlier on a time limit).
+        memory: the stage's memory placement (``StagePlan.memory``, :mod:`planner.offload`).
+        host_cap_bytes: host memory the stage may offload to (0 = unbounded).
+        straggle: the emulated device's straggler model: a paced task of wave ``c`` takes
+            ``straggle.slowdown(vw, c)`` times longer (:mod:`planner.straggle`).
     """
 
     rank: int
@@ -54,6 +59,9 @@ class StageContext:
     prev_rank: int | None
     next_rank: int | None
     total_steps: int
+    memory: str = "keep"
+    host_cap_bytes: int = 0
+    straggle: Straggle = NO_STRAGGLE
 
     @property
     def where(self) -> str:
@@ -93,6 +101,17 @@ class StageJob:
     init_method: str = "env://"
     world_size: int = 1
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled for the stage's process: of a user's module, only this stage
+        (:func:`runtime.stage.model.ship_stage`, split once per cut list in the launcher)."""
+        from runtime.stage.model import ship_stage
+
+        state = dict(self.__dict__)
+        state["source"] = ship_stage(
+            self.source, self.ctx.batch_size, self.ctx.cuts, self.ctx.stage
+        )
+        return state
+
     @property
     def first_mb(self) -> int:
         """Minibatches trained before this run (a resumed run's position)."""
@@ -104,10 +123,10 @@ class StageJob:
         ds = self.dataset
         if ds is None:
             ds = default_dataset(
-                self.source.name, built.spec.inputs, built.spec.targets,
-                self.ctx.batch_size, built.graph.input_names,
+                self.source.name, built.inputs, built.targets,
+                self.ctx.batch_size, built.input_names,
             )  # fmt: skip
         return MinibatchSource(
-            ds, self.ctx.batch_size, self.run.seed, tuple(built.spec.targets.shape),
-            input_names=built.graph.input_names, offset=self.first_mb, slice_of=self.data_slice,
+            ds, self.ctx.batch_size, self.run.seed, tuple(built.targets.shape),
+            input_names=built.input_names, offset=self.first_mb, slice_of=self.data_slice,
         )  # fmt: skip

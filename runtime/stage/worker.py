@@ -18,13 +18,16 @@ from torch import Tensor
 from torch.func import functional_call
 
 from planner.schedule import Kind, StageQueue, Task
+from planner.wsp import wave_of
 from profiler.errors import HetPipeRuntimeError
+from profiler.precision import autocast
 from runtime.results.metrics import StageResult
-from runtime.stage.comm import Channel, Event, GradReceiver, cut_specs, start_activation_receiver
-from runtime.stage.emulation import MemoryMeter, SavedBytes, pace_until
+from runtime.stage.comm import Channel, Event, GradReceiver, start_activation_receiver, wire_specs
+from runtime.stage.emulation import SavedBytes, pace_until
 from runtime.stage.grads import Held, backward_grads
 from runtime.stage.job import StageJob
 from runtime.stage.model import build_stage
+from runtime.stage.offload import memory_manager
 from runtime.stage.tied import TiedGrads
 from runtime.stage.weights import VersionedWeights
 from runtime.sync.registry import stage_sync
@@ -48,24 +51,24 @@ class StageWorker:
         self.module = built.module.train()
         self.loss_fn = built.loss
         self.names = built.names
-        bounds = [0, *ctx.cuts, len(built.graph.layers)]
-        self.in_specs = cut_specs(built.graph, bounds[ctx.stage]) if ctx.stage > 0 else ()
-        self.out_specs = () if self.last else cut_specs(built.graph, bounds[ctx.stage + 1])
+        self.precision = run.precision or "fp32"
+        self.device_type = next((p.device.type for p in self.module.parameters()), "cpu")
+        self.in_specs = wire_specs(built.in_specs, self.precision)
+        self.out_specs = wire_specs(built.out_specs, self.precision)
         self.data = job.minibatches(built) if ctx.stage == 0 or self.last else None
         params = dict(self.module.named_parameters())
         local = {orig: name for name, orig in self.names.items()}
-        self.tied = TiedGrads(
-            ctx.stage, ctx.rank - ctx.stage, built.graph.shared_params(ctx.cuts), local
-        )
+        self.tied = TiedGrads(ctx.stage, ctx.rank - ctx.stage, built.tied, local)
         # a resumed run's lr schedule goes on where it stopped (cosine horizon included)
         self.weights = VersionedWeights(
             params, ctx.nm, job.optimizer, job.first_mb + ctx.total_steps, job.first_mb
         )
         buffer_bytes = sum(b.numel() * b.element_size() for b in self.module.buffers())
         factor = ctx.optimizer_state_factor
-        self.memory = MemoryMeter(
-            ctx.where, ctx.cap_bytes, self.weights.param_bytes, buffer_bytes, factor
-        )
+        self.offload, self.memory = memory_manager(
+            ctx.memory, ctx.where, ctx.cap_bytes, ctx.host_cap_bytes,
+            self.weights.param_bytes, buffer_bytes, factor, list(self.module.buffers()),
+        )  # fmt: skip
         self.queue = StageQueue(ctx.stage, ctx.n_stages)
         self.inbox: queue.Queue[Event] = queue.Queue()
         self.held: dict[int, Held] = {}
@@ -75,9 +78,10 @@ class StageWorker:
         view = StageView(
             ctx.rank, ctx.vw, ctx.stage, ctx.nm, f"vw{ctx.vw}-stage{ctx.stage}",
             tuple((self.names[n], p) for n, p in params.items()), self.weights, self.result,
-            job.init_method,
+            self.tied if self.tied else None, job.init_method,
         )  # fmt: skip
         self.sync = stage_sync(job.sync, view)  # the synchronisation rule's hooks
+        self._task_mb = 1  # the minibatch of the task being paced (its wave may straggle)
         self._task_wall0 = 0.0  # wall-clock start of the task being executed (the timeline)
 
     @property
@@ -255,7 +259,8 @@ class StageWorker:
         not paced)."""
         if self.calibration is None or not self.run_cfg.emulate:
             return t0
-        return t0 + self.calibration.task_s(self.ctx.stage, kind.value) / self.ctx.speed
+        slow = self.ctx.straggle.slowdown(self.ctx.vw, wave_of(self._task_mb, self.ctx.nm))
+        return t0 + self.calibration.task_s(self.ctx.stage, kind.value) / self.ctx.speed * slow
 
     def _pace(self, t0: float, kind: Kind) -> None:
         if self._paced:
@@ -268,7 +273,7 @@ class StageWorker:
         to_prev: Channel | None,
         grad_rx: GradReceiver | None,
     ) -> None:
-        mb = task.mb
+        mb = self._task_mb = task.mb
         if task.kind is not Kind.B:  # neither loading a minibatch (a host-side data loader's
             # job) nor waiting for a WSP pull is device time: pace from after them
             if self.ctx.stage == 0:
@@ -276,6 +281,8 @@ class StageWorker:
             self.sync.before_forward(mb)
         t0, self._task_wall0 = time.perf_counter(), time.time()
         log.debug("[%s] task %s", self.ctx.where, task)
+        if self.offload is not None:  # offloaded activations come back one task ahead
+            self.offload.prefetch_ahead()
         if self.fault is not None:
             self.fault(mb)
         if task.kind is Kind.B:
@@ -333,22 +340,33 @@ class StageWorker:
             for x in held.inputs
         )
         leaves = self.weights.acquire(mb)
-        if self.ctx.cap_bytes > 0:  # emulated device: account what autograd saves
+        if self.offload is not None:  # the memory manager runs and accounts the forward
+            excl = [*leaves.values(), *held.inputs]
+            out = self.offload.forward(mb, lambda *xs: self._call(leaves, xs), held.inputs, excl)
+            recv_bytes = sum(x.numel() * x.element_size() for x in held.inputs)
+            self.memory.check(mb, self.offload.saved_bytes + recv_bytes, self.weights.stashed_bytes)
+        elif self.ctx.cap_bytes > 0:  # emulated device: account what autograd saves
             with SavedBytes([*leaves.values(), *held.inputs]) as saved:
                 out = self._call(leaves, held.inputs)
             recv_bytes = sum(x.numel() * x.element_size() for x in held.inputs)
             self.memory.check(mb, saved.nbytes + recv_bytes, self.weights.stashed_bytes)
         else:
             out = self._call(leaves, held.inputs)
-        if not self.last:
-            held.outputs = tuple(out)
+        if not self.last:  # cast inside autograd: the gradients come back in the wire dtype
+            held.outputs = tuple(
+                o.to(s.dtype) if o.is_floating_point() else o
+                for o, s in zip(out, self.out_specs, strict=True)
+            )
+            return held.outputs
         return out
 
     def _call(self, leaves: dict[str, Tensor], inputs: tuple[Tensor, ...]) -> Any:
-        """The stage's forward with a weight version (Nm = 1: the master parameters themselves)."""
-        if self.ctx.nm == 1:
-            return self.module(*inputs)
-        return functional_call(self.module, leaves, inputs)
+        """The stage's forward with a weight version (Nm = 1: the master parameters themselves),
+        under autocast with ``--precision bf16``."""
+        with autocast(self.device_type, self.precision):
+            if self.ctx.nm == 1:
+                return self.module(*inputs)
+            return functional_call(self.module, leaves, inputs)
 
     def _grad(
         self, mb: int, outs: list[Tensor], gouts: list[Tensor] | None
@@ -373,7 +391,8 @@ class StageWorker:
             raise HetPipeRuntimeError(f"[{self.ctx.where}] last stage has no data")
         held = self.held[mb]
         targets = held.targets if held.targets is not None else self.data.targets(mb)
-        loss = self.loss_fn(out, targets)
+        with autocast(self.device_type, self.precision):
+            loss = self.loss_fn(out, targets)
         value = float(loss.item())
         self.result.losses.append((mb, value))
         if self.events is not None:
@@ -383,6 +402,8 @@ class StageWorker:
     def _completed(self, mb: int) -> None:
         self.held.pop(mb, None)
         self.memory.release(mb)
+        if self.offload is not None:
+            self.offload.release(mb, self.memory)
         self.result.done_times.append(time.time())
         if self.ctx.stage == 0 and self.events is not None:
             self.events.put(("done", self.ctx.rank, mb, time.time()))

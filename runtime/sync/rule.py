@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from runtime.persist.snapshot import SnapshotSpec
     from runtime.ps.layout import ShardSpec
     from runtime.results.metrics import StageResult
+    from runtime.stage.tied import TiedGrads
     from runtime.stage.weights import VersionedWeights
 
 __all__ = ["Grads", "LocalSync", "StageSync", "StageView", "SyncSpec", "WaveFold"]
@@ -100,6 +101,7 @@ class StageView:
         params: ``(global name, master parameter)`` in the stage's order.
         weights: the stage's weight versions and optimizer.
         result: the stage's result (wait time, clock trace and timeline go there).
+        tied: the stage's tied parameters (held by several stages of its VW), if any.
         init_method: the process group's rendezvous (a rule's own store can live beside it:
             :func:`runtime.launch.stop.stop_store`).
     """
@@ -112,6 +114,7 @@ class StageView:
     params: tuple[tuple[str, nn.Parameter], ...]
     weights: VersionedWeights
     result: StageResult
+    tied: TiedGrads | None = None
     init_method: str = "env://"
 
 
