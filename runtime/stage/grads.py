@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-__all__ = ["Held", "backward_grads"]
+__all__ = ["Held", "backward_grads", "outputs_backward"]
 
 
 @dataclass
@@ -42,3 +42,13 @@ def backward_grads(
     needs = [x for x in held.inputs if x.requires_grad]
     by_id = {id(x): g for x, g in zip(needs, res[len(names) :], strict=True)}
     return grads_w, [by_id.get(id(x)) for x in held.inputs if x.is_floating_point()]
+
+
+def outputs_backward(
+    held: Held, leaves: dict[str, Tensor]
+) -> tuple[dict[str, Tensor | None], list[Tensor | None]]:
+    """The backward of a stage before the last: its floating-point outputs that need a
+    gradient, seeded by the next stage's gradients (:func:`backward_grads`)."""
+    outs = (o for o in held.outputs if o.is_floating_point())
+    pairs = [(o, g) for o, g in zip(outs, held.grads_in, strict=True) if o.requires_grad]
+    return backward_grads(held, leaves, [o for o, _ in pairs], [g for _, g in pairs])

@@ -24,7 +24,7 @@ from profiler.precision import autocast
 from runtime.results.metrics import StageResult
 from runtime.stage.comm import Channel, Event, GradReceiver, start_activation_receiver, wire_specs
 from runtime.stage.emulation import SavedBytes, pace_until
-from runtime.stage.grads import Held, backward_grads
+from runtime.stage.grads import Held, backward_grads, outputs_backward
 from runtime.stage.job import StageJob
 from runtime.stage.model import build_stage
 from runtime.stage.offload import memory_manager
@@ -368,21 +368,8 @@ class StageWorker:
                 return self.module(*inputs)
             return functional_call(self.module, leaves, inputs)
 
-    def _grad(
-        self, mb: int, outs: list[Tensor], gouts: list[Tensor] | None
-    ) -> tuple[dict[str, Tensor | None], list[Tensor | None]]:
-        return backward_grads(self.held[mb], self.weights.leaves(mb), outs, gouts)
-
     def _backward(self, mb: int) -> tuple[dict[str, Tensor | None], list[Tensor | None]]:
-        held = self.held[mb]
-        pairs = [
-            (o, g)
-            for o, g in zip(
-                (o for o in held.outputs if o.is_floating_point()), held.grads_in, strict=True
-            )
-            if o.requires_grad
-        ]
-        return self._grad(mb, [o for o, _ in pairs], [g for _, g in pairs])
+        return outputs_backward(self.held[mb], self.weights.leaves(mb))
 
     def _loss_backward(
         self, mb: int, out: Any
@@ -397,7 +384,7 @@ class StageWorker:
         self.result.losses.append((mb, value))
         if self.events is not None:
             self.events.put(("loss", self.ctx.rank, mb, value, time.time()))
-        return self._grad(mb, [loss], None)
+        return backward_grads(held, self.weights.leaves(mb), [loss], None)
 
     def _completed(self, mb: int) -> None:
         self.held.pop(mb, None)
