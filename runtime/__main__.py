@@ -89,7 +89,7 @@ def _rank_job(a: argparse.Namespace, plan: Plan, rank: int, world: int) -> Any:
     from runtime.launch.launcher import prepare
     from runtime.persist.run_dir import SharedRun, resume_target
     from runtime.persist.snapshot import committed_clocks
-    from runtime.run import default_length, rule_for
+    from runtime.run import rule_for, settle
 
     resume = a.resume
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
@@ -103,7 +103,7 @@ def _rank_job(a: argparse.Namespace, plan: Plan, rank: int, world: int) -> Any:
     if cfg.checkpoint_dir is None and out is not None:
         cfg = dataclasses.replace(cfg, checkpoint_dir=out / "checkpoints")
     rule = rule_for(plan, a.vw)
-    run = default_length(run, plan, rule)
+    run = settle(run, plan, rule)  # the plan's defaults, as hetpipe run fills them
     attempt = "-".join(os.environ.get(k, "0") for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"))  # fmt: skip
     owner = SharedRun("" if cfg.resume else attempt, attempt, rank == 0) if out else None
     prep = prepare(plan, ModelSource(ref=plan.model), opt, run, cfg, None, owner, rule,

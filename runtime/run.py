@@ -32,6 +32,7 @@ __all__ = [
     "outputs",
     "rule_for",
     "run_plan",
+    "settle",
     "summary",
 ]
 
@@ -62,13 +63,23 @@ def run_plan(
     """
     from runtime.launch.launcher import launch
 
-    rule = rule_for(plan, vw)
-    run = default_length(run or RunConfig(), plan, rule)
+    run = settle(run or RunConfig(), plan, rule_for(plan, vw))
+    return launch(plan, source, optimizer, run, wsp, dataset, vw)
+
+
+def settle(run: RunConfig, plan: Plan, rule: str) -> RunConfig:
+    """``run`` with the plan's defaults filled in (one host and every torchrun rank alike):
+    its length (:func:`default_length`) and the plan's precision.
+
+    Raises:
+        ConfigError: bf16 asked of the AllReduce baseline.
+    """
+    run = default_length(run, plan, rule)
     if not run.precision:
         run = replace(run, precision=plan.precision)
     if run.precision != "fp32" and rule == "allreduce":
         raise ConfigError("--precision bf16 is for pipelines (hetpipe plans); AllReduce runs fp32")
-    return launch(plan, source, optimizer, run, wsp, dataset, vw)
+    return run
 
 
 MAIN_JOB_EPOCHS = 40.0

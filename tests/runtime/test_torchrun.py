@@ -126,3 +126,25 @@ def test_the_torchrun_entry_has_hetpipe_runs_options_and_defaults() -> None:
                         "--no-emulate", "--weight-decay", "0.1"]))  # fmt: skip
     opt, run_cfg, wsp = configs(flags)
     assert (wsp.max_restarts, wsp.D, run_cfg.emulate, opt.weight_decay) == (2, 1, False, 0.1)
+
+
+def test_a_torchrun_rank_gets_the_job_hetpipe_run_would_give_it(tmp_path: Path) -> None:
+    """Same options -> same job: a rank's job is the one-host launcher's (plan defaults such
+    as its precision filled in the same way), only the rendezvous differs."""
+    import dataclasses
+
+    from runtime.__main__ import _args, _rank_job
+    from runtime.launch.launcher import prepare
+    from runtime.options import configs
+    from runtime.run import settle
+
+    graph = ModelGraph.from_spec(resolve_source(ModelSource(ref="mlp"), 8, meta=True))
+    plan = dataclasses.replace(
+        manual_plan(graph, balanced_cuts(graph, 2), "mlp", 8, 2), precision="bf16"
+    )
+    args = _args(["plan.yaml", "--steps", "3", "--lr", "0.1", "--no-emulate"])
+    job = _rank_job(args, plan, rank=1, world=2)
+    opt, run, cfg = configs(vars(args))
+    run = settle(run, plan, "local")
+    prep = prepare(plan, ModelSource(ref="mlp"), opt, run, cfg, None, None, "local", 0, "env://")
+    assert job == prep.stages[1] and job.run.precision == "bf16" and job.optimizer.lr == 0.1
