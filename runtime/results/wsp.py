@@ -33,7 +33,7 @@ from runtime.ps.core import ClockEvent
 from runtime.ps.layout import ShardSpec, export_state_dict
 from runtime.results.evaluation import evaluate_module
 from runtime.results.metrics import RunResult, StageResult, write_metrics
-from runtime.results.sync import describe_rule, dropped_vw_waves, kth_push_s
+from runtime.results.sync import arrival_table, describe_rule, dropped_vw_waves, kth_push_s
 from runtime.results.timeline import write_timeline
 from runtime.stage.model import reference_module
 
@@ -208,6 +208,7 @@ class WSPResult:
             "sync_params": dict(self.sync_params),
             "dropped_vw_waves": dropped_vw_waves(self.vws),
             "kth_push_s": kth_push_s(self.vws),
+            "wave_arrivals_s": arrival_table(self.vws),
             "lost": [dataclasses.asdict(v) for v in self.lost],
             "vws": [
                 {
