@@ -149,7 +149,10 @@ def default_dataset(
         sample_targets.dtype,
         _BUILTIN_CLASSES.get(model_name, 10),
         input_names=input_names,
-        ranges=tuple(_value_range(x) for x in sample_inputs),
+        # keyword models (HF) are always built on CPU, so their samples' value ranges are real
+        # in every process; a positional model may be built on meta in one process and on CPU
+        # in another, and its data must not depend on which
+        ranges=tuple(_value_range(x) for x in sample_inputs) if input_names else (),
     )
 
 
