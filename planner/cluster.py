@@ -15,8 +15,10 @@ Example (the HetPipe paper's cluster, ``examples/paper_cluster.yaml``)::
 A node may set ``memory`` (overrides the catalog), ``host`` (address for multi-host
 runs) and ``host_memory`` (host memory its GPUs may offload to, shared equally; default
 unbounded). ``links: {host_link: ...}`` is the GPU <-> host-memory link offloaded data
-crosses (:mod:`planner.offload`; PCIe 3.0 x16 by default). ``emulate: {speed: 0.25, memory: 64MiB}`` runs the node's GPUs as CPU processes
-whose layers are paced to ``calibrated CPU time / speed`` and whose memory is capped.
+crosses (:mod:`planner.offload`; PCIe 3.0 x16 by default). ``emulate: {speed: 0.25, memory: 64MiB}``
+runs the node's GPUs as CPU processes whose layers are paced to ``calibrated CPU time / speed``
+and whose memory is capped; ``straggle: {p: 0.05, factor: 3}`` inside it makes 5 % of the
+(VW, wave)s 3x slower (:mod:`planner.straggle`, reproducible: ``seed`` defaults to 0).
 The file is validated with pydantic and turned into frozen dataclasses; every error is
 one line naming the file, the field and the fix. Values are range-checked: sizes, bandwidths
 and latencies finite (bandwidth positive), an emulated memory cap at most the GPU's own memory,
@@ -38,6 +40,7 @@ from pydantic import (
     field_validator,
 )
 
+from planner.straggle import NO_STRAGGLE, Straggle
 from profiler.catalog import lookup_gpu
 from profiler.errors import ConfigError, shown
 from profiler.inputs import load_document, text_problem
@@ -69,10 +72,13 @@ class Emulation:
     Attributes:
         speed: relative speed; each layer takes ``calibrated CPU time / speed``.
         memory_bytes: memory cap enforced by byte accounting at run time.
+        straggle: per-(VW, wave) slowdown (``emulate: {straggle: {p: 0.05, factor: 3}}``,
+            :mod:`planner.straggle`); none by default.
     """
 
     speed: float
     memory_bytes: int
+    straggle: Straggle = NO_STRAGGLE
 
 
 @dataclass(frozen=True)
@@ -175,7 +181,11 @@ class Cluster:
                 "memory": n.memory_bytes,
             }
             if n.emulation is not None:
-                d["emulate"] = {"speed": n.emulation.speed, "memory": n.emulation.memory_bytes}
+                emu = n.emulation
+                d["emulate"] = {"speed": emu.speed, "memory": emu.memory_bytes}
+                if emu.straggle.active:
+                    st = emu.straggle
+                    d["emulate"]["straggle"] = {"p": st.p, "factor": st.factor, "seed": st.seed}
             if n.host_memory_bytes:
                 d["host_memory"] = n.host_memory_bytes
             nodes.append(d)
@@ -230,9 +240,16 @@ class _LinksIn(_Strict):
     host_link: _LinkIn = _LinkIn(bandwidth=_PCIE_BPS, latency=10e-6)
 
 
+class _StraggleIn(_Strict):
+    p: float = Field(ge=0, le=1)
+    factor: float = Field(ge=1, le=1000)
+    seed: int = Field(default=0, ge=0)
+
+
 class _EmulateIn(_Strict):
     speed: float = Field(gt=0, le=8)
     memory: int
+    straggle: _StraggleIn | None = None
 
     @field_validator("memory", mode="before")
     @classmethod
@@ -335,7 +352,11 @@ def parse_cluster(data: object, source: str = "<memory>") -> Cluster:
                 f"{source}: nodes[{i}].emulate.memory: {n.emulate.memory} bytes is more than the "
                 f"{gpu_type}'s own {memory} bytes; lower it (or set the node's memory)"
             )
-        emu = Emulation(n.emulate.speed, n.emulate.memory) if n.emulate is not None else None
+        emu = None
+        if n.emulate is not None:
+            st = n.emulate.straggle
+            straggle = Straggle(st.p, st.factor, st.seed) if st is not None else NO_STRAGGLE
+            emu = Emulation(n.emulate.speed, n.emulate.memory, straggle)
         host_mem = n.host_memory or 0
         nodes.append(
             Node(n.name, n.host or n.name, gpu_type, letter, n.count, memory, emu, host_mem)

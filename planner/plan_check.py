@@ -25,6 +25,7 @@ from dataclasses import MISSING, fields, is_dataclass
 from typing import TYPE_CHECKING, Any
 
 from planner.offload import MemoryPlacement
+from planner.sync import check_rule_values
 from profiler.errors import PlanError, shown
 from profiler.inputs import text_problem
 from profiler.units import MAX_BYTES
@@ -57,6 +58,7 @@ def validate_plan(plan: Plan, source: str = "plan") -> None:
         _check_gpus(plan, vw, at, used, source)
         _check_stages(plan, vw, at, source)
     _check_shards(plan, source)
+    check_rule_values(plan.sync, plan.sync_params, len(plan.virtual_workers), source)
 
 
 def check_plan_layers(plan: Plan, layers: Sequence[str], source: str, what: str) -> None:

@@ -11,6 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from hetpipe._common import console, err_console, handle_errors
+from hetpipe._rules import SYNC_HELP, AlphaOpt, BackupsOpt, TauOpt, apply_rule, rule_params
 from planner.cluster import Cluster, load_cluster
 from planner.plan import Plan, StagePlan, VirtualWorker
 from profiler.errors import ConfigError
@@ -129,6 +130,9 @@ def render(plan: Plan) -> None:
         f"Nm = {plan.nm}, D = {plan.D}: local staleness {plan.local_staleness}, global staleness bound "
         f"{plan.global_staleness}; placement {plan.placement}"
     )
+    if plan.sync in ("backup", "easgd"):
+        params = ", ".join(f"{k} {v:g}" for k, v in plan.sync_params)
+        console.print(f"synchronisation: {plan.sync} ({params}); see docs/sync.md")
     console.print(
         f"predicted throughput: [bold]{pr.throughput:.1f}[/] samples/s (WSP, straggler-bound, {pr.method})"
     )
@@ -263,10 +267,16 @@ def plan(
         str,
         typer.Option(
             "--sync",
-            help="wsp: HetPipe (VWs, pipelines, parameter servers) | allreduce: the DDP "
-            "baseline's plan (every device that holds the whole model)",
+            help=SYNC_HELP + " (allreduce: every device that holds the whole model)",
         ),
     ] = "wsp",
+    backups: BackupsOpt = None,
+    tau: TauOpt = None,
+    alpha: AlphaOpt = None,
+    precision: Annotated[
+        str,
+        typer.Option(help="fp32 | bf16: the memory model's bytes (autocast, fp32 master weights)"),
+    ] = "fp32",
 ) -> None:
     """Plan HetPipe training (see HELP)."""
     from planner.costmodel import load_links
@@ -279,8 +289,7 @@ def plan(
         )
     if max_cuts is not None and max_cuts < 0:
         raise ConfigError(f"--max-cuts must be >= 0, got {max_cuts}")
-    if sync not in ("wsp", "allreduce"):
-        raise ConfigError(f"--sync {sync!r}: use wsp or allreduce")
+    rule = rule_params(sync, backups, tau, alpha)
     if sync == "allreduce" and (policy or vws or nm or staleness):
         raise ConfigError(
             "--policy, --vws, --nm and -D shape HetPipe plans; drop them with --sync allreduce"
@@ -319,8 +328,10 @@ def plan(
                 ),
                 reference_type=profile_gpu,
                 report=candidates,
+                precision=precision,
             )
         )
+    result = apply_rule(result, sync, rule)
     if output is not None:
         result.save(output)
     if as_json:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from hetpipe._common import console, handle_errors
+from hetpipe._rules import SYNC_HELP, AlphaOpt, BackupsOpt, TauOpt, apply_rule, rule_params
 from planner.plan import Plan, load_plan, load_plan_or_cluster
 from planner.plan_check import check_plan_layers
 from profiler.errors import ConfigError
@@ -42,6 +44,7 @@ def _load(
     vws: int,
     D: int,
     policy: str | None = None,
+    precision: str = "fp32",
 ) -> Plan:
     """The plan in ``path`` (checked against its model), or a plan made on the fly for the
     cluster in ``path`` with the planner's defaults (the same as ``hetpipe plan``), or a hand
@@ -57,7 +60,8 @@ def _load(
         from runtime.api import make_single_vw_plan
         from runtime.config import ModelSource
 
-        return make_single_vw_plan(ModelSource(ref=model or "mlp"), batch_size, nm, cluster, stages)
+        hand = make_single_vw_plan(ModelSource(ref=model or "mlp"), batch_size, nm, cluster, stages)
+        return replace(hand, precision=precision)
     from planner.planner import make_plan
 
     return make_plan(
@@ -68,6 +72,7 @@ def _load(
         num_vws=vws or None,
         policy=policy,
         D=D,
+        precision=precision,
     )
 
 
@@ -135,9 +140,10 @@ def run(
     staleness: Annotated[
         int | None, typer.Option("--D", help="WSP clock-distance threshold D (default: the plan's)")
     ] = None,
-    sync: Annotated[
-        str, typer.Option(help="wsp (parameter servers) or allreduce (DDP baseline)")
-    ] = "wsp",
+    sync: Annotated[str, typer.Option(help=SYNC_HELP + "; default: the plan's rule")] = "wsp",
+    backups: BackupsOpt = None,
+    tau: TauOpt = None,
+    alpha: AlphaOpt = None,
     checkpoint_every: Annotated[
         int,
         typer.Option(
@@ -186,14 +192,17 @@ def run(
         bool, typer.Option(help="pace emulated devices and enforce their memory caps")
     ] = True,
     progress: Annotated[bool, typer.Option(help="show a progress bar")] = True,
+    precision: Annotated[
+        str | None,
+        typer.Option(help="fp32 or bf16 (autocast, fp32 master weights; default: the plan's)"),
+    ] = None,
 ) -> None:
     """Train a plan (all its VWs through WSP, one VW, or the AllReduce baseline); print the summary."""
     from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
     from runtime.persist.run_dir import resume_target
     from runtime.run import describe_training, outputs, run_plan, summary
 
-    if sync not in ("wsp", "allreduce"):
-        raise ConfigError(f"--sync {sync!r}: use wsp or allreduce")
+    rule = rule_params(sync, backups, tau, alpha)
     if on_failure not in ("stop", "restart"):
         raise ConfigError(
             f"--on-failure {on_failure!r}: use stop or restart (continue, which evicts a lost VW, "
@@ -219,11 +228,13 @@ def run(
             if sync == "allreduce":
                 plan = _load_allreduce(path, model, batch_size, cfg)
             else:
-                plan = _load(path, model, batch_size, nm, stages, vws, staleness or 0, policy)
+                plan = _load(path, model, batch_size, nm, stages, vws, staleness or 0, policy,
+                             precision or "fp32")  # fmt: skip
     if model is not None and model != plan.model:
         raise ConfigError(
             f"--model {model} does not match the plan's model {plan.model!r}; drop --model"
         )
+    plan = apply_rule(plan, sync, rule)
     run_cfg = RunConfig(
         steps=steps,
         epochs=epochs,
@@ -234,6 +245,7 @@ def run(
         timeout_s=timeout,
         emulate=emulate,
         progress=progress,
+        precision=precision or "",
     )
     wsp = WSPConfig(
         D=staleness,

@@ -49,7 +49,6 @@ from runtime.results.timeline import describe_run
 from runtime.results.wsp import WSPResult, evaluate, export_snapshot
 from runtime.stage.job import StageJob
 from runtime.stage.model import resolve_source
-from runtime.stage.tied import check_untied_for_ps
 from runtime.sync.rule import SyncSpec
 
 __all__ = ["launch_wsp", "shard_specs", "snapshot_parts", "split_data", "wsp_steps"]
@@ -184,7 +183,8 @@ def _launch(
 ) -> WSPResult:
     t_start = time.time()
     nm = run.nm or plan.nm
-    D = plan.D if cfg.D is None else cfg.D
+    rule = plan.sync if plan.sync in ("backup", "easgd") else "wsp"  # the shard rules
+    D = (plan.D if cfg.D is None else cfg.D) if rule == "wsp" else 0  # the others: D = 0
     n_vws = len(plan.virtual_workers)
     spec = resolve_source(source, plan.batch_size, meta=source.module is None)
     ds = dataset if dataset is not None else default_dataset(
@@ -192,13 +192,12 @@ def _launch(
     )  # fmt: skip
     shards_data, test = split_data(ds, n_vws, cfg.test_fraction, run.seed)
     graph = ModelGraph.from_spec(spec)
-    check_untied_for_ps(graph, plan)
     shapes = {n: tuple(p.shape) for n, p in spec.module.named_parameters()}
     specs, _ = shard_specs(plan, graph, shapes, D)
     vw_samples = min(len(s) for s in shards_data)
     horizon = wsp_steps(run, nm, 0, vw_samples, plan.batch_size)
     settings = job_settings(source.name, plan.to_json(), nm, D, run.seed, cfg.test_fraction,
-                            f"{type(ds).__name__}:{len(ds)}", optimizer, horizon)  # type: ignore[arg-type]  # fmt: skip
+                            f"{type(ds).__name__}:{len(ds)}", optimizer, horizon, run.precision)  # type: ignore[arg-type]  # fmt: skip
     manifest = _resume_from(cfg, owner, settings)
     first_wave = manifest.clock if manifest is not None else 0
     if cfg.checkpoint_dir is not None:
@@ -210,11 +209,11 @@ def _launch(
         return export_snapshot(manifest, plan, source, run, specs, test, nm, D)
     if steps == 0:
         raise ConfigError("nothing to train: raise --steps or --epochs")
-    if cfg.checkpoint_dir is not None and owner is not None:
+    if cfg.checkpoint_dir is not None and owner is not None and rule != "easgd":
         snaps = SnapshotSpec(cfg.checkpoint_dir, owner.run_id, owner.attempt, snapshot_parts(plan),
                              settings, cfg.checkpoint_every, cfg.keep, cfg.write_fault)  # fmt: skip
         cfg = dataclasses.replace(cfg, snapshots=snaps)
-    sync = SyncSpec("wsp", plan.sync_params, D, specs, cfg.snapshots, first_wave,
+    sync = SyncSpec(rule, plan.sync_params, D, specs, cfg.snapshots, first_wave,
                     cfg.overlap_pulls, run.timeout_s)  # fmt: skip
     with rendezvous_dir() as tmp:
         init_method = f"file://{tmp / 'rendezvous'}"

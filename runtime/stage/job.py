@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from planner.straggle import NO_STRAGGLE, Straggle
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.sync.rule import SyncSpec
 
@@ -38,6 +39,8 @@ class StageContext:
         total_steps: minibatches to train (stage 0 may stop earlier on a time limit).
         memory: the stage's memory placement (``StagePlan.memory``, :mod:`planner.offload`).
         host_cap_bytes: host memory the stage may offload to (0 = unbounded).
+        straggle: the emulated device's straggler model: a paced task of wave ``c`` takes
+            ``straggle.slowdown(vw, c)`` times longer (:mod:`planner.straggle`).
     """
 
     rank: int
@@ -56,6 +59,7 @@ class StageContext:
     total_steps: int
     memory: str = "keep"
     host_cap_bytes: int = 0
+    straggle: Straggle = NO_STRAGGLE
 
     @property
     def where(self) -> str:
@@ -97,6 +101,15 @@ class StageJob:
     init_method: str = "env://"
     world_size: int = 1
     agree_stop: bool = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled for the stage's process: of a user's module, only this stage
+        (:func:`runtime.stage.model.ship_stage`, split once per cut list in the launcher)."""
+        from runtime.stage.model import ship_stage
+
+        state = dict(self.__dict__)
+        state["source"] = ship_stage(self.source, self.ctx.batch_size, self.ctx.cuts, self.ctx.stage)
+        return state
 
     @property
     def first_mb(self) -> int:
