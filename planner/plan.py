@@ -228,7 +228,9 @@ class Plan:
     num_layers: int
     profiles: dict[str, str] = field(default_factory=dict)  # GPU type -> provenance
     optimizer_state_factor: float = 1.0
-    sync: str = "wsp"  # the synchronisation rule across VWs (planner.sync.RULES): "wsp" (shards, D),
+    sync: str = (
+        "wsp"  # the synchronisation rule across VWs (planner.sync.RULES): "wsp" (shards, D),
+    )
     # "allreduce" or "local"
     sync_params: SyncParams = ()  # the rule's parameters (planner.sync.check_sync_params)
     precision: str = "fp32"  # "fp32" or "bf16" (autocast, fp32 master weights; profiler.precision)

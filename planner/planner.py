@@ -34,7 +34,8 @@ from planner.allocation import Allocation, allocate, candidate_allocations, defa
 from planner.auto_search import Candidate, compare_allocations
 from planner.cluster import Cluster, Device, Link
 from planner.costmodel import CostModel, optimizer_factor
-from planner.offload import CANDIDATES, KEEP_ALL, LADDER, MemoryPlacement
+from planner.memory_choice import memory_candidates, memory_ladder, refined_ms, stage_placements
+from planner.offload import LADDER, MemoryPlacement
 from planner.partition.dp import Partition
 from planner.partition.memory import check_stage_count, fits_memory, min_memory_shortfall
 from planner.partition.milp import partition_milp
@@ -47,7 +48,7 @@ from profiler.errors import PlanError
 from profiler.table import Profile
 from profiler.units import format_bytes
 
-__all__ = ["PlanOptions", "make_plan", "memory_ladder", "plan"]
+__all__ = ["PlanOptions", "make_plan", "plan"]
 
 log = logging.getLogger(__name__)
 
@@ -117,26 +118,13 @@ class _Planner:
     @property
     def candidates(self) -> tuple[MemoryPlacement, ...]:
         """Placements one stage may take after partitioning."""
-        return CANDIDATES if self.opts.memory == "auto" else self.ladder
+        return memory_candidates(self.opts.memory)
 
     def cm_for(self, placement: MemoryPlacement) -> CostModel:
         """The cost model with every stage under ``placement``."""
         if placement not in self.cms:
             self.cms[placement] = self.cm.with_placement(placement)
         return self.cms[placement]
-
-    def refined_ms(self, part: Partition, nm: int) -> float:
-        """Slowest stage of ``part`` once every stage takes its fastest fitting placement."""
-        worst = 0.0
-        for j, gpu in enumerate(part.gpus):
-            p, q = part.bounds[j], part.bounds[j + 1]
-            host = self.cluster.host_memory_bytes(gpu.node)
-            mem = self.cm.choose_placement(part.gpus, j, p, q, nm, self.candidates, host)
-            if mem is None:
-                return float("inf")
-            cost = self.cm.stage_cost(part.gpus, j, p, q, nm, mem.placement)
-            worst = max(worst, cost.time_ms)
-        return worst
 
     # ------------------------------------------------------------ isomorphic VWs
     @staticmethod
@@ -191,7 +179,11 @@ class _Planner:
             if len(self.ladder) > 1 and not fits_memory(self.cm_for(pl), gpus, nm):
                 continue
             part = self._partition_under(gpus, nm, screen, pl)
-            ms = self.refined_ms(part, nm) if len(self.ladder) > 1 else part.bottleneck_ms
+            ms = (
+                refined_ms(self.cm, self.cluster, part, nm, self.candidates)
+                if len(self.ladder) > 1
+                else part.bottleneck_ms
+            )
             if best is None or ms < best[0]:
                 best = (ms, part)
         if best is None:  # nothing fits: the partitioner's own error names the shortfall
@@ -283,36 +275,13 @@ def _slot(d: Device) -> GpuSlot:
     )
 
 
-def memory_ladder(memory: str) -> tuple[MemoryPlacement, ...]:
-    """The uniform placements ``PlanOptions.memory`` allows the partitioner, cheapest first.
-
-    Raises:
-        PlanError: neither ``keep``, ``auto`` nor a placement.
-    """
-    if memory == "keep":
-        return (KEEP_ALL,)
-    if memory == "auto":
-        return LADDER
-    try:
-        return (MemoryPlacement.parse(memory),)
-    except ValueError as exc:
-        raise PlanError(f"--memory {memory[:40]!r}: {exc}; or use keep or auto") from None
-
-
 def _stages(pl: _Planner, part: Partition, nm: int) -> tuple[StagePlan, ...]:
     """The stages of ``part``, each with its fastest fitting memory placement."""
     names = pl.cm.layer_names
     out = []
-    for j, gpu in enumerate(part.gpus):
+    mems = stage_placements(pl.cm, pl.cluster, part, nm, pl.candidates)
+    for j, (gpu, mem) in enumerate(zip(part.gpus, mems, strict=True)):
         p, q = part.bounds[j], part.bounds[j + 1]
-        host_cap = pl.cluster.host_memory_bytes(gpu.node)
-        mem = pl.cm.choose_placement(part.gpus, j, p, q, nm, pl.candidates, host_cap)
-        if mem is None:
-            raise PlanError(
-                f"stage {j} on {gpu.label} fits no memory placement with Nm={nm} (host memory "
-                f"{format_bytes(host_cap)} per GPU of node {gpu.node}); raise host_memory of "
-                "that node in the cluster file or lower --nm"
-            )
         cost = pl.cm.stage_cost(part.gpus, j, p, q, nm, mem.placement)
         a, b = part.cuts[j], part.cuts[j + 1]
         out.append(

@@ -56,3 +56,16 @@ def test_bad_inputs_exit_2(tmp_path: Path) -> None:
     )
     assert res.exit_code == 2 and "placement 'local'" in res.output
     assert not out.exists()
+
+
+def test_memory_manager_column_and_bad_memory(tmp_path: Path) -> None:
+    emulated = str(EXAMPLES / "emulated_cluster.yaml")
+    args = ["plan", emulated, "--model", "mlp(hidden=400,depth=8)", "--batch-size", "32"]
+    args += ["--policy", "ed", "--vws", "1", "--optimizer", "sgd"]
+    out = tmp_path / "plan.yaml"
+    res = runner.invoke(app, [*args, "--memory", "auto", "-o", str(out)], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert "WAOG host" in res.output
+    assert any(s.memory != "keep" for s in load_plan(out).virtual_workers[0].stages)
+    res = runner.invoke(app, [*args, "--memory", "all:offload"])
+    assert res.exit_code == 2 and "--memory" in res.output
