@@ -20,6 +20,7 @@ from runtime.config import RunConfig
 from runtime.launch.evict import VWEvictor
 from runtime.launch.failures import Heartbeats, Interrupted, root_cause_rank, stop_all, watch
 from runtime.launch.procs import ShardJob, loads_result, process_context, shard_main, stage_main
+from runtime.launch.reports import Reports
 from runtime.persist.checkpoint import ShardState
 from runtime.ps.core import ClockEvent
 from runtime.results.metrics import ProgressBar, StageResult
@@ -55,21 +56,25 @@ def spawn_and_watch(
         Interrupted: Ctrl-C (every process is stopped).
     """
     mpc = process_context()
-    events = mpc.Queue()
+    events = Reports(mpc)  # one pipe per child: a killed child cannot block the others' reports
     procs: dict[int, Any] = {}
     progress = ProgressBar(run.progress, progress_total, stages[0].ctx.batch_size)
     labels = {s.rank: s.where for s in shards} | {j.ctx.rank: j.ctx.where for j in stages}
     try:
         for sh in shards:
-            p = mpc.Process(target=shard_main, args=(sh, events, os.getpid()),
+            channel, writer = events.channel()
+            p = mpc.Process(target=shard_main, args=(sh, channel, os.getpid()),
                             name=f"hetpipe-shard{sh.spec.id}")  # fmt: skip
             p.start()
+            events.started(writer)
             procs[sh.rank] = p  # only started processes: stop_all joins them
         for job in stages:
             ctx = job.ctx
-            p = mpc.Process(target=stage_main, args=(job, events, os.getpid()),
+            channel, writer = events.channel()
+            p = mpc.Process(target=stage_main, args=(job, channel, os.getpid()),
                             name=f"hetpipe-vw{ctx.vw}-stage{ctx.stage}")  # fmt: skip
             p.start()
+            events.started(writer)
             procs[ctx.rank] = p
         rendezvous = Path(stages[0].init_method.removeprefix("file://")).parent
         beats = Heartbeats(rendezvous, max(5.0, run.timeout_s / 2), labels)
@@ -80,6 +85,7 @@ def spawn_and_watch(
     finally:
         progress.stop()
         stop_all(procs)
+        events.close()
     stage_results = [r for r in results if isinstance(r, StageResult)]
     states = [r for r in results if not isinstance(r, StageResult)]
     return stage_results, states, dict(evictor.lost) if evictor is not None else {}
