@@ -166,11 +166,13 @@ def test_snapshot_write_fault_names_the_writer_and_resume_recovers(
     assert "--resume" in message and not _children()  # every rank stopped
     ckpt = run.out_dir / "checkpoints"  # type: ignore[operator]
     # clock 3 can never commit (its vw1-stage0 part failed); clock 2 did unless the failure
-    # stopped a slower rank before it wrote its clock-2 part: then clock 1 is the newest
-    last = max(committed_clocks(ckpt))
-    assert last in (1, 2) and not list(ckpt.rglob("*.tmp")), committed_clocks(ckpt)
-    if kill:
+    # stopped a slower rank before it wrote its clock-2 part: then clock 1 is the newest, or
+    # none (D = 4 lets VW 1 reach clock 3 before a loaded machine's shards reach global clock 1)
+    clocks = committed_clocks(ckpt)
+    assert set(clocks) <= {1, 2} and not list(ckpt.rglob("*.tmp")), clocks
+    if kill or not clocks:
         return
+    last = max(clocks)
     resumed = launch(plan, SOURCE, opt, run, WSPConfig(checkpoint_every=1, resume=True))
     assert [vw.steps for vw in resumed.vws] == [6 - last, 6 - last]
     _ledger_exactly_once(resumed.states)
