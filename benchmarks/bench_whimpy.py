@@ -12,6 +12,10 @@ find, by bisection on ``H`` for a fixed depth:
   (``planner.baseline.model_memory_bytes``, the rule ``hetpipe run --sync allreduce`` applies) fits the
   biggest single device.
 
+Both with ``--memory keep`` (everything on the devices) and ``--memory auto`` (the memory
+manager may offload stashed weight versions, activations, optimizer state and gradients to host
+memory or recompute activations, ``docs/memory.md``; the limit is then the caps plus host memory).
+
 The largest HetPipe model is then **trained** for a few minibatches by the real runtime on the
 emulated devices, with the byte accounting on (a stage that exceeds its cap fails the run), and
 its per-stage peak bytes are shown against the caps. Figures: parameters of the largest model /
@@ -19,7 +23,11 @@ summed caps (HetPipe's promise; the memory of parameters + gradients alone alrea
 ceiling for plain SGD), planner memory of the partition / summed caps (limit 1.0), and the
 HetPipe / DDP ratio of model sizes.
 
-Run: ``python benchmarks/bench_whimpy.py [--depth 8 --batch 32 --steps 12]`` (about 1-2 min).
+Equal device memory: HD (``policy=hd``) of ``--hd-model`` at ``--hd-batch`` on the same
+devices with ``--memory keep`` and ``auto``: the Nm each reaches and measured vs predicted
+samples/s, the runs alternating in one process (``--reps``).
+
+Run: ``python benchmarks/bench_whimpy.py [--depth 8 --batch 32 --steps 12]`` (about 3-4 min).
 Writes ``benchmarks/results/whimpy.json``.
 """
 
@@ -40,7 +48,7 @@ sys.path.insert(0, str(REPO))
 from planner.baseline import device_capacity_bytes, model_memory_bytes  # noqa: E402
 from planner.cluster import Cluster, load_cluster  # noqa: E402
 from planner.plan import Plan  # noqa: E402
-from planner.planner import make_plan  # noqa: E402
+from planner.planner import PlanOptions, make_plan  # noqa: E402
 from profiler.errors import PlanError, ProfileError  # noqa: E402
 from profiler.models import resolve_model  # noqa: E402
 
@@ -59,11 +67,20 @@ def param_bytes(model: str) -> int:
     return sum(p.numel() * p.element_size() for p in spec.module.parameters())
 
 
-def hetpipe_plan(cluster: Cluster, model: str, batch: int) -> Plan | None:
-    """One VW over every device of ``cluster``, or ``None`` when no partition fits memory."""
+def hetpipe_plan(cluster: Cluster, model: str, batch: int, memory: str = "keep") -> Plan | None:
+    """One VW over every device of ``cluster``, or ``None`` when no partition fits memory.
+
+    ``memory``: ``keep`` (everything on the devices) or ``auto`` (the memory manager may
+    offload to host memory or recompute, ``docs/memory.md``)."""
     try:
         return make_plan(
-            cluster, model=model, batch_size=batch, policy="ed", num_vws=1, optimizer="sgd"
+            cluster,
+            model=model,
+            batch_size=batch,
+            policy="ed",
+            num_vws=1,
+            optimizer="sgd",
+            options=PlanOptions(memory=memory),
         )
     except PlanError:
         return None
@@ -91,17 +108,21 @@ def largest(fits: Any, lo: int, hi: int, step: int) -> int:
 def train_largest(plan: Plan, steps: int) -> dict[str, Any]:
     """Train ``plan`` (one VW) for ``steps`` minibatches with the byte accounting on."""
     from runtime.api import train
+    from runtime.results.wsp import WSPResult
 
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         result = train(plan.model, plan=plan, steps=steps, out_dir=tmp, return_state=False)
         wall = time.perf_counter() - t0
     stages = []
-    for st, sp in zip(result.stages, plan.virtual_workers[0].stages, strict=True):
+    one = result.vws[0] if isinstance(result, WSPResult) else result  # one VW through a shard
+    for st, sp in zip(one.stages, plan.virtual_workers[0].stages, strict=True):
         cap = sp.capacity_bytes
         stages.append(
             {
                 "device": st.device,
+                "memory": sp.memory,
+                "planned_host_MiB": sp.host_bytes / MiB,
                 "layers": [sp.first_index, sp.last_index],
                 "peak_MiB": st.peak_bytes / MiB,
                 "cap_MiB": cap / MiB,
@@ -109,16 +130,91 @@ def train_largest(plan: Plan, steps: int) -> dict[str, Any]:
             }
         )
     return {
-        "steps": result.steps,
-        "losses_first_last": [result.losses[0], result.losses[-1]],
-        "throughput": result.throughput,
+        "steps": one.steps,
+        "losses_first_last": [one.losses[0], one.losses[-1]],
+        "throughput": one.throughput,
         "wall_s": wall,
         "stages": stages,
     }
 
 
+def largest_model(cluster: Cluster, args: argparse.Namespace, memory: str) -> dict[str, Any]:
+    """Bisect the largest MLP one VW plans with ``memory``, then train it for real."""
+    total_caps = sum(device_capacity_bytes(d) for d in cluster.devices)
+    t0 = time.perf_counter()
+
+    def fits(h: int) -> bool:
+        return hetpipe_plan(cluster, ref(h, args.depth), args.batch, memory) is not None
+
+    h = largest(fits, args.min_hidden, args.max_hidden, args.step)
+    plan = hetpipe_plan(cluster, ref(h, args.depth), args.batch, memory)
+    if plan is None:  # bisection said it fits
+        raise SystemExit("internal error: the largest HetPipe model no longer plans")
+    vw = plan.virtual_workers[0]
+    planned = sum(s.memory_bytes for s in vw.stages)
+    p = param_bytes(ref(h, args.depth))
+    search_s = time.perf_counter() - t0
+    return {
+        "memory": memory,
+        "model": ref(h, args.depth),
+        "param_MiB": p / MiB,
+        "params_over_summed_caps": p / total_caps,
+        "planned_memory_over_summed_caps": planned / total_caps,
+        "planned_host_MiB": sum(s.host_bytes for s in vw.stages) / MiB,
+        "nm": plan.nm,
+        "order": [str(vw.gpus[s.gpu]) for s in vw.stages],
+        "search_s": search_s,
+        "trained": train_largest(plan, args.steps),
+    }
+
+
+def equal_memory(cluster: Cluster, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """HD on the same devices with and without the memory manager: Nm, measured vs predicted.
+
+    Runs alternate (keep, auto, keep, auto) in one process so that the machine's load hits both.
+    """
+    from runtime.api import train
+
+    plans = {
+        memory: make_plan(
+            cluster,
+            model=args.hd_model,
+            batch_size=args.hd_batch,
+            policy="hd",
+            options=PlanOptions(memory=memory),
+        )
+        for memory in ("keep", "auto")
+    }
+    rows: list[dict[str, Any]] = []
+    for rep in range(args.reps):
+        for memory, plan in plans.items():
+            with tempfile.TemporaryDirectory() as tmp:
+                res = train(
+                    plan.model, plan=plan, steps=args.hd_steps, out_dir=tmp, return_state=False
+                )
+            rows.append(
+                {
+                    "memory": memory,
+                    "rep": rep,
+                    "nm": plan.nm,
+                    "signatures": [vw.signature for vw in plan.virtual_workers],
+                    "placements": [[s.memory for s in vw.stages] for vw in plan.virtual_workers],
+                    "measured": res.throughput,
+                    "predicted": plan.predicted.throughput,
+                    "measured_over_predicted": res.throughput / plan.predicted.throughput,
+                    "loadavg": os.getloadavg(),
+                }
+            )
+            print(
+                f"  HD {memory:>4}: Nm {plan.nm}, {res.throughput:,.0f} samples/s measured, "
+                f"{plan.predicted.throughput:,.0f} predicted "
+                f"({res.throughput / plan.predicted.throughput:.2f}), load {os.getloadavg()[0]:.1f}"
+            )
+    return rows
+
+
 def main() -> None:
-    """Bisect both limits, train the HetPipe one, print and record the ratios."""
+    """Bisect the limits with and without the memory manager, train them, compare at equal memory."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--cluster", type=Path, default=REPO / "examples" / "emulated_cluster.yaml")
     ap.add_argument("--depth", type=int, default=8, help="hidden layers of the MLP")
@@ -127,14 +223,18 @@ def main() -> None:
     ap.add_argument("--min-hidden", type=int, default=16)
     ap.add_argument("--max-hidden", type=int, default=4096)
     ap.add_argument("--step", type=int, default=16, help="granularity of the hidden width")
+    ap.add_argument("--hd-model", default="mlp(hidden=384,depth=4)", help="equal-memory model")
+    ap.add_argument("--hd-batch", type=int, default=128)
+    ap.add_argument("--hd-steps", type=int, default=60, help="minibatches per VW, equal memory")
+    ap.add_argument("--reps", type=int, default=1, help="alternating repetitions, equal memory")
+    ap.add_argument("--skip-equal-memory", action="store_true")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="the JSON to write")
     args = ap.parse_args()
     cluster = load_cluster(args.cluster)
     caps = {d.node: device_capacity_bytes(d) for d in cluster.devices}
     total_caps = sum(caps.values())
-    t0 = time.perf_counter()
-
-    def het_fits(h: int) -> bool:
-        return hetpipe_plan(cluster, ref(h, args.depth), args.batch) is not None
+    load_before = os.getloadavg()
+    het = {m: largest_model(cluster, args, m) for m in ("keep", "auto")}
 
     def ddp_ok(h: int) -> bool:
         try:
@@ -142,29 +242,15 @@ def main() -> None:
         except ProfileError:
             return False
 
-    h_het = largest(het_fits, args.min_hidden, args.max_hidden, args.step)
     h_ddp = largest(ddp_ok, args.min_hidden, args.max_hidden, args.step)
-    plan = hetpipe_plan(cluster, ref(h_het, args.depth), args.batch)
-    if plan is None:  # bisection said it fits
-        raise SystemExit("internal error: the largest HetPipe model no longer plans")
-    vw = plan.virtual_workers[0]
-    planned = sum(s.memory_bytes for s in vw.stages)
-    p_het, p_ddp = param_bytes(ref(h_het, args.depth)), param_bytes(ref(h_ddp, args.depth))
-    search_s = time.perf_counter() - t0
-    run = train_largest(plan, args.steps)
-    out = {
+    p_ddp = param_bytes(ref(h_ddp, args.depth))
+    out: dict[str, Any] = {
         "cluster": str(args.cluster.relative_to(REPO)),
         "caps_MiB": {k: v / MiB for k, v in caps.items()},
         "depth": args.depth,
         "batch": args.batch,
-        "hetpipe": {
-            "model": ref(h_het, args.depth),
-            "param_MiB": p_het / MiB,
-            "params_over_summed_caps": p_het / total_caps,
-            "planned_memory_over_summed_caps": planned / total_caps,
-            "nm": plan.nm,
-            "order": [str(vw.gpus[s.gpu]) for s in vw.stages],
-        },
+        "hetpipe": het["keep"],
+        "hetpipe_memory_manager": het["auto"],
         "ddp": {
             "model": ref(h_ddp, args.depth),
             "param_MiB": p_ddp / MiB,
@@ -174,32 +260,39 @@ def main() -> None:
             )
             / MiB,
         },
-        "hetpipe_over_ddp_params": p_het / p_ddp,
-        "trained": run,
-        "search_s": search_s,
-        "loadavg": os.getloadavg(),
+        "hetpipe_over_ddp_params": het["keep"]["param_MiB"] / (p_ddp / MiB),
+        "managed_over_ddp_params": het["auto"]["param_MiB"] / (p_ddp / MiB),
+        "loadavg_before": load_before,
     }
     print(f"summed caps {total_caps / MiB:.1f} MiB over {len(caps)} devices; depth {args.depth}")
-    print(
-        f"HetPipe, one VW: {out['hetpipe']['model']}: {p_het / MiB:.2f} MiB of parameters = "
-        f"{p_het / total_caps:.2f} of summed caps (planned memory {planned / total_caps:.2f}), Nm {plan.nm}"
-    )
+    for m, r in het.items():
+        print(
+            f"HetPipe, one VW, --memory {m}: {r['model']}: {r['param_MiB']:.2f} MiB of parameters = "
+            f"{r['params_over_summed_caps']:.2f} of summed caps (planned device memory "
+            f"{r['planned_memory_over_summed_caps']:.2f}, host {r['planned_host_MiB']:.2f} MiB), Nm {r['nm']}"
+        )
+        for s in r["trained"]["stages"]:
+            print(
+                f"  trained: {s['device']:>6} peak {s['peak_MiB']:.2f} MiB of cap {s['cap_MiB']:.2f} "
+                f"({100 * s['peak_over_cap']:.0f} %) {s['memory']}"
+            )
+        first, last = r["trained"]["losses_first_last"]
+        print(f"  {r['trained']['steps']} minibatches, loss {first} -> {last}")
     print(
         f"DDP, biggest device: {out['ddp']['model']}: {p_ddp / MiB:.2f} MiB of parameters "
         f"(whole-model estimate {out['ddp']['whole_model_MiB']:.2f} MiB)"
     )
-    print(f"HetPipe / DDP model size: {p_het / p_ddp:.2f}x")
-    for s in run["stages"]:
-        print(
-            f"  trained: {s['device']:>6} peak {s['peak_MiB']:.2f} MiB of cap {s['cap_MiB']:.2f} "
-            f"({100 * s['peak_over_cap']:.0f} %)"
-        )
     print(
-        f"  {run['steps']} minibatches, loss {run['losses_first_last'][0]:.3f} -> {run['losses_first_last'][1]:.3f}"
+        f"model size vs DDP: HetPipe {out['hetpipe_over_ddp_params']:.2f}x, with the memory "
+        f"manager {out['managed_over_ddp_params']:.2f}x"
     )
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {RESULTS}")
+    if not args.skip_equal_memory:
+        print(f"equal device memory: HD, {args.hd_model}, batch {args.hd_batch}")
+        out["equal_memory"] = equal_memory(cluster, args)
+    out["loadavg_after"] = os.getloadavg()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

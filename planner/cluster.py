@@ -12,9 +12,13 @@ Example (the HetPipe paper's cluster, ``examples/paper_cluster.yaml``)::
       intra_node: {bandwidth: 15.75GB/s, latency: 5us}
       inter_node: {bandwidth: 56Gbit/s, latency: 2us}
 
-A node may set ``memory`` (overrides the catalog) and ``host`` (address for multi-host
-runs). ``emulate: {speed: 0.25, memory: 64MiB}`` runs the node's GPUs as CPU processes
-whose layers are paced to ``calibrated CPU time / speed`` and whose memory is capped.
+A node may set ``memory`` (overrides the catalog), ``host`` (address for multi-host
+runs) and ``host_memory`` (host memory its GPUs may offload to, shared equally; default
+unbounded). ``links: {host_link: ...}`` is the GPU <-> host-memory link offloaded data
+crosses (:mod:`planner.offload`; PCIe 3.0 x16 by default). ``emulate: {speed: 0.25, memory: 64MiB}``
+runs the node's GPUs as CPU processes whose layers are paced to ``calibrated CPU time / speed``
+and whose memory is capped; ``straggle: {p: 0.05, factor: 3}`` inside it makes 5 % of the
+(VW, wave)s 3x slower (:mod:`planner.straggle`, reproducible: ``seed`` defaults to 0).
 The file is validated with pydantic and turned into frozen dataclasses; every error is
 one line naming the file, the field and the fix. Values are range-checked: sizes, bandwidths
 and latencies finite (bandwidth positive), an emulated memory cap at most the GPU's own memory,
@@ -36,6 +40,7 @@ from pydantic import (
     field_validator,
 )
 
+from planner.straggle import NO_STRAGGLE, Straggle
 from profiler.catalog import lookup_gpu
 from profiler.errors import ConfigError, shown
 from profiler.inputs import load_document, text_problem
@@ -57,6 +62,8 @@ MAX_NAME_CHARS = 128  # node, host, GPU type and cluster names
 
 # ---------------------------------------------------------------- typed, frozen result
 
+_PCIE_BPS = 15.75e9 * 0.8  # PCIe 3.0 x16, 80 % of the nominal rate
+
 
 @dataclass(frozen=True)
 class Emulation:
@@ -65,10 +72,13 @@ class Emulation:
     Attributes:
         speed: relative speed; each layer takes ``calibrated CPU time / speed``.
         memory_bytes: memory cap enforced by byte accounting at run time.
+        straggle: per-(VW, wave) slowdown (``emulate: {straggle: {p: 0.05, factor: 3}}``,
+            :mod:`planner.straggle`); none by default.
     """
 
     speed: float
     memory_bytes: int
+    straggle: Straggle = NO_STRAGGLE
 
 
 @dataclass(frozen=True)
@@ -83,6 +93,10 @@ class Link:
         return 0.0 if nbytes <= 0 else self.latency_s + nbytes / self.bandwidth_bps
 
 
+PCIE = Link(_PCIE_BPS, 10e-6)
+"""The default host link (GPU <-> host memory; offloaded data moves over it)."""
+
+
 @dataclass(frozen=True)
 class Node:
     """A machine with ``count`` identical GPUs."""
@@ -94,6 +108,7 @@ class Node:
     count: int
     memory_bytes: int
     emulation: Emulation | None = None
+    host_memory_bytes: int = 0  # host memory the node's GPUs may offload to (0: unbounded)
 
 
 @dataclass(frozen=True)
@@ -122,6 +137,7 @@ class Cluster:
     intra_node: Link
     inter_node: Link
     source: str = "<memory>"
+    host_link: Link = PCIE
 
     @property
     def devices(self) -> tuple[Device, ...]:
@@ -144,6 +160,11 @@ class Cluster:
                 return n
         raise ConfigError(f"{self.source}: no node named {shown(name)}")
 
+    def host_memory_bytes(self, node: str) -> int:
+        """Host memory one GPU of ``node`` may offload to: the node's share per GPU (0: unbounded)."""
+        n = self.node(node)
+        return n.host_memory_bytes // n.count
+
     def link(self, a: Device, b: Device) -> Link:
         """The link between two devices: intra-node when they share a node."""
         return self.intra_node if a.node == b.node else self.inter_node
@@ -160,12 +181,20 @@ class Cluster:
                 "memory": n.memory_bytes,
             }
             if n.emulation is not None:
-                d["emulate"] = {"speed": n.emulation.speed, "memory": n.emulation.memory_bytes}
+                emu = n.emulation
+                d["emulate"] = {"speed": emu.speed, "memory": emu.memory_bytes}
+                if emu.straggle.active:
+                    st = emu.straggle
+                    d["emulate"]["straggle"] = {"p": st.p, "factor": st.factor, "seed": st.seed}
+            if n.host_memory_bytes:
+                d["host_memory"] = n.host_memory_bytes
             nodes.append(d)
-        links = {
-            k: {"bandwidth": v.bandwidth_bps, "latency": v.latency_s}
-            for k, v in (("intra_node", self.intra_node), ("inter_node", self.inter_node))
-        }
+        pairs = (
+            ("intra_node", self.intra_node),
+            ("inter_node", self.inter_node),
+            ("host_link", self.host_link),
+        )
+        links = {k: {"bandwidth": v.bandwidth_bps, "latency": v.latency_s} for k, v in pairs}
         return {"name": self.name, "nodes": nodes, "links": links}
 
 
@@ -208,11 +237,19 @@ class _LinkIn(_Strict):
 class _LinksIn(_Strict):
     intra_node: _LinkIn = _LinkIn(bandwidth=15.75e9 * 0.8, latency=5e-6)
     inter_node: _LinkIn = _LinkIn(bandwidth=56e9 / 8 * 0.8, latency=5e-6)
+    host_link: _LinkIn = _LinkIn(bandwidth=_PCIE_BPS, latency=10e-6)
+
+
+class _StraggleIn(_Strict):
+    p: float = Field(ge=0, le=1)
+    factor: float = Field(ge=1, le=1000)
+    seed: int = Field(default=0, ge=0)
 
 
 class _EmulateIn(_Strict):
     speed: float = Field(gt=0, le=8)
     memory: int
+    straggle: _StraggleIn | None = None
 
     @field_validator("memory", mode="before")
     @classmethod
@@ -229,6 +266,7 @@ class _NodeIn(_Strict):
     gpu: _Name = Field(min_length=1)
     count: int = Field(ge=1, le=1024)
     memory: int | None = None
+    host_memory: int | None = None
     emulate: _EmulateIn | None = None
 
     @field_validator("count", mode="before")
@@ -238,7 +276,7 @@ class _NodeIn(_Strict):
             raise ValueError(f"count must be a whole number of GPUs, got {v!r}")
         return v
 
-    @field_validator("memory", mode="before")
+    @field_validator("memory", "host_memory", mode="before")
     @classmethod
     def _mem(cls, v: object) -> int | None:
         if v is None:
@@ -314,8 +352,15 @@ def parse_cluster(data: object, source: str = "<memory>") -> Cluster:
                 f"{source}: nodes[{i}].emulate.memory: {n.emulate.memory} bytes is more than the "
                 f"{gpu_type}'s own {memory} bytes; lower it (or set the node's memory)"
             )
-        emu = Emulation(n.emulate.speed, n.emulate.memory) if n.emulate is not None else None
-        nodes.append(Node(n.name, n.host or n.name, gpu_type, letter, n.count, memory, emu))
+        emu = None
+        if n.emulate is not None:
+            st = n.emulate.straggle
+            straggle = Straggle(st.p, st.factor, st.seed) if st is not None else NO_STRAGGLE
+            emu = Emulation(n.emulate.speed, n.emulate.memory, straggle)
+        host_mem = n.host_memory or 0
+        nodes.append(
+            Node(n.name, n.host or n.name, gpu_type, letter, n.count, memory, emu, host_mem)
+        )
     emulated = [n.emulation is not None for n in nodes]
     if any(emulated) and not all(emulated):
         raise ConfigError(
@@ -328,6 +373,7 @@ def parse_cluster(data: object, source: str = "<memory>") -> Cluster:
         Link(links.intra_node.bandwidth, links.intra_node.latency),
         Link(links.inter_node.bandwidth, links.inter_node.latency),
         source,
+        Link(links.host_link.bandwidth, links.host_link.latency),
     )
 
 

@@ -13,6 +13,12 @@ Its memory with ``Nm`` minibatches in flight (the shared memory model of the pro
     static = param_bytes * (2 + optimizer_state_factor) + buffer_bytes + (Nm - 1) * param_bytes
     memory = static + in_flight_bound(j, K, Nm) * (saved_bytes + cut_bytes[a])
 
+That is the all-keep case of :mod:`planner.offload`: a cost model carries one uniform memory
+placement (:meth:`CostModel.with_placement`) that changes the multipliers of the same prefix
+sums, so every partitioner sees it; recompute adds the forward time to ``compute_ms``.
+:meth:`CostModel.stage_memory` then evaluates any placement of one stage exactly (device,
+host and host-link bytes, recompute and exposed transfer time, both charged to ``bwd_ms``).
+
 Candidate cuts: every cut ``1 .. L-1`` by default (the partitioners are then exact). Given a
 ``max_cuts``, graphs with more cut points (e.g. resnet152's 563 fx layers) are *coarsened* to
 the cuts crossed by exactly one tensor (block boundaries): an approximation (``hetpipe plan
@@ -23,14 +29,30 @@ and the MILP use the same candidate set, so their optima stay comparable. The ar
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-from planner.cluster import Device, Link, parse_links
+from planner.cluster import PCIE, Device, Link, parse_links
+from planner.offload import (
+    KEEP_ALL,
+    Coefficients,
+    MemoryPlacement,
+    Place,
+    StageBytes,
+    coefficients,
+    device_bytes,
+    effective,
+    exposed_ms,
+    host_bytes,
+    recompute_ms,
+    transfer_bytes,
+)
 from planner.plan import StageCost
 from planner.schedule import in_flight_bound
 from profiler.errors import ConfigError, ProfileError
@@ -41,6 +63,7 @@ from profiler.table import Profile
 __all__ = [
     "CostModel",
     "LinkFn",
+    "StageMemory",
     "candidate_cuts",
     "load_links",
     "optimizer_factor",
@@ -107,6 +130,27 @@ def load_links(path: str | os.PathLike[str]) -> dict[str, Link]:
     return parse_links(load_document(path, "links file", ConfigError), os.fspath(path))
 
 
+@dataclass(frozen=True)
+class StageMemory:
+    """Where one stage's bytes live and what that costs per minibatch (:mod:`planner.offload`).
+
+    Attributes:
+        placement: the placement, with moves that save nothing undone (:func:`effective`).
+        device_bytes: peak device bytes.
+        host_bytes: host bytes of the offloaded classes.
+        transfer_bytes: host-link bytes per minibatch (both directions).
+        recompute_ms: forward time again per minibatch (recompute).
+        transfer_ms: host-link time per minibatch not hidden behind compute (overlap rule).
+    """
+
+    placement: MemoryPlacement
+    device_bytes: int
+    host_bytes: int
+    transfer_bytes: int
+    recompute_ms: float
+    transfer_ms: float
+
+
 class CostModel:
     """Prefix-summed per-layer costs of one model for every GPU type of a cluster.
 
@@ -129,6 +173,7 @@ class CostModel:
         optimizer_state_factor: float = 1.0,
         max_cuts: int | None = None,
         memory_type: str | None = None,
+        host_link: Link = PCIE,
     ) -> None:
         if not profiles:
             raise ProfileError("no profiles given to the cost model")
@@ -144,6 +189,8 @@ class CostModel:
         self.layer_names: tuple[str, ...] = tuple(names)
         self.link = link
         self.optimizer_state_factor = float(optimizer_state_factor)
+        self.host_link = host_link
+        self.placement: MemoryPlacement = KEEP_ALL
         cuts = candidate_cuts(ref, max_cuts)
         self.positions: np.ndarray = np.array([0, *cuts, len(names)], dtype=np.int64)
         table = ref.table
@@ -187,25 +234,40 @@ class CostModel:
         return int(self.param_prefix[-1])
 
     def compute_ms(self, gpu_type: str) -> np.ndarray:
-        """Prefix sums over positions of fwd+bwd ms on ``gpu_type``.
+        """Prefix sums over positions of fwd+bwd ms on ``gpu_type`` (plus fwd again when the
+        cost model's placement recomputes activations).
 
         Raises:
             ProfileError: no profile for that type.
         """
         try:
-            return self.fwd_prefix[gpu_type] + self.bwd_prefix[gpu_type]
+            fwd, bwd = self.fwd_prefix[gpu_type], self.bwd_prefix[gpu_type]
         except KeyError:
             raise ProfileError(
                 f"no profile for GPU type {gpu_type!r} (have: {', '.join(self.types)})"
             ) from None
+        if self.placement.activations is Place.RECOMPUTE:
+            return 2 * fwd + bwd
+        return fwd + bwd
 
     def comm_ms(self, link: Link) -> np.ndarray:
         """Milliseconds to move the tensors crossing each position over ``link`` (0 at the ends)."""
         return np.array([link.time_s(float(b)) * 1e3 for b in self.cut_bytes])
 
+    def with_placement(self, placement: MemoryPlacement) -> CostModel:
+        """This cost model with every stage under ``placement`` (shares the prefix arrays)."""
+        other = copy.copy(self)
+        other.placement = placement
+        return other
+
+    def coefficients(self, in_flight: int, nm: int) -> Coefficients:
+        """Device-memory multipliers of params, saved and cut bytes (:mod:`planner.offload`)."""
+        return coefficients(self.placement, nm, in_flight, self.optimizer_state_factor)
+
     def static_factor(self, nm: int) -> float:
-        """Param-byte multiplier of the static memory: weights, grads, optimizer, ``Nm-1`` versions."""
-        return 2.0 + self.optimizer_state_factor + (nm - 1)
+        """Param-byte multiplier of the static memory: weights, grads, optimizer, ``Nm-1`` versions
+        (those the placement keeps on the device)."""
+        return self.coefficients(1, nm).param
 
     # ------------------------------------------------------------ matrices for the DP
 
@@ -222,41 +284,109 @@ class CostModel:
         return np.where(np.triu(np.ones_like(m, dtype=bool), 1), m, np.inf)
 
     def memory_matrix(self, n_stages: int, j: int, nm: int) -> np.ndarray:
-        """``M[p, q]``: bytes stage ``j`` of ``n_stages`` needs over ``[p, q)`` with ``nm`` in flight."""
-        k = in_flight_bound(j, n_stages, nm)
+        """``M[p, q]``: device bytes stage ``j`` of ``n_stages`` needs over ``[p, q)`` with ``nm``
+        in flight."""
+        c = self.coefficients(in_flight_bound(j, n_stages, nm), nm)
         par = self.param_prefix[None, :] - self.param_prefix[:, None]
         buf = self.buffer_prefix[None, :] - self.buffer_prefix[:, None]
         sav = self.saved_prefix[None, :] - self.saved_prefix[:, None]
-        mem = self.static_factor(nm) * par + buf + k * (sav + self.cut_bytes[:, None])
+        mem = c.param * par + buf + c.saved * sav + c.cut * self.cut_bytes[:, None]
         return np.where(np.triu(np.ones_like(mem, dtype=bool), 1), mem, np.inf)
 
     # ------------------------------------------------------------ one stage
 
-    def stage_cost(self, gpus: Sequence[Device], j: int, p: int, q: int, nm: int) -> StageCost:
-        """Cost of stage ``j`` over positions ``[p, q)`` of the pipeline ``gpus``."""
+    def stage_bytes(self, p: int, q: int) -> StageBytes:
+        """The sizes of a stage over positions ``[p, q)`` (:class:`planner.offload.StageBytes`)."""
+        return StageBytes(
+            param=float(self.param_prefix[q] - self.param_prefix[p]),
+            buffer=float(self.buffer_prefix[q] - self.buffer_prefix[p]),
+            saved=float(self.saved_prefix[q] - self.saved_prefix[p]),
+            cut=float(self.cut_bytes[p]),
+        )
+
+    def stage_memory(
+        self,
+        gpus: Sequence[Device],
+        j: int,
+        p: int,
+        q: int,
+        nm: int,
+        placement: MemoryPlacement | None = None,
+    ) -> StageMemory:
+        """Where stage ``j``'s bytes live under ``placement`` (default: the model's) and what
+        that costs per minibatch."""
+        k = in_flight_bound(j, len(gpus), nm)
+        pl = effective(self.placement if placement is None else placement, nm, k)
+        b, o, t = self.stage_bytes(p, q), self.optimizer_state_factor, gpus[j].type
+        fwd = float(self.fwd_prefix[t][q] - self.fwd_prefix[t][p])
+        extra = recompute_ms(pl, fwd, k)
+        moved = transfer_bytes(b, pl, nm, k, o)
+        compute = fwd + float(self.bwd_prefix[t][q] - self.bwd_prefix[t][p]) + extra
+        return StageMemory(
+            placement=pl,
+            device_bytes=device_bytes(b, pl, nm, k, o),
+            host_bytes=host_bytes(b, pl, nm, k, o),
+            transfer_bytes=moved,
+            recompute_ms=extra,
+            transfer_ms=exposed_ms(self.host_link.time_s(moved) * 1e3, compute),
+        )
+
+    def stage_cost(
+        self,
+        gpus: Sequence[Device],
+        j: int,
+        p: int,
+        q: int,
+        nm: int,
+        placement: MemoryPlacement | None = None,
+    ) -> StageCost:
+        """Cost of stage ``j`` over positions ``[p, q)`` of the pipeline ``gpus``.
+
+        ``memory_bytes`` counts device bytes; ``bwd_ms`` includes the recompute and the
+        exposed host-link time of the placement (default: the cost model's).
+        """
         t = gpus[j].type
         recv_b = int(self.cut_bytes[p])
         send_b = int(self.cut_bytes[q])
         recv_ms = self.link(gpus[j - 1], gpus[j]).time_s(recv_b) * 1e3 if j > 0 else 0.0
         send_ms = self.link(gpus[j], gpus[j + 1]).time_s(send_b) * 1e3 if j + 1 < len(gpus) else 0.0
-        k = in_flight_bound(j, len(gpus), nm)
-        par = int(self.param_prefix[q] - self.param_prefix[p])
-        mem = (
-            self.static_factor(nm) * par
-            + int(self.buffer_prefix[q] - self.buffer_prefix[p])
-            + k * (int(self.saved_prefix[q] - self.saved_prefix[p]) + recv_b)
-        )
+        mem = self.stage_memory(gpus, j, p, q, nm, placement)
+        bwd = float(self.bwd_prefix[t][q] - self.bwd_prefix[t][p])
         return StageCost(
             fwd_ms=float(self.fwd_prefix[t][q] - self.fwd_prefix[t][p]),
-            bwd_ms=float(self.bwd_prefix[t][q] - self.bwd_prefix[t][p]),
+            bwd_ms=bwd + mem.recompute_ms + mem.transfer_ms,
             recv_fwd_ms=recv_ms,
             recv_bwd_ms=send_ms,
             recv_bytes=recv_b,
             send_bytes=send_b,
-            param_bytes=par,
-            in_flight=k,
-            memory_bytes=round(mem),
+            param_bytes=int(self.param_prefix[q] - self.param_prefix[p]),
+            in_flight=in_flight_bound(j, len(gpus), nm),
+            memory_bytes=mem.device_bytes,
         )
+
+    def choose_placement(
+        self,
+        gpus: Sequence[Device],
+        j: int,
+        p: int,
+        q: int,
+        nm: int,
+        candidates: Sequence[MemoryPlacement],
+        host_cap: int = 0,
+    ) -> StageMemory | None:
+        """The fastest placement of stage ``j`` among ``candidates`` that fits its GPU (and
+        ``host_cap`` host bytes, 0: unbounded); ties go to fewer host-link bytes, then to the
+        earlier candidate. ``None``: none fits."""
+        best: tuple[float, int, int] | None = None
+        chosen = None
+        for i, pl in enumerate(candidates):
+            mem = self.stage_memory(gpus, j, p, q, nm, pl)
+            if mem.device_bytes > gpus[j].memory_bytes or (host_cap and mem.host_bytes > host_cap):
+                continue
+            key = (mem.recompute_ms + mem.transfer_ms, mem.transfer_bytes, i)
+            if best is None or key < best:
+                best, chosen = key, mem
+        return chosen
 
     def model_memory_bytes(self, nm: int = 1) -> int:
         """Bytes to hold the whole model on one GPU (one stage, ``nm`` = 1: data parallelism)."""

@@ -101,6 +101,13 @@ class StagePlan(StageCost):
         first_layer, last_layer: names of the first and last layer (inclusive).
         first_index, last_index: their positions in the model graph's linear order.
         capacity_bytes: the GPU's usable memory.
+        memory: where the stage's data classes live (:mod:`planner.offload`, ``keep`` or e.g.
+            ``weights:offload,activations:recompute``); ``memory_bytes`` counts device bytes.
+        host_bytes: host memory its offloaded classes occupy.
+        transfer_bytes: host-link bytes per minibatch (both directions).
+        recompute_ms: forward time again per minibatch (included in ``bwd_ms``).
+        transfer_ms: host-link time per minibatch not hidden behind compute (included in
+            ``bwd_ms``).
     """
 
     gpu: int
@@ -109,6 +116,11 @@ class StagePlan(StageCost):
     first_index: int
     last_index: int
     capacity_bytes: int
+    memory: str = "keep"
+    host_bytes: int = 0
+    transfer_bytes: int = 0
+    recompute_ms: float = 0.0
+    transfer_ms: float = 0.0
 
 
 def _stage_dict(stage: StagePlan) -> dict[str, Any]:
@@ -272,7 +284,8 @@ class Plan:
                     id=int(v["id"]),
                     gpus=tuple(GpuSlot(**g) for g in v["gpus"]),
                     stages=tuple(
-                        StagePlan(**{k: s[k] for k in _names(StagePlan)}) for s in v["stages"]
+                        StagePlan(**{k: s[k] for k in _names(StagePlan) if k in s})
+                        for s in v["stages"]
                     ),
                     nm_max=int(v["nm_max"]),
                     throughput=float(v["throughput"]),

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from dataclasses import MISSING, fields, is_dataclass
 from typing import TYPE_CHECKING, Any
 
+from planner.offload import MemoryPlacement
+from planner.sync import check_rule_values
 from profiler.errors import PlanError, shown
 from profiler.inputs import text_problem
 from profiler.units import MAX_BYTES
@@ -56,6 +58,7 @@ def validate_plan(plan: Plan, source: str = "plan") -> None:
         _check_gpus(plan, vw, at, used, source)
         _check_stages(plan, vw, at, source)
     _check_shards(plan, source)
+    check_rule_values(plan.sync, plan.sync_params, len(plan.virtual_workers), source)
 
 
 def check_plan_layers(plan: Plan, layers: Sequence[str], source: str, what: str) -> None:
@@ -288,6 +291,10 @@ def _check_stages(plan: Plan, vw: VirtualWorker, at: str, source: str) -> None:
             raise PlanError(f"{here}.gpu: GPU {st.gpu} already runs stage {on_gpu[st.gpu]}")
         on_gpu[st.gpu] = j
         _check_range(st.first_index, st.last_index, last, j, vw, here)
+        try:
+            MemoryPlacement.parse(st.memory)
+        except ValueError as exc:
+            raise PlanError(f"{here}.memory: {exc}") from None
         if st.memory_bytes > st.capacity_bytes:
             raise PlanError(
                 f"{here}.memory_bytes: {st.memory_bytes} bytes do not fit the GPU's capacity "

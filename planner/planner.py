@@ -34,6 +34,7 @@ from planner.allocation import Allocation, allocate, candidate_allocations, defa
 from planner.auto_search import Candidate, compare_allocations
 from planner.cluster import Cluster, Device, Link
 from planner.costmodel import CostModel, optimizer_factor
+from planner.offload import CANDIDATES, KEEP_ALL, LADDER, MemoryPlacement
 from planner.partition.dp import Partition
 from planner.partition.memory import check_stage_count, fits_memory, min_memory_shortfall
 from planner.partition.milp import partition_milp
@@ -46,7 +47,7 @@ from profiler.errors import PlanError
 from profiler.table import Profile
 from profiler.units import format_bytes
 
-__all__ = ["PlanOptions", "make_plan", "plan"]
+__all__ = ["PlanOptions", "make_plan", "memory_ladder", "plan"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,11 @@ class PlanOptions:
         simulate_waves: when >= 2, the prediction (and ``auto``'s ranking) comes from the
             discrete-event simulator (``planner.sim.simulator``) over this many waves; the analytic
             estimate is the fallback.
+        memory: the memory manager (:mod:`planner.offload`): ``keep`` (default: everything on
+            the device), ``auto`` (per Nm, each VW is partitioned under every placement of
+            :data:`planner.offload.LADDER` that fits, each stage then takes its fastest fitting
+            placement, and the fastest result wins) or one placement for every stage
+            (``activations:recompute``).
     """
 
     partitioner: str = "dp"
@@ -86,6 +92,7 @@ class PlanOptions:
     auto_budget_s: float = 120.0
     nm_choice: str = "best"
     simulate_waves: int = 8
+    memory: str = "keep"
 
 
 @dataclass
@@ -99,6 +106,37 @@ class _Planner:
         default_factory=dict
     )
     nm_cache: dict[tuple[object, ...], tuple[int, int]] = field(default_factory=dict)
+    cms: dict[MemoryPlacement, CostModel] = field(default_factory=dict)
+
+    # ------------------------------------------------------------ memory placements
+    @property
+    def ladder(self) -> tuple[MemoryPlacement, ...]:
+        """Uniform placements the partitioner may use, cheapest first (``opts.memory``)."""
+        return memory_ladder(self.opts.memory)
+
+    @property
+    def candidates(self) -> tuple[MemoryPlacement, ...]:
+        """Placements one stage may take after partitioning."""
+        return CANDIDATES if self.opts.memory == "auto" else self.ladder
+
+    def cm_for(self, placement: MemoryPlacement) -> CostModel:
+        """The cost model with every stage under ``placement``."""
+        if placement not in self.cms:
+            self.cms[placement] = self.cm.with_placement(placement)
+        return self.cms[placement]
+
+    def refined_ms(self, part: Partition, nm: int) -> float:
+        """Slowest stage of ``part`` once every stage takes its fastest fitting placement."""
+        worst = 0.0
+        for j, gpu in enumerate(part.gpus):
+            p, q = part.bounds[j], part.bounds[j + 1]
+            host = self.cluster.host_memory_bytes(gpu.node)
+            mem = self.cm.choose_placement(part.gpus, j, p, q, nm, self.candidates, host)
+            if mem is None:
+                return float("inf")
+            cost = self.cm.stage_cost(part.gpus, j, p, q, nm, mem.placement)
+            worst = max(worst, cost.time_ms)
+        return worst
 
     # ------------------------------------------------------------ isomorphic VWs
     @staticmethod
@@ -117,16 +155,22 @@ class _Planner:
         return self.nm_cache[key]
 
     def _nm_max(self, gpus: Sequence[Device]) -> tuple[int, int]:
+        """The largest Nm over the ladder's placements, and the smallest Nm=1 shortfall."""
+        found = [self._nm_max_under(self.cm_for(pl), gpus) for pl in self.ladder]
+        best = max(nm for nm, _ in found)
+        return (best, 0) if best else (0, min(short for _, short in found))
+
+    def _nm_max_under(self, cm: CostModel, gpus: Sequence[Device]) -> tuple[int, int]:
         """Bisection on Nm with the exact every-order memory check (:mod:`planner.partition.memory`)."""
-        if not fits_memory(self.cm, gpus, 1):
-            return 0, min_memory_shortfall(self.cm, gpus, 1)
+        if not fits_memory(cm, gpus, 1):
+            return 0, min_memory_shortfall(cm, gpus, 1)
         lo, hi = 1, 2
-        while hi <= self.opts.nm_limit and fits_memory(self.cm, gpus, hi):
+        while hi <= self.opts.nm_limit and fits_memory(cm, gpus, hi):
             lo, hi = hi, hi * 2
         hi = min(hi, self.opts.nm_limit + 1)
         while hi - lo > 1:  # lo fits, hi does not (or exceeds the limit)
             mid = (lo + hi) // 2
-            if fits_memory(self.cm, gpus, mid):
+            if fits_memory(cm, gpus, mid):
                 lo = mid
             else:
                 hi = mid
@@ -135,24 +179,43 @@ class _Planner:
     def partition(self, gpus: Sequence[Device], nm: int, screen: bool = False) -> Partition:
         """Optimal order and split of ``gpus`` at ``nm`` (cached over isomorphic VWs).
 
+        With several ladder placements (``--memory auto``) each one under which the VW fits is
+        partitioned, and the partition whose slowest stage is fastest once each stage takes its
+        own best placement (:meth:`refined_ms`) wins; ties go to the cheaper ladder entry.
+
         ``screen``: use the exact DP search whatever the partitioner, for comparing Nm
         candidates; the final plan uses ``opts.partitioner``.
         """
+        best: tuple[float, Partition] | None = None
+        for pl in self.ladder:
+            if len(self.ladder) > 1 and not fits_memory(self.cm_for(pl), gpus, nm):
+                continue
+            part = self._partition_under(gpus, nm, screen, pl)
+            ms = self.refined_ms(part, nm) if len(self.ladder) > 1 else part.bottleneck_ms
+            if best is None or ms < best[0]:
+                best = (ms, part)
+        if best is None:  # nothing fits: the partitioner's own error names the shortfall
+            return self._partition_under(gpus, nm, screen, self.ladder[-1])
+        return best[1]
+
+    def _partition_under(
+        self, gpus: Sequence[Device], nm: int, screen: bool, placement: MemoryPlacement
+    ) -> Partition:
+        """Optimal order and split of ``gpus`` at ``nm`` with every stage under ``placement``."""
         key, ordered = self.canonical(gpus)
         use_dp = self.opts.partitioner == "dp" or screen
-        ck = (key, nm, use_dp)
+        cm = self.cm_for(placement)
+        ck = (key, nm, use_dp, placement)
         if ck not in self.cache:
-            reuse = self._reusable(key, ordered, nm, use_dp)
+            reuse = self._reusable(key, ordered, nm, use_dp, placement)
             if reuse is not None:
                 self.cache[ck] = reuse
         if ck not in self.cache:
             limit = self.opts.time_limit_s
             if use_dp:
-                part = partition_exact(self.cm, ordered, nm, time_limit_s=limit)
+                part = partition_exact(cm, ordered, nm, time_limit_s=limit)
             elif self.opts.partitioner == "milp":
-                part = partition_milp(
-                    self.cm, ordered, nm, solver=self.opts.solver, time_limit_s=limit
-                )
+                part = partition_milp(cm, ordered, nm, solver=self.opts.solver, time_limit_s=limit)
             else:
                 raise PlanError(f"unknown partitioner {self.opts.partitioner!r}; use dp or milp")
             bound = part.lower_bound_ms
@@ -172,14 +235,18 @@ class _Planner:
         perm, bounds, bound, solver = self.cache[ck]
         order = tuple(ordered[i] for i in perm)
         stage_ms = tuple(
-            self.cm.stage_cost(order, j, bounds[j], bounds[j + 1], nm).time_ms
-            for j in range(len(order))
+            cm.stage_cost(order, j, bounds[j], bounds[j + 1], nm).time_ms for j in range(len(order))
         )
-        cuts = tuple(int(self.cm.positions[b]) for b in bounds)
+        cuts = tuple(int(cm.positions[b]) for b in bounds)
         return Partition(order, bounds, cuts, stage_ms, max(stage_ms), solver, 0.0, bound)
 
     def _reusable(
-        self, key: tuple[object, ...], ordered: Sequence[Device], nm: int, use_dp: bool
+        self,
+        key: tuple[object, ...],
+        ordered: Sequence[Device],
+        nm: int,
+        use_dp: bool,
+        placement: MemoryPlacement,
     ) -> tuple[tuple[int, ...], tuple[int, ...], float, str] | None:
         """An optimum at a smaller Nm that still fits memory at ``nm`` (then it is optimal here too).
 
@@ -187,15 +254,18 @@ class _Planner:
         at any smaller Nm: the smaller Nm's optimum, when it fits, is optimal at ``nm``; its
         lower bound stays valid.
         """
+        same = (key, use_dp, placement)
         done = sorted(
-            (ck[1], v) for ck, v in self.cache.items() if ck[0] == key and ck[2] == use_dp
+            ((ck[1], v) for ck, v in self.cache.items() if (ck[0], ck[2], ck[3]) == same),
+            key=lambda item: item[0] if isinstance(item[0], int) else 0,
         )
+        cm = self.cm_for(placement)
         for small, (perm, bounds, bound, solver) in reversed(done):
             if not isinstance(small, int) or small >= nm:
                 continue
             order = [ordered[i] for i in perm]
             if all(
-                self.cm.stage_cost(order, j, bounds[j], bounds[j + 1], nm).memory_bytes
+                cm.stage_cost(order, j, bounds[j], bounds[j + 1], nm).memory_bytes
                 <= order[j].memory_bytes
                 for j in range(len(order))
             ):
@@ -213,10 +283,37 @@ def _slot(d: Device) -> GpuSlot:
     )
 
 
+def memory_ladder(memory: str) -> tuple[MemoryPlacement, ...]:
+    """The uniform placements ``PlanOptions.memory`` allows the partitioner, cheapest first.
+
+    Raises:
+        PlanError: neither ``keep``, ``auto`` nor a placement.
+    """
+    if memory == "keep":
+        return (KEEP_ALL,)
+    if memory == "auto":
+        return LADDER
+    try:
+        return (MemoryPlacement.parse(memory),)
+    except ValueError as exc:
+        raise PlanError(f"--memory {memory[:40]!r}: {exc}; or use keep or auto") from None
+
+
 def _stages(pl: _Planner, part: Partition, nm: int) -> tuple[StagePlan, ...]:
+    """The stages of ``part``, each with its fastest fitting memory placement."""
     names = pl.cm.layer_names
     out = []
-    for j, cost in enumerate(part.stages(pl.cm, nm)):
+    for j, gpu in enumerate(part.gpus):
+        p, q = part.bounds[j], part.bounds[j + 1]
+        host_cap = pl.cluster.host_memory_bytes(gpu.node)
+        mem = pl.cm.choose_placement(part.gpus, j, p, q, nm, pl.candidates, host_cap)
+        if mem is None:
+            raise PlanError(
+                f"stage {j} on {gpu.label} fits no memory placement with Nm={nm} (host memory "
+                f"{format_bytes(host_cap)} per GPU of node {gpu.node}); raise host_memory of "
+                "that node in the cluster file or lower --nm"
+            )
+        cost = pl.cm.stage_cost(part.gpus, j, p, q, nm, mem.placement)
         a, b = part.cuts[j], part.cuts[j + 1]
         out.append(
             StagePlan(
@@ -225,8 +322,13 @@ def _stages(pl: _Planner, part: Partition, nm: int) -> tuple[StagePlan, ...]:
                 last_layer=names[b - 1],
                 first_index=a,
                 last_index=b - 1,
-                capacity_bytes=part.gpus[j].memory_bytes,
+                capacity_bytes=gpu.memory_bytes,
                 **asdict(cost),
+                memory=str(mem.placement),
+                host_bytes=mem.host_bytes,
+                transfer_bytes=mem.transfer_bytes,
+                recompute_ms=mem.recompute_ms,
+                transfer_ms=mem.transfer_ms,
             )
         )
     return tuple(out)
@@ -298,6 +400,8 @@ def _plan_allocation(
         best, short = pl.nm_max(gpus)
         if best == 0:
             fix = "give it more or larger GPUs (another policy or --vws)"
+            if pl.opts.memory != "auto" and any(fits_memory(pl.cm_for(x), gpus, 1) for x in LADDER):
+                fix = "let the memory manager offload or recompute (--memory auto), or " + fix
             emulated = {g.node: g.emulation for g in gpus if g.emulation is not None}
             if emulated:  # every stage fits once each GPU has the smallest shortfall more
                 fix = "raise emulate.memory in the cluster file: " + ", ".join(
@@ -322,7 +426,12 @@ def _plan_allocation(
         s_max = max(len(g) for g in alloc.groups)
         scored = []
         for cand in _nm_candidates(plan_nm, s_max):
-            trial = _build(pl, alloc, cand, nm_max, *args, screen=True)
+            try:
+                trial = _build(pl, alloc, cand, nm_max, *args, screen=True)
+            except PlanError:  # the offloaded bytes exceed a node's host_memory at this Nm
+                if cand == 1 or pl.opts.memory == "keep":
+                    raise
+                continue
             scored.append((trial.predicted.throughput, -cand))
             log.debug(
                 "Nm=%d -> %.1f samples/s (%s)",
@@ -378,12 +487,13 @@ def _build(
         for p in parts
     ]
     shards = place_shards(pl.cluster, layouts, names, layer_params, placement)
-    per_vw = [vw_throughput(p.stage_ms, plan_nm, batch) for p in parts]
+    stages = [_stages(pl, p, plan_nm) for p in parts]
+    per_vw = [vw_throughput([s.time_ms for s in st], plan_nm, batch) for st in stages]
     vws = tuple(
         VirtualWorker(
             id=v,
             gpus=tuple(_slot(d) for d in p.gpus),
-            stages=_stages(pl, p, plan_nm),
+            stages=stages[v],
             nm_max=nm_max[v],
             throughput=per_vw[v],
             cross_node_bytes_per_wave=cross_node_bytes_per_wave(
@@ -475,12 +585,10 @@ def make_plan(
     if D < 0:
         raise PlanError(f"-D must be >= 0, got {D}")
     if links:
-        cluster = Cluster(
-            cluster.name,
-            cluster.nodes,
-            links.get("intra_node", cluster.intra_node),
-            links.get("inter_node", cluster.inter_node),
-            cluster.source,
+        cluster = replace(
+            cluster,
+            intra_node=links.get("intra_node", cluster.intra_node),
+            inter_node=links.get("inter_node", cluster.inter_node),
         )
     original = cluster
     cluster = planning_view(cluster)
@@ -491,8 +599,14 @@ def make_plan(
     first_measured = next(
         (t for t, p in provenance.items() if not p.startswith(("analytic", "scaled"))), None
     )
+    memory_ladder(opts.memory)  # a bad --memory fails before any work
     cm = CostModel(
-        by_type, cluster.link, optimizer_factor(optimizer), opts.max_cuts, first_measured
+        by_type,
+        cluster.link,
+        optimizer_factor(optimizer),
+        opts.max_cuts,
+        first_measured,
+        cluster.host_link,
     )
     full = None
     if cm.num_segments < cm.num_layers:  # --max-cuts coarsened the graph: bound the exact optimum

@@ -18,21 +18,29 @@ the runtime agree on. Each rule's pure logic lives in ``planner/`` (WSP's clocks
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from planner.backup import quorum
+from planner.easgd import check_elastic
 from profiler.errors import ConfigError, PlanError
+
+if TYPE_CHECKING:
+    from planner.plan import Plan
 
 __all__ = [
     "RULES",
     "RuleInfo",
     "SyncParams",
+    "check_rule_values",
     "check_sync_params",
     "effective_rule",
     "global_slice",
     "param",
+    "with_rule",
 ]
 
 SyncParams = tuple[tuple[str, float], ...]
@@ -72,6 +80,20 @@ RULES: Mapping[str, RuleInfo] = MappingProxyType(
             (),
             "BSP data parallelism: gradients averaged over every VW after every minibatch",
         ),
+        "backup": RuleInfo(
+            "backup",
+            True,
+            (("backups", 1.0),),
+            "synchronous SGD with backup workers: a wave closes at the first VWs - backups "
+            "pushes, the rest are dropped (planner.backup)",
+        ),
+        "easgd": RuleInfo(
+            "easgd",
+            True,
+            (("alpha", 0.1), ("tau", 1.0)),
+            "elastic averaging: each VW its own weights, pulled towards the centre every tau "
+            "waves with moving rate alpha (planner.easgd)",
+        ),
     }
 )
 
@@ -104,6 +126,41 @@ def check_sync_params(rule: str, given: Mapping[str, Any], source: str) -> SyncP
             raise PlanError(f"{source}: sync_params.{key}: {str(value)[:40]!r} is not a number")
         out[key] = float(value)
     return tuple(sorted(out.items()))
+
+
+def check_rule_values(rule: str, params: SyncParams, n_vws: int, source: str) -> None:
+    """Check a rule's parameter values against the plan (``backups < VWs``, whole ``tau``,
+    ``VWs x alpha <= 1``: :func:`planner.backup.quorum`, :func:`planner.easgd.check_elastic`).
+
+    Raises:
+        PlanError: one line naming the file, the field, the value and the fix.
+    """
+    try:
+        if rule == "backup":
+            b = param(params, "backups")
+            if b != int(b):
+                raise ValueError(f"backups must be a whole number, got {b}")
+            quorum(n_vws, int(b))
+        elif rule == "easgd":
+            tau = param(params, "tau", 1.0)
+            if tau != int(tau):
+                raise ValueError(f"tau must be a whole number of waves, got {tau}")
+            check_elastic(n_vws, int(tau), param(params, "alpha"))
+    except ValueError as exc:
+        raise PlanError(f"{source}: sync_params ({rule}): {exc}") from None
+
+
+def with_rule(plan: Plan, rule: str, given: Mapping[str, Any], source: str = "--sync") -> Plan:
+    """``plan`` synchronised by ``rule`` with parameters ``given`` (the rule's defaults for the
+    rest): checked like a plan file; backup workers and elastic averaging run at ``D = 0``.
+
+    Raises:
+        PlanError: an unknown rule or parameter, or a value the plan cannot take.
+    """
+    params = check_sync_params(rule, given, source)
+    check_rule_values(rule, params, len(plan.virtual_workers), source)
+    D = 0 if rule in ("backup", "easgd") else plan.D
+    return dataclasses.replace(plan, sync=rule, sync_params=params, D=D)
 
 
 def param(params: SyncParams, name: str, default: float = 0.0) -> float:

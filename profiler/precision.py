@@ -11,11 +11,12 @@ simulator use the same accounting (:func:`bf16_memory`).
 from __future__ import annotations
 
 import contextlib
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from profiler.errors import ConfigError
+
+if TYPE_CHECKING:  # torch is imported where it is used: the CLI's plan path stays torch-free
+    import torch
 
 __all__ = [
     "PRECISIONS",
@@ -47,6 +48,8 @@ def dtype_name(precision: str) -> str:
 
 def wire_dtype(dtype: torch.dtype, precision: str) -> torch.dtype:
     """The dtype a tensor of ``dtype`` crosses a cut in (floats in bfloat16 under ``bf16``)."""
+    import torch
+
     return torch.bfloat16 if precision == "bf16" and dtype.is_floating_point else dtype
 
 
@@ -54,6 +57,8 @@ def autocast(device_type: str, precision: str) -> contextlib.AbstractContextMana
     """``torch.autocast`` to bfloat16 under ``bf16`` (CPU or CUDA), else nothing."""
     if check_precision(precision) == "fp32":
         return contextlib.nullcontext()
+    import torch
+
     return torch.autocast(device_type, dtype=torch.bfloat16)
 
 

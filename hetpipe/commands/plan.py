@@ -11,8 +11,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from hetpipe._common import console, err_console, handle_errors
+from hetpipe._rules import SYNC_HELP, AlphaOpt, BackupsOpt, TauOpt, apply_rule, rule_params
 from planner.cluster import Cluster, load_cluster
-from planner.plan import Plan, VirtualWorker
+from planner.plan import Plan, StagePlan, VirtualWorker
 from profiler.errors import ConfigError
 
 if TYPE_CHECKING:  # heavy (torch, pandas, PuLP): imported when a plan is made
@@ -58,6 +59,15 @@ def _mem(used: float, cap: float) -> str:
     return f"{used / 2**30:.2f}/{cap / 2**30:.2f} GiB"
 
 
+def _placement(s: StagePlan) -> str:
+    """Memory placement letters (keep/offload/recompute of weights, activations, optimizer,
+    gradients) and the host bytes, e.g. ``ORKO 1.2 MiB``."""
+    from planner.offload import MemoryPlacement
+
+    code = MemoryPlacement.parse(s.memory).code
+    return f"{code} {s.host_bytes / 2**20:.1f} MiB" if s.host_bytes else code
+
+
 def _proof(vw: VirtualWorker) -> str:
     """How good the VW's partition is proven to be."""
     if vw.bound_ms <= 0:
@@ -83,7 +93,9 @@ def render(plan: Plan) -> None:
     table = Table(
         title=f"{plan.model} (batch {plan.batch_size}) on {plan.cluster.name}: policy {plan.policy}"
     )
-    for col in ("VW", "stage", "GPU", "layers", "time ms", "memory used/cap"):
+    managed = any(s.memory != "keep" for vw in plan.virtual_workers for s in vw.stages)
+    cols = ("VW", "stage", "GPU", "layers", "time ms", "memory used/cap")
+    for col in (*cols, "WAOG host") if managed else cols:
         table.add_column(col, justify="right" if col in ("time ms", "VW", "stage") else "left")
     for vw in plan.virtual_workers:
         for s in vw.stages:
@@ -95,6 +107,7 @@ def render(plan: Plan) -> None:
                 f"{s.first_layer} .. {s.last_layer} ({s.last_index - s.first_index + 1})",
                 f"{s.time_ms:.2f}",
                 _mem(s.memory_bytes, s.capacity_bytes),
+                *((_placement(s),) if managed else ()),
             )
         table.add_row(
             "",
@@ -117,6 +130,9 @@ def render(plan: Plan) -> None:
         f"Nm = {plan.nm}, D = {plan.D}: local staleness {plan.local_staleness}, global staleness bound "
         f"{plan.global_staleness}; placement {plan.placement}"
     )
+    if plan.sync in ("backup", "easgd"):
+        params = ", ".join(f"{k} {v:g}" for k, v in plan.sync_params)
+        console.print(f"synchronisation: {plan.sync} ({params}); see docs/sync.md")
     console.print(
         f"predicted throughput: [bold]{pr.throughput:.1f}[/] samples/s (WSP, straggler-bound, {pr.method})"
     )
@@ -201,6 +217,14 @@ def plan(
         str, typer.Option("--optimizer", help="sgd | momentum | adam (memory)")
     ] = "momentum",
     links: Annotated[Path | None, typer.Option("--links", help="measured links.yaml")] = None,
+    memory: Annotated[
+        str,
+        typer.Option(
+            "--memory",
+            help="keep (default) | auto: offload to host memory or recompute where it pays "
+            "(docs/memory.md) | one placement for every stage, e.g. activations:recompute",
+        ),
+    ] = "keep",
     nm_choice: Annotated[
         str,
         typer.Option("--nm-choice", help="best: fastest predicted Nm | max: largest feasible Nm"),
@@ -243,10 +267,12 @@ def plan(
         str,
         typer.Option(
             "--sync",
-            help="wsp: HetPipe (VWs, pipelines, parameter servers) | allreduce: the DDP "
-            "baseline's plan (every device that holds the whole model)",
+            help=SYNC_HELP + " (allreduce: every device that holds the whole model)",
         ),
     ] = "wsp",
+    backups: BackupsOpt = None,
+    tau: TauOpt = None,
+    alpha: AlphaOpt = None,
     precision: Annotated[
         str,
         typer.Option(help="fp32 | bf16: the memory model's bytes (autocast, fp32 master weights)"),
@@ -263,8 +289,7 @@ def plan(
         )
     if max_cuts is not None and max_cuts < 0:
         raise ConfigError(f"--max-cuts must be >= 0, got {max_cuts}")
-    if sync not in ("wsp", "allreduce"):
-        raise ConfigError(f"--sync {sync!r}: use wsp or allreduce")
+    rule = rule_params(sync, backups, tau, alpha)
     if sync == "allreduce" and (policy or vws or nm or staleness):
         raise ConfigError(
             "--policy, --vws, --nm and -D shape HetPipe plans; drop them with --sync allreduce"
@@ -296,6 +321,7 @@ def plan(
                     solver=solver,
                     max_cuts=max_cuts,
                     nm_choice=nm_choice,
+                    memory=memory,
                     time_limit_s=time_limit,
                     auto_max_vw_gpus=auto_max_vw_gpus,
                     auto_budget_s=auto_budget,
@@ -305,6 +331,7 @@ def plan(
                 precision=precision,
             )
         )
+    result = apply_rule(result, sync, rule)
     if output is not None:
         result.save(output)
     if as_json:

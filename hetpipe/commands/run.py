@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from hetpipe._common import console, handle_errors
+from hetpipe._rules import SYNC_HELP, AlphaOpt, BackupsOpt, TauOpt, apply_rule, rule_params
 from planner.plan import Plan, load_plan, load_plan_or_cluster
 from planner.plan_check import check_plan_layers
 from profiler.errors import ConfigError
@@ -139,9 +140,10 @@ def run(
     staleness: Annotated[
         int | None, typer.Option("--D", help="WSP clock-distance threshold D (default: the plan's)")
     ] = None,
-    sync: Annotated[
-        str, typer.Option(help="wsp (parameter servers) or allreduce (DDP baseline)")
-    ] = "wsp",
+    sync: Annotated[str, typer.Option(help=SYNC_HELP + "; default: the plan's rule")] = "wsp",
+    backups: BackupsOpt = None,
+    tau: TauOpt = None,
+    alpha: AlphaOpt = None,
     checkpoint_every: Annotated[
         int,
         typer.Option(
@@ -200,8 +202,7 @@ def run(
     from runtime.persist.run_dir import resume_target
     from runtime.run import describe_training, outputs, run_plan, summary
 
-    if sync not in ("wsp", "allreduce"):
-        raise ConfigError(f"--sync {sync!r}: use wsp or allreduce")
+    rule = rule_params(sync, backups, tau, alpha)
     if on_failure not in ("stop", "restart"):
         raise ConfigError(
             f"--on-failure {on_failure!r}: use stop or restart (continue, which evicts a lost VW, "
@@ -233,6 +234,7 @@ def run(
         raise ConfigError(
             f"--model {model} does not match the plan's model {plan.model!r}; drop --model"
         )
+    plan = apply_rule(plan, sync, rule)
     run_cfg = RunConfig(
         steps=steps,
         epochs=epochs,

@@ -105,6 +105,7 @@ def simulate(
         f"cross-node {res.cross_node_bytes / 1e9:.3f} GB   max clock distance "
         f"{res.max_clock_distance} (bound D+1 = {plan.D + 1})   {res.events} events"
     )
+    _show_rules(plan, waves, any_profile)
     if baseline == "allreduce":
         ar = allreduce_for_plan(plan, by_type or None)
         samples = waves * plan.nm * plan.batch_size * len(plan.virtual_workers)
@@ -140,6 +141,44 @@ def simulate(
     if trace is not None:
         write_chrome_trace(res.trace, trace, labels)
         console.print(f"Chrome trace (open in https://ui.perfetto.dev): {trace}")
+
+
+def _show_rules(plan: Plan, waves: int, profile: Profile | None) -> None:
+    """With stragglers in the cluster or a rule other than WSP: the rules played on whole waves
+    (:mod:`planner.sim.waves`): WSP at D = 0 and the plan's D, and the plan's rule."""
+    from planner.sim.waves import plan_slowdown, play_waves, vw_wave_ms
+    from runtime.results.sync import describe_rule
+
+    slow = plan_slowdown(plan)
+    n = len(plan.virtual_workers)
+    stragglers = any(slow(v, c) > 1 for v in range(n) for c in range(waves))
+    if not stragglers and plan.sync not in ("backup", "easgd"):
+        return
+    params = dict(plan.sync_params)
+    rows: list[tuple[str, str, dict[str, int]]] = [("WSP D=0", "wsp", {"D": 0})]
+    if plan.D:
+        rows.append((f"WSP D={plan.D}", "wsp", {"D": plan.D}))
+    rule = describe_rule(plan.sync, plan.sync_params, plan.D)
+    if plan.sync == "backup":
+        rows.append((rule, "backup", {"backups": int(params["backups"])}))
+    elif plan.sync == "easgd":
+        rows.append((rule, "easgd", {"tau": int(params["tau"])}))
+    wave_ms = vw_wave_ms(plan, profile)
+    title = f"rules on whole waves, {waves} waves{' with stragglers' if stragglers else ''}"
+    table = Table(title=title)
+    for col in ("rule", "applied samples/s", "dropped VW-waves", "k-th push after the first (ms)"):
+        table.add_column(col, justify="left" if col == "rule" else "right")
+    for name, kind, kw in rows:
+        play = play_waves(kind, wave_ms, waves, plan.nm, slow, **kw)
+        full = [a for a in play.arrivals_ms if len(a) == n]
+        kth = [sum(a[k] - a[0] for a in full) / len(full) for k in range(n)] if full else []
+        table.add_row(
+            name,
+            f"{play.throughput(plan.batch_size):.1f}",
+            str(play.dropped),
+            " ".join(f"{t:.1f}" for t in kth),
+        )
+    console.print(table)
 
 
 def _show_allreduce(plan: Plan) -> None:

@@ -3,9 +3,10 @@
 Stage ``j`` of ``K`` over candidate positions ``[p, q)`` on a GPU with ``cap`` bytes needs (the
 cost model's memory, :class:`planner.costmodel.CostModel`)::
 
-    mem(p, q) = mp_k[q] - mp_k[p] + k * cut[p],   mp_k = sf * params + buffers + k * saved (prefix sums)
+    mem(p, q) = mp_k[q] - mp_k[p] + c_k * cut[p],   mp_k = a * params + buffers + s_k * saved (prefix sums)
 
-with ``k = in_flight_bound(j, K, Nm)`` and ``sf`` the static factor. For a fixed start ``p`` it
+with ``k = in_flight_bound(j, K, Nm)`` and ``a, s_k, c_k`` the multipliers of the cost model's
+memory placement (:func:`planner.offload.coefficients`; all-keep: ``s_k = c_k = k``). For a fixed start ``p`` it
 is non-decreasing in ``q``, so the ends that fit form an interval ``(p, qmax(p)]``. Memory does
 not depend on links, so whether the first ``j`` stages can end at ``q`` depends only on the
 *multiset* of GPU classes they use, not on their order: ``reach[M]`` (a boolean vector over
@@ -68,10 +69,11 @@ class MemoryLimits:
         """
         if k not in self._mp:
             cm = self.cm
+            co = cm.coefficients(k, self.nm)
             mp = (
-                cm.static_factor(self.nm) * cm.param_prefix.astype(np.float64)
+                co.param * cm.param_prefix.astype(np.float64)
                 + cm.buffer_prefix
-                + k * cm.saved_prefix.astype(np.float64)
+                + co.saved * cm.saved_prefix.astype(np.float64)
             )
             if np.any(np.diff(mp) < 0) or np.any(cm.cut_bytes < 0):
                 raise PlanError(
@@ -86,7 +88,8 @@ class MemoryLimits:
         key = (float(cap), k)
         if key not in self._qmax:
             mp = self.prefix(k)
-            target = cap + mp - k * self.cm.cut_bytes.astype(np.float64)
+            cut = self.cm.coefficients(k, self.nm).cut
+            target = cap + mp - cut * self.cm.cut_bytes.astype(np.float64)
             self._qmax[key] = np.searchsorted(mp, target, side="right").astype(np.int64) - 1
         return self._qmax[key]
 

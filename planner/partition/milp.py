@@ -354,10 +354,10 @@ class _Model:
         sav = np.diff(cm.saved_prefix) / _GIB
         cut = cm.cut_bytes / _GIB
         for j in range(self.k):
-            kin = in_flight_bound(j, self.k, self.nm)
-            need = self.stage_sum(j, cm.static_factor(self.nm) * par + buf + kin * sav)
+            co = cm.coefficients(in_flight_bound(j, self.k, self.nm), self.nm)
+            need = self.stage_sum(j, co.param * par + buf + co.saved * sav)
             if j > 0:
-                need = need + kin * self.boundary_sum(j - 1, cut)
+                need = need + co.cut * self.boundary_sum(j - 1, cut)
             cap = pulp.lpSum(
                 self.x[j, t] * (r.memory_bytes / _GIB) for t, r in enumerate(self.cls.reps)
             )

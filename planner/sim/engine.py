@@ -110,6 +110,7 @@ class _Stage:
         "f_link",
         "f_recv",
         "forward_kind",
+        "host",
         "max_in_flight",
         "own_link",
         "push_card",
@@ -145,6 +146,12 @@ class _Stage:
         self.b_link = _NO_LINK if last else sender(s + 1, self.b_recv)
         self.b_comp = 0.0 if last else bwd[s]
         self.b_bytes = 0 if last else xb[s + 1]
+        # offloaded data per minibatch: host-link ms and the part exposed in bwd_ms (drawn only)
+        self.host = (
+            (spec.host_ms[s], spec.host_exposed_ms[s] if spec.host_exposed_ms else 0.0)
+            if spec.host_ms and spec.host_ms[s] > 0.0
+            else None
+        )
         # compute intervals in time order (one task at a time): flat float arrays, not a tuple
         # of two float objects per task (10,000 GPUs x 400 tasks)
         self.starts = array("d")
@@ -351,6 +358,11 @@ class _Sim:
         st.ends.append(end)
         if self.record:
             self.trace.append(TraceEvent(w.v, s, t.kind.value, t.mb, c0, end))
+            if st.host is not None and t.kind is not Kind.F:  # prefetched ahead of the backward
+                host, exposed = st.host
+                self.trace.append(
+                    TraceEvent(w.v, s, "host", t.mb, c0 + exposed - host, c0 + exposed)
+                )
         heapq.heappush(self.heap, (end, next(self.seq), _DONE, w, s, t))
 
     # ---------------------------------------------------------------- results

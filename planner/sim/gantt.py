@@ -3,7 +3,8 @@
 Both take the :class:`~planner.sim.engine.TraceEvent` intervals of a run recorded with
 ``record_trace=True``. The Gantt chart has one row per GPU (``VW v s<stage>``): forward
 (``F``), backward (``B``) and the last stage's fused ``FB`` as tall bars; receiving
-(``recv``), pushes to the parameter server (``push``) and a stage's own WSP wait in a thin lane
+(``recv``), pushes to the parameter server (``push``), offloaded data moving over the host
+link ahead of its backward (``host``, a thin lane above) and a stage's own WSP wait in a thin lane
 beneath them; and, above each VW's GPUs, a row of its own for the VW's WSP waits (``wait``:
 admission blocked), so a wait never hides compute. The title names the time window drawn;
 the legend sits outside the axes. The Chrome trace opens in https://ui.perfetto.dev or
@@ -34,8 +35,9 @@ COLORS: dict[str, str] = {
     "recv": "#4a90d9",  # receiving activations/gradients
     "push": "#8e6bbf",  # pushing the wave's update
     "wait": "#d9534f",  # WSP: admission blocked
+    "host": "#7f7f7f",  # offloaded data over the host link (planner.offload), prefetched
 }
-_LANE = ("recv", "push")  # drawn thin, beneath the compute bars
+_LANE = ("recv", "push", "host")  # drawn thin, beneath the compute bars
 
 
 def _rows(
@@ -147,6 +149,8 @@ def write_gantt(
                 hatch="//",
                 linewidth=0.0,
             )
+        elif cat == "host":  # a thin lane just above the compute bars (recv is beneath)
+            ax.broken_barh(spans, (y + 0.42, 0.12), facecolors=COLORS[cat], linewidth=0.0)
         elif cat in _LANE:
             ax.broken_barh(spans, (y - 0.42, 0.27), facecolors=COLORS[cat], linewidth=0.0)
         else:
@@ -167,7 +171,12 @@ def write_gantt(
             facecolor="none" if c == "wait" else COLORS[c],
             edgecolor=COLORS[c],
             hatch="//" if c == "wait" else None,
-            label={"wait": "WSP wait", "recv": "recv (lane)", "push": "push (lane)"}.get(c, c),
+            label={
+                "wait": "WSP wait",
+                "recv": "recv (lane)",
+                "push": "push (lane)",
+                "host": "host link (lane)",
+            }.get(c, c),
         )
         for c in used
     ]

@@ -126,6 +126,10 @@ def pipeline_specs(plan: Plan, profile: Profile | None = None) -> list[PipelineS
                 labels=tuple(labels),
                 nodes=tuple(vw.gpus[s.gpu].node for s in vw.stages),
                 push_inter_ms=tuple(push_inter),
+                host_ms=tuple(
+                    plan.cluster.host_link.time_s(s.transfer_bytes) * 1e3 for s in vw.stages
+                ),
+                host_exposed_ms=tuple(s.transfer_ms for s in vw.stages),
             ).validated()
         )
     return specs

@@ -43,6 +43,10 @@ class PipelineSpec:
             share the sender node's network card with every VW. Empty: one card per GPU.
         push_inter_ms: time for each stage to push its update per wave to shards on other
             nodes (over its node's card). Empty: zero.
+        host_ms: host-link time of each stage's offloaded data per minibatch
+            (:mod:`planner.offload`); drawn, not timed: its exposed part is in ``bwd_ms``.
+            Empty: nothing offloaded.
+        host_exposed_ms: the part of ``host_ms`` not hidden behind compute. Empty: zero.
     """
 
     fwd_ms: tuple[float, ...]
@@ -56,6 +60,8 @@ class PipelineSpec:
     labels: tuple[str, ...]
     nodes: tuple[str, ...] = ()
     push_inter_ms: tuple[float, ...] = ()
+    host_ms: tuple[float, ...] = ()
+    host_exposed_ms: tuple[float, ...] = ()
 
     @property
     def n_stages(self) -> int:
@@ -113,10 +119,11 @@ class PipelineSpec:
             "labels",
             "nodes",
             "push_inter_ms",
+            "host_ms",
+            "host_exposed_ms",
         ):
-            if len(getattr(self, name)) != n and not (
-                name in ("nodes", "push_inter_ms") and not getattr(self, name)
-            ):
+            optional = ("nodes", "push_inter_ms", "host_ms", "host_exposed_ms")
+            if len(getattr(self, name)) != n and not (name in optional and not getattr(self, name)):
                 raise PlanError(
                     f"PipelineSpec.{name} has {len(getattr(self, name))} entries, expected {n} (one per stage)"
                 )

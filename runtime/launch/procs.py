@@ -25,7 +25,7 @@ from runtime.ps.server import ShardServer
 from runtime.stage.job import StageJob
 from runtime.stage.model import initial_weights, ship_shard
 from runtime.stage.worker import StageWorker
-from runtime.sync.registry import shard_fold
+from runtime.sync.registry import shard_backups, shard_fold
 from runtime.sync.rule import SyncSpec
 
 __all__ = ["ShardJob", "dumps_result", "loads_result", "shard_main", "stage_main"]
@@ -90,15 +90,15 @@ def loads_result(data: bytes) -> Any:
 
 def _shard_core(job: ShardJob) -> ShardCore:
     """The shard's state: from its snapshot part when resuming, else the seeded model."""
-    fold = shard_fold(job.sync)
+    fold, backups = shard_fold(job.sync), shard_backups(job.sync)
     snaps = job.sync.snapshots
     if job.resume and snaps is not None:
         manifest = read_manifest(snapshot_dir(snaps.directory, job.sync.first_wave))
         name = f"shard-{job.spec.id}"
         state = shard_from_payload(load_part(manifest, name), manifest.path / f"{name}.pt")
-        return ShardCore(job.spec, state=state, fold=fold)
+        return ShardCore(job.spec, state=state, fold=fold, backups=backups)
     init = initial_weights(job.source, job.batch_size, job.seed)
-    return ShardCore(job.spec, job.spec.flatten(init), fold=fold)
+    return ShardCore(job.spec, job.spec.flatten(init), fold=fold, backups=backups)
 
 
 def shard_main(job: ShardJob, events: Any, parent: int) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from planner.plan import Plan
+from planner.straggle import NO_STRAGGLE, Straggle
 from profiler.errors import ConfigError, HetPipeRuntimeError
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.data import default_dataset
@@ -111,6 +112,9 @@ def stage_contexts(
                 prev_rank=first_rank + s - 1 if s > 0 else None,
                 next_rank=first_rank + s + 1 if s < n - 1 else None,
                 total_steps=steps,
+                memory=st.memory,
+                host_cap_bytes=plan.cluster.host_memory_bytes(gpu.node),
+                straggle=_straggle(plan, gpu.node) if speed > 0 else NO_STRAGGLE,
             )
         )
     return out
@@ -139,6 +143,15 @@ def require_devices(plan: Plan, vw: int, cuda_devices: int | None = None) -> Non
             "has no CUDA device; run it on the GPU hosts (torchrun, see docs/wsp_runtime.md), or "
             "plan for an emulated cluster (add 'emulate: {speed: 0.2, memory: 8MiB}' to its nodes)"
         )
+
+
+def _straggle(plan: Plan, node: str) -> Straggle:
+    """The straggler model of an emulated node (``emulate: {straggle: ...}``), else none."""
+    try:
+        emu = plan.cluster.node(node).emulation
+    except ConfigError:
+        emu = None
+    return emu.straggle if emu is not None else NO_STRAGGLE
 
 
 def _emulation(plan: Plan, node: str, speed: float, memory_bytes: int) -> tuple[float, int]:

@@ -183,7 +183,8 @@ def _launch(
 ) -> WSPResult:
     t_start = time.time()
     nm = run.nm or plan.nm
-    D = plan.D if cfg.D is None else cfg.D
+    rule = plan.sync if plan.sync in ("backup", "easgd") else "wsp"  # the shard rules
+    D = (plan.D if cfg.D is None else cfg.D) if rule == "wsp" else 0  # the others: D = 0
     n_vws = len(plan.virtual_workers)
     spec = resolve_source(source, plan.batch_size, meta=source.module is None)
     ds = dataset if dataset is not None else default_dataset(
@@ -208,11 +209,11 @@ def _launch(
         return export_snapshot(manifest, plan, source, run, specs, test, nm, D)
     if steps == 0:
         raise ConfigError("nothing to train: raise --steps or --epochs")
-    if cfg.checkpoint_dir is not None and owner is not None:
+    if cfg.checkpoint_dir is not None and owner is not None and rule != "easgd":
         snaps = SnapshotSpec(cfg.checkpoint_dir, owner.run_id, owner.attempt, snapshot_parts(plan),
                              settings, cfg.checkpoint_every, cfg.keep, cfg.write_fault)  # fmt: skip
         cfg = dataclasses.replace(cfg, snapshots=snaps)
-    sync = SyncSpec("wsp", plan.sync_params, D, specs, cfg.snapshots, first_wave,
+    sync = SyncSpec(rule, plan.sync_params, D, specs, cfg.snapshots, first_wave,
                     cfg.overlap_pulls, run.timeout_s)  # fmt: skip
     with rendezvous_dir() as tmp:
         init_method = f"file://{tmp / 'rendezvous'}"

@@ -208,6 +208,7 @@ class PSClient:
         self._reserved: list[_Message | None] = [None] * len(links)  # from update_buffers()
         self._inflight: list[_Push] = []
         self._closed = False
+        self.dropped: list[tuple[int, int]] = []  # (shard, wave): pushes a backup rule dropped
 
     @property
     def shards(self) -> tuple[ShardSpec, ...]:
@@ -393,6 +394,9 @@ class PSClient:
             self._wait(link, push.ack_work, f"{what} (acknowledgement)", self.timeout_s)
             self._inflight.pop(0)
             status = Status(int(push.ack[0]))
+            if status == Status.DROPPED:  # backup workers: the wave closed without this VW
+                self.dropped.append((link.spec.id, push.wave))
+                continue
             if status != Status.OK:
                 raise HetPipeRuntimeError(
                     f"{self._prefix} shard {link.spec.id} rejected the push of wave {push.wave}: {status.name} "

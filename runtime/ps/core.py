@@ -10,7 +10,11 @@ the shard process. The rules (see ``docs/parameter_server.md``):
 - wave ``c`` is applied once every client of every VW pushed it: updates are added in
   ``(vw, stage)`` order, so the floating-point result does not depend on arrival order, or
   their sum goes through server-side momentum; the global clock becomes ``c + 1``;
-- a pull ``(min_clock)`` can be answered once the global clock is ``>= min_clock``.
+- a pull ``(min_clock)`` can be answered once the global clock is ``>= min_clock``;
+- with ``backups = b > 0`` (synchronous SGD with backup workers, :mod:`planner.backup`) wave
+  ``c`` is applied as soon as ``N = VWs - b`` VWs pushed it completely, their updates added in
+  ``(vw, stage)`` order; any other push of ``c`` (late, or a part of a VW that did not make
+  the quorum) is ``DROPPED``: never applied, recorded once in :attr:`ShardCore.dropped`.
 
 The global clock is the minimum of the VW clocks (:class:`planner.wsp.GlobalClock`). With
 clients that admit minibatch ``p`` only when :func:`planner.wsp.required_global_clock` holds,
@@ -28,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from planner.backup import Arrival, QuorumClock
 from planner.wsp import GlobalClock
 from profiler.errors import ConfigError
 from runtime.persist.checkpoint import LedgerEntry, ShardState
@@ -49,6 +54,7 @@ class Status(IntEnum):
     TOO_FAR_AHEAD = 2  # wave > global clock + D: the client broke the WSP admission rule
     BAD_WAVE = 3  # negative wave, or a wave already folded into the global weights
     BAD_SIZE = 4  # payload length does not match the client's slice
+    DROPPED = 5  # backup workers: the wave closed without this VW; recorded, never applied
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,7 @@ class ShardCore:
         fold: the synchronisation rule's way to fold a complete wave's summed update into
             the weights (:class:`runtime.sync.rule.WaveFold`); ``None``: add it (or through
             ``momentum``), client by client.
+        backups: backup VWs ``b`` (0: every VW's push is waited for, plain WSP).
     """
 
     def __init__(
@@ -110,6 +117,7 @@ class ShardCore:
         momentum: float = 0.0,
         max_ledger_waves: int | None = None,
         fold: WaveFold | None = None,
+        backups: int = 0,
     ) -> None:
         self.spec = spec
         self.fold = fold
@@ -149,6 +157,12 @@ class ShardCore:
         self._seq = max((e.seq for e in self._ledger), default=-1) + 1
         self.trace: list[ClockEvent] = []
         self.rejected: list[tuple[int, int, int, Status]] = []
+        self._quorum = (
+            QuorumClock(len(self._vw_keys), backups, self._clock) if backups > 0 else None
+        )
+        self.dropped: list[LedgerEntry] = []  # backup workers: every dropped push, once
+        self._dropped_tags: set[tuple[int, int, int]] = set()
+        self._seen = [self._clock] * len(self._vw_keys)
 
     @property
     def clock(self) -> int:
@@ -161,7 +175,11 @@ class ShardCore:
         return tuple(self._ledger)
 
     def local_clocks(self) -> tuple[int, ...]:
-        """Each VW's clock at this shard (consecutive waves pushed by all its clients), VW id order."""
+        """Each VW's clock at this shard (consecutive waves pushed by all its clients), VW id order.
+
+        With backup workers: the waves each VW pushed, counted or dropped (highest + 1)."""
+        if self._quorum is not None:
+            return tuple(self._seen)
         return tuple(self._gclock.local(i) for i in range(len(self.spec.vws)))
 
     def push(
@@ -184,6 +202,8 @@ class ShardCore:
                 Status.BAD_WAVE,
                 f"shard {self.spec.id} has no client vw {vw} stage {stage}",
             )
+        if 0 <= wave < self._clock and self._late(vw, stage, wave):
+            return self._drop(vw, stage, wave)
         if wave < 0 or wave < self._clock:
             # every client's every wave below the clock was applied: a non-negative one is a duplicate
             status = Status.DUPLICATE if wave >= 0 else Status.BAD_WAVE
@@ -220,6 +240,8 @@ class ShardCore:
         )
         self._seq += 1
         vi = self._vw_index[vw]
+        if self._quorum is not None:
+            return self._push_quorum(vi, vw, stage, wave)
         while all(k in self._pending.get(self._gclock.local(vi), {}) for k in self._vw_keys[vi]):
             self._gclock.push(vi, self._gclock.local(vi))
         applied = 0
@@ -231,19 +253,72 @@ class ShardCore:
         )
         return PushResult(Status.OK, "", applied)
 
+    def _late(self, vw: int, stage: int, wave: int) -> bool:
+        """Backup workers: whether a push of closed ``wave`` is a late one (not a duplicate)."""
+        if self._quorum is None or (vw, stage, wave) in self._dropped_tags:
+            return False
+        try:
+            counted = self._quorum.counted(wave)
+        except KeyError:  # forgotten (older than max_ledger_waves): cannot tell, refuse it
+            return False
+        return self._vw_index[vw] not in counted
+
+    def _drop(self, vw: int, stage: int, wave: int, seq: int | None = None) -> PushResult:
+        """Record a push of a wave that closed without its VW; it never reaches the weights."""
+        if seq is None:
+            seq, self._seq = self._seq, self._seq + 1
+        self._dropped_tags.add((vw, stage, wave))
+        vi = self._vw_index[vw]
+        self._seen[vi] = max(self._seen[vi], wave + 1)
+        self.dropped.append(LedgerEntry(vw, stage, wave, seq))
+        log.debug(
+            "shard %d: push (vw %d, stage %d, wave %d) dropped", self.spec.id, vw, stage, wave
+        )
+        return PushResult(Status.DROPPED, f"wave {wave} closed without vw {vw}")
+
+    def _push_quorum(self, vi: int, vw: int, stage: int, wave: int) -> PushResult:
+        """Backup workers: count ``vw`` once all its clients pushed ``wave``; close waves."""
+        assert self._quorum is not None
+        pend = self._pending[wave]
+        before = self._quorum.clock
+        self._seen[vi] = max(self._seen[vi], wave + 1)
+        complete = all(k in pend for k in self._vw_keys[vi])
+        if complete and self._quorum.arrive(vi, wave) is Arrival.DROPPED:  # the wave is full
+            for k in self._vw_keys[vi]:
+                self._drop(*k, wave, seq=pend.pop(k)[1])
+            return PushResult(Status.DROPPED, f"wave {wave} already has its quorum")
+        for c in range(before, self._quorum.clock):
+            counted = {self.spec.vws[i] for i in self._quorum.counted(c)}
+            ups = self._pending.pop(c)
+            for k in sorted(k for k in ups if k[0] not in counted):  # parts of late VWs
+                self._drop(*k, c, seq=ups.pop(k)[1])
+            self._apply(ups, counted)
+        if self.max_ledger_waves is not None:
+            self._quorum.forget(self._clock - self.max_ledger_waves)
+        self.trace.append(
+            ClockEvent(self._seq - 1, vw, stage, wave, self.local_clocks(), self._clock)
+        )
+        return PushResult(Status.OK, "", self._quorum.clock - before)
+
     def _reject(self, vw: int, stage: int, wave: int, status: Status, why: str) -> PushResult:
         self.rejected.append((vw, stage, wave, status))
         msg = f"shard {self.spec.id}: push (vw {vw}, stage {stage}, wave {wave}) rejected ({status.name}): {why}"
         log.warning(msg)
         return PushResult(status, msg)
 
-    def _apply(self, wave_updates: dict[tuple[int, int], tuple[torch.Tensor, int]]) -> None:
+    def _apply(
+        self,
+        wave_updates: dict[tuple[int, int], tuple[torch.Tensor, int]],
+        vws: set[int] | None = None,
+    ) -> None:
         """Fold one complete wave into the weights: clients in (vw, stage) order, so the
-        floating-point result does not depend on arrival order."""
+        floating-point result does not depend on arrival order (only ``vws``' when given)."""
         target = self._w
         if self.momentum or self.fold is not None:
             target = torch.zeros_like(self._w)  # the wave's summed update, then m = mu*m + sum
         for c in self.spec.clients:
+            if vws is not None and c.vw not in vws:
+                continue
             upd, seq = wave_updates[(c.vw, c.stage)]
             pos = 0
             for off, n in self.spec.segments(c):

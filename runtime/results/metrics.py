@@ -47,6 +47,8 @@ class StageResult:
             computation is slower than its planned time: the plan overrates it).
         task_log: ``(kind, minibatch or wave, start, end)`` wall-clock seconds of the first
             tasks (``F``, ``B``, ``FB``) and WSP pull waits (``wait``), for the timeline.
+        pushes: ``(wave, wall-clock time)`` of every push to the shards (the rule's arrivals).
+        dropped: ``(shard, wave)`` of every push a shard dropped (backup workers).
     """
 
     rank: int
@@ -67,6 +69,8 @@ class StageResult:
     clocks: list[tuple[int, int]] = field(default_factory=list)
     overrun_s: float = 0.0
     task_log: list[tuple[str, int, float, float]] = field(default_factory=list)
+    pushes: list[tuple[int, float]] = field(default_factory=list)
+    dropped: list[tuple[int, int]] = field(default_factory=list)
 
     def log_interval(self, kind: str, mb: int, start: float, end: float) -> None:
         """Record a task or wait for the timeline (the first :data:`MAX_TASK_LOG` of a run)."""

@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from planner.plan import Plan
+from planner.sync import SyncParams
 from profiler.errors import HetPipeRuntimeError
 from profiler.files import atomic_write_text
 from runtime.config import ModelSource, RunConfig
@@ -31,6 +32,7 @@ from runtime.ps.core import ClockEvent
 from runtime.ps.layout import ShardSpec, export_state_dict
 from runtime.results.evaluation import evaluate_module
 from runtime.results.metrics import RunResult, StageResult, write_metrics
+from runtime.results.sync import arrival_table, describe_rule, dropped_vw_waves, kth_push_s
 from runtime.results.timeline import write_timeline
 from runtime.stage.model import reference_module
 
@@ -58,6 +60,8 @@ class WSPResult:
             (:func:`export_snapshot`; empty for a run that trained).
         restarts: the failures survived by restarting from the last snapshot (``--on-failure
             restart``), oldest first; this result is the last attempt's.
+        sync, sync_params: the synchronisation rule (``wsp``, ``backup``, ``easgd``) and its
+            parameters (:mod:`runtime.results.sync` summarises what it did).
     """
 
     vws: tuple[RunResult, ...]
@@ -73,6 +77,8 @@ class WSPResult:
     stopped_by: str = ""
     exported_from: str = ""
     restarts: tuple[str, ...] = ()
+    sync: str = "wsp"
+    sync_params: SyncParams = ()
 
     @staticmethod
     def build(
@@ -99,6 +105,8 @@ class WSPResult:
             tuple(specs),
             wall_s,
             plan.predicted.throughput,
+            sync=plan.sync if plan.sync in ("backup", "easgd") else "wsp",
+            sync_params=plan.sync_params,
         )
 
     @property
@@ -160,6 +168,11 @@ class WSPResult:
             "global_clock": min((s.clock for s in self.states), default=0),
             "exported_from": self.exported_from,
             "restarts": list(self.restarts),
+            "sync": self.sync,
+            "sync_params": dict(self.sync_params),
+            "dropped_vw_waves": dropped_vw_waves(self.vws),
+            "kth_push_s": kth_push_s(self.vws),
+            "wave_arrivals_s": arrival_table(self.vws),
             "vws": [
                 {
                     "throughput": v.throughput,
@@ -175,7 +188,8 @@ class WSPResult:
 
     def table(self) -> Table:
         """The summary as a rich table: one row per VW, totals in the title and caption."""
-        title = f"{len(self.vws)} VWs, Nm={self.nm}, D={self.D}: {self.throughput:.1f} samples/s"
+        rule = describe_rule(self.sync, self.sync_params, self.D)
+        title = f"{len(self.vws)} VWs, Nm={self.nm}, {rule}: {self.throughput:.1f} samples/s"
         if self.predicted_throughput > 0:
             title += f" (predicted {self.predicted_throughput:.1f}, ratio {self.throughput / self.predicted_throughput:.2f})"
         table = Table(title=title)
@@ -215,6 +229,12 @@ class WSPResult:
             f"max clock distance {self.max_clock_distance} (bound D+1 = {self.D + 1}); "
             f"wall {self.wall_s:.1f} s"
         )
+        if self.sync == "backup":
+            kth = " ".join(f"{t:.2f}" for t in kth_push_s(self.vws))
+            table.caption += (
+                f"; {dropped_vw_waves(self.vws)} VW-waves dropped; k-th push after the first "
+                f"(s, mean over waves): {kth}"
+            )
         if self.stopped_by:
             table.caption += f"; {self.stopped_by}"
         if self.restarts:

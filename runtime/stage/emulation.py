@@ -232,7 +232,12 @@ class MemoryMeter:
             HetPipeRuntimeError: the total exceeds the cap (the plan should have prevented it).
         """
         self.held[mb] = held_bytes
-        total = self.static_bytes + stashed_bytes + sum(self.held.values())
+        return self._check_total(
+            self.static_bytes + stashed_bytes + sum(self.held.values()), stashed_bytes
+        )
+
+    def _check_total(self, total: int, stashed_bytes: int) -> int:
+        """Record a device total and raise above the cap (see :meth:`check`)."""
         self.peak_bytes = max(self.peak_bytes, total)
         if self.cap_bytes and total > self.cap_bytes:
             raise HetPipeRuntimeError(

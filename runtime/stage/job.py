@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from planner.straggle import NO_STRAGGLE, Straggle
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.sync.rule import SyncSpec
 
@@ -36,6 +37,10 @@ class StageContext:
         optimizer_state_factor: optimizer state bytes per parameter byte.
         prev_rank, next_rank: neighbours' global ranks (``None`` at the ends).
         total_steps: minibatches to train (stage 0 may stop earlier on a time limit).
+        memory: the stage's memory placement (``StagePlan.memory``, :mod:`planner.offload`).
+        host_cap_bytes: host memory the stage may offload to (0 = unbounded).
+        straggle: the emulated device's straggler model: a paced task of wave ``c`` takes
+            ``straggle.slowdown(vw, c)`` times longer (:mod:`planner.straggle`).
     """
 
     rank: int
@@ -52,6 +57,9 @@ class StageContext:
     prev_rank: int | None
     next_rank: int | None
     total_steps: int
+    memory: str = "keep"
+    host_cap_bytes: int = 0
+    straggle: Straggle = NO_STRAGGLE
 
     @property
     def where(self) -> str:

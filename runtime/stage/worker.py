@@ -20,15 +20,17 @@ from torch import Tensor
 from torch.func import functional_call
 
 from planner.schedule import Kind, StageQueue, Task
+from planner.wsp import wave_of
 from profiler.errors import HetPipeRuntimeError
 from profiler.precision import autocast
 from runtime.data import MinibatchSource, default_dataset
 from runtime.launch.stop import StopAgreement, stop_store
 from runtime.results.metrics import StageResult
 from runtime.stage.comm import Channel, Event, GradReceiver, start_activation_receiver, wire_specs
-from runtime.stage.emulation import MemoryMeter, SavedBytes, pace_until
+from runtime.stage.emulation import SavedBytes, pace_until
 from runtime.stage.job import StageJob
 from runtime.stage.model import BuiltStage, build_stage
+from runtime.stage.offload import memory_manager
 from runtime.stage.tied import TiedGrads
 from runtime.stage.weights import VersionedWeights
 from runtime.sync.registry import stage_sync
@@ -76,9 +78,10 @@ class StageWorker:
         )
         buffer_bytes = sum(b.numel() * b.element_size() for b in self.module.buffers())
         factor = ctx.optimizer_state_factor
-        self.memory = MemoryMeter(
-            ctx.where, ctx.cap_bytes, self.weights.param_bytes, buffer_bytes, factor
-        )
+        self.offload, self.memory = memory_manager(
+            ctx.memory, ctx.where, ctx.cap_bytes, ctx.host_cap_bytes,
+            self.weights.param_bytes, buffer_bytes, factor, list(self.module.buffers()),
+        )  # fmt: skip
         self.queue = StageQueue(ctx.stage, ctx.n_stages)
         self.inbox: queue.Queue[Event] = queue.Queue()
         self.held: dict[int, _Held] = {}
@@ -96,6 +99,7 @@ class StageWorker:
             if job.agree_stop and ctx.stage == 0 and run.time_limit_s > 0
             else None
         )
+        self._task_mb = 1  # the minibatch of the task being paced (its wave may straggle)
         self._task_wall0 = 0.0  # wall-clock start of the task being executed (the timeline)
 
     @staticmethod
@@ -266,7 +270,8 @@ class StageWorker:
         not paced)."""
         if self.calibration is None or not self.run_cfg.emulate:
             return t0
-        return t0 + self.calibration.task_s(self.ctx.stage, kind.value) / self.ctx.speed
+        slow = self.ctx.straggle.slowdown(self.ctx.vw, wave_of(self._task_mb, self.ctx.nm))
+        return t0 + self.calibration.task_s(self.ctx.stage, kind.value) / self.ctx.speed * slow
 
     def _pace(self, t0: float, kind: Kind) -> None:
         if self._paced:
@@ -279,7 +284,7 @@ class StageWorker:
         to_prev: Channel | None,
         grad_rx: GradReceiver | None,
     ) -> None:
-        mb = task.mb
+        mb = self._task_mb = task.mb
         if task.kind is not Kind.B:  # neither loading a minibatch (a host-side data loader's
             # job) nor waiting for a WSP pull is device time: pace from after them
             if self.ctx.stage == 0:
@@ -287,6 +292,8 @@ class StageWorker:
             self.sync.before_forward(mb)
         t0, self._task_wall0 = time.perf_counter(), time.time()
         log.debug("[%s] task %s", self.ctx.where, task)
+        if self.offload is not None:  # offloaded activations come back one task ahead
+            self.offload.prefetch_ahead()
         if self.fault is not None:
             self.fault(mb)
         if task.kind is Kind.B:
@@ -344,7 +351,12 @@ class StageWorker:
             for x in held.inputs
         )
         leaves = self.weights.acquire(mb)
-        if self.ctx.cap_bytes > 0:  # emulated device: account what autograd saves
+        if self.offload is not None:  # the memory manager runs and accounts the forward
+            excl = [*leaves.values(), *held.inputs]
+            out = self.offload.forward(mb, lambda *xs: self._call(leaves, xs), held.inputs, excl)
+            recv_bytes = sum(x.numel() * x.element_size() for x in held.inputs)
+            self.memory.check(mb, self.offload.saved_bytes + recv_bytes, self.weights.stashed_bytes)
+        elif self.ctx.cap_bytes > 0:  # emulated device: account what autograd saves
             with SavedBytes([*leaves.values(), *held.inputs]) as saved:
                 out = self._call(leaves, held.inputs)
             recv_bytes = sum(x.numel() * x.element_size() for x in held.inputs)
@@ -414,6 +426,8 @@ class StageWorker:
     def _completed(self, mb: int) -> None:
         self.held.pop(mb, None)
         self.memory.release(mb)
+        if self.offload is not None:
+            self.offload.release(mb, self.memory)
         self.result.done_times.append(time.time())
         if self.ctx.stage == 0 and self.events is not None:
             self.events.put(("done", self.ctx.rank, mb, time.time()))

@@ -11,15 +11,21 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from profiler.errors import ConfigError
+from runtime.sync import backup
 from runtime.sync.allreduce import AllReduceSync
+from runtime.sync.elastic import ElasticSync
 from runtime.sync.rule import LocalSync, StageSync, StageView, SyncSpec, WaveFold
 from runtime.sync.wave import WaveSync
 
-__all__ = ["RULES", "RuleParts", "shard_fold", "stage_sync"]
+__all__ = ["RULES", "RuleParts", "shard_backups", "shard_fold", "stage_sync"]
 
 
 def _no_fold(spec: SyncSpec) -> WaveFold | None:
     return None
+
+
+def _no_backups(spec: SyncSpec) -> int:
+    return 0
 
 
 @dataclass(frozen=True)
@@ -30,10 +36,13 @@ class RuleParts:
         stage: ``create(spec, view)``: the stage's hooks (called by the stage worker).
         shard: ``(spec) -> WaveFold | None``: how a shard folds a complete wave (``None``:
             the plain sum).
+        backups: ``(spec) -> b``: a shard closes a wave without waiting for ``b`` VWs
+            (:mod:`planner.backup`; 0: every VW).
     """
 
     stage: Callable[[SyncSpec, StageView], StageSync]
     shard: Callable[[SyncSpec], WaveFold | None] = _no_fold
+    backups: Callable[[SyncSpec], int] = _no_backups
 
 
 RULES: Mapping[str, RuleParts] = MappingProxyType(
@@ -41,6 +50,8 @@ RULES: Mapping[str, RuleParts] = MappingProxyType(
         "wsp": RuleParts(WaveSync.create),
         "local": RuleParts(LocalSync.create),
         "allreduce": RuleParts(AllReduceSync.create),
+        "backup": RuleParts(backup.create, backups=backup.shard_backups),
+        "easgd": RuleParts(ElasticSync.create),
     }
 )
 
@@ -62,3 +73,8 @@ def stage_sync(spec: SyncSpec, view: StageView) -> StageSync:
 def shard_fold(spec: SyncSpec) -> WaveFold | None:
     """How a shard of ``spec.rule`` folds a complete wave (``None``: the plain sum)."""
     return _parts(spec.rule).shard(spec)
+
+
+def shard_backups(spec: SyncSpec) -> int:
+    """How many VWs a shard of ``spec.rule`` does not wait for in a wave (0: none)."""
+    return _parts(spec.rule).backups(spec)

@@ -215,6 +215,7 @@ class WaveSync:
         self.last_clock = wave + 1
         need = required_global_clock(total_mb + self.nm, self.nm, self.D)
         t_push = time.time()
+        self.result.pushes.append((wave, t_push))
         if need <= self.pulled_clock:
             self.client.push(wave, delta)
             self._mirror_announce(None)
@@ -295,6 +296,7 @@ class WaveSync:
             self._pending[0].wait()
             self._pending = None
         self.client.close()
+        self.result.dropped = list(self.client.dropped)
         if self.mirror is not None:
             self.mirror.close()
         self.result.wait_s += time.perf_counter() - t0

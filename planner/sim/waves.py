@@ -1,0 +1,255 @@
+"""Wave-level prediction of the synchronisation rules under the straggler model.
+
+The pipeline simulator (:mod:`planner.sim.engine`) predicts each VW's steady wave time
+``T_v`` (its ``Nm`` minibatches through its pipeline). This module plays the rules on whole
+waves, each VW's wave ``c`` taking ``T_v x slowdown(v, c)`` (:class:`planner.straggle.Straggle`,
+the same draws the emulated devices make), and returns when every VW pushed every wave (the
+seed 003's Fig. 4: the time to collect the k-th push of each wave), which pushes were dropped,
+and the throughput of the samples that reached the weights:
+
+- ``wsp`` (threshold ``D``, :mod:`planner.wsp`): the first ``Nm - 1`` minibatches of wave ``c``
+  need the global clock ``c - D - 1`` and its last one ``c - D``
+  (:func:`planner.wsp.required_global_clock`), so a wave starts once wave ``c - D - 2`` is
+  global and ends no sooner than one minibatch (``T_v x slowdown / Nm``) after wave ``c - D - 1``;
+- ``backup`` (``b`` backups, :mod:`planner.backup`): the same gates with ``D = 0`` on the
+  *closing* times, a wave closing with its ``N``-th push; a late VW's push is dropped and it
+  goes on with its next wave;
+- ``easgd`` (every ``tau`` waves, :mod:`planner.easgd`): VWs run free between exchanges; at
+  exchange ``k`` a VW waits until every VW made exchange ``k - 1`` (the centre it pulls holds
+  them), i.e. a WSP clock over exchanges with ``D = 0``.
+
+It ignores the push/pull transfer times (the pipeline simulator has them) and the pipeline
+fill: a model of what the rule costs when devices straggle, not of the pipeline.
+
+>>> from planner.straggle import Straggle
+>>> slow = Straggle(p=0.2, factor=3.0, seed=1)
+>>> wsp0 = play_waves("wsp", [10.0, 10.0, 10.0], 20, 4, slow)
+>>> bk1 = play_waves("backup", [10.0, 10.0, 10.0], 20, 4, slow, backups=1)
+>>> bk1.makespan_ms < wsp0.makespan_ms and bk1.dropped > 0 == wsp0.dropped
+True
+>>> play_waves("backup", [10.0] * 3, 5, 4).arrivals_ms == play_waves("wsp", [10.0] * 3, 5, 4).arrivals_ms
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from planner.backup import Arrival, QuorumClock
+from planner.easgd import exchanges_after
+from planner.plan import Plan
+from planner.sim.simulator import simulate
+from planner.straggle import NO_STRAGGLE, Straggle
+from planner.wsp import required_global_clock
+from profiler.errors import ConfigError
+from profiler.table import Profile
+
+__all__ = ["RULES", "WavePlay", "plan_slowdown", "play_waves", "predict_rule", "vw_wave_ms"]
+
+Slowdown = Callable[[int, int], float]  # (vw, wave) -> time multiplier
+
+RULES = ("wsp", "backup", "easgd")
+
+
+@dataclass(frozen=True)
+class WavePlay:
+    """The waves of one rule, played.
+
+    Attributes:
+        rule: ``wsp``, ``backup`` or ``easgd``.
+        arrivals_ms: per wave, the push times of the VWs that pushed it, sorted (k-th = the
+            time to collect k pushes); dropped pushes included.
+        closed_ms: per wave, when it reached the weights (the global clock passed it).
+        counted: per wave, the VWs whose pushes reached the weights (VW id order).
+        dropped: pushes dropped (backup only).
+        applied: pushes that reached the weights.
+        makespan_ms: when the last wave closed.
+        nm: minibatches per wave.
+    """
+
+    rule: str
+    arrivals_ms: tuple[tuple[float, ...], ...]
+    closed_ms: tuple[float, ...]
+    counted: tuple[tuple[int, ...], ...]
+    dropped: int
+    applied: int
+    makespan_ms: float
+    nm: int
+
+    def throughput(self, batch_size: int) -> float:
+        """Samples/s that reached the weights (dropped pushes' samples are lost work)."""
+        return self.applied * self.nm * batch_size / (self.makespan_ms / 1e3)
+
+
+def _gate(closed: Sequence[float], wave: int) -> float | None:
+    """Time wave ``wave`` was closed (0 for a negative one); ``None`` while still open."""
+    if wave < 0:
+        return 0.0
+    return closed[wave] if wave < len(closed) else None
+
+
+def _play_clocked(
+    wave_ms: Sequence[float], waves: int, nm: int, slowdown: Slowdown, D: int, backups: int
+) -> WavePlay:
+    """WSP (``backups = 0``) or backup workers (``D = 0``) as events in time order."""
+    n = len(wave_ms)
+    quorum = QuorumClock(n, backups)
+    closed: list[float] = []
+    arrivals: list[list[float]] = [[] for _ in range(waves)]
+    state = [(0, 0.0)] * n  # per VW: (next wave, time it is free)
+    heap: list[tuple[float, int, int]] = []
+    blocked: set[int] = set()
+    pushed = [0] * waves
+
+    def schedule(v: int) -> None:
+        c, free = state[v]
+        if c >= waves:
+            return
+        # the first Nm-1 minibatches of wave c need G(c-D-1) waves closed, its last one G(c-D)
+        start = _gate(closed, required_global_clock(c * nm + 1, nm, D) - 1)
+        end = _gate(closed, required_global_clock((c + 1) * nm, nm, D) - 1)
+        if start is None or end is None:
+            blocked.add(v)
+            return
+        t = wave_ms[v] * slowdown(v, c)
+        heapq.heappush(heap, (max(max(free, start) + t, end + t / nm), v, c))
+
+    for v in range(n):
+        schedule(v)
+    dropped = 0
+    while heap and len(closed) < waves:
+        t, v, c = heapq.heappop(heap)
+        arrivals[c].append(t)
+        before = quorum.clock
+        if quorum.arrive(v, c) is Arrival.DROPPED:
+            dropped += 1
+        else:
+            pushed[c] += 1
+        closed += [t] * (quorum.clock - before)
+        state[v] = (c + 1, t)
+        schedule(v)
+        if quorum.clock > before:
+            for u in sorted(blocked):
+                blocked.discard(u)
+                schedule(u)
+    return WavePlay(
+        "backup" if backups else "wsp",
+        tuple(tuple(sorted(a)) for a in arrivals),
+        tuple(closed),
+        tuple(quorum.counted(c) for c in range(len(closed))),
+        dropped,
+        sum(pushed),
+        closed[-1] if closed else 0.0,
+        nm,
+    )
+
+
+def _play_easgd(
+    wave_ms: Sequence[float], waves: int, nm: int, slowdown: Slowdown, tau: int
+) -> WavePlay:
+    """Free-running VWs; exchange ``k`` (after wave ``(k+1) tau - 1``) waits for every VW's
+    exchange ``k - 1``. ``closed_ms[c]``: when every VW finished wave ``c``."""
+    n = len(wave_ms)
+    free = [0.0] * n
+    arrivals, closed = [], []
+    made: list[float] = []  # when every VW had made exchange k
+    for c in range(waves):
+        ends = [free[v] + wave_ms[v] * slowdown(v, c) for v in range(n)]
+        arrivals.append(tuple(sorted(ends)))
+        closed.append(max(ends))
+        if exchanges_after(c, tau):
+            k = (c + 1) // tau - 1
+            gate = made[k - 1] if k > 0 else 0.0
+            ends = [max(e, gate) for e in ends]  # pull the centre c_k, then push d_i
+            made.append(max(ends))
+        free = ends
+    everyone = tuple(range(n))
+    return WavePlay(
+        "easgd", tuple(arrivals), tuple(closed), (everyone,) * waves, 0, n * waves, max(free), nm
+    )
+
+
+def play_waves(
+    rule: str,
+    wave_ms: Sequence[float],
+    waves: int,
+    nm: int,
+    straggle: Straggle | Slowdown = NO_STRAGGLE,
+    D: int = 0,
+    backups: int = 0,
+    tau: int = 1,
+) -> WavePlay:
+    """Play ``waves`` waves of every VW under ``rule``.
+
+    Args:
+        rule: ``wsp``, ``backup`` or ``easgd``.
+        wave_ms: each VW's wave time without stragglers (ms).
+        waves: waves to close.
+        nm: minibatches per wave.
+        straggle: the slowdown draws (keyed by VW id and wave), or a function
+            ``(vw, wave) -> multiplier`` (:func:`plan_slowdown`).
+        D: WSP threshold (``wsp`` only).
+        backups: ``b`` (``backup`` only).
+        tau: waves between exchanges (``easgd`` only).
+
+    Raises:
+        ValueError: unknown rule or bad parameters.
+    """
+    if not wave_ms or waves < 1 or nm < 1 or min(wave_ms) <= 0:
+        raise ValueError(f"need VWs with positive wave times, waves >= 1 and Nm >= 1 (got "
+                         f"{list(wave_ms)}, {waves}, {nm})")  # fmt: skip
+    slow = straggle.slowdown if isinstance(straggle, Straggle) else straggle
+    if rule == "wsp":
+        return _play_clocked(wave_ms, waves, nm, slow, D, 0)
+    if rule == "backup":
+        return _play_clocked(wave_ms, waves, nm, slow, 0, backups)
+    if rule == "easgd":
+        if tau < 1:
+            raise ValueError(f"tau must be >= 1, got {tau}")
+        return _play_easgd(wave_ms, waves, nm, slow, tau)
+    raise ValueError(f"unknown synchronisation rule {rule!r}; use one of {', '.join(RULES)}")
+
+
+def plan_slowdown(plan: Plan) -> Slowdown:
+    """The emulated cluster's straggler model per VW: a VW's wave is as slow as its slowest
+    device's draw (every stage of the VW draws the same number, :func:`planner.straggle.uniform`)."""
+    per_vw: list[list[Straggle]] = []
+    for vw in plan.virtual_workers:
+        models = []
+        for node in sorted({g.node for g in vw.gpus}):
+            try:
+                emu = plan.cluster.node(node).emulation
+            except ConfigError:
+                emu = None
+            if emu is not None and emu.straggle.active:
+                models.append(emu.straggle)
+        per_vw.append(models)
+
+    def slowdown(v: int, c: int) -> float:
+        return max((s.slowdown(v, c) for s in per_vw[v]), default=1.0)
+
+    return slowdown
+
+
+def vw_wave_ms(plan: Plan, profile: Profile | None = None, waves: int = 6) -> list[float]:
+    """Each VW's wave time (ms) alone: the pipeline simulator with a threshold no VW reaches."""
+    free = simulate(dataclasses.replace(plan, D=waves + 1), waves, profile)
+    return [plan.nm * plan.batch_size / r * 1e3 for r in free.per_vw_throughput]
+
+
+def predict_rule(
+    plan: Plan,
+    rule: str,
+    waves: int = 100,
+    D: int = 0,
+    backups: int = 0,
+    tau: int = 1,
+    profile: Profile | None = None,
+) -> WavePlay:
+    """Play ``rule`` on ``plan``'s VWs (pipeline-simulated wave times, the cluster's stragglers)."""
+    return play_waves(
+        rule, vw_wave_ms(plan, profile), waves, plan.nm, plan_slowdown(plan), D, backups, tau
+    )
