@@ -19,7 +19,6 @@ Stage modules are built with ``torch.fx.passes.split_module`` on the captured gr
 from __future__ import annotations
 
 import bisect
-import contextlib
 import hashlib
 import itertools
 import operator
@@ -180,13 +179,6 @@ class _Ref:
     name: str
 
 
-@dataclass(frozen=True)
-class _SpecText:
-    """A pytree spec as ``treespec_dumps`` text, in a pickled stage module."""
-
-    text: str
-
-
 def _refs(structure: Any) -> Any:
     """``structure`` (an fx output argument) with every node replaced by a :class:`_Ref`."""
     return fx.node.map_aggregate(
@@ -224,22 +216,6 @@ class StageModule(nn.Module):
         self.output_structure = output_structure  # fx output args, for the last stage
         self.out_spec = out_spec  # pytree spec of an exported model's output
         self.clone_inputs = clone_inputs
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickle the output's pytree spec as its JSON text (``treespec_dumps``) when it has one:
-        unpickling a ``TreeSpec`` object warns (``LeafSpec`` is deprecated)."""
-        state = dict(self.__dict__)
-        if self.out_spec is not None:
-            # a type without a serialized name keeps the object
-            with contextlib.suppress(TypeError, NotImplementedError):
-                state["out_spec"] = _SpecText(pytree.treespec_dumps(self.out_spec))
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        spec = state.get("out_spec")
-        if isinstance(spec, _SpecText):
-            state["out_spec"] = pytree.treespec_loads(spec.text)
-        super().__setstate__(state)
 
     def forward(self, *inputs: Any) -> Any:
         if len(inputs) != len(self.input_names):

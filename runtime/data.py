@@ -149,7 +149,9 @@ def default_dataset(
         sample_targets.dtype,
         _BUILTIN_CLASSES.get(model_name, 10),
         input_names=input_names,
-        ranges=tuple(_value_range(x) for x in sample_inputs),
+        # keyword models' samples are always real (their factories run on CPU): positional
+        # ones may be on meta in one process and real in another, so they keep [0, classes)
+        ranges=tuple(_value_range(x) for x in sample_inputs) if input_names else (),
     )
 
 
