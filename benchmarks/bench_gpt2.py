@@ -8,7 +8,11 @@ One run measures, side by side on this machine (CPU, gloo, one thread per proces
   (``ModelGraph.build_stages`` at the same cut), 4 microbatches of ``batch / 4``.
 The ratios are printed and written to ``benchmarks/results/gpt2.json`` with the load average.
 
-``python benchmarks/bench_gpt2.py --steps 20`` (about 3 minutes on 2 cores).
+The stages take int labels and a bool mask across the cut: Schedule1F1B needs static
+metadata whose float examples ask for gradients (see ``_pp_rank``). ``--rounds R`` repeats the
+whole alternation and keeps medians.
+
+``python benchmarks/bench_gpt2.py --steps 10 --rounds 2`` (about 6 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import argparse
 import copy
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -166,20 +171,30 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--rounds", type=int, default=1, help="repeat the alternation; medians")
     a = ap.parse_args()
     load0 = os.getloadavg()[0]
     base = model()
-    rows: dict[str, Any] = {"plain_tokens_s": plain(copy.deepcopy(base), a.batch, a.steps)}
-    for k in a.stages:
-        rows[f"hetpipe_{k}_tokens_s"] = hetpipe_run(copy.deepcopy(base), a.batch, a.steps, k)
-        rows[f"pipelining_{k}_tokens_s"] = pipelining(a.batch, a.steps, k)
+    runs: dict[str, list[Any]] = {}
+    for _ in range(a.rounds):  # every system once per round: the same load for all
+        runs.setdefault("plain_tokens_s", []).append(plain(copy.deepcopy(base), a.batch, a.steps))
+        for k in a.stages:
+            runs.setdefault(f"hetpipe_{k}_tokens_s", []).append(
+                hetpipe_run(copy.deepcopy(base), a.batch, a.steps, k)
+            )
+            runs.setdefault(f"pipelining_{k}_tokens_s", []).append(pipelining(a.batch, a.steps, k))
+    rows: dict[str, Any] = {
+        key: statistics.median(v) if all(isinstance(x, float) for x in v) else v[0]
+        for key, v in runs.items()
+    }
+    rows["runs"] = runs
     for k in a.stages:
         h, p = rows[f"hetpipe_{k}_tokens_s"], rows[f"pipelining_{k}_tokens_s"]
         rows[f"hetpipe_{k}_vs_plain"] = h / rows["plain_tokens_s"]
         rows[f"hetpipe_{k}_vs_pipelining"] = h / p if isinstance(p, float) else None
     rows["load_average"] = [load0, os.getloadavg()[0]]
     rows["model"] = "examples.gpt2_lm:small (6 x 256, seq 64)"
-    rows["batch"], rows["steps"] = a.batch, a.steps
+    rows["batch"], rows["steps"], rows["rounds"] = a.batch, a.steps, a.rounds
     out = ROOT / "benchmarks" / "results" / "gpt2.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-__all__ = ["gpt2", "small", "tiny"]
+__all__ = ["gpt2", "small", "small_tied", "tiny"]
 
 VOCAB = 512  # synthetic token ids are drawn below this
 SEQ = 64  # tokens per sample
@@ -33,7 +33,8 @@ def gpt2(
         embd_pdrop=0.0,
         attn_pdrop=0.0,
         use_cache=False,  # training: no key/value cache (and torch.export needs none)
-        # tied input/output embeddings work in one VW; parameter servers need them untied
+        # tied input/output embeddings: held by the first and the last stage, pushed and
+        # pulled once per VW by the first (docs/runtime.md); untied by default here
         tie_word_embeddings=tied,
         bos_token_id=0,
         eos_token_id=0,
@@ -46,6 +47,11 @@ def gpt2(
 def small(batch_size: int = 8) -> tuple[nn.Module, dict[str, Tensor]]:
     """GPT-2 with 6 layers, 256 wide, 4 heads (about 5 M parameters)."""
     return gpt2(batch_size, n_layer=6, n_embd=256, n_head=4)
+
+
+def small_tied(batch_size: int = 8) -> tuple[nn.Module, dict[str, Tensor]]:
+    """``small`` with its input and output embeddings tied (as GPT-2 ships)."""
+    return gpt2(batch_size, n_layer=6, n_embd=256, n_head=4, tied=True)
 
 
 def tiny(batch_size: int = 8) -> tuple[nn.Module, dict[str, Tensor]]:

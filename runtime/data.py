@@ -149,9 +149,8 @@ def default_dataset(
         sample_targets.dtype,
         _BUILTIN_CLASSES.get(model_name, 10),
         input_names=input_names,
-        # keyword models (HF) are always built on CPU, so their samples' value ranges are real
-        # in every process; a positional model may be built on meta in one process and on CPU
-        # in another, and its data must not depend on which
+        # keyword models' samples are always real (their factories run on CPU): positional
+        # ones may be on meta in one process and real in another, so they keep [0, classes)
         ranges=tuple(_value_range(x) for x in sample_inputs) if input_names else (),
     )
 
