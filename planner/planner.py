@@ -426,7 +426,12 @@ def _plan_allocation(
         s_max = max(len(g) for g in alloc.groups)
         scored = []
         for cand in _nm_candidates(plan_nm, s_max):
-            trial = _build(pl, alloc, cand, nm_max, *args, screen=True)
+            try:
+                trial = _build(pl, alloc, cand, nm_max, *args, screen=True)
+            except PlanError:  # the offloaded bytes exceed a node's host_memory at this Nm
+                if cand == 1 or pl.opts.memory == "keep":
+                    raise
+                continue
             scored.append((trial.predicted.throughput, -cand))
             log.debug(
                 "Nm=%d -> %.1f samples/s (%s)",

@@ -16,8 +16,8 @@ node 0. ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` come from 
 Every rank writes its result to ``--out/rank<r>.pt`` (a stage's ``StageResult`` or a shard's
 final state and clock trace); :func:`collect_wsp` turns the files into a
 :class:`runtime.results.wsp.WSPResult`. Checkpoints and ``--resume DIR`` need ``--out`` on a
-file system every host shares; ``--on-failure restart`` resumes from the last snapshot when
-torchrun restarts the ranks (its own ``--max-restarts``); ``--time-limit`` stops every VW at
+file system every host shares; ranks that torchrun restarts (its own ``--max-restarts``)
+resume from the last snapshot; ``--time-limit`` stops every VW at
 one agreed wave (through the process group's store). ``--calibration`` replaces the pacing
 table of emulated devices by one written by a single-host run (``calibration.json``).
 """
@@ -87,15 +87,17 @@ def _rank_job(a: argparse.Namespace, plan: Plan, rank: int, world: int) -> Any:
     """This rank's job: the one the one-host launcher would give it (``None``: nothing left to
     train, the outputs were written from the snapshot)."""
     from runtime.launch.launcher import prepare
-    from runtime.persist.run_dir import SharedRun, resume_target
+    from runtime.persist.run_dir import SharedRun, elastic_resume, resume_target
     from runtime.persist.snapshot import committed_clocks
     from runtime.run import rule_for, settle
 
     resume = a.resume
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    again = restarted and a.on_failure == "restart" and a.out is not None
-    if resume is None and again and committed_clocks(a.out / "checkpoints"):
-        resume = str(a.out)  # torchrun restarted the ranks: go on from the last snapshot
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    checkpoints = a.out / "checkpoints" if a.out is not None else None
+    if resume is None and checkpoints is not None:  # torchrun restarted us: go on from there
+        resume = (
+            str(a.out) if elastic_resume(False, restarted, committed_clocks(checkpoints)) else None
+        )
     target = resume_target(resume) if resume is not None else None
     out = a.out or (target[0] if target is not None else None)
     hint = f"torchrun ... -m runtime {a.plan}"

@@ -48,7 +48,7 @@ OPTIONS: Mapping[str, Option] = MappingProxyType(
         "vw": Option("--vw", -1, "run only this virtual worker of the plan (-1 = all, through its synchronisation rule)"),
         "staleness": Option("--D", None, "WSP clock-distance threshold D (default: the plan's)"),
         "checkpoint_every": Option("--checkpoint-every", CHECKPOINT_EVERY, "checkpoint every K global clocks into --out/checkpoints (0 = never)"),
-        "on_failure": Option("--on-failure", "stop", "stop: a failed process ends the run; restart: restart the whole job from its last snapshot (up to --max-restarts times; under torchrun, torchrun's own --max-restarts)"),
+        "on_failure": Option("--on-failure", "stop", "stop: a failed process ends the run; restart: restart the whole job from its last snapshot (up to --max-restarts times; under torchrun, torchrun's own --max-restarts); continue: evict a failed VW and go on with the others (a failed shard still stops the run)"),
         "max_restarts": Option("--max-restarts", 3, "restarts allowed with --on-failure restart"),
         "overwrite": Option("--overwrite", False, "replace another run's outputs in --out"),
         "optimizer": Option("--optimizer", "sgd", "sgd or adam"),
@@ -100,11 +100,8 @@ def configs(
     from runtime.config import OptimizerConfig, RunConfig, WSPConfig
 
     v = values
-    if v["on_failure"] not in ("stop", "restart"):
-        raise ConfigError(
-            f"--on-failure {v['on_failure']!r}: use stop or restart (continue, which evicts a "
-            "lost VW, is not implemented: see docs/fault_tolerance.md)"
-        )
+    if v["on_failure"] not in ("stop", "restart", "continue"):
+        raise ConfigError(f"--on-failure {v['on_failure']!r}: use stop, restart or continue")
     opt = OptimizerConfig(name=v["optimizer"], lr=v["lr"], momentum=v["momentum"],
                           weight_decay=v["weight_decay"], schedule=v["schedule"])  # fmt: skip
     run = RunConfig(steps=v["steps"], epochs=v["epochs"], time_limit_s=v["time_limit"],
@@ -119,5 +116,6 @@ def configs(
         resume_hint=resume_hint,
         overwrite=v["overwrite"],
         max_restarts=v["max_restarts"] if v["on_failure"] == "restart" else 0,
+        evict=v["on_failure"] == "continue",
     )
     return opt, run, wsp

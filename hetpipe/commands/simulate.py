@@ -176,26 +176,23 @@ def _show_rules(plan: Plan, waves: int, profile: Profile | None) -> None:
     if not stragglers and plan.sync not in ("backup", "easgd"):
         return
     params = dict(plan.sync_params)
-    rows = [("wsp", {"D": 0})]
+    rows: list[tuple[str, str, dict[str, int]]] = [("WSP D=0", "wsp", {"D": 0})]
     if plan.D:
-        rows.append(("wsp", {"D": plan.D}))
+        rows.append((f"WSP D={plan.D}", "wsp", {"D": plan.D}))
+    rule = describe_rule(plan.sync, plan.sync_params, plan.D)
     if plan.sync == "backup":
-        rows.append(("backup", {"backups": int(params["backups"])}))
+        rows.append((rule, "backup", {"backups": int(params["backups"])}))
     elif plan.sync == "easgd":
-        rows.append(("easgd", {"tau": int(params["tau"])}))
+        rows.append((rule, "easgd", {"tau": int(params["tau"])}))
     wave_ms = vw_wave_ms(plan, profile)
-    table = Table(
-        title=f"rules on whole waves, {waves} waves{' with stragglers' if stragglers else ''}"
-    )
+    title = f"rules on whole waves, {waves} waves{' with stragglers' if stragglers else ''}"
+    table = Table(title=title)
     for col in ("rule", "applied samples/s", "dropped VW-waves", "k-th push after the first (ms)"):
         table.add_column(col, justify="left" if col == "rule" else "right")
-    for rule, kw in rows:
-        play = play_waves(rule, wave_ms, waves, plan.nm, slow, **kw)
+    for name, kind, kw in rows:
+        play = play_waves(kind, wave_ms, waves, plan.nm, slow, **kw)
         full = [a for a in play.arrivals_ms if len(a) == n]
         kth = [sum(a[k] - a[0] for a in full) / len(full) for k in range(n)] if full else []
-        name = describe_rule(
-            rule, tuple((k, float(v)) for k, v in kw.items() if k != "D"), kw.get("D", 0)
-        )
         table.add_row(
             name,
             f"{play.throughput(plan.batch_size):.1f}",

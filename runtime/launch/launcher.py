@@ -39,7 +39,7 @@ from runtime.persist.run_dir import RunDirectory, RunOwner
 from runtime.persist.snapshot import committed_clocks
 from runtime.results.metrics import RunResult, warn_overruns, write_metrics
 from runtime.results.timeline import describe_run, write_timeline
-from runtime.results.wsp import WSPResult, evaluate
+from runtime.results.wsp import LostVW, WSPResult, evaluate
 from runtime.stage.model import resolve_source
 
 __all__ = ["launch", "prepare"]
@@ -87,7 +87,10 @@ def launch(
                 "--resume needs parameter-server shards (they write the checkpoints); this run "
                 "trains one VW without them (plan it with 'hetpipe plan', which places shards)"
             )
-        return _attempt(plan, source, optimizer, run, cfg, dataset, None, "local", max(vw, 0))
+        if run.out_dir is None:
+            return _attempt(plan, source, optimizer, run, cfg, dataset, None, "local", max(vw, 0))
+        with RunDirectory(run.out_dir, resume=False, overwrite=cfg.overwrite):  # one run per dir
+            return _attempt(plan, source, optimizer, run, cfg, dataset, None, "local", max(vw, 0))
     if not RULES[rule].uses_shards:
         return _restarting(lambda c: _attempt(plan, source, optimizer, run, c, dataset, None, rule), run, cfg)  # fmt: skip
     if cfg.checkpoint_dir is None and run.out_dir is not None:
@@ -157,13 +160,18 @@ def _attempt(
         if isinstance(prep, WSPResult):  # a resume with nothing left: written from the snapshot
             return prep
         n_vws = len({j.ctx.vw for j in prep.stages})
-        stages, states = spawn_and_watch(prep.shards, prep.stages, run, prep.steps * n_vws, prep.hint)  # fmt: skip
+        stages, states, lost = spawn_and_watch(prep.shards, prep.stages, run,
+                                               prep.steps * n_vws, prep.hint, cfg.evict)  # fmt: skip
     warn_overruns(stages)
     wall_s = time.time() - t_start
     if rule == "local":
         return _one_vw_result(plan, prep, stages, run, vw, wall_s)
     result = WSPResult.build(plan, prep.nm, prep.D, stages, states,
                              [s.spec for s in prep.shards], wall_s, sync=rule)  # fmt: skip
+    if lost:  # --on-failure continue: the VWs evicted, and what the shards did about them
+        waves = prep.first_wave + prep.steps // prep.nm
+        gone = LostVW.from_shards(lost, [s for s, _ in states], waves)
+        result = dataclasses.replace(result, lost=gone)
     ran = {st.steps for st in stages}
     if run.time_limit_s > 0 and ran and max(ran) < prep.steps:
         waves = prep.first_wave + max(ran) // prep.nm

@@ -17,6 +17,7 @@ from typing import Any
 
 from profiler.errors import HetPipeRuntimeError
 from runtime.config import RunConfig
+from runtime.launch.evict import VWEvictor
 from runtime.launch.failures import Heartbeats, Interrupted, root_cause_rank, stop_all, watch
 from runtime.launch.procs import ShardJob, loads_result, process_context, shard_main, stage_main
 from runtime.persist.checkpoint import ShardState
@@ -35,8 +36,10 @@ def spawn_and_watch(
     run: RunConfig,
     progress_total: int,
     hint: str = "",
-) -> tuple[list[StageResult], list[ShardOutcome]]:
-    """Start every process, watch them, return the stage results and the shards' final states.
+    evict: bool = False,
+) -> tuple[list[StageResult], list[ShardOutcome], dict[int, str]]:
+    """Start every process, watch them, return the stage results, the shards' final states and
+    the VWs lost (VW -> why; ``--on-failure continue`` only).
 
     Args:
         shards: the shard processes' jobs (none for a rule without shards).
@@ -44,6 +47,8 @@ def spawn_and_watch(
         run: run settings (timeout, progress bar).
         progress_total: minibatches the progress bar counts to (every VW's).
         hint: appended to a failure's message (``; resume with: ...``).
+        evict: ``--on-failure continue``: a failed VW is stopped and the others go on
+            (:class:`runtime.launch.evict.VWEvictor`); a shard failure still ends the run.
 
     Raises:
         HetPipeRuntimeError: a process failed, died, froze or stalled (names it).
@@ -68,7 +73,13 @@ def spawn_and_watch(
             procs[ctx.rank] = p
         rendezvous = Path(stages[0].init_method.removeprefix("file://")).parent
         beats = Heartbeats(rendezvous, max(5.0, run.timeout_s / 2), labels)
-        results = _watch(labels, procs, events, progress, run, beats, hint)
+        evictor = None
+        if evict:
+            vw_ranks: dict[int, tuple[int, ...]] = {}
+            for j in stages:
+                vw_ranks[j.ctx.vw] = (*vw_ranks.get(j.ctx.vw, ()), j.ctx.rank)
+            evictor = VWEvictor(vw_ranks, procs, labels)
+        results = _watch(labels, procs, events, progress, run, beats, hint, evictor)
     except KeyboardInterrupt:
         raise Interrupted(f"interrupted (Ctrl-C): every process stopped{hint}") from None
     finally:
@@ -76,7 +87,7 @@ def spawn_and_watch(
         stop_all(procs)
     stage_results = [r for r in results if isinstance(r, StageResult)]
     states = [r for r in results if not isinstance(r, StageResult)]
-    return stage_results, states
+    return stage_results, states, dict(evictor.lost) if evictor is not None else {}
 
 
 def _watch(
@@ -87,6 +98,7 @@ def _watch(
     run: RunConfig,
     beats: Heartbeats,
     hint: str,
+    evictor: VWEvictor | None = None,
 ) -> list[Any]:
     """Every process's result, in rank order."""
 
@@ -97,5 +109,6 @@ def _watch(
         return HetPipeRuntimeError(f"rank {rank} ({labels[rank]}) failed: {why}{hint}")
 
     stall_s = max(120.0, 4 * run.timeout_s)
-    results = watch(procs, events, len(labels), progress.event, fail, stall_s, frozen=beats.frozen)
+    results = watch(procs, events, len(labels), progress.event, fail, stall_s,
+                    frozen=beats.frozen, absorb=evictor)  # fmt: skip
     return [loads_result(results[r]) for r in sorted(results)]

@@ -90,6 +90,11 @@ def prepare_wsp(
     nm = run.nm or plan.nm
     rule = plan.sync if plan.sync in ("backup", "easgd") else "wsp"  # the shard rules
     D = (plan.D if cfg.D is None else cfg.D) if rule == "wsp" else 0  # the others: D = 0
+    if cfg.evict and rule != "wsp":
+        raise ConfigError(
+            f"--on-failure continue evicts a VW from the WSP clock; the {rule} rule has no such "
+            "clock: use --sync wsp, or --on-failure stop|restart"
+        )
     spec = resolve_source(source, plan.batch_size, meta=source.module is None)
     shards_data, test = split_data(dataset, len(plan.virtual_workers), cfg.test_fraction, run.seed)
     graph = ModelGraph.from_spec(spec)
@@ -153,6 +158,7 @@ def _jobs(
             init_method,
             world,
             cfg.shard_fault,
+            _peers(s, specs, cfg),
         )
         for k, s in enumerate(specs)
     )
@@ -160,6 +166,13 @@ def _jobs(
              len(plan.virtual_workers), [len(v.stages) for v in plan.virtual_workers],
              len(shards), nm, sync.D, steps)  # fmt: skip
     return shards, tuple(dataclasses.replace(j, world_size=world) for j in stages)
+
+
+def _peers(
+    spec: ShardSpec, specs: tuple[ShardSpec, ...], cfg: WSPConfig
+) -> tuple[tuple[int, int], ...] | None:
+    """``--on-failure continue``: (id, rank) of the other shards, which gate each wave."""
+    return tuple((s.id, s.rank) for s in specs if s.id != spec.id) if cfg.evict else None
 
 
 def snapshot_parts(plan: Plan) -> tuple[str, ...]:

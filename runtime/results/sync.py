@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from planner.sync import SyncParams
 from runtime.results.metrics import RunResult
 
-__all__ = ["describe_rule", "dropped_vw_waves", "kth_push_s", "vw_arrivals"]
+__all__ = ["arrival_table", "describe_rule", "dropped_vw_waves", "kth_push_s", "vw_arrivals"]
 
 
 def describe_rule(rule: str, params: SyncParams, D: int) -> str:
@@ -52,3 +52,15 @@ def kth_push_s(vws: Sequence[RunResult]) -> list[float]:
 def dropped_vw_waves(vws: Sequence[RunResult]) -> int:
     """(VW, wave) pairs some shard dropped (a VW counts once per wave, whatever its stages)."""
     return len({(k, w) for k, vw in enumerate(vws) for s in vw.stages for _, w in s.dropped})
+
+
+def arrival_table(vws: Sequence[RunResult]) -> list[list[float | None]]:
+    """Per wave (in order), each VW's push time in seconds since the run's first stage start
+    (``None``: that VW did not push the wave): the data of the seed's Fig. 4."""
+    starts = [s.start_time for vw in vws for s in vw.stages if s.start_time > 0]
+    t0 = min(starts, default=0.0)
+    arrivals = vw_arrivals(vws)
+    return [
+        [round(arrivals[w][k] - t0, 6) if k in arrivals[w] else None for k in range(len(vws))]
+        for w in sorted(arrivals)
+    ]

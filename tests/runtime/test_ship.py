@@ -54,3 +54,16 @@ def test_a_shard_receives_only_its_initial_weights() -> None:
     assert torch.equal(weights["4.weight"], model[4].weight)
     ref = ModelSource(ref="mlp")
     assert ship_shard(ref, ["x"]) is ref and ship_stage(ref, 4, (3,), 0) is ref
+
+
+def test_synthetic_data_for_a_factory_keeps_its_sample_value_ranges() -> None:
+    from runtime.data import default_dataset
+
+    ids = torch.randint(0, 512, (8, 16), generator=torch.Generator().manual_seed(0))
+    sample = (ids, torch.ones_like(ids), torch.tensor([0, 2, 1, 0, 1, 2, 0, 1]))
+    names = ("input_ids", "attention_mask", "labels")
+    data = default_dataset("pkg.mod:bert", sample, torch.zeros(8), 8, names)
+    items = [data[i][0] for i in range(64)]
+    assert all(int(x["labels"].max()) <= 2 for x in items)  # 3 classes, not 10
+    assert all(bool((x["attention_mask"] == 1).all()) for x in items)
+    assert max(int(x["input_ids"].max()) for x in items) > 10  # the vocabulary's range

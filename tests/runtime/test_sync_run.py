@@ -18,7 +18,7 @@ from planner.easgd import elastic_difference, exchanges_after
 from planner.manual import multi_vw_plan
 from runtime.config import OptimizerConfig, RunConfig, WSPConfig
 from runtime.launch.launcher import launch
-from runtime.results.sync import dropped_vw_waves, kth_push_s
+from runtime.results.sync import arrival_table, dropped_vw_waves, kth_push_s
 from runtime.results.wsp import WSPResult
 from runtime.stage.model import reference_module
 from tests.runtime.test_wsp_run import BATCH, LR, SOURCE, _graph, _sources, wsp_reference
@@ -149,6 +149,8 @@ def test_backup_b1_equals_the_reference_given_who_was_first(tmp_path: Path) -> N
     assert dropped == pushed - set(tags) and not dropped & set(tags)
     assert dropped_vw_waves(result.vws) == waves  # one VW per wave
     assert len(kth_push_s(result.vws)) == 3
+    table = arrival_table(result.vws)  # seed 003's Fig. 4: each wave's push time of each VW
+    assert len(table) == waves and all(t is not None and t > 0 for row in table for t in row)
     clocks = [v.stages[0].clocks for v in result.vws]  # (needed, got): the start, then each wave
     assert all(len(cl) >= waves for cl in clocks)
     ref, losses = backup_reference(

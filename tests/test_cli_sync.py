@@ -1,0 +1,49 @@
+"""`--sync backup` / `--sync easgd` on the command line: plan, refuse, simulate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from typer.testing import CliRunner
+
+from hetpipe.cli import app
+from planner.plan import load_plan
+from tests.conftest import EXAMPLES, PIPEDREAM
+
+runner = CliRunner()
+CLUSTER = str(EXAMPLES / "paper_cluster.yaml")
+VGG = str(PIPEDREAM / "vgg16")
+
+
+def test_plan_with_a_rule_then_simulate_it(tmp_path: Path) -> None:
+    out = tmp_path / "plan.yaml"
+    args = ["plan", CLUSTER, "--profiles", VGG, "--policy", "hd", "-D", "2", "-o", str(out)]
+    res = runner.invoke(app, [*args, "--sync", "backup", "--backups", "1"])
+    assert res.exit_code == 0, res.output
+    plan = load_plan(out)
+    assert plan.sync == "backup" and dict(plan.sync_params) == {"backups": 1.0} and plan.D == 0
+    assert "synchronisation: backup (backups 1)" in res.output
+    res = runner.invoke(app, ["simulate", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "backup b=1" in res.output and "WSP D=0" in res.output
+    doc = yaml.safe_load(out.read_text())
+    doc["sync"], doc["sync_params"] = "easgd", {"tau": 2, "alpha": 0.2}
+    out.write_text(yaml.safe_dump(doc))
+    res = runner.invoke(app, ["simulate", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "EASGD tau=2" in res.output and "alpha=0.2" in res.output  # the cell may wrap
+
+
+def test_rule_options_are_checked() -> None:
+    base = ["plan", CLUSTER, "--profiles", VGG, "--policy", "hd"]
+    cases = [
+        (["--sync", "wsp", "--tau", "2"], "--tau applies to --sync easgd, not --sync wsp"),
+        (["--sync", "backup", "--backups", "4"], "backups must be in 0..3"),
+        (["--sync", "easgd", "--alpha", "0.5"], "use alpha <= 0.25"),
+        (["--sync", "gossip"], "--sync 'gossip': use one of"),
+    ]
+    for extra, msg in cases:
+        res = runner.invoke(app, [*base, *extra])
+        assert res.exit_code == 2, res.output
+        assert msg in " ".join(res.output.split()), res.output
