@@ -93,11 +93,9 @@ def _rank_job(a: argparse.Namespace, plan: Plan, rank: int, world: int) -> Any:
 
     resume = a.resume
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    checkpoints = a.out / "checkpoints" if a.out is not None else None
-    if resume is None and checkpoints is not None:  # torchrun restarted us: go on from there
-        resume = (
-            str(a.out) if elastic_resume(False, restarted, committed_clocks(checkpoints)) else None
-        )
+    ckpts = committed_clocks(a.out / "checkpoints") if a.out is not None else []
+    if resume is None and elastic_resume(False, restarted, ckpts):
+        resume = str(a.out)  # torchrun restarted the ranks (--max-restarts): the last snapshot
     target = resume_target(resume) if resume is not None else None
     out = a.out or (target[0] if target is not None else None)
     hint = f"torchrun ... -m runtime {a.plan}"

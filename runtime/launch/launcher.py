@@ -81,18 +81,21 @@ def launch(
     rule = effective_rule(plan.sync, len(plan.shards), len(plan.virtual_workers), vw)
     if rule == "allreduce" and vw >= 0:
         raise ConfigError("an AllReduce plan trains every device together; drop --vw")
-    if rule == "local":
-        if cfg.resume:
-            raise ConfigError(
-                "--resume needs parameter-server shards (they write the checkpoints); this run "
-                "trains one VW without them (plan it with 'hetpipe plan', which places shards)"
-            )
+    if rule == "local" and cfg.resume:
+        raise ConfigError(
+            "--resume needs parameter-server shards (they write the checkpoints); this run "
+            "trains one VW without them (plan it with 'hetpipe plan', which places shards)"
+        )
+    if not RULES[rule].uses_shards:  # no snapshots; the run directory is still this run's
+        one_vw = rule == "local"
+
+        def attempt(c: WSPConfig) -> Any:
+            return _attempt(plan, source, optimizer, run, c, dataset, None, rule, max(vw, 0))
+
         if run.out_dir is None:
-            return _attempt(plan, source, optimizer, run, cfg, dataset, None, "local", max(vw, 0))
-        with RunDirectory(run.out_dir, resume=False, overwrite=cfg.overwrite):  # one run per dir
-            return _attempt(plan, source, optimizer, run, cfg, dataset, None, "local", max(vw, 0))
-    if not RULES[rule].uses_shards:
-        return _restarting(lambda c: _attempt(plan, source, optimizer, run, c, dataset, None, rule), run, cfg)  # fmt: skip
+            return attempt(cfg) if one_vw else _restarting(attempt, run, cfg)
+        with RunDirectory(run.out_dir, resume=False, overwrite=cfg.overwrite):
+            return attempt(cfg) if one_vw else _restarting(attempt, run, cfg)
     if cfg.checkpoint_dir is None and run.out_dir is not None:
         cfg = dataclasses.replace(cfg, checkpoint_dir=run.out_dir / "checkpoints")
     run_dir = run.out_dir or cfg.checkpoint_dir
@@ -160,17 +163,17 @@ def _attempt(
         if isinstance(prep, WSPResult):  # a resume with nothing left: written from the snapshot
             return prep
         n_vws = len({j.ctx.vw for j in prep.stages})
-        stages, states, lost = spawn_and_watch(prep.shards, prep.stages, run,
-                                               prep.steps * n_vws, prep.hint, cfg.evict)  # fmt: skip
+        stages, states, lost = spawn_and_watch(prep.shards, prep.stages, run, prep.steps * n_vws,
+                                               prep.hint, evict=cfg.evict)  # fmt: skip
     warn_overruns(stages)
     wall_s = time.time() - t_start
     if rule == "local":
         return _one_vw_result(plan, prep, stages, run, vw, wall_s)
     result = WSPResult.build(plan, prep.nm, prep.D, stages, states,
                              [s.spec for s in prep.shards], wall_s, sync=rule)  # fmt: skip
-    if lost:  # --on-failure continue: the VWs evicted, and what the shards did about them
-        waves = prep.first_wave + prep.steps // prep.nm
-        gone = LostVW.from_shards(lost, [s for s, _ in states], waves)
+    if lost:  # --on-failure continue: what was lost, from the shards' ledgers
+        last_wave = prep.first_wave + prep.steps // prep.nm
+        gone = LostVW.from_shards(lost, [st for st, _ in states], last_wave)
         result = dataclasses.replace(result, lost=gone)
     ran = {st.steps for st in stages}
     if run.time_limit_s > 0 and ran and max(ran) < prep.steps:

@@ -39,7 +39,7 @@ def spawn_and_watch(
     evict: bool = False,
 ) -> tuple[list[StageResult], list[ShardOutcome], dict[int, str]]:
     """Start every process, watch them, return the stage results, the shards' final states and
-    the VWs lost (VW -> why; ``--on-failure continue`` only).
+    the VWs lost (``--on-failure continue``: VW -> cause; empty otherwise).
 
     Args:
         shards: the shard processes' jobs (none for a rule without shards).
@@ -48,7 +48,7 @@ def spawn_and_watch(
         progress_total: minibatches the progress bar counts to (every VW's).
         hint: appended to a failure's message (``; resume with: ...``).
         evict: ``--on-failure continue``: a failed VW is stopped and the others go on
-            (:class:`runtime.launch.evict.VWEvictor`); a shard failure still ends the run.
+            (:class:`runtime.launch.evict.VWEvictor`); a failed shard still ends the run.
 
     Raises:
         HetPipeRuntimeError: a process failed, died, froze or stalled (names it).
@@ -73,12 +73,7 @@ def spawn_and_watch(
             procs[ctx.rank] = p
         rendezvous = Path(stages[0].init_method.removeprefix("file://")).parent
         beats = Heartbeats(rendezvous, max(5.0, run.timeout_s / 2), labels)
-        evictor = None
-        if evict:
-            vw_ranks: dict[int, tuple[int, ...]] = {}
-            for j in stages:
-                vw_ranks[j.ctx.vw] = (*vw_ranks.get(j.ctx.vw, ()), j.ctx.rank)
-            evictor = VWEvictor(vw_ranks, procs, labels)
+        evictor = _evictor(stages, procs, labels) if evict else None
         results = _watch(labels, procs, events, progress, run, beats, hint, evictor)
     except KeyboardInterrupt:
         raise Interrupted(f"interrupted (Ctrl-C): every process stopped{hint}") from None
@@ -88,6 +83,16 @@ def spawn_and_watch(
     stage_results = [r for r in results if isinstance(r, StageResult)]
     states = [r for r in results if not isinstance(r, StageResult)]
     return stage_results, states, dict(evictor.lost) if evictor is not None else {}
+
+
+def _evictor(
+    stages: Sequence[StageJob], procs: dict[int, Any], labels: dict[int, str]
+) -> VWEvictor:
+    """The ``--on-failure continue`` policy over the VWs of ``stages``."""
+    vw_ranks: dict[int, tuple[int, ...]] = {}
+    for j in stages:
+        vw_ranks[j.ctx.vw] = (*vw_ranks.get(j.ctx.vw, ()), j.ctx.rank)
+    return VWEvictor(vw_ranks, procs, labels)
 
 
 def _watch(
