@@ -16,8 +16,8 @@ node 0. ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` come from 
 Every rank writes its result to ``--out/rank<r>.pt`` (a stage's ``StageResult`` or a shard's
 final state and clock trace); :func:`collect_wsp` turns the files into a
 :class:`runtime.results.wsp.WSPResult`. Checkpoints and ``--resume DIR`` need ``--out`` on a
-file system every host shares; ``--on-failure restart`` resumes from the last snapshot when
-torchrun restarts the ranks (its own ``--max-restarts``); ``--time-limit`` stops every VW at
+file system every host shares; ranks that torchrun restarts (its own ``--max-restarts``)
+resume from the last snapshot; ``--time-limit`` stops every VW at
 one agreed wave (through the process group's store). ``--calibration`` replaces the pacing
 table of emulated devices by one written by a single-host run (``calibration.json``).
 """

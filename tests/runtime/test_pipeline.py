@@ -34,8 +34,9 @@ def _run_and_reference(
     )
 
     module, names, loss_fn = reference_module(source, batch_size, seed=3)
+    real = resolve_source(source, batch_size, meta=False)  # the stages' sample: its value ranges
     data = MinibatchSource(
-        default_dataset(ref, spec.inputs, spec.targets, batch_size),
+        default_dataset(ref, real.inputs, real.targets, batch_size),
         batch_size,
         3,
         tuple(spec.targets.shape),
