@@ -7,14 +7,15 @@ cap is ``f`` times its cap in the cluster file; the planner (``--memory auto``) 
 model and places each stage's data (keep / offload to host memory / recompute,
 ``docs/memory.md``); the plan is then trained for real (paced, byte accounting on: a stage
 above its cap fails the run). Figures per point: the device bytes the plan keeps over the bytes
-of the all-keep plan at ``f = 1`` (GeePS's x axis: the fraction of the data kept on the device),
+of the all-keep plan at ``f = 1`` (GeePS's x axis: the fraction of the data kept on the device; ``--cap-scale`` multiplies every cap first, for
+larger models whose longer tasks the machine's load disturbs less),
 the placements, predicted and measured samples/s, and measured throughput relative to ``f = 1``.
 
 The host link is the cluster's (``links.host_link``, PCIe by default) unless ``--host-link``
 gives one (e.g. ``300MB/s``: the emulated devices compute ~10x slower than their GPUs, so a
 link scaled the same way exposes transfer time as GeePS's PCIe did).
 
-Run: ``python benchmarks/bench_geeps.py [--batches 32 128 --steps 24]`` (about 2-3 min).
+Run: ``python benchmarks/bench_geeps.py [--batches 16 32 --steps 300]`` (about 2-3 min).
 Writes ``benchmarks/results/geeps.json``.
 """
 
@@ -34,13 +35,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from planner.cluster import Cluster, Link, load_cluster  # noqa: E402
+from planner.offload import MemoryPlacement  # noqa: E402
 from planner.plan import Plan  # noqa: E402
 from planner.planner import PlanOptions, make_plan  # noqa: E402
 from profiler.errors import PlanError  # noqa: E402
 from profiler.units import parse_bandwidth  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "geeps.json"
-FRACTIONS = (1.0, 0.8, 0.65, 0.5, 0.4, 0.3)
+FRACTIONS = (1.0, 0.85, 0.7, 0.6, 0.5, 0.4)
 
 
 def scaled(cluster: Cluster, f: float) -> Cluster:
@@ -83,19 +85,19 @@ def measure(plan: Plan, steps: int) -> float:
 
 def curve(cluster: Cluster, args: argparse.Namespace, batch: int) -> list[dict[str, Any]]:
     """The points of one batch size's curve."""
-    full = plan_at(cluster, args.model, batch, args.nm, "keep")
+    full = plan_at(scaled(cluster, args.cap_scale), args.model, batch, args.nm, "keep")
     if full is None:
         raise SystemExit(f"{args.model} batch {batch} does not fit at Nm {args.nm} with keep")
     keep_bytes = sum(s.memory_bytes for s in full.virtual_workers[0].stages)
     rows: list[dict[str, Any]] = []
     for f in FRACTIONS:
-        plan = plan_at(scaled(cluster, f), args.model, batch, args.nm, "auto")
+        plan = plan_at(scaled(cluster, f * args.cap_scale), args.model, batch, args.nm, "auto")
         if plan is None:
             print(f"  batch {batch}, f {f:.2f}: no placement fits")
             rows.append({"batch": batch, "fraction_allowed": f, "fits": False})
             continue
         stages = plan.virtual_workers[0].stages
-        measured = measure(plan, args.steps)
+        measured = measure(plan, args.steps) if args.train else plan.predicted.throughput
         row = {
             "batch": batch,
             "fraction_allowed": f,
@@ -106,18 +108,25 @@ def curve(cluster: Cluster, args: argparse.Namespace, batch: int) -> list[dict[s
             "exposed_ms": [round(s.transfer_ms, 3) for s in stages],
             "recompute_ms": [round(s.recompute_ms, 3) for s in stages],
             "predicted": plan.predicted.throughput,
-            "measured": measured,
-            "measured_over_predicted": measured / plan.predicted.throughput,
+            "measured": measured if args.train else None,
+            "measured_over_predicted": measured / plan.predicted.throughput if args.train else None,
             "loadavg": os.getloadavg(),
         }
         rows.append(row)
-        base = rows[0].get("measured", measured)
-        row["measured_over_f1"] = measured / base
+        base = rows[0]["predicted"]
+        row["predicted_over_f1"] = plan.predicted.throughput / base
+        if args.train:
+            row["measured_over_f1"] = measured / rows[0]["measured"]
+        seen = (
+            f"{measured:,.0f} samples/s measured ({row['measured_over_f1']:.2f} of f=1, "
+            f"{row['measured_over_predicted']:.2f} of predicted), "
+            if args.train
+            else ""
+        )
         print(
             f"  batch {batch}, f {f:.2f}: device {row['device_over_all_keep']:.2f} of all-keep, "
-            f"{measured:,.0f} samples/s ({row['measured_over_f1']:.2f} of f=1; predicted "
-            f"{plan.predicted.throughput:,.0f}, {row['measured_over_predicted']:.2f}), "
-            f"{' '.join(s.split(',')[0] if s != 'keep' else 'keep' for s in row['placements'])}, "
+            f"{seen}predicted {plan.predicted.throughput:,.0f} ({row['predicted_over_f1']:.2f} of f=1), "
+            f"WAOG {' '.join(MemoryPlacement.parse(s).code for s in row['placements'])}, "
             f"load {os.getloadavg()[0]:.1f}"
         )
     return rows
@@ -128,10 +137,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--cluster", type=Path, default=REPO / "examples" / "emulated_cluster.yaml")
     ap.add_argument("--model", default="mlp(hidden=256,depth=8)")
-    ap.add_argument("--batches", type=int, nargs="+", default=[32, 128])
+    ap.add_argument("--batches", type=int, nargs="+", default=[16, 32])
     ap.add_argument("--nm", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument(
+        "--cap-scale", type=float, default=1.0, help="multiply every emulated cap (bigger models)"
+    )
+    ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--host-link", default=None, help="e.g. 300MB/s (default: the cluster's)")
+    ap.add_argument(
+        "--no-train", dest="train", action="store_false", help="predictions only (no runs)"
+    )
+    ap.add_argument("--out", type=Path, default=RESULTS, help="the JSON to write")
     args = ap.parse_args()
     cluster = load_cluster(args.cluster)
     if args.host_link:
@@ -151,9 +167,9 @@ def main() -> None:
     }
     out["wall_s"] = time.perf_counter() - t0
     out["loadavg_after"] = os.getloadavg()
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {RESULTS}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

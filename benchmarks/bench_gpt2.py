@@ -111,13 +111,20 @@ def _pp_rank(rank: int, world: int, path: str, batch: int, steps: int, out: str)
 
             def forward(self, *xs: Tensor) -> Any:
                 y = self.inner(*xs)
-                return y.loss if last else y
+                return y.loss.reshape(1) if last else y  # (1,): the schedule cats outputs
 
-        with torch.no_grad():
-            outs = (Stage()(*ins[rank]),) if last else Stage()(*ins[rank])
+        # Static metadata takes requires_grad from the examples: float activations crossing a
+        # cut must say they need gradients (examples made under no_grad do not, and the stage
+        # backward then fails with "Failed to run stage backward", output gradients None);
+        # int labels and bool masks cross as they are, without gradients.
+        mine_in = tuple(
+            x.detach().requires_grad_() if x.is_floating_point() else x for x in ins[rank]
+        )
+        outs = (Stage()(*mine_in),) if last else Stage()(*mine_in)  # with grad, for the flags
+        outs = tuple(o.detach().requires_grad_(o.requires_grad) for o in outs)
         stage = PipelineStage(Stage(), rank, world, torch.device("cpu"),
-                              input_args=ins[rank], output_args=outs)  # fmt: skip
-        sched = Schedule1F1B(stage, n_microbatches=4, loss_fn=lambda y, _t: y)
+                              input_args=mine_in, output_args=outs)  # fmt: skip
+        sched = Schedule1F1B(stage, n_microbatches=4, loss_fn=lambda y, _t: y.sum())
         data = Tokens()
         t0 = 0.0
         for s in range(steps + 2):

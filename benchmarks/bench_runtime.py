@@ -49,7 +49,6 @@ from profiler.graph import ModelGraph  # noqa: E402
 from runtime.config import ModelSource, OptimizerConfig, RunConfig  # noqa: E402
 from runtime.data import MinibatchSource, default_dataset  # noqa: E402
 from runtime.launch.single import launch  # noqa: E402
-from runtime.stage.comm import cut_specs  # noqa: E402
 from runtime.stage.emulation import Calibration, pace_until  # noqa: E402
 from runtime.stage.model import build_stage, reference_module, resolve_source  # noqa: E402
 
@@ -236,11 +235,10 @@ def _gpipe_rank(rank: int, world: int, path: str, args: dict[str, Any], q: Any) 
         module = PacedStage(built.module.train(), fwd_s, bwd_s, last)
         stage_module = module if not args.get("unpaced") else built.module
         nm, batch = args["nm"], args["batch"]
-        bounds = [0, *args["cuts"], len(built.graph.layers)]
         if rank == 0:
-            example = tuple(torch.zeros(x.shape, dtype=x.dtype) for x in built.spec.inputs)
+            example = tuple(torch.zeros(x.shape, dtype=x.dtype) for x in built.inputs)
         else:
-            example = tuple(t.empty().zero_() for t in cut_specs(built.graph, bounds[rank]))
+            example = tuple(t.empty().zero_() for t in built.in_specs)
         example = tuple(x.requires_grad_() if x.is_floating_point() else x for x in example)
         out = module.inner(*example)  # with grad: outputs that need gradients must say so
         outs = (out,) if isinstance(out, torch.Tensor) else tuple(out)
@@ -258,10 +256,10 @@ def _gpipe_rank(rank: int, world: int, path: str, args: dict[str, Any], q: Any) 
         sched = sched_cls(stage, nm, loss_fn=built.loss if last else None)
         opt = torch.optim.SGD(stage_module.parameters(), lr=0.01)
         data = MinibatchSource(
-            default_dataset(args["model"], built.spec.inputs, built.spec.targets, batch),
+            default_dataset(args["model"], built.inputs, built.targets, batch),
             batch,
             0,
-            tuple(built.spec.targets.shape),
+            tuple(built.targets.shape),
         )
         n_steps = max(2, args["steps"] // nm)
         times = []

@@ -12,6 +12,10 @@ find, by bisection on ``H`` for a fixed depth:
   (``planner.baseline.model_memory_bytes``, the rule ``hetpipe run --sync allreduce`` applies) fits the
   biggest single device.
 
+Both with ``--memory keep`` (everything on the devices) and ``--memory auto`` (the memory
+manager may offload stashed weight versions, activations, optimizer state and gradients to host
+memory or recompute activations, ``docs/memory.md``; the limit is then the caps plus host memory).
+
 The largest HetPipe model is then **trained** for a few minibatches by the real runtime on the
 emulated devices, with the byte accounting on (a stage that exceeds its cap fails the run), and
 its per-stage peak bytes are shown against the caps. Figures: parameters of the largest model /
@@ -19,7 +23,11 @@ summed caps (HetPipe's promise; the memory of parameters + gradients alone alrea
 ceiling for plain SGD), planner memory of the partition / summed caps (limit 1.0), and the
 HetPipe / DDP ratio of model sizes.
 
-Run: ``python benchmarks/bench_whimpy.py [--depth 8 --batch 32 --steps 12]`` (about 1-2 min).
+Equal device memory: HD (``policy=hd``) of ``--hd-model`` at ``--hd-batch`` on the same
+devices with ``--memory keep`` and ``auto``: the Nm each reaches and measured vs predicted
+samples/s, the runs alternating in one process (``--reps``).
+
+Run: ``python benchmarks/bench_whimpy.py [--depth 8 --batch 32 --steps 12]`` (about 3-4 min).
 Writes ``benchmarks/results/whimpy.json``.
 """
 
@@ -220,6 +228,7 @@ def main() -> None:
     ap.add_argument("--hd-steps", type=int, default=60, help="minibatches per VW, equal memory")
     ap.add_argument("--reps", type=int, default=1, help="alternating repetitions, equal memory")
     ap.add_argument("--skip-equal-memory", action="store_true")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="the JSON to write")
     args = ap.parse_args()
     cluster = load_cluster(args.cluster)
     caps = {d.node: device_capacity_bytes(d) for d in cluster.devices}
@@ -281,9 +290,9 @@ def main() -> None:
         print(f"equal device memory: HD, {args.hd_model}, batch {args.hd_batch}")
         out["equal_memory"] = equal_memory(cluster, args)
     out["loadavg_after"] = os.getloadavg()
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {RESULTS}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

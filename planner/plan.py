@@ -24,6 +24,7 @@ from planner.wsp import s_global, s_local
 from profiler.errors import ConfigError, PlanError, shown
 from profiler.files import atomic_write_text
 from profiler.inputs import load_document
+from profiler.precision import check_precision
 
 __all__ = [
     "PLAN_VERSION",
@@ -230,6 +231,7 @@ class Plan:
     sync: str = "wsp"  # the synchronisation rule across VWs (planner.sync.RULES): "wsp" (shards, D),
     # "allreduce" or "local"
     sync_params: SyncParams = ()  # the rule's parameters (planner.sync.check_sync_params)
+    precision: str = "fp32"  # "fp32" or "bf16" (autocast, fp32 master weights; profiler.precision)
     version: int = PLAN_VERSION
 
     @property
@@ -323,6 +325,7 @@ class Plan:
                 sync_params=check_sync_params(
                     d.get("sync", "wsp"), d.get("sync_params") or {}, source
                 ),
+                precision=check_precision(str(d.get("precision", "fp32")), f"{source}: precision"),
             )
         except KeyError as exc:
             raise PlanError(

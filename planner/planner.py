@@ -426,7 +426,12 @@ def _plan_allocation(
         s_max = max(len(g) for g in alloc.groups)
         scored = []
         for cand in _nm_candidates(plan_nm, s_max):
-            trial = _build(pl, alloc, cand, nm_max, *args, screen=True)
+            try:
+                trial = _build(pl, alloc, cand, nm_max, *args, screen=True)
+            except PlanError:  # the offloaded bytes exceed a node's host_memory at this Nm
+                if cand == 1 or pl.opts.memory == "keep":
+                    raise
+                continue
             scored.append((trial.predicted.throughput, -cand))
             log.debug(
                 "Nm=%d -> %.1f samples/s (%s)",
@@ -547,6 +552,7 @@ def make_plan(
     options: PlanOptions | None = None,
     reference_type: str | None = None,
     report: list[Candidate] | None = None,
+    precision: str = "fp32",
 ) -> Plan:
     """Plan HetPipe training of a model on a cluster.
 
@@ -568,6 +574,8 @@ def make_plan(
         reference_type: GPU type an imported profile of unknown hardware was measured on.
         report: with ``policy="auto"``, receives one :class:`~planner.auto_search.Candidate`
             row per allocation considered (for ``hetpipe plan``'s table).
+        precision: ``fp32`` or ``bf16``: float32 profiles are converted to bfloat16 bytes
+            (:meth:`profiler.table.Profile.at_precision`); the plan records it.
 
     Raises:
         PlanError, ProfileError, ConfigError: one line saying what is wrong and how to fix it.
@@ -585,8 +593,9 @@ def make_plan(
     original = cluster
     cluster = planning_view(cluster)
     by_type, provenance, model_name, batch = resolve_profiles(
-        cluster, profiles, model, batch_size, reference_type
+        cluster, profiles, model, batch_size, reference_type, precision
     )
+    by_type = {t: prof.at_precision(precision) for t, prof in by_type.items()}
     first_measured = next(
         (t for t, p in provenance.items() if not p.startswith(("analytic", "scaled"))), None
     )
@@ -616,7 +625,7 @@ def make_plan(
     if policy != "auto":
         plan = _plan_allocation(pl, allocate(cluster, policy, num_vws), *args)
         log.info("planned %s on %s in %.2f s", model_name, cluster.name, time.perf_counter() - t0)
-        return plan
+        return replace(plan, precision=precision)
 
     def bound(alloc: Allocation) -> float:
         worst = max(lower_bound_ms(cm, g) for g in alloc.groups)
@@ -634,7 +643,7 @@ def make_plan(
         reasons = [f"{'/'.join(r.signatures)}: {r.status}" for r in rows]
         raise PlanError("policy 'auto' found no feasible allocation: " + "; ".join(reasons[:3]))
     log.info("planned %s on %s in %.2f s", model_name, cluster.name, time.perf_counter() - t0)
-    return replace(best, policy=f"auto:{best.policy}")
+    return replace(best, policy=f"auto:{best.policy}", precision=precision)
 
 
 def plan(

@@ -99,7 +99,7 @@ def _fill(
 
 
 def _emulated(
-    cluster: Cluster, given: Mapping[str, Profile], model: str, batch: int
+    cluster: Cluster, given: Mapping[str, Profile], model: str, batch: int, precision: str = "fp32"
 ) -> tuple[dict[str, Profile], dict[str, str]]:
     """Profiles of an emulated cluster: a layer takes its CPU time divided by the node's speed.
 
@@ -111,7 +111,7 @@ def _emulated(
         base, src = given["cpu"], f"cpu {given['cpu'].meta.source}"
     else:
         try:
-            base, src = _cpu_profile(model, batch)
+            base, src = _cpu_profile(model, batch, precision)
         except (ModelError, ConfigError) as exc:
             raise ProfileError(
                 f"emulated cluster needs a cpu profile of {model!r} ({exc}); run 'hetpipe profile'"
@@ -149,7 +149,7 @@ def profile_cache_dir() -> Path | None:
     return Path(xdg) / "hetpipe"
 
 
-def _cache_path(model: str, batch: int) -> Path | None:
+def _cache_path(model: str, batch: int, precision: str = "fp32") -> Path | None:
     """Cache file of the measured CPU profile of ``model`` at ``batch`` on this machine.
 
     The key covers the model's graph (:func:`profiler.measure.profile_key`), not only its name.
@@ -162,13 +162,14 @@ def _cache_path(model: str, batch: int) -> Path | None:
     if root is None:
         return None
     host = f"{platform.machine()}|{platform.processor()}|{os.cpu_count()}|{torch.__version__}"
-    key = profile_key(model, batch, "cpu")
+    key = profile_key(model, batch, "cpu", precision)
     digest = hashlib.sha256(f"{model}|{batch}|{key}|{host}".encode()).hexdigest()[:16]
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model)[:40]
-    return root / "profiles" / f"cpu-{safe}-b{batch}-{digest}.csv"
+    tag = "" if precision == "fp32" else f"-{precision}"
+    return root / "profiles" / f"cpu-{safe}-b{batch}{tag}-{digest}.csv"
 
 
-def _cpu_profile(model: str, batch: int) -> tuple[Profile, str]:
+def _cpu_profile(model: str, batch: int, precision: str = "fp32") -> tuple[Profile, str]:
     """A single-threaded measured CPU profile of a small model, else the analytic estimate.
 
     Measured profiles are cached (:func:`profile_cache_dir`), so that plans made on the fly for
@@ -181,7 +182,7 @@ def _cpu_profile(model: str, batch: int) -> tuple[Profile, str]:
     from profiler.measure import measure_profile
     from profiler.models import resolve_model
 
-    path = _cache_path(model, batch)
+    path = _cache_path(model, batch, precision)
     if path is not None and path.exists():
         try:
             cached = load_profile(path)
@@ -197,7 +198,7 @@ def _cpu_profile(model: str, batch: int) -> tuple[Profile, str]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # emulated devices are single-threaded processes
     try:
-        prof = measure_profile(spec, "cpu", repeats=5, warmup=2, clock="cpu")
+        prof = measure_profile(spec, "cpu", repeats=5, warmup=2, clock="cpu", precision=precision)
     finally:
         torch.set_num_threads(threads)
     if path is not None:
@@ -215,8 +216,10 @@ def resolve_profiles(
     model: str | None,
     batch_size: int | None,
     reference_type: str | None = None,
+    precision: str = "fp32",
 ) -> tuple[dict[str, Profile], dict[str, str], str, int]:
-    """One profile per GPU type of ``cluster``.
+    """One profile per GPU type of ``cluster`` (an emulated cluster's CPU profile is measured
+    at ``precision``; others are converted by the caller, :meth:`Profile.at_precision`).
 
     Returns:
         ``(profile by type, provenance by type, model name, batch size)``.
@@ -243,7 +246,7 @@ def resolve_profiles(
     if "?" in given and _canonical_type(ref_type) is None:
         raise ConfigError(f"reference GPU type {ref_type!r} is not in the catalog")
     if cluster.emulated:
-        return (*_emulated(cluster, given, model_name, batch), model_name, batch)
+        return (*_emulated(cluster, given, model_name, batch, precision), model_name, batch)
     by_type: dict[str, Profile] = {}
     provenance: dict[str, str] = {}
     for gpu_type in dict.fromkeys(d.type for d in cluster.devices):

@@ -171,6 +171,21 @@ def _mutates_input(gm: fx.GraphModule, node: fx.Node) -> bool:
     return name.endswith("_") and not name.endswith("__")
 
 
+@dataclass(frozen=True)
+class _Ref:
+    """A reference to a graph value by node name in a stage's output structure (picklable,
+    unlike the ``fx.Node`` it stands for, which drags in the whole model graph)."""
+
+    name: str
+
+
+def _refs(structure: Any) -> Any:
+    """``structure`` (an fx output argument) with every node replaced by a :class:`_Ref`."""
+    return fx.node.map_aggregate(
+        structure, lambda a: cast("Any", _Ref(a.name)) if isinstance(a, fx.Node) else a
+    )
+
+
 class StageModule(nn.Module):
     """A range of layers as a module: crossing tensors in, crossing tensors out.
 
@@ -218,7 +233,7 @@ class StageModule(nn.Module):
         if self.output_structure is None:
             return tuple(env[n] for n in self.output_names)
         out = fx.node.map_aggregate(
-            self.output_structure, lambda a: env[a.name] if isinstance(a, fx.Node) else a
+            self.output_structure, lambda a: env[a.name] if isinstance(a, _Ref) else a
         )
         if self.out_spec is not None:
             return pytree.tree_unflatten(list(out), self.out_spec)
@@ -474,6 +489,10 @@ class ModelGraph:
             if inner is not None:
                 sub_graph = inner.graph
                 placeholders = [n for n in sub_graph.nodes if n.op == "placeholder"]
+                if any(isinstance(p.type, str) for p in placeholders):
+                    for p in placeholders:  # a postponed annotation ("Tensor") cannot be pickled
+                        p.type = None
+                    inner.recompile()
                 inner_in = tuple(n.name for n in placeholders)
                 out_arg = next(n for n in sub_graph.nodes if n.op == "output").args[0]
                 outs = out_arg if isinstance(out_arg, (tuple, list)) else (out_arg,)
@@ -488,7 +507,7 @@ class ModelGraph:
             )
             last = s == n_stages - 1
             out_names = () if last else self.cut_names(bounds[s + 1])
-            structure = output_node.args[0] if last else None
+            structure = _refs(output_node.args[0]) if last else None
             result.append(
                 StageModule(
                     inner,

@@ -135,6 +135,44 @@ class Profile:
 
         return [sum(int(acts[i]) for i in cross) for cross in crossing_sets(self.input_indices())]
 
+    def at_precision(self, precision: str) -> Profile:
+        """This profile's bytes under ``precision`` (:mod:`profiler.precision`): a float32 profile
+        planned for ``bf16`` gets bfloat16 activations and saved tensors plus the bfloat16 weight
+        copy autograd saves (:func:`profiler.precision.bf16_memory`); its times stay as measured.
+
+        Raises:
+            ProfileError: a bfloat16 profile asked for ``fp32`` (re-profile in float32).
+        """
+        from profiler.precision import bf16_memory, dtype_name
+
+        want = dtype_name(precision)
+        if self.meta.dtype == want:
+            return self
+        if self.meta.dtype != "float32" or want != "bfloat16":
+            raise ProfileError(
+                f"profile of {self.meta.model!r} is {self.meta.dtype}, the plan is {precision}: "
+                f"profile again with 'hetpipe profile --precision {precision}'"
+            )
+        table = self.table.copy()
+        acts, saved = (
+            zip(
+                *(
+                    bf16_memory(int(a), int(s), int(p))
+                    for a, s, p in zip(
+                        table["act_bytes"], table["saved_bytes"], table["param_bytes"], strict=True
+                    )
+                ),
+                strict=True,
+            )
+            if len(table)
+            else ((), ())
+        )
+        table["act_bytes"] = np.array(acts, dtype=np.int64)
+        table["saved_bytes"] = np.array(saved, dtype=np.int64)
+        table["mem_per_mb_bytes"] = table["saved_bytes"] + table["param_bytes"]
+        extra = {**self.meta.extra, "precision": f"{precision} (bytes from a float32 profile)"}
+        return self.with_table(table, dtype=want, extra=extra)
+
     def with_table(self, table: pd.DataFrame, **meta: Any) -> Profile:
         """A copy with another table and some metadata fields replaced."""
         return Profile(table.reset_index(drop=True), replace(self.meta, **meta))

@@ -86,6 +86,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--resume", action="store_true", help="continue from --out/checkpoints")
     p.add_argument("--timeout", type=float, default=TIMEOUT_S)
+    p.add_argument("--precision", default="", help="fp32 or bf16 (default: the plan's)")
     p.add_argument("--calibration", type=Path, default=None)
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         a.vw = a.vw or 0
         run = RunConfig(
             steps=a.steps, epochs=a.epochs, time_limit_s=a.time_limit, seed=a.seed, nm=a.nm,
-            timeout_s=a.timeout, out_dir=a.out,
+            timeout_s=a.timeout, out_dir=a.out, precision=a.precision or plan.precision,
         )  # fmt: skip
         from runtime.data import default_dataset
         from runtime.stage.model import resolve_source
@@ -173,6 +174,7 @@ def _main_wsp(a: argparse.Namespace, plan: Plan, rank: int, world: int) -> int:
     run = RunConfig(
         steps=a.steps, epochs=a.epochs, time_limit_s=a.time_limit, seed=a.seed, nm=a.nm,
         timeout_s=a.timeout, out_dir=a.out, emulate=a.calibration is not None,
+        precision=a.precision or plan.precision,
     )  # fmt: skip
     ckpt = a.out / "checkpoints" if a.out is not None else None
     cfg = WSPConfig(D=a.D, checkpoint_dir=ckpt, checkpoint_every=a.checkpoint_every,
@@ -196,7 +198,7 @@ def _main_wsp(a: argparse.Namespace, plan: Plan, rank: int, world: int) -> int:
         vw_samples = min(len(d) for d in data)
         horizon = wsp_steps(run, nm, 0, vw_samples, plan.batch_size)
         settings = job_settings(source.name, plan.to_json(), nm, D, a.seed, cfg.test_fraction,
-                                f"{type(ds).__name__}:{len(ds)}", opt, horizon)  # type: ignore[arg-type]  # fmt: skip
+                                f"{type(ds).__name__}:{len(ds)}", opt, horizon, run.precision)  # type: ignore[arg-type]  # fmt: skip
         attempt = "-".join(os.environ.get(k, "0") for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"))  # fmt: skip
         run_id = attempt
         if a.resume:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,7 @@ from planner.planner import make_plan
 from profiler.errors import ConfigError
 from profiler.graph import ModelGraph
 from profiler.models import keyword_spec
+from profiler.precision import check_precision
 from runtime.config import LossFn, ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.defaults import TIMEOUT_S
 from runtime.run import run_plan
@@ -50,17 +52,20 @@ def make_single_vw_plan(
     cluster: Cluster | None = None,
     stages: int = 0,
     cuts: tuple[int, ...] | None = None,
+    precision: str = "fp32",
 ) -> Plan:
     """A one-VW plan, made by the planner: ``planner.planner.make_plan`` (policy ``ed``, one VW)
     for a named model on a cluster when no cuts are forced, else a hand cut
     (:func:`planner.manual.hand_cut_plan`) splitting the parameters evenly over ``stages``."""
     if cluster is not None and cuts is None and not stages and source.ref is not None:
         return make_plan(
-            cluster, model=source.ref, batch_size=batch_size, nm=nm or None, num_vws=1, policy="ed"
-        )
+            cluster, model=source.ref, batch_size=batch_size, nm=nm or None, num_vws=1,
+            policy="ed", precision=precision,
+        )  # fmt: skip
     spec = resolve_source(source, batch_size, meta=source.module is None)
     graph = ModelGraph.from_spec(spec)
-    return hand_cut_plan(graph, source.name, batch_size, nm, cluster, stages, cuts)
+    hand = hand_cut_plan(graph, source.name, batch_size, nm, cluster, stages, cuts)
+    return replace(hand, precision=precision)
 
 
 def _module_source(
@@ -116,6 +121,7 @@ def train(
     D: int | None = None,
     checkpoint_every: int = 0,
     vw: int = -1,
+    precision: str = "",
 ) -> RunResult | WSPResult | DDPResult:
     """Train ``model`` with any plan on this host: what ``hetpipe run`` does, through the same
     entry (:func:`runtime.run.run_plan`): several VWs through the WSP parameter servers, one
@@ -145,6 +151,8 @@ def train(
         D: WSP clock-distance threshold of a plan with shards (``None`` = the plan's).
         checkpoint_every: with shards and ``out_dir``, checkpoint every K global clocks.
         vw: train only this VW of the plan, without parameter servers (-1 = every VW).
+        precision: ``fp32`` or ``bf16`` (autocast, fp32 master weights, bfloat16 activations
+            across cuts); ``""`` = the plan's (``fp32`` for a plan made here).
 
     Returns:
         One VW: the :class:`RunResult` (losses, throughput, per-stage measurements, final
@@ -170,7 +178,9 @@ def train(
         source = _module_source(model, dataset, loss_fn, batch_size)
     if given is None:
         cl = load_cluster(cluster) if isinstance(cluster, (str, os.PathLike)) else cluster
-        the_plan = make_single_vw_plan(source, batch_size, nm, cl, stages, cuts)
+        the_plan = make_single_vw_plan(
+            source, batch_size, nm, cl, stages, cuts, check_precision(precision or "fp32")
+        )
     else:
         the_plan = given
     run = RunConfig(
@@ -184,6 +194,7 @@ def train(
         emulate=emulate,
         return_state=return_state,
         progress=progress,
+        precision=precision,
     )
     wsp = WSPConfig(D=D, checkpoint_every=checkpoint_every)
     return run_plan(the_plan, source, optimizer, run, wsp, dataset, vw=vw)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from profiler.errors import ConfigError
+from profiler.precision import check_precision
 from runtime.defaults import TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -82,19 +83,24 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class ModelSource:
-    """Where a stage process gets its model from.
+    """Where a process gets its model from.
 
     Exactly one of ``ref`` (a built-in name or ``package.module:factory``, rebuilt in each
-    process on the meta device when possible) and ``module`` (the user's module, pickled
-    into each process) is set.
+    process, on the meta device when possible), ``module`` (the user's module), ``stage``
+    and ``weights`` is set. The last two are what a process receives for a user's module
+    (:func:`runtime.stage.model.ship_stage`, :func:`~runtime.stage.model.ship_shard`): a stage
+    process only its stage, a parameter-server shard only its initial weights.
 
     Attributes:
         ref: model reference for :func:`profiler.models.resolve_model`.
         module: the user's model.
         sample_inputs: one minibatch of inputs for tracing ``module``.
         sample_targets: one minibatch of targets for ``module``.
-        input_names: keyword names of ``sample_inputs`` (``module(**batch)``); ``()`` = positional.
         loss: loss function; ``None`` = the model spec's (cross-entropy by default).
+        input_names: keyword names of ``sample_inputs`` (``module(**batch)``); ``()`` = positional.
+        stage: one built stage (a :class:`runtime.stage.model.BuiltStage`).
+        weights: initial weights by original parameter name (a shard's).
+        cache: the launcher's memo of built stages per ``(batch, cuts)`` (never pickled).
     """
 
     ref: str | None = None
@@ -103,9 +109,13 @@ class ModelSource:
     sample_targets: Tensor | None = None
     loss: LossFn | None = None
     input_names: tuple[str, ...] = ()
+    stage: Any = None
+    weights: dict[str, Tensor] | None = None
+    cache: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if (self.ref is None) == (self.module is None):
+        given = [x is not None for x in (self.ref, self.module, self.stage, self.weights)]
+        if sum(given) != 1:
             raise ConfigError(
                 "give a model reference (e.g. 'mlp') or an nn.Module, not both or neither"
             )
@@ -117,28 +127,38 @@ class ModelSource:
     @property
     def name(self) -> str:
         """Display name of the model."""
-        return self.ref if self.ref is not None else type(self.module).__name__
+        if self.ref is not None:
+            return self.ref
+        if self.stage is not None:
+            return str(self.stage.model_name)
+        return type(self.module).__name__ if self.module is not None else "weights"
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickle the user's module as one ``torch.save`` blob.
+        """Pickle the module, stage or weights as one ``torch.save`` blob each.
 
         ``multiprocessing`` would otherwise share every tensor through its own file
         descriptor (``too many fds`` for a ResNet-50) and every stage process would see the
         *same* storage, so one stage's update of a tied weight would reach the other.
         """
         state = dict(self.__dict__)
-        if self.module is not None:
-            buf = io.BytesIO()
-            torch.save(self.module, buf)
-            state["module"] = buf.getvalue()
+        state["cache"] = {}
+        for key in _BLOBS:
+            if state[key] is not None:
+                buf = io.BytesIO()
+                torch.save(state[key], buf)
+                state[key] = buf.getvalue()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        if isinstance(state.get("module"), bytes):
-            # our own blob from __getstate__ (the module's classes must be importable)
-            state["module"] = torch.load(io.BytesIO(state["module"]), weights_only=False)
+        for key in _BLOBS:
+            if isinstance(state.get(key), bytes):
+                # our own blob from __getstate__ (the module's classes must be importable)
+                state[key] = torch.load(io.BytesIO(state[key]), weights_only=False)
         for key, value in state.items():
             object.__setattr__(self, key, value)
+
+
+_BLOBS = ("module", "stage", "weights")
 
 
 @dataclass(frozen=True)
@@ -159,6 +179,8 @@ class RunConfig:
         log_every: minibatches between metric log lines.
         flush_every_wave: baseline mode for benchmarks: admit the next ``Nm`` minibatches only
             when the whole previous wave finished (a pipeline flush, as GPipe/1F1B schedules do).
+        precision: ``fp32`` or ``bf16`` (autocast, fp32 master weights, bfloat16 activations
+            across cuts: :mod:`profiler.precision`); ``""`` = the plan's.
     """
 
     steps: int = 0
@@ -173,8 +195,11 @@ class RunConfig:
     progress: bool = False
     log_every: int = 10
     flush_every_wave: bool = False
+    precision: str = ""
 
     def __post_init__(self) -> None:
+        if self.precision:
+            check_precision(self.precision)
         if self.steps < 0 or self.epochs < 0 or self.time_limit_s < 0:
             raise ConfigError(
                 f"--steps/--epochs/--time-limit must be >= 0, got {self.steps}/{self.epochs}/{self.time_limit_s}"

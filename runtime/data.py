@@ -52,7 +52,9 @@ class SyntheticDataset(Dataset[tuple[Any, Tensor]]):
     """Seeded random samples shaped like one row of a model's sample minibatch.
 
     Float inputs are standard normal; integer inputs and targets are uniform in
-    ``[0, classes)``. Sample ``i`` depends only on ``(seed, i)``.
+    ``[0, classes)``, or in the range of the sample minibatch's values when ``ranges`` gives
+    one (token ids below the vocabulary, an attention mask of ones, class labels below the
+    number of classes). Sample ``i`` depends only on ``(seed, i)``.
 
     Args:
         input_shapes: per-sample shape of each input (batch dimension removed).
@@ -63,6 +65,8 @@ class SyntheticDataset(Dataset[tuple[Any, Tensor]]):
         size: number of samples.
         seed: data seed.
         input_names: keyword names of the inputs (samples are then ``({name: x}, y)``).
+        ranges: inclusive ``(low, high)`` of each integer input's values, in input order
+            (``None``: ``[0, classes)``); ``()``: none known.
     """
 
     def __init__(
@@ -75,6 +79,7 @@ class SyntheticDataset(Dataset[tuple[Any, Tensor]]):
         size: int = 4096,
         seed: int = 0,
         input_names: tuple[str, ...] = (),
+        ranges: tuple[tuple[int, int] | None, ...] = (),
     ) -> None:
         self.input_shapes = input_shapes
         self.input_dtypes = input_dtypes
@@ -84,20 +89,28 @@ class SyntheticDataset(Dataset[tuple[Any, Tensor]]):
         self.size = size
         self.seed = seed
         self.input_names = input_names
+        self.ranges = ranges or (None,) * len(input_shapes)
 
     def __len__(self) -> int:
         return self.size
 
-    def _tensor(self, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> Tensor:
+    def _tensor(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        gen: torch.Generator,
+        span: tuple[int, int] | None = None,
+    ) -> Tensor:
         if dtype.is_floating_point:
             return torch.randn(shape, generator=gen, dtype=dtype)
-        return torch.randint(0, self.classes, shape, generator=gen, dtype=dtype)
+        low, high = span if span is not None else (0, self.classes - 1)
+        return torch.randint(low, high + 1, shape, generator=gen, dtype=dtype)
 
     def __getitem__(self, i: int) -> tuple[Any, Tensor]:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
         xs = tuple(
-            self._tensor(s, d, gen)
-            for s, d in zip(self.input_shapes, self.input_dtypes, strict=True)
+            self._tensor(s, d, gen, r)
+            for s, d, r in zip(self.input_shapes, self.input_dtypes, self.ranges, strict=True)
         )
         y = self._tensor(self.target_shape, self.target_dtype, gen)
         if self.input_names:  # a model called with keyword inputs gets dict samples
@@ -136,7 +149,18 @@ def default_dataset(
         sample_targets.dtype,
         _BUILTIN_CLASSES.get(model_name, 10),
         input_names=input_names,
+        ranges=tuple(_value_range(x) for x in sample_inputs),
     )
+
+
+def _value_range(sample: Tensor) -> tuple[int, int] | None:
+    """The ``(min, max)`` of an integer sample input with real values (``None``: a float or
+    bool input, or one on the meta device)."""
+    if sample.dtype.is_floating_point or sample.dtype == torch.bool or sample.numel() == 0:
+        return None
+    if sample.device.type == "meta":
+        return None
+    return int(sample.min()), int(sample.max())
 
 
 def _gather(dataset: Dataset[Any], idx: list[int]) -> tuple[Tensor, Tensor] | None:

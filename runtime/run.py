@@ -66,6 +66,10 @@ def run_plan(
     """
     how = launcher_for(plan, vw)
     run = default_length(run or RunConfig(), plan, how)
+    if not run.precision:
+        run = replace(run, precision=plan.precision)
+    if run.precision != "fp32" and how == "allreduce":
+        raise ConfigError("--precision bf16 is for pipelines (hetpipe plans); AllReduce runs fp32")
     if how == "allreduce":
         from runtime.launch.ddp import run_allreduce
 

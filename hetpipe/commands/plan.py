@@ -273,6 +273,10 @@ def plan(
     backups: BackupsOpt = None,
     tau: TauOpt = None,
     alpha: AlphaOpt = None,
+    precision: Annotated[
+        str,
+        typer.Option(help="fp32 | bf16: the memory model's bytes (autocast, fp32 master weights)"),
+    ] = "fp32",
 ) -> None:
     """Plan HetPipe training (see HELP)."""
     from planner.costmodel import load_links
@@ -324,6 +328,7 @@ def plan(
                 ),
                 reference_type=profile_gpu,
                 report=candidates,
+                precision=precision,
             )
         )
     result = apply_rule(result, sync, rule)

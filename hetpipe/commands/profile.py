@@ -147,6 +147,9 @@ def profile(
     links: Annotated[
         bool, typer.Option("--links", help="measure point-to-point link latency and bandwidth")
     ] = False,
+    precision: Annotated[
+        str, typer.Option(help="fp32 | bf16: measure under bfloat16 autocast")
+    ] = "fp32",
 ) -> None:
     """Write per-layer profiles (or links.yaml) to ``-o``."""
     import torch
@@ -214,6 +217,6 @@ def profile(
     spec = resolve_model(model, bs)
     with _progress(f"profiling {model} (batch {bs}) on {dev}") as update:
         prof = measure_profile(
-            spec, dev, types[0] if types else None, repeats, warmup, update, clock
+            spec, dev, types[0] if types else None, repeats, warmup, update, clock, precision
         )
     _summary(prof, prof.save(_target(output, prof)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -43,6 +44,7 @@ def _load(
     vws: int,
     D: int,
     policy: str | None = None,
+    precision: str = "fp32",
 ) -> Plan:
     """The plan in ``path`` (checked against its model), or a plan made on the fly for the
     cluster in ``path`` with the planner's defaults (the same as ``hetpipe plan``), or a hand
@@ -58,7 +60,8 @@ def _load(
         from runtime.api import make_single_vw_plan
         from runtime.config import ModelSource
 
-        return make_single_vw_plan(ModelSource(ref=model or "mlp"), batch_size, nm, cluster, stages)
+        hand = make_single_vw_plan(ModelSource(ref=model or "mlp"), batch_size, nm, cluster, stages)
+        return replace(hand, precision=precision)
     from planner.planner import make_plan
 
     return make_plan(
@@ -69,6 +72,7 @@ def _load(
         num_vws=vws or None,
         policy=policy,
         D=D,
+        precision=precision,
     )
 
 
@@ -188,6 +192,10 @@ def run(
         bool, typer.Option(help="pace emulated devices and enforce their memory caps")
     ] = True,
     progress: Annotated[bool, typer.Option(help="show a progress bar")] = True,
+    precision: Annotated[
+        str | None,
+        typer.Option(help="fp32 or bf16 (autocast, fp32 master weights; default: the plan's)"),
+    ] = None,
 ) -> None:
     """Train a plan (all its VWs through WSP, one VW, or the AllReduce baseline); print the summary."""
     from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
@@ -220,7 +228,8 @@ def run(
             if sync == "allreduce":
                 plan = _load_allreduce(path, model, batch_size, cfg)
             else:
-                plan = _load(path, model, batch_size, nm, stages, vws, staleness or 0, policy)
+                plan = _load(path, model, batch_size, nm, stages, vws, staleness or 0, policy,
+                             precision or "fp32")  # fmt: skip
     if model is not None and model != plan.model:
         raise ConfigError(
             f"--model {model} does not match the plan's model {plan.model!r}; drop --model"
@@ -236,6 +245,7 @@ def run(
         timeout_s=timeout,
         emulate=emulate,
         progress=progress,
+        precision=precision or "",
     )
     wsp = WSPConfig(
         D=staleness,

@@ -226,7 +226,8 @@ def allreduce_for_plan(
     if profiles:
         from planner.costmodel import CostModel
 
-        cm = CostModel(dict(profiles), cluster.link, plan.optimizer_state_factor)
+        at = {t: prof.at_precision(plan.precision) for t, prof in profiles.items()}
+        cm = CostModel(at, cluster.link, plan.optimizer_state_factor)
         need = cm.model_memory_bytes(1)
         params = cm.total_param_bytes()
         whole = {t: float(cm.compute_ms(t)[-1]) for t in cm.types}

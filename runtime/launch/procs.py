@@ -23,7 +23,7 @@ from runtime.ps.core import ShardCore
 from runtime.ps.layout import ShardSpec
 from runtime.ps.server import ShardServer
 from runtime.stage.job import StageJob
-from runtime.stage.model import reference_module
+from runtime.stage.model import initial_weights, ship_shard
 from runtime.stage.worker import StageWorker
 from runtime.sync.registry import shard_backups, shard_fold
 from runtime.sync.rule import SyncSpec
@@ -63,6 +63,12 @@ class ShardJob:
     world_size: int = 1
     fault: ShardFault | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled for the shard's process: of a user's module, only the shard's weights."""
+        state = dict(self.__dict__)
+        state["source"] = ship_shard(self.source, [p.name for p in self.spec.params])
+        return state
+
     @property
     def where(self) -> str:
         """Log prefix ``shard 0 | rank 0 | node A``."""
@@ -91,8 +97,7 @@ def _shard_core(job: ShardJob) -> ShardCore:
         name = f"shard-{job.spec.id}"
         state = shard_from_payload(load_part(manifest, name), manifest.path / f"{name}.pt")
         return ShardCore(job.spec, state=state, fold=fold, backups=backups)
-    module, names, _ = reference_module(job.source, job.batch_size, job.seed)
-    init = {names[n]: p.detach() for n, p in module.named_parameters()}
+    init = initial_weights(job.source, job.batch_size, job.seed)
     return ShardCore(job.spec, job.spec.flatten(init), fold=fold, backups=backups)
 
 

@@ -49,7 +49,6 @@ from runtime.results.timeline import describe_run
 from runtime.results.wsp import WSPResult, evaluate, export_snapshot
 from runtime.stage.job import StageJob
 from runtime.stage.model import resolve_source
-from runtime.stage.tied import check_untied_for_ps
 from runtime.sync.rule import SyncSpec
 
 __all__ = ["launch_wsp", "shard_specs", "snapshot_parts", "split_data", "wsp_steps"]
@@ -193,13 +192,12 @@ def _launch(
     )  # fmt: skip
     shards_data, test = split_data(ds, n_vws, cfg.test_fraction, run.seed)
     graph = ModelGraph.from_spec(spec)
-    check_untied_for_ps(graph, plan)
     shapes = {n: tuple(p.shape) for n, p in spec.module.named_parameters()}
     specs, _ = shard_specs(plan, graph, shapes, D)
     vw_samples = min(len(s) for s in shards_data)
     horizon = wsp_steps(run, nm, 0, vw_samples, plan.batch_size)
     settings = job_settings(source.name, plan.to_json(), nm, D, run.seed, cfg.test_fraction,
-                            f"{type(ds).__name__}:{len(ds)}", optimizer, horizon)  # type: ignore[arg-type]  # fmt: skip
+                            f"{type(ds).__name__}:{len(ds)}", optimizer, horizon, run.precision)  # type: ignore[arg-type]  # fmt: skip
     manifest = _resume_from(cfg, owner, settings)
     first_wave = manifest.clock if manifest is not None else 0
     if cfg.checkpoint_dir is not None:

@@ -26,6 +26,7 @@ from types import TracebackType
 from typing import Any
 
 from profiler.errors import ConfigError, HetPipeRuntimeError
+from profiler.precision import dtype_name
 
 __all__ = [
     "LOCK_FILE",
@@ -46,6 +47,7 @@ _FLAGS = {
     "optimizer.name": "--optimizer", "optimizer.lr": "--lr", "optimizer.momentum": "--momentum",
     "optimizer.weight_decay": "--weight-decay", "optimizer.schedule": "--schedule",
     "schedule_horizon": "--steps/--epochs (the cosine schedule's horizon)",
+    "precision": "--precision",
 }  # fmt: skip
 
 
@@ -153,6 +155,7 @@ def job_settings(
     data: str,
     optimizer: Any,
     horizon: int,
+    precision: str = "fp32",
 ) -> tuple[tuple[str, str], ...]:
     """The settings that change a run's result, as text (recorded in every snapshot).
 
@@ -164,6 +167,7 @@ def job_settings(
         optimizer: the stages' :class:`runtime.config.OptimizerConfig`.
         horizon: minibatches per VW of the whole run (recorded only for the cosine schedule,
             whose learning rates depend on it; otherwise a longer run is a safe change).
+        precision: ``fp32`` or ``bf16`` (recorded as ``float32``/``bfloat16``).
     """
     opt = {
         f"optimizer.{f.name}": repr(getattr(optimizer, f.name))
@@ -172,7 +176,7 @@ def job_settings(
     }
     plan = hashlib.sha256(plan_json.encode()).hexdigest()[:16]
     out = {"model": model, "plan": plan, "nm": str(nm), "D": str(D), "seed": str(seed),
-           "test_fraction": repr(test_fraction), "data": data, "precision": "float32", **opt}  # fmt: skip
+           "test_fraction": repr(test_fraction), "data": data, "precision": dtype_name(precision or "fp32"), **opt}  # fmt: skip
     if getattr(optimizer, "schedule", "") == "cosine":
         out["schedule_horizon"] = str(optimizer.total_updates or horizon)
     return tuple(sorted(out.items()))

@@ -12,6 +12,7 @@ metadata travels.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -25,6 +26,7 @@ from torch import Tensor
 
 from profiler.errors import ModelError
 from profiler.graph import ModelGraph
+from profiler.precision import wire_dtype
 
 __all__ = [
     "Channel",
@@ -33,6 +35,7 @@ __all__ = [
     "TensorSpec",
     "cut_specs",
     "start_activation_receiver",
+    "wire_specs",
 ]
 
 log = logging.getLogger(__name__)
@@ -58,8 +61,15 @@ class TensorSpec:
         return torch.empty(self.shape, dtype=self.dtype)
 
 
-def cut_specs(graph: ModelGraph, cut: int) -> tuple[TensorSpec, ...]:
-    """The tensors crossing cut ``cut`` in the order stage modules use (``graph.cut_names``).
+def wire_specs(specs: tuple[TensorSpec, ...], precision: str) -> tuple[TensorSpec, ...]:
+    """``specs`` as they travel under ``precision``: floating-point tensors in bfloat16 under
+    ``bf16`` (:func:`profiler.precision.wire_dtype`)."""
+    return tuple(dataclasses.replace(s, dtype=wire_dtype(s.dtype, precision)) for s in specs)
+
+
+def cut_specs(graph: ModelGraph, cut: int, precision: str = "fp32") -> tuple[TensorSpec, ...]:
+    """The tensors crossing cut ``cut`` in the order stage modules use (``graph.cut_names``),
+    as they travel under ``precision`` (:func:`wire_specs`).
 
     Raises:
         ModelError: a crossing value is not a single tensor (e.g. a tuple output).
@@ -74,7 +84,11 @@ def cut_specs(graph: ModelGraph, cut: int) -> tuple[TensorSpec, ...]:
                 "move the cut so it does not separate a tuple from its getitem"
             )
         specs.append(
-            TensorSpec(graph.layers[i].name, tuple(int(d) for d in meta.shape), meta.dtype)
+            TensorSpec(
+                graph.layers[i].name,
+                tuple(int(d) for d in meta.shape),
+                wire_dtype(meta.dtype, precision),
+            )
         )
     return tuple(specs)
 

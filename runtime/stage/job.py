@@ -102,6 +102,15 @@ class StageJob:
     world_size: int = 1
     agree_stop: bool = False
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled for the stage's process: of a user's module, only this stage
+        (:func:`runtime.stage.model.ship_stage`, split once per cut list in the launcher)."""
+        from runtime.stage.model import ship_stage
+
+        state = dict(self.__dict__)
+        state["source"] = ship_stage(self.source, self.ctx.batch_size, self.ctx.cuts, self.ctx.stage)
+        return state
+
     @property
     def first_mb(self) -> int:
         """Minibatches trained before this run (a resumed run's position)."""

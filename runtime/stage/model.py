@@ -9,11 +9,15 @@ cuts (:func:`reference_module`) has bit-identical initial weights. Models with a
 buffer owner that has no ``reset_parameters`` (e.g. a bare positional-embedding parameter)
 fall back to building the whole model on CPU under ``torch.manual_seed(seed)`` first.
 
-A user's ``nn.Module`` keeps its own initial weights: it is split as given.
+A user's ``nn.Module`` keeps its own initial weights: it is split as given, once per cut list,
+in the launcher (:func:`ship_stage`); each stage process receives its stage alone and each
+parameter-server shard its own initial weights (:func:`ship_shard`), as one ``torch.save``
+blob each (:class:`runtime.config.ModelSource`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import zlib
 from collections.abc import Sequence
@@ -27,31 +31,75 @@ from profiler.errors import ModelError
 from profiler.graph import ModelGraph, StageModule
 from profiler.models import ModelSpec, output_loss, resolve_model, resolve_model_for_graph
 from runtime.config import LossFn, ModelSource
+from runtime.stage.comm import TensorSpec, cut_specs
+from runtime.stage.tied import TiedParam, tied_params
 
-__all__ = ["BuiltStage", "build_stage", "original_names", "reference_module", "resolve_source"]
+__all__ = [
+    "BuiltStage",
+    "build_stage",
+    "initial_weights",
+    "original_names",
+    "reference_module",
+    "resolve_source",
+    "ship_shard",
+    "ship_stage",
+]
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class BuiltStage:
-    """A materialised stage with what the worker needs from the graph.
+    """A materialised stage with what the worker needs from the graph (all of it picklable,
+    the graph aside: a shipped stage has none).
 
     Attributes:
         module: the stage module (only this stage's parameters exist).
-        graph: the model graph (parameters on ``meta`` when built that way).
-        spec: the model spec (sample batch possibly on ``meta``; shapes and dtypes are valid).
         loss: the loss function.
         names: stage parameter name -> original model parameter name.
         meta_built: whether the model was built on the meta device.
+        cuts, stage: which stage of which split this is.
+        in_specs, out_specs: the tensors crossing its first and last cut (the graph's dtypes).
+        tied: its VW's tied parameters (:func:`runtime.stage.tied.tied_params`).
+        input_names: keyword names of the model inputs (``()``: positional).
+        inputs, targets: the sample minibatch (possibly on ``meta``; shapes and dtypes valid).
+        model_name: the model's display name.
+        graph: the model graph (parameters on ``meta`` when built that way); ``None`` when shipped.
     """
 
     module: StageModule
-    graph: ModelGraph
-    spec: ModelSpec
     loss: LossFn
     names: dict[str, str]
     meta_built: bool
+    cuts: tuple[int, ...]
+    stage: int
+    in_specs: tuple[TensorSpec, ...]
+    out_specs: tuple[TensorSpec, ...]
+    tied: dict[str, TiedParam]
+    input_names: tuple[str, ...]
+    inputs: tuple[Tensor, ...]
+    targets: Tensor
+    model_name: str
+    graph: ModelGraph | None = None
+
+
+def _built(
+    graph: ModelGraph,
+    spec: ModelSpec,
+    module: StageModule,
+    loss: LossFn,
+    cuts: Sequence[int],
+    stage: int,
+    meta_built: bool,
+) -> BuiltStage:
+    bounds = [0, *cuts, len(graph.layers)]
+    last = stage == len(cuts)
+    return BuiltStage(
+        module, loss, original_names(graph, module), meta_built, tuple(cuts), stage,
+        cut_specs(graph, bounds[stage]) if stage > 0 else (),
+        () if last else cut_specs(graph, bounds[stage + 1]),
+        tied_params(graph, cuts), graph.input_names, spec.inputs, spec.targets, spec.name, graph,
+    )  # fmt: skip
 
 
 def _key_seed(seed: int, name: str) -> int:
@@ -125,8 +173,17 @@ def build_stage(
     """Build stage ``stage`` of the model split at ``cuts``, with deterministic weights.
 
     Raises:
-        ModelError: the model cannot be built, traced or split at ``cuts``.
+        ModelError: the model cannot be built, traced or split at ``cuts``, or a shipped
+            stage is another one.
     """
+    if source.stage is not None:
+        built: BuiltStage = source.stage
+        if (built.cuts, built.stage) != (tuple(cuts), stage):
+            raise ModelError(
+                f"received stage {built.stage} of cuts {list(built.cuts)}, not stage {stage} of "
+                f"{list(cuts)}: the launcher shipped the wrong stage"
+            )
+        return built
     if source.module is not None:
         spec = resolve_source(source, batch_size, meta=False)
         graph = ModelGraph.from_spec(spec)
@@ -135,7 +192,42 @@ def build_stage(
     else:
         spec, graph, module, meta_built = _build_from_ref(source, batch_size, cuts, stage, seed)
     loss = source.loss if source.loss is not None else spec.loss
-    return BuiltStage(module, graph, spec, loss, original_names(graph, module), meta_built)
+    return _built(graph, spec, module, loss, cuts, stage, meta_built)
+
+
+def ship_stage(
+    source: ModelSource, batch_size: int, cuts: Sequence[int], stage: int
+) -> ModelSource:
+    """What the process of stage ``stage`` receives: of a user's module, that stage alone
+    (the module is split once per cut list here and the stages kept in ``source.cache``; they
+    share the module's parameters, so its initial weights are kept); a model reference as it
+    is (the process builds only its stage from it, :func:`build_stage`).
+
+    Raises:
+        ModelError: the module cannot be captured or split at ``cuts``.
+    """
+    if source.module is None:
+        return source
+    key = ("stages", batch_size, tuple(cuts))
+    if key not in source.cache:
+        spec = resolve_source(source, batch_size, meta=False)
+        graph = ModelGraph.from_spec(spec)
+        loss = source.loss if source.loss is not None else spec.loss
+        source.cache[key] = [
+            _built(graph, spec, m, loss, cuts, s, False)
+            for s, m in enumerate(graph.build_stages(cuts))
+        ]
+    built = dataclasses.replace(source.cache[key][stage], graph=None)
+    return ModelSource(stage=built, input_names=source.input_names)
+
+
+def ship_shard(source: ModelSource, names: Sequence[str]) -> ModelSource:
+    """What a parameter-server shard receives: of a user's module, the initial weights of the
+    parameters ``names`` (original names) alone; a model reference as it is."""
+    if source.module is None:
+        return source
+    params = dict(source.module.named_parameters(remove_duplicate=False))
+    return ModelSource(weights={n: params[n].detach().clone() for n in names})
 
 
 def _build_from_ref(
@@ -176,6 +268,15 @@ def reference_module(
     """
     built = build_stage(source, batch_size, (), 0, seed)
     return built.module, built.names, built.loss
+
+
+def initial_weights(source: ModelSource, batch_size: int, seed: int) -> dict[str, Tensor]:
+    """The initial weights every pipeline starts from, by original name (a shard's own when
+    it received only those, :func:`ship_shard`)."""
+    if source.weights is not None:
+        return source.weights
+    module, names, _ = reference_module(source, batch_size, seed)
+    return {names[n]: p.detach() for n, p in module.named_parameters()}
 
 
 def sample_batch(spec: ModelSpec) -> tuple[tuple[Tensor, ...], Tensor]:

@@ -10,37 +10,38 @@ input gradients first, so the all-reduce cannot deadlock.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from planner.plan import Plan
-from profiler.errors import ConfigError
 from profiler.graph import ModelGraph
 
-__all__ = ["TiedGrads", "check_untied_for_ps"]
+__all__ = ["TiedGrads", "TiedParam", "tied_params"]
 
 
-def check_untied_for_ps(graph: ModelGraph, plan: Plan) -> None:
-    """Parameter servers keep one copy of each parameter per VW stage that owns it: a tied
-    parameter split over two stages cannot go through them yet.
+@dataclass(frozen=True)
+class TiedParam:
+    """Where a tied parameter lives in one virtual worker.
 
-    Raises:
-        ConfigError: a virtual worker's cuts put a tied parameter on two stages.
+    Attributes:
+        owner: the stage of the layer that owns it (first use): the one that pushes it to and
+            pulls it from the parameter servers.
+        holders: every stage holding a copy (the owner included), sorted.
     """
-    for k, worker in enumerate(plan.virtual_workers):
-        cuts = tuple(st.first_index for st in worker.stages[1:])
-        shared = graph.shared_params(cuts)
-        if shared:
-            name, stages = next(iter(sorted(shared.items())))
-            raise ConfigError(
-                f"plan: VW {k} holds the tied parameter {name!r} on stages {list(stages)}; "
-                "several VWs (parameter servers) need each parameter on one stage: untie it "
-                "(e.g. config.tie_word_embeddings=False) or train one VW (--vw 0)"
-            )
+
+    owner: int
+    holders: tuple[int, ...]
+
+
+def tied_params(graph: ModelGraph, cuts: Sequence[int]) -> dict[str, TiedParam]:
+    """Original name -> :class:`TiedParam` of every parameter held by several stages."""
+    stage = graph.stage_of_layer(cuts)
+    owner = {name: stage[lay.index] for lay in graph.layers for name in lay.params}
+    return {n: TiedParam(owner[n], s) for n, s in graph.shared_params(cuts).items()}
 
 
 class TiedGrads:
@@ -53,22 +54,26 @@ class TiedGrads:
     Args:
         stage: this stage.
         stage_rank0: global rank of stage 0 of this virtual worker (its stages are consecutive).
-        shared: original parameter name -> stages holding it.
+        shared: original parameter name -> where it lives (:func:`tied_params`).
         local: original parameter name -> this stage's parameter name.
+
+    Attributes:
+        held: original name -> :class:`TiedParam` of the tied parameters this stage holds.
     """
 
     def __init__(
         self,
         stage: int,
         stage_rank0: int,
-        shared: dict[str, tuple[int, ...]],
+        shared: dict[str, TiedParam],
         local: dict[str, str],
     ) -> None:
+        self.stage, self.stage_rank0, self.local = stage, stage_rank0, local
         self.items: list[tuple[str, Any]] = []
+        self.held = {n: t for n, t in sorted(shared.items()) if stage in t.holders}
         groups: dict[tuple[int, ...], Any] = {}
-        for name, stages in sorted(shared.items()):
-            if stage not in stages:
-                continue
+        for name, tied in self.held.items():
+            stages = tied.holders
             if stages not in groups:
                 ranks = [stage_rank0 + s for s in stages]
                 groups[stages] = dist.new_group(ranks, use_local_synchronization=True)

@@ -168,6 +168,20 @@ class VersionedWeights:
                 p.grad = None
         self.version += 1
 
+    def add_from(self, version: int, corrections: dict[str, Tensor]) -> None:
+        """Add ``corrections`` (by parameter name) to the master and to every kept version
+        ``>= version``, each distinct storage once (a WSP pull folded into the local copy)."""
+        groups: list[dict[str, Tensor]] = [dict(self.master)]
+        groups += [v for k, v in self._versions.items() if k >= version]
+        seen: set[int] = set()
+        with torch.no_grad():
+            for group in groups:
+                for name, c in corrections.items():
+                    t = group[name]
+                    if t.data_ptr() not in seen:
+                        seen.add(t.data_ptr())
+                        t.data.add_(c)
+
     @property
     def stashed_versions(self) -> int:
         """Weight versions held besides the master's storage."""

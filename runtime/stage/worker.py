@@ -22,13 +22,14 @@ from torch.func import functional_call
 from planner.schedule import Kind, StageQueue, Task
 from planner.wsp import wave_of
 from profiler.errors import HetPipeRuntimeError
+from profiler.precision import autocast
 from runtime.data import MinibatchSource, default_dataset
 from runtime.launch.stop import StopAgreement, stop_store
 from runtime.results.metrics import StageResult
-from runtime.stage.comm import Channel, Event, GradReceiver, cut_specs, start_activation_receiver
+from runtime.stage.comm import Channel, Event, GradReceiver, start_activation_receiver, wire_specs
 from runtime.stage.emulation import SavedBytes, pace_until
 from runtime.stage.job import StageJob
-from runtime.stage.model import build_stage
+from runtime.stage.model import BuiltStage, build_stage
 from runtime.stage.offload import memory_manager
 from runtime.stage.tied import TiedGrads
 from runtime.stage.weights import VersionedWeights
@@ -61,14 +62,15 @@ class StageWorker:
         self.module = built.module.train()
         self.loss_fn = built.loss
         self.names = built.names
-        bounds = [0, *ctx.cuts, len(built.graph.layers)]
-        self.in_specs = cut_specs(built.graph, bounds[ctx.stage]) if ctx.stage > 0 else ()
-        self.out_specs = () if self.last else cut_specs(built.graph, bounds[ctx.stage + 1])
+        self.precision = run.precision or "fp32"
+        self.device_type = next((p.device.type for p in self.module.parameters()), "cpu")
+        self.in_specs = wire_specs(built.in_specs, self.precision)
+        self.out_specs = wire_specs(built.out_specs, self.precision)
         self.data = self._data(job, built) if ctx.stage == 0 or self.last else None
         params = dict(self.module.named_parameters())
         local = {orig: name for name, orig in self.names.items()}
         self.tied = TiedGrads(
-            ctx.stage, ctx.rank - ctx.stage, built.graph.shared_params(ctx.cuts), local
+            ctx.stage, ctx.rank - ctx.stage, built.tied, local
         )
         # a resumed run's lr schedule goes on where it stopped (cosine horizon included)
         self.weights = VersionedWeights(
@@ -89,6 +91,7 @@ class StageWorker:
         view = StageView(
             ctx.rank, ctx.vw, ctx.stage, ctx.nm, f"vw{ctx.vw}-stage{ctx.stage}",
             tuple((self.names[n], p) for n, p in params.items()), self.weights, self.result,
+            self.tied if self.tied else None,
         )  # fmt: skip
         self.sync = stage_sync(job.sync, view)  # the synchronisation rule's hooks
         self.stop = (  # several VWs: every stage 0 stops at one agreed wave on a time limit
@@ -100,17 +103,17 @@ class StageWorker:
         self._task_wall0 = 0.0  # wall-clock start of the task being executed (the timeline)
 
     @staticmethod
-    def _data(job: StageJob, built: Any) -> MinibatchSource:
+    def _data(job: StageJob, built: BuiltStage) -> MinibatchSource:
         """The minibatches of this VW (stage 0 reads inputs, the last stage targets)."""
         ds = job.dataset
         if ds is None:
             ds = default_dataset(
-                job.source.name, built.spec.inputs, built.spec.targets,
-                job.ctx.batch_size, built.graph.input_names,
+                job.source.name, built.inputs, built.targets,
+                job.ctx.batch_size, built.input_names,
             )  # fmt: skip
         return MinibatchSource(
-            ds, job.ctx.batch_size, job.run.seed, tuple(built.spec.targets.shape),
-            input_names=built.graph.input_names, offset=job.first_mb, slice_of=job.data_slice,
+            ds, job.ctx.batch_size, job.run.seed, tuple(built.targets.shape),
+            input_names=built.input_names, offset=job.first_mb, slice_of=job.data_slice,
         )  # fmt: skip
 
     @property
@@ -360,15 +363,21 @@ class StageWorker:
             self.memory.check(mb, saved.nbytes + recv_bytes, self.weights.stashed_bytes)
         else:
             out = self._call(leaves, held.inputs)
-        if not self.last:
-            held.outputs = tuple(out)
+        if not self.last:  # cast inside autograd: the gradients come back in the wire dtype
+            held.outputs = tuple(
+                o.to(s.dtype) if o.is_floating_point() else o
+                for o, s in zip(out, self.out_specs, strict=True)
+            )
+            return held.outputs
         return out
 
     def _call(self, leaves: dict[str, Tensor], inputs: tuple[Tensor, ...]) -> Any:
-        """The stage's forward with a weight version (Nm = 1: the master parameters themselves)."""
-        if self.ctx.nm == 1:
-            return self.module(*inputs)
-        return functional_call(self.module, leaves, inputs)
+        """The stage's forward with a weight version (Nm = 1: the master parameters themselves),
+        under autocast with ``--precision bf16``."""
+        with autocast(self.device_type, self.precision):
+            if self.ctx.nm == 1:
+                return self.module(*inputs)
+            return functional_call(self.module, leaves, inputs)
 
     def _input_grads(self, held: _Held, grads: tuple[Tensor | None, ...]) -> list[Tensor | None]:
         needs = [x for x in held.inputs if x.requires_grad]
@@ -406,7 +415,8 @@ class StageWorker:
             raise HetPipeRuntimeError(f"[{self.ctx.where}] last stage has no data")
         held = self.held[mb]
         targets = held.targets if held.targets is not None else self.data.targets(mb)
-        loss = self.loss_fn(out, targets)
+        with autocast(self.device_type, self.precision):
+            loss = self.loss_fn(out, targets)
         value = float(loss.item())
         self.result.losses.append((mb, value))
         if self.events is not None:

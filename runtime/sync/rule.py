@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from runtime.persist.snapshot import SnapshotSpec
     from runtime.ps.layout import ShardSpec
     from runtime.results.metrics import StageResult
+    from runtime.stage.tied import TiedGrads
     from runtime.stage.weights import VersionedWeights
 
 __all__ = ["LocalSync", "StageSync", "StageView", "SyncSpec", "WaveFold"]
@@ -99,6 +100,7 @@ class StageView:
         params: ``(global name, master parameter)`` in the stage's order.
         weights: the stage's weight versions and optimizer.
         result: the stage's result (wait time, clock trace and timeline go there).
+        tied: the stage's tied parameters (held by several stages of its VW), if any.
     """
 
     rank: int
@@ -109,6 +111,7 @@ class StageView:
     params: tuple[tuple[str, nn.Parameter], ...]
     weights: VersionedWeights
     result: StageResult
+    tied: TiedGrads | None = None
 
 
 class StageSync(Protocol):

@@ -42,6 +42,7 @@ from runtime.ps.client import PSClient, PullHandle
 from runtime.results.metrics import StageResult
 from runtime.stage.weights import VersionedWeights
 from runtime.sync.rule import Grads, StageView, SyncSpec
+from runtime.sync.tied_mirror import TiedMirror
 
 __all__ = ["WaveSync"]
 
@@ -64,6 +65,9 @@ class WaveSync:
             state, data position, RNG state) before pushing wave ``c`` when ``c + 1`` is a
             multiple of ``snapshots.every`` (the clocks the shards write at) and at the end.
         where: ``vw<k>-stage<s>``, the stage's part name.
+        weights: the stage's weight versions: given, pulls overlap the tasks.
+        names: the names of ``params`` in ``weights`` (default: all of ``weights.master``).
+        mirror: the stage's tied parameters that another stage pushes and pulls for the VW.
     """
 
     def __init__(
@@ -78,6 +82,8 @@ class WaveSync:
         snapshots: SnapshotSpec | None = None,
         where: str = "stage",
         weights: VersionedWeights | None = None,
+        names: Sequence[str] | None = None,
+        mirror: TiedMirror | None = None,
     ) -> None:
         self.client, self.params, self.nm, self.D = client, list(params), nm, D
         self.result = result
@@ -90,22 +96,29 @@ class WaveSync:
         self._snapshot: list[Tensor] = []
         self.weights = weights  # given: pulls overlap the tasks until a forward needs them
         self._pending: tuple[PullHandle, int, int] | None = None  # (pull, needed clock, version)
+        self.names = None if names is None else list(names)
+        self.mirror = mirror
 
     @classmethod
     def create(cls, spec: SyncSpec, view: StageView) -> WaveSync:
         """The ``wsp`` rule's factory (:mod:`runtime.sync.rule`): the stage's shard client
         and hooks; a resumed run goes on at ``spec.first_wave``."""
+        # a tied parameter's other holders follow its owner instead of talking to the shards
+        mirror = TiedMirror(view.tied, view.weights, spec.timeout_s) if view.tied else None
+        followed = mirror.followed if mirror is not None else set()
+        local = {p: n for n, p in view.weights.master.items()}  # parameter -> stage name
+        params = [(name, p) for name, p in view.params if local[p] not in followed]
         client = PSClient(
             view.vw,
             view.stage,
-            [(name, tuple(p.shape)) for name, p in view.params],
+            [(name, tuple(p.shape)) for name, p in params],
             spec.shards,
             timeout_s=spec.timeout_s,
             pull_timeout_s=2 * spec.timeout_s,
         )
         return cls(
             client,
-            [p for _, p in view.params],
+            [p for _, p in params],
             view.nm,
             spec.D,
             view.result,
@@ -114,6 +127,8 @@ class WaveSync:
             spec.snapshots,
             view.where,
             view.weights if spec.overlap_pulls else None,
+            [local[p] for _, p in params],
+            mirror,
         )
 
     def reduce_grads(self, mb: int, grads: Grads) -> Grads:
@@ -124,6 +139,7 @@ class WaveSync:
         """Load the global weights at ``clock`` (the run's first wave) into the stage and, when
         resuming, its part of the snapshot at that clock (optimizer and RNG state)."""
         self._pull(clock)
+        self._mirror_set()
         if clock > 0 and self.snapshots is not None:
             manifest = read_manifest(snapshot_dir(self.snapshots.directory, clock))
             part = load_part(manifest, self.where)
@@ -173,6 +189,17 @@ class WaveSync:
         self._snapshot = [p.detach().clone() for p in self.params]
         log.debug("pulled clock %d (needed %d) in %.3f s", res.clock, min_clock, waited)
 
+    def _mirror_set(self) -> None:
+        """Tied copies: the owner's pull set its master, the followers copy it."""
+        if self.mirror is not None:
+            self.mirror.send_set()
+            self.mirror.receive()
+
+    def _mirror_announce(self, pending_version: int | None) -> None:
+        if self.mirror is not None:
+            self.mirror.announce(pending_version)
+            self.mirror.receive()
+
     def after_update(self, mb: int) -> None:
         """Call after the update of minibatch ``mb`` (this run's numbering, 1-based)."""
         if mb % self.nm:
@@ -191,13 +218,16 @@ class WaveSync:
         self.result.pushes.append((wave, t_push))
         if need <= self.pulled_clock:
             self.client.push(wave, delta)
+            self._mirror_announce(None)
         elif self.weights is None:
             self.client.push(wave, delta)
             self.result.log_interval("push", wave, t_push, time.time())
             self._pull(need)
+            self._mirror_set()
             return
         else:  # the pull request rides in the push; wait only when a forward needs the weights
             self._pending = (self.client.push_pull(wave, delta, need), need, mb)
+            self._mirror_announce(mb)
         self.result.log_interval("push", wave, t_push, time.time())  # for the timeline
         # the local copy moves on by this wave's update: the next delta starts here
         with torch.no_grad():
@@ -209,6 +239,8 @@ class WaveSync:
         """Call before the forward of minibatch ``mb``: it runs on version ``mb - Nm``; if that
         version needs a pull still in flight, wait for it and fold the pulled local copy into
         that version and every later one (the master included)."""
+        if self.mirror is not None:
+            self.mirror.before_forward(mb, self.nm)
         if self._pending is None or self.weights is None:
             return
         if local_version(mb, self.nm) >= self._pending[2]:
@@ -220,6 +252,8 @@ class WaveSync:
         the same weights (no local update since the push): the floating-point result does not
         depend on whether the next forward or the next update came first (task order is
         FIFO by arrival). With ``D > 0`` the fold waits for the forward that needs it."""
+        if self.mirror is not None and self.D == 0:
+            self.mirror.before_update()
         if self._pending is not None and self.D == 0:
             self._complete_pull()
 
@@ -246,19 +280,11 @@ class WaveSync:
         with torch.no_grad():
             correction = [g - s for g, s in zip(pulled, self._snapshot, strict=True)]
             self._snapshot = [s + c for s, c in zip(self._snapshot, correction, strict=True)]
-            names = list(self.weights.master)
-            groups: list[list[Tensor]] = [list(self.weights.master.values())]
-            groups += [
-                [leaves[n] for n in names]
-                for v, leaves in self.weights._versions.items()
-                if v >= version
-            ]
-            seen: set[int] = set()
-            for group in groups:
-                for t, c in zip(group, correction, strict=True):
-                    if t.data_ptr() not in seen:
-                        seen.add(t.data_ptr())
-                        t.data.add_(c)
+        names = self.names if self.names is not None else list(self.weights.master)
+        named = dict(zip(names, correction, strict=True))
+        self.weights.add_from(version, named)
+        if self.mirror is not None:
+            self.mirror.send_add(named)
 
     def close(self) -> None:
         """Flush the pushes, write the final optimizer state (when checkpointing) and say
@@ -271,4 +297,6 @@ class WaveSync:
             self._pending = None
         self.client.close()
         self.result.dropped = list(self.client.dropped)
+        if self.mirror is not None:
+            self.mirror.close()
         self.result.wait_s += time.perf_counter() - t0

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.cluster import PCIE, Link, load_cluster, parse_cluster
+from planner.cluster import PCIE, Cluster, Link, load_cluster, parse_cluster
 from planner.offload import LADDER, MemoryPlacement, Place
 from planner.partition.milp import partition_milp
 from planner.plan import Plan, load_plan
@@ -19,13 +19,13 @@ CLUSTER = REPO / "examples" / "emulated_cluster.yaml"
 MODEL = "mlp(hidden=400,depth=8)"  # needs Nm = 2 without the memory manager on CLUSTER
 
 
-def _plan(memory: str, **kw: object) -> Plan:
+def _plan(memory: str, cluster: Cluster | None = None, **kw: object) -> Plan:
     opts = PlanOptions(memory=memory, simulate_waves=0, nm_choice="max")
     args: dict[str, object] = dict(
         model=MODEL, batch_size=32, policy="ed", num_vws=1, optimizer="sgd", options=opts
     )
     args.update(kw)
-    return make_plan(load_cluster(CLUSTER), **args)  # type: ignore[arg-type]
+    return make_plan(cluster or load_cluster(CLUSTER), **args)  # type: ignore[arg-type]
 
 
 def test_keep_is_the_default_and_records_keep() -> None:
@@ -80,17 +80,7 @@ def test_forced_recompute_charges_the_forward_again() -> None:
 def test_slow_host_link_exposes_transfer_time() -> None:
     cluster = load_cluster(CLUSTER)
     slow = replace(cluster, host_link=Link(1e6, 0.0))  # 1 MB/s: nothing hides behind compute
-    opts = PlanOptions(memory="weights:offload,gradients:offload", simulate_waves=0)
-    plan = make_plan(
-        slow,
-        model=MODEL,
-        batch_size=32,
-        policy="ed",
-        num_vws=1,
-        optimizer="sgd",
-        nm=6,
-        options=replace(opts, nm_choice="max"),
-    )
+    plan = _plan("weights:offload,gradients:offload", slow, nm=6)
     moving = [s for s in plan.virtual_workers[0].stages if s.transfer_bytes]
     assert moving and all(s.transfer_ms > 0 for s in moving)
 
@@ -150,17 +140,7 @@ def test_simulator_draws_the_host_transfers(tmp_path: Path) -> None:
 
     cluster = load_cluster(CLUSTER)
     slow = replace(cluster, host_link=Link(5e7, 0.0))
-    opts = PlanOptions(memory="weights:offload,gradients:offload", simulate_waves=0)
-    plan = make_plan(
-        slow,
-        model=MODEL,
-        batch_size=32,
-        policy="ed",
-        num_vws=1,
-        optimizer="sgd",
-        nm=4,
-        options=replace(opts, nm_choice="max"),
-    )
+    plan = _plan("weights:offload,gradients:offload", slow, nm=4)
     res = simulate(plan, waves=3, record_trace=True)
     host = [e for e in res.trace if e.cat == "host"]
     stages = plan.virtual_workers[0].stages
@@ -169,3 +149,12 @@ def test_simulator_draws_the_host_transfers(tmp_path: Path) -> None:
     for e in host:
         assert e.end_ms - e.start_ms == pytest.approx(ms[e.stage])
     assert write_gantt(res.trace, tmp_path / "g.png").stat().st_size > 0
+
+
+def test_small_host_memory_falls_back_to_a_smaller_nm() -> None:
+    cluster = load_cluster(CLUSTER)
+    nodes = tuple(replace(n, host_memory_bytes=1) for n in cluster.nodes)
+    opts = PlanOptions(memory="auto", simulate_waves=0)
+    plan = _plan("auto", replace(cluster, nodes=nodes), options=opts)
+    assert plan.nm == _plan("keep").nm  # nothing can be offloaded: the all-keep Nm
+    assert all(s.host_bytes == 0 for s in plan.virtual_workers[0].stages)

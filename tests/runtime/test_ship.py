@@ -1,0 +1,69 @@
+"""What a process receives for a user's module: a stage process its stage alone, a shard its
+own initial weights alone; one ``torch.save`` blob each, the user's initial weights kept."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from profiler.errors import ModelError
+from runtime.config import ModelSource
+from runtime.stage.model import build_stage, initial_weights, ship_shard, ship_stage
+
+
+def _source() -> tuple[nn.Module, ModelSource]:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)
+    )
+    return model, ModelSource(module=model, sample_inputs=(torch.randn(4, 64),))
+
+
+def test_a_stage_process_receives_its_stage_alone_with_the_users_weights() -> None:
+    model, source = _source()
+    whole = len(pickle.dumps(source))
+    params = dict(model.named_parameters())
+    cuts = (4,)
+    sizes = []
+    for stage in range(2):
+        shipped = ship_stage(source, 4, cuts, stage)
+        blob = pickle.dumps(shipped)
+        sizes.append(len(blob))
+        received = pickle.loads(blob)
+        assert received.module is None and received.stage is not None
+        built = build_stage(received, 4, cuts, stage, seed=0)
+        assert built.graph is None  # no model graph (it holds every parameter) travels
+        for name, p in built.module.named_parameters():
+            assert torch.equal(p, params[built.names[name]])  # the user's initial weights
+            assert p.data_ptr() != params[built.names[name]].data_ptr()  # a copy, not shared
+    assert all(size < whole for size in sizes)
+    assert sum(sizes) < 1.1 * whole  # each parameter travels once
+    assert len(source.cache) == 1  # split once for both stages
+    with pytest.raises(ModelError, match="shipped the wrong stage"):
+        build_stage(pickle.loads(pickle.dumps(ship_stage(source, 4, cuts, 0))), 4, cuts, 1, 0)
+
+
+def test_a_shard_receives_only_its_initial_weights() -> None:
+    model, source = _source()
+    shipped = pickle.loads(pickle.dumps(ship_shard(source, ["4.weight", "4.bias"])))
+    weights = initial_weights(shipped, 4, seed=0)
+    assert set(weights) == {"4.weight", "4.bias"}
+    assert torch.equal(weights["4.weight"], model[4].weight)
+    ref = ModelSource(ref="mlp")
+    assert ship_shard(ref, ["x"]) is ref and ship_stage(ref, 4, (3,), 0) is ref
+
+
+def test_synthetic_data_for_a_factory_keeps_its_sample_value_ranges() -> None:
+    from runtime.data import default_dataset
+
+    ids = torch.randint(0, 512, (8, 16), generator=torch.Generator().manual_seed(0))
+    sample = (ids, torch.ones_like(ids), torch.tensor([0, 2, 1, 0, 1, 2, 0, 1]))
+    names = ("input_ids", "attention_mask", "labels")
+    data = default_dataset("pkg.mod:bert", sample, torch.zeros(8), 8, names)
+    items = [data[i][0] for i in range(64)]
+    assert all(int(x["labels"].max()) <= 2 for x in items)  # 3 classes, not 10
+    assert all(bool((x["attention_mask"] == 1).all()) for x in items)
+    assert max(int(x["input_ids"].max()) for x in items) > 10  # the vocabulary's range
