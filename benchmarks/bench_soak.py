@@ -1,4 +1,4 @@
-"""Soak: random kills under ``--on-failure restart`` vs an undisturbed run of the same job.
+"""Soak: random kills under ``--on-failure restart|continue`` vs an undisturbed run of the same job.
 
 Runs ``hetpipe run CLUSTER --steps N --checkpoint-every K --D 0`` twice through the CLI (separate
 processes, emulated devices): once undisturbed, once with a killer that SIGKILLs a random rank
@@ -9,13 +9,21 @@ clock the job restarted from), the time to recover (kill to every rank of the ne
 beating again), and checks in the final snapshot that every shard's ledger holds every
 ``(vw, stage, wave)`` exactly once.
 
+``--mode continue``: the killer SIGKILLs a random *stage* (at most one fewer than the VWs);
+its VW is evicted and the others go on. Reports the accuracy of both runs, each lost VW's
+cut wave and waves never trained (``summary.json`` ``lost``), the time from the kill to
+the eviction at the last shard (the shards' log lines). No snapshot is committed after an
+eviction, so the ledger is not re-read here (``tests/runtime/test_faults_continue.py``
+checks it exactly).
+
 Run: ``python benchmarks/bench_soak.py`` (a few minutes). Writes
-``benchmarks/results/soak.json``.
+``benchmarks/results/soak.json`` (``soak_continue.json`` with ``--mode continue``).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import random
@@ -60,8 +68,10 @@ def run(args: argparse.Namespace, out: Path, kill: bool) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "hetpipe", "run", str(args.cluster), "--steps", str(args.steps),
            "--D", "0", "--checkpoint-every", str(args.checkpoint_every), "--out", str(out),
            "--no-progress", "--seed", str(args.seed)]  # fmt: skip
-    if kill:
+    if kill and args.mode == "restart":
         cmd += ["--on-failure", "restart", "--max-restarts", str(args.kills + 5)]
+    elif kill:
+        cmd += ["--on-failure", "continue"]
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     kills: list[dict[str, Any]] = []
@@ -71,7 +81,7 @@ def run(args: argparse.Namespace, out: Path, kill: bool) -> dict[str, Any]:
     if proc.returncode != 0:
         raise SystemExit(f"run failed ({proc.returncode}): {stderr[-2000:]}")
     summary = json.loads((out / "summary.json").read_text())
-    return {"wall_s": time.time() - t0, "summary": summary, "kills": kills}
+    return {"wall_s": time.time() - t0, "summary": summary, "kills": kills, "stderr": stderr}
 
 
 def _killer(proc: subprocess.Popen[str], out: Path, args: argparse.Namespace,
@@ -83,6 +93,9 @@ def _killer(proc: subprocess.Popen[str], out: Path, args: argparse.Namespace,
         ranks = _ranks(proc.pid)
         n_ranks = max(n_ranks, len(ranks))
         if not ranks or not _all_beating(proc.pid, n_ranks):
+            continue
+        if args.mode == "continue":
+            _kill_stage(proc, out, ranks, rng, kills)
             continue
         victim = rng.choice(ranks)
         started = max(_clock_dirs(out / "checkpoints"), default=0)
@@ -99,6 +112,60 @@ def _killer(proc: subprocess.Popen[str], out: Path, args: argparse.Namespace,
                 break
             time.sleep(0.05)
         kills.append({"at_clock": started, "recover_s": time.time() - t_kill})
+
+
+def _kill_stage(
+    proc: subprocess.Popen[str], out: Path, ranks: list[int], rng: random.Random,
+    kills: list[dict[str, Any]],
+) -> None:  # fmt: skip
+    """``--mode continue``: SIGKILL a random live stage (ranks start in rank order: the
+    shards first); the recovery time is read from the shards' logs afterwards."""
+    plan = json.loads((out / "plan.json").read_text())
+    if len(kills) >= len(plan["virtual_workers"]) - 1:
+        return  # one VW must survive
+    stages = [r for r in sorted(ranks)[len(plan["shards"]) :] if _running(r)]
+    if stages:
+        os.kill(rng.choice(stages), signal.SIGKILL)
+        kills.append({"t_kill": time.time()})
+
+
+def _running(pid: int) -> bool:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return text[text.rindex(")") + 2 :].split()[0] not in ("Z", "X")
+
+
+def _evicted_at(stderr: str) -> list[float]:
+    """Wall times of the shards' ``evicted at wave`` log lines (local time, as logged)."""
+    out = []
+    for line in stderr.splitlines():
+        if "evicted at wave" in line and (
+            m := re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d+)", line)
+        ):
+            t = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp()
+            out.append(t + int(m.group(2)) / 1000)
+    return sorted(out)
+
+
+def continue_figures(soak: dict[str, Any]) -> dict[str, Any]:
+    """Waves lost and time to recover (kill -> eviction at the last shard) per failure."""
+    lost = soak["summary"]["lost"]
+    times = _evicted_at(soak["stderr"])
+    recover = []
+    for k in soak["kills"]:
+        after = [t for t in times if t >= k["t_kill"] - 0.5]
+        n_shards = max(1, len(times) // max(1, len(lost)))
+        if len(after) >= n_shards:
+            recover.append(after[n_shards - 1] - k["t_kill"])
+    return {
+        "failures_survived": len(lost),
+        "lost": lost,
+        "waves_lost_per_failure": [v["waves_lost"] for v in lost],
+        "pushes_discarded": [v["discarded"] for v in lost],
+        "recover_s": recover,
+    }
 
 
 def check_ledger(ckpt: Path) -> int:
@@ -125,31 +192,45 @@ def main() -> None:
     p.add_argument("--every", type=float, default=4.0, help="seconds between kills")
     p.add_argument("--kills", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mode", choices=("restart", "continue"), default="restart")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="hetpipe-soak-") as tmp:
         calm = run(args, Path(tmp) / "calm", kill=False)
         soak = run(args, Path(tmp) / "soak", kill=True)
-        clock = check_ledger(Path(tmp) / "soak" / "checkpoints")
-    restarts = soak["summary"]["restarts"]
-    froms = [int(m.group(1)) for r in restarts if (m := re.search(r"from clock (\d+)", r))]
-    lost = [k["at_clock"] - f for k, f in zip(soak["kills"], froms, strict=False)]
+        if args.mode == "continue":
+            figures = {**continue_figures(soak), "final_clock": soak["summary"]["global_clock"]}
+        else:
+            figures = restart_figures(soak, check_ledger(Path(tmp) / "soak" / "checkpoints"))
     result = {
         "command": " ".join(sys.argv),
         "load_average": os.getloadavg(),
         "steps": args.steps,
         "accuracy_undisturbed": calm["summary"]["test_accuracy"],
         "accuracy_soak": soak["summary"]["test_accuracy"],
+        **figures,
+        "wall_s": {"undisturbed": calm["wall_s"], "soak": soak["wall_s"]},
+    }
+    path = RESULTS if args.mode == "restart" else RESULTS.with_name("soak_continue.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k != "restarts"}, indent=2))
+
+
+def restart_figures(soak: dict[str, Any], clock: int) -> dict[str, Any]:
+    """Failures survived, waves lost per failure (newest clock started at the kill minus the
+    clock restarted from), the final clock (its ledger checked exact)."""
+    restarts = soak["summary"]["restarts"]
+    froms = [int(m.group(1)) for r in restarts if (m := re.search(r"from clock (\d+)", r))]
+    return {
         "failures_survived": len(restarts),
         "kills": soak["kills"],
-        "waves_lost_per_failure": lost,
+        "waves_lost_per_failure": [
+            k["at_clock"] - f for k, f in zip(soak["kills"], froms, strict=False)
+        ],
         "final_clock": clock,
         "ledger_exactly_once": True,
-        "wall_s": {"undisturbed": calm["wall_s"], "soak": soak["wall_s"]},
         "restarts": restarts,
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2))
-    print(json.dumps({k: v for k, v in result.items() if k != "restarts"}, indent=2))
 
 
 if __name__ == "__main__":

@@ -166,8 +166,8 @@ def _main_wsp(a: argparse.Namespace, plan: Plan, rank: int, world: int) -> int:
     from runtime.data import default_dataset
     from runtime.launch.procs import ShardJob, shard_main, stage_main
     from runtime.launch.wsp import shard_specs, snapshot_parts, split_data, wsp_steps
-    from runtime.persist.run_dir import check_settings, job_settings
-    from runtime.persist.snapshot import SnapshotSpec, clean, select
+    from runtime.persist.run_dir import check_settings, elastic_resume, job_settings
+    from runtime.persist.snapshot import SnapshotSpec, clean, committed_clocks, select
     from runtime.stage.model import resolve_source
 
     source = ModelSource(ref=plan.model)
@@ -193,7 +193,7 @@ def _main_wsp(a: argparse.Namespace, plan: Plan, rank: int, world: int) -> int:
             "(--nnodes x --nproc-per-node)"
         )
     opt = _optimizer(a)
-    first_wave = 0
+    first_wave, resuming = 0, False
     if ckpt is not None:  # every rank reads the same snapshot; rank 0 tidies before the barrier
         vw_samples = min(len(d) for d in data)
         horizon = wsp_steps(run, nm, 0, vw_samples, plan.batch_size)
@@ -201,12 +201,14 @@ def _main_wsp(a: argparse.Namespace, plan: Plan, rank: int, world: int) -> int:
                                 f"{type(ds).__name__}:{len(ds)}", opt, horizon, run.precision)  # type: ignore[arg-type]  # fmt: skip
         attempt = "-".join(os.environ.get(k, "0") for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"))  # fmt: skip
         run_id = attempt
-        if a.resume:
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        resuming = elastic_resume(a.resume, restarted, committed_clocks(ckpt))
+        if resuming:
             manifest, _ = select(ckpt, None)
             check_settings(f"--resume {manifest.path}", manifest.settings, settings)
             first_wave, run_id = manifest.clock, manifest.run_id
         if rank == 0:
-            clean(ckpt, first_wave if a.resume else None)
+            clean(ckpt, first_wave if resuming else None)
         snaps = SnapshotSpec(ckpt, run_id, attempt, snapshot_parts(plan), settings, a.checkpoint_every)  # fmt: skip
         cfg = dataclasses.replace(cfg, snapshots=snaps)
     elif a.resume:
@@ -220,7 +222,7 @@ def _main_wsp(a: argparse.Namespace, plan: Plan, rank: int, world: int) -> int:
     try:
         if rank < len(specs):
             shard = ShardJob(rank, specs[rank], plan.shards[rank].node, source, plan.batch_size,
-                             a.seed, sync, a.resume, "env://", world)  # fmt: skip
+                             a.seed, sync, resuming, "env://", world)  # fmt: skip
             shard_main(shard, sink, os.getppid())
         vw = next(k for k, r in enumerate(ranks) if rank in r)
         ctx = stage_contexts(plan, vw, nm, steps, first_rank=ranks[vw][0])[rank - ranks[vw][0]]

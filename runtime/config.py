@@ -230,6 +230,9 @@ class WSPConfig:
         shard_fault: test hook: a shard that kills itself.
         max_restarts: ``--on-failure restart``: after a process failure, restart the whole job
             from its last committed snapshot, at most this many times (0: stop at the first).
+        evict: ``--on-failure continue``: a VW whose process fails is evicted from the global
+            clock (its unfinished wave discarded at every shard) and the others go on; a
+            shard failure still ends the run (see ``docs/fault_tolerance.md``).
         snapshots: set by the launcher: what every process needs to write and read snapshots.
         resume_hint: the command line to print when the run fails (``--resume DIR`` is appended).
         overlap_pulls: stages keep running tasks while a pull is in flight (``False``: the
@@ -250,4 +253,5 @@ class WSPConfig:
     stage_fault: StageFault | None = None
     shard_fault: ShardFault | None = None
     max_restarts: int = 0
+    evict: bool = False
     snapshots: SnapshotSpec | None = None

@@ -85,7 +85,8 @@ def run_plan(
         )
     from runtime.launch.single import launch
 
-    return launch(plan, source, optimizer, run, dataset, vw=max(vw, 0))
+    overwrite = wsp is not None and wsp.overwrite
+    return launch(plan, source, optimizer, run, dataset, vw=max(vw, 0), overwrite=overwrite)
 
 
 MAIN_JOB_EPOCHS = 40.0

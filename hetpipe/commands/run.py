@@ -168,7 +168,8 @@ def run(
         typer.Option(
             "--on-failure",
             help="stop: a failed process ends the run; restart: restart the whole job from its "
-            "last snapshot (up to --max-restarts times)",
+            "last snapshot (up to --max-restarts times); continue: evict a failed VW and go on "
+            "with the others (a failed shard still stops the run)",
         ),
     ] = "stop",
     max_restarts: Annotated[
@@ -203,11 +204,8 @@ def run(
     from runtime.run import describe_training, outputs, run_plan, summary
 
     rule = rule_params(sync, backups, tau, alpha)
-    if on_failure not in ("stop", "restart"):
-        raise ConfigError(
-            f"--on-failure {on_failure!r}: use stop or restart (continue, which evicts a lost VW, "
-            "is not implemented: see docs/fault_tolerance.md)"
-        )
+    if on_failure not in ("stop", "restart", "continue"):
+        raise ConfigError(f"--on-failure {on_failure!r}: use stop, restart or continue")
     restarts = max_restarts if on_failure == "restart" else 0
     cfg = OptimizerConfig(
         name=optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay, schedule=schedule
@@ -256,6 +254,7 @@ def run(
         resume_hint=_resume_hint(path),
         overwrite=overwrite,
         max_restarts=restarts,
+        evict=on_failure == "continue",
     )
     console.print(describe_training(plan, vw, run_cfg.nm or plan.nm, staleness))
     result = run_plan(plan, ModelSource(ref=plan.model), cfg, run_cfg, wsp, vw=vw)

@@ -116,6 +116,7 @@ def watch(
     tick: Callable[[float], None] | None = None,
     first_event_s: float = 0.0,
     frozen: Callable[[], dict[int, str]] | None = None,
+    absorb: Callable[[dict[int, str]], set[int]] | None = None,
 ) -> dict[int, bytes]:
     """Watch a launcher's children until ``n_results`` of them delivered their result.
 
@@ -137,17 +138,27 @@ def watch(
             may be long: their stall clock starts at their first event).
         frozen: returns the ranks that stopped responding (rank -> why), checked every tick;
             any such rank fails the run at once, blamed (:class:`Heartbeats`).
+        absorb: given failed ranks (rank -> why), the ranks the run goes on without (it
+            stopped them; ``--on-failure continue``), or an empty set: the run fails.
 
     Returns:
-        rank -> result payload (as sent).
+        rank -> result payload (as sent), without the absorbed ranks.
 
     Raises:
         HetPipeRuntimeError: no progress for ``stall_s``; whatever ``fail`` builds.
     """
     results: dict[int, bytes] = {}
+    gone: set[int] = set()  # ranks the run goes on without (absorbed failures)
     first_event = last_event = 0.0  # wall times (0 = training not started)
     started = time.time()
-    while len(results) < n_results:
+
+    def absorbed(errors: dict[int, str]) -> bool:
+        errors = {r: m for r, m in errors.items() if r not in gone}
+        more = absorb(errors) if absorb is not None and errors else set()
+        gone.update(more)
+        return not errors or bool(more)
+
+    while len(set(results) - gone) < n_results - len(gone):
         try:
             msg = events.get(timeout=0.2)
         except queue.Empty:
@@ -167,17 +178,21 @@ def watch(
             )
         if tick is not None and first_event:
             tick(time.time() - first_event)
+        dead = {
+            r: "died" for r, p in procs.items() if p.exitcode not in (None, 0) and r not in results
+        }
         if msg is not None and msg[0] in ("result", "shard"):
             results[msg[1]] = msg[2]
         elif msg is not None and msg[0] == "error":
-            raise fail({msg[1]: str(msg[2])}, results)
+            if not absorbed({msg[1]: str(msg[2])}):
+                raise fail({msg[1]: str(msg[2])}, results)
         elif msg is not None:
             on_progress(msg)
-        elif any(p.exitcode not in (None, 0) and r not in results for r, p in procs.items()):
+        elif dead and not absorbed(dead):
             raise fail({}, results)
-        elif frozen is not None and (stuck := frozen()):
+        elif frozen is not None and (stuck := frozen()) and not absorbed(stuck):
             raise fail(stuck, results)
-    return results
+    return {r: v for r, v in results.items() if r not in gone}
 
 
 def stop_all(procs: Mapping[int, Any], grace_s: float = GRACE_S) -> None:

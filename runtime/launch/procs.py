@@ -49,6 +49,8 @@ class ShardJob:
         init_method: the process group's rendezvous.
         world_size: processes in the group.
         fault: test hook: the shard kills itself after a while.
+        peers: eviction mode (``--on-failure continue``): (shard id, rank) of the other
+            shards, which gate each wave; ``None``: a lost client ends the shard.
     """
 
     rank: int
@@ -62,6 +64,7 @@ class ShardJob:
     init_method: str = "env://"
     world_size: int = 1
     fault: ShardFault | None = None
+    peers: tuple[tuple[int, int], ...] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled for the shard's process: of a user's module, only the shard's weights."""
@@ -91,14 +94,15 @@ def loads_result(data: bytes) -> Any:
 def _shard_core(job: ShardJob) -> ShardCore:
     """The shard's state: from its snapshot part when resuming, else the seeded model."""
     fold, backups = shard_fold(job.sync), shard_backups(job.sync)
+    peers = tuple(sid for sid, _ in job.peers or ())
     snaps = job.sync.snapshots
     if job.resume and snaps is not None:
         manifest = read_manifest(snapshot_dir(snaps.directory, job.sync.first_wave))
         name = f"shard-{job.spec.id}"
         state = shard_from_payload(load_part(manifest, name), manifest.path / f"{name}.pt")
-        return ShardCore(job.spec, state=state, fold=fold, backups=backups)
+        return ShardCore(job.spec, state=state, fold=fold, backups=backups, peers=peers)
     init = initial_weights(job.source, job.batch_size, job.seed)
-    return ShardCore(job.spec, job.spec.flatten(init), fold=fold, backups=backups)
+    return ShardCore(job.spec, job.spec.flatten(init), fold=fold, backups=backups, peers=peers)
 
 
 def shard_main(job: ShardJob, events: Any, parent: int) -> None:
@@ -111,7 +115,11 @@ def shard_main(job: ShardJob, events: Any, parent: int) -> None:
         core = _shard_core(job)
         timeout_s = job.sync.timeout_s
         server = ShardServer(
-            core, timeout_s=timeout_s, idle_timeout_s=4 * timeout_s, snapshots=job.sync.snapshots
+            core,
+            timeout_s=timeout_s,
+            idle_timeout_s=4 * timeout_s,
+            snapshots=job.sync.snapshots,
+            peer_ranks=dict(job.peers) if job.peers is not None else None,
         )
         dist.barrier()
         state = server.serve()

@@ -35,6 +35,7 @@ from runtime.launch.failures import (
 )
 from runtime.launch.procs import loads_result, stage_main
 from runtime.persist.checkpoint import atomic_torch_save
+from runtime.persist.run_dir import RunDirectory
 from runtime.results.metrics import (
     ProgressBar,
     RunResult,
@@ -219,6 +220,7 @@ def launch(
     dataset: Any = None,
     vw: int = 0,
     fault: StageFault | None = None,
+    overwrite: bool = False,
 ) -> RunResult:
     """Train virtual worker ``vw`` of ``plan`` with one process per stage on this host.
 
@@ -230,12 +232,29 @@ def launch(
         dataset: the user's data set (``None`` = built-in default).
         vw: which virtual worker to run.
         fault: test hook: a stage that fails (:class:`StageFault`).
+        overwrite: ``run.out_dir`` may hold another run's outputs, replaced (else refused).
 
     Raises:
+        ConfigError: ``run.out_dir`` holds another run (or one still running).
         HetPipeRuntimeError: a rank failed or died (the message names it).
     """
-    optimizer = optimizer or OptimizerConfig()
     run = run or RunConfig()
+    if run.out_dir is None:
+        return _launch(plan, source, optimizer, run, dataset, vw, fault)
+    with RunDirectory(run.out_dir, resume=False, overwrite=overwrite):  # one run per directory
+        return _launch(plan, source, optimizer, run, dataset, vw, fault)
+
+
+def _launch(
+    plan: Plan,
+    source: ModelSource,
+    optimizer: OptimizerConfig | None,
+    run: RunConfig,
+    dataset: Any,
+    vw: int,
+    fault: StageFault | None,
+) -> RunResult:
+    optimizer = optimizer or OptimizerConfig()
     t_start = time.time()
     nm = run.nm or plan.nm
     spec = resolve_source(source, plan.batch_size, meta=source.module is None)

@@ -28,6 +28,7 @@ from profiler.errors import ConfigError, HetPipeRuntimeError
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.data import default_dataset
+from runtime.launch.evict import VWEvictor
 from runtime.launch.failures import (
     Heartbeats,
     Interrupted,
@@ -46,7 +47,7 @@ from runtime.ps.layout import ShardSpec, shard_specs_for_layout
 from runtime.results.evaluation import shard_dataset, split_dataset
 from runtime.results.metrics import ProgressBar, StageResult, warn_overruns
 from runtime.results.timeline import describe_run
-from runtime.results.wsp import WSPResult, evaluate, export_snapshot
+from runtime.results.wsp import LostVW, WSPResult, evaluate, export_snapshot
 from runtime.stage.job import StageJob
 from runtime.stage.model import resolve_source
 from runtime.sync.rule import SyncSpec
@@ -185,6 +186,11 @@ def _launch(
     nm = run.nm or plan.nm
     rule = plan.sync if plan.sync in ("backup", "easgd") else "wsp"  # the shard rules
     D = (plan.D if cfg.D is None else cfg.D) if rule == "wsp" else 0  # the others: D = 0
+    if cfg.evict and rule != "wsp":
+        raise ConfigError(
+            f"--on-failure continue evicts a VW from the WSP clock; the {rule} rule has no such "
+            "clock: use --sync wsp, or --on-failure stop|restart"
+        )
     n_vws = len(plan.virtual_workers)
     spec = resolve_source(source, plan.batch_size, meta=source.module is None)
     ds = dataset if dataset is not None else default_dataset(
@@ -234,15 +240,19 @@ def _launch(
                 init_method,
                 world,
                 cfg.shard_fault,
+                _peers(s, specs, cfg),
             )
             for k, s in enumerate(specs)
         ]
         stages = [dataclasses.replace(j, world_size=world) for j in stages]
         log.info("%d VWs x %s stages, %d shards, Nm %d, D %d, %d minibatches per VW",
                  n_vws, [len(v.stages) for v in plan.virtual_workers], len(shards), nm, D, steps)  # fmt: skip
-        stage_results, states = _spawn_and_watch(shards, stages, run, cfg, plan.batch_size)
+        stage_results, states, lost = _spawn_and_watch(shards, stages, run, cfg, plan.batch_size)
     warn_overruns(stage_results)
     result = WSPResult.build(plan, nm, D, stage_results, states, specs, time.time() - t_start)
+    if lost:
+        gone = LostVW.from_shards(lost, [s for s, _ in states], first_wave + steps // nm)
+        result = dataclasses.replace(result, lost=gone)
     ran = {st.steps for st in stage_results}
     if run.time_limit_s > 0 and ran and max(ran) < steps:
         note = f"time limit {run.time_limit_s:g} s: every VW stopped after wave {first_wave + max(ran) // nm}"
@@ -289,6 +299,13 @@ def _stage_jobs(
             for ctx in ctxs
         ]
     return jobs
+
+
+def _peers(
+    spec: ShardSpec, specs: tuple[ShardSpec, ...], cfg: WSPConfig
+) -> tuple[tuple[int, int], ...] | None:
+    """``--on-failure continue``: (id, rank) of the other shards, which gate each wave."""
+    return tuple((s.id, s.rank) for s in specs if s.id != spec.id) if cfg.evict else None
 
 
 def snapshot_parts(plan: Plan) -> tuple[str, ...]:
@@ -346,8 +363,9 @@ def _spawn_and_watch(
     run: RunConfig,
     cfg: WSPConfig,
     batch_size: int,
-) -> tuple[list[StageResult], list[tuple[ShardState, list[ClockEvent]]]]:
-    """Start every process and watch them; returns the stage results and the shard states."""
+) -> tuple[list[StageResult], list[tuple[ShardState, list[ClockEvent]]], dict[int, str]]:
+    """Start every process and watch them; returns the stage results, the shard states and
+    the VWs lost (``--on-failure continue``: VW -> cause)."""
     mpc = process_context()
     mpc.set_forkserver_preload([*PRELOAD, "runtime.launch.wsp", "runtime.launch.procs"])
     events = mpc.Queue()
@@ -369,7 +387,13 @@ def _spawn_and_watch(
         init_method = stages[0].init_method
         beats = Heartbeats(Path(init_method.removeprefix("file://")).parent,
                            max(5.0, run.timeout_s / 2), labels)  # fmt: skip
-        results = _watch(labels, procs, events, progress, run, cfg, beats)
+        evictor = None
+        if cfg.evict:
+            vw_ranks: dict[int, tuple[int, ...]] = {}
+            for j in stages:
+                vw_ranks[j.ctx.vw] = (*vw_ranks.get(j.ctx.vw, ()), j.ctx.rank)
+            evictor = VWEvictor(vw_ranks, procs, labels)
+        results = _watch(labels, procs, events, progress, run, cfg, beats, evictor)
     except KeyboardInterrupt:
         raise Interrupted(f"interrupted (Ctrl-C): every process stopped{_hint(cfg)}") from None
     finally:
@@ -377,7 +401,7 @@ def _spawn_and_watch(
         stop_all(procs)
     stage_results = [r for r in results if isinstance(r, StageResult)]
     states = [r for r in results if not isinstance(r, StageResult)]
-    return stage_results, states
+    return stage_results, states, dict(evictor.lost) if evictor is not None else {}
 
 
 def _hint(cfg: WSPConfig) -> str:
@@ -395,6 +419,7 @@ def _watch(
     run: RunConfig,
     cfg: WSPConfig,
     beats: Heartbeats,
+    evictor: VWEvictor | None = None,
 ) -> list[Any]:
     """Every process's result, in rank order."""
 
@@ -405,5 +430,6 @@ def _watch(
         return HetPipeRuntimeError(f"rank {rank} ({labels[rank]}) failed: {why}{_hint(cfg)}")
 
     stall_s = max(120.0, 4 * run.timeout_s)
-    results = watch(procs, events, len(labels), progress.event, fail, stall_s, frozen=beats.frozen)
+    results = watch(procs, events, len(labels), progress.event, fail, stall_s,
+                    frozen=beats.frozen, absorb=evictor)  # fmt: skip
     return [loads_result(results[r]) for r in sorted(results)]

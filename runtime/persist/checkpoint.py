@@ -71,6 +71,8 @@ class ShardState:
         ledger: every applied update.
         optimizer: server-side optimizer state (``momentum`` buffer when used).
         momentum: server-side momentum factor (0.0: plain ``w += sum of updates``).
+        evictions: VWs left out (``--on-failure continue``): ``(vw, first wave left out,
+            pushes discarded here)`` each; never in a snapshot (none is taken after one).
     """
 
     shard_id: int
@@ -79,6 +81,7 @@ class ShardState:
     ledger: tuple[LedgerEntry, ...] = ()
     optimizer: dict[str, torch.Tensor] = field(default_factory=dict)
     momentum: float = 0.0
+    evictions: tuple[tuple[int, int, int], ...] = ()
 
 
 def durable_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:

@@ -21,6 +21,7 @@ import shutil
 import socket
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -33,6 +34,7 @@ __all__ = [
     "RUN_FILE",
     "RunDirectory",
     "check_settings",
+    "elastic_resume",
     "job_settings",
     "resume_target",
 ]
@@ -214,3 +216,11 @@ def resume_target(arg: str | os.PathLike[str]) -> tuple[Path, Path, int | None]:
     if p.name == "checkpoints" and not (p / "checkpoints").is_dir():
         return p.parent, p, clock
     return p, p / "checkpoints", clock
+
+
+def elastic_resume(resume: bool, restart_count: int, committed: Sequence[int]) -> bool:
+    """Whether a rank under torchrun resumes: with ``--resume``, or when torchrun's elastic
+    agent restarted the worker group (``TORCHELASTIC_RESTART_COUNT`` > 0, ``torchrun
+    --max-restarts N``) and the run has a committed snapshot (``committed``: their clocks)
+    to continue from; a restart before the first snapshot starts again from the beginning."""
+    return resume or (restart_count > 0 and bool(committed))

@@ -16,6 +16,15 @@ the shard process. The rules (see ``docs/parameter_server.md``):
   ``(vw, stage)`` order; any other push of ``c`` (late, or a part of a VW that did not make
   the quorum) is ``DROPPED``: never applied, recorded once in :attr:`ShardCore.dropped`.
 
+Eviction (``--on-failure continue``, GaDei Sec. 4.3): with ``peers`` (the other shards' ids),
+a wave is applied only once every member VW's push of it is complete at *every* shard (each
+shard reports its VW clocks to the others, :meth:`ShardCore.peer_report`), so no shard ever
+folds a wave that another shard may lack. A VW whose client died is :meth:`ShardCore.lose`-t;
+once no more of its pushes can arrive here (:meth:`ShardCore.end_pushes`) and every shard has
+said so, every shard computes the same cut ``min over shards of its VW clock``: its waves
+below the cut are in everywhere, the buffered ones at or above it are discarded once, and the
+global clock stops waiting for it (:class:`Eviction`).
+
 The global clock is the minimum of the VW clocks (:class:`planner.wsp.GlobalClock`). With
 clients that admit minibatch ``p`` only when :func:`planner.wsp.required_global_clock` holds,
 a push of wave ``c`` happens at global clock ``>= c - D``, so the clock distance never
@@ -26,6 +35,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING
@@ -41,7 +51,7 @@ from runtime.ps.layout import ShardSpec
 if TYPE_CHECKING:
     from runtime.sync.rule import WaveFold
 
-__all__ = ["ClockEvent", "PushResult", "ShardCore", "Status"]
+__all__ = ["ClockEvent", "Eviction", "PushResult", "ShardCore", "Status"]
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +92,16 @@ class ClockEvent:
 
 
 @dataclass(frozen=True)
+class Eviction:
+    """A VW left out of the global clock: its waves ``< wave`` are applied at every shard,
+    none at or above; ``discarded`` of its buffered pushes were dropped at this shard."""
+
+    vw: int
+    wave: int
+    discarded: int
+
+
+@dataclass(frozen=True)
 class PushResult:
     """What :meth:`ShardCore.push` did: ``status``, a message when rejected, waves applied."""
 
@@ -107,6 +127,8 @@ class ShardCore:
             the weights (:class:`runtime.sync.rule.WaveFold`); ``None``: add it (or through
             ``momentum``), client by client.
         backups: backup VWs ``b`` (0: every VW's push is waited for, plain WSP).
+        peers: the other shards' ids whose VW clocks gate applying a wave (eviction mode,
+            ``--on-failure continue``); empty: a wave complete here is applied at once.
     """
 
     def __init__(
@@ -118,6 +140,7 @@ class ShardCore:
         max_ledger_waves: int | None = None,
         fold: WaveFold | None = None,
         backups: int = 0,
+        peers: Sequence[int] = (),
     ) -> None:
         self.spec = spec
         self.fold = fold
@@ -163,6 +186,13 @@ class ShardCore:
         self.dropped: list[LedgerEntry] = []  # backup workers: every dropped push, once
         self._dropped_tags: set[tuple[int, int, int]] = set()
         self._seen = [self._clock] * len(self._vw_keys)
+        n = len(spec.vws)  # eviction mode: what the other shards reported, VW id order
+        self._peer_clocks = {p: [self._clock] * n for p in peers}
+        self._peer_final = {p: [False] * n for p in peers}
+        self._lost: set[int] = set()  # VW indices with a dead client
+        self._ended: set[tuple[int, int]] = set()  # clients whose pushes can no longer arrive
+        self._cut: dict[int, int] = {}  # evicted VW index -> first wave left out
+        self.evictions: list[Eviction] = []
 
     @property
     def clock(self) -> int:
@@ -244,10 +274,7 @@ class ShardCore:
             return self._push_quorum(vi, vw, stage, wave)
         while all(k in self._pending.get(self._gclock.local(vi), {}) for k in self._vw_keys[vi]):
             self._gclock.push(vi, self._gclock.local(vi))
-        applied = 0
-        while self._clock < self._gclock.global_clock:
-            self._apply(self._pending.pop(self._clock))
-            applied += 1
+        applied = self._advance()
         self.trace.append(
             ClockEvent(self._seq - 1, vw, stage, wave, self.local_clocks(), self._clock)
         )
@@ -305,6 +332,86 @@ class ShardCore:
         msg = f"shard {self.spec.id}: push (vw {vw}, stage {stage}, wave {wave}) rejected ({status.name}): {why}"
         log.warning(msg)
         return PushResult(status, msg)
+
+    def _committed(self, vi: int) -> int:
+        """Waves of VW index ``vi`` complete at every shard (here and as the peers reported)."""
+        return min([self._gclock.local(vi), *(c[vi] for c in self._peer_clocks.values())])
+
+    def _advance(self) -> int:
+        """Apply every wave whose member VWs' pushes are complete at every shard."""
+        applied = 0
+        while True:
+            members = [
+                vi for vi in range(len(self.spec.vws)) if self._cut.get(vi, 2**62) > self._clock
+            ]
+            if not members or any(self._committed(vi) <= self._clock for vi in members):
+                return applied
+            self._apply(self._pending.pop(self._clock, {}), {self.spec.vws[vi] for vi in members})
+            applied += 1
+
+    def lose(self, vw: int) -> int:
+        """VW ``vw`` lost a client (a process died): evict it once no more of its pushes can
+        arrive anywhere (:meth:`end_pushes`, :meth:`peer_report`). Returns waves applied."""
+        if vw in self._vw_index:
+            self._lost.add(self._vw_index[vw])
+        return self._settle()
+
+    def end_pushes(self, vw: int, stage: int) -> int:
+        """Client ``(vw, stage)`` sends no more pushes (its stream ended). Returns waves applied."""
+        self._ended.add((vw, stage))
+        return self._settle()
+
+    def report(self) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+        """What this shard tells its peers: each VW's clock here, and whether it is final
+        (the VW is lost and none of its pushes can arrive here any more), VW id order."""
+        final = tuple(
+            vi in self._lost and all(k in self._ended for k in self._vw_keys[vi])
+            for vi in range(len(self.spec.vws))
+        )
+        return self.local_clocks(), final
+
+    def peer_report(self, shard: int, clocks: Sequence[int], final: Sequence[bool]) -> int:
+        """Shard ``shard``'s :meth:`report` arrived. Returns waves applied.
+
+        Raises:
+            ConfigError: not a peer, or a report of another VW count (a wiring bug).
+        """
+        n = len(self.spec.vws)
+        if shard not in self._peer_clocks or len(clocks) != n or len(final) != n:
+            raise ConfigError(
+                f"shard {self.spec.id}: report of shard {shard} with {len(clocks)} VW clocks; "
+                f"expected a peer in {sorted(self._peer_clocks)} with {n}"
+            )
+        for vi in range(n):
+            self._peer_clocks[shard][vi] = max(self._peer_clocks[shard][vi], int(clocks[vi]))
+            self._peer_final[shard][vi] = self._peer_final[shard][vi] or bool(final[vi])
+        return self._settle()
+
+    def _settle(self) -> int:
+        """Evict every lost VW that is final at every shard (the same cut everywhere), then
+        apply what became ready."""
+        final_here = self.report()[1]
+        for vi in sorted(self._lost - self._cut.keys()):
+            if final_here[vi] and all(f[vi] for f in self._peer_final.values()):
+                cut, dropped = self._committed(vi), 0
+                for w in [w for w in self._pending if w >= cut]:
+                    for k in self._vw_keys[vi]:
+                        dropped += self._pending[w].pop(k, None) is not None
+                self._cut[vi] = cut
+                self.evictions.append(Eviction(self.spec.vws[vi], cut, dropped))
+                log.warning("shard %d: vw %d evicted at wave %d (%d buffered pushes discarded)",
+                            self.spec.id, self.spec.vws[vi], cut, dropped)  # fmt: skip
+        return self._advance()
+
+    @property
+    def waiting_on_eviction(self) -> bool:
+        """A VW is lost but not evicted yet (the shard must keep serving until it is)."""
+        return bool(self._lost - self._cut.keys())
+
+    @property
+    def unsettled(self) -> bool:
+        """A lost VW is not evicted yet, or pushes wait for a wave to be applied."""
+        return self.waiting_on_eviction or any(self._pending.values())
 
     def _apply(
         self,
@@ -372,4 +479,5 @@ class ShardCore:
             tuple(self._ledger),
             {k: v.clone() for k, v in self._opt.items()},
             self.momentum,
+            tuple((e.vw, e.wave, e.discarded) for e in self.evictions),
         )

@@ -35,6 +35,7 @@ import datetime
 import logging
 import queue
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -48,6 +49,7 @@ from runtime.ps.core import ShardCore, Status
 from runtime.ps.layout import (
     ClientSpec,
 )
+from runtime.ps.peers import PeerLink
 
 __all__ = ["Op", "ShardServer", "irecv", "isend"]
 
@@ -89,13 +91,14 @@ def push_message(numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 # ------------------------------------------------------------------ the shard process
 @dataclass(frozen=True)
 class _Event:
-    kind: str  # push | pull | bye | error
+    kind: str  # push | pull | bye | error | last (no more pushes) | peer (a shard's report)
     client: int
-    arg: int = 0  # push: wave; pull: min clock
+    arg: int = 0  # push: wave; pull: min clock; error: 1 from the push reader; peer: shard id
     message: torch.Tensor | None = None  # push: the whole message buffer (recycled)
     seq: int = 0  # pull: the client's pull number
     pull: int = NO_PULL  # push: the pull clock it carries
     error: str = ""
+    report: tuple[tuple[int, ...], tuple[bool, ...]] = ((), ())  # peer: clocks, final flags
 
 
 def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None, tag: int) -> dist.Work:
@@ -153,6 +156,9 @@ class ShardServer:
             dies is detected at once anyway (its connection closes).
         snapshots: where and how often the shard writes its part of each snapshot (every
             ``snapshots.every`` clocks and at the end; ``None``: never).
+        peer_ranks: eviction mode (``--on-failure continue``; the core built with the same
+            peers): shard id -> rank of every other shard. A lost client then evicts its VW
+            (:meth:`ShardCore.lose`) instead of ending the shard; ``None``: it ends the shard.
     """
 
     def __init__(
@@ -162,8 +168,11 @@ class ShardServer:
         timeout_s: float = 60.0,
         snapshots: SnapshotSpec | None = None,
         idle_timeout_s: float | None = None,
+        peer_ranks: Mapping[int, int] | None = None,
     ) -> None:
         self.core, self.group, self.timeout_s = core, group, timeout_s
+        self.peer_ranks = peer_ranks
+        self._gone: set[tuple[int, int]] = set()  # eviction mode: clients lost
         self.idle_timeout_s = 10 * timeout_s if idle_timeout_s is None else idle_timeout_s
         self.snapshots = snapshots
         self._written = core.clock  # the clock of the last part written (or resumed from)
@@ -210,17 +219,31 @@ class ShardServer:
                 _wait(irecv(msg, src=client.rank, group=self.group, tag=TAG_PUSH), _IDLE_FOREVER_S)
                 wave, pull, seq, flags = msg[:HEADER_BYTES].view(torch.int64).tolist()
                 if flags & LAST_PUSH:
+                    events.put(_Event("last", idx))
                     return
                 events.put(_Event("push", idx, wave, msg, seq=seq, pull=pull))
         except (RuntimeError, HetPipeRuntimeError) as exc:  # gloo: peer closed, or timeout
-            events.put(_Event("error", idx, error=str(exc).splitlines()[0][:300]))
+            events.put(_Event("error", idx, 1, error=str(exc).splitlines()[0][:300]))
 
     def _send(self, tensor: torch.Tensor, client: ClientSpec, tag: int) -> None:
+        if (client.vw, client.stage) in self._gone:
+            return
         try:
             work = isend(tensor, dst=client.rank, group=self.group, tag=tag)
         except RuntimeError as exc:
-            raise self._lost(client, str(exc)) from None
+            self._failed(client, str(exc))
+            return
         self._sends.append((work, tensor, client))
+
+    def _failed(self, c: ClientSpec, why: str) -> None:
+        """A client's connection failed: evict its VW in eviction mode, else raise."""
+        if self.peer_ranks is None:
+            raise self._lost(c, why)
+        if (c.vw, c.stage) not in self._gone:
+            log.warning("%s vw %d stage %d lost (%s): evicting vw %d", self._prefix, c.vw,
+                        c.stage, why.splitlines()[0][:200], c.vw)  # fmt: skip
+        self._gone.add((c.vw, c.stage))
+        self.core.lose(c.vw)
 
     def _drain_sends(self, block: bool) -> None:
         still = []
@@ -231,7 +254,7 @@ class ShardServer:
                 elif not work.is_completed():
                     still.append((work, t, client))
             except RuntimeError as exc:
-                raise self._lost(client, str(exc)) from None
+                self._failed(client, str(exc))
         self._sends = still
 
     def _lost(self, c: ClientSpec, why: str) -> HetPipeRuntimeError:
@@ -255,6 +278,7 @@ class ShardServer:
                 threading.Thread(target=target, args=(i, c, events), daemon=True, name=name).start()
         pulls = [_Pulls() for _ in spec.clients]
         done: set[int] = set()
+        link = self._peer_link(events)
         log.info(
             "%s serving %d clients, %d elements, clock %d",
             self._prefix,
@@ -262,35 +286,27 @@ class ShardServer:
             spec.numel,
             core.clock,
         )
-        while len(done) < len(spec.clients) or any(q.waiting for q in pulls):
+        while len(done) < len(spec.clients) or any(q.waiting for q in pulls) or self._unsettled():
             try:
                 ev = events.get(timeout=self.idle_timeout_s)
             except queue.Empty:
                 raise self._stuck(pulls) from None
-            c = spec.clients[ev.client]
-            if ev.kind == "error":
-                raise self._lost(c, ev.error)
-            if ev.kind == "push" and ev.message is not None:
-                self._drain_sends(block=True)  # pull replies may be views of the weights
-                payload = ev.message[HEADER_BYTES:].view(torch.float32)
-                res = core.push(c.vw, c.stage, ev.arg, payload, copy=False)
-                self._recycle(ev.client, ev.arg, ev.message, res.status == Status.OK)
-                if ev.pull != NO_PULL:
-                    pulls[ev.client].waiting[ev.seq] = ev.pull
-                self._answer_pulls(pulls)  # replies first: a client may be blocked on one
-                ack = torch.tensor([int(res.status), ev.arg, core.clock, 0], dtype=torch.int64)
-                self._send(ack, c, TAG_ACK)
-                if res.applied:
-                    self._maybe_checkpoint(res.applied)
-            elif ev.kind == "pull":
-                pulls[ev.client].waiting[ev.seq] = ev.arg
+            applied = self._handle(ev, pulls, done)
+            if link is not None:
+                for i, c in enumerate(spec.clients):
+                    if (c.vw, c.stage) in self._gone:
+                        done.add(i)
+                        pulls[i].waiting.clear()
+                link.tell(core.report())
+            if applied:
                 self._answer_pulls(pulls)
-            elif ev.kind == "bye":
-                done.add(ev.client)
+                self._maybe_checkpoint(applied)
             self._drain_sends(block=False)
         self._drain_sends(block=True)
         if self.snapshots is not None and self.snapshots.every > 0 and core.clock > self._written:
             self._write_part()  # the final clock, whatever the period
+        if link is not None:
+            link.drain(self.timeout_s)
         log.info(
             "%s done at clock %d: %d updates applied, %d rejected",
             self._prefix,
@@ -299,6 +315,54 @@ class ShardServer:
             len(core.rejected),
         )
         return core.state()
+
+    def _handle(self, ev: _Event, pulls: list[_Pulls], done: set[int]) -> int:
+        """One event; returns the waves it applied that are not checkpointed yet."""
+        core = self.core
+        if ev.kind == "peer":
+            return core.peer_report(ev.arg, *ev.report)
+        c = core.spec.clients[ev.client]
+        if ev.kind == "error":
+            self._failed(c, ev.error)
+            return core.end_pushes(c.vw, c.stage) if ev.arg == 1 else 0
+        if ev.kind == "last":
+            return core.end_pushes(c.vw, c.stage) if self.peer_ranks is not None else 0
+        if ev.kind == "push" and ev.message is not None:
+            self._drain_sends(block=True)  # pull replies may be views of the weights
+            payload = ev.message[HEADER_BYTES:].view(torch.float32)
+            res = core.push(c.vw, c.stage, ev.arg, payload, copy=False)
+            self._recycle(ev.client, ev.arg, ev.message, res.status == Status.OK)
+            if ev.pull != NO_PULL:
+                pulls[ev.client].waiting[ev.seq] = ev.pull
+            self._answer_pulls(pulls)  # replies first: a client may be blocked on one
+            ack = torch.tensor([int(res.status), ev.arg, core.clock, 0], dtype=torch.int64)
+            self._send(ack, c, TAG_ACK)
+            if res.applied:
+                self._maybe_checkpoint(res.applied)
+        elif ev.kind == "pull":
+            pulls[ev.client].waiting[ev.seq] = ev.arg
+            self._answer_pulls(pulls)
+        elif ev.kind == "bye":
+            done.add(ev.client)
+        return 0
+
+    def _peer_link(self, events: queue.Queue[_Event]) -> PeerLink | None:
+        """Eviction mode: the shard-to-shard reports, delivered as ``peer`` events."""
+        if self.peer_ranks is None:
+            return None
+
+        def deliver(sid: int, clocks: tuple[int, ...], final: tuple[bool, ...]) -> None:
+            events.put(_Event("peer", -1, sid, report=(clocks, final)))
+
+        link = PeerLink(self.peer_ranks, len(self.core.spec.vws), self.group, deliver)
+        link.start()
+        link.tell(self.core.report())
+        return link
+
+    def _unsettled(self) -> bool:
+        """Eviction mode: a lost VW not evicted yet, or buffered waves that wait for the
+        other shards' reports (the shard keeps serving until they are applied)."""
+        return self.peer_ranks is not None and self.core.unsettled
 
     def _stuck(self, pulls: list[_Pulls]) -> HetPipeRuntimeError:
         """The error when no client spoke for ``idle_timeout_s``: name the stages the global
@@ -353,6 +417,8 @@ class ShardServer:
             self._write_part()
 
     def _write_part(self) -> None:
+        if self.core.evictions or self.core.waiting_on_eviction:
+            return  # a VW is gone: its stages write no more parts, no later snapshot commits
         if self.snapshots is not None:
             state = self.core.state()
             write_part(self.snapshots, state.clock, f"shard-{state.shard_id}", shard_payload(state))

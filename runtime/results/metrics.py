@@ -111,15 +111,15 @@ class RunResult:
 
     @property
     def losses(self) -> list[float]:
-        """Loss of every minibatch, in order."""
-        return [loss for _, loss in sorted(self.stages[-1].losses)]
+        """Loss of every minibatch, in order (none for a VW lost in the run)."""
+        return [loss for _, loss in sorted(self.stages[-1].losses)] if self.stages else []
 
     @property
     def throughput(self) -> float:
         """Samples/s with the simulator's definition (``planner.sim.engine.measured_throughput``:
         stage-0 backward completions after warm-up wave 0); whole-run average for runs shorter
-        than two waves."""
-        times = sorted(self.stages[0].done_times)
+        than two waves; 0 for a VW lost in the run."""
+        times = sorted(self.stages[0].done_times) if self.stages else []
         if len(times) >= 2 * self.nm:
             from planner.sim.engine import measured_throughput
 

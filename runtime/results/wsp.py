@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
 from rich.table import Table
 from torch import Tensor
 from torch.utils.data import Dataset
@@ -36,9 +37,41 @@ from runtime.results.sync import arrival_table, describe_rule, dropped_vw_waves,
 from runtime.results.timeline import write_timeline
 from runtime.stage.model import reference_module
 
-__all__ = ["WSPResult", "evaluate", "export_snapshot"]
+__all__ = ["LostVW", "WSPResult", "evaluate", "export_snapshot"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LostVW:
+    """A VW evicted during the run (``--on-failure continue``).
+
+    Attributes:
+        vw: the VW.
+        cause: the failure that evicted it (the rank blamed and why).
+        wave: its first wave left out: waves ``< wave`` are applied at every shard, none after.
+        discarded: its pushes the shards had buffered and dropped (all shards together).
+        waves_lost: its waves never applied (``wave`` to the run's last wave).
+    """
+
+    vw: int
+    cause: str
+    wave: int
+    discarded: int
+    waves_lost: int
+
+    @staticmethod
+    def from_shards(
+        lost: dict[int, str], states: Sequence[ShardState], waves: int
+    ) -> tuple[LostVW, ...]:
+        """The lost VWs from the launcher's causes and the shards' evictions (``waves``: the
+        global clock the run was to reach)."""
+        out = []
+        for vw, cause in sorted(lost.items()):
+            evs = [e for s in states for e in s.evictions if e[0] == vw]
+            wave = min((e[1] for e in evs), default=0)
+            out.append(LostVW(vw, cause, wave, sum(e[2] for e in evs), max(0, waves - wave)))
+        return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -62,6 +95,7 @@ class WSPResult:
             restart``), oldest first; this result is the last attempt's.
         sync, sync_params: the synchronisation rule (``wsp``, ``backup``, ``easgd``) and its
             parameters (:mod:`runtime.results.sync` summarises what it did).
+        lost: the VWs evicted during the run (``--on-failure continue``).
     """
 
     vws: tuple[RunResult, ...]
@@ -79,6 +113,7 @@ class WSPResult:
     restarts: tuple[str, ...] = ()
     sync: str = "wsp"
     sync_params: SyncParams = ()
+    lost: tuple[LostVW, ...] = ()
 
     @staticmethod
     def build(
@@ -152,7 +187,8 @@ class WSPResult:
         out_dir.mkdir(parents=True, exist_ok=True)
         if self.vws:
             for k, vw in enumerate(self.vws):
-                write_metrics(vw, out_dir / f"vw{k}")
+                if vw.stages:  # a lost VW reported nothing
+                    write_metrics(vw, out_dir / f"vw{k}")
             write_timeline([s for vw in self.vws for s in vw.stages], out_dir, about=about)
         atomic_torch_save(self.state_dict(), out_dir / "weights.pt")
         summary = {
@@ -173,6 +209,7 @@ class WSPResult:
             "dropped_vw_waves": dropped_vw_waves(self.vws),
             "kth_push_s": kth_push_s(self.vws),
             "wave_arrivals_s": arrival_table(self.vws),
+            "lost": [dataclasses.asdict(v) for v in self.lost],
             "vws": [
                 {
                     "throughput": v.throughput,
@@ -239,6 +276,11 @@ class WSPResult:
             table.caption += f"; {self.stopped_by}"
         if self.restarts:
             table.caption += f"; restarted {len(self.restarts)}x from the last snapshot"
+        for gone in self.lost:
+            table.caption += (
+                f"; vw {gone.vw} lost ({escape(gone.cause)}): evicted at wave {gone.wave}, "
+                f"{gone.discarded} buffered pushes discarded, {gone.waves_lost} waves not trained"
+            )
         if self.exported_from:
             table.caption += (
                 f"; written from the snapshot {self.exported_from} (nothing left to train)"

@@ -150,3 +150,12 @@ def test_checkpoint_load_refuses_pickled_code(tmp_path: Path) -> None:
         load_checkpoint(tmp_path / "missing.pt")
     with pytest.raises(HetPipeRuntimeError, match="not a hetpipe parameter-server shard"):
         shard_from_payload({"kind": "something else"}, bad)
+
+
+def test_torchrun_elastic_restart_resumes_only_from_a_committed_snapshot() -> None:
+    from runtime.persist.run_dir import elastic_resume
+
+    assert not elastic_resume(False, 0, [4])  # first attempt: a fresh run
+    assert not elastic_resume(False, 2, [])  # restarted before any snapshot: from the start
+    assert elastic_resume(False, 1, [2, 4])  # torchrun restarted the group: resume
+    assert elastic_resume(True, 0, [])  # --resume asked (select() names a missing snapshot)

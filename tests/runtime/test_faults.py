@@ -281,3 +281,15 @@ def test_ctrl_c_stops_cleanly_with_one_line_and_the_resume_command(tmp_path: Pat
     assert f"--resume {out}" in err.replace("\n", "")
     assert _wait_gone(ranks, 10.0) == []
     assert not list(Path(tempfile.gettempdir()).glob(f"hetpipe-rdzv-{proc.pid}-*"))
+
+
+def test_one_vw_run_claims_its_directory(tmp_path: Path) -> None:
+    from runtime.launch.single import launch
+
+    run = RunConfig(steps=2, timeout_s=15.0, emulate=False, out_dir=tmp_path / "one")
+    launch(_plan(), SOURCE, None, run, vw=1)
+    assert (tmp_path / "one" / "RUN.json").is_file() and (tmp_path / "one" / "weights.pt").is_file()
+    with pytest.raises(ConfigError, match="--overwrite"):
+        launch(_plan(), SOURCE, None, run, vw=1)  # a second run is refused, never mixed
+    launch(_plan(), SOURCE, None, run, vw=1, overwrite=True)
+    assert not _children()

@@ -1,0 +1,87 @@
+"""``--on-failure continue`` at the launcher: a failed VW is stopped, the others go on.
+
+The parameter-server shards evict the VW themselves once its connections close
+(:meth:`runtime.ps.core.ShardCore.lose`); the launcher's part is to stop the VW's remaining
+stages (they would otherwise wait on their dead neighbour until a timeout), to blame the
+rank that caused it, and to keep watching the survivors. A failed *shard* holds global
+weights no one else has: the run stops (or restarts the whole job, ``--on-failure restart``).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.launch.failures import SECONDARY
+
+__all__ = ["VWEvictor"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class VWEvictor:
+    """The ``absorb`` policy of :func:`runtime.launch.failures.watch` for a multi-VW run.
+
+    Attributes:
+        vw_ranks: VW id -> its stage ranks.
+        procs: rank -> ``multiprocessing.Process``.
+        labels: rank -> description for messages.
+        lost: VW id -> why it was evicted (the rank blamed), filled as VWs fail.
+        grace_s: longest wait for the death of the rank that caused a neighbour's error.
+    """
+
+    vw_ranks: Mapping[int, tuple[int, ...]]
+    procs: Mapping[int, Any]
+    labels: Mapping[int, str]
+    lost: dict[int, str] = field(default_factory=dict)
+    grace_s: float = 1.5
+
+    def __call__(self, errors: dict[int, str]) -> set[int]:
+        """Stop the VWs of the failed ranks; their ranks, or an empty set when the run must
+        stop (a shard failed, or no VW would survive)."""
+        vw_of = {r: k for k, ranks in self.vw_ranks.items() for r in ranks}
+        vws = {vw_of.get(r, -1) for r in errors}
+        if -1 in vws or len(self.lost.keys() | vws) >= len(self.vw_ranks):
+            return set()
+        gone: set[int] = set()
+        for k in sorted(vws):
+            ranks = self.vw_ranks[k]
+            if k not in self.lost:
+                rank, why = self._culprit(ranks, errors)
+                self.lost[k] = f"rank {rank} ({self.labels[rank]}) failed: {why}"
+                log.warning("vw %d lost, the others go on: %s", k, self.lost[k])
+                for r in ranks:  # SIGKILL: a frozen (SIGSTOPped) process ignores SIGTERM
+                    if self.procs[r].is_alive():
+                        self.procs[r].kill()
+            gone.update(ranks)
+        return gone
+
+    def _culprit(self, ranks: tuple[int, ...], errors: dict[int, str]) -> tuple[int, str]:
+        """The rank of the VW that caused the failure: one that is frozen, else one whose
+        error is not a consequence of another's, else one that died without reporting (a
+        neighbour's "connection closed" can arrive before the launcher learns of the death:
+        up to ``grace_s`` is given for that), else the lowest rank that reported."""
+        frozen = [r for r in ranks if "frozen" in errors.get(r, "")]
+        if frozen:
+            return frozen[0], errors[frozen[0]]
+        mine = {r: m for r, m in errors.items() if r in ranks and m != "died"}
+        primary = [r for r, m in mine.items() if not any(s in m for s in SECONDARY)]
+        if primary:
+            return min(primary), mine[min(primary)]
+        deadline = time.monotonic() + self.grace_s
+        while True:
+            for r in ranks:
+                code = self.procs[r].exitcode
+                if code not in (None, 0) and r not in mine:
+                    how = f"exited with code {code}"
+                    return r, f"killed by signal {signal.Signals(-code).name}" if code < 0 else how
+            if time.monotonic() > deadline or not mine:
+                break
+            time.sleep(0.05)  # polls the exit codes until the deadline
+        r = min(mine) if mine else min(r for r in errors if r in ranks)
+        return r, errors[r]
