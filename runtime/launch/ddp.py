@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from planner.plan import Plan
+from planner.straggle import NO_STRAGGLE, Straggle
 from profiler.errors import ConfigError
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.data import MinibatchSource, default_dataset
@@ -138,6 +139,7 @@ class _RankJob:
     run: RunConfig
     init_method: str
     hook: StepHook | None = None
+    straggle: Straggle = NO_STRAGGLE  # emulated stragglers: step p takes slowdown(rank, p-1) x
 
 
 def _rank_main(job: _RankJob, train: Dataset[Any], events: Any, parent: int) -> None:
@@ -192,8 +194,8 @@ def _train_rank(job: _RankJob, train: Dataset[Any], events: Any, cuda: bool) -> 
         for g in opt.param_groups:
             g["lr"] = lr_at(job.optimizer, p - 1, job.steps)
         opt.step()  # device work: inside the paced window, as in the pipeline's stages
-        if job.pace_s:
-            pace_until(t0 + job.pace_s)
+        if job.pace_s:  # a straggling step (planner.straggle; a DDP "wave" is one step)
+            pace_until(t0 + job.pace_s * job.straggle.slowdown(job.rank, p - 1))
         meter.release(p)
         # (2,): loss, "my time is up" -- one AllReduce, so every rank stops after the same step
         up = 1.0 if limit > 0 and time.time() - start >= limit else 0.0
@@ -328,6 +330,7 @@ def _jobs(
                 run=run,
                 init_method=init_method,
                 hook=hook,
+                straggle=ctx.straggle,
             )
         )
     return jobs
