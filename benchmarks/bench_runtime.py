@@ -48,7 +48,7 @@ from planner.manual import cpu_cluster, manual_plan  # noqa: E402
 from profiler.graph import ModelGraph  # noqa: E402
 from runtime.config import ModelSource, OptimizerConfig, RunConfig  # noqa: E402
 from runtime.data import MinibatchSource, default_dataset  # noqa: E402
-from runtime.launch.single import launch  # noqa: E402
+from runtime.launch.launcher import launch  # noqa: E402
 from runtime.stage.emulation import Calibration, pace_until  # noqa: E402
 from runtime.stage.model import build_stage, reference_module, resolve_source  # noqa: E402
 

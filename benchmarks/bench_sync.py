@@ -39,7 +39,6 @@ from planner.planner import make_plan
 from planner.sim.waves import predict_rule
 from planner.sync import with_rule
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
-from runtime.launch.ddp import DDPResult
 from runtime.results.sync import dropped_vw_waves, kth_push_s
 from runtime.results.wsp import WSPResult
 from runtime.run import run_plan
@@ -90,23 +89,6 @@ def wsp_row(res: WSPResult, args: argparse.Namespace, predicted: float) -> dict[
         "test_accuracy": res.test_accuracy,
         "time_to_target_s": time_to_loss(points, args.target_loss, 2 * len(res.vws)),
         "final_loss": final_loss(points, 2 * len(res.vws)),
-        "wall_s": res.wall_s,
-    }
-
-
-def ddp_row(res: DDPResult, args: argparse.Namespace) -> dict[str, Any]:
-    """The figures of the DDP baseline."""
-    points = [(t / 1e3, loss) for t, loss in zip(res.completions_ms[0], res.losses, strict=False)]
-    return {
-        "throughput": res.throughput,
-        "applied_throughput": res.throughput,
-        "predicted_applied": res.predicted,
-        "waiting_s": float("nan"),
-        "dropped_vw_waves": 0,
-        "kth_push_s": [],
-        "test_accuracy": res.test_accuracy,
-        "time_to_target_s": time_to_loss(points, args.target_loss, 2),
-        "final_loss": final_loss(points, 2),
         "wall_s": res.wall_s,
     }
 
@@ -163,8 +145,8 @@ def main() -> None:
     world = len(ddp_plan.virtual_workers)
     run = RunConfig(steps=args.steps * args.vws // world, seed=args.seed, progress=False)
     ddp = run_plan(ddp_plan, source, OptimizerConfig(lr=args.lr * world), run)
-    assert isinstance(ddp, DDPResult)
-    rows[f"DDP ({world} devices)"] = ddp_row(ddp, args)
+    assert isinstance(ddp, WSPResult)  # the allreduce rule under the same launcher
+    rows[f"DDP ({world} devices)"] = wsp_row(ddp, args, ddp.predicted_throughput)
     _print(f"DDP ({world} devices)", rows[f"DDP ({world} devices)"])
     load = [load_before, os.getloadavg()]
     print(f"load average before/after: {load[0][0]:.2f} / {load[1][0]:.2f}")

@@ -58,14 +58,9 @@ def run(
             raise SystemExit(
                 f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
             )
-        name = "summary.json" if system == "wsp" else "ddp.json"
-        out = json.loads((Path(tmp) / name).read_text())
-    if system == "wsp":
-        workers = len(out["vws"])
-        samples = steps * args.batch * workers
-    else:
-        workers = len(out["devices"])
-        samples = steps * args.batch * workers
+        out = json.loads((Path(tmp) / "summary.json").read_text())  # every rule writes it
+    workers = len(out["vws"])
+    samples = steps * args.batch * workers
     return {
         "steps": steps,
         "samples": samples,

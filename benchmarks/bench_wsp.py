@@ -2,9 +2,9 @@
 
 For each allocation policy in ``--policies`` (a plan made once per policy on
 ``examples/emulated_cluster.yaml``: ``ed`` = one VW of V R G Q, ``hd`` = 2 VWs Q V and R G) and
-each D in ``--ds``: ``launch_wsp`` for ``--steps`` minibatches per VW (throughput, the plan's
+each D in ``--ds``: ``launch`` for ``--steps`` minibatches per VW (throughput, the plan's
 prediction, waiting and idle seconds per VW, test accuracy); then the DDP AllReduce baseline
-(``runtime.launch.ddp.run_allreduce`` on ``planner.baseline.allreduce_plan``) on the devices of the same cluster that hold the whole model, on
+(the ``allreduce`` rule of the same launcher on ``planner.baseline.allreduce_plan``) on the devices of the same cluster that hold the whole model, on
 the same data, for the same number of samples as the first HetPipe run. The default model
 ``mlp(hidden=384,depth=4)`` (3.8 MiB as a whole with plain SGD) fits only V and R, as the paper's
 large models fit only some GPUs; at batch 128 (stages of milliseconds, so compute dominates
@@ -28,8 +28,8 @@ from planner.baseline import allreduce_plan
 from planner.cluster import load_cluster
 from planner.planner import make_plan
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
-from runtime.launch.ddp import run_allreduce
-from runtime.launch.wsp import launch_wsp
+from runtime.launch.launcher import launch
+from runtime.results.wsp import WSPResult
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -45,7 +45,7 @@ def _run_policy(
     )  # fmt: skip
     rows = []
     for d in args.ds:
-        res = launch_wsp(
+        res = launch(
             plan, ModelSource(ref=args.model), opt, RunConfig(steps=args.steps), WSPConfig(D=d)
         )
         row = {
@@ -94,11 +94,14 @@ def main() -> None:
     ddp_plan = allreduce_plan(cluster, args.model, args.batch, optimizer=opt.memory_class)
     world = len(ddp_plan.virtual_workers)
     steps = max(2, round(ddp_samples / (args.batch * world)))
-    ddp = run_allreduce(
-        ddp_plan, optimizer=OptimizerConfig(lr=args.lr * world), run=RunConfig(steps=steps)
-    )
+    ddp = launch(
+        ddp_plan, ModelSource(ref=args.model), OptimizerConfig(lr=args.lr * world),
+        RunConfig(steps=steps),
+    )  # fmt: skip
+    assert isinstance(ddp, WSPResult)
+    devices = [vw.stages[0].device for vw in ddp.vws]
     print(
-        f"AllReduce on {' '.join(ddp.devices)} ({steps} steps, lr x {world}): "
+        f"AllReduce on {' '.join(devices)} ({steps} steps, lr x {world}): "
         f"{ddp.throughput:.1f} samples/s, accuracy {ddp.test_accuracy:.2%}"
     )
     ratios: dict[str, dict[str, float]] = {}
@@ -120,7 +123,7 @@ def main() -> None:
         "load_before_after": [load_before, os.getloadavg()],
         "runs": rows,
         "allreduce": {
-            "devices": list(ddp.devices),
+            "devices": devices,
             "throughput": ddp.throughput,
             "accuracy": ddp.test_accuracy,
             "steps": steps,

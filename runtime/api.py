@@ -38,7 +38,6 @@ from runtime.run import run_plan
 from runtime.stage.model import resolve_source
 
 if TYPE_CHECKING:
-    from runtime.launch.ddp import DDPResult
     from runtime.results.metrics import RunResult
     from runtime.results.wsp import WSPResult
 
@@ -97,7 +96,7 @@ def _module_source(
     return ModelSource(module=model, sample_inputs=inputs, sample_targets=y, loss=loss_fn)
 
 
-def train(
+def train(  # long by its signature and docstring (every option, documented); the body is ~30 lines
     model: nn.Module | str,
     dataset: Dataset[Any] | None = None,
     loss_fn: LossFn | None = None,
@@ -122,7 +121,7 @@ def train(
     checkpoint_every: int = 0,
     vw: int = -1,
     precision: str = "",
-) -> RunResult | WSPResult | DDPResult:
+) -> RunResult | WSPResult:
     """Train ``model`` with any plan on this host: what ``hetpipe run`` does, through the same
     entry (:func:`runtime.run.run_plan`): several VWs through the WSP parameter servers, one
     VW, or the AllReduce baseline, by the plan (default: one VW cut by hand or planned).
@@ -156,8 +155,8 @@ def train(
 
     Returns:
         One VW: the :class:`RunResult` (losses, throughput, per-stage measurements, final
-        weights); several VWs: the :class:`runtime.results.wsp.WSPResult`; an AllReduce plan:
-        the :class:`runtime.launch.ddp.DDPResult`. Each has ``state_dict()`` or ``state``.
+        weights); several VWs (WSP or AllReduce): the :class:`runtime.results.wsp.WSPResult`.
+        Each has ``state_dict()``.
 
     Raises:
         HetPipeError: invalid inputs or a failed run (naming the rank, VW and stage).
@@ -165,24 +164,12 @@ def train(
     given = load_plan(plan) if isinstance(plan, (str, os.PathLike)) else plan
     if given is not None:
         batch_size = given.batch_size  # the plan's minibatch, also for the sample inputs
-    if isinstance(model, str):
-        source = ModelSource(ref=model, loss=loss_fn)
-    else:
-        if dataset is None:
-            raise ConfigError("a user nn.Module needs a dataset (items are (inputs, target))")
-        size = len(dataset)  # type: ignore[arg-type]
-        if size < batch_size:
-            raise ConfigError(
-                f"the data set has {size} samples, fewer than batch_size={batch_size}"
-            )
-        source = _module_source(model, dataset, loss_fn, batch_size)
+    source = _source(model, dataset, loss_fn, batch_size)
     if given is None:
         cl = load_cluster(cluster) if isinstance(cluster, (str, os.PathLike)) else cluster
-        the_plan = make_single_vw_plan(
+        given = make_single_vw_plan(
             source, batch_size, nm, cl, stages, cuts, check_precision(precision or "fp32")
         )
-    else:
-        the_plan = given
     run = RunConfig(
         steps=steps,
         epochs=epochs,
@@ -197,4 +184,23 @@ def train(
         precision=precision,
     )
     wsp = WSPConfig(D=D, checkpoint_every=checkpoint_every)
-    return run_plan(the_plan, source, optimizer, run, wsp, dataset, vw=vw)
+    return run_plan(given, source, optimizer, run, wsp, dataset, vw=vw)
+
+
+def _source(
+    model: nn.Module | str, dataset: Dataset[Any] | None, loss_fn: LossFn | None, batch_size: int
+) -> ModelSource:
+    """Where the processes get ``model`` from: a reference, or the user's module with one
+    minibatch of ``dataset`` to trace it.
+
+    Raises:
+        ConfigError: a module without a data set, or a data set smaller than a minibatch.
+    """
+    if isinstance(model, str):
+        return ModelSource(ref=model, loss=loss_fn)
+    if dataset is None:
+        raise ConfigError("a user nn.Module needs a dataset (items are (inputs, target))")
+    size = len(dataset)  # type: ignore[arg-type]
+    if size < batch_size:
+        raise ConfigError(f"the data set has {size} samples, fewer than batch_size={batch_size}")
+    return _module_source(model, dataset, loss_fn, batch_size)

@@ -19,8 +19,8 @@ from profiler.precision import check_precision
 from runtime.defaults import TIMEOUT_S
 
 if TYPE_CHECKING:
-    from runtime.launch.failures import ShardFault, StageFault
-    from runtime.persist.snapshot import SnapshotSpec, WriteFault
+    from runtime.launch.faults import ShardFault, StageFault
+    from runtime.persist.snapshot import WriteFault
 
 __all__ = ["LossFn", "ModelSource", "OptimizerConfig", "RunConfig", "WSPConfig"]
 
@@ -233,7 +233,6 @@ class WSPConfig:
         evict: ``--on-failure continue``: a VW whose process fails is evicted from the global
             clock (its unfinished wave discarded at every shard) and the others go on; a
             shard failure still ends the run (see ``docs/fault_tolerance.md``).
-        snapshots: set by the launcher: what every process needs to write and read snapshots.
         resume_hint: the command line to print when the run fails (``--resume DIR`` is appended).
         overlap_pulls: stages keep running tasks while a pull is in flight (``False``: the
             stage blocks in the pull at the wave end; a benchmark baseline).
@@ -254,4 +253,3 @@ class WSPConfig:
     shard_fault: ShardFault | None = None
     max_restarts: int = 0
     evict: bool = False
-    snapshots: SnapshotSpec | None = None

@@ -1,13 +1,9 @@
 """The one training entry: ``hetpipe run`` and ``hetpipe.train`` both execute a plan here.
 
-The plan says how its virtual workers synchronise (``plan.sync``) and whether it has
-parameter-server shards; this picks the launcher that executes it:
-
-- ``sync == "allreduce"``: the DDP baseline (:func:`runtime.launch.ddp.run_allreduce`);
-- shards and every VW (``vw < 0``): WSP through the parameter servers
-  (:func:`runtime.launch.wsp.launch_wsp`), one VW included;
-- one VW of the plan alone, without parameter servers (``vw >= 0``, or a plan without shards
-  and one VW): :func:`runtime.launch.single.launch`.
+The plan names how its virtual workers synchronise (``plan.sync``, :mod:`planner.sync`); the
+one launcher (:func:`runtime.launch.launcher.launch`) trains it with that rule: ``wsp``
+through the parameter-server shards, ``allreduce`` (the DDP baseline), or ``local`` for one
+VW alone (a plan without shards and one VW, or ``vw >= 0``).
 
 The runtime never plans: a plan comes from :mod:`planner` (``make_plan``,
 ``planner.baseline.allreduce_plan`` or ``planner.manual``).
@@ -19,13 +15,13 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from planner.plan import Plan
+from planner.sync import effective_rule
 from profiler.errors import ConfigError
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 
 if TYPE_CHECKING:
     from rich.table import Table
 
-    from runtime.launch.ddp import DDPResult
     from runtime.results.metrics import RunResult
     from runtime.results.wsp import WSPResult
 
@@ -33,9 +29,10 @@ __all__ = [
     "MAIN_JOB_EPOCHS",
     "default_length",
     "describe_training",
-    "launcher_for",
     "outputs",
+    "rule_for",
     "run_plan",
+    "settle",
     "summary",
 ]
 
@@ -48,45 +45,41 @@ def run_plan(
     wsp: WSPConfig | None = None,
     dataset: Any = None,
     vw: int = -1,
-) -> RunResult | WSPResult | DDPResult:
-    """Train ``plan`` with the launcher its synchronisation rule needs (see the module doc).
+) -> RunResult | WSPResult:
+    """Train ``plan`` with its synchronisation rule (see the module doc).
 
     Args:
         plan: the plan.
         source: the model.
         optimizer: each worker's optimizer and schedule.
         run: run length, seed, out dir, timeout, emulation, progress.
-        wsp: WSP settings (D, checkpoints, resume) for a plan with shards.
+        wsp: settings of several VWs (D, checkpoints, resume, restarts).
         dataset: the user's data set (``None`` = the model's built-in one).
-        vw: train only this VW, without parameter servers (``-1`` = every VW).
+        vw: train only this VW, alone (``-1`` = every VW).
 
     Raises:
         ConfigError: the plan cannot be run as asked (says why and what to change).
         HetPipeRuntimeError: a process failed (names it).
     """
-    how = launcher_for(plan, vw)
-    run = default_length(run or RunConfig(), plan, how)
+    from runtime.launch.launcher import launch
+
+    run = settle(run or RunConfig(), plan, rule_for(plan, vw))
+    return launch(plan, source, optimizer, run, wsp, dataset, vw)
+
+
+def settle(run: RunConfig, plan: Plan, rule: str) -> RunConfig:
+    """``run`` with the plan's defaults filled in (one host and every torchrun rank alike):
+    its length (:func:`default_length`) and the plan's precision.
+
+    Raises:
+        ConfigError: bf16 asked of the AllReduce baseline.
+    """
+    run = default_length(run, plan, rule)
     if not run.precision:
         run = replace(run, precision=plan.precision)
-    if run.precision != "fp32" and how == "allreduce":
+    if run.precision != "fp32" and rule == "allreduce":
         raise ConfigError("--precision bf16 is for pipelines (hetpipe plans); AllReduce runs fp32")
-    if how == "allreduce":
-        from runtime.launch.ddp import run_allreduce
-
-        return run_allreduce(plan, source=source, optimizer=optimizer, run=run, dataset=dataset)
-    if how == "wsp":
-        from runtime.launch.wsp import launch_wsp
-
-        return launch_wsp(plan, source, optimizer, run, wsp, dataset)
-    if wsp is not None and wsp.resume:
-        raise ConfigError(
-            "--resume needs parameter-server shards (they write the checkpoints); this run "
-            "trains one VW without them (plan it with 'hetpipe plan', which places shards)"
-        )
-    from runtime.launch.single import launch
-
-    overwrite = wsp is not None and wsp.overwrite
-    return launch(plan, source, optimizer, run, dataset, vw=max(vw, 0), overwrite=overwrite)
+    return run
 
 
 MAIN_JOB_EPOCHS = 40.0
@@ -99,49 +92,42 @@ def default_length(run: RunConfig, plan: Plan, how: str) -> RunConfig:
     time limit) and several VWs train together (WSP or AllReduce); one VW: one epoch."""
     if run.steps or run.epochs or run.time_limit_s:
         return run
-    if how in ("wsp", "allreduce") and len(plan.virtual_workers) > 1:
+    if how != "local" and len(plan.virtual_workers) > 1:
         return replace(run, epochs=MAIN_JOB_EPOCHS)
     return run
 
 
-def launcher_for(plan: Plan, vw: int = -1) -> str:
-    """Which launcher trains ``plan``: ``allreduce``, ``wsp`` or ``single`` (see the module doc).
+def rule_for(plan: Plan, vw: int = -1) -> str:
+    """The rule that trains ``plan``: ``wsp``, ``allreduce`` or ``local`` (see the module doc).
 
     Raises:
         ConfigError: several VWs without shards, or one VW of an AllReduce plan.
     """
-    if plan.sync == "allreduce":
-        if vw >= 0:
-            raise ConfigError("an AllReduce plan trains every device together; drop --vw")
-        return "allreduce"
-    if vw < 0 and plan.shards:
-        return "wsp"
-    n_vws = len(plan.virtual_workers)
-    if vw < 0 and n_vws > 1:
-        raise ConfigError(
-            f"the {plan.model} plan has {n_vws} VWs but no parameter-server shards to "
-            "synchronise them; re-plan with shards (hetpipe plan) or train one VW (vw=K)"
-        )
-    return "single"
+    if plan.sync == "allreduce" and vw >= 0:
+        raise ConfigError("an AllReduce plan trains every device together; drop --vw")
+    return effective_rule(plan.sync, len(plan.shards), len(plan.virtual_workers), vw)
 
 
 def describe_training(plan: Plan, vw: int, nm: int, D: int | None) -> str:
     """One line saying what is about to train (the first thing ``hetpipe run`` prints)."""
-    how = launcher_for(plan, vw)
+    how = rule_for(plan, vw)
     workers = plan.virtual_workers
     if how == "allreduce":
         return (
-            f"training {plan.model} with DDP AllReduce (BSP) on {len(workers)} devices "
+            f"training {plan.model} with AllReduce (BSP) on {len(workers)} devices "
             f"({' '.join(w.signature for w in workers)}) of {plan.cluster.name}; batch "
             f"{plan.batch_size} per device"
         )
-    if how == "wsp":
+    if how != "local":  # a rule through the parameter-server shards
+        from runtime.results.sync import describe_rule
+
+        rule = describe_rule(how, plan.sync_params, plan.D if D is None else D)
         sigs = ", ".join(
             f"VW {k} {w.signature} ({len(w.stages)} stages)" for k, w in enumerate(workers)
         )
         return (
             f"training {plan.model} on {len(workers)} VWs through {len(plan.shards)} "
-            f"parameter-server shards (WSP, D={plan.D if D is None else D}): {sigs}; batch "
+            f"parameter-server shards ({rule.replace('WSP D=', 'WSP, D=')}): {sigs}; batch "
             f"{plan.batch_size}, Nm {nm}"
         )
     k = max(vw, 0)
@@ -150,19 +136,16 @@ def describe_training(plan: Plan, vw: int, nm: int, D: int | None) -> str:
     return f"training {plan.model} on VW {k} ({stages}), batch {plan.batch_size}, Nm {nm}"
 
 
-def outputs(result: RunResult | WSPResult | DDPResult) -> list[str]:
+def outputs(result: RunResult | WSPResult) -> list[str]:
     """The files a run with ``--out`` wrote, relative to its folder."""
-    from runtime.launch.ddp import DDPResult
     from runtime.results.metrics import RunResult
 
-    if isinstance(result, DDPResult):
-        return ["ddp.json", "weights.pt"]
     if isinstance(result, RunResult):
         return ["metrics.csv", "stages.csv", "weights.pt", "timeline.png", "trace.json"]
     return ["vw*/metrics.csv", "summary.json", "weights.pt", "timeline.png", "trace.json"]
 
 
-def summary(result: RunResult | WSPResult | DDPResult) -> Table:
+def summary(result: RunResult | WSPResult) -> Table:
     """The summary table of any run (what ``hetpipe run`` prints)."""
     from runtime.results.metrics import RunResult, summary_table
 

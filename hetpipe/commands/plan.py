@@ -186,7 +186,7 @@ def render_candidates(rows: list[Candidate], budget_s: float) -> None:
 
 
 @handle_errors
-def plan(
+def plan(  # long only by its typer signature (the command's options); the body is ~35 lines
     cluster: Annotated[Path, typer.Argument(help="cluster.yaml")],
     model: Annotated[
         str | None, typer.Option("--model", "-m", help="built-in model or package.module:factory")
@@ -282,6 +282,47 @@ def plan(
     from planner.costmodel import load_links
     from planner.planner import PlanOptions, make_plan
 
+    _check_options(time_limit, auto_budget, auto_max_vw_gpus, max_cuts, sync,
+                   bool(policy or vws or nm or staleness))  # fmt: skip
+    rule = rule_params(sync, backups, tau, alpha)
+    cl = load_cluster(cluster)
+    profs = _load_profiles(profiles, profile_gpu) if profiles else []
+    candidates: list[Candidate] = []
+    options = PlanOptions(
+        partitioner=partitioner,
+        solver=solver,
+        max_cuts=max_cuts,
+        nm_choice=nm_choice,
+        memory=memory,
+        time_limit_s=time_limit,
+        auto_max_vw_gpus=auto_max_vw_gpus,
+        auto_budget_s=auto_budget,
+    )
+    with (console if not as_json else err_console).status(
+        f"planning {model or 'the profiled model'} on {cl.name} (profiles, allocation, "
+        "partition, Nm, placement, simulation)"
+    ):
+        if sync == "allreduce":
+            result = _allreduce_plan(cl, profs, model, batch_size, optimizer)
+        else:
+            result = make_plan(
+                cl, profs, model=model, batch_size=batch_size, policy=policy, nm=nm,
+                D=staleness, placement=placement, num_vws=vws, optimizer=optimizer,
+                links=load_links(links) if links else None, options=options,
+                reference_type=profile_gpu, report=candidates, precision=precision,
+            )  # fmt: skip
+    _emit(apply_rule(result, sync, rule), output, as_json, candidates, auto_budget)
+
+
+def _check_options(
+    time_limit: float,
+    auto_budget: float,
+    auto_max_vw_gpus: int,
+    max_cuts: int | None,
+    sync: str,
+    shapes_hetpipe: bool,
+) -> None:
+    """Refuse bad option values before any planning (one line each)."""
     if time_limit <= 0 or auto_budget < 0 or auto_max_vw_gpus < 1:
         raise ConfigError(
             f"--time-limit must be > 0, --auto-budget >= 0 and --auto-max-vw-gpus >= 1 (got "
@@ -289,49 +330,16 @@ def plan(
         )
     if max_cuts is not None and max_cuts < 0:
         raise ConfigError(f"--max-cuts must be >= 0, got {max_cuts}")
-    rule = rule_params(sync, backups, tau, alpha)
-    if sync == "allreduce" and (policy or vws or nm or staleness):
+    if sync == "allreduce" and shapes_hetpipe:
         raise ConfigError(
             "--policy, --vws, --nm and -D shape HetPipe plans; drop them with --sync allreduce"
         )
-    cl = load_cluster(cluster)
-    profs = _load_profiles(profiles, profile_gpu) if profiles else []
-    candidates: list[Candidate] = []
-    with (console if not as_json else err_console).status(
-        f"planning {model or 'the profiled model'} on {cl.name} (profiles, allocation, "
-        "partition, Nm, placement, simulation)"
-    ):
-        result = (
-            _allreduce_plan(cl, profs, model, batch_size, optimizer)
-            if sync == "allreduce"
-            else make_plan(
-                cl,
-                profs,
-                model=model,
-                batch_size=batch_size,
-                policy=policy,
-                nm=nm,
-                D=staleness,
-                placement=placement,
-                num_vws=vws,
-                optimizer=optimizer,
-                links=load_links(links) if links else None,
-                options=PlanOptions(
-                    partitioner=partitioner,
-                    solver=solver,
-                    max_cuts=max_cuts,
-                    nm_choice=nm_choice,
-                    memory=memory,
-                    time_limit_s=time_limit,
-                    auto_max_vw_gpus=auto_max_vw_gpus,
-                    auto_budget_s=auto_budget,
-                ),
-                reference_type=profile_gpu,
-                report=candidates,
-                precision=precision,
-            )
-        )
-    result = apply_rule(result, sync, rule)
+
+
+def _emit(
+    result: Plan, output: Path | None, as_json: bool, candidates: list[Candidate], budget: float
+) -> None:
+    """Write the plan (``-o``), print it as JSON (``--json``) or render it."""
     if output is not None:
         result.save(output)
     if as_json:
@@ -340,7 +348,7 @@ def plan(
             err_console.print(f"wrote {output}")
         return
     if candidates:
-        render_candidates(candidates, auto_budget)
+        render_candidates(candidates, budget)
     render(result)
     if output is not None:
         console.print(f"wrote {output}")

@@ -93,7 +93,7 @@ def _check_batch(batch_size: int) -> None:
 
 
 @handle_errors
-def profile(
+def profile(  # long only by its typer signature (the command's options); the body is ~25 lines
     output: Annotated[
         Path, typer.Option("-o", "--output", help="profile .csv, or a folder (profile set)")
     ],
@@ -152,15 +152,6 @@ def profile(
     ] = "fp32",
 ) -> None:
     """Write per-layer profiles (or links.yaml) to ``-o``."""
-    import torch
-
-    from profiler.analytic import analytic_profile, calibrate, scale_profile
-    from profiler.links import DEFAULT_SIZES, measure_links, save_links
-    from profiler.measure import measure_profile, parse_device
-    from profiler.models import resolve_model
-    from profiler.pipedream import import_pipedream
-    from profiler.table import load_profile
-
     mode = _one_mode(
         analytic=analytic,
         scale=scale is not None,
@@ -170,47 +161,96 @@ def profile(
     if threads is not None:
         if threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {threads}")
+        import torch
+
         torch.set_num_threads(threads)
     types = device_type or []
     if mode == "links":
-        target = output if output.suffix.lower() in (".yaml", ".yml") else output / "links.yaml"
-        with console.status("measuring links (2 processes, ping-pong)"):
-            fit = measure_links(DEFAULT_SIZES, repeats=max(repeats, 1), warmup=warmup)
-        save_links([fit], target)
-        console.print(
-            f"intra_node ({fit.backend}): latency {fit.latency_s * 1e6:.1f} us, bandwidth "
-            f"{fit.bandwidth_bps / 1e9:.3f} GB/s (r2 {fit.r2:.3f}) -> {target}"
-        )
-        return
-    if mode == "import-pipedream":
-        pd_type = types[0] if types else "unknown GPU"
-        bs = 64 if batch_size is None else batch_size
-        _check_batch(bs)
-        prof = import_pipedream(import_pipedream_path or Path(), batch_size=bs, device_type=pd_type)
-        _summary(prof, prof.save(_target(output, prof)))
-        return
-    if mode == "scale":
-        if not types:
-            raise ConfigError("--scale needs --device-type (the GPU type(s) to scale to)")
-        src = load_profile(scale or Path())
-        for t in types:
-            prof = scale_profile(src, t)
-            _summary(prof, prof.save(_target(output, prof)))
-        return
-    if model is None:
+        _links(output, repeats, warmup)
+    elif mode == "import-pipedream":
+        _import(import_pipedream_path or Path(), output, batch_size, types)
+    elif mode == "scale":
+        _scale(scale or Path(), output, types)
+    elif model is None:
         raise ConfigError("--model is required (or use --import-pipedream / --links / --scale)")
+    elif mode == "analytic":
+        _analytic(model, output, batch_size, types, calibrate_from)
+    else:
+        _measure(model, output, batch_size, types, device, repeats, warmup, clock, precision)
+
+
+def _links(output: Path, repeats: int, warmup: int) -> None:
+    """``--links``: measure this host's point-to-point latency and bandwidth."""
+    from profiler.links import DEFAULT_SIZES, measure_links, save_links
+
+    target = output if output.suffix.lower() in (".yaml", ".yml") else output / "links.yaml"
+    with console.status("measuring links (2 processes, ping-pong)"):
+        fit = measure_links(DEFAULT_SIZES, repeats=max(repeats, 1), warmup=warmup)
+    save_links([fit], target)
+    console.print(
+        f"intra_node ({fit.backend}): latency {fit.latency_s * 1e6:.1f} us, bandwidth "
+        f"{fit.bandwidth_bps / 1e9:.3f} GB/s (r2 {fit.r2:.3f}) -> {target}"
+    )
+
+
+def _import(path: Path, output: Path, batch_size: int | None, types: list[str]) -> None:
+    """``--import-pipedream``: a PipeDream graph.txt as a profile (batch 64 by default)."""
+    from profiler.pipedream import import_pipedream
+
+    bs = 64 if batch_size is None else batch_size
+    _check_batch(bs)
+    prof = import_pipedream(path, batch_size=bs, device_type=types[0] if types else "unknown GPU")
+    _summary(prof, prof.save(_target(output, prof)))
+
+
+def _scale(source: Path, output: Path, types: list[str]) -> None:
+    """``--scale``: a profile scaled to each ``--device-type``."""
+    from profiler.analytic import scale_profile
+    from profiler.table import load_profile
+
+    if not types:
+        raise ConfigError("--scale needs --device-type (the GPU type(s) to scale to)")
+    src = load_profile(source)
+    for t in types:
+        prof = scale_profile(src, t)
+        _summary(prof, prof.save(_target(output, prof)))
+
+
+def _analytic(
+    model: str, output: Path, batch_size: int | None, types: list[str], calibrate_from: Path | None
+) -> None:
+    """``--analytic``: roofline estimates for each ``--device-type`` (all estimated before
+    any file is written)."""
+    from profiler.analytic import analytic_profile, calibrate
+    from profiler.table import load_profile
+
     bs = 32 if batch_size is None else batch_size
     _check_batch(bs)
-    if mode == "analytic":
-        if not types:
-            raise ConfigError('--analytic needs --device-type, e.g. --device-type "TITAN V"')
-        cal = calibrate(load_profile(calibrate_from)) if calibrate_from is not None else None
-        profiles = [
-            analytic_profile(model, bs, t, cal) for t in types
-        ]  # all estimated before any file is written
-        for prof in profiles:
-            _summary(prof, prof.save(_target(output, prof)))
-        return
+    if not types:
+        raise ConfigError('--analytic needs --device-type, e.g. --device-type "TITAN V"')
+    cal = calibrate(load_profile(calibrate_from)) if calibrate_from is not None else None
+    profiles = [analytic_profile(model, bs, t, cal) for t in types]
+    for prof in profiles:
+        _summary(prof, prof.save(_target(output, prof)))
+
+
+def _measure(
+    model: str,
+    output: Path,
+    batch_size: int | None,
+    types: list[str],
+    device: str,
+    repeats: int,
+    warmup: int,
+    clock: str,
+    precision: str,
+) -> None:
+    """Measure ``model`` layer by layer on ``device`` (``precision``: fp32 or bf16 autocast)."""
+    from profiler.measure import measure_profile, parse_device
+    from profiler.models import resolve_model
+
+    bs = 32 if batch_size is None else batch_size
+    _check_batch(bs)
     if len(types) > 1:
         raise ConfigError(f"a measured profile has one --device-type, got {len(types)}")
     dev = parse_device(device)

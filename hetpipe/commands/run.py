@@ -16,10 +16,10 @@ from hetpipe._rules import SYNC_HELP, AlphaOpt, BackupsOpt, TauOpt, apply_rule, 
 from planner.plan import Plan, load_plan, load_plan_or_cluster
 from planner.plan_check import check_plan_layers
 from profiler.errors import ConfigError
-from runtime.defaults import CHECKPOINT_EVERY, TIMEOUT_S
+from runtime.options import OPTIONS
 
 if TYPE_CHECKING:
-    from runtime.config import OptimizerConfig
+    from runtime.config import OptimizerConfig, RunConfig, WSPConfig
 
 HELP = (
     "Train with a plan: PLAN.yaml (from 'hetpipe plan'), or CLUSTER.yaml (planned on the fly; "
@@ -88,8 +88,19 @@ def _check_against_model(plan: Plan, path: Path) -> None:
     check_plan_layers(plan, names, str(path), f"model {plan.model!r}")
 
 
+def _opt(name: str) -> typer.models.OptionInfo:
+    """The typer option of run option ``name``: flag and help from :data:`runtime.options.OPTIONS`
+    (``python -m runtime`` under torchrun takes the same)."""
+    o = OPTIONS[name]
+    flag = f"{o.flag}/--no-{o.flag[2:]}" if isinstance(o.default, bool) and o.default else o.flag
+    return typer.Option(flag, help=o.help)  # type: ignore[no-any-return]
+
+
+OPT = OPTIONS  # the defaults below are the table's: one source for hetpipe run and torchrun
+
+
 @handle_errors
-def run(
+def run(  # long only by its typer signature (the command's options); the body is ~15 lines
     path: Annotated[Path, typer.Argument(help="plan.yaml/plan.json, or cluster.yaml with --model")],
     model: Annotated[
         str | None, typer.Option(help="model for a cluster.yaml (built-in name or pkg.mod:factory)")
@@ -100,29 +111,6 @@ def run(
     stages: Annotated[
         int, typer.Option(help="stages when planning on the fly (0 = the planner's choice)")
     ] = 0,
-    steps: Annotated[
-        int,
-        typer.Option(help="minibatches each VW trains (per VW, not in total; 0 = from --epochs)"),
-    ] = 0,
-    epochs: Annotated[
-        float,
-        typer.Option(
-            help="passes over each VW's share of the data (default: 40 when several VWs train "
-            "together, else 1; unused with --steps)"
-        ),
-    ] = 0.0,
-    time_limit: Annotated[
-        float,
-        typer.Option(
-            "--time-limit",
-            help="stop admitting minibatches after SECONDS (several VWs: all stop at one agreed wave)",
-        ),
-    ] = 0.0,
-    seed: Annotated[int, typer.Option(help="seed of the initial weights and the data order")] = 0,
-    nm: Annotated[int, typer.Option(help="minibatches in flight (0 = the plan's Nm)")] = 0,
-    vw: Annotated[
-        int, typer.Option(help="run only this virtual worker of the plan (-1 = all, through WSP)")
-    ] = -1,
     vws: Annotated[
         int,
         typer.Option(
@@ -137,20 +125,10 @@ def run(
             "where it applies, else ed; the same as 'hetpipe plan')",
         ),
     ] = None,
-    staleness: Annotated[
-        int | None, typer.Option("--D", help="WSP clock-distance threshold D (default: the plan's)")
-    ] = None,
     sync: Annotated[str, typer.Option(help=SYNC_HELP + "; default: the plan's rule")] = "wsp",
     backups: BackupsOpt = None,
     tau: TauOpt = None,
     alpha: AlphaOpt = None,
-    checkpoint_every: Annotated[
-        int,
-        typer.Option(
-            "--checkpoint-every",
-            help="checkpoint every K global clocks into --out/checkpoints (0 = never)",
-        ),
-    ] = CHECKPOINT_EVERY,
     resume: Annotated[
         str | None,
         typer.Option(
@@ -160,63 +138,65 @@ def run(
             "weights.pt and summary.json from the last snapshot",
         ),
     ] = None,
-    overwrite: Annotated[
-        bool, typer.Option("--overwrite", help="replace another run's outputs in --out")
-    ] = False,
-    on_failure: Annotated[
-        str,
-        typer.Option(
-            "--on-failure",
-            help="stop: a failed process ends the run; restart: restart the whole job from its "
-            "last snapshot (up to --max-restarts times); continue: evict a failed VW and go on "
-            "with the others (a failed shard still stops the run)",
-        ),
-    ] = "stop",
-    max_restarts: Annotated[
-        int, typer.Option("--max-restarts", help="restarts allowed with --on-failure restart")
-    ] = 3,
-    optimizer: Annotated[str, typer.Option(help="sgd or adam")] = "sgd",
-    lr: Annotated[float, typer.Option(help="learning rate")] = 0.05,
-    momentum: Annotated[float, typer.Option(help="SGD momentum")] = 0.0,
-    weight_decay: Annotated[float, typer.Option("--weight-decay", help="weight decay")] = 0.0,
-    schedule: Annotated[
-        str, typer.Option(help="lr schedule: constant, step, cosine, warmup")
-    ] = "constant",
     out: Annotated[
         Path | None,
-        typer.Option("--out", help="run directory (metrics.csv, stages.csv, weights.pt)"),
+        typer.Option("--out", help="run directory (metrics, summary, weights, checkpoints)"),
     ] = None,
-    timeout: Annotated[
-        float, typer.Option(help="seconds before a stuck process-group operation fails")
-    ] = TIMEOUT_S,
-    emulate: Annotated[
-        bool, typer.Option(help="pace emulated devices and enforce their memory caps")
-    ] = True,
     progress: Annotated[bool, typer.Option(help="show a progress bar")] = True,
-    precision: Annotated[
-        str | None,
-        typer.Option(help="fp32 or bf16 (autocast, fp32 master weights; default: the plan's)"),
-    ] = None,
+    steps: Annotated[int, _opt("steps")] = OPT["steps"].default,
+    epochs: Annotated[float, _opt("epochs")] = OPT["epochs"].default,
+    time_limit: Annotated[float, _opt("time_limit")] = OPT["time_limit"].default,
+    seed: Annotated[int, _opt("seed")] = OPT["seed"].default,
+    nm: Annotated[int, _opt("nm")] = OPT["nm"].default,
+    vw: Annotated[int, _opt("vw")] = OPT["vw"].default,
+    staleness: Annotated[int | None, _opt("staleness")] = OPT["staleness"].default,
+    checkpoint_every: Annotated[int, _opt("checkpoint_every")] = OPT["checkpoint_every"].default,
+    on_failure: Annotated[str, _opt("on_failure")] = OPT["on_failure"].default,
+    max_restarts: Annotated[int, _opt("max_restarts")] = OPT["max_restarts"].default,
+    overwrite: Annotated[bool, _opt("overwrite")] = OPT["overwrite"].default,
+    optimizer: Annotated[str, _opt("optimizer")] = OPT["optimizer"].default,
+    lr: Annotated[float, _opt("lr")] = OPT["lr"].default,
+    momentum: Annotated[float, _opt("momentum")] = OPT["momentum"].default,
+    weight_decay: Annotated[float, _opt("weight_decay")] = OPT["weight_decay"].default,
+    schedule: Annotated[str, _opt("schedule")] = OPT["schedule"].default,
+    timeout: Annotated[float, _opt("timeout")] = OPT["timeout"].default,
+    emulate: Annotated[bool, _opt("emulate")] = OPT["emulate"].default,
+    precision: Annotated[str, _opt("precision")] = OPT["precision"].default,
 ) -> None:
     """Train a plan (all its VWs through WSP, one VW, or the AllReduce baseline); print the summary."""
-    from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
+    from runtime.options import configs
     from runtime.persist.run_dir import resume_target
-    from runtime.run import describe_training, outputs, run_plan, summary
 
+    values = {name: value for name, value in locals().items() if name in OPTIONS}
     rule = rule_params(sync, backups, tau, alpha)
-    if on_failure not in ("stop", "restart", "continue"):
-        raise ConfigError(f"--on-failure {on_failure!r}: use stop, restart or continue")
-    restarts = max_restarts if on_failure == "restart" else 0
-    cfg = OptimizerConfig(
-        name=optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay, schedule=schedule
-    )
     if sync == "allreduce":
         _refuse_pipeline_options(resume, nm, staleness, vw, vws, stages, policy)
     target = resume_target(resume) if resume is not None else None
-    if target is not None and out is None:
-        out = target[0]
-    saved = out / "plan.json" if out is not None else None
-    if resume is not None and saved is not None and saved.exists():
+    opt, run_cfg, wsp = configs(values, out or (target[0] if target else None), progress, target,
+                                _resume_hint(path))  # fmt: skip
+    plan = _plan(path, model, batch_size, nm, stages, vws, staleness, policy, sync, opt,
+                 run_cfg.out_dir if resume is not None else None, precision)  # fmt: skip
+    _train(apply_rule(plan, sync, rule), opt, run_cfg, wsp, vw)
+
+
+def _plan(
+    path: Path,
+    model: str | None,
+    batch_size: int,
+    nm: int,
+    stages: int,
+    vws: int,
+    staleness: int | None,
+    policy: str | None,
+    sync: str,
+    opt: OptimizerConfig,
+    resumed: Path | None,
+    precision: str,
+) -> Plan:
+    """The plan to train: a resumed run's own ``plan.json``, the plan file, or one made on the
+    fly for a cluster file (the AllReduce baseline's with ``--sync allreduce``)."""
+    saved = resumed / "plan.json" if resumed is not None else None
+    if saved is not None and saved.exists():
         plan = load_plan(saved)  # the plan the interrupted run used
     else:
         with console.status(
@@ -224,7 +204,7 @@ def run(
             "CPU profile is measured once, then cached)"
         ):
             if sync == "allreduce":
-                plan = _load_allreduce(path, model, batch_size, cfg)
+                plan = _load_allreduce(path, model, batch_size, opt)
             else:
                 plan = _load(path, model, batch_size, nm, stages, vws, staleness or 0, policy,
                              precision or "fp32")  # fmt: skip
@@ -232,33 +212,18 @@ def run(
         raise ConfigError(
             f"--model {model} does not match the plan's model {plan.model!r}; drop --model"
         )
-    plan = apply_rule(plan, sync, rule)
-    run_cfg = RunConfig(
-        steps=steps,
-        epochs=epochs,
-        time_limit_s=time_limit,
-        seed=seed,
-        nm=nm,
-        out_dir=out,
-        timeout_s=timeout,
-        emulate=emulate,
-        progress=progress,
-        precision=precision or "",
-    )
-    wsp = WSPConfig(
-        D=staleness,
-        checkpoint_dir=target[1] if target is not None else None,
-        checkpoint_every=checkpoint_every,
-        resume=target is not None,
-        resume_clock=target[2] if target is not None else None,
-        resume_hint=_resume_hint(path),
-        overwrite=overwrite,
-        max_restarts=restarts,
-        evict=on_failure == "continue",
-    )
-    console.print(describe_training(plan, vw, run_cfg.nm or plan.nm, staleness))
-    result = run_plan(plan, ModelSource(ref=plan.model), cfg, run_cfg, wsp, vw=vw)
+    return plan
+
+
+def _train(plan: Plan, opt: OptimizerConfig, run_cfg: RunConfig, wsp: WSPConfig, vw: int) -> None:
+    """Say what trains, train it (:func:`runtime.run.run_plan`), print the summary."""
+    from runtime.config import ModelSource
+    from runtime.run import describe_training, outputs, run_plan, summary
+
+    console.print(describe_training(plan, vw, run_cfg.nm or plan.nm, wsp.D))
+    result = run_plan(plan, ModelSource(ref=plan.model), opt, run_cfg, wsp, vw=vw)
     console.print(summary(result))
+    out = run_cfg.out_dir
     if out is not None:
         console.print(f"outputs: {', '.join(str(out / f) for f in outputs(result))}")
 

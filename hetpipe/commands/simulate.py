@@ -15,6 +15,7 @@ from planner.plan_check import check_plan_layers
 from profiler.errors import ConfigError, HetPipeError
 
 if TYPE_CHECKING:
+    from planner.sim.types import SimResult
     from profiler.table import Profile
 
 HELP = (
@@ -45,8 +46,6 @@ def simulate(
     ] = None,
 ) -> None:
     """Simulate ``PLAN`` and print the prediction."""
-    from planner.sim.gantt import write_chrome_trace, write_gantt
-    from planner.sim.simulator import allreduce_for_plan
     from planner.sim.simulator import simulate as run_simulation
     from profiler.table import load_profile_set
 
@@ -70,11 +69,19 @@ def simulate(
     any_profile = next(iter(by_type.values()), None)
     record = gantt is not None or trace is not None
     res = run_simulation(plan, waves=waves, profile=any_profile, record_trace=record)
-
     title = (
         f"{plan.model} (batch {plan.batch_size}), policy {plan.policy}, Nm={plan.nm}, D={plan.D}, "
         f"placement {plan.placement}: {len(plan.virtual_workers)} VWs, {waves} waves"
     )
+    _show(plan, res, title)
+    _show_rules(plan, waves, any_profile)
+    if baseline == "allreduce":
+        _show_baseline(plan, res, by_type, waves, source)
+    _pictures(plan, res, title, waves, gantt, trace)
+
+
+def _show(plan: Plan, res: SimResult, title: str) -> None:
+    """The simulated VWs as a table and the totals line."""
     vt = Table(title=escape(title))
     for col in (
         "VW",
@@ -105,22 +112,36 @@ def simulate(
         f"cross-node {res.cross_node_bytes / 1e9:.3f} GB   max clock distance "
         f"{res.max_clock_distance} (bound D+1 = {plan.D + 1})   {res.events} events"
     )
-    _show_rules(plan, waves, any_profile)
-    if baseline == "allreduce":
-        ar = allreduce_for_plan(plan, by_type or None)
-        samples = waves * plan.nm * plan.batch_size * len(plan.virtual_workers)
-        hp_per_sample = res.cross_node_bytes / samples
-        if ar.gpus == 0:
-            console.print("AllReduce baseline: no GPU can hold the whole model")
-        else:
-            console.print(
-                f"AllReduce (BSP, ring) on {ar.gpus} GPUs: [bold]{ar.throughput:.1f} samples/s[/] "
-                f"(step {ar.iteration_ms:.2f} ms, all-reduce {ar.allreduce_ms:.2f} ms, "
-                f"{ar.cross_node_bytes_per_iter / (ar.gpus * plan.batch_size) / 1e6:.3f} MB across "
-                f"nodes per sample vs HetPipe {hp_per_sample / 1e6:.3f}); HetPipe / "
-                f"AllReduce = {res.throughput / ar.throughput:.2f}x"
-                + f" [dim](whole-model times: {source})[/]"
-            )
+
+
+def _show_baseline(
+    plan: Plan, res: SimResult, by_type: dict[str, Profile], waves: int, source: str
+) -> None:
+    """``--baseline allreduce``: the AllReduce prediction beside HetPipe's."""
+    from planner.sim.simulator import allreduce_for_plan
+
+    ar = allreduce_for_plan(plan, by_type or None)
+    samples = waves * plan.nm * plan.batch_size * len(plan.virtual_workers)
+    hp_per_sample = res.cross_node_bytes / samples
+    if ar.gpus == 0:
+        console.print("AllReduce baseline: no GPU can hold the whole model")
+        return
+    console.print(
+        f"AllReduce (BSP, ring) on {ar.gpus} GPUs: [bold]{ar.throughput:.1f} samples/s[/] "
+        f"(step {ar.iteration_ms:.2f} ms, all-reduce {ar.allreduce_ms:.2f} ms, "
+        f"{ar.cross_node_bytes_per_iter / (ar.gpus * plan.batch_size) / 1e6:.3f} MB across "
+        f"nodes per sample vs HetPipe {hp_per_sample / 1e6:.3f}); HetPipe / "
+        f"AllReduce = {res.throughput / ar.throughput:.2f}x"
+        + f" [dim](whole-model times: {source})[/]"
+    )
+
+
+def _pictures(
+    plan: Plan, res: SimResult, title: str, waves: int, gantt: Path | None, trace: Path | None
+) -> None:
+    """``--gantt`` (the first waves) and ``--trace`` (every event, for Perfetto)."""
+    from planner.sim.gantt import write_chrome_trace, write_gantt
+
     labels = [
         [f"{vw.gpus[s.gpu].node}:{vw.gpus[s.gpu].index}" for s in vw.stages]
         for vw in plan.virtual_workers

@@ -25,6 +25,7 @@ from typing import Any
 from planner.sim.engine import TraceEvent
 from profiler.errors import ConfigError
 from profiler.files import atomic_write_bytes, atomic_write_text
+from profiler.inputs import read_text
 
 __all__ = ["COLORS", "chrome_trace", "read_chrome_trace", "write_chrome_trace", "write_gantt"]
 
@@ -245,7 +246,13 @@ def read_chrome_trace(
     """
     p = Path(path)
     try:
-        doc = json.loads(p.read_bytes())
+        text = read_text(p, "the trace", ConfigError)  # bounded; any bytes: one line
+    except ConfigError as exc:
+        raise ConfigError(
+            f"{exc}; not a hetpipe trace.json? point at the trace a run wrote into --out"
+        ) from None
+    try:
+        doc = json.loads(text)
         trace: list[TraceEvent] = []
         names: dict[tuple[int, int], str] = {}
         for ev in doc["traceEvents"]:
@@ -261,10 +268,6 @@ def read_chrome_trace(
                     )
                 )
         about = str(doc.get("otherData", {}).get("about", ""))
-    except OSError as exc:
-        raise ConfigError(
-            f"{p}: cannot read the trace ({exc.strerror}); is it a run's --out directory?"
-        ) from exc
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ConfigError(
             f"{p}: not a hetpipe trace.json ({type(exc).__name__}: {str(exc)[:80]}); "

@@ -27,7 +27,6 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
@@ -39,8 +38,6 @@ __all__ = [
     "SECONDARY",
     "Heartbeats",
     "Interrupted",
-    "ShardFault",
-    "StageFault",
     "rendezvous_dir",
     "root_cause_rank",
     "run_rank",
@@ -239,47 +236,6 @@ def _die_with_parent() -> None:
 
 class Interrupted(HetPipeRuntimeError):
     """The user stopped the run (Ctrl-C): never restarted by ``--on-failure restart``."""
-
-
-@dataclass(frozen=True)
-class StageFault:
-    """Test hook, passed in the job description: stage ``stage`` of VW ``vw`` (every VW when
-    ``vw`` is -1) sends itself ``signum`` before minibatch ``at_mb`` (SIGKILL: a crash;
-    SIGSTOP: a frozen process; 0: it raises ``RuntimeError``, a failure in Python)."""
-
-    stage: int
-    at_mb: int
-    vw: int = -1
-    signum: int = int(signal.SIGKILL)
-
-    def hook(self, vw: int, stage: int) -> Callable[[int], None] | None:
-        """The stage worker's per-minibatch fault hook for ``(vw, stage)``, or ``None``."""
-        if stage != self.stage or self.vw not in (-1, vw):
-            return None
-
-        def fire(mb: int) -> None:
-            if mb == self.at_mb and self.signum == 0:
-                raise RuntimeError(f"injected fault at minibatch {mb}")
-            if mb == self.at_mb:
-                os.kill(os.getpid(), self.signum)
-
-        return fire
-
-
-@dataclass(frozen=True)
-class ShardFault:
-    """Test hook, passed in the shard's job: shard ``shard`` SIGKILLs itself ``after_s``
-    seconds after it starts."""
-
-    shard: int
-    after_s: float
-
-    def arm(self, shard_id: int) -> None:
-        """Start the timer in shard ``shard_id``'s process (nothing for another shard)."""
-        if shard_id == self.shard:
-            timer = threading.Timer(self.after_s, os.kill, (os.getpid(), signal.SIGKILL))
-            timer.daemon = True
-            timer.start()
 
 
 class Heartbeats:

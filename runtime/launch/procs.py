@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import logging
+import multiprocessing as mp
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from runtime.config import ModelSource
-from runtime.launch.failures import ShardFault, run_rank, setup_child
+from runtime.launch.failures import run_rank, setup_child
+from runtime.launch.faults import ShardFault
 from runtime.persist.checkpoint import shard_from_payload
 from runtime.persist.snapshot import load_part, read_manifest, snapshot_dir
 from runtime.ps.core import ShardCore
@@ -28,9 +30,34 @@ from runtime.stage.worker import StageWorker
 from runtime.sync.registry import shard_backups, shard_fold
 from runtime.sync.rule import SyncSpec
 
-__all__ = ["ShardJob", "dumps_result", "loads_result", "shard_main", "stage_main"]
+__all__ = [
+    "PRELOAD",
+    "ShardJob",
+    "dumps_result",
+    "loads_result",
+    "process_context",
+    "shard_main",
+    "stage_main",
+]
 
 log = logging.getLogger(__name__)
+
+PRELOAD = (  # imported once by the fork server (the slow, lazily imported parts of a stage's start)
+    "torch",
+    "torch.distributed",
+    "torch.func",
+    "torch._dynamo",
+    "torch._refs",
+    "torch._decomp",
+    "torch._subclasses.fake_tensor",
+    "torch.fx.passes.shape_prop",
+    "torch.fx.passes.split_module",
+    "sympy",
+    "sklearn.datasets",
+    "runtime.stage.worker",
+    "runtime.launch.procs",
+    "runtime.launch.launcher",
+)
 
 
 @dataclass(frozen=True)
@@ -138,3 +165,14 @@ def stage_main(job: StageJob, events: Any, parent: int) -> None:
         return "result", dumps_result(worker.run())
 
     run_rank(job.ctx.rank, events, job.init_method, job.world_size, job.run.timeout_s, body)
+
+
+def process_context() -> Any:
+    """``forkserver`` with torch and the runtime preloaded: children start in well under a second
+    (a fresh interpreter importing torch takes seconds); ``spawn`` where forkserver is missing."""
+    try:
+        ctx = mp.get_context("forkserver")
+    except ValueError:
+        return mp.get_context("spawn")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx

@@ -20,7 +20,7 @@ from torch._C._distributed_c10d import FileStore, Store
 
 from planner.wsp import stop_wave
 
-__all__ = ["StopAgreement", "file_store", "stop_store"]
+__all__ = ["LazyStop", "StopAgreement", "file_store", "stop_store"]
 
 log = logging.getLogger(__name__)
 
@@ -83,3 +83,19 @@ class StopAgreement:
                     self.waves = int(self.store.get(KEY))
                     log.info("time limit of another VW: stopping after %d waves", self.waves)
         return None if self.waves is None else self.waves * self.nm
+
+
+class LazyStop:
+    """A :class:`StopAgreement` made on first use, beside the run's rendezvous: what a rule
+    whose VWs must stop at one agreed wave answers in ``StageSync.agreed_total`` (only stage 0
+    of a time-limited run asks, so no store is opened otherwise)."""
+
+    def __init__(self, init_method: str, nm: int, D: int) -> None:
+        self.init_method, self.nm, self.D = init_method, nm, D
+        self._agreement: StopAgreement | None = None
+
+    def total(self, admitted: int, time_up: bool) -> int | None:
+        """:meth:`StopAgreement.total` of the agreement (made now if need be)."""
+        if self._agreement is None:
+            self._agreement = StopAgreement(stop_store(self.init_method), self.nm, self.D)
+        return self._agreement.total(admitted, time_up)

@@ -22,9 +22,10 @@ import socket
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 from profiler.errors import ConfigError, HetPipeRuntimeError
 from profiler.precision import dtype_name
@@ -33,6 +34,8 @@ __all__ = [
     "LOCK_FILE",
     "RUN_FILE",
     "RunDirectory",
+    "RunOwner",
+    "SharedRun",
     "check_settings",
     "elastic_resume",
     "job_settings",
@@ -51,6 +54,47 @@ _FLAGS = {
     "schedule_horizon": "--steps/--epochs (the cosine schedule's horizon)",
     "precision": "--precision",
 }  # fmt: skip
+
+
+class RunOwner(Protocol):
+    """Who a run's snapshots belong to: :class:`RunDirectory` on one host, :class:`SharedRun`
+    for the ranks of a torchrun job."""
+
+    run_id: str
+    attempt: str
+
+    @property
+    def tidies(self) -> bool:
+        """Whether this process tidies the checkpoint folder before the run (one per job)."""
+        ...
+
+    def write_run_file(self, run_id: str | None = None) -> None:
+        """Record ``run_id`` (a resume continues that run)."""
+
+
+@dataclass
+class SharedRun:
+    """A torchrun job's identity on a file system every host shares: every rank knows it (from
+    torchrun's run id and restart count), none locks the folder, rank 0 tidies it.
+
+    Attributes:
+        run_id: the run's id (empty when resuming: the snapshot's).
+        attempt: this attempt's id (snapshot parts of other attempts are never mixed in).
+        rank0: this process is rank 0.
+    """
+
+    run_id: str
+    attempt: str
+    rank0: bool
+
+    @property
+    def tidies(self) -> bool:
+        """Rank 0 tidies the checkpoint folder (before the start barrier)."""
+        return self.rank0
+
+    def write_run_file(self, run_id: str | None = None) -> None:
+        """Adopt ``run_id`` (nothing is written: the folder has no single owner)."""
+        self.run_id = run_id or self.run_id
 
 
 class RunDirectory:
@@ -125,6 +169,11 @@ class RunDirectory:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
         self.run_id = uuid.uuid4().hex[:12]
         self.write_run_file()
+
+    @property
+    def tidies(self) -> bool:
+        """The one launcher of a one-host run tidies its folder."""
+        return True
 
     def write_run_file(self, run_id: str | None = None) -> None:
         """(Re)write ``RUN.json`` (with ``run_id`` when given: adopt a snapshot's run id)."""

@@ -1,7 +1,7 @@
 """Held-out evaluation: a seeded train/test split and top-1 accuracy of a whole module.
 
-Used by the WSP runtime (:mod:`runtime.results.wsp`) and the AllReduce baseline
-(:mod:`runtime.launch.ddp`) for their final test accuracy, on the same samples, and by the benchmarks
+Used by the launcher (:mod:`runtime.launch.launcher`: every rule of several VWs, the AllReduce
+baseline included) for the final test accuracy, on the same samples, and by the benchmarks
 that evaluate checkpoints offline (``benchmarks/convergence.py``).
 """
 

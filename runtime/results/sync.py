@@ -17,8 +17,10 @@ __all__ = ["arrival_table", "describe_rule", "dropped_vw_waves", "kth_push_s", "
 
 
 def describe_rule(rule: str, params: SyncParams, D: int) -> str:
-    """``WSP D=1``, ``backup b=1``, ``EASGD tau=4 alpha=0.1``."""
+    """``WSP D=1``, ``backup b=1``, ``EASGD tau=4 alpha=0.1``, ``allreduce (BSP)``."""
     p = dict(params)
+    if rule == "allreduce":
+        return "allreduce (BSP)"
     if rule == "backup":
         return f"backup b={int(p.get('backups', 0))}"
     if rule == "easgd":

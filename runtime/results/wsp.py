@@ -1,4 +1,4 @@
-"""The result of a multi-VW (WSP) run: per-VW figures, the shards' final state, the summary.
+"""The result of a run of several VWs (any rule): per-VW figures, the shards' state, the summary.
 
 Per VW: throughput (the simulator's definition, stage-0 completions after the warm-up wave),
 **waiting** (seconds its stages spent blocked on the parameter servers: WSP pulls and the
@@ -93,8 +93,8 @@ class WSPResult:
             (:func:`export_snapshot`; empty for a run that trained).
         restarts: the failures survived by restarting from the last snapshot (``--on-failure
             restart``), oldest first; this result is the last attempt's.
-        sync, sync_params: the synchronisation rule (``wsp``, ``backup``, ``easgd``) and its
-            parameters (:mod:`runtime.results.sync` summarises what it did).
+        sync, sync_params: the synchronisation rule (``wsp``, ``backup``, ``easgd``,
+            ``allreduce``) and its parameters (:mod:`runtime.results.sync` summarises what it did).
         lost: the VWs evicted during the run (``--on-failure continue``).
     """
 
@@ -124,6 +124,7 @@ class WSPResult:
         states: Sequence[tuple[ShardState, Sequence[ClockEvent]]],
         specs: Sequence[ShardSpec],
         wall_s: float,
+        sync: str = "",
     ) -> WSPResult:
         """Group stage results by VW and shard results by shard id."""
         vws = []
@@ -140,7 +141,7 @@ class WSPResult:
             tuple(specs),
             wall_s,
             plan.predicted.throughput,
-            sync=plan.sync if plan.sync in ("backup", "easgd") else "wsp",
+            sync=sync or plan.sync,
             sync_params=plan.sync_params,
         )
 
@@ -163,7 +164,10 @@ class WSPResult:
         return sum(max(0.0, s.wall_s - s.busy_s - s.wait_s) for s in self.vws[vw].stages)
 
     def state_dict(self) -> dict[str, Tensor]:
-        """The trained model's parameters by original name (the shards' global weights)."""
+        """The trained model's parameters by original name: the shards' global weights; without
+        shards (AllReduce: every VW holds the same model) VW 0's."""
+        if not self.specs and self.vws:
+            return self.vws[0].state_dict()
         return export_state_dict(self.specs, [s.weights for s in self.states])
 
     def save(self, out_dir: Path, about: str = "") -> None:
@@ -260,12 +264,13 @@ class WSPResult:
             if math.isnan(acc)
             else f"test accuracy {acc:.2%} (loss {self.test_loss:.4f})"
         )
-        table.caption = (
-            f"{tested}; global clock "
-            f"{min((s.clock for s in self.states), default=0)}, {applied} updates applied once, "
-            f"max clock distance {self.max_clock_distance} (bound D+1 = {self.D + 1}); "
-            f"wall {self.wall_s:.1f} s"
+        clocks = (
+            f"global clock {min((s.clock for s in self.states), default=0)}, {applied} updates "
+            f"applied once, max clock distance {self.max_clock_distance} (bound D+1 = {self.D + 1})"
+            if self.states
+            else "gradients averaged over every VW each minibatch"
         )
+        table.caption = f"{tested}; {clocks}; wall {self.wall_s:.1f} s"
         if self.sync == "backup":
             kth = " ".join(f"{t:.2f}" for t in kth_push_s(self.vws))
             table.caption += (

@@ -12,11 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 from planner.straggle import NO_STRAGGLE, Straggle
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
+from runtime.data import MinibatchSource, default_dataset
 from runtime.sync.rule import SyncSpec
 
 if TYPE_CHECKING:
-    from runtime.launch.failures import StageFault
+    from runtime.launch.faults import StageFault
     from runtime.stage.emulation import Calibration
+    from runtime.stage.model import BuiltStage
 
 __all__ = ["StageContext", "StageJob"]
 
@@ -85,8 +87,6 @@ class StageJob:
         init_method: the process group's rendezvous (``file://...`` on one host, ``env://``
             under torchrun).
         world_size: processes in the group.
-        agree_stop: stage 0 agrees the time limit's last wave with the other VWs
-            (:class:`runtime.launch.stop.StopAgreement`).
     """
 
     ctx: StageContext
@@ -100,7 +100,6 @@ class StageJob:
     fault: StageFault | None = None
     init_method: str = "env://"
     world_size: int = 1
-    agree_stop: bool = False
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled for the stage's process: of a user's module, only this stage
@@ -108,10 +107,26 @@ class StageJob:
         from runtime.stage.model import ship_stage
 
         state = dict(self.__dict__)
-        state["source"] = ship_stage(self.source, self.ctx.batch_size, self.ctx.cuts, self.ctx.stage)
+        state["source"] = ship_stage(
+            self.source, self.ctx.batch_size, self.ctx.cuts, self.ctx.stage
+        )
         return state
 
     @property
     def first_mb(self) -> int:
         """Minibatches trained before this run (a resumed run's position)."""
         return self.sync.first_wave * self.ctx.nm
+
+    def minibatches(self, built: BuiltStage) -> MinibatchSource:
+        """This VW's minibatches (stage 0 reads the inputs, the last stage the targets), going
+        on after :attr:`first_mb`, sliced by :attr:`data_slice`."""
+        ds = self.dataset
+        if ds is None:
+            ds = default_dataset(
+                self.source.name, built.inputs, built.targets,
+                self.ctx.batch_size, built.input_names,
+            )  # fmt: skip
+        return MinibatchSource(
+            ds, self.ctx.batch_size, self.run.seed, tuple(built.targets.shape),
+            input_names=built.input_names, offset=self.first_mb, slice_of=self.data_slice,
+        )  # fmt: skip

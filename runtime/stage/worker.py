@@ -12,10 +12,8 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import Tensor
 from torch.func import functional_call
 
@@ -23,13 +21,12 @@ from planner.schedule import Kind, StageQueue, Task
 from planner.wsp import wave_of
 from profiler.errors import HetPipeRuntimeError
 from profiler.precision import autocast
-from runtime.data import MinibatchSource, default_dataset
-from runtime.launch.stop import StopAgreement, stop_store
 from runtime.results.metrics import StageResult
 from runtime.stage.comm import Channel, Event, GradReceiver, start_activation_receiver, wire_specs
 from runtime.stage.emulation import SavedBytes, pace_until
+from runtime.stage.grads import Held, backward_grads, outputs_backward
 from runtime.stage.job import StageJob
-from runtime.stage.model import BuiltStage, build_stage
+from runtime.stage.model import build_stage
 from runtime.stage.offload import memory_manager
 from runtime.stage.tied import TiedGrads
 from runtime.stage.weights import VersionedWeights
@@ -39,14 +36,6 @@ from runtime.sync.rule import StageView
 __all__ = ["StageWorker"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Held:
-    inputs: tuple[Tensor, ...]
-    outputs: tuple[Tensor, ...] = ()
-    grads_in: tuple[Tensor, ...] = field(default_factory=tuple)
-    targets: Tensor | None = None  # single-stage pipelines: read with the inputs
 
 
 class StageWorker:
@@ -66,12 +55,10 @@ class StageWorker:
         self.device_type = next((p.device.type for p in self.module.parameters()), "cpu")
         self.in_specs = wire_specs(built.in_specs, self.precision)
         self.out_specs = wire_specs(built.out_specs, self.precision)
-        self.data = self._data(job, built) if ctx.stage == 0 or self.last else None
+        self.data = job.minibatches(built) if ctx.stage == 0 or self.last else None
         params = dict(self.module.named_parameters())
         local = {orig: name for name, orig in self.names.items()}
-        self.tied = TiedGrads(
-            ctx.stage, ctx.rank - ctx.stage, built.tied, local
-        )
+        self.tied = TiedGrads(ctx.stage, ctx.rank - ctx.stage, built.tied, local)
         # a resumed run's lr schedule goes on where it stopped (cosine horizon included)
         self.weights = VersionedWeights(
             params, ctx.nm, job.optimizer, job.first_mb + ctx.total_steps, job.first_mb
@@ -84,37 +71,18 @@ class StageWorker:
         )  # fmt: skip
         self.queue = StageQueue(ctx.stage, ctx.n_stages)
         self.inbox: queue.Queue[Event] = queue.Queue()
-        self.held: dict[int, _Held] = {}
+        self.held: dict[int, Held] = {}
         self.result = StageResult(ctx.rank, ctx.vw, ctx.stage, ctx.device)
         self.fault = job.fault.hook(ctx.vw, ctx.stage) if job.fault is not None else None
         self.first_wave = job.sync.first_wave
         view = StageView(
             ctx.rank, ctx.vw, ctx.stage, ctx.nm, f"vw{ctx.vw}-stage{ctx.stage}",
             tuple((self.names[n], p) for n, p in params.items()), self.weights, self.result,
-            self.tied if self.tied else None,
+            self.tied if self.tied else None, job.init_method,
         )  # fmt: skip
         self.sync = stage_sync(job.sync, view)  # the synchronisation rule's hooks
-        self.stop = (  # several VWs: every stage 0 stops at one agreed wave on a time limit
-            StopAgreement(stop_store(job.init_method), ctx.nm, job.sync.D)
-            if job.agree_stop and ctx.stage == 0 and run.time_limit_s > 0
-            else None
-        )
         self._task_mb = 1  # the minibatch of the task being paced (its wave may straggle)
         self._task_wall0 = 0.0  # wall-clock start of the task being executed (the timeline)
-
-    @staticmethod
-    def _data(job: StageJob, built: BuiltStage) -> MinibatchSource:
-        """The minibatches of this VW (stage 0 reads inputs, the last stage targets)."""
-        ds = job.dataset
-        if ds is None:
-            ds = default_dataset(
-                job.source.name, built.inputs, built.targets,
-                job.ctx.batch_size, built.input_names,
-            )  # fmt: skip
-        return MinibatchSource(
-            ds, job.ctx.batch_size, job.run.seed, tuple(built.targets.shape),
-            input_names=built.input_names, offset=job.first_mb, slice_of=job.data_slice,
-        )  # fmt: skip
 
     @property
     def last(self) -> bool:
@@ -132,61 +100,16 @@ class StageWorker:
         self.result.start_time = start_time
         to_next = Channel(ctx.next_rank, self.out_specs) if ctx.next_rank is not None else None
         to_prev = Channel(ctx.prev_rank, self.in_specs) if ctx.prev_rank is not None else None
-        grad_rx = (
-            GradReceiver(ctx.next_rank, self.out_specs, self.inbox)
-            if ctx.next_rank is not None
-            else None
-        )
+        grad_rx = None
+        if ctx.next_rank is not None:
+            grad_rx = GradReceiver(ctx.next_rank, self.out_specs, self.inbox)
         if ctx.prev_rank is not None:
             start_activation_receiver(ctx.prev_rank, self.in_specs, self.inbox)
         self._received = 0  # forward messages received (stage 0: minibatches admitted)
         self._stop_in = ctx.stage == 0  # whether the number of minibatches is final
-        total = ctx.total_steps
-        f_done = b_done = 0
-        stop_sent = False
+        self._f_done = self._b_done = 0  # forwards / backwards done here
         try:
-            if ctx.stage == 0:
-                self._admit(min(ctx.nm, total))
-            while True:
-                self._drain(block=False)
-                if ctx.stage == 0:
-                    total = self._final_total(total, start_time)
-                closed = ctx.stage > 0 or self._received == total
-                if (
-                    to_next is not None
-                    and self._stop_in
-                    and closed
-                    and not stop_sent
-                    and f_done == self._received
-                ):
-                    to_next.send_stop()
-                    stop_sent = True
-                if self._stop_in and closed and b_done == self._received:
-                    break
-                task = self.queue.next()
-                if task is None:
-                    self._drain(block=True)
-                    continue
-                self.result.max_in_flight = max(self.result.max_in_flight, self.queue.in_flight)
-                t0 = time.perf_counter()
-                self._execute(task, to_next, to_prev, grad_rx)
-                self.result.busy_s += time.perf_counter() - t0
-                # from after any pull wait (_task_wall0 is set when the device starts)
-                self.result.log_interval(task.kind.value, task.mb, self._task_wall0, time.time())
-                self.result.tasks += 1
-                self.queue.done(task)
-                if task.kind is not Kind.B:
-                    f_done += 1
-                if task.kind is not Kind.F:
-                    b_done += 1
-                    self._completed(task.mb)
-                    if ctx.stage == 0:
-                        total = self._final_total(total, start_time)
-                    if ctx.stage == 0 and self._received < total:
-                        if not self.run_cfg.flush_every_wave:
-                            self._admit(1)
-                        elif b_done == self._received:  # baseline: the whole wave drained
-                            self._admit(min(ctx.nm, total - self._received))
+            self._loop(start_time, to_next, to_prev, grad_rx)
             for ch in (to_next, to_prev):
                 if ch is not None:
                     ch.flush()
@@ -195,13 +118,79 @@ class StageWorker:
                 grad_rx.close()
         self.result.wall_s = time.time() - start_time
         self.result.peak_bytes = self.memory.peak_bytes
-        self.result.steps = b_done
+        self.result.steps = self._b_done
         if self.run_cfg.return_state or self.run_cfg.out_dir is not None:
             self.result.state = {
                 self.names[n]: p.detach().clone() for n, p in self.module.named_parameters()
             }
         self.sync.close()
         return self.result
+
+    def _loop(
+        self,
+        start_time: float,
+        to_next: Channel | None,
+        to_prev: Channel | None,
+        grad_rx: GradReceiver | None,
+    ) -> None:
+        """Execute tasks until every minibatch's backward is done here; tell the next stage
+        when no more minibatches will come."""
+        first = self.ctx.stage == 0
+        total = self.ctx.total_steps
+        stop_sent = False
+        if first:
+            self._admit(min(self.ctx.nm, total))
+        while True:
+            self._drain(block=False)
+            if first:
+                total = self._final_total(total, start_time)
+            closed = not first or self._received == total
+            final = self._stop_in and closed
+            if to_next is not None and final and not stop_sent and self._f_done == self._received:
+                to_next.send_stop()
+                stop_sent = True
+            if final and self._b_done == self._received:
+                return
+            task = self.queue.next()
+            if task is None:
+                self._drain(block=True)
+                continue
+            self._run_task(task, to_next, to_prev, grad_rx)
+            if first and task.kind is not Kind.F:
+                total = self._final_total(total, start_time)
+                self._admit_more(total)
+
+    def _run_task(
+        self,
+        task: Task,
+        to_next: Channel | None,
+        to_prev: Channel | None,
+        grad_rx: GradReceiver | None,
+    ) -> None:
+        """Execute one task and account for it."""
+        self.result.max_in_flight = max(self.result.max_in_flight, self.queue.in_flight)
+        t0 = time.perf_counter()
+        self._execute(task, to_next, to_prev, grad_rx)
+        self.result.busy_s += time.perf_counter() - t0
+        # from after any pull wait (_task_wall0 is set when the device starts)
+        self.result.log_interval(task.kind.value, task.mb, self._task_wall0, time.time())
+        self.result.tasks += 1
+        self.queue.done(task)
+        if task.kind is not Kind.B:
+            self._f_done += 1
+        if task.kind is not Kind.F:
+            self._b_done += 1
+            self._completed(task.mb)
+
+    def _admit_more(self, total: int) -> None:
+        """Stage 0 after a backward: admit the next minibatch (the flushing baseline: the
+        next wave once the whole previous one drained)."""
+        if self._received >= total:
+            return
+        if not self.run_cfg.flush_every_wave:
+            self._admit(1)
+        elif self._b_done == self._received:
+            self._admit(min(self.ctx.nm, total - self._received))
 
     def _admit(self, n: int) -> None:
         """Stage 0: let ``n`` more minibatches into the pipeline."""
@@ -212,12 +201,12 @@ class StageWorker:
     def _final_total(self, total: int, start_time: float) -> int:
         """Stage 0: minibatches to run in all, given the time limit (never below those admitted).
 
-        Alone, a VW stops admitting when its time is up. With a :class:`StopAgreement` (several
-        VWs through parameter servers) every VW runs the agreed number of waves instead.
+        Alone, a VW stops admitting when its time is up; several VWs end where their rule
+        agrees (:meth:`runtime.sync.rule.StageSync.agreed_total`).
         """
-        if self.stop is None:
-            return min(total, self._received) if self._time_up(start_time) else total
-        agreed = self.stop.total(self._received, self._time_up(start_time))
+        if self.run_cfg.time_limit_s <= 0:
+            return total
+        agreed = self.sync.agreed_total(self._received, self._time_up(start_time))
         return total if agreed is None else max(self._received, min(total, agreed))
 
     def _time_up(self, start_time: float) -> bool:
@@ -250,7 +239,7 @@ class StageWorker:
             ) from ev.error
         if ev.kind == "act":
             self._received += 1
-            self.held[ev.mb] = _Held(ev.tensors)
+            self.held[ev.mb] = Held(ev.tensors)
             self.queue.ready(Task(self.ctx.stage, self.queue.forward_kind, ev.mb))
         elif ev.kind == "grad":
             self.held[ev.mb].grads_in = ev.tensors
@@ -342,7 +331,7 @@ class StageWorker:
         if self.data is None:
             raise HetPipeRuntimeError(f"[{self.ctx.where}] stage 0 has no data")
         inputs, targets = self.data.batch(mb)
-        self.held[mb] = _Held(inputs, targets=targets)
+        self.held[mb] = Held(inputs, targets=targets)
 
     def _forward(self, mb: int) -> Any:
         held = self.held[mb]
@@ -379,34 +368,8 @@ class StageWorker:
                 return self.module(*inputs)
             return functional_call(self.module, leaves, inputs)
 
-    def _input_grads(self, held: _Held, grads: tuple[Tensor | None, ...]) -> list[Tensor | None]:
-        needs = [x for x in held.inputs if x.requires_grad]
-        by_id = {id(x): g for x, g in zip(needs, grads, strict=True)}
-        return [by_id.get(id(x)) for x in held.inputs if x.is_floating_point()]
-
-    def _grad(
-        self, mb: int, outs: list[Tensor], gouts: list[Tensor] | None
-    ) -> tuple[dict[str, Tensor | None], list[Tensor | None]]:
-        held = self.held[mb]
-        leaves = self.weights.leaves(mb)
-        names = list(leaves)
-        wrt = [*leaves.values(), *(x for x in held.inputs if x.requires_grad)]
-        res: tuple[Tensor | None, ...] = (None,) * len(wrt)
-        if outs and wrt:
-            res = torch.autograd.grad(outs, wrt, gouts, allow_unused=True)
-        grads_w: dict[str, Tensor | None] = dict(zip(names, res[: len(names)], strict=True))
-        return grads_w, self._input_grads(held, res[len(names) :])
-
     def _backward(self, mb: int) -> tuple[dict[str, Tensor | None], list[Tensor | None]]:
-        held = self.held[mb]
-        pairs = [
-            (o, g)
-            for o, g in zip(
-                (o for o in held.outputs if o.is_floating_point()), held.grads_in, strict=True
-            )
-            if o.requires_grad
-        ]
-        return self._grad(mb, [o for o, _ in pairs], [g for _, g in pairs])
+        return outputs_backward(self.held[mb], self.weights.leaves(mb))
 
     def _loss_backward(
         self, mb: int, out: Any
@@ -421,7 +384,7 @@ class StageWorker:
         self.result.losses.append((mb, value))
         if self.events is not None:
             self.events.put(("loss", self.ctx.rank, mb, value, time.time()))
-        return self._grad(mb, [loss], None)
+        return backward_grads(held, self.weights.leaves(mb), [loss], None)
 
     def _completed(self, mb: int) -> None:
         self.held.pop(mb, None)

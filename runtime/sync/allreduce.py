@@ -12,13 +12,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from runtime.sync.rule import Grads, StageView, SyncSpec
+from runtime.sync.rule import Grads, StageSync, StageView, SyncSpec
 
 __all__ = ["AllReduceSync"]
 
 
-class AllReduceSync:
+class AllReduceSync(StageSync):
     """A stage's side of the ``allreduce`` rule.
+
+    A time limit ends every copy after the same step: each step's collective also carries a
+    "my time is up" flag (the last element), so all learn it together.
 
     Args:
         group: the process group of this stage position (``None``: the default group).
@@ -27,6 +30,8 @@ class AllReduceSync:
 
     def __init__(self, group: dist.ProcessGroup | None, size: int) -> None:
         self.group, self.size = group, size
+        self._up = False  # this copy's own time is up (stage 0 says so in agreed_total)
+        self._last: int | None = None  # the agreed last minibatch, once a flag came back
 
     @classmethod
     def create(cls, spec: SyncSpec, view: StageView) -> AllReduceSync:
@@ -43,10 +48,11 @@ class AllReduceSync:
         """The mean of every copy's gradients (one flat ``all_reduce``; a gradient that is
         ``None`` on this stage is ``None`` on every copy: same module, same inputs' kinds)."""
         present = [(n, g) for n, g in grads.items() if g is not None]
-        if not present or self.size == 1:
-            return grads
-        flat = torch.cat([g.reshape(-1) for _, g in present])  # (sum of numels,)
+        flag = torch.tensor([1.0 if self._up else 0.0])
+        flat = torch.cat([*(g.reshape(-1) for _, g in present), flag])  # (sum of numels + 1,)
         dist.all_reduce(flat, group=self.group)
+        if flat[-1] > 0 and self._last is None:
+            self._last = mb
         flat /= self.size
         out: Grads = dict(grads)
         pos = 0
@@ -55,17 +61,8 @@ class AllReduceSync:
             pos += g.numel()
         return out
 
-    def start(self, first_wave: int) -> None:
-        """Every copy starts from the same seeded weights: nothing to load."""
-
-    def before_forward(self, mb: int) -> None:
-        """Nothing to wait for."""
-
-    def before_update(self, mb: int) -> None:
-        """Nothing to wait for (the gradients are already the mean)."""
-
-    def after_update(self, mb: int) -> None:
-        """Nothing to push."""
-
-    def close(self) -> None:
-        """Nothing to flush."""
+    def agreed_total(self, admitted: int, time_up: bool) -> int | None:
+        """The step after which some copy's time was up (every copy learnt it in the same
+        collective); ``None`` until then."""
+        self._up = self._up or time_up
+        return self._last

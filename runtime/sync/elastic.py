@@ -29,16 +29,17 @@ from torch import nn
 from planner.easgd import elastic_difference, exchange_index, exchanges_after
 from planner.sync import param
 from profiler.errors import ConfigError
+from runtime.launch.stop import LazyStop
 from runtime.ps.client import PSClient
 from runtime.results.metrics import StageResult
-from runtime.sync.rule import Grads, StageView, SyncSpec
+from runtime.sync.rule import Grads, StageSync, StageView, SyncSpec
 
 __all__ = ["ElasticSync"]
 
 log = logging.getLogger(__name__)
 
 
-class ElasticSync:
+class ElasticSync(StageSync):
     """Exchanges a stage's weights with the centre every ``tau`` waves.
 
     Args:
@@ -48,6 +49,8 @@ class ElasticSync:
         tau: waves between exchanges.
         alpha: the moving rate.
         result: the stage's result accumulator (waiting time and exchanges go there).
+        stop: stage 0 under a time limit: where the VWs agree on the last wave (``None``:
+            this VW stops alone).
     """
 
     def __init__(
@@ -58,8 +61,10 @@ class ElasticSync:
         tau: int,
         alpha: float,
         result: StageResult,
+        stop: LazyStop | None = None,
     ) -> None:
         self.client, self.params = client, list(params)
+        self._stop = stop
         self.nm, self.tau, self.alpha = nm, tau, alpha
         self.result = result
         self.exchanges = 0
@@ -86,7 +91,14 @@ class ElasticSync:
             pull_timeout_s=2 * spec.timeout_s,
         )
         tau, alpha = int(param(spec.params, "tau", 1.0)), param(spec.params, "alpha")
-        return cls(client, [p for _, p in view.params], view.nm, tau, alpha, view.result)
+        stop = LazyStop(view.init_method, view.nm, 0)  # every VW stops at one agreed wave
+        return cls(client, [p for _, p in view.params], view.nm, tau, alpha, view.result, stop)
+
+    def agreed_total(self, admitted: int, time_up: bool) -> int | None:
+        """Every VW runs the same waves (the centre waits for every VW's exchange)."""
+        if self._stop is None:
+            return super().agreed_total(admitted, time_up)
+        return self._stop.total(admitted, time_up)
 
     def reduce_grads(self, mb: int, grads: Grads) -> Grads:
         """Each VW applies its own gradients."""

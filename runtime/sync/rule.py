@@ -16,8 +16,8 @@ How to add a rule (e.g. backup workers, elastic averaging):
 2. **Pure logic** -- a module of plain functions over plain data in ``planner/`` (like
    :mod:`planner.wsp`), unit-tested without processes, imported by the simulator
    (``planner/sim``) to predict and by your runtime class to execute: never two copies.
-3. **Process side** -- ``runtime/sync/<name>.py``: a class with the :class:`StageSync` hooks
-   and a ``create(spec, view)`` factory; when the shards must treat a wave differently (how a
+3. **Process side** -- ``runtime/sync/<name>.py``: a subclass of :class:`StageSync`
+   overriding the hooks it needs, with a ``create(spec, view)`` factory; when the shards must treat a wave differently (how a
    complete wave's update folds into the global weights), a :class:`WaveFold`.
 4. **Register** it in :data:`runtime.sync.registry.RULES` (one line).
 
@@ -34,7 +34,8 @@ Who calls what (nothing else in the launcher or the worker knows the rule):
   ``before_forward(mb)`` before each forward of minibatch ``mb``; ``reduce_grads(mb, grads)``
   after each backward, before the update (returns the gradients to apply);
   ``before_update(mb)`` / ``after_update(mb)`` around each local update -- a *wave boundary*
-  is ``mb % nm == 0``; ``close()`` after the last task;
+  is ``mb % nm == 0``; under a time limit, stage 0 asks ``agreed_total(admitted, time_up)``
+  how many minibatches to run in all; ``close()`` after the last task;
 - a shard process folds each complete wave with the rule's :class:`WaveFold` (``None``: the
   plain sum, optionally with server momentum: :class:`runtime.ps.core.ShardCore`).
 """
@@ -56,7 +57,7 @@ if TYPE_CHECKING:
     from runtime.stage.tied import TiedGrads
     from runtime.stage.weights import VersionedWeights
 
-__all__ = ["LocalSync", "StageSync", "StageView", "SyncSpec", "WaveFold"]
+__all__ = ["Grads", "LocalSync", "StageSync", "StageView", "SyncSpec", "WaveFold"]
 
 Grads = dict[str, "Tensor | None"]
 
@@ -101,6 +102,8 @@ class StageView:
         weights: the stage's weight versions and optimizer.
         result: the stage's result (wait time, clock trace and timeline go there).
         tied: the stage's tied parameters (held by several stages of its VW), if any.
+        init_method: the process group's rendezvous (a rule's own store can live beside it:
+            :func:`runtime.launch.stop.stop_store`).
     """
 
     rank: int
@@ -112,10 +115,16 @@ class StageView:
     weights: VersionedWeights
     result: StageResult
     tied: TiedGrads | None = None
+    init_method: str = "env://"
 
 
-class StageSync(Protocol):
-    """A stage's side of a synchronisation rule (the hooks the stage worker calls)."""
+class StageSync:
+    """A stage's side of a synchronisation rule: the hooks the stage worker calls.
+
+    This base class is the ``local`` rule (one VW alone: nothing to synchronise); a rule
+    subclasses it and overrides only the hooks it needs, so a hook added later (with a
+    default here) breaks no rule.
+    """
 
     def start(self, first_wave: int) -> None:
         """Once, after the start barrier, before the first task (WSP: pull the weights)."""
@@ -125,13 +134,25 @@ class StageSync(Protocol):
 
     def reduce_grads(self, mb: int, grads: Grads) -> Grads:
         """After the backward of ``mb``: the gradients to apply (AllReduce: the mean)."""
-        ...
+        return grads
 
     def before_update(self, mb: int) -> None:
         """Before the local update of ``mb``."""
 
     def after_update(self, mb: int) -> None:
         """After the local update of ``mb`` (a wave ends when ``mb % nm == 0``)."""
+
+    def agreed_total(self, admitted: int, time_up: bool) -> int | None:
+        """Stage 0 under a time limit, between tasks: the minibatches this VW runs in all, or
+        ``None`` while the run goes on. Alone, a VW stops admitting when its own time is up;
+        several VWs must agree on one end (WSP: a wave through a store; AllReduce: a flag in
+        the step's collective), or one would wait forever for another.
+
+        Args:
+            admitted: minibatches this stage 0 admitted so far.
+            time_up: whether this VW's own time limit has passed.
+        """
+        return admitted if time_up else None
 
     def close(self) -> None:
         """After the last task: flush, write the final snapshot part, say goodbye."""
@@ -145,29 +166,10 @@ class WaveFold(Protocol):
         ``state`` is the shard's checkpointed optimizer state (tensors it may update)."""
 
 
-class LocalSync:
-    """The ``local`` rule: one VW alone, nothing to synchronise (every hook does nothing)."""
+class LocalSync(StageSync):
+    """The ``local`` rule: one VW alone, nothing to synchronise (the base class's hooks)."""
 
     @classmethod
     def create(cls, spec: SyncSpec, view: StageView) -> LocalSync:
         """The rule's factory (see the module doc)."""
         return cls()
-
-    def start(self, first_wave: int) -> None:
-        """Nothing to load."""
-
-    def before_forward(self, mb: int) -> None:
-        """Nothing to wait for."""
-
-    def reduce_grads(self, mb: int, grads: Grads) -> Grads:
-        """The stage's own gradients."""
-        return grads
-
-    def before_update(self, mb: int) -> None:
-        """Nothing to wait for."""
-
-    def after_update(self, mb: int) -> None:
-        """Nothing to push."""
-
-    def close(self) -> None:
-        """Nothing to flush."""

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from planner.wsp import local_version, required_global_clock
 from profiler.errors import HetPipeRuntimeError
+from runtime.launch.stop import LazyStop
 from runtime.persist.snapshot import (
     SnapshotSpec,
     load_part,
@@ -41,7 +42,7 @@ from runtime.persist.snapshot import (
 from runtime.ps.client import PSClient, PullHandle
 from runtime.results.metrics import StageResult
 from runtime.stage.weights import VersionedWeights
-from runtime.sync.rule import Grads, StageView, SyncSpec
+from runtime.sync.rule import StageSync, StageView, SyncSpec
 from runtime.sync.tied_mirror import TiedMirror
 
 __all__ = ["WaveSync"]
@@ -49,7 +50,7 @@ __all__ = ["WaveSync"]
 log = logging.getLogger(__name__)
 
 
-class WaveSync:
+class WaveSync(StageSync):
     """Pushes a stage's wave updates and pulls global weights as WSP requires.
 
     Args:
@@ -68,6 +69,9 @@ class WaveSync:
         weights: the stage's weight versions: given, pulls overlap the tasks.
         names: the names of ``params`` in ``weights`` (default: all of ``weights.master``).
         mirror: the stage's tied parameters that another stage pushes and pulls for the VW.
+        weights: given: pulls overlap the tasks until a forward needs them.
+        stop: stage 0 under a time limit: where the VWs agree on the last wave
+            (:class:`runtime.launch.stop.LazyStop`; ``None``: this VW stops alone).
     """
 
     def __init__(
@@ -84,6 +88,7 @@ class WaveSync:
         weights: VersionedWeights | None = None,
         names: Sequence[str] | None = None,
         mirror: TiedMirror | None = None,
+        stop: LazyStop | None = None,
     ) -> None:
         self.client, self.params, self.nm, self.D = client, list(params), nm, D
         self.result = result
@@ -98,6 +103,7 @@ class WaveSync:
         self._pending: tuple[PullHandle, int, int] | None = None  # (pull, needed clock, version)
         self.names = None if names is None else list(names)
         self.mirror = mirror
+        self._stop = stop
 
     @classmethod
     def create(cls, spec: SyncSpec, view: StageView) -> WaveSync:
@@ -129,11 +135,15 @@ class WaveSync:
             view.weights if spec.overlap_pulls else None,
             [local[p] for _, p in params],
             mirror,
+            LazyStop(view.init_method, view.nm, spec.D),
         )
 
-    def reduce_grads(self, mb: int, grads: Grads) -> Grads:
-        """WSP applies the stage's own gradients locally (the waves carry them to the shards)."""
-        return grads
+    def agreed_total(self, admitted: int, time_up: bool) -> int | None:
+        """Every VW runs the same waves: the first whose time is up proposes the last one
+        (:func:`planner.wsp.stop_wave`) through a store, the others read it."""
+        if self._stop is None:
+            return super().agreed_total(admitted, time_up)
+        return self._stop.total(admitted, time_up)
 
     def start(self, clock: int = 0) -> None:
         """Load the global weights at ``clock`` (the run's first wave) into the stage and, when

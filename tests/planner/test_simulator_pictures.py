@@ -80,3 +80,15 @@ def test_chrome_trace_names_the_wait_thread() -> None:
     }
     assert names[(0, 0)] == "WSP wait"
     json.dumps(doc)  # serialisable
+
+
+def test_a_huge_trace_is_refused_without_reading_it_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import profiler.inputs
+
+    monkeypatch.setattr(profiler.inputs, "MAX_FILE_BYTES", 64)
+    big = tmp_path / "trace.json"
+    big.write_text('{"traceEvents": []}' + " " * 100)
+    with pytest.raises(ConfigError, match=r"larger than .*not a hetpipe trace\.json"):
+        read_chrome_trace(big)

@@ -1,11 +1,7 @@
-"""The AllReduce (DDP) baseline: its plan, equality with single-process SGD, the run options
-it shares with the pipelines (time limit), failures."""
+"""The AllReduce baseline (the ``allreduce`` rule under the one launcher): its plan, equality
+with single-process SGD, the run options it shares with the pipelines (time limit), failures."""
 
 from __future__ import annotations
-
-import functools
-import os
-import signal
 
 import pytest
 import torch
@@ -14,10 +10,12 @@ from planner.baseline import allreduce_plan, device_capacity_bytes, eligible_dev
 from planner.cluster import Cluster, parse_cluster
 from planner.plan import Plan
 from profiler.errors import ConfigError, HetPipeRuntimeError
-from runtime.config import ModelSource, OptimizerConfig, RunConfig
+from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.data import DigitsDataset, MinibatchSource
-from runtime.launch.ddp import run_allreduce
+from runtime.launch.faults import StageFault
+from runtime.launch.launcher import launch
 from runtime.results.evaluation import accuracy, split_dataset
+from runtime.results.wsp import WSPResult
 from runtime.stage.model import reference_module
 
 MiB = 2**20
@@ -92,52 +90,54 @@ def _single_process_sgd(
     return {names[n]: t.detach() for n, t in module.named_parameters()}
 
 
+def _allreduce(plan: Plan, run: RunConfig, **kw: object) -> WSPResult:
+    result = launch(plan, ModelSource(ref=plan.model), run=run, **kw)  # type: ignore[arg-type]
+    assert isinstance(result, WSPResult)
+    return result
+
+
 def test_two_ranks_equal_single_process_sgd_on_the_combined_batch() -> None:
     cfg = OptimizerConfig(lr=0.2, momentum=0.5)
     run = RunConfig(steps=5, emulate=False, timeout_s=20)
-    result = run_allreduce(_plan([8, 8]), optimizer=cfg, run=run)
-    assert result.devices == ("N0:0", "N1:0")
-    assert len(result.losses) == 5 and result.throughput > 0
+    result = _allreduce(_plan([8, 8]), run, optimizer=cfg)
+    assert [vw.stages[0].device for vw in result.vws] == ["N0:0", "N1:0"]
+    assert [len(vw.losses) for vw in result.vws] == [5, 5] and result.throughput > 0
+    assert result.sync == "allreduce" and "BSP" in str(result.table().title)
     train, test = split_dataset(DigitsDataset(), 0.2, seed=0)
     expected = _single_process_sgd(train, 16, 5, cfg)
-    assert set(result.state) == set(expected)
-    for name, tensor in expected.items():
-        torch.testing.assert_close(result.state[name], tensor, rtol=1e-5, atol=1e-6)
+    for vw in result.vws:  # every copy took the same steps
+        state = vw.state_dict()
+        assert set(state) == set(expected)
+        for name, tensor in expected.items():
+            torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6)
     # the accuracy reported is the final model's on the held-out split
     module, names, _ = reference_module(ModelSource(ref="mlp"), 8, seed=0)
     inverse = {v: k for k, v in names.items()}
-    module.load_state_dict({inverse[k]: v for k, v in result.state.items()})
+    module.load_state_dict({inverse[k]: v for k, v in result.state_dict().items()})
     assert result.test_accuracy == pytest.approx(accuracy(module, test, 8))
 
 
-def _kill_at(rank: int, step: int, r: int, p: int) -> None:
-    """A test hook: SIGKILL rank ``rank`` before its step ``step``."""
-    if (r, p) == (rank, step):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def test_a_killed_rank_ends_the_run_naming_it() -> None:
-    with pytest.raises(HetPipeRuntimeError, match=r"rank 1 \(device N1:0\).*SIGKILL"):
-        run_allreduce(
-            _plan([8, 8]),
-            run=RunConfig(steps=50, emulate=False, timeout_s=10),
-            hook=functools.partial(_kill_at, 1, 3),
-        )
+    cfg = WSPConfig(stage_fault=StageFault(0, 3, vw=1))
+    with pytest.raises(HetPipeRuntimeError, match=r"rank 1 \(vw 1 \| stage 0 .*N1:0\).*SIGKILL"):
+        _allreduce(_plan([8, 8]), RunConfig(steps=50, emulate=False, timeout_s=10), cfg=cfg)
 
 
 def test_a_time_limit_stops_every_rank_after_the_same_step() -> None:
-    result = run_allreduce(_plan([8, 8]), run=RunConfig(time_limit_s=1.0, timeout_s=20))
-    assert result.stopped_by == "time limit"
-    assert {len(c) for c in result.completions_ms} == {result.steps} and result.steps >= 2
-    assert result.steps == len(result.losses)
+    result = _allreduce(_plan([8, 8]), RunConfig(time_limit_s=1.0, timeout_s=20))
+    assert result.stopped_by.startswith("time limit")
+    steps = {vw.steps for vw in result.vws}
+    assert len(steps) == 1 and steps.pop() >= 2
+    assert all(len(vw.losses) == vw.steps for vw in result.vws)
 
 
-def test_a_pipeline_plan_is_refused() -> None:
+def test_a_pipeline_plan_without_shards_is_refused() -> None:
     from planner.manual import cpu_cluster, multi_vw_plan
     from profiler.graph import ModelGraph
     from runtime.stage.model import resolve_source
 
     graph = ModelGraph.from_spec(resolve_source(ModelSource(ref="mlp"), 8, meta=True))
     plan = multi_vw_plan(graph, [[2], [2]], "mlp", 8, 1, cluster=cpu_cluster(4))
-    with pytest.raises(ConfigError, match="synchronises by 'wsp', not AllReduce"):
-        run_allreduce(plan)
+    plan = type(plan)(**{**plan.__dict__, "shards": ()})
+    with pytest.raises(ConfigError, match="no parameter-server shards"):
+        _allreduce(plan, RunConfig(steps=2))

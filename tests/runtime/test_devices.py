@@ -10,7 +10,7 @@ from planner.manual import balanced_cuts, cpu_cluster, manual_plan
 from profiler.errors import ConfigError
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource
-from runtime.launch.single import require_devices, stage_contexts
+from runtime.launch.roles import require_devices, stage_contexts
 from runtime.stage.model import resolve_source
 
 

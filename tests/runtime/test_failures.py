@@ -9,9 +9,9 @@ import pytest
 from planner.manual import balanced_cuts, manual_plan
 from profiler.errors import HetPipeRuntimeError
 from profiler.graph import ModelGraph
-from runtime.config import ModelSource, RunConfig
-from runtime.launch.failures import StageFault
-from runtime.launch.single import launch
+from runtime.config import ModelSource, RunConfig, WSPConfig
+from runtime.launch.faults import StageFault
+from runtime.launch.launcher import launch
 from runtime.stage.model import resolve_source
 
 
@@ -32,10 +32,10 @@ def test_failing_stage_ends_run_naming_it(fault: StageFault, expected: str) -> N
     source, plan = _plan()
     t0 = time.monotonic()
     with pytest.raises(HetPipeRuntimeError) as info:
-        launch(plan, source, None, RunConfig(steps=50, timeout_s=20), fault=fault)
+        launch(plan, source, None, RunConfig(steps=50, timeout_s=20), WSPConfig(stage_fault=fault))
     elapsed = time.monotonic() - t0
     message = str(info.value)
-    assert "rank 1 (vw 0, stage 1" in message
+    assert "rank 1 (vw 0 | stage 1 |" in message
     assert expected in message
     assert elapsed < 60  # start-up included; the failure itself is noticed within a second
 

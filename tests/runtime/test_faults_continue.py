@@ -13,8 +13,8 @@ import pytest
 
 from profiler.errors import HetPipeRuntimeError
 from runtime.config import RunConfig, WSPConfig
-from runtime.launch.failures import ShardFault, StageFault
-from runtime.launch.wsp import launch_wsp
+from runtime.launch.faults import ShardFault, StageFault
+from runtime.launch.launcher import launch
 from runtime.persist.checkpoint import ShardState
 from tests.runtime.test_faults import SOURCE, _children, _plan
 
@@ -40,9 +40,7 @@ def test_a_lost_vw_is_evicted_and_the_survivor_finishes(
 ) -> None:
     run = RunConfig(steps=12, timeout_s=8.0, emulate=False, out_dir=tmp_path / "run")
     fault = StageFault(stage=1, at_mb=at_mb, vw=1, signum=int(signum))
-    result = launch_wsp(
-        _plan(D=0, nm=2), SOURCE, None, run, WSPConfig(stage_fault=fault, evict=True)
-    )
+    result = launch(_plan(D=0, nm=2), SOURCE, None, run, WSPConfig(stage_fault=fault, evict=True))
     (lost,) = result.lost
     why = "SIGKILL" if signum == signal.SIGKILL else "frozen: no heartbeat"
     assert lost.vw == 1 and "(vw 1 | stage 1 |" in lost.cause and why in lost.cause, lost
@@ -59,9 +57,7 @@ def test_a_lost_vw_is_evicted_and_the_survivor_finishes(
 def test_a_lost_shard_still_stops_the_run(tmp_path: Path) -> None:
     run = RunConfig(steps=400, timeout_s=8.0, emulate=False)
     with pytest.raises(HetPipeRuntimeError, match=r"\(shard 1 \|.*SIGKILL"):
-        launch_wsp(
-            _plan(), SOURCE, None, run, WSPConfig(evict=True, shard_fault=ShardFault(1, 4.0))
-        )
+        launch(_plan(), SOURCE, None, run, WSPConfig(evict=True, shard_fault=ShardFault(1, 4.0)))
     assert not _children()
 
 

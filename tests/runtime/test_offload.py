@@ -15,7 +15,7 @@ from planner.offload import MemoryPlacement, Place
 from profiler.errors import HetPipeRuntimeError
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
-from runtime.launch.single import launch
+from runtime.launch.launcher import launch
 from runtime.stage.model import resolve_source
 from runtime.stage.offload import OffloadManager, ResidencyMeter, memory_manager
 

@@ -12,7 +12,7 @@ from profiler.errors import ConfigError, HetPipeRuntimeError
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource, RunConfig
 from runtime.data import DigitsDataset, MinibatchSource, SyntheticDataset
-from runtime.launch.single import stage_contexts, total_steps
+from runtime.launch.roles import stage_contexts, total_steps
 from runtime.stage.comm import cut_specs
 from runtime.stage.emulation import Calibration, MemoryMeter, pace_until
 from runtime.stage.model import build_stage, reference_module, resolve_source

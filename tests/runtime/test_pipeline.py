@@ -14,7 +14,7 @@ from planner.manual import balanced_cuts, manual_plan
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.data import MinibatchSource, default_dataset
-from runtime.launch.single import launch
+from runtime.launch.launcher import launch
 from runtime.stage.model import reference_module, resolve_source
 from tests.runtime.reference import delayed_loop, plain_loop
 

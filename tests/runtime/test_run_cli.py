@@ -86,9 +86,10 @@ def test_run_sync_allreduce_takes_the_run_options_and_prints_the_summary(tmp_pat
          "1", "--schedule", "cosine", "--out", str(out), "--no-progress"],
     )  # fmt: skip
     assert res.exit_code == 0, res.output
-    assert "DDP, BSP" in res.output and "predicted" in res.output  # the summary table
-    figures = json.loads((out / "ddp.json").read_text())
-    assert figures["stopped_by"] == "time limit" and figures["steps"] >= 2
+    assert "allreduce (BSP)" in res.output and "predicted" in res.output  # the summary table
+    figures = json.loads((out / "summary.json").read_text())  # the same outputs as WSP's
+    assert figures["sync"] == "allreduce" and figures["stopped_by"].startswith("time limit")
+    assert len({vw["steps"] for vw in figures["vws"]}) == 1 and figures["vws"][0]["steps"] >= 2
     assert (out / "weights.pt").exists()
 
 

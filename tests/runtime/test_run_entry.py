@@ -16,7 +16,7 @@ from profiler.errors import ConfigError
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource, RunConfig
 from runtime.results.wsp import WSPResult
-from runtime.run import default_length, launcher_for
+from runtime.run import default_length, rule_for
 from runtime.stage.model import resolve_source
 
 
@@ -24,24 +24,24 @@ def _graph() -> ModelGraph:
     return ModelGraph.from_spec(resolve_source(ModelSource(ref="mlp"), 8, meta=True))
 
 
-def test_the_plan_chooses_the_launcher() -> None:
+def test_the_plan_chooses_the_rule() -> None:
     g = _graph()
     two = multi_vw_plan(g, [[2], [2]], "mlp", 8, 1, cluster=cpu_cluster(4))
-    assert launcher_for(two) == "wsp" and launcher_for(two, vw=1) == "single"
+    assert rule_for(two) == "wsp" and rule_for(two, vw=1) == "local"
     one = manual_plan(g, [2], "mlp", 8, 1)
-    assert launcher_for(one) == "single"
+    assert rule_for(one) == "local"
     bare = multi_vw_plan(g, [[2], [2]], "mlp", 8, 1, cluster=cpu_cluster(4))
     bare = type(bare)(**{**bare.__dict__, "shards": ()})
     with pytest.raises(ConfigError, match="2 VWs but no parameter-server shards"):
-        launcher_for(bare)
+        rule_for(bare)
     cluster = parse_cluster(
         {"name": "t", "nodes": [{"name": "A", "gpu": "TITAN V", "count": 2,
                                  "emulate": {"speed": 0.5, "memory": "8MiB"}}]}
     )  # fmt: skip
     ar = allreduce_plan(cluster, "mlp", 8)
-    assert launcher_for(ar) == "allreduce"
+    assert rule_for(ar) == "allreduce"
     with pytest.raises(ConfigError, match="drop --vw"):
-        launcher_for(ar, vw=0)
+        rule_for(ar, vw=0)
 
 
 def test_several_vws_train_40_epochs_unless_told() -> None:

@@ -88,7 +88,7 @@ def _rank(rank: int, world: int, init: str, out: str) -> None:
                             timeout=timedelta(seconds=20))  # fmt: skip
     try:
         spec = SyncSpec("allreduce", groups=(tuple(range(world)),))
-        rule = AllReduceSync.create(spec, None)  # type: ignore[arg-type]  # one group: no view
+        rule = AllReduceSync.create(spec, None)  # type: ignore[arg-type]  # one group: no view needed
         grads = {
             "w": torch.full((2, 2), float(rank + 1)),
             "skip": None,

@@ -17,7 +17,7 @@ from torch.func import functional_call
 from planner.easgd import elastic_difference, exchanges_after
 from planner.manual import multi_vw_plan
 from runtime.config import OptimizerConfig, RunConfig, WSPConfig
-from runtime.launch.wsp import launch_wsp
+from runtime.launch.launcher import launch
 from runtime.results.sync import arrival_table, dropped_vw_waves, kth_push_s
 from runtime.results.wsp import WSPResult
 from runtime.stage.model import reference_module
@@ -113,7 +113,7 @@ def easgd_reference(
 def _run(plan: Any, steps: int, rule: str, **params: float) -> WSPResult:
     plan = dataclasses.replace(plan, sync=rule, sync_params=tuple(sorted(params.items())))
     run = RunConfig(steps=steps, timeout_s=15.0, emulate=False)
-    return launch_wsp(plan, SOURCE, OptimizerConfig(lr=LR), run, WSPConfig())
+    return launch(plan, SOURCE, OptimizerConfig(lr=LR), run, WSPConfig())
 
 
 def _same(state: Weights, ref: Weights) -> None:

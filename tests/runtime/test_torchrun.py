@@ -41,7 +41,7 @@ def test_torchrun_entry_trains_every_stage(tmp_path: Path) -> None:
     )
     out = tmp_path / "out"
     _run_one_host(2, plan_path, "--steps", "6", "--timeout", "20", "--out", str(out))
-    results = [torch.load(out / f"stage{r}.pt", weights_only=False) for r in range(2)]
+    results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert [r.steps for r in results] == [6, 6]
     assert len(results[1].losses) == 6
 
@@ -53,7 +53,7 @@ def test_torchrun_two_hosts_train_every_vw_through_wsp_like_hetpipe_run(tmp_path
     from planner.manual import multi_vw_plan
     from runtime.__main__ import collect_wsp
     from runtime.config import OptimizerConfig, RunConfig
-    from runtime.launch.wsp import launch_wsp
+    from runtime.launch.launcher import launch
 
     graph = ModelGraph.from_spec(resolve_source(ModelSource(ref="mlp"), 16, meta=True))
     plan = multi_vw_plan(graph, [(4,), (6,)], "mlp", 16, nm=2, D=0, n_shards=2)
@@ -82,7 +82,7 @@ def test_torchrun_two_hosts_train_every_vw_through_wsp_like_hetpipe_run(tmp_path
         tags = [(e.vw, e.stage, e.wave) for e in state.ledger]
         assert len(tags) == len(set(tags)) and state.clock == 3
     run = RunConfig(steps=6, timeout_s=30.0, emulate=False)
-    local = launch_wsp(plan, ModelSource(ref="mlp"), OptimizerConfig(lr=0.05), run)
+    local = launch(plan, ModelSource(ref="mlp"), OptimizerConfig(lr=0.05), run)
     ref = local.state_dict()
     for name, t in result.state_dict().items():  # D = 0: deterministic, equal to one host
         torch.testing.assert_close(t, ref[name], rtol=1e-6, atol=1e-7)
@@ -108,16 +108,43 @@ def test_torchrun_time_limit_stops_every_vw_at_one_agreed_wave(tmp_path: Path) -
     assert all(state.clock == n // 2 for state in result.states)
 
 
-def test_the_torchrun_entry_has_hetpipe_runs_defaults() -> None:
-    """`python -m runtime` (torchrun) and `hetpipe run` share their defaults (the torchrun
-    entry used to time out after 60 s instead of 30 and never checkpoint)."""
+def test_the_torchrun_entry_has_hetpipe_runs_options_and_defaults() -> None:
+    """`python -m runtime` (torchrun) and `hetpipe run` take every run option with the same
+    default and turn them into the same configs (the torchrun entry used to time out after
+    60 s instead of 30, never checkpoint, and lack --on-failure)."""
     import inspect
 
     from hetpipe.commands.run import run
     from runtime.__main__ import _args
+    from runtime.options import OPTIONS, configs
 
     parsed = vars(_args(["plan.yaml"]))
     defaults = inspect.signature(run).parameters
-    names = ("timeout", "checkpoint_every", "optimizer", "lr", "momentum", "weight_decay",
-             "schedule", "seed", "steps", "epochs", "time_limit", "nm")  # fmt: skip
-    assert {n: parsed[n] for n in names} == {n: defaults[n].default for n in names}
+    assert {n: parsed[n] for n in OPTIONS} == {n: defaults[n].default for n in OPTIONS}
+    assert len(OPTIONS) >= 18 and "on_failure" in OPTIONS
+    flags = vars(_args(["p.yaml", "--on-failure", "restart", "--max-restarts", "2", "--D", "1",
+                        "--no-emulate", "--weight-decay", "0.1"]))  # fmt: skip
+    opt, run_cfg, wsp = configs(flags)
+    assert (wsp.max_restarts, wsp.D, run_cfg.emulate, opt.weight_decay) == (2, 1, False, 0.1)
+
+
+def test_a_torchrun_rank_gets_the_job_hetpipe_run_would_give_it(tmp_path: Path) -> None:
+    """Same options -> same job: a rank's job is the one-host launcher's (plan defaults such
+    as its precision filled in the same way), only the rendezvous differs."""
+    import dataclasses
+
+    from runtime.__main__ import _args, _rank_job
+    from runtime.launch.launcher import prepare
+    from runtime.options import configs
+    from runtime.run import settle
+
+    graph = ModelGraph.from_spec(resolve_source(ModelSource(ref="mlp"), 8, meta=True))
+    plan = dataclasses.replace(
+        manual_plan(graph, balanced_cuts(graph, 2), "mlp", 8, 2), precision="bf16"
+    )
+    args = _args(["plan.yaml", "--steps", "3", "--lr", "0.1", "--no-emulate"])
+    job = _rank_job(args, plan, rank=1, world=2)
+    opt, run, cfg = configs(vars(args))
+    run = settle(run, plan, "local")
+    prep = prepare(plan, ModelSource(ref="mlp"), opt, run, cfg, None, None, "local", 0, "env://")
+    assert job == prep.stages[1] and job.run.precision == "bf16" and job.optimizer.lr == 0.1

@@ -15,8 +15,8 @@ from planner.manual import multi_vw_plan
 from profiler.errors import HetPipeRuntimeError
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
-from runtime.launch.failures import StageFault
-from runtime.launch.wsp import launch_wsp
+from runtime.launch.faults import StageFault
+from runtime.launch.launcher import launch
 from runtime.persist.snapshot import committed_clocks, read_manifest, snapshot_dir
 from runtime.stage.model import resolve_source
 
@@ -34,7 +34,7 @@ def test_time_limit_with_parameter_servers_stops_every_vw_at_one_wave(tmp_path: 
     plan = multi_vw_plan(_graph(), [(4,), (6,)], "mlp", BATCH, nm=2, D=1, n_shards=2)
     out = tmp_path / "run"
     run = RunConfig(time_limit_s=1.0, timeout_s=15.0, emulate=False, out_dir=out)
-    result = launch_wsp(plan, SOURCE, None, run, WSPConfig(checkpoint_every=1000))
+    result = launch(plan, SOURCE, None, run, WSPConfig(checkpoint_every=1000))
     steps = {st.steps for vw in result.vws for st in vw.stages}
     assert len(steps) == 1  # every stage of every VW trained the same minibatches
     (n,) = steps
@@ -64,13 +64,13 @@ def test_resume_continues_lr_schedule_and_momentum_exactly(tmp_path: Path) -> No
     def run(out: Path) -> RunConfig:
         return RunConfig(steps=9, timeout_s=15.0, emulate=False, out_dir=out)
 
-    whole = launch_wsp(plan, SOURCE, opt, run(tmp_path / "whole"))
+    whole = launch(plan, SOURCE, opt, run(tmp_path / "whole"))
     out = tmp_path / "cut"
     with pytest.raises(HetPipeRuntimeError):
-        launch_wsp(plan, SOURCE, opt, run(out), WSPConfig(checkpoint_every=2, stage_fault=StageFault(0, 6)))
+        launch(plan, SOURCE, opt, run(out), WSPConfig(checkpoint_every=2, stage_fault=StageFault(0, 6)))
     ckpt = out / "checkpoints"
     assert committed_clocks(ckpt) == [2, 4]
-    resumed = launch_wsp(plan, SOURCE, opt, run(out), WSPConfig(checkpoint_every=2, resume=True))
+    resumed = launch(plan, SOURCE, opt, run(out), WSPConfig(checkpoint_every=2, resume=True))
     assert [vw.steps for vw in resumed.vws] == [5, 5]
     ref = whole.state_dict()
     for name, t in resumed.state_dict().items():
@@ -101,6 +101,6 @@ def test_d0_runs_are_bit_identical() -> None:
     the same bits (before the fix, runs differed by ~3e-8 after 60 minibatches)."""
     plan = multi_vw_plan(_graph(), [(2, 5), (3, 6)], "mlp", BATCH, nm=3, D=0, n_shards=2)
     run = RunConfig(steps=24, timeout_s=15.0, emulate=False)
-    first, second = (launch_wsp(plan, SOURCE, None, run).state_dict() for _ in range(2))
+    first, second = (launch(plan, SOURCE, None, run).state_dict() for _ in range(2))
     for name, t in first.items():
         assert torch.equal(t, second[name]), name

@@ -22,8 +22,9 @@ from profiler.errors import HetPipeRuntimeError
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.data import MinibatchSource, default_dataset
-from runtime.launch.failures import ShardFault, StageFault
-from runtime.launch.wsp import launch_wsp, split_data
+from runtime.launch.faults import ShardFault, StageFault
+from runtime.launch.launcher import launch
+from runtime.launch.wsp import split_data
 from runtime.persist.snapshot import committed_clocks
 from runtime.results.wsp import WSPResult
 from runtime.stage.model import reference_module, resolve_source
@@ -98,7 +99,7 @@ def _check_invariants(result: WSPResult, n_stages: list[int], waves: int, first:
 def _run(plan: Any, tmp_path: Path, steps: int, **kw: Any) -> WSPResult:
     run = RunConfig(steps=steps, timeout_s=15.0, emulate=False, out_dir=kw.pop("out", None))
     cfg = WSPConfig(**kw)
-    return launch_wsp(plan, SOURCE, OptimizerConfig(lr=LR), run, cfg)
+    return launch(plan, SOURCE, OptimizerConfig(lr=LR), run, cfg)
 
 
 def test_one_vw_nm1_d0_equals_single_process_sgd(tmp_path: Path) -> None:
@@ -150,7 +151,7 @@ def test_time_limit_stops_every_vw_at_the_same_wave(tmp_path: Path) -> None:
     # one must still finish the agreed waves, and the shards end at exactly that clock
     plan = multi_vw_plan(_graph(), [(6,), (2, 4)], "mlp", BATCH, nm=2, D=1, n_shards=2)
     run = RunConfig(steps=100_000, time_limit_s=1.5, timeout_s=15.0, emulate=False)
-    result = launch_wsp(plan, SOURCE, OptimizerConfig(lr=LR), run, WSPConfig())
+    result = launch(plan, SOURCE, OptimizerConfig(lr=LR), run, WSPConfig())
     steps = {vw.steps for vw in result.vws}
     assert len(steps) == 1, f"VWs ran different numbers of minibatches: {steps}"
     (n,) = steps
@@ -165,8 +166,8 @@ def _kill_then_resume(plan: Any, out: Path, steps: int) -> tuple[str, WSPResult]
     cfg = WSPConfig(checkpoint_every=2, resume_hint="hetpipe run X")
     opt = OptimizerConfig(lr=LR, momentum=0.5)  # stage-side optimizer state is checkpointed too
     with pytest.raises(HetPipeRuntimeError) as err:
-        launch_wsp(plan, SOURCE, opt, run, replace(cfg, stage_fault=StageFault(1, 7)))
-    resumed = launch_wsp(
+        launch(plan, SOURCE, opt, run, replace(cfg, stage_fault=StageFault(1, 7)))
+    resumed = launch(
         plan,
         SOURCE,
         opt,
@@ -199,7 +200,7 @@ def test_killed_shard_stops_the_run_naming_it(tmp_path: Path) -> None:
     run = RunConfig(steps=100_000, timeout_s=15.0, emulate=False)
     with pytest.raises(HetPipeRuntimeError) as err:
         cfg = WSPConfig(shard_fault=ShardFault(1, 3.0))
-        launch_wsp(plan, SOURCE, OptimizerConfig(lr=LR), run, cfg)
+        launch(plan, SOURCE, OptimizerConfig(lr=LR), run, cfg)
     message = str(err.value)
     assert message.startswith("rank 1 (shard 1 |"), message
     assert "killed by signal SIGKILL" in message

@@ -1,0 +1,54 @@
+"""Test hooks that make a process fail on purpose, passed in its frozen job (never a string
+in a production signature): a stage that crashes, freezes or raises, a shard that dies. The
+snapshot writer's hook is :class:`runtime.persist.snapshot.WriteFault`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["ShardFault", "StageFault"]
+
+
+@dataclass(frozen=True)
+class StageFault:
+    """Test hook, passed in the job description: stage ``stage`` of VW ``vw`` (every VW when
+    ``vw`` is -1) sends itself ``signum`` before minibatch ``at_mb`` (SIGKILL: a crash;
+    SIGSTOP: a frozen process; 0: it raises ``RuntimeError``, a failure in Python)."""
+
+    stage: int
+    at_mb: int
+    vw: int = -1
+    signum: int = int(signal.SIGKILL)
+
+    def hook(self, vw: int, stage: int) -> Callable[[int], None] | None:
+        """The stage worker's per-minibatch fault hook for ``(vw, stage)``, or ``None``."""
+        if stage != self.stage or self.vw not in (-1, vw):
+            return None
+
+        def fire(mb: int) -> None:
+            if mb == self.at_mb and self.signum == 0:
+                raise RuntimeError(f"injected fault at minibatch {mb}")
+            if mb == self.at_mb:
+                os.kill(os.getpid(), self.signum)
+
+        return fire
+
+
+@dataclass(frozen=True)
+class ShardFault:
+    """Test hook, passed in the shard's job: shard ``shard`` SIGKILLs itself ``after_s``
+    seconds after it starts."""
+
+    shard: int
+    after_s: float
+
+    def arm(self, shard_id: int) -> None:
+        """Start the timer in shard ``shard_id``'s process (nothing for another shard)."""
+        if shard_id == self.shard:
+            timer = threading.Timer(self.after_s, os.kill, (os.getpid(), signal.SIGKILL))
+            timer.daemon = True
+            timer.start()

@@ -1,0 +1,159 @@
+"""What one attempt of a run starts: every process's job, per synchronisation rule.
+
+:func:`prepare` turns a plan into the frozen jobs of its processes (stages, and shards for a
+rule that goes through them) plus what the result needs; the rule decides only the data each
+VW trains on, the steps, the :class:`runtime.sync.rule.SyncSpec` and whether shards run. The
+WSP part (shards, snapshots, resume) is :mod:`runtime.launch.wsp`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from planner.plan import Plan
+from profiler.errors import ConfigError
+from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
+from runtime.launch.procs import ShardJob
+from runtime.launch.roles import pacing_table, stage_contexts, total_steps
+from runtime.results.evaluation import split_dataset
+from runtime.stage.emulation import Calibration
+from runtime.stage.job import StageJob
+from runtime.sync.rule import SyncSpec
+
+__all__ = ["Prepared", "prepare_allreduce", "prepare_local", "vw_stage_jobs"]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One attempt's processes and what its result needs.
+
+    Attributes:
+        shards: the shard processes' jobs (none for a rule without shards).
+        stages: the stage processes' jobs, in rank order.
+        steps: minibatches each VW trains in this attempt.
+        first_wave: the wave it starts at (a resumed run's snapshot clock).
+        nm, D: minibatches per wave and the WSP threshold the run uses.
+        test: the held-out split for the final accuracy (``None``: none).
+        hint: what a failure message ends with (``; resume with: ...``).
+    """
+
+    shards: tuple[ShardJob, ...]
+    stages: tuple[StageJob, ...]
+    steps: int
+    first_wave: int
+    nm: int
+    D: int
+    test: Dataset[Any] | None = None
+    hint: str = ""
+
+
+def vw_stage_jobs(
+    plan: Plan,
+    source: ModelSource,
+    optimizer: OptimizerConfig,
+    run: RunConfig,
+    cfg: WSPConfig,
+    sync: SyncSpec,
+    data: list[Any],
+    steps: int,
+    init_method: str,
+    nm: int,
+    first_rank: int = 0,
+    vws: list[int] | None = None,
+) -> list[StageJob]:
+    """Every stage's job, VW by VW from ``first_rank`` (``world_size`` left to the caller).
+
+    ``data[i]`` is VW ``vws[i]``'s training set; the ``allreduce`` rule gives every VW the
+    same set and its rank's slice of each global minibatch.
+    """
+    vws = list(range(len(plan.virtual_workers))) if vws is None else vws
+    jobs: list[StageJob] = []
+    for i, k in enumerate(vws):
+        ctxs = stage_contexts(plan, k, nm, steps, first_rank + len(jobs))
+        vw_run = run
+        if run.out_dir is not None and sync.rule != "local":
+            vw_run = dataclasses.replace(run, out_dir=run.out_dir / f"vw{k}")
+        cal: Calibration | None = pacing_table(plan, source, ctxs, vw_run)
+        part = (i, len(vws)) if sync.rule == "allreduce" else (0, 1)
+        jobs += [
+            StageJob(
+                ctx, source, optimizer, run, sync, data[i], part, cal, cfg.stage_fault, init_method
+            )
+            for ctx in ctxs
+        ]
+    return jobs
+
+
+def _world(jobs: list[StageJob], n_shards: int = 0) -> tuple[StageJob, ...]:
+    world = n_shards + len(jobs)
+    return tuple(dataclasses.replace(j, world_size=world) for j in jobs)
+
+
+def prepare_local(
+    plan: Plan,
+    source: ModelSource,
+    optimizer: OptimizerConfig,
+    run: RunConfig,
+    cfg: WSPConfig,
+    dataset: Dataset[Any] | None,
+    samples: int,
+    vw: int,
+    init_method: str,
+) -> Prepared:
+    """The ``local`` rule: VW ``vw`` alone on the whole data set (``dataset`` ``None``: each
+    stage builds the model's built-in one), no shards, no test split."""
+    if samples < plan.batch_size:
+        raise ConfigError(
+            f"the data set has {samples} samples, fewer than one minibatch of {plan.batch_size}"
+        )
+    nm = run.nm or plan.nm
+    steps = total_steps(run, samples // plan.batch_size)
+    sync = SyncSpec("local", plan.sync_params, timeout_s=run.timeout_s)
+    jobs = vw_stage_jobs(plan, source, optimizer, run, cfg, sync, [dataset], steps, init_method,
+                         nm, vws=[vw])  # fmt: skip
+    return Prepared((), _world(jobs), steps, 0, nm, 0)
+
+
+def prepare_allreduce(
+    plan: Plan,
+    source: ModelSource,
+    optimizer: OptimizerConfig,
+    run: RunConfig,
+    cfg: WSPConfig,
+    dataset: Dataset[Any],
+    init_method: str,
+) -> Prepared:
+    """The ``allreduce`` rule: every VW (one per device, :func:`planner.baseline.allreduce_plan`)
+    trains its slice of each global minibatch of the training split, ``Nm = 1``; a held-out
+    split measures the final model.
+
+    Raises:
+        ConfigError: VWs of different depths, or less than one global minibatch of data.
+    """
+    vws = plan.virtual_workers
+    depth = {len(w.stages) for w in vws}
+    if len(depth) != 1:
+        raise ConfigError(
+            f"the {plan.model} plan's VWs have {sorted(depth)} stages; AllReduce averages each "
+            "stage over the VWs: plan it with planner.baseline.allreduce_plan"
+        )
+    (n_stages,) = depth
+    world, batch = len(vws), plan.batch_size
+    train, test = split_dataset(dataset, cfg.test_fraction, run.seed)
+    per_epoch = len(train) // (batch * world)
+    if per_epoch < 1:
+        raise ConfigError(
+            f"the training split has {len(train)} samples, fewer than one global minibatch of "
+            f"{world} x {batch}; use a smaller --batch-size or more data"
+        )
+    steps = total_steps(run, per_epoch)
+    groups = tuple(tuple(k * n_stages + s for k in range(world)) for s in range(n_stages))
+    sync = SyncSpec("allreduce", plan.sync_params, timeout_s=run.timeout_s, groups=groups)
+    keep = dataclasses.replace(run, return_state=True)  # the final model comes from VW 0
+    jobs = vw_stage_jobs(plan, source, optimizer, keep, cfg, sync, [train] * world, steps,
+                         init_method, nm=1)  # fmt: skip
+    return Prepared((), _world(jobs), steps, 0, 1, 0, test)
