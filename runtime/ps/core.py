@@ -271,7 +271,7 @@ class ShardCore:
         self._seq += 1
         vi = self._vw_index[vw]
         if self._quorum is not None:
-            return self._push_quorum(vi, vw, stage, wave)
+            return self._push_quorum(self._quorum, vi, vw, stage, wave)
         while all(k in self._pending.get(self._gclock.local(vi), {}) for k in self._vw_keys[vi]):
             self._gclock.push(vi, self._gclock.local(vi))
         applied = self._advance()
@@ -303,29 +303,30 @@ class ShardCore:
         )
         return PushResult(Status.DROPPED, f"wave {wave} closed without vw {vw}")
 
-    def _push_quorum(self, vi: int, vw: int, stage: int, wave: int) -> PushResult:
+    def _push_quorum(
+        self, quorum: QuorumClock, vi: int, vw: int, stage: int, wave: int
+    ) -> PushResult:
         """Backup workers: count ``vw`` once all its clients pushed ``wave``; close waves."""
-        assert self._quorum is not None
         pend = self._pending[wave]
-        before = self._quorum.clock
+        before = quorum.clock
         self._seen[vi] = max(self._seen[vi], wave + 1)
         complete = all(k in pend for k in self._vw_keys[vi])
-        if complete and self._quorum.arrive(vi, wave) is Arrival.DROPPED:  # the wave is full
+        if complete and quorum.arrive(vi, wave) is Arrival.DROPPED:  # the wave is full
             for k in self._vw_keys[vi]:
                 self._drop(*k, wave, seq=pend.pop(k)[1])
             return PushResult(Status.DROPPED, f"wave {wave} already has its quorum")
-        for c in range(before, self._quorum.clock):
-            counted = {self.spec.vws[i] for i in self._quorum.counted(c)}
+        for c in range(before, quorum.clock):
+            counted = {self.spec.vws[i] for i in quorum.counted(c)}
             ups = self._pending.pop(c)
             for k in sorted(k for k in ups if k[0] not in counted):  # parts of late VWs
                 self._drop(*k, c, seq=ups.pop(k)[1])
             self._apply(ups, counted)
         if self.max_ledger_waves is not None:
-            self._quorum.forget(self._clock - self.max_ledger_waves)
+            quorum.forget(self._clock - self.max_ledger_waves)
         self.trace.append(
             ClockEvent(self._seq - 1, vw, stage, wave, self.local_clocks(), self._clock)
         )
-        return PushResult(Status.OK, "", self._quorum.clock - before)
+        return PushResult(Status.OK, "", quorum.clock - before)
 
     def _reject(self, vw: int, stage: int, wave: int, status: Status, why: str) -> PushResult:
         self.rejected.append((vw, stage, wave, status))
