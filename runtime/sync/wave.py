@@ -302,8 +302,9 @@ class WaveSync(StageSync):
         t0 = time.perf_counter()
         if self.last_clock > 0:
             self._checkpoint(self.last_clock, final=True)
-        if self._pending is not None:  # the last wave's pull: no forward needs it any more
-            self._pending[0].wait()
+        if self._pending is not None:  # the last wave's pull: no forward needs it any more,
+            handle, need, _ = self._pending  # but its clock is part of the trace
+            self.result.clocks.append((need, handle.wait().clock))
             self._pending = None
         self.client.close()
         self.result.dropped = list(self.client.dropped)
