@@ -55,7 +55,8 @@ def test_a_lost_vw_is_evicted_and_the_survivor_finishes(
 
 
 def test_a_lost_shard_still_stops_the_run(tmp_path: Path) -> None:
-    run = RunConfig(steps=400, timeout_s=8.0, emulate=False)
+    # long enough that shard 1's 4 s timer always fires first, however fast the machine
+    run = RunConfig(steps=100_000, timeout_s=8.0, emulate=False)
     with pytest.raises(HetPipeRuntimeError, match=r"\(shard 1 \|.*SIGKILL"):
         launch(_plan(), SOURCE, None, run, WSPConfig(evict=True, shard_fault=ShardFault(1, 4.0)))
     assert not _children()
