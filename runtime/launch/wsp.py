@@ -120,8 +120,13 @@ def prepare_wsp(
     if cfg.checkpoint_dir is not None and owner is not None and rule != "easgd":
         snaps = SnapshotSpec(cfg.checkpoint_dir, owner.run_id, owner.attempt, snapshot_parts(plan),
                              settings, cfg.checkpoint_every, cfg.keep, cfg.write_fault)  # fmt: skip
+    if rule == "backup" and run.time_limit_s > 0:
+        raise ConfigError(
+            "--time-limit with --sync backup: a VW that skipped waves cannot agree on a stop "
+            "wave yet; give --steps or --epochs instead"
+        )
     sync = SyncSpec(rule, plan.sync_params, D, specs, snaps, first_wave, cfg.overlap_pulls,
-                    run.timeout_s)  # fmt: skip
+                    run.timeout_s, last_wave=first_wave + steps // nm)  # fmt: skip
     shards, stages = _jobs(plan, source, optimizer, run, cfg, sync, shards_data, steps, init_method)
     hint = ""
     if snaps is not None and cfg.checkpoint_every > 0:

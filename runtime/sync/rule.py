@@ -77,6 +77,8 @@ class SyncSpec:
         timeout_s: timeout of the rule's own waits (pushes, pulls, collectives).
         groups: the global ranks of each stage position over the VWs (``groups[s]``: every
             VW's stage ``s``), for rules that reduce across VWs.
+        last_wave: the global clock the run ends at (backup workers: a VW that skipped waves
+            stops there too, :mod:`runtime.sync.backup`).
     """
 
     rule: str = "local"
@@ -88,6 +90,7 @@ class SyncSpec:
     overlap_pulls: bool = True
     timeout_s: float = TIMEOUT_S
     groups: tuple[tuple[int, ...], ...] = ()
+    last_wave: int = 0
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,12 @@ class StageSync:
             time_up: whether this VW's own time limit has passed.
         """
         return admitted if time_up else None
+
+    def rule_total(self, total: int, admitted: int) -> int:
+        """Stage 0, between tasks: the minibatches this VW runs in all by the rule's own end
+        (``total`` asked; backup workers: fewer for a VW that skipped waves). Never fewer
+        than ``admitted``, rounded up to a whole wave."""
+        return total
 
     def close(self) -> None:
         """After the last task: flush, write the final snapshot part, say goodbye."""

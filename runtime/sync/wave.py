@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -39,11 +40,14 @@ from runtime.persist.snapshot import (
     snapshot_dir,
     write_part,
 )
-from runtime.ps.client import PSClient, PullHandle
+from runtime.ps.client import PSClient, PullHandle, PullResult
 from runtime.results.metrics import StageResult
 from runtime.stage.weights import VersionedWeights
 from runtime.sync.rule import StageSync, StageView, SyncSpec
 from runtime.sync.tied_mirror import TiedMirror
+
+if TYPE_CHECKING:
+    from runtime.sync.backup import WaveNumbers
 
 __all__ = ["WaveSync"]
 
@@ -72,6 +76,9 @@ class WaveSync(StageSync):
         weights: given: pulls overlap the tasks until a forward needs them.
         stop: stage 0 under a time limit: where the VWs agree on the last wave
             (:class:`runtime.launch.stop.LazyStop`; ``None``: this VW stops alone).
+        numbers: backup workers: the VW's wave numbers when it jumps to the current clock,
+            and the run's end (:class:`runtime.sync.backup.WaveNumbers`; ``None``: a wave's
+            number is its data position, as WSP has it).
     """
 
     def __init__(
@@ -89,8 +96,10 @@ class WaveSync(StageSync):
         names: Sequence[str] | None = None,
         mirror: TiedMirror | None = None,
         stop: LazyStop | None = None,
+        numbers: WaveNumbers | None = None,
     ) -> None:
         self.client, self.params, self.nm, self.D = client, list(params), nm, D
+        self.numbers = numbers
         self.result = result
         self.first_mb = first_mb
         self.optimizer = optimizer
@@ -106,7 +115,9 @@ class WaveSync(StageSync):
         self._stop = stop
 
     @classmethod
-    def create(cls, spec: SyncSpec, view: StageView) -> WaveSync:
+    def create(
+        cls, spec: SyncSpec, view: StageView, numbers: WaveNumbers | None = None
+    ) -> WaveSync:
         """The ``wsp`` rule's factory (:mod:`runtime.sync.rule`): the stage's shard client
         and hooks; a resumed run goes on at ``spec.first_wave``."""
         # a tied parameter's other holders follow its owner instead of talking to the shards
@@ -136,6 +147,7 @@ class WaveSync(StageSync):
             [local[p] for _, p in params],
             mirror,
             LazyStop(view.init_method, view.nm, spec.D),
+            numbers,
         )
 
     def agreed_total(self, admitted: int, time_up: bool) -> int | None:
@@ -144,6 +156,23 @@ class WaveSync(StageSync):
         if self._stop is None:
             return super().agreed_total(admitted, time_up)
         return self._stop.total(admitted, time_up)
+
+    def rule_total(self, total: int, admitted: int) -> int:
+        """Backup workers: fewer minibatches for a VW that jumped (:class:`WaveNumbers`)."""
+        if self.numbers is None:
+            return total
+        return self.numbers.minibatches(total, admitted)
+
+    def _jumped(self, need: int, res: PullResult, out: Sequence[Tensor] | None) -> PullResult:
+        """Backup workers, after the pull that follows the push of wave ``need - 1``: agree
+        on the wave the VW continues at; pull again if this stage's reply is older."""
+        if self.numbers is None:
+            return res
+        wave = self.numbers.agree(need - 1, res.clock)
+        if res.clock < wave:
+            res = self.client.pull(wave, out=out)
+            self.result.clocks.append((wave, res.clock))
+        return res
 
     def start(self, clock: int = 0) -> None:
         """Load the global weights at ``clock`` (the run's first wave) into the stage and, when
@@ -159,7 +188,8 @@ class WaveSync(StageSync):
             if int(part["data_position"]) != clock * self.nm:
                 raise HetPipeRuntimeError(
                     f"{where}: data position {part['data_position']}, expected {clock * self.nm} "
-                    "(a snapshot of another Nm)"
+                    "(a snapshot of another Nm, or of a backup-workers VW that skipped waves, "
+                    "which cannot be resumed exactly: resume from an earlier snapshot)"
                 )
             if self.optimizer is not None:
                 self.optimizer.load_state_dict(part["optimizer"])
@@ -174,7 +204,8 @@ class WaveSync(StageSync):
         payload = {
             "kind": "hetpipe-stage",
             "clock": clock,
-            "data_position": clock * self.nm,  # minibatches of this VW's data consumed
+            # minibatches of this VW's data consumed (fewer than clock x Nm after a jump)
+            "data_position": (clock - (self.numbers.skipped if self.numbers else 0)) * self.nm,
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else {},
             "rng": torch.get_rng_state(),
         }
@@ -187,14 +218,16 @@ class WaveSync(StageSync):
             end = time.time()
             self.result.log_interval("wait", clock, end - waited, end)
 
-    def _pull(self, min_clock: int) -> None:
+    def _pull(self, min_clock: int, pushed: bool = False) -> None:
         t0 = time.perf_counter()
         res = self.client.pull(min_clock, out=self.params)
+        self.result.clocks.append((min_clock, res.clock))
+        if pushed:
+            res = self._jumped(min_clock, res, self.params)
         waited = time.perf_counter() - t0
         self._log_wait(min_clock, waited)
         self.result.wait_s += waited
         self.result.busy_s -= waited  # the hook runs inside a timed task: waiting is not work
-        self.result.clocks.append((min_clock, res.clock))
         self.pulled_clock = res.clock
         self._snapshot = [p.detach().clone() for p in self.params]
         log.debug("pulled clock %d (needed %d) in %.3f s", res.clock, min_clock, waited)
@@ -216,6 +249,10 @@ class WaveSync(StageSync):
             return
         total_mb = self.first_mb + mb
         wave = total_mb // self.nm - 1
+        if self.numbers is not None:
+            wave = self.numbers.number(mb // self.nm - 1)
+            if not self.numbers.pushes(wave):  # past the run's end: finished, not pushed
+                return
         # the wave's update, computed straight into the push messages (no packing copy)
         delta = self.client.update_buffers()
         with torch.no_grad():
@@ -223,16 +260,16 @@ class WaveSync(StageSync):
                 torch.sub(p.detach(), s, out=d)
         self._checkpoint(wave + 1)  # before the push: a wave the shards hold has its file
         self.last_clock = wave + 1
-        need = required_global_clock(total_mb + self.nm, self.nm, self.D)
+        need = required_global_clock((wave + 2) * self.nm, self.nm, self.D)
         t_push = time.time()
         self.result.pushes.append((wave, t_push))
-        if need <= self.pulled_clock:
-            self.client.push(wave, delta)
+        if need <= self.pulled_clock and self.numbers is None:  # backup: every stage of the
+            self.client.push(wave, delta)  # VW pulls after every push, to agree on the jump
             self._mirror_announce(None)
         elif self.weights is None:
             self.client.push(wave, delta)
             self.result.log_interval("push", wave, t_push, time.time())
-            self._pull(need)
+            self._pull(need, pushed=True)
             self._mirror_set()
             return
         else:  # the pull request rides in the push; wait only when a forward needs the weights
@@ -273,11 +310,12 @@ class WaveSync(StageSync):
         handle, need, version = self._pending
         t0 = time.perf_counter()
         res = handle.wait()
+        self.result.clocks.append((need, res.clock))
+        res = self._jumped(need, res, None)
         waited = time.perf_counter() - t0
         self._log_wait(need, waited)
         self.result.wait_s += waited
         self.result.busy_s -= waited
-        self.result.clocks.append((need, res.clock))
         self.pulled_clock, self._pending = res.clock, None
         self._fold(version, list(res.tensors))
         log.debug("pulled clock %d (needed %d), waited %.3f s", res.clock, need, waited)

@@ -17,6 +17,7 @@ from torch.func import functional_call
 from planner.easgd import elastic_difference, exchanges_after
 from planner.manual import multi_vw_plan
 from runtime.config import OptimizerConfig, RunConfig, WSPConfig
+from runtime.launch.faults import StageFault
 from runtime.launch.launcher import launch
 from runtime.results.sync import arrival_table, dropped_vw_waves, kth_push_s
 from runtime.results.wsp import WSPResult
@@ -50,33 +51,39 @@ def backup_reference(
     waves: int,
     counted: Callable[[int], Sequence[int]],
     pulled: Callable[[int, int], int],
+    number: Callable[[int, int], int] = lambda k, d: d,
+    data_waves: Sequence[int] = (),
 ) -> tuple[Weights, list[list[float]]]:
     """Single-process backup workers (D = 0): wave ``c`` adds the deltas of the VWs
-    ``counted(c)`` in VW id order; after its wave ``c`` VW ``k`` goes on from the global weights
-    of clock ``pulled(k, c)`` (the current clock when its pull was answered: ``c + 1``, or more
-    for a VW so late that later waves closed without it)."""
+    ``counted(c)`` in VW id order; after its data wave ``d`` VW ``k`` goes on from the global
+    weights of clock ``pulled(k, d)`` (the clock its pull returned: ``c + 1``, or more for a
+    VW so late that later waves closed without it) with its data wave ``d + 1``, pushed as
+    wave ``number(k, d + 1)`` (a VW that jumped skips numbers; one numbered ``waves`` or more
+    is trained, not pushed). VW ``k`` trains ``data_waves[k]`` data waves (default ``waves``)."""
     module, names, loss_fn = reference_module(SOURCE, BATCH, 0)
     w0 = {n: p.detach().clone() for n, p in module.named_parameters()}
     data = _sources(n_vws, 0)
+    todo = list(data_waves) or [waves] * n_vws
     glob_at = [w0]  # global weights at each clock
     hist: list[list[Weights]] = [[w0] for _ in range(n_vws)]
     losses: list[list[float]] = [[] for _ in range(n_vws)]
     deltas: list[dict[int, Weights]] = [{} for _ in range(waves)]
-    while any(len(h) <= waves * nm for h in hist):
-        ready = [k for k in range(n_vws) if len(hist[k]) <= waves * nm]
+    while any(len(h) <= todo[k] * nm for k, h in enumerate(hist)):
         ready = [
             k
-            for k in ready
-            if len(hist[k]) == 1 or pulled(k, len(hist[k]) // nm - 1) < len(glob_at)
+            for k in range(n_vws)
+            if len(hist[k]) <= todo[k] * nm
+            and (len(hist[k]) == 1 or pulled(k, len(hist[k]) // nm - 1) < len(glob_at))
         ]
         assert ready, "the pulled clocks are not consistent with the counted VWs"
         for k in ready:
-            c = len(hist[k]) // nm
-            if c > 0:  # the pull at the end of wave c - 1 replaces the wave-end version
-                hist[k][-1] = glob_at[pulled(k, c - 1)]
+            d = len(hist[k]) // nm
+            if d > 0:  # the pull at the end of data wave d - 1 replaces the wave-end version
+                hist[k][-1] = glob_at[pulled(k, d - 1)]
             start = hist[k][-1]
-            losses[k] += _wave(module, loss_fn, data[k], hist[k], c, nm)
-            deltas[c][k] = {n: hist[k][-1][n] - start[n] for n in w0}
+            losses[k] += _wave(module, loss_fn, data[k], hist[k], d, nm)
+            if number(k, d) < waves:
+                deltas[number(k, d)][k] = {n: hist[k][-1][n] - start[n] for n in w0}
         c = len(glob_at) - 1
         while c < waves and all(k in deltas[c] for k in counted(c)):
             glob = glob_at[c]
@@ -84,6 +91,7 @@ def backup_reference(
                 glob = {n: glob[n] + deltas[c][k][n] for n in glob}
             glob_at.append(glob)
             c += 1
+    assert len(glob_at) == waves + 1, "some wave never closed"
     return {names[n]: t for n, t in glob_at[waves].items()}, losses
 
 
@@ -110,10 +118,12 @@ def easgd_reference(
     return {names[n]: t for n, t in centre.items()}, losses
 
 
-def _run(plan: Any, steps: int, rule: str, **params: float) -> WSPResult:
+def _run(
+    plan: Any, steps: int, rule: str, cfg: WSPConfig | None = None, **params: float
+) -> WSPResult:
     plan = dataclasses.replace(plan, sync=rule, sync_params=tuple(sorted(params.items())))
     run = RunConfig(steps=steps, timeout_s=15.0, emulate=False)
-    return launch(plan, SOURCE, OptimizerConfig(lr=LR), run, WSPConfig())
+    return launch(plan, SOURCE, OptimizerConfig(lr=LR), run, cfg or WSPConfig())
 
 
 def _same(state: Weights, ref: Weights) -> None:
@@ -166,6 +176,46 @@ def test_backup_b1_equals_the_reference_given_who_was_first(tmp_path: Path) -> N
     for k in range(3):
         torch.testing.assert_close(result.vws[k].losses, losses[k], rtol=1e-5, atol=1e-6)
     assert "backup b=1" in str(result.table().title)
+
+
+def test_a_late_vw_continues_at_the_clock_and_its_later_pushes_count(tmp_path: Path) -> None:
+    """3 VWs, 1 backup, 6 waves. VW 2 sleeps 1 s in its data wave 1 while VWs 0 and 1 close
+    waves 1-3 without it, then sleep 4 s in their wave 4. VW 2's push of wave 1 is dropped,
+    its pull returns clock 4 and it continues at wave 4 (its data goes on): that push and
+    later ones are applied, where before it stayed a wave behind, dropped every time. The
+    ledger is exact and the weights equal the reference fed who was first and the jumps."""
+    plan = multi_vw_plan(_graph(), [(), (), ()], "mlp", BATCH, nm=2, D=0, n_shards=1)
+    delays = ((2, 3, 1.0), (0, 9, 4.0), (1, 9, 4.0))
+    cfg = WSPConfig(stage_fault=StageFault(stage=0, at_mb=0, delays=delays))
+    waves = 6
+    result = _run(plan, 2 * waves, "backup", cfg, backups=1)
+    (state,) = result.states
+    stages = [v.stages[0] for v in result.vws]
+    numbers = [[w for w, _ in s.pushes] for s in stages]  # each data wave's wave number
+    dropped = {(k, w) for k, s in enumerate(stages) for _, w in s.dropped}
+    ns = numbers[2]
+    jump = next(d for d in range(len(ns) - 1) if ns[d + 1] > ns[d] + 1)  # VW 2 skipped waves
+    applied = Counter((e.vw, e.wave) for e in state.ledger)
+    assert all(n == 1 for n in applied.values()) and state.clock == waves
+    assert (2, ns[jump]) in dropped and any((2, w) in applied for w in ns[jump + 1 :])
+    pushed = {(k, w) for k, ns in enumerate(numbers) for w in ns}
+    assert dropped == pushed - set(applied) and not dropped & set(applied)
+    assert all(len(ns) == len(set(ns)) and max(ns) < waves for ns in numbers)
+    clocks = [s.clocks for s in stages]  # the start, then one pull after every push
+    assert all(len(cl) == len(ns) + 1 for cl, ns in zip(clocks, numbers, strict=True))
+    data_waves = [s.steps // 2 for s in stages]
+    for k, ns in enumerate(numbers):  # a VW that jumped to the end trains its wave, unpushed
+        assert data_waves[k] == len(ns) + (ns[-1] < waves - 1)
+    ref, losses = backup_reference(
+        3, 2, waves,
+        lambda c: sorted(k for k, w in applied if w == c),
+        lambda k, d: clocks[k][d + 1][1],
+        lambda k, d: numbers[k][d] if d < len(numbers[k]) else waves,
+        data_waves,
+    )  # fmt: skip
+    _same(result.state_dict(), ref)
+    for k in range(3):
+        torch.testing.assert_close(result.vws[k].losses, losses[k], rtol=1e-5, atol=1e-6)
 
 
 def test_backup_without_backups_is_wsp_d0(tmp_path: Path) -> None:
