@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from planner.sim.engine import TraceEvent
+from planner.sim.types import TraceEvent
 from profiler.errors import ConfigError
 from profiler.files import atomic_write_bytes, atomic_write_text
 from profiler.inputs import read_text
