@@ -23,6 +23,7 @@ from runtime.persist.checkpoint import shard_from_payload
 from runtime.persist.snapshot import load_part, read_manifest, snapshot_dir
 from runtime.ps.core import ShardCore
 from runtime.ps.layout import ShardSpec
+from runtime.ps.quorum import quorum_peers
 from runtime.ps.server import ShardServer
 from runtime.stage.job import StageJob
 from runtime.stage.model import initial_weights, ship_shard
@@ -122,14 +123,17 @@ def _shard_core(job: ShardJob) -> ShardCore:
     """The shard's state: from its snapshot part when resuming, else the seeded model."""
     fold, backups = shard_fold(job.sync), shard_backups(job.sync)
     peers = tuple(sid for sid, _ in job.peers or ())
+    decides = quorum_peers(job.spec.id, job.sync.shards or (job.spec,))[0]
     snaps = job.sync.snapshots
     if job.resume and snaps is not None:
         manifest = read_manifest(snapshot_dir(snaps.directory, job.sync.first_wave))
         name = f"shard-{job.spec.id}"
         state = shard_from_payload(load_part(manifest, name), manifest.path / f"{name}.pt")
-        return ShardCore(job.spec, state=state, fold=fold, backups=backups, peers=peers)
+        return ShardCore(job.spec, state=state, fold=fold, backups=backups, peers=peers,
+                         decides=decides)  # fmt: skip
     init = initial_weights(job.source, job.batch_size, job.seed)
-    return ShardCore(job.spec, job.spec.flatten(init), fold=fold, backups=backups, peers=peers)
+    return ShardCore(job.spec, job.spec.flatten(init), fold=fold, backups=backups, peers=peers,
+                     decides=decides)  # fmt: skip
 
 
 def shard_main(job: ShardJob, events: Any, parent: int) -> None:
@@ -147,6 +151,9 @@ def shard_main(job: ShardJob, events: Any, parent: int) -> None:
             idle_timeout_s=4 * timeout_s,
             snapshots=job.sync.snapshots,
             peer_ranks=dict(job.peers) if job.peers is not None else None,
+            quorum_ranks=quorum_peers(job.spec.id, job.sync.shards)[1]
+            if shard_backups(job.sync)
+            else None,
         )
         dist.barrier()
         state = server.serve()

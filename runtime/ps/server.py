@@ -49,7 +49,7 @@ from runtime.ps.layout import (
     ClientSpec,
 )
 from runtime.ps.outcome import Status
-from runtime.ps.peers import PeerLink
+from runtime.ps.peers import TAG_QUORUM, PeerLink
 from runtime.ps.wire import (
     HEADER_BYTES,
     HEADER_LEN,
@@ -74,6 +74,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class _Event:
     kind: str  # push | pull | bye | error | last (no more pushes) | peer (a shard's report)
+    #  | decision (backup workers: the deciding shard's quorum of wave ``arg``, in ``report[0]``)
     client: int
     arg: int = 0  # push: wave; pull: min clock; error: 1 from the push reader; peer: shard id
     message: torch.Tensor | None = None  # push: the whole message buffer (recycled)
@@ -98,6 +99,11 @@ class _Pulls:
 
 def _wait(work: dist.Work, timeout_s: float) -> None:
     work.wait(datetime.timedelta(seconds=timeout_s))
+
+
+def _flat(report: tuple[tuple[int, ...], tuple[bool, ...]]) -> tuple[int, ...]:
+    """An eviction report as one int64 message: clocks, then final flags."""
+    return (*report[0], *(int(f) for f in report[1]))
 
 
 class ShardServer:
@@ -131,9 +137,11 @@ class ShardServer:
         snapshots: SnapshotSpec | None = None,
         idle_timeout_s: float | None = None,
         peer_ranks: Mapping[int, int] | None = None,
+        quorum_ranks: Mapping[int, int] | None = None,
     ) -> None:
         self.core, self.group, self.timeout_s = core, group, timeout_s
         self.peer_ranks = peer_ranks
+        self.quorum_ranks = quorum_ranks
         self._gone: set[tuple[int, int]] = set()  # eviction mode: clients lost
         self.idle_timeout_s = 10 * timeout_s if idle_timeout_s is None else idle_timeout_s
         self.snapshots = snapshots
@@ -241,6 +249,7 @@ class ShardServer:
         pulls = [_Pulls() for _ in spec.clients]
         done: set[int] = set()
         link = self._peer_link(events)
+        qlink = self._quorum_link(events)
         log.info(
             "%s serving %d clients, %d elements, clock %d",
             self._prefix,
@@ -254,12 +263,14 @@ class ShardServer:
             except queue.Empty:
                 raise self._stuck(pulls) from None
             applied = self._handle(ev, pulls, done)
+            if qlink is not None:
+                self._tell_decisions(qlink)
             if link is not None:
                 for i, c in enumerate(spec.clients):
                     if (c.vw, c.stage) in self._gone:
                         done.add(i)
                         pulls[i].waiting.clear()
-                link.tell(core.report())
+                link.tell(_flat(core.report()))
             if applied:
                 self._answer_pulls(pulls)
                 self._maybe_checkpoint(applied)
@@ -267,8 +278,9 @@ class ShardServer:
         self._drain_sends(block=True)
         if self.snapshots is not None and self.snapshots.every > 0 and core.clock > self._written:
             self._write_part()  # the final clock, whatever the period
-        if link is not None:
-            link.drain(self.timeout_s)
+        for lk in (link, qlink):
+            if lk is not None:
+                lk.drain(self.timeout_s)
         log.info(
             "%s done at clock %d: %d updates applied, %d rejected",
             self._prefix,
@@ -283,6 +295,8 @@ class ShardServer:
         core = self.core
         if ev.kind == "peer":
             return core.peer_report(ev.arg, *ev.report)
+        if ev.kind == "decision":
+            return core.decide(ev.arg, ev.report[0])
         c = core.spec.clients[ev.client]
         if ev.kind == "error":
             self._failed(c, ev.error)
@@ -313,13 +327,38 @@ class ShardServer:
         if self.peer_ranks is None:
             return None
 
-        def deliver(sid: int, clocks: tuple[int, ...], final: tuple[bool, ...]) -> None:
+        n = len(self.core.spec.vws)
+
+        def deliver(sid: int, values: tuple[int, ...]) -> None:
+            clocks, final = values[:n], tuple(bool(f) for f in values[n:])
             events.put(_Event("peer", -1, sid, report=(clocks, final)))
 
-        link = PeerLink(self.peer_ranks, len(self.core.spec.vws), self.group, deliver)
+        link = PeerLink(self.peer_ranks, 2 * n, self.group, deliver)
         link.start()
-        link.tell(self.core.report())
+        link.tell(_flat(self.core.report()))
         return link
+
+    def _quorum_link(self, events: queue.Queue[_Event]) -> PeerLink | None:
+        """Backup workers over several shards: the decider's quorum decisions, told to the
+        other shards (``[wave, counted flag of each VW in spec.vws order]``), which get them
+        as ``decision`` events (:mod:`runtime.ps.quorum`)."""
+        if not self.quorum_ranks:
+            return None
+        vws = self.core.spec.vws
+
+        def deliver(sid: int, values: tuple[int, ...]) -> None:
+            counted = tuple(v for v, f in zip(vws, values[1:], strict=True) if f)
+            events.put(_Event("decision", -1, values[0], report=(counted, ())))
+
+        link = PeerLink(self.quorum_ranks, 1 + len(vws), self.group, deliver, TAG_QUORUM)
+        if not self.core.decides:
+            link.start()
+        return link
+
+    def _tell_decisions(self, link: PeerLink) -> None:
+        vws = self.core.spec.vws
+        for wave, counted in self.core.decisions():
+            link.tell((wave, *(int(v in counted) for v in vws)))
 
     def _unsettled(self) -> bool:
         """Eviction mode: a lost VW not evicted yet, or buffered waves that wait for the

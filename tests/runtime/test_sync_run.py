@@ -182,21 +182,23 @@ def test_a_late_vw_continues_at_the_clock_and_its_later_pushes_count(tmp_path: P
     """3 VWs, 1 backup, 6 waves. VW 2 sleeps 1 s in its data wave 1 while VWs 0 and 1 close
     waves 1-3 without it, then sleep 4 s in their wave 4. VW 2's push of wave 1 is dropped,
     its pull returns clock 4 and it continues at wave 4 (its data goes on): that push and
-    later ones are applied, where before it stayed a wave behind, dropped every time. The
-    ledger is exact and the weights equal the reference fed who was first and the jumps."""
-    plan = multi_vw_plan(_graph(), [(), (), ()], "mlp", BATCH, nm=2, D=0, n_shards=1)
+    later ones are applied, where before it stayed a wave behind, dropped every time. Two
+    shards count the same VWs in every wave (shard 0 decides); the ledgers are exact and the
+    weights equal the reference fed who was first and the jumps."""
+    plan = multi_vw_plan(_graph(), [(), (), ()], "mlp", BATCH, nm=2, D=0, n_shards=2)
     delays = ((2, 3, 1.0), (0, 9, 4.0), (1, 9, 4.0))
     cfg = WSPConfig(stage_fault=StageFault(stage=0, at_mb=0, delays=delays))
     waves = 6
     result = _run(plan, 2 * waves, "backup", cfg, backups=1)
-    (state,) = result.states
     stages = [v.stages[0] for v in result.vws]
     numbers = [[w for w, _ in s.pushes] for s in stages]  # each data wave's wave number
     dropped = {(k, w) for k, s in enumerate(stages) for _, w in s.dropped}
     ns = numbers[2]
     jump = next(d for d in range(len(ns) - 1) if ns[d + 1] > ns[d] + 1)  # VW 2 skipped waves
-    applied = Counter((e.vw, e.wave) for e in state.ledger)
-    assert all(n == 1 for n in applied.values()) and state.clock == waves
+    ledgers = [Counter((e.vw, e.wave) for e in st.ledger) for st in result.states]
+    assert len(ledgers) == 2 and ledgers[0] == ledgers[1]  # the same VWs at both shards
+    applied = ledgers[0]
+    assert all(n == 1 for n in applied.values()) and all(st.clock == waves for st in result.states)
     assert (2, ns[jump]) in dropped and any((2, w) in applied for w in ns[jump + 1 :])
     pushed = {(k, w) for k, ns in enumerate(numbers) for w in ns}
     assert dropped == pushed - set(applied) and not dropped & set(applied)
