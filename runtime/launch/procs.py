@@ -126,7 +126,7 @@ def _shard_core(job: ShardJob) -> ShardCore:
     decides = quorum_peers(job.spec.id, job.sync.shards or (job.spec,))[0]
     snaps = job.sync.snapshots
     if job.resume and snaps is not None:
-        manifest = read_manifest(snapshot_dir(snaps.directory, job.sync.first_wave))
+        manifest = read_manifest(snapshot_dir(snaps.directory, job.sync.first_clock))
         name = f"shard-{job.spec.id}"
         state = shard_from_payload(load_part(manifest, name), manifest.path / f"{name}.pt")
         return ShardCore(job.spec, state=state, fold=fold, backups=backups, peers=peers,

@@ -17,7 +17,9 @@ from typing import Any
 
 from torch.utils.data import Dataset, Subset
 
+from planner.easgd import waves_at
 from planner.plan import Plan
+from planner.sync import param
 from profiler.errors import ConfigError
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
@@ -106,6 +108,8 @@ def prepare_wsp(
                             f"{type(dataset).__name__}:{len(dataset)}", optimizer, horizon, run.precision)  # type: ignore[arg-type]  # fmt: skip
     manifest = _resume_from(cfg, owner, settings)
     first_wave = manifest.clock if manifest is not None else 0
+    if rule == "easgd":  # the shards' clock counts exchanges, tau waves each
+        first_wave = waves_at(first_wave, int(param(plan.sync_params, "tau", 1.0)))
     tidies = owner is None or owner.tidies  # one process of the job tidies the folder
     if cfg.checkpoint_dir is not None and tidies:
         clean(cfg.checkpoint_dir, first_wave if cfg.resume else None)
@@ -117,7 +121,7 @@ def prepare_wsp(
     if steps == 0:
         raise ConfigError("nothing to train: raise --steps or --epochs")
     snaps = None
-    if cfg.checkpoint_dir is not None and owner is not None and rule != "easgd":
+    if cfg.checkpoint_dir is not None and owner is not None:
         snaps = SnapshotSpec(cfg.checkpoint_dir, owner.run_id, owner.attempt, snapshot_parts(plan),
                              settings, cfg.checkpoint_every, cfg.keep, cfg.write_fault)  # fmt: skip
     if rule == "backup" and run.time_limit_s > 0:

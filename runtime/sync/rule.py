@@ -45,7 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from planner.sync import SyncParams
+from planner.sync import SyncParams, param
 from runtime.defaults import TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -91,6 +91,14 @@ class SyncSpec:
     timeout_s: float = TIMEOUT_S
     groups: tuple[tuple[int, ...], ...] = ()
     last_wave: int = 0
+
+    @property
+    def first_clock(self) -> int:
+        """The shards' clock at the start (a resumed run's snapshot clock): ``first_wave``,
+        or under ``easgd``, whose shards count exchanges, ``first_wave / tau``."""
+        if self.rule == "easgd":
+            return self.first_wave // int(param(self.params, "tau", 1.0))
+        return self.first_wave
 
 
 @dataclass(frozen=True)
