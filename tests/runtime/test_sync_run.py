@@ -4,6 +4,7 @@ single-process references of the same algorithms (``planner.backup``, ``planner.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -220,6 +221,30 @@ def test_a_late_vw_continues_at_the_clock_and_its_later_pushes_count(tmp_path: P
     _same(result.state_dict(), ref)
     for k in range(3):
         torch.testing.assert_close(result.vws[k].losses, losses[k], rtol=1e-5, atol=1e-6)
+
+
+def test_the_stages_of_a_late_vw_jump_together() -> None:
+    """VWs of 2 stages, 2 shards: each stage pulls at its own time, yet every stage of a VW
+    numbers its waves the same (the jump agreed through the store), each VW-wave is applied
+    at all its stages or none, and the run ends at its clock (nothing hangs)."""
+    plan = multi_vw_plan(_graph(), [(4,), (4,), (4,)], "mlp", BATCH, nm=2, D=0, n_shards=2)
+    delays = ((2, 3, 1.0), (0, 9, 3.0), (1, 9, 3.0))
+    cfg = WSPConfig(stage_fault=StageFault(stage=1, at_mb=0, delays=delays))
+    waves = 6
+    result = _run(plan, 2 * waves, "backup", cfg, backups=1)
+    for v in result.vws:
+        first, second = ([w for w, _ in s.pushes] for s in v.stages)
+        assert first == second and v.stages[0].steps == v.stages[1].steps
+    assert any(
+        b > a + 1 for a, b in itertools.pairwise(w for w, _ in result.vws[2].stages[0].pushes)
+    )
+    for st in result.states:
+        assert st.clock == waves
+        per = Counter((e.vw, e.wave) for e in st.ledger)
+        assert all(n == 2 for n in per.values())  # both stages of a counted VW, once each
+    assert {(e.vw, e.wave) for e in result.states[0].ledger} == {
+        (e.vw, e.wave) for e in result.states[1].ledger
+    }
 
 
 def test_backup_without_backups_is_wsp_d0(tmp_path: Path) -> None:
