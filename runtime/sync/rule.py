@@ -34,8 +34,9 @@ Who calls what (nothing else in the launcher or the worker knows the rule):
   ``before_forward(mb)`` before each forward of minibatch ``mb``; ``reduce_grads(mb, grads)``
   after each backward, before the update (returns the gradients to apply);
   ``before_update(mb)`` / ``after_update(mb)`` around each local update -- a *wave boundary*
-  is ``mb % nm == 0``; under a time limit, stage 0 asks ``agreed_total(admitted, time_up)``
-  how many minibatches to run in all; ``close()`` after the last task;
+  is ``mb % nm == 0``; stage 0 asks ``rule_total(total, admitted)`` how many minibatches
+  the rule runs in all (backup workers: fewer for a VW that skipped waves) and, under a time
+  limit, ``agreed_total(admitted, time_up)``; ``close()`` after the last task;
 - a shard process folds each complete wave with the rule's :class:`WaveFold` (``None``: the
   plain sum, optionally with server momentum: :class:`runtime.ps.core.ShardCore`).
 """
