@@ -53,14 +53,16 @@ def backup_reference(
     nm: int,
     waves: int,
     counted: Callable[[int], Sequence[int]],
-    pulled: Callable[[int, int], int],
+    pulled: Callable[[int, int, int], int],
     number: Callable[[int, int], int] = lambda k, d: d,
     data_waves: Sequence[int] = (),
+    stage_of: Callable[[str], int] = lambda name: 0,
 ) -> tuple[Weights, list[list[float]]]:
     """Single-process backup workers (D = 0): wave ``c`` adds the deltas of the VWs
     ``counted(c)`` in VW id order; after its data wave ``d`` VW ``k`` goes on from the global
-    weights of clock ``pulled(k, d)`` (the clock its pull returned: ``c + 1``, or more for a
-    VW so late that later waves closed without it) with its data wave ``d + 1``, pushed as
+    weights of clock ``pulled(k, d, s)`` (the clock stage ``s``'s pull returned: ``c + 1``, or
+    more for a VW so late that later waves closed without it; a parameter is in stage
+    ``stage_of(name)``) with its data wave ``d + 1``, pushed as
     wave ``number(k, d + 1)`` (a VW that jumped skips numbers; one numbered ``waves`` or more
     is trained, not pushed). VW ``k`` trains ``data_waves[k]`` data waves (default ``waves``)."""
     module, names, loss_fn = reference_module(SOURCE, BATCH, 0)
@@ -76,13 +78,17 @@ def backup_reference(
             k
             for k in range(n_vws)
             if len(hist[k]) <= todo[k] * nm
-            and (len(hist[k]) == 1 or pulled(k, len(hist[k]) // nm - 1) < len(glob_at))
+            and (
+                len(hist[k]) == 1
+                or max(pulled(k, len(hist[k]) // nm - 1, stage_of(names[n])) for n in w0)
+                < len(glob_at)
+            )
         ]
         assert ready, "the pulled clocks are not consistent with the counted VWs"
         for k in ready:
             d = len(hist[k]) // nm
             if d > 0:  # the pull at the end of data wave d - 1 replaces the wave-end version
-                hist[k][-1] = glob_at[pulled(k, d - 1)]
+                hist[k][-1] = {n: glob_at[pulled(k, d - 1, stage_of(names[n]))][n] for n in w0}
             start = hist[k][-1]
             losses[k] += _wave(module, loss_fn, data[k], hist[k], d, nm)
             if number(k, d) < waves:
@@ -122,10 +128,15 @@ def easgd_reference(
 
 
 def _run(
-    plan: Any, steps: int, rule: str, cfg: WSPConfig | None = None, **params: float
+    plan: Any,
+    steps: int,
+    rule: str,
+    cfg: WSPConfig | None = None,
+    return_state: bool = False,
+    **params: float,
 ) -> WSPResult:
     plan = dataclasses.replace(plan, sync=rule, sync_params=tuple(sorted(params.items())))
-    run = RunConfig(steps=steps, timeout_s=15.0, emulate=False)
+    run = RunConfig(steps=steps, timeout_s=15.0, emulate=False, return_state=return_state)
     return launch(plan, SOURCE, OptimizerConfig(lr=LR), run, cfg or WSPConfig())
 
 
@@ -174,7 +185,9 @@ def test_backup_b1_equals_the_reference_given_who_was_first(tmp_path: Path) -> N
         # pull before it
         return max(g for n, g in clocks[k] if n <= c + 1)
 
-    ref, losses = backup_reference(3, 2, waves, lambda c: sorted(by_wave[c]), got)
+    ref, losses = backup_reference(
+        3, 2, waves, lambda c: sorted(by_wave[c]), lambda k, c, s: got(k, c)
+    )
     _same(result.state_dict(), ref)
     for k in range(3):
         torch.testing.assert_close(result.vws[k].losses, losses[k], rtol=1e-5, atol=1e-6)
@@ -214,7 +227,7 @@ def test_a_late_vw_continues_at_the_clock_and_its_later_pushes_count(tmp_path: P
     ref, losses = backup_reference(
         3, 2, waves,
         lambda c: sorted(k for k, w in applied if w == c),
-        lambda k, d: clocks[k][d + 1][1],
+        lambda k, d, s: clocks[k][d + 1][1],
         lambda k, d: numbers[k][d] if d < len(numbers[k]) else waves,
         data_waves,
     )  # fmt: skip
@@ -231,7 +244,7 @@ def test_the_stages_of_a_late_vw_jump_together() -> None:
     delays = ((2, 3, 1.0), (0, 9, 3.0), (1, 9, 3.0))
     cfg = WSPConfig(stage_fault=StageFault(stage=1, at_mb=0, delays=delays))
     waves = 6
-    result = _run(plan, 2 * waves, "backup", cfg, backups=1)
+    result = _run(plan, 2 * waves, "backup", cfg, backups=1, return_state=True)
     for v in result.vws:
         first, second = ([w for w, _ in s.pushes] for s in v.stages)
         assert first == second and v.stages[0].steps == v.stages[1].steps
@@ -242,9 +255,27 @@ def test_the_stages_of_a_late_vw_jump_together() -> None:
         assert st.clock == waves
         per = Counter((e.vw, e.wave) for e in st.ledger)
         assert all(n == 2 for n in per.values())  # both stages of a counted VW, once each
-    assert {(e.vw, e.wave) for e in result.states[0].ledger} == {
-        (e.vw, e.wave) for e in result.states[1].ledger
-    }
+    applied = {(e.vw, e.wave) for e in result.states[0].ledger}
+    assert applied == {(e.vw, e.wave) for e in result.states[1].ledger}
+    # the reference, each stage's parameters from the clock that stage pulled (its last pull
+    # after the push of wave c: need c + 1, or the agreed jump J when its reply was older)
+    numbers = [[w for w, _ in v.stages[0].pushes] for v in result.vws]
+    nxt = [[*ns[1:], waves] for ns in numbers]
+
+    def pulled(k: int, d: int, s: int) -> int:
+        wanted = (numbers[k][d] + 1, nxt[k][d])
+        return max(g for n, g in result.vws[k].stages[s].clocks if n in wanted)
+
+    stage_names = [set(s.state) for s in result.vws[0].stages]
+    ref, _ = backup_reference(
+        3, 2, waves,
+        lambda c: sorted(k for k, w in applied if w == c),
+        pulled,
+        lambda k, d: numbers[k][d] if d < len(numbers[k]) else waves,
+        [v.stages[0].steps // 2 for v in result.vws],
+        lambda name: 0 if name in stage_names[0] else 1,
+    )  # fmt: skip
+    _same(result.state_dict(), ref)
 
 
 def test_backup_without_backups_is_wsp_d0(tmp_path: Path) -> None:
