@@ -9,7 +9,9 @@ accuracy) and ``lm`` (the tiny GPT-2 of ``examples/gpt2_lm.py`` on structured sy
 tokens, ``benchmarks/lm_task.py``; test loss).
 
 - :func:`backup` (``D = 0``, :mod:`planner.backup`): driven by the wave-level simulator
-  (:func:`planner.sim.waves.play_waves`) under the straggler model: which VWs each wave counts
+  (:func:`planner.sim.waves.play_waves`) under the straggler model (``--p``, ``--factor``, plus
+  up to ``--jitter`` of noise per VW-wave: with exactly equal VWs a VW that rejoins mid-wave
+  would stay last for ever, ties going to the lowest id): which VWs each wave counts
   and, for a VW left behind, the wave it continues at (its data goes on, its numbers skip).
   Each data wave starts from the global weights of the clock it was numbered by; minibatch
   ``p`` runs on local version ``p - Nm``: the runtime's arithmetic, tested equal to the
@@ -58,7 +60,7 @@ from torch.utils.data import Dataset
 
 from planner.easgd import check_elastic, elastic_difference, exchanges_after
 from planner.sim.waves import WavePlay, play_waves
-from planner.straggle import Straggle
+from planner.straggle import Straggle, uniform
 from planner.wsp import wave_of
 from runtime.data import DigitsDataset
 from runtime.results.evaluation import split_dataset
@@ -158,7 +160,12 @@ def easgd(
 
 
 def play_for(
-    n: int, nm: int, backups: int, straggle: Straggle, computed: int = 0, applied: int = 0
+    n: int,
+    nm: int,
+    backups: int,
+    straggle: Callable[[int, int], float],
+    computed: int = 0,
+    applied: int = 0,
 ) -> WavePlay:
     """The wave play (equal VWs, the straggler model) whose VWs compute at least ``computed``
     minibatches in all, or whose waves apply ``applied`` minibatches: a VW left behind
@@ -220,7 +227,13 @@ def settings(args: argparse.Namespace, train: Any) -> list[tuple[str, Run]]:
     """Every setting: sequential SGD, WSP D=0, backup b (equal computed, equal applied),
     EASGD over the tau x alpha grid."""
     n, nm, per_vw = args.vws, args.nm, args.steps // args.vws
-    straggle = Straggle(args.p, args.factor, 0)
+    model = Straggle(args.p, args.factor, 0)
+
+    def straggle(v: int, d: int) -> float:
+        # equal VWs with a little noise: with exactly equal times a VW that rejoins mid-wave
+        # would stay last forever (ties go to the lowest id), which no real device does
+        return model.slowdown(v, d) * (1.0 + args.jitter * uniform(7919, v, d))
+
     out: list[tuple[str, Run]] = [
         ("seq", lambda tr, s: (*sequential(tr, train, args.steps, args.lr, s, args.eval_every), 0))
     ]
@@ -287,6 +300,9 @@ def main() -> None:
     )
     ap.add_argument("--p", type=float, default=0.1, help="straggler probability per VW-wave")
     ap.add_argument("--factor", type=float, default=3.0, help="straggler slowdown")
+    ap.add_argument(
+        "--jitter", type=float, default=0.05, help="each VW-wave up to this much slower (uniform)"
+    )
     ap.add_argument("--eval-every", type=int, default=96, help="minibatches between curve points")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
