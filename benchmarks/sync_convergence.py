@@ -240,10 +240,12 @@ def settings(args: argparse.Namespace, train: Any) -> list[tuple[str, Run]]:
     out.append(("wsp D=0", lambda tr, s: (*wsp(
         tr, shards_of(train, n), per_vw, nm, 0, args.lr, s, args.eval_every)[:2], 0)))  # fmt: skip
     for b in args.backups:
-        for label, play in (
-            (f"backup b={b}", play_for(n, nm, b, straggle, computed=args.steps)),
-            (f"backup b={b} equal applied", play_for(n, nm, b, straggle, applied=args.steps)),
-        ):
+        plays = [(f"backup b={b}", play_for(n, nm, b, straggle, computed=args.steps))]
+        if args.equal_applied:
+            plays.append(
+                (f"backup b={b} equal applied", play_for(n, nm, b, straggle, applied=args.steps))
+            )
+        for label, play in plays:
             out.append((label, lambda tr, s, pl=play: backup(
                 tr, shards_of(train, n), nm, args.lr, s, args.eval_every, pl)))  # fmt: skip
     easgd_lr = args.easgd_lr if args.easgd_lr is not None else args.lr * n
@@ -297,6 +299,12 @@ def main() -> None:
         default=None,
         help="each VW's lr under EASGD (default lr x VWs: the centre averages the VWs, where "
         "WSP and backup sum their updates, so the same per-sample step needs VWs x lr)",
+    )
+    ap.add_argument(
+        "--no-equal-applied",
+        dest="equal_applied",
+        action="store_false",
+        help="skip the backup rows at equal applied samples",
     )
     ap.add_argument("--p", type=float, default=0.1, help="straggler probability per VW-wave")
     ap.add_argument("--factor", type=float, default=3.0, help="straggler slowdown")
