@@ -39,6 +39,7 @@ Writes ``benchmarks/results/sync_convergence[_lm].json`` and ``.png`` (metric vs
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -328,7 +329,7 @@ def main() -> None:
         make = lambda seed: LMTrainer(args.batch, seed, test)  # noqa: E731
     self_check(make(0), train, args.lr)
     print("self-check: backup b=0 equals the WSP reference at D=0 (assert_close) ok")
-    t0 = time.perf_counter()
+    t0, load0 = time.perf_counter(), os.getloadavg()
     rows = run_all(args, train, make)
     base = rows[0]["mean_metric"]
     easgd_rows = [r for r in rows if r["label"].startswith("easgd")]
@@ -341,6 +342,7 @@ def main() -> None:
         if easgd_rows
         else None,
         "seconds": time.perf_counter() - t0,
+        "load_average": {"start": load0, "end": os.getloadavg()},
     }
     write_results(args, summary, rows, lambda r, p: plot(r, p, args.task))
 
