@@ -26,8 +26,9 @@ if TYPE_CHECKING:
         PlanError,
         ProfileError,
     )
-    from profiler.graph import ModelGraph, StageModule
+    from profiler.graph import ModelGraph
     from profiler.models import ModelSpec, resolve_model
+    from profiler.stages import StageModule
     from profiler.table import Profile, load_profile
     from runtime.api import train
     from runtime.config import ModelSource, OptimizerConfig, RunConfig
