@@ -4,8 +4,8 @@
 ``wsp`` through parameter-server shards, ``allreduce`` -- the DDP baseline --, or ``local``
 for one VW alone), with the same options, progress, failure handling and summary:
 
-1. the run directory is claimed (a rule with shards: they write the snapshots), a resume
-   checked against it (:mod:`runtime.persist`);
+1. the run directory is claimed (every rule but ``local`` writes snapshots there: the
+   shards, or AllReduce's stages), a resume checked against it (:mod:`runtime.persist`);
 2. one attempt: the jobs of every process (:mod:`runtime.launch.jobs`,
    :mod:`runtime.launch.wsp`), started and watched by
    :func:`runtime.launch.supervise.spawn_and_watch`, the results assembled;
@@ -30,8 +30,9 @@ from planner.sync import RULES, effective_rule
 from profiler.errors import ConfigError, HetPipeRuntimeError
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.data import default_dataset
+from runtime.launch.allreduce import prepare_allreduce
 from runtime.launch.failures import Interrupted
-from runtime.launch.jobs import Prepared, prepare_allreduce, prepare_local
+from runtime.launch.jobs import Prepared, prepare_local
 from runtime.launch.liveness import rendezvous_dir
 from runtime.launch.supervise import spawn_and_watch
 from runtime.launch.wsp import prepare_wsp
@@ -84,25 +85,24 @@ def launch(
         raise ConfigError("an AllReduce plan trains every device together; drop --vw")
     if rule == "local" and cfg.resume:
         raise ConfigError(
-            "--resume needs parameter-server shards (they write the checkpoints); this run "
-            "trains one VW without them (plan it with 'hetpipe plan', which places shards)"
+            "--resume needs snapshots, which one VW alone does not write (train it as part of "
+            "a plan with parameter-server shards: 'hetpipe plan' places them)"
         )
-    if not RULES[rule].uses_shards:  # no snapshots; the run directory is still this run's
-        one_vw = rule == "local"
-
-        def attempt(c: WSPConfig) -> Any:
-            return _attempt(plan, source, optimizer, run, c, dataset, None, rule, max(vw, 0))
-
+    if rule == "local":  # no snapshots; the run directory is still this run's
         if run.out_dir is None:
-            return attempt(cfg) if one_vw else _restarting(attempt, run, cfg)
+            return _attempt(plan, source, optimizer, run, cfg, dataset, None, rule, max(vw, 0))
         with RunDirectory(run.out_dir, resume=False, overwrite=cfg.overwrite):
-            return attempt(cfg) if one_vw else _restarting(attempt, run, cfg)
+            return _attempt(plan, source, optimizer, run, cfg, dataset, None, rule, max(vw, 0))
     if cfg.checkpoint_dir is None and run.out_dir is not None:
         cfg = dataclasses.replace(cfg, checkpoint_dir=run.out_dir / "checkpoints")
     run_dir = run.out_dir or cfg.checkpoint_dir
     if run_dir is None:
         if cfg.resume:
             raise ConfigError("--resume needs the run's directory (--out or a checkpoint folder)")
+        if not RULES[rule].uses_shards:  # AllReduce: a restart starts again from the beginning
+            return _restarting(
+                lambda c: _attempt(plan, source, optimizer, run, c, dataset, None, rule), run, cfg
+            )
         return _attempt(plan, source, optimizer, run, cfg, dataset, None, rule)
     with RunDirectory(run_dir, resume=cfg.resume, overwrite=cfg.overwrite) as owner:
         try:
@@ -211,7 +211,7 @@ def prepare(
         n = len(ds)  # type: ignore[arg-type]
         return prepare_local(plan, source, optimizer, run, cfg, dataset, n, vw, init_method)
     if rule == "allreduce":
-        return prepare_allreduce(plan, source, optimizer, run, cfg, ds, init_method)
+        return prepare_allreduce(plan, source, optimizer, run, cfg, ds, owner, init_method)
     return prepare_wsp(plan, source, optimizer, run, cfg, ds, owner, init_method)
 
 

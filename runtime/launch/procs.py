@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.config import ModelSource
+from runtime.launch.backend import stage_backend
 from runtime.launch.child import run_rank, setup_child
 from runtime.launch.faults import ShardFault
 from runtime.persist.checkpoint import shard_from_payload
@@ -164,7 +165,10 @@ def stage_main(job: StageJob, events: Any, parent: int) -> None:
         dist.barrier()
         return "result", dumps_result(worker.run())
 
-    run_rank(job.ctx.rank, events, job.init_method, job.world_size, job.run.timeout_s, body)
+    emulated = job.ctx.speed > 0 or job.ctx.cap_bytes > 0
+    backend = stage_backend(job.sync.rule, emulated, torch.cuda.is_available())
+    run_rank(job.ctx.rank, events, job.init_method, job.world_size, job.run.timeout_s, body,
+             backend)  # fmt: skip
 
 
 def process_context() -> Any:

@@ -11,7 +11,6 @@ exported model at the end. :mod:`runtime.launch.launcher` starts and watches the
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any
 
@@ -21,7 +20,7 @@ from planner.plan import Plan
 from profiler.errors import ConfigError
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
-from runtime.launch.jobs import Prepared, vw_stage_jobs
+from runtime.launch.jobs import Prepared, vw_stage_jobs, with_world
 from runtime.launch.procs import ShardJob
 from runtime.persist.run_dir import RunOwner, check_settings, job_settings
 from runtime.persist.snapshot import Manifest, SnapshotSpec, clean, select
@@ -32,7 +31,7 @@ from runtime.stage.job import StageJob
 from runtime.stage.model import resolve_source
 from runtime.sync.rule import SyncSpec
 
-__all__ = ["prepare_wsp", "shard_specs", "snapshot_parts", "split_data", "wsp_steps"]
+__all__ = ["prepare_wsp", "resume_from", "shard_specs", "snapshot_parts", "split_data", "wsp_steps"]
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +103,7 @@ def prepare_wsp(
     horizon = wsp_steps(run, nm, 0, vw_samples, plan.batch_size)
     settings = job_settings(source.name, plan.to_json(), nm, D, run.seed, cfg.test_fraction,
                             f"{type(dataset).__name__}:{len(dataset)}", optimizer, horizon, run.precision)  # type: ignore[arg-type]  # fmt: skip
-    manifest = _resume_from(cfg, owner, settings)
+    manifest = resume_from(cfg, owner, settings)
     first_wave = manifest.clock if manifest is not None else 0
     tidies = owner is None or owner.tidies  # one process of the job tidies the folder
     if cfg.checkpoint_dir is not None and tidies:
@@ -142,9 +141,9 @@ def _jobs(
 ) -> tuple[tuple[ShardJob, ...], tuple[StageJob, ...]]:
     """The shards' jobs (ranks ``0..n-1``) and every VW's stages' (the next ranks)."""
     nm, specs = run.nm or plan.nm, sync.shards
-    stages = vw_stage_jobs(plan, source, optimizer, run, cfg, sync, list(data), steps,
-                           init_method, nm, first_rank=len(specs))  # fmt: skip
-    world = len(specs) + len(stages)
+    jobs = vw_stage_jobs(plan, source, optimizer, run, cfg, sync, list(data), steps,
+                         init_method, nm, first_rank=len(specs))  # fmt: skip
+    world, stages = with_world(jobs, len(specs))
     shards = tuple(
         ShardJob(
             k,
@@ -165,7 +164,7 @@ def _jobs(
     log.info("%d VWs x %s stages, %d shards, Nm %d, D %d, %d minibatches per VW",
              len(plan.virtual_workers), [len(v.stages) for v in plan.virtual_workers],
              len(shards), nm, sync.D, steps)  # fmt: skip
-    return shards, tuple(dataclasses.replace(j, world_size=world) for j in stages)
+    return shards, stages
 
 
 def _peers(
@@ -182,7 +181,7 @@ def snapshot_parts(plan: Plan) -> tuple[str, ...]:
     return tuple(parts)
 
 
-def _resume_from(
+def resume_from(
     cfg: WSPConfig, owner: RunOwner | None, settings: tuple[tuple[str, str], ...]
 ) -> Manifest | None:
     """The snapshot a resume starts from (verified, of this run, with the same settings)."""
