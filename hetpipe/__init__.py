@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from profiler.table import Profile, load_profile
     from runtime.api import train
     from runtime.config import ModelSource, OptimizerConfig, RunConfig
-    from runtime.results.metrics import RunResult
+    from runtime.results.run_result import RunResult
 
 try:
     __version__ = version("hetpipe")
@@ -53,7 +53,7 @@ _WHERE = {
     "PlanError": "profiler.errors",
     "ProfileError": "profiler.errors",
     "ModelGraph": "profiler.graph",
-    "StageModule": "profiler.graph",
+    "StageModule": "profiler.stages",
     "ModelSpec": "profiler.models",
     "resolve_model": "profiler.models",
     "Profile": "profiler.table",
@@ -62,7 +62,7 @@ _WHERE = {
     "ModelSource": "runtime.config",
     "OptimizerConfig": "runtime.config",
     "RunConfig": "runtime.config",
-    "RunResult": "runtime.results.metrics",
+    "RunResult": "runtime.results.run_result",
 }
 
 __all__ = [

@@ -38,8 +38,7 @@ from runtime.run import run_plan
 from runtime.stage.model import resolve_source
 
 if TYPE_CHECKING:
-    from runtime.results.metrics import RunResult
-    from runtime.results.wsp import WSPResult
+    from runtime.results.run_result import RunResult
 
 __all__ = ["make_single_vw_plan", "train"]
 
@@ -121,7 +120,7 @@ def train(  # long by its signature and docstring (every option, documented); th
     checkpoint_every: int = 0,
     vw: int = -1,
     precision: str = "",
-) -> RunResult | WSPResult:
+) -> RunResult:
     """Train ``model`` with any plan on this host: what ``hetpipe run`` does, through the same
     entry (:func:`runtime.run.run_plan`): several VWs through the WSP parameter servers, one
     VW, or the AllReduce baseline, by the plan (default: one VW cut by hand or planned).
@@ -154,9 +153,8 @@ def train(  # long by its signature and docstring (every option, documented); th
             across cuts); ``""`` = the plan's (``fp32`` for a plan made here).
 
     Returns:
-        One VW: the :class:`RunResult` (losses, throughput, per-stage measurements, final
-        weights); several VWs (WSP or AllReduce): the :class:`runtime.results.wsp.WSPResult`.
-        Each has ``state_dict()``.
+        The run's :class:`runtime.results.run_result.RunResult`, whatever the rule: ``losses``,
+        ``throughput``, ``state_dict()``, ``stages`` and one entry per VW in ``vws``.
 
     Raises:
         HetPipeError: invalid inputs or a failed run (naming the rank, VW and stage).

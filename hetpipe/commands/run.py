@@ -218,11 +218,11 @@ def _plan(
 def _train(plan: Plan, opt: OptimizerConfig, run_cfg: RunConfig, wsp: WSPConfig, vw: int) -> None:
     """Say what trains, train it (:func:`runtime.run.run_plan`), print the summary."""
     from runtime.config import ModelSource
-    from runtime.run import describe_training, outputs, run_plan, summary
+    from runtime.run import describe_training, outputs, run_plan
 
     console.print(describe_training(plan, vw, run_cfg.nm or plan.nm, wsp.D))
     result = run_plan(plan, ModelSource(ref=plan.model), opt, run_cfg, wsp, vw=vw)
-    console.print(summary(result))
+    console.print(result.table())
     out = run_cfg.out_dir
     if out is not None:
         console.print(f"outputs: {', '.join(str(out / f) for f in outputs(result))}")

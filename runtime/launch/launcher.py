@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from torch.utils.data import Dataset
 
@@ -36,20 +36,16 @@ from runtime.launch.jobs import Prepared, prepare_local
 from runtime.launch.liveness import rendezvous_dir
 from runtime.launch.supervise import spawn_and_watch
 from runtime.launch.wsp import prepare_wsp
-from runtime.persist.checkpoint import atomic_torch_save
 from runtime.persist.run_dir import RunDirectory, RunOwner
 from runtime.persist.snapshot import committed_clocks
-from runtime.results.metrics import RunResult, warn_overruns, write_metrics
-from runtime.results.timeline import describe_run, write_timeline
-from runtime.results.wsp import LostVW, WSPResult, evaluate
+from runtime.results.metrics import VWResult, warn_overruns
+from runtime.results.run_result import LostVW, RunResult, evaluate
+from runtime.results.timeline import describe_run
 from runtime.stage.model import resolve_source
 
 __all__ = ["launch", "prepare"]
 
 log = logging.getLogger(__name__)
-
-R = TypeVar("R", RunResult, WSPResult)
-
 
 def launch(
     plan: Plan,
@@ -59,7 +55,7 @@ def launch(
     cfg: WSPConfig | None = None,
     dataset: Dataset[Any] | None = None,
     vw: int = -1,
-) -> RunResult | WSPResult:
+) -> RunResult:
     """Train ``plan`` on this host with its synchronisation rule.
 
     Args:
@@ -73,7 +69,7 @@ def launch(
         vw: train only this VW, alone (``-1`` = every VW).
 
     Returns:
-        One VW alone: its :class:`RunResult`; several VWs: the :class:`WSPResult`.
+        The :class:`RunResult` (every rule; one VW alone: one entry in ``vws``).
 
     Raises:
         ConfigError: the plan cannot run as asked (says why and what to change).
@@ -116,14 +112,14 @@ def launch(
             ) from None
 
 
-def _restarting(attempt: Callable[[WSPConfig], Any], run: RunConfig, cfg: WSPConfig) -> WSPResult:
+def _restarting(attempt: Callable[[WSPConfig], Any], run: RunConfig, cfg: WSPConfig) -> RunResult:
     """``--on-failure restart``: after a process failure, start the whole job again from its
     last committed snapshot (none: from the beginning), up to ``cfg.max_restarts`` times
     (test faults fire in the first attempt only); the result lists the failures survived."""
     restarts: list[str] = []
     while True:
         try:
-            result: WSPResult = attempt(cfg)
+            result: RunResult = attempt(cfg)
             break
         except HetPipeRuntimeError as exc:
             if len(restarts) >= cfg.max_restarts or isinstance(exc, Interrupted):
@@ -161,7 +157,7 @@ def _attempt(
     with rendezvous_dir() as tmp:
         init_method = f"file://{tmp / 'rendezvous'}"
         prep = prepare(plan, source, optimizer, run, cfg, dataset, owner, rule, vw, init_method)
-        if isinstance(prep, WSPResult):  # a resume with nothing left: written from the snapshot
+        if isinstance(prep, RunResult):  # a resume with nothing left: written from the snapshot
             return prep
         n_vws = len({j.ctx.vw for j in prep.stages})
         stages, states, lost = spawn_and_watch(prep.shards, prep.stages, run, prep.steps * n_vws,
@@ -170,7 +166,7 @@ def _attempt(
     wall_s = time.time() - t_start
     if rule == "local":
         return _one_vw_result(plan, prep, stages, run, vw, wall_s)
-    result = WSPResult.build(plan, prep.nm, prep.D, stages, states,
+    result = RunResult.build(plan, prep.nm, prep.D, stages, states,
                              [s.spec for s in prep.shards], wall_s, sync=rule)  # fmt: skip
     if lost:  # --on-failure continue: what was lost, from the shards' ledgers
         last_wave = prep.first_wave + prep.steps // prep.nm
@@ -200,7 +196,7 @@ def prepare(
     rule: str,
     vw: int,
     init_method: str,
-) -> Prepared | WSPResult:
+) -> Prepared | RunResult:
     """Every process's job under ``rule`` (one host, or every torchrun rank alike); a resume
     with nothing left to train returns the result written from the snapshot instead."""
     spec = resolve_source(source, plan.batch_size, meta=source.module is None)
@@ -219,16 +215,17 @@ def _one_vw_result(
     plan: Plan, prep: Prepared, stages: list[Any], run: RunConfig, vw: int, wall_s: float
 ) -> RunResult:
     """One VW alone: its result (with the paced pipeline's bound) and, with ``--out``, its
-    metrics, timeline and weights."""
+    metrics, timeline, weights and summary."""
     bound = 0.0
     cal = prep.stages[0].calibration
     if cal is not None:
         slowest = max(cal.task_s(j.ctx.stage, "FB") / j.ctx.speed for j in prep.stages)
         bound = plan.batch_size / slowest
     predicted = plan.virtual_workers[vw].throughput
-    result = RunResult(tuple(stages), plan.batch_size, prep.nm, predicted, wall_s, bound)
+    devices = tuple(j.ctx.device for j in prep.stages)
+    one = VWResult(tuple(stages), plan.batch_size, prep.nm, predicted, wall_s, bound, devices)
+    result = RunResult((one,), prep.nm, 0, (), (), (), wall_s, predicted, sync="local",
+                       sync_params=plan.sync_params)  # fmt: skip
     if run.out_dir is not None:
-        write_metrics(result, run.out_dir)
-        write_timeline(result.stages, run.out_dir, about=describe_run(plan, vw))
-        atomic_torch_save(result.state_dict(), run.out_dir / "weights.pt")
+        result.save(run.out_dir, about=describe_run(plan, vw))
     return result

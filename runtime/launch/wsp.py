@@ -26,7 +26,7 @@ from runtime.persist.run_dir import RunOwner, check_settings, job_settings
 from runtime.persist.snapshot import Manifest, SnapshotSpec, clean, select
 from runtime.ps.layout import ShardSpec, shard_specs_for_layout
 from runtime.results.evaluation import shard_dataset, split_dataset
-from runtime.results.wsp import WSPResult, export_snapshot
+from runtime.results.run_result import RunResult, export_snapshot
 from runtime.stage.job import StageJob
 from runtime.stage.model import resolve_source
 from runtime.sync.rule import SyncSpec
@@ -77,7 +77,7 @@ def prepare_wsp(
     dataset: Dataset[Any],
     owner: RunOwner | None,
     init_method: str,
-) -> Prepared | WSPResult:
+) -> Prepared | RunResult:
     """The ``wsp`` rule's processes: the shards (ranks ``0..n-1``) and every VW's stages, each
     VW on its own shard of the training split; a resumed run starts at its snapshot's wave.
     A resume with nothing left to train writes the outputs from the snapshot and returns that

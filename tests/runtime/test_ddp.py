@@ -19,7 +19,7 @@ from runtime.launch.faults import StageFault
 from runtime.launch.launcher import launch
 from runtime.persist.snapshot import committed_clocks
 from runtime.results.evaluation import accuracy, split_dataset
-from runtime.results.wsp import WSPResult
+from runtime.results.run_result import RunResult
 from runtime.stage.model import reference_module
 
 MiB = 2**20
@@ -94,9 +94,9 @@ def _single_process_sgd(
     return {names[n]: t.detach() for n, t in module.named_parameters()}
 
 
-def _allreduce(plan: Plan, run: RunConfig, **kw: object) -> WSPResult:
+def _allreduce(plan: Plan, run: RunConfig, **kw: object) -> RunResult:
     result = launch(plan, ModelSource(ref=plan.model), run=run, **kw)  # type: ignore[arg-type]
-    assert isinstance(result, WSPResult)
+    assert isinstance(result, RunResult)
     return result
 
 
