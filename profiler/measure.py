@@ -245,6 +245,35 @@ def _cuda_type(device: torch.device) -> str:
         return name
 
 
+def _meta(
+    spec: ModelSpec,
+    device_type: str,
+    dtype: str,
+    repeats: int,
+    warmup: int,
+    dev: torch.device,
+    clock: str,
+) -> ProfileMeta:
+    """A measured profile's metadata: what was measured, where, when and how."""
+    return ProfileMeta(
+        model=spec.name,
+        device_type=device_type,
+        batch_size=spec.batch_size,
+        source="measured",
+        dtype=dtype,
+        torch_version=torch.__version__,
+        host=platform.node(),
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        extra={
+            "repeats": repeats,
+            "warmup": warmup,
+            "device": str(dev),
+            "threads": torch.get_num_threads(),
+            "clock": clock if dev.type == "cpu" else "cuda-events",
+        },
+    )
+
+
 def measure_profile(
     spec: ModelSpec,
     device: str | torch.device = "cpu",
@@ -293,23 +322,7 @@ def measure_profile(
         dtype = dtype_name(precision)
     if device_type is None:
         device_type = _cuda_type(dev) if dev.type == "cuda" else "cpu"
-    meta = ProfileMeta(
-        model=spec.name,
-        device_type=device_type,
-        batch_size=spec.batch_size,
-        source="measured",
-        dtype=dtype,
-        torch_version=torch.__version__,
-        host=platform.node(),
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        extra={
-            "repeats": repeats,
-            "warmup": warmup,
-            "device": str(dev),
-            "threads": torch.get_num_threads(),
-            "clock": clock if dev.type == "cpu" else "cuda-events",
-        },
-    )
+    meta = _meta(spec, device_type, dtype, repeats, warmup, dev, clock)
     return Profile(table, meta)
 
 
