@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 from torch.utils.data import Dataset
@@ -46,6 +47,7 @@ from runtime.stage.model import resolve_source
 __all__ = ["launch", "prepare"]
 
 log = logging.getLogger(__name__)
+
 
 def launch(
     plan: Plan,
@@ -77,17 +79,11 @@ def launch(
     """
     optimizer, run, cfg = optimizer or OptimizerConfig(), run or RunConfig(), cfg or WSPConfig()
     rule = effective_rule(plan.sync, len(plan.shards), len(plan.virtual_workers), vw)
-    if rule == "allreduce" and vw >= 0:
-        raise ConfigError("an AllReduce plan trains every device together; drop --vw")
-    if rule == "local" and cfg.resume:
-        raise ConfigError(
-            "--resume needs snapshots, which one VW alone does not write (train it as part of "
-            "a plan with parameter-server shards: 'hetpipe plan' places them)"
-        )
+    _check_rule(rule, vw, cfg)
     if rule == "local":  # no snapshots; the run directory is still this run's
-        if run.out_dir is None:
-            return _attempt(plan, source, optimizer, run, cfg, dataset, None, rule, max(vw, 0))
-        with RunDirectory(run.out_dir, resume=False, overwrite=cfg.overwrite):
+        out = run.out_dir
+        claim = RunDirectory(out, resume=False, overwrite=cfg.overwrite) if out else nullcontext()
+        with claim:
             return _attempt(plan, source, optimizer, run, cfg, dataset, None, rule, max(vw, 0))
     if cfg.checkpoint_dir is None and run.out_dir is not None:
         cfg = dataclasses.replace(cfg, checkpoint_dir=run.out_dir / "checkpoints")
@@ -110,6 +106,21 @@ def launch(
                 f"interrupted (Ctrl-C); write the outputs from the last snapshot with: "
                 f"{cfg.resume_hint} --resume {run_dir}"
             ) from None
+
+
+def _check_rule(rule: str, vw: int, cfg: WSPConfig) -> None:
+    """Refuse what ``rule`` cannot do: AllReduce one VW alone, a resume without snapshots.
+
+    Raises:
+        ConfigError: says why and what to change.
+    """
+    if rule == "allreduce" and vw >= 0:
+        raise ConfigError("an AllReduce plan trains every device together; drop --vw")
+    if rule == "local" and cfg.resume:
+        raise ConfigError(
+            "--resume needs snapshots, which one VW alone does not write (train it as part of "
+            "a plan with parameter-server shards: 'hetpipe plan' places them)"
+        )
 
 
 def _restarting(attempt: Callable[[WSPConfig], Any], run: RunConfig, cfg: WSPConfig) -> RunResult:
