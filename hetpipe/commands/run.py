@@ -170,7 +170,7 @@ def run(  # long only by its typer signature (the command's options); the body i
     values = {name: value for name, value in locals().items() if name in OPTIONS}
     rule = rule_params(sync, backups, tau, alpha)
     if sync == "allreduce":
-        _refuse_pipeline_options(resume, nm, staleness, vw, vws, stages, policy)
+        _refuse_pipeline_options(nm, staleness, vw, vws, stages, policy)
     target = resume_target(resume) if resume is not None else None
     opt, run_cfg, wsp = configs(values, out or (target[0] if target else None), progress, target,
                                 _resume_hint(path))  # fmt: skip
@@ -245,7 +245,6 @@ def _resume_hint(path: Path) -> str:
 
 
 def _refuse_pipeline_options(
-    resume: str | None,
     nm: int,
     staleness: int | None,
     vw: int,
@@ -255,7 +254,6 @@ def _refuse_pipeline_options(
 ) -> None:
     """AllReduce trains the whole model on every device: no pipeline options apply."""
     given = {
-        "--resume": resume is not None,
         "--nm": nm > 1,
         "--D": staleness is not None,
         "--vw": vw >= 0,
@@ -267,8 +265,7 @@ def _refuse_pipeline_options(
         if is_given:
             raise ConfigError(
                 f"{flag} does not apply to --sync allreduce (whole-model data parallelism on "
-                "every device that holds the model: no pipeline, no parameter servers, no "
-                "checkpoints); drop it"
+                "every device that holds the model: no pipeline, no parameter servers); drop it"
             )
 
 
