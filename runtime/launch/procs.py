@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.config import ModelSource
-from runtime.launch.backend import stage_backend
+from runtime.launch.backend import GLOO, cuda_index, stage_backend
 from runtime.launch.child import run_rank, setup_child
 from runtime.launch.faults import ShardFault
 from runtime.persist.checkpoint import shard_from_payload
@@ -167,6 +167,8 @@ def stage_main(job: StageJob, events: Any, parent: int) -> None:
 
     emulated = job.ctx.speed > 0 or job.ctx.cap_bytes > 0
     backend = stage_backend(job.sync.rule, emulated, torch.cuda.is_available())
+    if backend != GLOO:  # NCCL: one GPU per rank, the plan's
+        torch.cuda.set_device(cuda_index(job.ctx.device, torch.cuda.device_count()))
     run_rank(job.ctx.rank, events, job.init_method, job.world_size, job.run.timeout_s, body,
              backend)  # fmt: skip
 

@@ -158,6 +158,12 @@ def test_the_backend_is_nccl_for_cuda_tensors_only_under_allreduce_on_real_gpus(
         assert stage_backend(rule, emulated=False, cuda_available=True) == GLOO
 
 
+def test_an_nccl_rank_takes_its_plan_gpu_as_cuda_device() -> None:
+    from runtime.launch.backend import cuda_index
+
+    assert [cuda_index(d, 2) for d in ("N0:0", "N0:1", "N1:0", "my:node:3")] == [0, 1, 0, 1]
+
+
 def _assert_equal(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
     assert set(state) == set(expected)
     for name, tensor in expected.items():
