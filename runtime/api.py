@@ -147,7 +147,8 @@ def train(  # long by its signature and docstring (every option, documented); th
         timeout_s: timeout of every process-group operation.
         emulate: pace emulated devices and cap their memory.
         D: WSP clock-distance threshold of a plan with shards (``None`` = the plan's).
-        checkpoint_every: with shards and ``out_dir``, checkpoint every K global clocks.
+        checkpoint_every: with ``out_dir``, snapshot every K global clocks (AllReduce: steps;
+            one VW alone writes none).
         vw: train only this VW of the plan, without parameter servers (-1 = every VW).
         precision: ``fp32`` or ``bf16`` (autocast, fp32 master weights, bfloat16 activations
             across cuts); ``""`` = the plan's (``fp32`` for a plan made here).
