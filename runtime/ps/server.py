@@ -49,7 +49,7 @@ from runtime.ps.core import ShardCore, Status
 from runtime.ps.layout import (
     ClientSpec,
 )
-from runtime.ps.peers import PeerLink
+from runtime.ps.peers import PeerLink, Report
 
 __all__ = ["Op", "ShardServer", "irecv", "isend"]
 
@@ -98,7 +98,7 @@ class _Event:
     seq: int = 0  # pull: the client's pull number
     pull: int = NO_PULL  # push: the pull clock it carries
     error: str = ""
-    report: tuple[tuple[int, ...], tuple[bool, ...]] = ((), ())  # peer: clocks, final flags
+    report: Report = ((), (), ())  # peer: clocks, final flags, incarnations
 
 
 def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None, tag: int) -> dist.Work:
@@ -351,8 +351,8 @@ class ShardServer:
         if self.peer_ranks is None:
             return None
 
-        def deliver(sid: int, clocks: tuple[int, ...], final: tuple[bool, ...]) -> None:
-            events.put(_Event("peer", -1, sid, report=(clocks, final)))
+        def deliver(sid: int, report: Report) -> None:
+            events.put(_Event("peer", -1, sid, report=report))
 
         link = PeerLink(self.peer_ranks, len(self.core.spec.vws), self.group, deliver)
         link.start()
