@@ -117,5 +117,6 @@ def configs(
         overwrite=v["overwrite"],
         max_restarts=v["max_restarts"] if v["on_failure"] == "restart" else 0,
         evict=v["on_failure"] == "continue",
+        restart_vw=v["on_failure"] == "restart",
     )
     return opt, run, wsp

@@ -113,7 +113,7 @@ def watch(
     tick: Callable[[float], None] | None = None,
     first_event_s: float = 0.0,
     frozen: Callable[[], dict[int, str]] | None = None,
-    absorb: Callable[[dict[int, str]], set[int]] | None = None,
+    absorb: Callable[[dict[int, str]], set[int] | None] | None = None,
 ) -> dict[int, bytes]:
     """Watch a launcher's children until ``n_results`` of them delivered their result.
 
@@ -136,7 +136,8 @@ def watch(
         frozen: returns the ranks that stopped responding (rank -> why), checked every tick;
             any such rank fails the run at once, blamed (:class:`Heartbeats`).
         absorb: given failed ranks (rank -> why), the ranks the run goes on without (it
-            stopped them; ``--on-failure continue``), or an empty set: the run fails.
+            stopped them; ``--on-failure continue``; none when it restarted them), or
+            ``None``: the run fails.
 
     Returns:
         rank -> result payload (as sent), without the absorbed ranks.
@@ -151,9 +152,11 @@ def watch(
 
     def absorbed(errors: dict[int, str]) -> bool:
         errors = {r: m for r, m in errors.items() if r not in gone}
-        more = absorb(errors) if absorb is not None and errors else set()
-        gone.update(more)
-        return not errors or bool(more)
+        if not errors:
+            return True
+        more = absorb(errors) if absorb is not None else None
+        gone.update(more or ())
+        return more is not None
 
     while len(set(results) - gone) < n_results - len(gone):
         try:
@@ -369,13 +372,15 @@ def run_rank(
     timeout_s: float,
     body: Callable[[], tuple[str, bytes]],
     backend: str = "gloo",
+    join: bool = True,
 ) -> NoReturn:
     """The life of one spawned rank after :func:`setup_child`, then exit (code 0 or 1).
 
     Joins the process group (gloo, or ``backend``; every operation times out after ``timeout_s``), runs
     ``body`` and posts its ``(kind, payload)`` as ``(kind, rank, payload)`` on ``events``; if
     anything fails (also ``KeyboardInterrupt``), posts ``("error", rank, "Type: message
-    (file:line)")`` instead, for the launcher's :func:`watch`.
+    (file:line)")`` instead, for the launcher's :func:`watch`. ``join=False``: ``body`` builds
+    its own groups (a restarted VW's rank, :mod:`runtime.launch.restart_vw`).
     """
     import torch.distributed as dist
 
@@ -384,15 +389,17 @@ def run_rank(
         threading.Thread(target=_beat, args=(beat,), daemon=True, name="heartbeat").start()
     code = 0
     try:
-        dist.init_process_group(
-            backend, init_method=init_method, rank=rank, world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )  # fmt: skip
+        if join:
+            dist.init_process_group(
+                backend, init_method=init_method, rank=rank, world_size=world_size,
+                timeout=timedelta(seconds=timeout_s),
+            )  # fmt: skip
         try:
             kind, payload = body()
             events.put((kind, rank, payload))
         finally:
-            dist.destroy_process_group()
+            if join:
+                dist.destroy_process_group()
     except BaseException as exc:  # report anything to the launcher
         where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
         loc = f" ({Path(where.filename).name}:{where.lineno})" if where else ""

@@ -39,7 +39,7 @@ from runtime.persist.run_dir import RunDirectory, RunOwner
 from runtime.persist.snapshot import committed_clocks
 from runtime.results.metrics import RunResult, warn_overruns, write_metrics
 from runtime.results.timeline import describe_run, write_timeline
-from runtime.results.wsp import LostVW, WSPResult, evaluate
+from runtime.results.wsp import LostVW, WSPResult, evaluate, restart_notes
 from runtime.stage.model import resolve_source
 
 __all__ = ["launch", "prepare"]
@@ -136,7 +136,7 @@ def _restarting(attempt: Callable[[WSPConfig], Any], run: RunConfig, cfg: WSPCon
             cfg = dataclasses.replace(cfg, resume=bool(committed), resume_clock=None,
                                       stage_fault=None, write_fault=None, shard_fault=None)  # fmt: skip
     if restarts:
-        result = dataclasses.replace(result, restarts=tuple(restarts))
+        result = dataclasses.replace(result, restarts=(*restarts, *result.restarts))
         if run.out_dir is not None:
             result.save(run.out_dir)  # the summary says what was survived
     return result
@@ -163,8 +163,11 @@ def _attempt(
         if isinstance(prep, WSPResult):  # a resume with nothing left: written from the snapshot
             return prep
         n_vws = len({j.ctx.vw for j in prep.stages})
-        stages, states, lost = spawn_and_watch(prep.shards, prep.stages, run, prep.steps * n_vws,
-                                               prep.hint, evict=cfg.evict)  # fmt: skip
+        restart_vw = bool(prep.shards) and prep.shards[0].rejoin is not None
+        stages, states, lost, restarted = spawn_and_watch(
+            prep.shards, prep.stages, run, prep.steps * n_vws, prep.hint,
+            evict=cfg.evict or restart_vw, restarts=cfg.max_restarts,
+        )  # fmt: skip
     warn_overruns(stages)
     wall_s = time.time() - t_start
     if rule == "local":
@@ -175,6 +178,10 @@ def _attempt(
         last_wave = prep.first_wave + prep.steps // prep.nm
         gone = LostVW.from_shards(lost, [st for st, _ in states], last_wave)
         result = dataclasses.replace(result, lost=gone)
+    if restarted:  # --on-failure restart of single VWs: each failure survived, and where
+        back = [(r.vw, r.incarnation, r.cause) for r in restarted]
+        notes = restart_notes(back, [st for st, _ in states])
+        result = dataclasses.replace(result, restarts=(*result.restarts, *notes))
     ran = {st.steps for st in stages}
     if run.time_limit_s > 0 and ran and max(ran) < prep.steps:
         waves = prep.first_wave + max(ran) // prep.nm

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 from typing import Any
 
 from torch.utils.data import Dataset, Subset
@@ -26,6 +27,7 @@ from runtime.launch.procs import ShardJob
 from runtime.persist.run_dir import RunOwner, check_settings, job_settings
 from runtime.persist.snapshot import Manifest, SnapshotSpec, clean, select
 from runtime.ps.layout import ShardSpec, shard_specs_for_layout
+from runtime.ps.rejoin import Rejoin
 from runtime.results.evaluation import shard_dataset, split_dataset
 from runtime.results.wsp import WSPResult, export_snapshot
 from runtime.stage.job import StageJob
@@ -145,6 +147,7 @@ def _jobs(
     stages = vw_stage_jobs(plan, source, optimizer, run, cfg, sync, list(data), steps,
                            init_method, nm, first_rank=len(specs))  # fmt: skip
     world = len(specs) + len(stages)
+    rejoin = _rejoin(cfg, sync, init_method, world)
     shards = tuple(
         ShardJob(
             k,
@@ -158,7 +161,8 @@ def _jobs(
             init_method,
             world,
             cfg.shard_fault,
-            _peers(s, specs, cfg),
+            _peers(s, specs, cfg, rejoin),
+            rejoin,
         )
         for k, s in enumerate(specs)
     )
@@ -169,10 +173,23 @@ def _jobs(
 
 
 def _peers(
-    spec: ShardSpec, specs: tuple[ShardSpec, ...], cfg: WSPConfig
+    spec: ShardSpec, specs: tuple[ShardSpec, ...], cfg: WSPConfig, rejoin: Rejoin | None
 ) -> tuple[tuple[int, int], ...] | None:
-    """``--on-failure continue``: (id, rank) of the other shards, which gate each wave."""
-    return tuple((s.id, s.rank) for s in specs if s.id != spec.id) if cfg.evict else None
+    """``--on-failure continue`` (or a VW restart): (id, rank) of the other shards, which
+    gate each wave."""
+    evict = cfg.evict or rejoin is not None
+    return tuple((s.id, s.rank) for s in specs if s.id != spec.id) if evict else None
+
+
+def _rejoin(cfg: WSPConfig, sync: SyncSpec, init_method: str, world: int) -> Rejoin | None:
+    """``--on-failure restart`` on one host under WSP: where a restarted VW meets the shards
+    (beside the rendezvous file); ``None`` otherwise (torchrun restarts the whole group)."""
+    if not (cfg.restart_vw and cfg.max_restarts > 0 and sync.rule == "wsp"):
+        return None
+    if not init_method.startswith("file://"):
+        return None
+    folder = Path(init_method.removeprefix("file://")).parent
+    return Rejoin(str(folder / "rejoin"), world, 4 * sync.timeout_s)
 
 
 def snapshot_parts(plan: Plan) -> tuple[str, ...]:

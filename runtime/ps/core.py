@@ -393,7 +393,10 @@ class ShardCore:
         incs: Sequence[int] | None = None,
     ) -> int:
         """Shard ``shard``'s :meth:`report` arrived. Returns waves applied. A VW's entries of
-        another incarnation than this shard's are ignored (``incs`` ``None``: the same).
+        an older incarnation than this shard's are ignored (``incs`` ``None``: the same); a
+        newer one means the peer reopened it, which it does only once the VW was final at
+        every shard: it counts as the peer's final flag (the one it may not have sent, as it
+        became final and reopened at once).
 
         Raises:
             ConfigError: not a peer, or a report of another VW count (a wiring bug).
@@ -406,8 +409,11 @@ class ShardCore:
                 f"expected a peer in {sorted(self._peer_clocks)} with {n}"
             )
         for vi in range(n):
-            if int(incs[vi]) != self._inc[vi]:
-                continue  # an older incarnation's (stale) or a newer one's (this shard follows)
+            if int(incs[vi]) > self._inc[vi]:  # it reopened the VW: it had every shard's final
+                self._peer_final[shard][vi] = True  # flag, its own too (sent or not)
+                continue
+            if int(incs[vi]) < self._inc[vi]:
+                continue  # an older incarnation's: stale
             self._peer_clocks[shard][vi] = max(self._peer_clocks[shard][vi], int(clocks[vi]))
             self._peer_final[shard][vi] = self._peer_final[shard][vi] or bool(final[vi])
         return self._settle()
@@ -465,6 +471,11 @@ class ShardCore:
     def waiting_on_eviction(self) -> bool:
         """A VW is lost but not evicted yet (the shard must keep serving until it is)."""
         return bool(self._lost - self._cut.keys())
+
+    @property
+    def left_out(self) -> bool:
+        """A VW is evicted for good (``continue``, or a restart that did not come)."""
+        return bool(self._cut)
 
     @property
     def unsettled(self) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from typing import Any
 
 import pytest
 import torch
@@ -81,18 +82,15 @@ def run_scenario(seed: int, restart: bool) -> tuple[ShardCore, ShardCore]:
             sent[sid] = rep
 
     reopened, gave_up = [False, False], set()
-    while any(programs.values()) or any(wires) or not died or (restart and not back):
-        if not died and made == dead_after:
+    ends: list[deque[Any]] = [deque(), deque()]
+    busy = lambda: any(programs.values()) or any(wires) or any(ends)  # noqa: E731
+    while busy() or not died or not back or (released and len(gave_up) < 2):
+        if not died and made == dead_after:  # each shard notices its streams end, in turn
             died = True
             for key in programs:
                 if key[0] == DEAD:
                     programs[key].clear()
-            for core in cores:
-                core.lose(DEAD)
-                for c in core.spec.clients:
-                    if c.vw == DEAD:
-                        core.end_pushes(c.vw, c.stage)
-                tell(core.spec.id)
+            ends = [deque(c for c in core.spec.clients if c.vw == DEAD) for core in cores]
             continue
         reopened = [core.incarnation(DEAD) == 1 for core in cores]
         if died and not back and any(reopened):  # the launcher restarts (or gives up on) it
@@ -104,6 +102,7 @@ def run_scenario(seed: int, restart: bool) -> tuple[ShardCore, ShardCore]:
                     programs[key] = program(*key, cut)
             released = not restart
         choices: list[object] = [f"wire{i}" for i in (0, 1) if wires[i]]
+        choices += [f"end{i}" for i in (0, 1) if ends[i]]
         choices += [
             k for k, p in programs.items() if p and (k[0] != DEAD or not back or reopened[p[0][0]])
         ]
@@ -111,6 +110,13 @@ def run_scenario(seed: int, restart: bool) -> tuple[ShardCore, ShardCore]:
         if not choices:  # a shard has not reopened yet: only its peer's report can move it
             raise AssertionError(f"stuck: reopened {reopened}, wires {[len(w) for w in wires]}")
         pick = rng.choice(choices)
+        if isinstance(pick, str) and pick.startswith("end"):
+            to = int(pick[-1])
+            c = ends[to].popleft()
+            cores[to].lose(DEAD)
+            cores[to].end_pushes(c.vw, c.stage)
+            tell(to)
+            continue
         if isinstance(pick, str) and pick.startswith("release"):
             to = int(pick[-1])
             cores[to].release(DEAD)
