@@ -473,9 +473,9 @@ class ShardCore:
         return bool(self._lost - self._cut.keys())
 
     @property
-    def left_out(self) -> bool:
-        """A VW is evicted for good (``continue``, or a restart that did not come)."""
-        return bool(self._cut)
+    def left_out(self) -> dict[int, int]:
+        """VWs evicted for good (``continue``, or a restart that did not come): VW -> its cut."""
+        return {self.spec.vws[vi]: cut for vi, cut in self._cut.items()}
 
     @property
     def unsettled(self) -> bool:

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from profiler.errors import HetPipeRuntimeError
 from runtime.persist.checkpoint import ShardState, shard_payload
-from runtime.persist.snapshot import SnapshotSpec, write_part
+from runtime.persist.snapshot import SnapshotSpec, leave_out, write_part
 from runtime.ps.core import ShardCore, Status
 from runtime.ps.layout import (
     ClientSpec,
@@ -205,6 +205,7 @@ class ShardServer:
         self.idle_timeout_s = 10 * timeout_s if idle_timeout_s is None else idle_timeout_s
         self.snapshots = snapshots
         self._written = core.clock  # the clock of the last part written (or resumed from)
+        self._marked: set[int] = set()  # VWs left out, recorded beside the snapshots
         self._sends: list[tuple[dist.Work, torch.Tensor, ClientSpec, int]] = []
         # receive buffers, recycled once their wave is applied: fresh multi-MB tensors cost
         # page faults that are slower than the copy itself
@@ -480,9 +481,13 @@ class ShardServer:
             self._write_part()
 
     def _write_part(self) -> None:
-        if self.core.left_out or self.core.waiting_on_eviction:
-            return  # a VW is gone: its stages write no more parts, no later snapshot commits
+        if self.core.waiting_on_eviction:
+            return  # not settled yet (the clock waits for the cut anyway)
         if self.snapshots is not None:
+            for vw, wave in self.core.left_out.items():  # before any part after its cut
+                if vw not in self._marked:
+                    leave_out(self.snapshots, vw, wave)
+                    self._marked.add(vw)
             state = self.core.state()
             write_part(self.snapshots, state.clock, f"shard-{state.shard_id}", shard_payload(state))
             self._written = state.clock

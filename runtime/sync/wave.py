@@ -160,7 +160,7 @@ class WaveSync(StageSync):
         if clock > 0 and self.snapshots is not None:
             manifest = self._own_snapshot(self.snapshots.directory, clock)
             if manifest is None:
-                return  # a restarted VW with no snapshot of its own: fresh optimizer state
+                return  # no part of its own (restarted, or left out): fresh optimizer state
             part = load_part(manifest, self.where)
             where = manifest.path / f"{self.where}.pt"
             if not isinstance(part, dict) or part.get("kind") != "hetpipe-stage":
@@ -182,7 +182,12 @@ class WaveSync(StageSync):
         """The snapshot to start from: the one at ``clock`` (a resume); a restarted VW's
         (:attr:`rejoined`): the newest committed one at or below ``clock`` holding its part."""
         if not self.rejoined:
-            return read_manifest(snapshot_dir(directory, clock))
+            manifest = read_manifest(snapshot_dir(directory, clock))
+            if self.where not in manifest.parts:  # its VW was left out before that clock
+                log.warning("%s: no part of %s (its VW was evicted before that clock): it "
+                            "starts with fresh optimizer state", manifest.path, self.where)  # fmt: skip
+                return None
+            return manifest
         for c in sorted((c for c in committed_clocks(directory) if c <= clock), reverse=True):
             manifest = read_manifest(snapshot_dir(directory, c))
             if self.where in manifest.parts:
