@@ -52,7 +52,9 @@ class VWEvictor:
         would survive)."""
         vw_of = {r: k for k, ranks in self.vw_ranks.items() for r in ranks}
         vws = {vw_of.get(r, -1) for r in errors}
-        if -1 in vws or (self.restart is None and len(self.lost.keys() | vws) >= len(self.vw_ranks)):
+        if -1 in vws or (
+            self.restart is None and len(self.lost.keys() | vws) >= len(self.vw_ranks)
+        ):
             return None
         gone: set[int] = set()
         for k in sorted(vws):

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runtime.launch.failures import Heartbeats, run_rank, setup_child
+from runtime.launch.child import run_rank, setup_child
+from runtime.launch.liveness import Heartbeats
 from runtime.launch.procs import dumps_result
 from runtime.ps.rejoin import RELEASE, RESTART, Rejoin
 from runtime.stage.job import StageJob
