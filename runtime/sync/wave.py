@@ -158,6 +158,8 @@ class WaveSync(StageSync):
         resuming, its part of the snapshot at that clock (optimizer and RNG state)."""
         self._pull(clock)
         self._mirror_set()
+        if self.rejoined:  # the soak benchmark times a VW restart up to this line
+            log.warning("%s rejoined at clock %d", self.where, self.pulled_clock)
         if clock > 0 and self.snapshots is not None:
             manifest = self._own_snapshot(self.snapshots.directory, clock)
             if manifest is None:
