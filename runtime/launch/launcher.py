@@ -9,8 +9,10 @@ for one VW alone), with the same options, progress, failure handling and summary
 2. one attempt: the jobs of every process (:mod:`runtime.launch.jobs`,
    :mod:`runtime.launch.wsp`), started and watched by
    :func:`runtime.launch.supervise.spawn_and_watch`, the results assembled;
-3. ``--on-failure restart`` (``WSPConfig.max_restarts``): after a process failure the whole
-   job starts again, from its last committed snapshot when there is one.
+3. ``--on-failure restart`` (``WSPConfig.max_restarts``): a failed stage's VW restarts alone
+   inside the attempt (:mod:`runtime.launch.restart_vw`, one host, ``wsp``); after any other
+   process failure (a shard; every failure under the other rules) the whole job starts
+   again, from its last committed snapshot when there is one.
 
 Under torchrun, ``python -m runtime`` runs the same jobs one rank at a time.
 """
@@ -117,25 +119,29 @@ def launch(
 
 
 def _restarting(attempt: Callable[[WSPConfig], Any], run: RunConfig, cfg: WSPConfig) -> WSPResult:
-    """``--on-failure restart``: after a process failure, start the whole job again from its
-    last committed snapshot (none: from the beginning), up to ``cfg.max_restarts`` times
-    (test faults fire in the first attempt only); the result lists the failures survived."""
+    """``--on-failure restart``: after a process failure the attempt did not absorb (a shard;
+    a VW restarted alone does not end the attempt), start the whole job again from its last
+    committed snapshot (none: from the beginning), up to ``cfg.max_restarts`` times in all
+    (each attempt may restart single VWs with what is left; test faults fire in the first
+    attempt only); the result lists the failures survived."""
     restarts: list[str] = []
+    budget = cfg.max_restarts  # an attempt may restart single VWs with what is left of it
     while True:
         try:
             result: WSPResult = attempt(cfg)
             break
         except HetPipeRuntimeError as exc:
-            if len(restarts) >= cfg.max_restarts or isinstance(exc, Interrupted):
+            if len(restarts) >= budget or isinstance(exc, Interrupted):
                 raise
             ckpt = cfg.checkpoint_dir
             committed = committed_clocks(ckpt) if ckpt is not None else []
             why = str(exc).split("; resume with:")[0]
             restarts.append(f"{why} (restarted from clock {max(committed, default=0)})")
             log.warning("restart %d of %d from the last snapshot after: %s",
-                        len(restarts), cfg.max_restarts, restarts[-1])  # fmt: skip
+                        len(restarts), budget, restarts[-1])  # fmt: skip
             cfg = dataclasses.replace(cfg, resume=bool(committed), resume_clock=None,
-                                      stage_fault=None, write_fault=None, shard_fault=None)  # fmt: skip
+                                      stage_fault=None, write_fault=None, shard_fault=None,
+                                      max_restarts=budget - len(restarts))  # fmt: skip
     if restarts:
         result = dataclasses.replace(result, restarts=(*restarts, *result.restarts))
         if run.out_dir is not None:

@@ -184,7 +184,7 @@ def _peers(
 def _rejoin(cfg: WSPConfig, sync: SyncSpec, init_method: str, world: int) -> Rejoin | None:
     """``--on-failure restart`` on one host under WSP: where a restarted VW meets the shards
     (beside the rendezvous file); ``None`` otherwise (torchrun restarts the whole group)."""
-    if not (cfg.restart_vw and cfg.max_restarts > 0 and sync.rule == "wsp"):
+    if not (cfg.restart_vw and sync.rule == "wsp"):
         return None
     if not init_method.startswith("file://"):
         return None
