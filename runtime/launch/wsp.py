@@ -124,6 +124,10 @@ def prepare_wsp(
                              settings, cfg.checkpoint_every, cfg.keep, cfg.write_fault)  # fmt: skip
     sync = SyncSpec(rule, plan.sync_params, D, specs, snaps, first_wave, cfg.overlap_pulls,
                     run.timeout_s)  # fmt: skip
+    if cfg.restart_vw and any(graph.shared_params(c) for c in _vw_cuts(plan)):
+        log.warning("a VW holds tied parameters on several stages (all-reduced in a subgroup "
+                    "of the first process group): a failure restarts the whole job")  # fmt: skip
+        cfg = dataclasses.replace(cfg, restart_vw=False)
     shards, stages = _jobs(plan, source, optimizer, run, cfg, sync, shards_data, steps, init_method)
     hint = ""
     if snaps is not None and cfg.checkpoint_every > 0:
@@ -179,6 +183,11 @@ def _peers(
     gate each wave."""
     evict = cfg.evict or rejoin is not None
     return tuple((s.id, s.rank) for s in specs if s.id != spec.id) if evict else None
+
+
+def _vw_cuts(plan: Plan) -> list[list[int]]:
+    """Each VW's cut points (the first layer index of every stage after its first)."""
+    return [[st.first_index for st in vw.stages[1:]] for vw in plan.virtual_workers]
 
 
 def _rejoin(cfg: WSPConfig, sync: SyncSpec, init_method: str, world: int) -> Rejoin | None:
