@@ -34,7 +34,7 @@ from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 from torch.fx.passes.split_module import split_module
 from torch.utils import _pytree as pytree
 
-from profiler.capture import HOLDER_PREFIX, capture
+from profiler.capture import HOLDER_PREFIX, capture, quiet_treespec
 from profiler.errors import ModelError
 from profiler.models import ModelSpec
 
@@ -359,9 +359,10 @@ class ModelGraph:
             if fake:
                 from torch._subclasses.fake_tensor import FakeTensorMode
 
-                ShapeProp(cap.gm, fake_mode=FakeTensorMode(allow_non_fake_inputs=True)).propagate(
-                    *flat
-                )
+                with quiet_treespec():  # ShapeProp deep-copies the graph's pytree specs
+                    ShapeProp(
+                        cap.gm, fake_mode=FakeTensorMode(allow_non_fake_inputs=True)
+                    ).propagate(*flat)
             else:
                 with torch.no_grad():
                     ShapeProp(cap.gm).propagate(*flat)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from profiler.capture import quiet_treespec
 from profiler.errors import ConfigError
 from profiler.precision import check_precision
 from runtime.defaults import TIMEOUT_S
@@ -145,7 +146,8 @@ class ModelSource:
         for key in _BLOBS:
             if state[key] is not None:
                 buf = io.BytesIO()
-                torch.save(state[key], buf)
+                with quiet_treespec():
+                    torch.save(state[key], buf)
                 state[key] = buf.getvalue()
         return state
 
@@ -153,7 +155,8 @@ class ModelSource:
         for key in _BLOBS:
             if isinstance(state.get(key), bytes):
                 # our own blob from __getstate__ (the module's classes must be importable)
-                state[key] = torch.load(io.BytesIO(state[key]), weights_only=False)
+                with quiet_treespec():
+                    state[key] = torch.load(io.BytesIO(state[key]), weights_only=False)
         for key, value in state.items():
             object.__setattr__(self, key, value)
 

@@ -48,6 +48,21 @@ def _quiet_thread_error(args: threading.ExceptHookArgs) -> None:
     )
 
 
+def _thread_lock_for_tqdm() -> None:
+    """Give tqdm a thread lock before torch.fx's ``Interpreter`` opens its first bar.
+
+    tqdm otherwise creates a ``multiprocessing.RLock``, a named semaphore registered with the
+    launcher's resource tracker; a rank does not unlink it on its way out, and the launcher
+    printed ``resource_tracker: There appear to be N leaked semaphore objects`` at the end of
+    every run, one per rank. tqdm is optional (torch falls back to a stub without it).
+    """
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
+
+
 def setup_child(
     where: str, parent: int, level: int = logging.WARNING, quiet_threads: bool = False
 ) -> None:
@@ -72,6 +87,7 @@ def setup_child(
         force=True,
     )
     threading.Thread(target=_watch_parent, args=(parent, os.getppid()), daemon=True).start()
+    _thread_lock_for_tqdm()
     if quiet_threads:
         threading.excepthook = _quiet_thread_error
 
