@@ -7,10 +7,11 @@ processes, emulated devices): once undisturbed, once with a killer that SIGKILLs
 others wait there); a killed shard restarts the whole job from its last snapshot. Both runs
 train the same samples: every VW's every wave is applied exactly once, with the data of that
 wave (checked in the final snapshot's ledgers), so the accuracies compare like for like.
-Reports the test accuracy of both and, per failure: its kind, the waves lost (a stage: none,
-the wave in flight is recomputed, ``discarded`` buffered pushes dropped once; a shard: the
-newest clock any process had started to snapshot at the kill minus the clock the job
-restarted from) and the time to recover (a stage: kill to the last of the VW's new stages
+Reports the test accuracy of both and, per failure: its kind, the waves lost (never trained:
+0 for both kinds), the work redone (a stage: its VW's wave in flight, ``pushes_discarded``
+buffered pushes dropped once; a shard: ``waves_redone``, the newest clock any process had
+started to snapshot at the kill minus the clock the job restarted from) and the time to
+recover (a stage: kill to the last of the VW's new stages
 logging ``rejoined at clock``, i.e. holding the global weights; a shard: kill to every rank of
 the next attempt beating again).
 
@@ -246,7 +247,7 @@ def restart_figures(soak: dict[str, Any], clock: int) -> dict[str, Any]:
     for k in soak["kills"]:
         if k["kind"] == "shard":
             f = froms.pop(0) if froms else k["at_clock"]
-            failures.append({"kind": "shard", "waves_lost": k["at_clock"] - f,
+            failures.append({"kind": "shard", "waves_lost": 0, "waves_redone": k["at_clock"] - f,
                              "recover_s": k["recover_s"]})  # fmt: skip
             continue
         note = alone.pop(0) if alone else ""
