@@ -31,9 +31,14 @@ def _every_update_once(states: tuple[ShardState, ...], waves: int) -> None:
         assert set(tags) == {(vw, st, w) for vw, st in clients for w in range(waves)}
 
 
-def test_a_lost_vw_restarts_alone_and_rejoins_at_the_cut(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("signum", "at_mb"), [(signal.SIGKILL, 5), (signal.SIGSTOP, 3)], ids=["kill", "freeze"]
+)
+def test_a_lost_vw_restarts_alone_and_rejoins_at_the_cut(
+    tmp_path: Path, signum: int, at_mb: int
+) -> None:
     run = RunConfig(steps=12, timeout_s=8.0, emulate=False, out_dir=tmp_path / "run")
-    fault = StageFault(stage=1, at_mb=5, vw=1, signum=int(signal.SIGKILL))
+    fault = StageFault(stage=1, at_mb=at_mb, vw=1, signum=int(signum))
     cfg = WSPConfig(stage_fault=fault, restart_vw=True, max_restarts=2, checkpoint_every=2)
     result = launch(_plan(D=0, nm=2), SOURCE, None, run, cfg)
     assert result.lost == ()
@@ -42,10 +47,11 @@ def test_a_lost_vw_restarts_alone_and_rejoins_at_the_cut(tmp_path: Path) -> None
     final = select(tmp_path / "run" / "checkpoints")[0]
     assert {"vw1-stage0", "vw1-stage1"} <= set(final.parts)
     (note,) = result.restarts
-    assert "(vw 1 | stage 1 |" in note and "SIGKILL" in note, note
+    why = "SIGKILL" if signum == signal.SIGKILL else "frozen: no heartbeat"
+    assert "(vw 1 | stage 1 |" in note and why in note, note
     evictions = [e for s in result.states for e in s.evictions]
     cut = evictions[0][1]
-    assert [e[:2] for e in evictions] == [(1, cut)] * 2 and 1 <= cut <= 2
+    assert [e[:2] for e in evictions] == [(1, cut)] * 2 and 1 <= cut <= at_mb // 2
     assert f"vw 1 restarted alone at wave {cut}" in note
     assert {s.clock for s in result.states} == {6}
     _every_update_once(result.states, 6)  # the new incarnation filled the waves from the cut
