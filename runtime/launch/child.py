@@ -100,13 +100,15 @@ def run_rank(
     timeout_s: float,
     body: Callable[[], tuple[str, bytes]],
     backend: str = "gloo",
+    join: bool = True,
 ) -> NoReturn:
     """The life of one spawned rank after :func:`setup_child`, then exit (code 0 or 1).
 
     Joins the process group (gloo, or ``backend``; every operation times out after ``timeout_s``), runs
     ``body`` and posts its ``(kind, payload)`` as ``(kind, rank, payload)`` on ``events``; if
     anything fails (also ``KeyboardInterrupt``), posts ``("error", rank, "Type: message
-    (file:line)")`` instead, for the launcher's :func:`watch`.
+    (file:line)")`` instead, for the launcher's :func:`watch`. ``join=False``: ``body`` builds
+    its own groups (a restarted VW's rank, :mod:`runtime.launch.restart_vw`).
     """
     import torch.distributed as dist
 
@@ -115,15 +117,17 @@ def run_rank(
         threading.Thread(target=keep_beating, args=(beat,), daemon=True, name="heartbeat").start()
     code = 0
     try:
-        dist.init_process_group(
-            backend, init_method=init_method, rank=rank, world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )  # fmt: skip
+        if join:
+            dist.init_process_group(
+                backend, init_method=init_method, rank=rank, world_size=world_size,
+                timeout=timedelta(seconds=timeout_s),
+            )  # fmt: skip
         try:
             kind, payload = body()
             events.put((kind, rank, payload))
         finally:
-            dist.destroy_process_group()
+            if join:
+                dist.destroy_process_group()
     except BaseException as exc:  # report anything to the launcher
         where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
         loc = f" ({Path(where.filename).name}:{where.lineno})" if where else ""

@@ -9,8 +9,10 @@ for one VW alone), with the same options, progress, failure handling and summary
 2. one attempt: the jobs of every process (:mod:`runtime.launch.jobs`,
    :mod:`runtime.launch.wsp`), started and watched by
    :func:`runtime.launch.supervise.spawn_and_watch`, the results assembled;
-3. ``--on-failure restart`` (``WSPConfig.max_restarts``): after a process failure the whole
-   job starts again, from its last committed snapshot when there is one.
+3. ``--on-failure restart`` (``WSPConfig.max_restarts``): a failed stage's VW restarts alone
+   inside the attempt (:mod:`runtime.launch.restart_vw`, one host, ``wsp``); after any other
+   process failure (a shard; every failure under the other rules) the whole job starts
+   again, from its last committed snapshot when there is one.
 
 Under torchrun, ``python -m runtime`` runs the same jobs one rank at a time.
 """
@@ -40,7 +42,7 @@ from runtime.launch.wsp import prepare_wsp
 from runtime.persist.run_dir import RunDirectory, RunOwner
 from runtime.persist.snapshot import committed_clocks
 from runtime.results.metrics import VWResult, warn_overruns
-from runtime.results.run_result import LostVW, RunResult, evaluate
+from runtime.results.run_result import LostVW, RunResult, evaluate, restart_notes
 from runtime.results.timeline import describe_run
 from runtime.stage.model import resolve_source
 
@@ -124,27 +126,31 @@ def _check_rule(rule: str, vw: int, cfg: WSPConfig) -> None:
 
 
 def _restarting(attempt: Callable[[WSPConfig], Any], run: RunConfig, cfg: WSPConfig) -> RunResult:
-    """``--on-failure restart``: after a process failure, start the whole job again from its
-    last committed snapshot (none: from the beginning), up to ``cfg.max_restarts`` times
-    (test faults fire in the first attempt only); the result lists the failures survived."""
+    """``--on-failure restart``: after a process failure the attempt did not absorb (a shard;
+    a VW restarted alone does not end the attempt), start the whole job again from its last
+    committed snapshot (none: from the beginning), up to ``cfg.max_restarts`` times in all
+    (each attempt may restart single VWs with what is left; test faults fire in the first
+    attempt only); the result lists the failures survived."""
     restarts: list[str] = []
+    budget = cfg.max_restarts  # an attempt may restart single VWs with what is left of it
     while True:
         try:
             result: RunResult = attempt(cfg)
             break
         except HetPipeRuntimeError as exc:
-            if len(restarts) >= cfg.max_restarts or isinstance(exc, Interrupted):
+            if len(restarts) >= budget or isinstance(exc, Interrupted):
                 raise
             ckpt = cfg.checkpoint_dir
             committed = committed_clocks(ckpt) if ckpt is not None else []
             why = str(exc).split("; resume with:")[0]
             restarts.append(f"{why} (restarted from clock {max(committed, default=0)})")
             log.warning("restart %d of %d from the last snapshot after: %s",
-                        len(restarts), cfg.max_restarts, restarts[-1])  # fmt: skip
+                        len(restarts), budget, restarts[-1])  # fmt: skip
             cfg = dataclasses.replace(cfg, resume=bool(committed), resume_clock=None,
-                                      stage_fault=None, write_fault=None, shard_fault=None)  # fmt: skip
+                                      stage_fault=None, write_fault=None, shard_fault=None,
+                                      max_restarts=budget - len(restarts))  # fmt: skip
     if restarts:
-        result = dataclasses.replace(result, restarts=tuple(restarts))
+        result = dataclasses.replace(result, restarts=(*restarts, *result.restarts))
         if run.out_dir is not None:
             result.save(run.out_dir)  # the summary says what was survived
     return result
@@ -171,8 +177,11 @@ def _attempt(
         if isinstance(prep, RunResult):  # a resume with nothing left: written from the snapshot
             return prep
         n_vws = len({j.ctx.vw for j in prep.stages})
-        stages, states, lost = spawn_and_watch(prep.shards, prep.stages, run, prep.steps * n_vws,
-                                               prep.hint, evict=cfg.evict)  # fmt: skip
+        restart_vw = bool(prep.shards) and prep.shards[0].rejoin is not None
+        stages, states, lost, restarted = spawn_and_watch(
+            prep.shards, prep.stages, run, prep.steps * n_vws, prep.hint,
+            evict=cfg.evict or restart_vw, restarts=cfg.max_restarts,
+        )  # fmt: skip
     warn_overruns(stages)
     wall_s = time.time() - t_start
     if rule == "local":
@@ -183,6 +192,10 @@ def _attempt(
         last_wave = prep.first_wave + prep.steps // prep.nm
         gone = LostVW.from_shards(lost, [st for st, _ in states], last_wave)
         result = dataclasses.replace(result, lost=gone)
+    if restarted:  # --on-failure restart of single VWs: each failure survived, and where
+        back = [(r.vw, r.incarnation, r.cause) for r in restarted]
+        notes = restart_notes(back, [st for st, _ in states])
+        result = dataclasses.replace(result, restarts=(*result.restarts, *notes))
     ran = {st.steps for st in stages}
     if run.time_limit_s > 0 and ran and max(ran) < prep.steps:
         waves = prep.first_wave + max(ran) // prep.nm

@@ -11,7 +11,9 @@ exported model at the end. :mod:`runtime.launch.launcher` starts and watches the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from pathlib import Path
 from typing import Any
 
 from torch.utils.data import Dataset, Subset
@@ -25,6 +27,7 @@ from runtime.launch.procs import ShardJob
 from runtime.persist.run_dir import RunOwner, check_settings, job_settings
 from runtime.persist.snapshot import Manifest, SnapshotSpec, clean, select
 from runtime.ps.layout import ShardSpec, shard_specs_for_layout
+from runtime.ps.rejoin import Rejoin
 from runtime.results.evaluation import shard_dataset, split_dataset
 from runtime.results.run_result import RunResult, export_snapshot
 from runtime.stage.job import StageJob
@@ -121,6 +124,10 @@ def prepare_wsp(
                              settings, cfg.checkpoint_every, cfg.keep, cfg.write_fault)  # fmt: skip
     sync = SyncSpec(rule, plan.sync_params, D, specs, snaps, first_wave, cfg.overlap_pulls,
                     run.timeout_s)  # fmt: skip
+    if cfg.restart_vw and any(graph.shared_params(c) for c in _vw_cuts(plan)):
+        log.warning("a VW holds tied parameters on several stages (all-reduced in a subgroup "
+                    "of the first process group): a failure restarts the whole job")  # fmt: skip
+        cfg = dataclasses.replace(cfg, restart_vw=False)
     shards, stages = _jobs(plan, source, optimizer, run, cfg, sync, shards_data, steps, init_method)
     hint = ""
     if snaps is not None and cfg.checkpoint_every > 0:
@@ -144,6 +151,7 @@ def _jobs(
     jobs = vw_stage_jobs(plan, source, optimizer, run, cfg, sync, list(data), steps,
                          init_method, nm, first_rank=len(specs))  # fmt: skip
     world, stages = with_world(jobs, len(specs))
+    rejoin = _rejoin(cfg, sync, init_method, world)
     shards = tuple(
         ShardJob(
             k,
@@ -157,7 +165,8 @@ def _jobs(
             init_method,
             world,
             cfg.shard_fault,
-            _peers(s, specs, cfg),
+            _peers(s, specs, cfg, rejoin),
+            rejoin,
         )
         for k, s in enumerate(specs)
     )
@@ -168,10 +177,28 @@ def _jobs(
 
 
 def _peers(
-    spec: ShardSpec, specs: tuple[ShardSpec, ...], cfg: WSPConfig
+    spec: ShardSpec, specs: tuple[ShardSpec, ...], cfg: WSPConfig, rejoin: Rejoin | None
 ) -> tuple[tuple[int, int], ...] | None:
-    """``--on-failure continue``: (id, rank) of the other shards, which gate each wave."""
-    return tuple((s.id, s.rank) for s in specs if s.id != spec.id) if cfg.evict else None
+    """``--on-failure continue`` (or a VW restart): (id, rank) of the other shards, which
+    gate each wave."""
+    evict = cfg.evict or rejoin is not None
+    return tuple((s.id, s.rank) for s in specs if s.id != spec.id) if evict else None
+
+
+def _vw_cuts(plan: Plan) -> list[list[int]]:
+    """Each VW's cut points (the first layer index of every stage after its first)."""
+    return [[st.first_index for st in vw.stages[1:]] for vw in plan.virtual_workers]
+
+
+def _rejoin(cfg: WSPConfig, sync: SyncSpec, init_method: str, world: int) -> Rejoin | None:
+    """``--on-failure restart`` on one host under WSP: where a restarted VW meets the shards
+    (beside the rendezvous file); ``None`` otherwise (torchrun restarts the whole group)."""
+    if not (cfg.restart_vw and sync.rule == "wsp"):
+        return None
+    if not init_method.startswith("file://"):
+        return None
+    folder = Path(init_method.removeprefix("file://")).parent
+    return Rejoin(str(folder / "rejoin"), world, 4 * sync.timeout_s)
 
 
 def snapshot_parts(plan: Plan) -> tuple[str, ...]:

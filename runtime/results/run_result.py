@@ -41,7 +41,7 @@ from runtime.results.sync import arrival_table, describe_rule, dropped_vw_waves,
 from runtime.results.timeline import write_timeline
 from runtime.stage.model import reference_module
 
-__all__ = ["LostVW", "RunResult", "evaluate", "export_snapshot"]
+__all__ = ["LostVW", "RunResult", "evaluate", "export_snapshot", "restart_notes"]
 
 log = logging.getLogger(__name__)
 
@@ -71,11 +71,29 @@ class LostVW:
         """The lost VWs from the launcher's causes and the shards' evictions (``waves``: the
         global clock the run was to reach)."""
         out = []
-        for vw, cause in sorted(lost.items()):
-            evs = [e for s in states for e in s.evictions if e[0] == vw]
-            wave = min((e[1] for e in evs), default=0)
-            out.append(LostVW(vw, cause, wave, sum(e[2] for e in evs), max(0, waves - wave)))
+        for vw, cause in sorted(lost.items()):  # the last eviction (earlier ones restarted)
+            evs = [[e for e in s.evictions if e[0] == vw][-1:] for s in states]
+            last = [e[0] for e in evs if e]
+            wave = min((e[1] for e in last), default=0)
+            out.append(LostVW(vw, cause, wave, sum(e[2] for e in last), max(0, waves - wave)))
         return tuple(out)
+
+
+def restart_notes(
+    restarted: Sequence[tuple[int, int, str]], states: Sequence[ShardState]
+) -> tuple[str, ...]:
+    """One line per VW restarted alone (``(vw, incarnation, cause)``): the cause, the wave it
+    rejoined at (its cut: the shards' ``incarnation``-th eviction of it) and the buffered
+    pushes the shards discarded (recomputed by the new incarnation; no wave is lost)."""
+    notes = []
+    for vw, inc, cause in restarted:
+        evs = [[e for e in s.evictions if e[0] == vw][inc - 1 : inc] for s in states]
+        hits = [e[0] for e in evs if e]
+        wave = min((e[1] for e in hits), default=-1)
+        dropped = sum(e[2] for e in hits)
+        notes.append(f"{cause} (vw {vw} restarted alone at wave {wave}; {dropped} buffered "
+                     "pushes discarded and recomputed, no wave lost)")  # fmt: skip
+    return tuple(notes)
 
 
 @dataclass(frozen=True)

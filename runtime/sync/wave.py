@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -33,7 +34,9 @@ from planner.wsp import local_version, required_global_clock
 from profiler.errors import HetPipeRuntimeError
 from runtime.launch.stop import LazyStop
 from runtime.persist.snapshot import (
+    Manifest,
     SnapshotSpec,
+    committed_clocks,
     load_part,
     read_manifest,
     snapshot_dir,
@@ -105,6 +108,7 @@ class WaveSync(StageSync):
         self.names = None if names is None else list(names)
         self.mirror = mirror
         self._stop = stop
+        self.rejoined = False  # a restarted VW: optimizer state from an earlier snapshot
 
     @classmethod
     def create(cls, spec: SyncSpec, view: StageView) -> WaveSync:
@@ -120,10 +124,11 @@ class WaveSync(StageSync):
             view.stage,
             [(name, tuple(p.shape)) for name, p in params],
             spec.shards,
+            group=view.group,
             timeout_s=spec.timeout_s,
             pull_timeout_s=2 * spec.timeout_s,
         )
-        return cls(
+        sync = cls(
             client,
             [p for _, p in params],
             view.nm,
@@ -138,6 +143,8 @@ class WaveSync(StageSync):
             mirror,
             LazyStop(view.init_method, view.nm, spec.D),
         )
+        sync.rejoined = spec.rejoined
+        return sync
 
     def agreed_total(self, admitted: int, time_up: bool) -> int | None:
         """Every VW runs the same waves: the first whose time is up proposes the last one
@@ -151,12 +158,20 @@ class WaveSync(StageSync):
         resuming, its part of the snapshot at that clock (optimizer and RNG state)."""
         self._pull(clock)
         self._mirror_set()
+        if self.rejoined:  # the soak benchmark times a VW restart up to this line
+            log.warning("%s rejoined at clock %d", self.where, self.pulled_clock)
         if clock > 0 and self.snapshots is not None:
-            manifest = read_manifest(snapshot_dir(self.snapshots.directory, clock))
+            manifest = self._own_snapshot(self.snapshots.directory, clock)
+            if manifest is None:
+                return  # no part of its own (restarted, or left out): fresh optimizer state
             part = load_part(manifest, self.where)
             where = manifest.path / f"{self.where}.pt"
             if not isinstance(part, dict) or part.get("kind") != "hetpipe-stage":
                 raise HetPipeRuntimeError(f"{where}: not a hetpipe stage checkpoint")
+            if self.rejoined:  # its data goes on at ``clock``; the snapshot may be older
+                if self.optimizer is not None:
+                    self.optimizer.load_state_dict(part["optimizer"])
+                return
             if int(part["data_position"]) != clock * self.nm:
                 raise HetPipeRuntimeError(
                     f"{where}: data position {part['data_position']}, expected {clock * self.nm} "
@@ -165,6 +180,22 @@ class WaveSync(StageSync):
             if self.optimizer is not None:
                 self.optimizer.load_state_dict(part["optimizer"])
             torch.set_rng_state(part["rng"])
+
+    def _own_snapshot(self, directory: Path, clock: int) -> Manifest | None:
+        """The snapshot to start from: the one at ``clock`` (a resume); a restarted VW's
+        (:attr:`rejoined`): the newest committed one at or below ``clock`` holding its part."""
+        if not self.rejoined:
+            manifest = read_manifest(snapshot_dir(directory, clock))
+            if self.where not in manifest.parts:  # its VW was left out before that clock
+                log.warning("%s: no part of %s (its VW was evicted before that clock): it "
+                            "starts with fresh optimizer state", manifest.path, self.where)  # fmt: skip
+                return None
+            return manifest
+        for c in sorted((c for c in committed_clocks(directory) if c <= clock), reverse=True):
+            manifest = read_manifest(snapshot_dir(directory, c))
+            if self.where in manifest.parts:
+                return manifest
+        return None
 
     def _checkpoint(self, clock: int, final: bool = False) -> None:
         snaps = self.snapshots
