@@ -233,6 +233,7 @@ def main() -> None:
     path = RESULTS if args.mode == "restart" else RESULTS.with_name("soak_continue.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
+    path.with_suffix(".log").write_text(soak["stderr"])  # the disturbed run's log
     print(json.dumps({k: v for k, v in result.items() if k != "restarts"}, indent=2))
 
 
@@ -251,7 +252,7 @@ def restart_figures(soak: dict[str, Any], clock: int) -> dict[str, Any]:
                              "recover_s": k["recover_s"]})  # fmt: skip
             continue
         note = alone.pop(0) if alone else ""
-        m = re.search(r"vw (\d+) restarted alone at wave (\d+); (\d+) buffered", note)
+        m = re.search(r"vw (\d+) restarted alone at wave (\d+|\?)(?:; (\d+) buffered)?", note)
         vw = f"vw{m.group(1)}-" if m else "?"
         firsts: dict[str, float] = {}  # the VW's stages: their first rejoin after the kill
         for t, where in rejoined:
@@ -259,8 +260,8 @@ def restart_figures(soak: dict[str, Any], clock: int) -> dict[str, Any]:
                 firsts.setdefault(where, t)
         failures.append({
             "kind": "stage", "waves_lost": 0, "vw": int(m.group(1)) if m else None,
-            "rejoined_at_wave": int(m.group(2)) if m else None,
-            "pushes_discarded": int(m.group(3)) if m else None,
+            "rejoined_at_wave": int(m.group(2)) if m and m.group(2) != "?" else None,
+            "pushes_discarded": int(m.group(3)) if m and m.group(3) else None,  # lost with a failed attempt
             "recover_s": max(firsts.values()) - k["t_kill"] if firsts else None,
         })  # fmt: skip
         rejoined = [(t, w) for t, w in rejoined if not (w in firsts and t <= firsts[w])]

@@ -37,6 +37,7 @@ from runtime.launch.allreduce import prepare_allreduce
 from runtime.launch.failures import Interrupted
 from runtime.launch.jobs import Prepared, prepare_local
 from runtime.launch.liveness import rendezvous_dir
+from runtime.launch.restart_vw import AttemptFailed
 from runtime.launch.supervise import spawn_and_watch
 from runtime.launch.wsp import prepare_wsp
 from runtime.persist.run_dir import RunDirectory, RunOwner
@@ -138,6 +139,8 @@ def _restarting(attempt: Callable[[WSPConfig], Any], run: RunConfig, cfg: WSPCon
             result: RunResult = attempt(cfg)
             break
         except HetPipeRuntimeError as exc:
+            if isinstance(exc, AttemptFailed):  # VWs it restarted alone before it failed
+                restarts.extend(exc.survived)
             if len(restarts) >= budget or isinstance(exc, Interrupted):
                 raise
             ckpt = cfg.checkpoint_dir

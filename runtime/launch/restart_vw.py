@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from profiler.errors import HetPipeRuntimeError
 from runtime.launch.child import run_rank, setup_child
 from runtime.launch.liveness import Heartbeats
 from runtime.launch.procs import dumps_result
@@ -30,9 +31,18 @@ from runtime.ps.rejoin import RELEASE, RESTART, Rejoin
 from runtime.stage.job import StageJob
 from runtime.stage.worker import StageWorker
 
-__all__ = ["Restart", "VWRestarter", "rejoin_main", "rejoined_job"]
+__all__ = ["AttemptFailed", "Restart", "VWRestarter", "rejoin_main", "rejoined_job"]
 
 log = logging.getLogger(__name__)
+
+
+class AttemptFailed(HetPipeRuntimeError):
+    """An attempt failed (same message) after restarting single VWs: ``survived`` names those
+    restarts, for the summary of the whole-job restart that follows."""
+
+    def __init__(self, message: str, survived: Sequence[str]) -> None:
+        super().__init__(message)
+        self.survived = tuple(survived)
 
 
 @dataclass(frozen=True)
@@ -119,3 +129,14 @@ class VWRestarter:
         log.warning("vw %d restarted (incarnation %d, restart %d of %d) after: %s",
                     vw, inc, len(self.restarted), self.budget, cause)  # fmt: skip
         return True
+
+    def notes(self) -> list[str]:
+        """One line per restart made, with the wave the shards published for it (``?``: not
+        yet), for an attempt that failed later (its shards' states are lost)."""
+        out = []
+        for r in self.restarted:
+            key = Rejoin.wave_key(r.vw, r.incarnation)
+            known = self._store is not None and self._store.check([key])
+            wave = self._store.get(key).decode() if known else "?"
+            out.append(f"{r.cause} (vw {r.vw} restarted alone at wave {wave})")
+        return out

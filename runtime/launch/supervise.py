@@ -22,7 +22,7 @@ from runtime.launch.failures import Interrupted, root_cause_rank, stop_all, watc
 from runtime.launch.liveness import Heartbeats
 from runtime.launch.procs import ShardJob, loads_result, process_context, shard_main, stage_main
 from runtime.launch.reports import Reports
-from runtime.launch.restart_vw import Restart, VWRestarter, rejoin_main
+from runtime.launch.restart_vw import AttemptFailed, Restart, VWRestarter, rejoin_main
 from runtime.persist.checkpoint import ShardState
 from runtime.ps.outcome import ClockEvent
 from runtime.results.metrics import ProgressBar, StageResult
@@ -67,6 +67,7 @@ def spawn_and_watch(
     procs: dict[int, Any] = {}
     progress = ProgressBar(run.progress, progress_total, stages[0].ctx.batch_size)
     labels = {s.rank: s.where for s in shards} | {j.ctx.rank: j.ctx.where for j in stages}
+    restarter: VWRestarter | None = None
     try:
         for sh in shards:
             channel, writer = events.channel()
@@ -89,7 +90,6 @@ def spawn_and_watch(
         rendezvous = Path(stages[0].init_method.removeprefix("file://")).parent
         beats = Heartbeats(rendezvous, max(5.0, run.timeout_s / 2), labels)
         rejoin = shards[0].rejoin if shards else None
-        restarter = None
         if evict and rejoin is not None:
 
             def respawn(job: StageJob, inc: int) -> Any:
@@ -101,6 +101,10 @@ def spawn_and_watch(
         results = _watch(labels, procs, events, progress, run, beats, hint, evictor)
     except KeyboardInterrupt:
         raise Interrupted(f"interrupted (Ctrl-C): every process stopped{hint}") from None
+    except HetPipeRuntimeError as exc:  # the VWs restarted before count as failures survived
+        if restarter is None or not restarter.restarted:
+            raise
+        raise AttemptFailed(str(exc), restarter.notes()) from exc
     finally:
         progress.stop()
         stop_all(procs)

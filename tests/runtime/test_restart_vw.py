@@ -8,11 +8,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from profiler.errors import HetPipeRuntimeError
-from runtime.config import ModelSource, OptimizerConfig, RunConfig
+from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.launch.evict import VWEvictor
 from runtime.launch.failures import watch
 from runtime.launch.faults import StageFault
-from runtime.launch.restart_vw import VWRestarter, rejoined_job
+from runtime.launch.launcher import _restarting
+from runtime.launch.restart_vw import AttemptFailed, VWRestarter, rejoined_job
 from runtime.ps.rejoin import RELEASE, RESTART, Rejoin
 from runtime.stage.job import StageContext, StageJob
 from runtime.sync.rule import SyncSpec
@@ -92,3 +93,23 @@ def test_a_restarted_job_starts_at_the_cut_and_ends_with_the_others() -> None:
     assert job.sync.first_wave == 3 and job.sync.rejoined and job.first_mb == 6
     assert job.ctx.total_steps == 2 * (1 + 6 - 3)  # waves 3..6: the same last wave (7)
     assert job.fault is None  # a test fault fires in the first incarnation only
+
+
+@dataclass(frozen=True)
+class _Result:
+    restarts: tuple[str, ...] = ()
+
+
+def test_vw_restarts_of_a_failed_attempt_are_listed_and_spend_the_budget() -> None:
+    budgets: list[int] = []
+
+    def attempt(cfg: WSPConfig) -> _Result:
+        budgets.append(cfg.max_restarts)
+        if len(budgets) == 1:  # restarted VW 1 alone, then a shard died
+            raise AttemptFailed("rank 0 (shard 0) failed: boom", ["vw 1 note"])
+        return _Result(("vw 0 note",))
+
+    result = _restarting(attempt, RunConfig(), WSPConfig(max_restarts=3))  # type: ignore[arg-type]
+    assert result.restarts == ("vw 1 note", "rank 0 (shard 0) failed: boom (restarted from "
+                               "clock 0)", "vw 0 note")  # fmt: skip
+    assert budgets == [3, 1]  # the second attempt may restart one VW more
