@@ -233,7 +233,7 @@ def main() -> None:
     path = RESULTS if args.mode == "restart" else RESULTS.with_name("soak_continue.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
-    path.with_suffix(".log").write_text(soak["stderr"])  # the disturbed run's log
+    (TMP / "hetpipe-soak.log").write_text(soak["stderr"])  # the disturbed run's log
     print(json.dumps({k: v for k, v in result.items() if k != "restarts"}, indent=2))
 
 
