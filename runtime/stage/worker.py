@@ -78,7 +78,7 @@ class StageWorker:
         view = StageView(
             ctx.rank, ctx.vw, ctx.stage, ctx.nm, f"vw{ctx.vw}-stage{ctx.stage}",
             tuple((self.names[n], p) for n, p in params.items()), self.weights, self.result,
-            self.tied if self.tied else None, job.init_method,
+            self.tied if self.tied else None, job.init_method, tuple(self.module.named_buffers()),
         )  # fmt: skip
         self.sync = stage_sync(job.sync, view)  # the synchronisation rule's hooks
         self._task_mb = 1  # the minibatch of the task being paced (its wave may straggle)

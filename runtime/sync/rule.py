@@ -104,6 +104,7 @@ class StageView:
         tied: the stage's tied parameters (held by several stages of its VW), if any.
         init_method: the process group's rendezvous (a rule's own store can live beside it:
             :func:`runtime.launch.stop.stop_store`).
+        buffers: ``(local name, buffer)`` of the stage's module (a snapshot holds them).
     """
 
     rank: int
@@ -116,6 +117,7 @@ class StageView:
     result: StageResult
     tied: TiedGrads | None = None
     init_method: str = "env://"
+    buffers: tuple[tuple[str, Tensor], ...] = ()
 
 
 class StageSync:

@@ -39,6 +39,7 @@ from runtime.persist.snapshot import (
     snapshot_dir,
     write_part,
 )
+from runtime.persist.stage_part import ForwardState, StagePart, stage_from_payload, stage_payload
 from runtime.ps.client import PSClient, PullHandle
 from runtime.results.metrics import StageResult
 from runtime.stage.weights import VersionedWeights
@@ -72,6 +73,9 @@ class WaveSync(StageSync):
         weights: given: pulls overlap the tasks until a forward needs them.
         stop: stage 0 under a time limit: where the VWs agree on the last wave
             (:class:`runtime.launch.stop.LazyStop`; ``None``: this VW stops alone).
+        versions: the stage's weight versions (with ``snapshots``: their master and versions
+            in flight go into its part, :mod:`runtime.persist.stage_part`).
+        buffers: the stage module's buffers by local name (in its part too).
     """
 
     def __init__(
@@ -89,6 +93,8 @@ class WaveSync(StageSync):
         names: Sequence[str] | None = None,
         mirror: TiedMirror | None = None,
         stop: LazyStop | None = None,
+        versions: VersionedWeights | None = None,
+        buffers: dict[str, Tensor] | None = None,
     ) -> None:
         self.client, self.params, self.nm, self.D = client, list(params), nm, D
         self.result = result
@@ -104,6 +110,10 @@ class WaveSync(StageSync):
         self.names = None if names is None else list(names)
         self.mirror = mirror
         self._stop = stop
+        self.versions = versions if versions is not None else weights
+        self.buffers = buffers or {}
+        self._wave_start: tuple[int, ForwardState] | None = None  # (its first minibatch, state)
+        self._pulled: list[Tensor] = []  # a pull to fold (a resumed start)
 
     @classmethod
     def create(cls, spec: SyncSpec, view: StageView) -> WaveSync:
@@ -136,6 +146,8 @@ class WaveSync(StageSync):
             [local[p] for _, p in params],
             mirror,
             LazyStop(view.init_method, view.nm, spec.D),
+            view.weights,
+            dict(view.buffers),
         )
 
     def agreed_total(self, admitted: int, time_up: bool) -> int | None:
@@ -147,23 +159,34 @@ class WaveSync(StageSync):
 
     def start(self, clock: int = 0) -> None:
         """Load the global weights at ``clock`` (the run's first wave) into the stage and, when
-        resuming, its part of the snapshot at that clock (optimizer and RNG state)."""
-        self._pull(clock)
-        self._mirror_set()
-        if clock > 0 and self.snapshots is not None:
-            manifest = read_manifest(snapshot_dir(self.snapshots.directory, clock))
-            part = load_part(manifest, self.where)
-            where = manifest.path / f"{self.where}.pt"
-            if not isinstance(part, dict) or part.get("kind") != "hetpipe-stage":
-                raise HetPipeRuntimeError(f"{where}: not a hetpipe stage checkpoint")
-            if int(part["data_position"]) != clock * self.nm:
-                raise HetPipeRuntimeError(
-                    f"{where}: data position {part['data_position']}, expected {clock * self.nm} "
-                    "(a snapshot of another Nm)"
-                )
+        resuming, its part of the snapshot at that clock: the master weights and versions in
+        flight, into which the pull is folded as in the run that stopped, the optimizer, RNG
+        and buffers (:mod:`runtime.persist.stage_part`)."""
+        part = self._resume_part(clock)
+        exact = part is not None and part.master is not None and self.versions is not None
+        if exact and part is not None and self.versions is not None:
+            part.restore_weights(self.versions)
+        if exact and self.weights is not None:  # the stopped run folded this pull in
+            self._pull(clock, fold=True)
+            self._mirror_announce(0)  # followers: the owner's correction for version 0 follows
+            self._fold(0, self._pulled)
+            if self.mirror is not None:
+                self.mirror.before_update()
+        else:
+            self._pull(clock)
+            self._mirror_set()
+        if part is not None:
             if self.optimizer is not None:
-                self.optimizer.load_state_dict(part["optimizer"])
-            torch.set_rng_state(part["rng"])
+                self.optimizer.load_state_dict(part.optimizer)
+            part.forward.restore(self.buffers, f"{self.where} at clock {clock}")
+
+    def _resume_part(self, clock: int) -> StagePart | None:
+        """This stage's part of the snapshot at ``clock`` (``None``: a run from the start)."""
+        if clock <= 0 or self.snapshots is None:
+            return None
+        manifest = read_manifest(snapshot_dir(self.snapshots.directory, clock))
+        where = manifest.path / f"{self.where}.pt"
+        return stage_from_payload(load_part(manifest, self.where), where, clock, self.nm)
 
     def _checkpoint(self, clock: int, final: bool = False) -> None:
         snaps = self.snapshots
@@ -171,14 +194,14 @@ class WaveSync(StageSync):
             return
         if clock <= self._written:
             return  # never rewrite a part a committed manifest may already vouch for
-        payload = {
-            "kind": "hetpipe-stage",
-            "clock": clock,
-            "data_position": clock * self.nm,  # minibatches of this VW's data consumed
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else {},
-            "rng": torch.get_rng_state(),
-        }
-        write_part(snaps, clock, self.where, payload)
+        if self.versions is None:
+            raise HetPipeRuntimeError(f"{self.where}: a snapshot needs the stage's weights")
+        start = self._wave_start  # the next wave's forwards may have begun: their RNG/buffers
+        if start is not None and start[0] == clock * self.nm + 1:
+            fwd = start[1]
+        else:
+            fwd = ForwardState.capture(self.buffers)
+        write_part(snaps, clock, self.where, stage_payload(clock, self.nm, self.versions, fwd))
         self._written = clock
 
     def _log_wait(self, clock: int, waited: float) -> None:
@@ -187,9 +210,12 @@ class WaveSync(StageSync):
             end = time.time()
             self.result.log_interval("wait", clock, end - waited, end)
 
-    def _pull(self, min_clock: int) -> None:
+    def _pull(self, min_clock: int, fold: bool = False) -> None:
+        """Pull clock ``min_clock`` into the master (``fold``: into ``_pulled``, for
+        :meth:`_fold`; the snapshot is then the master as it is)."""
         t0 = time.perf_counter()
-        res = self.client.pull(min_clock, out=self.params)
+        res = self.client.pull(min_clock, out=None if fold else self.params)
+        self._pulled = list(res.tensors) if fold else []
         waited = time.perf_counter() - t0
         self._log_wait(min_clock, waited)
         self.result.wait_s += waited
@@ -248,7 +274,10 @@ class WaveSync(StageSync):
     def before_forward(self, mb: int) -> None:
         """Call before the forward of minibatch ``mb``: it runs on version ``mb - Nm``; if that
         version needs a pull still in flight, wait for it and fold the pulled local copy into
-        that version and every later one (the master included)."""
+        that version and every later one (the master included). The first forward of a wave
+        records the RNG state and buffers a snapshot at that wave's clock holds."""
+        if self.snapshots is not None and (self.first_mb + mb - 1) % self.nm == 0:
+            self._wave_start = (self.first_mb + mb, ForwardState.capture(self.buffers))
         if self.mirror is not None:
             self.mirror.before_forward(mb, self.nm)
         if self._pending is None or self.weights is None:

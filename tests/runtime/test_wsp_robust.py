@@ -73,8 +73,8 @@ def test_resume_continues_lr_schedule_and_momentum_exactly(tmp_path: Path) -> No
     resumed = launch(plan, SOURCE, opt, run(out), WSPConfig(checkpoint_every=2, resume=True))
     assert [vw.steps for vw in resumed.vws] == [5, 5]
     ref = whole.state_dict()
-    for name, t in resumed.state_dict().items():
-        torch.testing.assert_close(t, ref[name], rtol=1e-6, atol=1e-7)
+    for name, t in resumed.state_dict().items():  # bit-identical (the pull's fold is replayed)
+        assert torch.equal(t, ref[name]), name
 
 
 def test_cli_time_limit_runs_several_vws_until_the_limit(tmp_path: Path) -> None:

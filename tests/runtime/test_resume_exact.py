@@ -1,0 +1,69 @@
+"""A resumed run ends bit-identical to the run that never stopped, with Nm > 1 minibatches in
+flight: the snapshot holds each stage's master weights before the pull's fold, its weight
+versions in flight, its optimizer, RNG and buffers (:mod:`runtime.persist.stage_part`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from planner.manual import multi_vw_plan
+from profiler.errors import HetPipeRuntimeError
+from profiler.graph import ModelGraph
+from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
+from runtime.launch.faults import StageFault
+from runtime.launch.launcher import launch
+from runtime.persist.snapshot import committed_clocks, load_part, read_manifest, snapshot_dir
+from runtime.results.wsp import WSPResult
+from runtime.stage.model import resolve_source
+
+pytestmark = pytest.mark.timeout(120)
+
+SOURCE = ModelSource(ref="mlp")
+BATCH = 16
+NM = 3
+
+
+def _plan(vw_cuts: list[tuple[int, ...]], n_shards: int):  # type: ignore[no-untyped-def]
+    graph = ModelGraph.from_spec(resolve_source(SOURCE, BATCH, meta=True))
+    return multi_vw_plan(graph, vw_cuts, "mlp", BATCH, nm=NM, D=0, n_shards=n_shards)
+
+
+@pytest.mark.parametrize(
+    ("vw_cuts", "n_shards"), [([(3,)], 1), ([(2,), (5,)], 2)], ids=["1vw-2stages", "2vws-2shards"]
+)
+def test_resume_after_a_kill_is_bit_identical_at_nm_3(
+    tmp_path: Path, vw_cuts: list[tuple[int, ...]], n_shards: int
+) -> None:
+    plan = _plan(vw_cuts, n_shards)
+    # momentum and a step schedule: optimizer state and the lr position must go on exactly
+    opt = OptimizerConfig(lr=0.05, momentum=0.5, schedule="step", step_size=4, gamma=0.5)
+
+    def run(out: Path) -> RunConfig:
+        return RunConfig(steps=5 * NM, timeout_s=15.0, emulate=False, out_dir=out)
+
+    whole = launch(plan, SOURCE, opt, run(tmp_path / "whole"))
+    assert isinstance(whole, WSPResult)
+    out = tmp_path / "cut"
+    # stage 1 dies before minibatch 8: the snapshot at clock 2 (minibatch 6) is the last one
+    with pytest.raises(HetPipeRuntimeError):
+        launch(plan, SOURCE, opt, run(out), WSPConfig(checkpoint_every=2, stage_fault=StageFault(1, 8)))
+    assert committed_clocks(out / "checkpoints") == [2]
+    part = load_part(read_manifest(snapshot_dir(out / "checkpoints", 2)), "vw0-stage0")
+    assert sorted(part["versions"]) == [-2, -1]  # the Nm - 1 versions in flight
+    resumed = launch(plan, SOURCE, opt, run(out), WSPConfig(checkpoint_every=2, resume=True))
+    assert isinstance(resumed, WSPResult)
+    assert [vw.steps for vw in resumed.vws] == [3 * NM] * len(vw_cuts)
+    ref = whole.state_dict()
+    got = resumed.state_dict()
+    assert sorted(got) == sorted(ref)
+    for name, t in got.items():
+        assert torch.equal(t, ref[name]), name
+    for k, vw in enumerate(resumed.vws):  # the same losses for the same minibatches
+        tail = dict(whole.vws[k].stages[-1].losses)
+        assert vw.stages[-1].losses and all(
+            loss == tail[mb + 2 * NM] for mb, loss in vw.stages[-1].losses
+        )
+    assert resumed.test_accuracy == whole.test_accuracy
