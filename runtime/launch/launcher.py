@@ -31,7 +31,7 @@ from profiler.errors import ConfigError, HetPipeRuntimeError
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.data import default_dataset
 from runtime.launch.failures import Interrupted, rendezvous_dir
-from runtime.launch.jobs import Prepared, prepare_allreduce, prepare_local
+from runtime.launch.jobs import Prepared, check_alone, prepare_allreduce, prepare_local
 from runtime.launch.supervise import spawn_and_watch
 from runtime.launch.wsp import prepare_wsp
 from runtime.persist.checkpoint import atomic_torch_save
@@ -81,11 +81,8 @@ def launch(
     rule = effective_rule(plan.sync, len(plan.shards), len(plan.virtual_workers), vw)
     if rule == "allreduce" and vw >= 0:
         raise ConfigError("an AllReduce plan trains every device together; drop --vw")
-    if rule == "local" and cfg.resume:
-        raise ConfigError(
-            "--resume needs parameter-server shards (they write the checkpoints); this run "
-            "trains one VW without them (plan it with 'hetpipe plan', which places shards)"
-        )
+    if rule == "local":
+        check_alone(cfg)
     if not RULES[rule].uses_shards:  # no snapshots; the run directory is still this run's
         one_vw = rule == "local"
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from planner.manual import multi_vw_plan
-from profiler.errors import HetPipeRuntimeError
+from profiler.errors import ConfigError, HetPipeRuntimeError
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.launch.faults import StageFault
@@ -67,3 +67,33 @@ def test_resume_after_a_kill_is_bit_identical_at_nm_3(
             loss == tail[mb + 2 * NM] for mb, loss in vw.stages[-1].losses
         )
     assert resumed.test_accuracy == whole.test_accuracy
+
+
+@pytest.mark.parametrize(
+    ("cfg", "flag"),
+    [
+        (WSPConfig(resume=True), "--resume"),
+        (WSPConfig(max_restarts=1), "--on-failure restart"),
+        (WSPConfig(evict=True), "--on-failure continue"),
+    ],
+)
+def test_one_vw_alone_refuses_what_needs_snapshots(tmp_path: Path, cfg: WSPConfig, flag: str) -> None:
+    """--vw K trains one VW alone, whose weights never reach the shards: no snapshots, so
+    nothing to resume or restart from; refused in one line instead of ignored."""
+    plan = _plan([(3,), (5,)], 2)
+    run = RunConfig(steps=3, timeout_s=15.0, emulate=False, out_dir=tmp_path / "out")
+    with pytest.raises(ConfigError, match=f"^{flag}: one VW trained alone"):
+        launch(plan, SOURCE, None, run, cfg, vw=1)
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_refuses_an_explicit_checkpoint_every_with_vw(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from hetpipe.cli import app
+
+    path = _plan([(3,), (5,)], 2).save(tmp_path / "plan.yaml")
+    args = ["run", str(path), "--vw", "0", "--steps", "3", "--no-progress", "--no-emulate"]
+    res = CliRunner().invoke(app, [*args, "--checkpoint-every", "2"], env={"COLUMNS": "300"})
+    assert res.exit_code == 2
+    assert "--checkpoint-every: one VW trained alone" in res.output
