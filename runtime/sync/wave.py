@@ -40,7 +40,8 @@ from runtime.persist.snapshot import (
     write_part,
 )
 from runtime.persist.stage_part import ForwardState, StagePart, stage_from_payload, stage_payload
-from runtime.ps.client import PSClient, PullHandle
+from runtime.ps.client import PSClient
+from runtime.ps.pull import PullHandle
 from runtime.results.metrics import StageResult
 from runtime.stage.weights import VersionedWeights
 from runtime.sync.rule import StageSync, StageView, SyncSpec
