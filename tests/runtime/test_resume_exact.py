@@ -97,3 +97,41 @@ def test_cli_refuses_an_explicit_checkpoint_every_with_vw(tmp_path: Path) -> Non
     res = CliRunner().invoke(app, [*args, "--checkpoint-every", "2"], env={"COLUMNS": "300"})
     assert res.exit_code == 2
     assert "--checkpoint-every: one VW trained alone" in res.output
+
+
+def test_resume_with_dropout_and_batch_norm_is_bit_identical(tmp_path: Path) -> None:
+    """The RNG state and the buffers go on from before the next wave's first forward (taken
+    at that forward when the pipeline had already started it), not from the snapshot's moment."""
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    from runtime.api import _module_source
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(400, 8), torch.randint(0, 3, (400,)))
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.3),
+        nn.Linear(16, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3),
+    )  # fmt: skip
+    source = _module_source(model, data, nn.functional.cross_entropy, BATCH)
+    graph = ModelGraph.from_spec(resolve_source(source, BATCH, meta=False))
+    plan = multi_vw_plan(graph, [(len(graph.layers) // 2,)], "drop", BATCH, nm=NM, n_shards=1)
+
+    def run(out: Path) -> RunConfig:
+        return RunConfig(steps=5 * NM, timeout_s=15.0, emulate=False, out_dir=out)
+
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    whole = launch(plan, source, None, run(tmp_path / "whole"), dataset=data)
+    # the user's module is left as it was (evaluation used to load the final weights into it,
+    # so the next run started from them)
+    assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items())
+    out = tmp_path / "cut"
+    with pytest.raises(HetPipeRuntimeError):
+        launch(plan, source, None, run(out), WSPConfig(checkpoint_every=2, stage_fault=StageFault(1, 8)), data)
+    resumed = launch(plan, source, None, run(out), WSPConfig(checkpoint_every=2, resume=True), data)
+    assert isinstance(whole, WSPResult) and isinstance(resumed, WSPResult)
+    ref = whole.state_dict()
+    for name, t in resumed.state_dict().items():
+        assert torch.equal(t, ref[name]), name
+    tail = dict(whole.vws[0].stages[-1].losses)
+    assert all(loss == tail[mb + 2 * NM] for mb, loss in resumed.vws[0].stages[-1].losses)
