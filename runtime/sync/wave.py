@@ -164,10 +164,11 @@ class WaveSync(StageSync):
         flight, into which the pull is folded as in the run that stopped, the optimizer, RNG
         and buffers (:mod:`runtime.persist.stage_part`)."""
         part = self._resume_part(clock)
-        exact = part is not None and part.master is not None and self.versions is not None
-        if exact and part is not None and self.versions is not None:
+        fold = False
+        if part is not None and part.master is not None and self.versions is not None:
             part.restore_weights(self.versions)
-        if exact and self.weights is not None:  # the stopped run folded this pull in
+            fold = self.weights is not None  # the stopped run folded this pull in (overlapped)
+        if fold:
             self._pull(clock, fold=True)
             self._mirror_announce(0)  # followers: the owner's correction for version 0 follows
             self._fold(0, self._pulled)
@@ -277,7 +278,9 @@ class WaveSync(StageSync):
         version needs a pull still in flight, wait for it and fold the pulled local copy into
         that version and every later one (the master included). The first forward of a wave
         records the RNG state and buffers a snapshot at that wave's clock holds."""
-        if self.snapshots is not None and (self.first_mb + mb - 1) % self.nm == 0:
+        wave, first = divmod(self.first_mb + mb - 1, self.nm)
+        every = self.snapshots.every if self.snapshots is not None else 0
+        if first == 0 and every > 0 and wave % every == 0:  # a snapshot clock's part needs it
             self._wave_start = (self.first_mb + mb, ForwardState.capture(self.buffers))
         if self.mirror is not None:
             self.mirror.before_forward(mb, self.nm)
