@@ -15,7 +15,7 @@ node 0. ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` come from 
 
 Every rank writes its result to ``--out/rank<r>.pt`` (a stage's ``StageResult`` or a shard's
 final state and clock trace); :func:`collect_wsp` turns the files into a
-:class:`runtime.results.wsp.WSPResult`. Checkpoints and ``--resume DIR`` need ``--out`` on a
+:class:`runtime.results.run_result.RunResult`. Checkpoints and ``--resume DIR`` need ``--out`` on a
 file system every host shares; ranks that torchrun restarts (its own ``--max-restarts``)
 resume from the last snapshot; ``--time-limit`` stops every VW at
 one agreed wave (through the process group's store). ``--calibration`` replaces the pacing
@@ -39,7 +39,7 @@ from profiler.errors import ConfigError, HetPipeError, HetPipeRuntimeError
 from profiler.files import atomic_write_bytes
 from runtime.config import ModelSource
 from runtime.options import add_arguments, configs
-from runtime.results.wsp import WSPResult
+from runtime.results.run_result import RunResult
 
 log = logging.getLogger("runtime")
 
@@ -115,7 +115,7 @@ def _rank_job(a: argparse.Namespace, plan: Plan, rank: int, world: int) -> Any:
     owner = SharedRun("" if cfg.resume else attempt, attempt, rank == 0) if out else None
     prep = prepare(plan, ModelSource(ref=plan.model), opt, run, cfg, None, owner, rule,
                    max(a.vw, 0), "env://")  # fmt: skip
-    if isinstance(prep, WSPResult):
+    if isinstance(prep, RunResult):
         return None
     jobs: dict[int, Any] = {s.rank: s for s in prep.shards}
     jobs |= {j.ctx.rank: j for j in prep.stages}
@@ -153,8 +153,8 @@ class _RankSink:
         """Nothing to wait for."""
 
 
-def collect_wsp(plan: Plan, out: Path, nm: int = 0, D: int | None = None) -> WSPResult:
-    """The :class:`WSPResult` of a torchrun WSP run from its ``out/rank<r>.pt`` files.
+def collect_wsp(plan: Plan, out: Path, nm: int = 0, D: int | None = None) -> RunResult:
+    """The :class:`RunResult` of a torchrun WSP run from its ``out/rank<r>.pt`` files.
 
     Raises:
         HetPipeRuntimeError: a rank's file is missing (that rank failed).
@@ -177,7 +177,7 @@ def collect_wsp(plan: Plan, out: Path, nm: int = 0, D: int | None = None) -> WSP
         results.append(loads_result(path.read_bytes()))
     stages = [x for x in results if isinstance(x, StageResult)]
     states = [x for x in results if not isinstance(x, StageResult)]
-    return WSPResult.build(plan, nm or plan.nm, D, stages, states, specs, 0.0)
+    return RunResult.build(plan, nm or plan.nm, D, stages, states, specs, 0.0)
 
 
 if __name__ == "__main__":

@@ -171,7 +171,7 @@ def run(  # long only by its typer signature (the command's options); the body i
     values = {name: value for name, value in locals().items() if name in OPTIONS}
     rule = rule_params(sync, backups, tau, alpha)
     if sync == "allreduce":
-        _refuse_pipeline_options(resume, nm, staleness, vw, vws, stages, policy)
+        _refuse_pipeline_options(nm, staleness, vw, vws, stages, policy)
     target = resume_target(resume) if resume is not None else None
     opt, run_cfg, wsp = configs(values, out or (target[0] if target else None), progress, target,
                                 _resume_hint(path))  # fmt: skip
@@ -225,14 +225,14 @@ def _train(
     ``--checkpoint-every`` was given, which one VW alone refuses)."""
     from runtime.config import ModelSource
     from runtime.launch.jobs import check_alone
-    from runtime.run import describe_training, outputs, rule_for, run_plan, summary
+    from runtime.run import describe_training, outputs, rule_for, run_plan
 
     if rule_for(plan, vw) == "local":
         check_alone(wsp, every)
 
     console.print(describe_training(plan, vw, run_cfg.nm or plan.nm, wsp.D))
     result = run_plan(plan, ModelSource(ref=plan.model), opt, run_cfg, wsp, vw=vw)
-    console.print(summary(result))
+    console.print(result.table())
     out = run_cfg.out_dir
     if out is not None:
         console.print(f"outputs: {', '.join(str(out / f) for f in outputs(result))}")
@@ -255,7 +255,6 @@ def _resume_hint(path: Path) -> str:
 
 
 def _refuse_pipeline_options(
-    resume: str | None,
     nm: int,
     staleness: int | None,
     vw: int,
@@ -265,7 +264,6 @@ def _refuse_pipeline_options(
 ) -> None:
     """AllReduce trains the whole model on every device: no pipeline options apply."""
     given = {
-        "--resume": resume is not None,
         "--nm": nm > 1,
         "--D": staleness is not None,
         "--vw": vw >= 0,
@@ -277,8 +275,7 @@ def _refuse_pipeline_options(
         if is_given:
             raise ConfigError(
                 f"{flag} does not apply to --sync allreduce (whole-model data parallelism on "
-                "every device that holds the model: no pipeline, no parameter servers, no "
-                "checkpoints); drop it"
+                "every device that holds the model: no pipeline, no parameter servers); drop it"
             )
 
 

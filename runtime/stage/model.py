@@ -28,8 +28,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from profiler.errors import ModelError
-from profiler.graph import ModelGraph, StageModule
+from profiler.graph import ModelGraph
 from profiler.models import ModelSpec, output_loss, resolve_model, resolve_model_for_graph
+from profiler.stages import StageModule
 from runtime.config import LossFn, ModelSource
 from runtime.stage.comm import TensorSpec, cut_specs
 from runtime.stage.tied import TiedParam, tied_params

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -33,7 +34,9 @@ from planner.wsp import local_version, required_global_clock
 from profiler.errors import HetPipeRuntimeError
 from runtime.launch.stop import LazyStop
 from runtime.persist.snapshot import (
+    Manifest,
     SnapshotSpec,
+    committed_clocks,
     load_part,
     read_manifest,
     snapshot_dir,
@@ -115,6 +118,7 @@ class WaveSync(StageSync):
         self.buffers = buffers or {}
         self._wave_start: tuple[int, ForwardState] | None = None  # (its first minibatch, state)
         self._pulled: list[Tensor] = []  # a pull to fold (a resumed start)
+        self.rejoined = False  # a restarted VW: optimizer state from an earlier snapshot
 
     @classmethod
     def create(cls, spec: SyncSpec, view: StageView) -> WaveSync:
@@ -130,10 +134,11 @@ class WaveSync(StageSync):
             view.stage,
             [(name, tuple(p.shape)) for name, p in params],
             spec.shards,
+            group=view.group,
             timeout_s=spec.timeout_s,
             pull_timeout_s=2 * spec.timeout_s,
         )
-        return cls(
+        sync = cls(
             client,
             [p for _, p in params],
             view.nm,
@@ -150,6 +155,8 @@ class WaveSync(StageSync):
             view.weights,
             dict(view.buffers),
         )
+        sync.rejoined = spec.rejoined
+        return sync
 
     def agreed_total(self, admitted: int, time_up: bool) -> int | None:
         """Every VW runs the same waves: the first whose time is up proposes the last one
@@ -162,10 +169,12 @@ class WaveSync(StageSync):
         """Load the global weights at ``clock`` (the run's first wave) into the stage and, when
         resuming, its part of the snapshot at that clock: the master weights and versions in
         flight, into which the pull is folded as in the run that stopped, the optimizer, RNG
-        and buffers (:mod:`runtime.persist.stage_part`)."""
+        and buffers (:mod:`runtime.persist.stage_part`). A restarted VW (:attr:`rejoined`)
+        takes the global weights at ``clock`` and only the optimizer state of its newest part."""
         part = self._resume_part(clock)
         fold = False
-        if part is not None and part.master is not None and self.versions is not None:
+        exact = part is not None and part.master is not None and not self.rejoined
+        if exact and part is not None and self.versions is not None:
             part.restore_weights(self.versions)
             fold = self.weights is not None  # the stopped run folded this pull in (overlapped)
         if fold:
@@ -177,18 +186,41 @@ class WaveSync(StageSync):
         else:
             self._pull(clock)
             self._mirror_set()
-        if part is not None:
-            if self.optimizer is not None:
-                self.optimizer.load_state_dict(part.optimizer)
+        if self.rejoined:  # the soak benchmark times a VW restart up to this line
+            log.warning("%s rejoined at clock %d", self.where, self.pulled_clock)
+        if part is None:
+            return
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(part.optimizer)
+        if not self.rejoined:  # a restarted VW's data goes on at ``clock``, not at its part's
             part.forward.restore(self.buffers, f"{self.where} at clock {clock}")
 
     def _resume_part(self, clock: int) -> StagePart | None:
-        """This stage's part of the snapshot at ``clock`` (``None``: a run from the start)."""
+        """This stage's part to start from (``None``: a run from the start, or no part of its
+        own: fresh optimizer state)."""
         if clock <= 0 or self.snapshots is None:
             return None
-        manifest = read_manifest(snapshot_dir(self.snapshots.directory, clock))
+        manifest = self._own_snapshot(self.snapshots.directory, clock)
+        if manifest is None:
+            return None
         where = manifest.path / f"{self.where}.pt"
-        return stage_from_payload(load_part(manifest, self.where), where, clock, self.nm)
+        return stage_from_payload(load_part(manifest, self.where), where, manifest.clock, self.nm)
+
+    def _own_snapshot(self, directory: Path, clock: int) -> Manifest | None:
+        """The snapshot to start from: the one at ``clock`` (a resume); a restarted VW's
+        (:attr:`rejoined`): the newest committed one at or below ``clock`` holding its part."""
+        if not self.rejoined:
+            manifest = read_manifest(snapshot_dir(directory, clock))
+            if self.where not in manifest.parts:  # its VW was left out before that clock
+                log.warning("%s: no part of %s (its VW was evicted before that clock): it "
+                            "starts with fresh optimizer state", manifest.path, self.where)  # fmt: skip
+                return None
+            return manifest
+        for c in sorted((c for c in committed_clocks(directory) if c <= clock), reverse=True):
+            manifest = read_manifest(snapshot_dir(directory, c))
+            if self.where in manifest.parts:
+                return manifest
+        return None
 
     def _checkpoint(self, clock: int, final: bool = False) -> None:
         snaps = self.snapshots
