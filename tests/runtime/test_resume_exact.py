@@ -16,7 +16,7 @@ from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.launch.faults import StageFault
 from runtime.launch.launcher import launch
 from runtime.persist.snapshot import committed_clocks, load_part, read_manifest, snapshot_dir
-from runtime.results.wsp import WSPResult
+from runtime.results.run_result import RunResult
 from runtime.stage.model import resolve_source
 
 pytestmark = pytest.mark.timeout(120)
@@ -45,7 +45,7 @@ def test_resume_after_a_kill_is_bit_identical_at_nm_3(
         return RunConfig(steps=5 * NM, timeout_s=15.0, emulate=False, out_dir=out)
 
     whole = launch(plan, SOURCE, opt, run(tmp_path / "whole"))
-    assert isinstance(whole, WSPResult)
+    assert isinstance(whole, RunResult)
     out = tmp_path / "cut"
     # stage 1 dies before minibatch 8: the snapshot at clock 2 (minibatch 6) is the last one
     with pytest.raises(HetPipeRuntimeError):
@@ -54,7 +54,7 @@ def test_resume_after_a_kill_is_bit_identical_at_nm_3(
     part = load_part(read_manifest(snapshot_dir(out / "checkpoints", 2)), "vw0-stage0")
     assert sorted(part["versions"]) == [-2, -1]  # the Nm - 1 versions in flight
     resumed = launch(plan, SOURCE, opt, run(out), WSPConfig(checkpoint_every=2, resume=True))
-    assert isinstance(resumed, WSPResult)
+    assert isinstance(resumed, RunResult)
     assert [vw.steps for vw in resumed.vws] == [3 * NM] * len(vw_cuts)
     ref = whole.state_dict()
     got = resumed.state_dict()
@@ -129,7 +129,7 @@ def test_resume_with_dropout_and_batch_norm_is_bit_identical(tmp_path: Path) -> 
     with pytest.raises(HetPipeRuntimeError):
         launch(plan, source, None, run(out), WSPConfig(checkpoint_every=2, stage_fault=StageFault(1, 8)), data)
     resumed = launch(plan, source, None, run(out), WSPConfig(checkpoint_every=2, resume=True), data)
-    assert isinstance(whole, WSPResult) and isinstance(resumed, WSPResult)
+    assert isinstance(whole, RunResult) and isinstance(resumed, RunResult)
     ref = whole.state_dict()
     for name, t in resumed.state_dict().items():
         assert torch.equal(t, ref[name]), name

@@ -18,7 +18,7 @@ from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.launch.faults import StageFault
 from runtime.launch.launcher import launch
 from runtime.persist.snapshot import committed_clocks, read_manifest, snapshot_dir
-from runtime.results.wsp import WSPResult
+from runtime.results.run_result import RunResult
 from runtime.stage.model import resolve_source
 
 pytestmark = pytest.mark.timeout(120)
@@ -104,7 +104,7 @@ def test_d0_runs_are_bit_identical(nm: int) -> None:
     plan = multi_vw_plan(_graph(), [(2, 5), (3, 6)], "mlp", BATCH, nm=nm, D=0, n_shards=2)
     run = RunConfig(steps=24, timeout_s=15.0, emulate=False)
     one, two = (launch(plan, SOURCE, None, run) for _ in range(2))
-    assert isinstance(one, WSPResult) and isinstance(two, WSPResult)
+    assert isinstance(one, RunResult) and isinstance(two, RunResult)
     first, second = one.state_dict(), two.state_dict()
     for name, t in first.items():
         assert torch.equal(t, second[name]), name
