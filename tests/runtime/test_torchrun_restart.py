@@ -24,7 +24,7 @@ from runtime.stage.model import resolve_source
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
-NM, WAVES, EVERY = 3, 30, 2
+NM, WAVES, EVERY = 3, 15, 2
 
 
 def _workers(agent: int) -> dict[int, int]:
@@ -62,14 +62,14 @@ def test_torchrun_restarts_the_group_which_resumes_exactly(tmp_path: Path) -> No
 
     source = ModelSource(ref="mlp")
     graph = ModelGraph.from_spec(resolve_source(source, 16, meta=True))
-    plan = multi_vw_plan(graph, [(4,), (6,)], "mlp", 16, nm=NM, D=0, n_shards=1)
+    plan = multi_vw_plan(graph, [(4,)], "mlp", 16, nm=NM, D=0, n_shards=1)  # 3 ranks
     plan_path = plan.save(tmp_path / "plan.json")
     out = tmp_path / "out"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "5",
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "3",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "1",
         "--monitor-interval", "0.1", "-m", "runtime", str(plan_path), "--steps", str(NM * WAVES),
         "--checkpoint-every", str(EVERY), "--timeout", "20", "--no-emulate", "--out", str(out),
@@ -78,8 +78,8 @@ def test_torchrun_restarts_the_group_which_resumes_exactly(tmp_path: Path) -> No
     try:
         ckpts = out / "checkpoints"
         _wait_for("the first snapshot", lambda: bool(committed_clocks(ckpts)), 90)
-        victim = _workers(agent.pid).get(4)  # the last stage of VW 1
-        assert victim is not None, "no worker with RANK=4"
+        victim = _workers(agent.pid).get(2)  # the last stage
+        assert victim is not None, "no worker with RANK=2"
         os.kill(victim, signal.SIGKILL)
         killed_after = max(committed_clocks(ckpts))
         _, err = agent.communicate(timeout=150)
@@ -94,7 +94,7 @@ def test_torchrun_restarts_the_group_which_resumes_exactly(tmp_path: Path) -> No
     assert all(v.steps <= NM * (WAVES - killed_after) for v in result.vws)
     for state in result.states:  # every (vw, stage, wave) applied exactly once
         tags = [(e.vw, e.stage, e.wave) for e in state.ledger]
-        assert len(tags) == len(set(tags)) == 2 * 2 * WAVES and state.clock == WAVES
+        assert len(tags) == len(set(tags)) == 2 * WAVES and state.clock == WAVES
     run = RunConfig(steps=NM * WAVES, timeout_s=30.0, emulate=False)
     local = launch(plan, source, OptimizerConfig(lr=0.05), run)
     ref = local.state_dict()
