@@ -236,6 +236,9 @@ class WSPConfig:
         evict: ``--on-failure continue``: a VW whose process fails is evicted from the global
             clock (its unfinished wave discarded at every shard) and the others go on; a
             shard failure still ends the run (see ``docs/fault_tolerance.md``).
+        restart_vw: with ``max_restarts`` (``--on-failure restart``, one host, the ``wsp``
+            rule): a VW whose process fails is restarted alone at its cut while the others
+            wait there (:mod:`runtime.launch.restart_vw`); a shard failure restarts the job.
         resume_hint: the command line to print when the run fails (``--resume DIR`` is appended).
         overlap_pulls: stages keep running tasks while a pull is in flight (``False``: the
             stage blocks in the pull at the wave end; a benchmark baseline).
@@ -256,3 +259,4 @@ class WSPConfig:
     shard_fault: ShardFault | None = None
     max_restarts: int = 0
     evict: bool = False
+    restart_vw: bool = False

@@ -19,7 +19,8 @@ class StageFault:
     """Test hook, passed in the job description: stage ``stage`` of VW ``vw`` (every VW when
     ``vw`` is -1) sends itself ``signum`` before minibatch ``at_mb`` (SIGKILL: a crash;
     SIGSTOP: a frozen process; 0: it raises ``RuntimeError``, a failure in Python; ``at_mb``
-    0: never). ``delays`` are injected stragglers: ``(vw, minibatch, seconds)``, stage
+    0: never). A VW restarted alone (``--on-failure restart``) keeps the fault only with
+    ``repeat``. ``delays`` are injected stragglers: ``(vw, minibatch, seconds)``, stage
     ``stage`` of that VW sleeps that long before the minibatch's first task."""
 
     stage: int
@@ -27,6 +28,7 @@ class StageFault:
     vw: int = -1
     signum: int = int(signal.SIGKILL)
     delays: tuple[tuple[int, int, float], ...] = ()
+    repeat: bool = False
 
     def hook(self, vw: int, stage: int) -> Callable[[int], None] | None:
         """The stage worker's per-minibatch fault hook for ``(vw, stage)``, or ``None``."""

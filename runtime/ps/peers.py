@@ -1,12 +1,13 @@
-"""Shard-to-shard messages: fixed-width int64 vectors, one reader thread per peer.
+"""Shard-to-shard messages: fixed-width int64 vectors on a tag, one reader thread per peer.
 
-Two uses, each on its own tag:
+Two uses, each on its own tag (:class:`IntLink` is the transport):
 
-- eviction mode (``--on-failure continue``, ``TAG_PEER``): each shard tells every other shard
-  its VW clocks and which lost VWs are final there (:meth:`runtime.ps.core.ShardCore.report`)
-  whenever that changes: ``[clock of each VW..., final flag of each VW...]``. A shard applies
-  a wave only once every shard reported it complete, so a VW that dies between its pushes to
-  two shards is left wholly out of that wave at both
+- eviction mode (``--on-failure continue``, :class:`PeerLink`, ``TAG_PEER``): each shard tells
+  every other shard its VW clocks, which lost VWs are final there and each VW's incarnation
+  (:meth:`runtime.ps.core.ShardCore.report`) whenever that changes: one int64 message
+  ``[clock of each VW..., final flag of each VW..., incarnation of each VW...]``. A shard
+  applies a wave only once every shard reported it complete, so a VW that dies between its
+  pushes to two shards is left wholly out of that wave at both
   (:meth:`runtime.ps.core.ShardCore.peer_report`);
 - backup workers (``TAG_QUORUM``): the deciding shard tells the others which VWs each wave
   counts, ``[wave, counted flag of each VW...]`` (:mod:`runtime.ps.quorum`); only the others
@@ -27,17 +28,19 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.distributed as dist
 
-__all__ = ["TAG_PEER", "TAG_QUORUM", "PeerLink"]
+__all__ = ["TAG_PEER", "TAG_QUORUM", "IntLink", "PeerLink", "Report"]
+
+Report = tuple[tuple[int, ...], tuple[bool, ...], tuple[int, ...]]  # clocks, finals, incarnations
 
 log = logging.getLogger(__name__)
 
-TAG_PEER = 7_000_006  # shard -> shard: int64 [VW clocks..., final flags...] (beside ps.wire's)
+TAG_PEER = 7_000_006  # shard -> shard: int64 [VW clocks..., finals..., incarnations...]
 TAG_QUORUM = 7_000_007  # deciding shard -> others: int64 [wave, counted flag of each VW...]
 _FOREVER = datetime.timedelta(days=7)
 
 
-class PeerLink:
-    """This shard's messages to and from the other shards.
+class IntLink:
+    """This shard's fixed-width int64 messages on one tag, to and from other shards.
 
     Args:
         peers: shard id -> rank of every other shard it talks to.
@@ -53,7 +56,7 @@ class PeerLink:
         width: int,
         group: dist.ProcessGroup | None,
         deliver: Callable[[int, tuple[int, ...]], None],
-        tag: int = TAG_PEER,
+        tag: int,
     ) -> None:
         self.peers, self.width, self.group, self.deliver = dict(peers), width, group, deliver
         self.tag = tag
@@ -64,7 +67,7 @@ class PeerLink:
         """One daemon reader thread per peer shard (a shard that only sends needs none)."""
         for sid, rank in self.peers.items():
             threading.Thread(
-                target=self._read, args=(sid, rank), daemon=True, name=f"peer{sid}"
+                target=self._read, args=(sid, rank), daemon=True, name=f"peer{sid}-{self.tag}"
             ).start()
 
     def _read(self, sid: int, rank: int) -> None:
@@ -73,11 +76,11 @@ class PeerLink:
                 buf = torch.zeros(self.width, dtype=torch.int64)
                 work = dist.irecv(buf, src=rank, group=self.group, tag=self.tag)
                 if work is None:
-                    return  # not in the group: no peer reports (a wiring bug, seen as a hang)
+                    return  # not in the group: no peer messages (a wiring bug, seen as a hang)
                 work.wait(_FOREVER)
                 self.deliver(sid, tuple(buf.tolist()))
         except RuntimeError as exc:  # the peer finished or died
-            log.debug("reports from shard %d ended: %s", sid, str(exc).splitlines()[0][:200])
+            log.debug("messages from shard %d ended: %s", sid, str(exc).splitlines()[0][:200])
 
     def tell(self, values: tuple[int, ...]) -> None:
         """Send ``values`` (``width`` of them) to every peer if they changed since the last."""
@@ -92,13 +95,50 @@ class PeerLink:
                 if work is not None:
                     self._sends.append((work, msg))
             except RuntimeError as exc:
-                log.debug("report to shard %d not sent: %s", sid, str(exc).splitlines()[0][:200])
+                log.debug("message to shard %d not sent: %s", sid, str(exc).splitlines()[0][:200])
 
     def drain(self, timeout_s: float) -> None:
-        """Wait for the reports in flight (before the shard exits); failures are logged."""
+        """Wait for the messages in flight (before the shard exits); failures are logged."""
         for work, _ in self._sends:
             try:
                 work.wait(datetime.timedelta(seconds=timeout_s))
             except RuntimeError as exc:
-                log.debug("a report was not delivered: %s", str(exc).splitlines()[0][:200])
+                log.debug("a message was not delivered: %s", str(exc).splitlines()[0][:200])
         self._sends = []
+
+
+class PeerLink:
+    """This shard's eviction reports (:data:`Report`) to and from the other shards.
+
+    Args:
+        peers: shard id -> rank of every other shard.
+        n_vws: VWs in a report.
+        group: the process group (``None``: the default one).
+        deliver: called from a reader thread with ``(shard id, report)`` per report.
+    """
+
+    def __init__(
+        self,
+        peers: Mapping[int, int],
+        n_vws: int,
+        group: dist.ProcessGroup | None,
+        deliver: Callable[[int, Report], None],
+    ) -> None:
+        n = n_vws
+
+        def decode(sid: int, vals: tuple[int, ...]) -> None:
+            deliver(sid, (vals[:n], tuple(bool(f) for f in vals[n : 2 * n]), vals[2 * n :]))
+
+        self.link = IntLink(peers, 3 * n, group, decode, TAG_PEER)
+
+    def start(self) -> None:
+        """One daemon reader thread per peer shard."""
+        self.link.start()
+
+    def tell(self, report: Report) -> None:
+        """Send ``report`` to every peer if it changed since the last one."""
+        self.link.tell((*report[0], *(int(f) for f in report[1]), *report[2]))
+
+    def drain(self, timeout_s: float) -> None:
+        """Wait for the reports in flight (before the shard exits); failures are logged."""
+        self.link.drain(timeout_s)

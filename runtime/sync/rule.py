@@ -44,7 +44,7 @@ Who calls what (nothing else in the launcher or the worker knows the rule):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from planner.sync import SyncParams, param
 from runtime.defaults import TIMEOUT_S
@@ -80,6 +80,9 @@ class SyncSpec:
             VW's stage ``s``), for rules that reduce across VWs.
         last_wave: the global clock the run ends at (backup workers: a VW that skipped waves
             stops there too, :mod:`runtime.sync.backup`).
+        rejoined: a restarted VW's new incarnation (``--on-failure restart``), starting at
+            ``first_wave`` from the global weights: its optimizer state comes from the newest
+            committed snapshot at or below that clock that holds its part (none: fresh).
     """
 
     rule: str = "local"
@@ -91,6 +94,7 @@ class SyncSpec:
     overlap_pulls: bool = True
     timeout_s: float = TIMEOUT_S
     groups: tuple[tuple[int, ...], ...] = ()
+    rejoined: bool = False
     last_wave: int = 0
 
     @property
@@ -116,6 +120,9 @@ class StageView:
         tied: the stage's tied parameters (held by several stages of its VW), if any.
         init_method: the process group's rendezvous (a rule's own store can live beside it:
             :func:`runtime.launch.stop.stop_store`).
+        group: the group of the stage's parameter-server and pipeline messages, numbered
+            like the world (a restarted VW's, :mod:`runtime.ps.rejoin`; ``None``: default).
+        buffers: ``(local name, buffer)`` of the stage's module (a snapshot holds them).
     """
 
     rank: int
@@ -128,6 +135,8 @@ class StageView:
     result: StageResult
     tied: TiedGrads | None = None
     init_method: str = "env://"
+    group: Any = None
+    buffers: tuple[tuple[str, Tensor], ...] = ()
 
 
 class StageSync:

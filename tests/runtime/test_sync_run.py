@@ -22,8 +22,8 @@ from runtime.config import OptimizerConfig, RunConfig, WSPConfig
 from runtime.launch.faults import StageFault
 from runtime.launch.launcher import launch
 from runtime.persist.snapshot import committed_clocks
+from runtime.results.run_result import RunResult
 from runtime.results.sync import arrival_table, dropped_vw_waves, kth_push_s
-from runtime.results.wsp import WSPResult
 from runtime.stage.model import reference_module
 from tests.runtime.test_wsp_run import BATCH, LR, SOURCE, _graph, _sources, wsp_reference
 
@@ -134,7 +134,7 @@ def _run(
     cfg: WSPConfig | None = None,
     return_state: bool = False,
     **params: float,
-) -> WSPResult:
+) -> RunResult:
     plan = dataclasses.replace(plan, sync=rule, sync_params=tuple(sorted(params.items())))
     run = RunConfig(steps=steps, timeout_s=15.0, emulate=False, return_state=return_state)
     return launch(plan, SOURCE, OptimizerConfig(lr=LR), run, cfg or WSPConfig())
