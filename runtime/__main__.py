@@ -53,7 +53,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="run directory, shared by every host")
     p.add_argument("--resume", default=None, help="continue the run in DIR (its --out)")
     p.add_argument("--calibration", type=Path, default=None, help="pacing table to use")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    given = sys.argv[1:] if argv is None else argv
+    args.every_given = any(x.split("=")[0] == "--checkpoint-every" for x in given)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,6 +106,10 @@ def _rank_job(a: argparse.Namespace, plan: Plan, rank: int, world: int) -> Any:
     if cfg.checkpoint_dir is None and out is not None:
         cfg = dataclasses.replace(cfg, checkpoint_dir=out / "checkpoints")
     rule = rule_for(plan, a.vw)
+    if rule == "local":  # one VW alone writes no snapshots (an explicit --checkpoint-every: no)
+        from runtime.launch.jobs import check_alone
+
+        check_alone(cfg, a.every_given)
     run = settle(run, plan, rule)  # the plan's defaults, as hetpipe run fills them
     attempt = "-".join(os.environ.get(k, "0") for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"))  # fmt: skip
     owner = SharedRun("" if cfg.resume else attempt, attempt, rank == 0) if out else None

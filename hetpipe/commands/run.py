@@ -101,6 +101,7 @@ OPT = OPTIONS  # the defaults below are the table's: one source for hetpipe run 
 
 @handle_errors
 def run(  # long only by its typer signature (the command's options); the body is ~15 lines
+    ctx: typer.Context,
     path: Annotated[Path, typer.Argument(help="plan.yaml/plan.json, or cluster.yaml with --model")],
     model: Annotated[
         str | None, typer.Option(help="model for a cluster.yaml (built-in name or pkg.mod:factory)")
@@ -176,7 +177,9 @@ def run(  # long only by its typer signature (the command's options); the body i
                                 _resume_hint(path))  # fmt: skip
     plan = _plan(path, model, batch_size, nm, stages, vws, staleness, policy, sync, opt,
                  run_cfg.out_dir if resume is not None else None, precision)  # fmt: skip
-    _train(apply_rule(plan, sync, rule), opt, run_cfg, wsp, vw)
+    every = ctx.get_parameter_source("checkpoint_every")  # given, or its default
+    given = every is not None and every.name != "DEFAULT"
+    _train(apply_rule(plan, sync, rule), opt, run_cfg, wsp, vw, given)
 
 
 def _plan(
@@ -215,10 +218,17 @@ def _plan(
     return plan
 
 
-def _train(plan: Plan, opt: OptimizerConfig, run_cfg: RunConfig, wsp: WSPConfig, vw: int) -> None:
-    """Say what trains, train it (:func:`runtime.run.run_plan`), print the summary."""
+def _train(
+    plan: Plan, opt: OptimizerConfig, run_cfg: RunConfig, wsp: WSPConfig, vw: int, every: bool
+) -> None:
+    """Say what trains, train it (:func:`runtime.run.run_plan`), print the summary (``every``:
+    ``--checkpoint-every`` was given, which one VW alone refuses)."""
     from runtime.config import ModelSource
-    from runtime.run import describe_training, outputs, run_plan
+    from runtime.launch.jobs import check_alone
+    from runtime.run import describe_training, outputs, rule_for, run_plan
+
+    if rule_for(plan, vw) == "local":
+        check_alone(wsp, every)
 
     console.print(describe_training(plan, vw, run_cfg.nm or plan.nm, wsp.D))
     result = run_plan(plan, ModelSource(ref=plan.model), opt, run_cfg, wsp, vw=vw)

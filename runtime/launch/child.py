@@ -92,6 +92,21 @@ def setup_child(
         threading.excepthook = _quiet_thread_error
 
 
+def _attempt_store(init_method: str, rank: int, world_size: int, timeout: timedelta) -> Any:
+    """Under torchrun (``env://`` with ``TORCHELASTIC_RESTART_COUNT``): the rendezvous store
+    with a prefix per restart of the worker group. torchrun's agent keeps one store for every
+    restart, so without it a restarted rank reads the dead group's addresses (gloo: "connection
+    refused") and its stop wave. ``None``: use ``init_method`` as it is."""
+    from torch._C._distributed_c10d import PrefixStore
+    from torch.distributed.rendezvous import rendezvous
+
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if init_method != "env://" or restart is None:
+        return None
+    store, _, _ = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    return PrefixStore(f"hetpipe/attempt-{restart}/", store)
+
+
 def run_rank(
     rank: int,
     events: Any,
@@ -118,9 +133,11 @@ def run_rank(
     code = 0
     try:
         if join:
+            timeout = timedelta(seconds=timeout_s)
+            store = _attempt_store(init_method, rank, world_size, timeout)
             dist.init_process_group(
-                backend, init_method=init_method, rank=rank, world_size=world_size,
-                timeout=timedelta(seconds=timeout_s),
+                backend, init_method=None if store else init_method, store=store, rank=rank,
+                world_size=world_size, timeout=timeout,
             )  # fmt: skip
         try:
             kind, payload = body()

@@ -24,7 +24,7 @@ from runtime.stage.emulation import Calibration
 from runtime.stage.job import StageJob
 from runtime.sync.rule import SyncSpec
 
-__all__ = ["Prepared", "prepare_local", "vw_stage_jobs", "with_world"]
+__all__ = ["Prepared", "check_alone", "prepare_local", "vw_stage_jobs", "with_world"]
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,27 @@ def with_world(jobs: list[StageJob], n_shards: int = 0) -> tuple[int, tuple[Stag
     with it set (shards take ranks ``0..n_shards-1``)."""
     world = n_shards + len(jobs)
     return world, tuple(dataclasses.replace(j, world_size=world) for j in jobs)
+
+
+def check_alone(cfg: WSPConfig, every_given: bool = False) -> None:
+    """Refuse what a run of one VW alone (the ``local`` rule: ``--vw K``, or a plan without
+    shards) cannot do: such a run measures that VW's pipeline (its throughput against the
+    plan's prediction, its losses) and its weights never reach the parameter servers, so it
+    writes no snapshots, and so cannot resume or restart from one (``every_given``: the user
+    asked for ``--checkpoint-every`` explicitly; its default is ignored silently).
+
+    Raises:
+        ConfigError: one line naming the flag and the way out.
+    """
+    asked = [("--resume", cfg.resume), ("--checkpoint-every", every_given),
+             ("--on-failure restart", cfg.max_restarts > 0), ("--on-failure continue", cfg.evict)]  # fmt: skip
+    for flag, given in asked:
+        if given:
+            raise ConfigError(
+                f"{flag}: one VW trained alone (--vw K, or a plan without shards) measures that "
+                "VW and its weights never reach the parameter servers, so it writes no snapshots; "
+                f"drop {flag}, or train the whole plan (one VW with shards: hetpipe plan --vws 1)"
+            )
 
 
 def prepare_local(

@@ -35,7 +35,7 @@ from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.data import default_dataset
 from runtime.launch.allreduce import prepare_allreduce
 from runtime.launch.failures import Interrupted
-from runtime.launch.jobs import Prepared, prepare_local
+from runtime.launch.jobs import Prepared, check_alone, prepare_local
 from runtime.launch.liveness import rendezvous_dir
 from runtime.launch.restart_vw import AttemptFailed
 from runtime.launch.supervise import spawn_and_watch
@@ -112,18 +112,16 @@ def launch(
 
 
 def _check_rule(rule: str, vw: int, cfg: WSPConfig) -> None:
-    """Refuse what ``rule`` cannot do: AllReduce one VW alone, a resume without snapshots.
+    """Refuse what ``rule`` cannot do: AllReduce one VW alone; one VW alone what needs
+    snapshots (:func:`runtime.launch.jobs.check_alone`).
 
     Raises:
         ConfigError: says why and what to change.
     """
     if rule == "allreduce" and vw >= 0:
         raise ConfigError("an AllReduce plan trains every device together; drop --vw")
-    if rule == "local" and cfg.resume:
-        raise ConfigError(
-            "--resume needs snapshots, which one VW alone does not write (train it as part of "
-            "a plan with parameter-server shards: 'hetpipe plan' places them)"
-        )
+    if rule == "local":
+        check_alone(cfg)
 
 
 def _restarting(attempt: Callable[[WSPConfig], Any], run: RunConfig, cfg: WSPConfig) -> RunResult:

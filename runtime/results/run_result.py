@@ -12,6 +12,7 @@ bubbles), both summed over the VW's stages, as in the paper's Fig. 9 breakdown.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -356,10 +357,14 @@ def evaluate(
     state: dict[str, Tensor],
     test: Dataset[Any],
 ) -> tuple[float, float]:
-    """Test accuracy and mean loss of ``state`` loaded into the model (NaN accuracy if not a classifier)."""
+    """Test accuracy and mean loss of ``state`` loaded into the model (NaN accuracy if not a
+    classifier). A user's module is left as it was (the state goes into a copy: its stage
+    shares the module's parameters, and a second run would start from the trained weights)."""
     if len(test) == 0:  # type: ignore[arg-type]
         return float("nan"), float("nan")
     module, names, loss_fn = reference_module(source, batch_size, seed)
+    if source.module is not None:
+        module = copy.deepcopy(module)
     by_orig = {orig: n for n, orig in names.items()}
     module.load_state_dict({by_orig[k]: v for k, v in state.items() if k in by_orig}, strict=False)
     return evaluate_module(module, test, batch_size, loss_fn)

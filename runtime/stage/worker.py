@@ -14,6 +14,7 @@ import queue
 import time
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.func import functional_call
 
@@ -26,7 +27,7 @@ from runtime.stage.comm import Channel, Event, GradReceiver, start_activation_re
 from runtime.stage.emulation import SavedBytes, pace_until
 from runtime.stage.grads import Held, backward_grads, outputs_backward
 from runtime.stage.job import StageJob
-from runtime.stage.model import build_stage
+from runtime.stage.model import build_stage, stage_rng_seed
 from runtime.stage.offload import memory_manager
 from runtime.stage.tied import TiedGrads
 from runtime.stage.weights import VersionedWeights
@@ -82,6 +83,7 @@ class StageWorker:
             ctx.rank, ctx.vw, ctx.stage, ctx.nm, f"vw{ctx.vw}-stage{ctx.stage}",
             tuple((self.names[n], p) for n, p in params.items()), self.weights, self.result,
             self.tied if self.tied else None, job.init_method, group,
+            tuple(self.module.named_buffers()),
         )  # fmt: skip
         self.sync = stage_sync(job.sync, view)  # the synchronisation rule's hooks
         self._task_mb = 1  # the minibatch of the task being paced (its wave may straggle)
@@ -98,7 +100,8 @@ class StageWorker:
         """Start the synchronisation rule, execute every task of this stage, close the rule;
         returns the stage's measurements (``start_time``: now, after the rule started)."""
         ctx = self.ctx
-        self.sync.start(self.first_wave)
+        torch.manual_seed(stage_rng_seed(self.run_cfg.seed, ctx.vw, ctx.stage))  # reproducible
+        self.sync.start(self.first_wave)  # (a resumed stage: the RNG state of its snapshot)
         start_time = time.time() if start_time is None else start_time
         self.result.start_time = start_time
         nxt, prev, group = ctx.next_rank, ctx.prev_rank, self.group
