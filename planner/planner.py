@@ -144,7 +144,14 @@ class _Planner:
 
     def _nm_max(self, gpus: Sequence[Device]) -> tuple[int, int]:
         """The largest Nm over the ladder's placements, and the smallest Nm=1 shortfall."""
-        found = [self._nm_max_under(self.cm_for(pl), gpus) for pl in self.ladder]
+        found, host_error = [], None
+        for pl in self.ladder:
+            try:
+                found.append(self._nm_max_under(self.cm_for(pl), gpus))
+            except PlanError as exc:  # its offloaded bytes exceed host memory at any size
+                host_error = host_error or exc
+        if not found and host_error is not None:
+            raise host_error
         best = max(nm for nm, _ in found)
         return (best, 0) if best else (0, min(short for _, short in found))
 
@@ -576,6 +583,7 @@ def make_plan(
         opts.max_cuts,
         first_measured,
         cluster.host_link,
+        cluster.host_shares(),
     )
     full = None
     if cm.num_segments < cm.num_layers:  # --max-cuts coarsened the graph: bound the exact optimum

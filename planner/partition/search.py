@@ -166,9 +166,14 @@ class _Search:
     def qmax(self, u: int, j: int) -> np.ndarray:
         if self.mem is None:
             return np.full(self.c + 1, self.c, dtype=np.int64)
-        return self.mem.qmax(
-            float(self.cls.reps[u].memory_bytes), in_flight_bound(j, self.k, self.nm)
-        )
+        rep = self.cls.reps[u]
+        host = self.cm.host_share(rep).memory_bytes
+        return self.mem.qmax(float(rep.memory_bytes), in_flight_bound(j, self.k, self.nm), host)
+
+    def busy(self, u: int, j: int, p: np.ndarray, q: np.ndarray) -> np.ndarray:
+        """Busy ms of stage ``j`` on class ``u`` over ``[p, q)`` (:meth:`CostModel.busy_ms`)."""
+        k = in_flight_bound(j, self.k, self.nm)
+        return self.cm.busy_ms(self.cls.reps[u], k, self.nm, p, q)
 
     def largest(self, st: _State) -> np.ndarray:
         """``out[p]``: the longest segment after ``p`` on the fastest class still available."""
@@ -236,8 +241,8 @@ class _Search:
         if not rows.size:
             return None
         p = st.lo + rows
-        comp = self.comp[st.u]
-        a = comp[p] - self.recv(st)[p]  # stage cost = comp[q] - a + out[q]
+        comp = self.comp[st.u]  # a lower bound on the busy time: prunes the ends
+        a = comp[p] - self.recv(st)[p]  # stage cost >= comp[q] - a + out[q]
         qm = self.qmax(st.u, j)[p]
         if np.isfinite(inc):
             qm = np.minimum(qm, np.searchsorted(comp, a + inc, side="left") - 1)
@@ -245,9 +250,8 @@ class _Search:
         if q_hi < q_lo:
             return None
         cols = np.arange(q_lo, q_hi + 1)
-        cand = np.maximum(
-            st.f[rows][:, None], comp[cols][None, :] - a[:, None] + out[cols][None, :]
-        )
+        cost = self.busy(st.u, j, p[:, None], cols[None, :]) + self.recv(st)[p][:, None]
+        cand = np.maximum(st.f[rows][:, None], cost + out[cols][None, :])
         valid = (cols[None, :] > p[:, None]) & (cols[None, :] <= qm[:, None])
         cand = np.where(valid, cand, np.inf)
         arg = np.argmin(cand, axis=0)
@@ -262,8 +266,7 @@ class _Search:
     def finish(self, st: _State, inc: float) -> tuple[float, int]:
         """Best value and start of the last stage (``inf`` if none beats ``inc``)."""
         p = np.arange(st.lo, st.lo + len(st.f))
-        comp = self.comp[st.u]
-        val = np.maximum(st.f, comp[self.c] - comp[p] + self.recv(st)[p])
+        val = np.maximum(st.f, self.busy(st.u, self.k - 1, p, np.array(self.c)) + self.recv(st)[p])
         val[self.qmax(st.u, self.k - 1)[p] < self.c] = np.inf
         i = int(np.argmin(val))
         return (float(val[i]), int(p[i])) if val[i] < inc else (np.inf, -1)
