@@ -286,6 +286,18 @@ class CostModel:
         """``gpu``'s share of its node's host link and host memory."""
         return self.hosts.get(gpu.node, HostShare())
 
+    def same_times(self, n_stages: int, nm_a: int, nm_b: int) -> bool:
+        """Whether every stage of ``n_stages`` takes the same time at ``nm_a`` and ``nm_b`` in
+        flight (the placement recomputes and moves the same classes at both)."""
+
+        def rule(nm: int) -> list[tuple[float, Coefficients]]:
+            o = self.optimizer_state_factor
+            ks = [in_flight_bound(j, n_stages, nm) for j in range(n_stages)]
+            pl = self.placement
+            return [(recompute_factor(pl, k), transfer_coefficients(pl, nm, k, o)) for k in ks]
+
+        return rule(nm_a) == rule(nm_b)
+
     # ------------------------------------------------------------ matrices for the DP
 
     def busy_ms(

@@ -250,8 +250,9 @@ class _Planner:
         """An optimum at a smaller Nm that still fits memory at ``nm`` (then it is optimal here too).
 
         Memory only grows with Nm, so the feasible partitions at ``nm`` are a subset of those
-        at any smaller Nm: the smaller Nm's optimum, when it fits, is optimal at ``nm``; its
-        lower bound stays valid.
+        at any smaller Nm: the smaller Nm's optimum, when it fits and the stage times are the
+        same at both (the placement moves the same bytes), is optimal at ``nm``; its lower
+        bound stays valid.
         """
         same = (key, use_dp, placement)
         done = sorted(
@@ -261,6 +262,8 @@ class _Planner:
         cm = self.cm_for(placement)
         for small, (perm, bounds, bound, solver) in reversed(done):
             if not isinstance(small, int) or small >= nm:
+                continue
+            if not cm.same_times(len(ordered), small, nm):  # more moves at ``nm``: re-solve
                 continue
             order = [ordered[i] for i in perm]
             if all(

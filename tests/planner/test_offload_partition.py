@@ -204,3 +204,14 @@ def test_forced_offload_without_host_memory_names_the_fix() -> None:
             optimizer="sgd",
             options=PlanOptions(memory="gradients:offload", simulate_waves=0),
         )
+
+
+def test_a_smaller_nm_optimum_is_reused_only_when_the_times_agree() -> None:
+    profs = synthetic_profiles(9, seed=0)
+    cm = CostModel(profs, PAPER.link, 1.0)
+    weights = cm.with_placement(MemoryPlacement(weights=Place.OFFLOAD))
+    assert cm.same_times(3, 1, 8)
+    assert weights.same_times(3, 2, 3)  # Nm - 1 <= 2 versions: nothing moves at either
+    assert not weights.same_times(3, 3, 4)  # the third version goes to host memory at 4
+    recompute = cm.with_placement(MemoryPlacement(activations=Place.RECOMPUTE))
+    assert not recompute.same_times(3, 1, 2) and recompute.same_times(3, 2, 5)
