@@ -34,10 +34,11 @@ and the one prefetched). Offloaded bytes live in host memory; per minibatch the 
 
     weights      2 * P            when v > 2 (a version goes down once and comes back once)
     activations  2 * (S + C)      when k > 2
-    gradients    2 * P            (down as produced; updated weights or gradients back up)
-    optimizer    2 * o * P        when the gradients are kept (state in and out around the
-                                  device's update); 0 when they are offloaded too (the
-                                  update runs on the host, where the state is)
+    gradients    2 * P            (down as produced, back up for the update)
+    optimizer    2 * o * P        (the state comes up for the update and goes down again)
+
+The update always runs on the device, so results stay bit-equal to all-keep
+(:mod:`runtime.stage.moves` executes these moves).
 
 Overlap rule (:func:`exposed_ms`): the schedule fixes every stage's task order in advance
 (:mod:`planner.schedule`), so each transfer is issued one task ahead of its use on a side
@@ -306,7 +307,7 @@ def transfer_coefficients(
         param += 2.0
     if pl.gradients is Place.OFFLOAD:
         param += 2.0
-    elif pl.optimizer is Place.OFFLOAD:
+    if pl.optimizer is Place.OFFLOAD:
         param += 2.0 * optimizer_factor
     moved = pl.activations is Place.OFFLOAD and in_flight > ACTIVATION_BUFFERS
     act = 2.0 if moved else 0.0
