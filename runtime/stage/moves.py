@@ -27,6 +27,7 @@ for the residency meter and the tests.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -51,7 +52,7 @@ def class_moves(memory: str, where: str, device: torch.device) -> ClassMoves | N
     moved = (placement.weights, placement.optimizer, placement.gradients)
     if all(p is Place.KEEP for p in moved):
         return None
-    return ClassMoves(placement, HostCopies(device))
+    return ClassMoves(placement, HostCopies(), device)
 
 
 def _nbytes(t: Tensor) -> int:
@@ -59,17 +60,17 @@ def _nbytes(t: Tensor) -> int:
 
 
 class HostCopies:
-    """Copies between ``device`` and host memory (background copies on CUDA, plain elsewhere).
+    """Copies between a device and host memory: on CUDA (when available) in the background on
+    one side stream into pinned host buffers, elsewhere plain copies into fresh storage.
 
-    Args:
-        device: where the stage computes.
+    Copies run in issue order on the side stream, so a tensor brought back up after going
+    down reads the finished host copy; the compute stream waits for a copy brought up in
+    :meth:`ready`, and the CPU for the host copies in :meth:`sync`.
     """
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        cuda = device.type == "cuda" and torch.cuda.is_available()
-        self._stream = torch.cuda.Stream(device) if cuda else None
-        self._events: dict[int, object] = {}  # device copy's storage -> its copy's event
+    def __init__(self) -> None:
+        self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self._events: dict[int, Any] = {}  # device copy's storage -> its copy's event
         self.moved_bytes = 0  # bytes copied either way
 
     def down(self, t: Tensor) -> Tensor:
@@ -78,33 +79,34 @@ class HostCopies:
         if self._stream is None or not t.is_cuda:
             return t.detach().clone()
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
             host.copy_(t.detach(), non_blocking=True)
         t.record_stream(self._stream)
         return host
 
-    def up(self, t: Tensor) -> Tensor:
-        """A device copy of host tensor ``t``; on CUDA call :meth:`ready` before using it."""
+    def up(self, t: Tensor, device: torch.device) -> Tensor:
+        """A copy of host tensor ``t`` on ``device``; call :meth:`ready` before using it."""
         self.moved_bytes += _nbytes(t)
-        if self._stream is None:
+        if self._stream is None or device.type != "cuda":
             return t.detach().clone()
         with torch.cuda.stream(self._stream):
-            out = t.to(self.device, non_blocking=True)
+            out = t.to(device, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)
         self._events[out.untyped_storage().data_ptr()] = event
         return out
 
     def ready(self, t: Tensor) -> Tensor:
-        """``t`` once its copy finished (the compute stream waits on the side stream)."""
+        """``t`` once its copy up finished (the compute stream waits for the side stream)."""
         event = self._events.pop(t.untyped_storage().data_ptr(), None)
         if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)  # type: ignore[arg-type]
+            torch.cuda.current_stream().wait_event(event)
+            t.record_stream(torch.cuda.current_stream())  # used here: freed after this use
         return t
 
     def sync(self) -> None:
-        """Wait for every copy (host tensors are read only after this on CUDA)."""
+        """Wait until the host copies are complete (before the CPU reads them)."""
         if self._stream is not None:
             self._stream.synchronize()
 
@@ -115,11 +117,15 @@ class ClassMoves:
     Args:
         placement: the stage's placement.
         copies: the copier between the stage's device and host memory.
+        device: where the stage computes.
     """
 
-    def __init__(self, placement: MemoryPlacement, copies: HostCopies) -> None:
+    def __init__(
+        self, placement: MemoryPlacement, copies: HostCopies, device: torch.device
+    ) -> None:
         self.placement = placement
         self.copies = copies
+        self.device = device
         self._on_host: set[int] = set()  # ids of version dicts whose storage is in host memory
         self.host_bytes = {"weights": 0, "optimizer": 0, "gradients": 0}
         self.peak_host_bytes = dict(self.host_bytes)
@@ -147,10 +153,9 @@ class ClassMoves:
     def version_up(self, leaves: dict[str, Tensor], wait: bool = True) -> None:
         """Bring a version back to the device (``wait=False``: a prefetch, not yet used)."""
         if id(leaves) in self._on_host:
-            self.copies.sync()  # the host copies are complete before they are read
             with torch.no_grad():
                 for t in leaves.values():
-                    t.data = self.copies.up(t.data)
+                    t.data = self.copies.up(t.data, self.device)
             self._on_host.discard(id(leaves))
             self._count("weights", -sum(_nbytes(t) for t in leaves.values()))
         if wait:
@@ -170,16 +175,17 @@ class ClassMoves:
             return grads
         out = {n: None if g is None else self.copies.down(g) for n, g in grads.items()}
         self._count("gradients", sum(_nbytes(g) for g in out.values() if g is not None))
+        self.copies.sync()  # the push may read them on the CPU
         return out
 
     def grads_up(self, grads: dict[str, Tensor | None]) -> dict[str, Tensor | None]:
         """The gradients back on the device for the update."""
         if self.placement.gradients is not Place.OFFLOAD:
             return grads
-        self.copies.sync()
         self._count("gradients", -self.host_bytes["gradients"])  # one minibatch's at a time
+        up = self.copies.up
         return {
-            n: None if g is None else self.copies.ready(self.copies.up(g))
+            n: None if g is None else self.copies.ready(up(g, self.device))
             for n, g in grads.items()
         }
 
@@ -194,10 +200,9 @@ class ClassMoves:
         """The optimizer state back on the device before an update."""
         if self.placement.optimizer is not Place.OFFLOAD:
             return
-        self.copies.sync()
         for state, key in list(self._state(optimizer)):
             self._count("optimizer", -_nbytes(state[key]))
-            state[key] = self.copies.ready(self.copies.up(state[key]))
+            state[key] = self.copies.ready(self.copies.up(state[key], self.device))
 
     def state_down(self, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer state to host memory after an update."""

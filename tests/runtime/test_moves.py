@@ -97,10 +97,10 @@ def test_meter_matches_the_planner_memory_model() -> None:
 
 
 def test_host_copies_are_fresh_storage() -> None:
-    copies = HostCopies(CPU)
+    copies = HostCopies()
     t = torch.arange(6.0)
     down = copies.down(t)
-    up = copies.ready(copies.up(down))
+    up = copies.ready(copies.up(down, CPU))
     assert torch.equal(up, t) and up.data_ptr() != t.data_ptr() != down.data_ptr()
     assert copies.moved_bytes == 2 * t.numel() * t.element_size()
     assert class_moves("activations:offload", "s", CPU) is None
