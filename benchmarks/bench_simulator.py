@@ -19,7 +19,8 @@ import random
 import time
 from pathlib import Path
 
-from planner.sim.simulator import PipelineSpec, simulate_pipelines
+from planner.sim.engine import simulate_pipelines
+from planner.sim.types import PipelineSpec
 
 RESULTS = Path(__file__).resolve().parent / "results" / "simulator.json"
 SIZES = (64, 256, 1024, 2560, 5120, 10240)

@@ -19,7 +19,7 @@ crosses (:mod:`planner.offload`; PCIe 3.0 x16 by default). ``emulate: {speed: 0.
 runs the node's GPUs as CPU processes whose layers are paced to ``calibrated CPU time / speed``
 and whose memory is capped; ``straggle: {p: 0.05, factor: 3}`` inside it makes 5 % of the
 (VW, wave)s 3x slower (:mod:`planner.straggle`, reproducible: ``seed`` defaults to 0).
-The file is validated with pydantic and turned into frozen dataclasses; every error is
+The file is validated with pydantic (the schema: :mod:`planner.cluster_schema`) and turned into frozen dataclasses; every error is
 one line naming the file, the field and the fix. Values are range-checked: sizes, bandwidths
 and latencies finite (bandwidth positive), an emulated memory cap at most the GPU's own memory,
 names printable and short (no newlines or terminal escapes).
@@ -29,23 +29,18 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Any
 
 from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
     ValidationError,
-    field_validator,
 )
 
+from planner.cluster_schema import PCIE_BPS, ClusterIn, LinkIn, pydantic_error
 from planner.offload import HostShare
 from planner.straggle import NO_STRAGGLE, Straggle
 from profiler.catalog import lookup_gpu
 from profiler.errors import ConfigError, shown
-from profiler.inputs import load_document, text_problem
-from profiler.units import parse_bandwidth, parse_bytes, parse_seconds
+from profiler.inputs import load_document
 
 __all__ = [
     "Cluster",
@@ -58,12 +53,8 @@ __all__ = [
     "parse_links",
 ]
 
-MAX_NAME_CHARS = 128  # node, host, GPU type and cluster names
-
 
 # ---------------------------------------------------------------- typed, frozen result
-
-_PCIE_BPS = 15.75e9 * 0.8  # PCIe 3.0 x16, 80 % of the nominal rate
 
 
 @dataclass(frozen=True)
@@ -94,7 +85,7 @@ class Link:
         return 0.0 if nbytes <= 0 else self.latency_s + nbytes / self.bandwidth_bps
 
 
-PCIE = Link(_PCIE_BPS, 10e-6)
+PCIE = Link(PCIE_BPS, 10e-6)
 """The default host link (GPU <-> host memory; offloaded data moves over it)."""
 
 
@@ -207,124 +198,6 @@ class Cluster:
         return {"name": self.name, "nodes": nodes, "links": links}
 
 
-# ---------------------------------------------------------------- pydantic schema
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-
-def _name(v: object) -> object:
-    """A name must be short, printable text (it is echoed on terminals and used as a label)."""
-    problem = text_problem(v, MAX_NAME_CHARS) if isinstance(v, str) else None
-    if problem is not None:
-        raise ValueError(f"{shown(v)} cannot be a name: {problem}; rename it")
-    return v
-
-
-_Name = Annotated[str, BeforeValidator(_name)]
-
-
-class _LinkIn(_Strict):
-    bandwidth: float
-    latency: float = 0.0
-
-    @field_validator("bandwidth", mode="before")
-    @classmethod
-    def _bw(cls, v: object) -> float:
-        bw = parse_bandwidth(v)
-        if bw <= 0:
-            raise ValueError("bandwidth must be positive (e.g. 15.75GB/s)")
-        return bw
-
-    @field_validator("latency", mode="before")
-    @classmethod
-    def _lat(cls, v: object) -> float:
-        return parse_seconds(v)
-
-
-class _LinksIn(_Strict):
-    intra_node: _LinkIn = _LinkIn(bandwidth=15.75e9 * 0.8, latency=5e-6)
-    inter_node: _LinkIn = _LinkIn(bandwidth=56e9 / 8 * 0.8, latency=5e-6)
-    host_link: _LinkIn = _LinkIn(bandwidth=_PCIE_BPS, latency=10e-6)
-
-
-class _StraggleIn(_Strict):
-    p: float = Field(ge=0, le=1)
-    factor: float = Field(ge=1, le=1000)
-    seed: int = Field(default=0, ge=0)
-
-
-class _EmulateIn(_Strict):
-    speed: float = Field(gt=0, le=8)
-    memory: int
-    straggle: _StraggleIn | None = None
-
-    @field_validator("memory", mode="before")
-    @classmethod
-    def _mem(cls, v: object) -> int:
-        m = parse_bytes(v)
-        if m <= 0:
-            raise ValueError("memory must be positive (e.g. 64MiB)")
-        return m
-
-
-class _NodeIn(_Strict):
-    name: _Name = Field(min_length=1)
-    host: _Name | None = None
-    gpu: _Name = Field(min_length=1)
-    count: int = Field(ge=1, le=1024)
-    memory: int | None = None
-    host_memory: int | None = None
-    emulate: _EmulateIn | None = None
-
-    @field_validator("count", mode="before")
-    @classmethod
-    def _count(cls, v: object) -> object:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ValueError(f"count must be a whole number of GPUs, got {v!r}")
-        return v
-
-    @field_validator("memory", "host_memory", mode="before")
-    @classmethod
-    def _mem(cls, v: object) -> int | None:
-        if v is None:
-            return None
-        m = parse_bytes(v)
-        if m <= 0:
-            raise ValueError("memory must be positive (e.g. 12GiB)")
-        return m
-
-
-class _ClusterIn(_Strict):
-    name: _Name = "cluster"
-    nodes: list[_NodeIn] = Field(min_length=1, max_length=100_000)
-    links: _LinksIn = _LinksIn()
-
-
-def _loc(loc: tuple[int | str, ...]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part.isidentifier() and len(part) <= 40:
-            out += f".{part}" if out else part
-        else:  # a key the user wrote: escaped and cut
-            out += f"[{shown(part, 40)}]"
-    return out or "<document>"
-
-
-def _pydantic_error(exc: ValidationError, source: str) -> ConfigError:
-    err = exc.errors()[0]
-    msg = str(err["msg"]).removeprefix("Value error, ")
-    hint = ""
-    if err["type"] == "missing":
-        hint = " (add it)"
-    elif err["type"] == "extra_forbidden":
-        hint = " (unknown field: remove it or fix its spelling)"
-    return ConfigError(f"{source}: {_loc(tuple(err['loc']))}: {msg}{hint}")
-
-
 def parse_cluster(data: object, source: str = "<memory>") -> Cluster:
     """Validate a cluster.yaml document (already parsed from YAML).
 
@@ -337,9 +210,9 @@ def parse_cluster(data: object, source: str = "<memory>") -> Cluster:
             f"got {type(data).__name__}"
         )
     try:
-        parsed = _ClusterIn.model_validate(data)
+        parsed = ClusterIn.model_validate(data)
     except ValidationError as exc:
-        raise _pydantic_error(exc, source) from None
+        raise pydantic_error(exc, source) from None
     nodes = []
     seen: set[str] = set()
     for i, n in enumerate(parsed.nodes):
@@ -416,8 +289,8 @@ def parse_links(data: object, source: str) -> dict[str, Link]:
     for key in ("intra_node", "inter_node"):
         if key in data:
             try:
-                link = _LinkIn.model_validate(data[key])
+                link = LinkIn.model_validate(data[key])
             except ValidationError as exc:
-                raise _pydantic_error(exc, f"{source}: {key}") from None
+                raise pydantic_error(exc, f"{source}: {key}") from None
             out[key] = Link(link.bandwidth, link.latency)
     return out

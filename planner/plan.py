@@ -281,23 +281,7 @@ class Plan:
                     f"version {PLAN_VERSION}); re-run 'hetpipe plan'"
                 )
             check_plan_document(d, source)
-            vws = tuple(
-                VirtualWorker(
-                    id=int(v["id"]),
-                    gpus=tuple(GpuSlot(**g) for g in v["gpus"]),
-                    stages=tuple(
-                        StagePlan(**{k: s[k] for k in _names(StagePlan) if k in s})
-                        for s in v["stages"]
-                    ),
-                    nm_max=int(v["nm_max"]),
-                    throughput=float(v["throughput"]),
-                    cross_node_bytes_per_wave=int(v.get("cross_node_bytes_per_wave", 0)),
-                    partitioner=str(v.get("partitioner", "")),
-                    bound_ms=float(v.get("bound_ms", 0.0)),
-                )
-                for v in d["virtual_workers"]
-            )
-            pred = d["predicted"]
+            vws = tuple(_virtual_worker(v) for v in d["virtual_workers"])
             plan = cls(
                 model=str(d["model"]),
                 batch_size=int(d["batch_size"]),
@@ -313,13 +297,7 @@ class Plan:
                     )
                     for s in d["shards"]
                 ),
-                predicted=Prediction(
-                    float(pred["throughput"]),
-                    tuple(float(x) for x in pred["per_vw"]),
-                    float(pred.get("allreduce_throughput", 0.0)),
-                    int(pred.get("allreduce_gpus", 0)),
-                    str(pred.get("method", "analytic")),
-                ),
+                predicted=_prediction(d["predicted"]),
                 num_layers=int(d["num_layers"]),
                 profiles={str(k): str(v) for k, v in d.get("profiles", {}).items()},
                 optimizer_state_factor=float(d.get("optimizer_state_factor", 1.0)),
@@ -352,6 +330,33 @@ class Plan:
     def to_json(self) -> str:
         """The plan as a JSON string."""
         return json.dumps(self.to_dict(), indent=2)
+
+
+def _virtual_worker(v: dict[str, Any]) -> VirtualWorker:
+    """A plan file's VW entry (:meth:`Plan.from_dict` reports its errors)."""
+    return VirtualWorker(
+        id=int(v["id"]),
+        gpus=tuple(GpuSlot(**g) for g in v["gpus"]),
+        stages=tuple(
+            StagePlan(**{k: s[k] for k in _names(StagePlan) if k in s}) for s in v["stages"]
+        ),
+        nm_max=int(v["nm_max"]),
+        throughput=float(v["throughput"]),
+        cross_node_bytes_per_wave=int(v.get("cross_node_bytes_per_wave", 0)),
+        partitioner=str(v.get("partitioner", "")),
+        bound_ms=float(v.get("bound_ms", 0.0)),
+    )
+
+
+def _prediction(pred: dict[str, Any]) -> Prediction:
+    """A plan file's ``predicted`` entry (:meth:`Plan.from_dict` reports its errors)."""
+    return Prediction(
+        float(pred["throughput"]),
+        tuple(float(x) for x in pred["per_vw"]),
+        float(pred.get("allreduce_throughput", 0.0)),
+        int(pred.get("allreduce_gpus", 0)),
+        str(pred.get("method", "analytic")),
+    )
 
 
 def _names(cls: type) -> list[str]:

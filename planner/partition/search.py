@@ -31,26 +31,22 @@ lower bound and the incumbent was tried: measured side by side it was 0-2x slowe
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
-from planner.cluster import Device, Link
+from planner.cluster import Device
 from planner.costmodel import CostModel
-from planner.partition.bounds import classes, heuristic_orders
+from planner.partition.bounds import heuristic_orders
 from planner.partition.dp import InfeasiblePartition, Partition, class_key
 from planner.partition.memory import (
-    MemoryLimits,
     check_stage_count,
     feasible_order,
     min_memory_shortfall,
 )
-from planner.schedule import in_flight_bound
+from planner.partition.search_tables import SearchTables, State
 from profiler.errors import PlanError
 from profiler.units import format_bytes
 
@@ -59,17 +55,6 @@ __all__ = ["lower_bound_ms", "partition_exact"]
 log = logging.getLogger(__name__)
 
 _TOL = 1e-9  # relative: a partition must beat the incumbent by more than this to replace it
-
-
-@dataclass
-class _State:
-    used: tuple[int, ...]
-    u: int  # class of the open stage
-    link: int  # link into the open stage (index into _Search.links; -1: first stage)
-    lo: int  # position of f[0]
-    f: np.ndarray  # smallest slowest closed stage per start position
-    prev: np.ndarray  # predecessor state id per position (-1: none)
-    prev_p: np.ndarray  # start of the predecessor's open stage
 
 
 _Part = tuple[int, np.ndarray, int, np.ndarray]
@@ -82,159 +67,15 @@ class _Timeout(Exception):
         self.bound = bound
 
 
-class _Search:
+class _Search(SearchTables):
     """Tables of one VW at one Nm, and the layered DP over states."""
 
     def __init__(self, cm: CostModel, gpus: Sequence[Device], nm: int, memory: bool) -> None:
-        self.cm, self.nm, self.k, self.c = cm, nm, len(gpus), cm.num_segments
-        self.cls = classes(gpus)
-        reps = self.cls.reps
-        self.counts = tuple(len(m) for m in self.cls.members)
-        self.comp = [cm.compute_ms(r.type) for r in reps]
-        for r, comp in zip(reps, self.comp, strict=True):
-            if np.any(np.diff(comp) < 0) or not np.all(np.isfinite(comp)):
-                raise PlanError(
-                    f"the profile for {r.type!r} has negative or non-finite layer times; re-profile"
-                )
-        self.links: list[Link] = []
-        self.link_of: dict[tuple[int, int], int] = {}
-        for t, a in enumerate(self.cls.members):
-            for u, b in enumerate(self.cls.members):
-                if t == u and len(a) < 2:
-                    continue
-                link = cm.link(a[0], b[1] if t == u else b[0])
-                if link not in self.links:
-                    self.links.append(link)
-                self.link_of[t, u] = self.links.index(link)
-        self.comm = [cm.comm_ms(link) for link in self.links]
-        self.zero = np.zeros(self.c + 1)
-        self.mem = MemoryLimits(cm, nm) if memory else None
-        segs = [np.diff(c) for c in self.comp]
-        fast = np.min(np.stack(segs), axis=0)
-        pos = fast > 0
-        self.inv_rho = [float(1.0 / np.min(s[pos] / fast[pos])) if pos.any() else 1.0 for s in segs]
-        self.work = np.concatenate([[0.0], np.cumsum(fast)])
-        self.comm_sums = self._comm_sums()
-        self.segs = segs
-        self._largest: dict[tuple[bool, ...], np.ndarray] = {}
-        self.states: list[_State] = []
-
-    def back_table(self, limit: float) -> dict[tuple[int, ...], int]:
-        """``out[R]``: the earliest position from which the GPUs of multiset ``R`` can cover the
-        model's end with every stage's compute ``< limit`` (transfers and memory ignored).
-
-        For a fixed order, covering greedily from the end reaches furthest (compute is monotone
-        in a stage's range), so a DP over multisets gives the best over their orders: a state
-        whose open stage cannot reach ``out[rest]`` cannot beat ``limit``.
-        """
-        out: dict[tuple[int, ...], int] = {tuple(0 for _ in self.counts): self.c}
-        grid = sorted(itertools.product(*(range(n + 1) for n in self.counts)), key=sum)
-        for rest in grid[1:]:
-            best = self.c
-            for t, n in enumerate(rest):
-                if n:
-                    q = out[tuple(x - (i == t) for i, x in enumerate(rest))]
-                    comp = self.comp[t]
-                    best = min(best, int(np.searchsorted(comp, comp[q] - limit, side="right")))
-            out[rest] = best
-        return out
-
-    def _comm_sums(self) -> np.ndarray:
-        """``out[r, p]``: the sum of the ``r`` cheapest boundary transfers at positions ``> p``.
-
-        Every boundary costs its transfer time twice (send on one side, receive on the other),
-        on some link, at a distinct position: ``2 * out[r, p]`` bounds the transfer time of the
-        ``r`` boundaries still to place after ``p``.
-        """
-        cheapest = np.min(np.stack(self.comm), axis=0) if self.comm else self.zero
-        out = np.zeros((self.k + 1, self.c + 1))
-        smallest: list[float] = []
-        for p in range(self.c - 1, -1, -1):  # boundaries lie in 1 .. C-1
-            if p + 1 < self.c:
-                bisect.insort(smallest, float(cheapest[p + 1]))
-                del smallest[self.k :]
-            out[1 : len(smallest) + 1, p] = np.cumsum(smallest)
-            out[len(smallest) + 1 :, p] = (
-                np.inf if len(smallest) < self.k else out[len(smallest), p]
-            )
-        return out
-
-    # ------------------------------------------------------------ one state
-    def recv(self, st: _State) -> np.ndarray:
-        return self.zero if st.link < 0 else self.comm[st.link]
-
-    def qmax(self, u: int, j: int) -> np.ndarray:
-        if self.mem is None:
-            return np.full(self.c + 1, self.c, dtype=np.int64)
-        rep = self.cls.reps[u]
-        host = self.cm.host_share(rep).memory_bytes
-        return self.mem.qmax(float(rep.memory_bytes), in_flight_bound(j, self.k, self.nm), host)
-
-    def busy(self, u: int, j: int, p: np.ndarray, q: np.ndarray) -> np.ndarray:
-        """Busy ms of stage ``j`` on class ``u`` over ``[p, q)`` (:meth:`CostModel.busy_ms`)."""
-        k = in_flight_bound(j, self.k, self.nm)
-        return self.cm.busy_ms(self.cls.reps[u], k, self.nm, p, q)
-
-    def largest(self, st: _State) -> np.ndarray:
-        """``out[p]``: the longest segment after ``p`` on the fastest class still available."""
-        avail = tuple(
-            n > u or t == st.u for t, (n, u) in enumerate(zip(self.counts, st.used, strict=True))
-        )
-        if avail not in self._largest:
-            seg = np.min(np.stack([s for s, a in zip(self.segs, avail, strict=True) if a]), axis=0)
-            self._largest[avail] = np.concatenate([np.maximum.accumulate(seg[::-1])[::-1], [0.0]])
-        return self._largest[avail]
-
-    def bound(self, st: _State) -> np.ndarray:
-        """Lower bound on the whole pipeline's bottleneck per start position of ``st``'s window.
-
-        The largest of: the closed stages (``F``), the work bound (transfers included: the
-        open stage's receive and the cheapest positions for the boundaries still to place), the
-        longest segment still to place on the fastest class available, and the open stage's
-        first segment plus its receive.
-        """
-        pos = np.arange(st.lo, st.lo + len(st.f))
-        rest = sum((n - u) * r for n, u, r in zip(self.counts, st.used, self.inv_rho, strict=True))
-        iu = self.inv_rho[st.u]
-        recv = self.recv(st)[pos]
-        boundaries = self.k - sum(st.used)  # the open stage's end and every later one
-        comm = 2.0 * self.comm_sums[boundaries, pos] * min(self.inv_rho)
-        lb = (self.work[-1] - self.work[pos] + recv * iu + comm) / (iu + rest)
-        first = np.concatenate([self.segs[st.u], [0.0]])[pos] + recv
-        return np.maximum(np.maximum(st.f, lb), np.maximum(self.largest(st)[pos], first))
-
-    def rest(self, st: _State) -> tuple[int, ...]:
-        """The GPUs (per class) not yet in the pipeline of ``st``."""
-        return tuple(n - u for n, u in zip(self.counts, st.used, strict=True))
-
-    def reach(self, st: _State, limit: float) -> np.ndarray:
-        """Per start position: the furthest end of the open stage with compute + receive ``< limit``."""
-        pos = np.arange(st.lo, st.lo + len(st.f))
-        comp = self.comp[st.u]
-        reach: np.ndarray = np.searchsorted(comp, comp[pos] - self.recv(st)[pos] + limit) - 1
-        return reach
-
-    def root_bound(self) -> float:
-        """A lower bound on every pipeline: the best of the first stage's states' bounds."""
-        states = [
-            _State(
-                tuple(int(t == u) for t in range(len(self.counts))),
-                u,
-                -1,
-                0,
-                np.zeros(1),
-                np.zeros(1),
-                np.zeros(1),
-            )
-            for u in range(len(self.counts))
-        ]
-        return min(self.state_bound(st) for st in states)
-
-    def state_bound(self, st: _State) -> float:
-        return float(self.bound(st).min()) if len(st.f) else np.inf
+        super().__init__(cm, gpus, nm, memory)
+        self.states: list[State] = []
 
     def close(
-        self, st: _State, j: int, out: np.ndarray, inc: float
+        self, st: State, j: int, out: np.ndarray, inc: float
     ) -> tuple[int, np.ndarray, np.ndarray] | None:
         """Close ``st``'s open stage ``j`` (send times ``out``): window start, ``F'``, argmin ``p``."""
         rows = np.flatnonzero(st.f < inc)
@@ -263,7 +104,7 @@ class _Search:
         sl = slice(int(keep[0]), int(keep[-1]) + 1)
         return q_lo + sl.start, val[sl], p[arg][sl]
 
-    def finish(self, st: _State, inc: float) -> tuple[float, int]:
+    def finish(self, st: State, inc: float) -> tuple[float, int]:
         """Best value and start of the last stage (``inf`` if none beats ``inc``)."""
         p = np.arange(st.lo, st.lo + len(st.f))
         val = np.maximum(st.f, self.busy(st.u, self.k - 1, p, np.array(self.c)) + self.recv(st)[p])
@@ -277,7 +118,7 @@ class _Search:
         used, u, link = key
         if len(parts) == 1:
             lo, f, sid, arg = parts[0]
-            st = _State(used, u, link, lo, f, np.full(len(f), sid), arg)
+            st = State(used, u, link, lo, f, np.full(len(f), sid), arg)
         else:
             lo = min(x[0] for x in parts)
             width = max(x[0] + len(x[1]) for x in parts) - lo
@@ -289,7 +130,7 @@ class _Search:
             pick = np.argmin(vals, axis=0)
             cols = np.arange(width)
             sids = np.array([x[2] for x in parts], dtype=np.int64)
-            st = _State(used, u, link, lo, vals[pick, cols], sids[pick], starts[pick, cols])
+            st = State(used, u, link, lo, vals[pick, cols], sids[pick], starts[pick, cols])
         self.states.append(st)
         return len(self.states) - 1
 
@@ -360,6 +201,42 @@ def lower_bound_ms(cm: CostModel, gpus: Sequence[Device]) -> float:
     return float(search.work[-1] / sum(search.inv_rho[i] * n for i, n in enumerate(search.counts)))
 
 
+def _incumbent(
+    search: _Search, cm: CostModel, gpus: Sequence[Device], nm: int, memory: bool
+) -> tuple[float, tuple[int, int]]:
+    """The best of a few heuristic orders (fixed-order DPs): its value, final state and start."""
+    inc, found = np.inf, (-1, -1)
+    for order in [*heuristic_orders(search.cls, cm, gpus), None]:
+        if order is None:  # no heuristic order fits memory: take one that does, if any
+            fit = feasible_order(cm, gpus, nm) if memory and not np.isfinite(inc) else None
+            if fit is None:
+                break
+            order = tuple(fit)
+        seq = [search.cls.keys.index(class_key(d)) for d in order]
+        val, sid, p = search.run(inc, seq=seq)
+        if val < inc:
+            inc, found = val, (sid, p)
+    return inc, found
+
+
+def _no_partition(
+    cm: CostModel, gpus: Sequence[Device], nm: int, bound: float, time_limit_s: float | None
+) -> PlanError:
+    """Why no partition was found: the time limit, or memory (with the smallest shortfall)."""
+    if np.isfinite(bound):
+        return PlanError(
+            f"the partition search hit its time limit ({time_limit_s:g} s) before finding a "
+            f"partition that fits memory; raise the time limit (--time-limit)"
+        )
+    short = min_memory_shortfall(cm, gpus, nm)
+    letters = "".join(g.letter for g in gpus)
+    return InfeasiblePartition(
+        f"no order and partition of {cm.num_layers} layers over {letters} fits memory with "
+        f"Nm={nm} (smallest shortfall {format_bytes(short)} on one stage)",
+        short,
+    )
+
+
 def partition_exact(
     cm: CostModel,
     gpus: Sequence[Device],
@@ -386,17 +263,7 @@ def partition_exact(
     check_stage_count(cm, len(gpus))
     search = _Search(cm, gpus, nm, memory)
     deadline = None if time_limit_s is None else t0 + time_limit_s
-    inc, found = np.inf, (-1, -1)
-    for order in [*heuristic_orders(search.cls, cm, gpus), None]:
-        if order is None:  # no heuristic order fits memory: take one that does, if any
-            fit = feasible_order(cm, gpus, nm) if memory and not np.isfinite(inc) else None
-            if fit is None:
-                break
-            order = tuple(fit)
-        seq = [search.cls.keys.index(class_key(d)) for d in order]
-        val, sid, p = search.run(inc, seq=seq)
-        if val < inc:
-            inc, found = val, (sid, p)
+    inc, found = _incumbent(search, cm, gpus, nm, memory)
     label, lo = "dp", search.root_bound()
     try:
         val, sid, p = search.run(inc, deadline=deadline)
@@ -407,18 +274,7 @@ def partition_exact(
         bound, label = min(inc, max(lo, exc.bound)), "dp (time limit)"
         log.info("exact partition: time limit %.1f s hit; bound %.4f ms", time_limit_s, bound)
     if found[0] < 0:
-        if np.isfinite(bound):
-            raise PlanError(
-                f"the partition search hit its time limit ({time_limit_s:g} s) before finding a "
-                f"partition that fits memory; raise the time limit (--time-limit)"
-            )
-        short = min_memory_shortfall(cm, gpus, nm)
-        letters = "".join(g.letter for g in gpus)
-        raise InfeasiblePartition(
-            f"no order and partition of {cm.num_layers} layers over {letters} fits memory with "
-            f"Nm={nm} (smallest shortfall {format_bytes(short)} on one stage)",
-            short,
-        )
+        raise _no_partition(cm, gpus, nm, bound, time_limit_s)
     class_order, bounds = search.solution(*found)
     pools = [list(m) for m in search.cls.members]
     order = tuple(pools[t].pop(0) for t in class_order)

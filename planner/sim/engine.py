@@ -40,12 +40,12 @@ from __future__ import annotations
 
 import heapq
 import logging
-from array import array
 from collections.abc import Sequence
 from itertools import count
 from typing import Any
 
-from planner.schedule import Kind, StageQueue, Task
+from planner.schedule import Kind, Task
+from planner.sim.state import NO_LINK, Links, VWState
 from planner.sim.types import (
     PipelineSpec,
     SimResult,
@@ -58,144 +58,11 @@ from planner.sim.types import (
 from planner.wsp import GlobalClock, required_global_clock
 from profiler.errors import PlanError
 
-__all__ = [
-    "PipelineSpec",
-    "SimResult",
-    "TraceEvent",
-    "measured_throughput",
-    "simulate_pipelines",
-]
+__all__ = ["simulate_pipelines"]
 
 log = logging.getLogger(__name__)
 
 _DONE, _PUSHED, _PULLED = 0, 1, 2  # event codes
-_NO_LINK = -1
-
-
-class _Links:
-    """When each link is free next (ms), by integer id: every GPU's own link and every node's
-    network card (one list: an event indexes it instead of hashing node names)."""
-
-    def __init__(self) -> None:
-        self.free: list[float] = []
-        self._cards: dict[str, int] = {}
-
-    def new(self, n: int) -> list[int]:
-        """Ids of ``n`` new links (a VW's GPU links)."""
-        first = len(self.free)
-        self.free.extend([0.0] * n)
-        return list(range(first, first + n))
-
-    def card(self, node: str) -> int:
-        """Id of ``node``'s network card, shared by every VW using that node."""
-        if node not in self._cards:
-            self._cards[node] = len(self.free)
-            self.free.append(0.0)
-        return self._cards[node]
-
-
-class _Stage:
-    """One GPU of a VW during a run: its task queue, what its tasks cost and its compute
-    intervals, in one object so that an event touches few cache lines (see docs/simulator.md,
-    *Scale*)."""
-
-    __slots__ = (
-        "b_bytes",
-        "b_comp",
-        "b_link",
-        "b_recv",
-        "ends",
-        "f_bytes",
-        "f_comp",
-        "f_link",
-        "f_recv",
-        "forward_kind",
-        "host",
-        "max_in_flight",
-        "own_link",
-        "push_card",
-        "queue",
-        "starts",
-    )
-
-    def __init__(self, spec: PipelineSpec, v: int, s: int, links: _Links, own: list[int]) -> None:
-        n, nodes = spec.n_stages, spec.nodes
-
-        def sender(src: int, recv: float) -> int:
-            """The link a transfer from stage ``src`` to this stage occupies."""
-            if not recv > 0.0:
-                return _NO_LINK
-            return links.card(nodes[src]) if nodes and nodes[src] != nodes[s] else own[src]
-
-        self.queue = StageQueue(s, n)
-        self.forward_kind = self.queue.forward_kind
-        self.own_link = own[s]
-        inter = spec.push_inter_ms
-        self.push_card = (
-            links.card(nodes[s] if nodes else f"{v}/{s}") if inter and inter[s] > 0.0 else _NO_LINK
-        )
-        # forward (or the last stage's FB) and backward tasks: receive ms, the sender's link,
-        # compute ms, cross-node bytes received
-        fwd, bwd, xb = spec.fwd_ms, spec.bwd_ms, spec.cross_recv_bytes
-        self.f_recv = spec.recv_fwd_ms[s]
-        self.f_link = sender(s - 1, self.f_recv) if s > 0 else _NO_LINK
-        self.f_comp = fwd[s] + (bwd[s] if s == n - 1 else 0.0)
-        self.f_bytes = xb[s] if s > 0 else 0
-        last = s == n - 1  # the last stage has no backward task
-        self.b_recv = 0.0 if last else spec.recv_bwd_ms[s]
-        self.b_link = _NO_LINK if last else sender(s + 1, self.b_recv)
-        self.b_comp = 0.0 if last else bwd[s]
-        self.b_bytes = 0 if last else xb[s + 1]
-        # offloaded data per minibatch: host-link ms and the part exposed in bwd_ms (drawn only)
-        self.host = (
-            (spec.host_ms[s], spec.host_exposed_ms[s] if spec.host_exposed_ms else 0.0)
-            if spec.host_ms and spec.host_ms[s] > 0.0
-            else None
-        )
-        # compute intervals in time order (one task at a time): flat float arrays, not a tuple
-        # of two float objects per task (10,000 GPUs x 400 tasks)
-        self.starts = array("d")
-        self.ends = array("d")
-        self.max_in_flight = 0
-
-
-class _VW:
-    """Mutable per-VW state of one simulation run (private to the event loop)."""
-
-    __slots__ = (
-        "admitted",
-        "completions",
-        "in_flight",
-        "n",
-        "need",
-        "next_push_wave",
-        "pulled",
-        "pulling",
-        "pushed",
-        "spec",
-        "stages",
-        "v",
-        "wait_start",
-        "waits",
-    )
-
-    def __init__(self, spec: PipelineSpec, v: int, links: _Links) -> None:
-        n = spec.n_stages
-        self.v = v
-        self.spec = spec
-        self.n = n
-        own = links.new(n)
-        self.stages = [_Stage(spec, v, s, links, own) for s in range(n)]
-        self.admitted = 0
-        self.in_flight = 0
-        self.pulled = 0  # global clock held locally
-        self.wait_start = -1.0  # >= 0 while admission is blocked by WSP
-        self.need = 0  # global clock the blocked admission needs
-        self.pulling = False
-        self.pushed = [0]  # per wave: stages whose push arrived
-        self.next_push_wave = 0
-        self.completions: list[float] = []
-        self.waits: list[tuple[float, float]] = []
 
 
 class _Sim:
@@ -204,13 +71,13 @@ class _Sim:
     def __init__(
         self, specs: Sequence[PipelineSpec], nm: int, D: int, waves: int, record: bool
     ) -> None:
-        self.links = _Links()
-        self.vws = [_VW(s.validated(), v, self.links) for v, s in enumerate(specs)]
+        self.links = Links()
+        self.vws = [VWState(s.validated(), v, self.links) for v, s in enumerate(specs)]
         self.nm, self.D, self.total = nm, D, waves * nm
         self.clock = GlobalClock(len(self.vws))
         # (time ms, sequence number, event code, VW, stage, task/wave/version): ties in time
         # run in the order they were scheduled
-        self.heap: list[tuple[float, int, int, _VW, int, Any]] = []
+        self.heap: list[tuple[float, int, int, VWState, int, Any]] = []
         self.seq = count()
         self.events = 0
         self.cross_bytes = 0
@@ -259,7 +126,7 @@ class _Sim:
 
     # ---------------------------------------------------------------- admission and WSP
 
-    def _admit(self, w: _VW, now: float) -> None:
+    def _admit(self, w: VWState, now: float) -> None:
         while w.admitted < self.total and w.in_flight < self.nm and not w.pulling:
             mb = w.admitted + 1
             need = required_global_clock(mb, self.nm, self.D)
@@ -277,7 +144,7 @@ class _Sim:
             first.queue.ready(Task(0, first.forward_kind, mb))
         self._dispatch(w, 0, now)
 
-    def _start_pull(self, w: _VW, now: float) -> None:
+    def _start_pull(self, w: VWState, now: float) -> None:
         w.pulling = True
         self.blocked.discard(w.v)
         self.cross_bytes += sum(w.spec.cross_sync_bytes)
@@ -286,7 +153,7 @@ class _Sim:
             (now + max(w.spec.pull_ms), next(self.seq), _PULLED, w, -1, self.clock.global_clock),
         )
 
-    def _pulled(self, w: _VW, version: int, now: float) -> None:
+    def _pulled(self, w: VWState, version: int, now: float) -> None:
         w.pulling = False
         w.pulled = version
         w.waits.append((w.wait_start, now))
@@ -295,7 +162,7 @@ class _Sim:
         w.wait_start = -1.0
         self._admit(w, now)
 
-    def _push(self, w: _VW, s: int, wave: int, now: float) -> None:
+    def _push(self, w: VWState, s: int, wave: int, now: float) -> None:
         free = self.links.free
         st = w.stages[s]
         own = st.own_link
@@ -303,7 +170,7 @@ class _Sim:
         end = start + w.spec.push_ms[s]
         free[own] = end
         card = st.push_card
-        if card != _NO_LINK:
+        if card != NO_LINK:
             end = (free[card] if free[card] > end else end) + w.spec.push_inter_ms[s]
             free[card] = end
         self.cross_bytes += w.spec.cross_sync_bytes[s]
@@ -311,7 +178,7 @@ class _Sim:
             self.trace.append(TraceEvent(w.v, s, "push", wave, start, end))
         heapq.heappush(self.heap, (end, next(self.seq), _PUSHED, w, s, wave))
 
-    def _pushed(self, w: _VW, wave: int, now: float) -> None:
+    def _pushed(self, w: VWState, wave: int, now: float) -> None:
         while len(w.pushed) <= wave:
             w.pushed.append(0)
         w.pushed[wave] += 1
@@ -329,7 +196,7 @@ class _Sim:
 
     # ---------------------------------------------------------------- stage execution
 
-    def _dispatch(self, w: _VW, s: int, now: float) -> None:
+    def _dispatch(self, w: VWState, s: int, now: float) -> None:
         """Start stage ``s``'s next task if its queue allows one: receive, then compute."""
         st = w.stages[s]
         q = st.queue
@@ -344,7 +211,7 @@ class _Sim:
         else:
             recv, link, comp, xbytes = st.f_recv, st.f_link, st.f_comp, st.f_bytes
         start = now
-        if link != _NO_LINK:  # the transfer waits for the sender's link (FIFO)
+        if link != NO_LINK:  # the transfer waits for the sender's link (FIFO)
             free = self.links.free
             if free[link] > now:
                 start = free[link]

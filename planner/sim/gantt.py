@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from planner.sim.engine import TraceEvent
+from planner.sim.types import TraceEvent
 from profiler.errors import ConfigError
 from profiler.files import atomic_write_bytes, atomic_write_text
 from profiler.inputs import read_text
@@ -81,31 +81,13 @@ def _num(x: float) -> str:
     return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.4g}"
 
 
-def write_gantt(
-    trace: Sequence[TraceEvent],
-    path: str | os.PathLike[str],
-    labels: Sequence[Sequence[str]] | None = None,
-    max_rows: int = 32,
-    until_ms: float | None = None,
-    title: str = "hetpipe simulated pipeline",
-    from_ms: float = 0.0,
-) -> Path:
-    """Draw a Gantt chart (PNG or SVG, by the file suffix) of ``trace``.
+Bars = dict[tuple[int, str], list[tuple[float, float]]]  # (row, category) -> (start, width)
 
-    Args:
-        trace: recorded intervals.
-        path: output file, ``.png`` or ``.svg``.
-        labels: per VW, per stage GPU label (e.g. ``V:0``) shown beside each row.
-        max_rows: draw at most this many rows (whole VWs, the first ones).
-        until_ms, from_ms: the time window to draw (default: the whole run); the title names it.
-        title: chart title (a second line names the window).
 
-    Raises:
-        ConfigError: unknown suffix, an empty trace or an empty window.
-    """
-    p = Path(path)
-    if p.suffix.lower() not in (".png", ".svg"):
-        raise ConfigError(f"{p}: the Gantt chart must be a .png or .svg file")
+def _window(
+    p: Path, trace: Sequence[TraceEvent], from_ms: float, until_ms: float | None
+) -> tuple[float, float]:
+    """The trace's end and the window's end (ms); refuses an empty trace or window."""
     if not trace:
         raise ConfigError(f"{p}: nothing to draw (the run recorded no trace)")
     total = max(e.end_ms for e in trace)
@@ -114,22 +96,28 @@ def write_gantt(
         raise ConfigError(
             f"{p}: empty time window {from_ms:g}-{end:g} ms (the run spans 0-{total:g} ms)"
         )
-    import matplotlib
+    return total, end
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
 
-    rows = _chart_rows(trace, labels, max_rows)
-    index = {(v, s): i for i, (v, s, _) in enumerate(rows)}
-    unit, scale = _unit(end - from_ms)
-    bars: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
+def _bars(
+    trace: Sequence[TraceEvent],
+    index: dict[tuple[int, int], int],
+    from_ms: float,
+    end: float,
+    scale: float,
+) -> Bars:
+    """The intervals inside the window, clipped to it, by row and category (in ``scale`` units)."""
+    bars: Bars = defaultdict(list)
     for e in trace:
         if e.start_ms >= end or e.end_ms <= from_ms or (e.vw, e.stage) not in index:
             continue
         a, b = max(e.start_ms, from_ms), min(e.end_ms, end)
         bars[(index[(e.vw, e.stage)], e.cat)].append((a / scale, (b - a) / scale))
-    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.35 * len(rows)))
+    return bars
+
+
+def _draw_bars(ax: Any, bars: Bars, rows: Sequence[tuple[int, int, str]]) -> None:
+    """Draw the bars: compute on the row, its lanes (recv, push, host, wait) beside it."""
     for (i, cat), spans in bars.items():
         y = len(rows) - 1 - i
         if rows[i][1] < 0:  # the VW's own wait row
@@ -158,14 +146,12 @@ def write_gantt(
             ax.broken_barh(
                 spans, (y - 0.1, 0.5), facecolors=COLORS[cat], edgecolors="black", linewidth=0.2
             )
-    ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([name for _, _, name in reversed(rows)], fontsize=7)
-    ax.set_xlim(from_ms / scale, end / scale)
-    ax.set_ylim(-0.6, len(rows) - 0.4)
-    ax.set_xlabel(f"time ({unit})")
-    shown = f"{_num(from_ms / scale)}-{_num(end / scale)} {unit}"
-    whole = f"{_num(total / 1e3)} s" if total >= 2000 else f"{_num(total)} ms"
-    ax.set_title(f"{title}\ntime window {shown} of a {whole} trace", fontsize=9)
+
+
+def _legend(ax: Any, bars: Bars) -> None:
+    """A legend of the categories drawn, outside the axes (it never covers bars)."""
+    from matplotlib.patches import Patch
+
     used = sorted({cat for _, cat in bars}, key=list(COLORS).index)
     handles = [
         Patch(
@@ -184,6 +170,54 @@ def write_gantt(
     ax.legend(
         handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False
     )
+
+
+def write_gantt(
+    trace: Sequence[TraceEvent],
+    path: str | os.PathLike[str],
+    labels: Sequence[Sequence[str]] | None = None,
+    max_rows: int = 32,
+    until_ms: float | None = None,
+    title: str = "hetpipe simulated pipeline",
+    from_ms: float = 0.0,
+) -> Path:
+    """Draw a Gantt chart (PNG or SVG, by the file suffix) of ``trace``.
+
+    Args:
+        trace: recorded intervals.
+        path: output file, ``.png`` or ``.svg``.
+        labels: per VW, per stage GPU label (e.g. ``V:0``) shown beside each row.
+        max_rows: draw at most this many rows (whole VWs, the first ones).
+        until_ms, from_ms: the time window to draw (default: the whole run); the title names it.
+        title: chart title (a second line names the window).
+
+    Raises:
+        ConfigError: unknown suffix, an empty trace or an empty window.
+    """
+    p = Path(path)
+    if p.suffix.lower() not in (".png", ".svg"):
+        raise ConfigError(f"{p}: the Gantt chart must be a .png or .svg file")
+    total, end = _window(p, trace, from_ms, until_ms)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = _chart_rows(trace, labels, max_rows)
+    index = {(v, s): i for i, (v, s, _) in enumerate(rows)}
+    unit, scale = _unit(end - from_ms)
+    bars = _bars(trace, index, from_ms, end, scale)
+    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.35 * len(rows)))
+    _draw_bars(ax, bars, rows)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([name for _, _, name in reversed(rows)], fontsize=7)
+    ax.set_xlim(from_ms / scale, end / scale)
+    ax.set_ylim(-0.6, len(rows) - 0.4)
+    ax.set_xlabel(f"time ({unit})")
+    shown = f"{_num(from_ms / scale)}-{_num(end / scale)} {unit}"
+    whole = f"{_num(total / 1e3)} s" if total >= 2000 else f"{_num(total)} ms"
+    ax.set_title(f"{title}\ntime window {shown} of a {whole} trace", fontsize=9)
+    _legend(ax, bars)
     buf = io.BytesIO()
     fig.savefig(buf, format=p.suffix.lstrip(".").lower() or "png", dpi=120, bbox_inches="tight")
     plt.close(fig)

@@ -22,26 +22,16 @@ from collections.abc import Callable, Iterable, Mapping
 from planner.offload import host_link_ms
 from planner.plan import Plan, StagePlan, VirtualWorker
 from planner.predict import AllReduceResult, ring_link, simulate_allreduce
-from planner.sim.engine import (
-    PipelineSpec,
-    SimResult,
-    TraceEvent,
-    measured_throughput,
-    simulate_pipelines,
-)
+from planner.sim.engine import simulate_pipelines
+from planner.sim.types import PipelineSpec, SimResult
 from profiler.errors import PlanError
 from profiler.table import Profile
 
 __all__ = [
-    "PipelineSpec",
-    "SimResult",
-    "TraceEvent",
     "allreduce_for_plan",
     "best_by_simulation",
-    "measured_throughput",
     "pipeline_specs",
     "simulate",
-    "simulate_pipelines",
     "stage_shard_bytes",
 ]
 

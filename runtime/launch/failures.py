@@ -1,47 +1,28 @@
-"""Blaming the right process when a multi-process run fails, and leaving nothing behind.
+"""Blaming the right process when a multi-process run fails, and stopping the rest.
 
 When one rank dies, its peers fail soon after with broken connections or timeouts. The
-launchers (one VW, many VWs, the DDP baseline) all collect failures for a short grace period
-and blame the first *cause*, never a peer that only saw the consequence. A rank that is
-alive but frozen (``SIGSTOP``, a wedged machine) is found by its missing heartbeats
-(:class:`Heartbeats`) before its peers time out.
-
-No orphans: every child dies with its parent (``PR_SET_PDEATHSIG`` on Linux) and also polls
-the launcher, which it treats as gone once it is dead *or a zombie* (a killed launcher whose
-own parent does not reap it). The launcher's rendezvous folder carries its pid
-(``hetpipe-rdzv-<pid>-*``); folders of dead launchers are removed by the next launch.
+launcher collects failures for a short grace period and blames the first *cause*, never a
+peer that only saw the consequence (:func:`root_cause_rank`); :func:`watch` is its one event
+loop, :func:`stop_all` stops what is left. A rank's own life (set-up, no orphans, its report)
+is :mod:`runtime.launch.child`; heartbeats and rendezvous folders are
+:mod:`runtime.launch.liveness`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import logging
-import os
 import queue
-import shutil
 import signal
-import sys
-import tempfile
-import threading
 import time
-import traceback
-from collections.abc import Callable, Iterator, Mapping
-from datetime import timedelta
-from pathlib import Path
-from typing import Any, NoReturn
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from profiler.errors import HetPipeRuntimeError
 
 __all__ = [
     "GRACE_S",
     "SECONDARY",
-    "Heartbeats",
     "Interrupted",
-    "rendezvous_dir",
     "root_cause_rank",
-    "run_rank",
-    "setup_child",
     "stop_all",
     "watch",
 ]
@@ -205,199 +186,5 @@ def stop_all(procs: Mapping[int, Any], grace_s: float = GRACE_S) -> None:
             p.join(1.0)
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie does not: it died and waits to be reaped)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True  # no /proc (not Linux): trust kill(0)
-    return stat[stat.rindex(")") + 2 :].split()[0] not in ("Z", "X")
-
-
-def _watch_parent(parent: int, ppid: int) -> None:
-    while True:
-        time.sleep(0.5)
-        if not _alive(parent) or os.getppid() != ppid:  # never linger as an orphan
-            os._exit(3)
-
-
-def _die_with_parent() -> None:
-    """Linux: the kernel SIGKILLs this process when its parent exits (even by SIGKILL)."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-
-
 class Interrupted(HetPipeRuntimeError):
     """The user stopped the run (Ctrl-C): never restarted by ``--on-failure restart``."""
-
-
-class Heartbeats:
-    """Liveness of the ranks of one launch: each rank touches ``beat-<rank>`` in the
-    rendezvous folder every ``period_s`` (a thread started by :func:`run_rank`); the launcher
-    calls :meth:`frozen` to find ranks whose file went stale (stopped, frozen, wedged).
-
-    Args:
-        directory: the rendezvous folder (``None``: no heartbeats, e.g. under torchrun).
-        stale_s: a rank that has not beaten for this long (s) is frozen.
-        labels: rank -> description for the message.
-    """
-
-    period_s = 0.5
-
-    def __init__(self, directory: Path | None, stale_s: float, labels: Mapping[int, str]) -> None:
-        self.directory, self.stale_s, self.labels = directory, stale_s, dict(labels)
-
-    @staticmethod
-    def path(directory: Path, rank: int) -> Path:
-        """The heartbeat file of ``rank``."""
-        return directory / f"beat-{rank}"
-
-    def frozen(self) -> dict[int, str]:
-        """rank -> message, for every rank that beat once and then stopped for ``stale_s``."""
-        if self.directory is None:
-            return {}
-        now, out = time.time(), {}
-        for rank in self.labels:
-            try:
-                age = now - self.path(self.directory, rank).stat().st_mtime
-            except OSError:
-                continue  # not started yet, or finished
-            if age > self.stale_s:
-                out[rank] = (
-                    f"frozen: no heartbeat for {age:.0f} s (stopped, e.g. SIGSTOP, or wedged)"
-                )
-        return out
-
-
-def _beat(path: Path) -> None:
-    while True:
-        try:
-            path.touch()
-        except OSError:
-            return  # the launcher removed its folder: the run is over
-        time.sleep(Heartbeats.period_s)
-
-
-def _dead_forkserver_dir(d: Path) -> bool:
-    """Whether ``d`` (a ``pymp-*`` folder) holds only forkserver sockets nobody listens on
-    any more (its launcher was killed before it could remove it). Linux only."""
-    try:
-        entries = list(d.iterdir())
-        bound = Path("/proc/net/unix").read_text()
-    except OSError:
-        return False
-    return bool(entries) and all(
-        e.name.startswith("listener-") and e.is_socket() and f" {e}\n" not in bound for e in entries
-    )
-
-
-def _sweep_temp(base: Path) -> None:
-    """Remove what killed launchers left in the temp folder: their rendezvous folders (their
-    pid is dead) and their multiprocessing ``pymp-*`` folders (forkserver socket unbound)."""
-    uid = os.getuid()
-    for d in base.glob("hetpipe-rdzv-*-*"):
-        pid = d.name.split("-")[2]
-        with contextlib.suppress(OSError):
-            if pid.isdigit() and d.stat().st_uid == uid and not _alive(int(pid)):
-                shutil.rmtree(d, ignore_errors=True)
-    for d in base.glob("pymp-*"):
-        with contextlib.suppress(OSError):
-            if d.stat().st_uid == uid and _dead_forkserver_dir(d):
-                shutil.rmtree(d, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def rendezvous_dir() -> Iterator[Path]:
-    """A fresh ``hetpipe-rdzv-<pid>-*`` temp folder for one launch, removed on exit; first
-    removes what launchers killed by SIGKILL left behind (:func:`_sweep_temp`)."""
-    base = Path(tempfile.gettempdir())
-    _sweep_temp(base)
-    tmp = Path(tempfile.mkdtemp(prefix=f"hetpipe-rdzv-{os.getpid()}-"))
-    try:
-        yield tmp
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _quiet_thread_error(args: threading.ExceptHookArgs) -> None:
-    name = args.thread.name if args.thread is not None else "?"
-    logging.getLogger(__name__).debug(
-        "thread %s ended with %s: %s", name, args.exc_type.__name__, args.exc_value
-    )
-
-
-def setup_child(
-    where: str, parent: int, level: int = logging.WARNING, quiet_threads: bool = False
-) -> None:
-    """First call of every spawned rank: one thread, ``[where]`` log prefix, no orphans.
-
-    Args:
-        where: log prefix, e.g. ``vw 1 | stage 0 | rank 3``.
-        parent: the launcher's pid; the process exits (code 3) once the launcher is gone.
-        level: log level (``HETPIPE_DEBUG`` in the environment turns on debug logging).
-        quiet_threads: log helper-thread failures at debug level instead of printing their
-            tracebacks (gloo receiver threads fail noisily once the process group is torn down
-            after the real error was reported).
-    """
-    import torch
-
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the launcher stops every rank
-    torch.set_num_threads(1)
-    logging.basicConfig(
-        level=logging.DEBUG if os.environ.get("HETPIPE_DEBUG") else level,
-        format=f"%(asctime)s [{where}] %(levelname)s %(message)s",
-        force=True,
-    )
-    threading.Thread(target=_watch_parent, args=(parent, os.getppid()), daemon=True).start()
-    if quiet_threads:
-        threading.excepthook = _quiet_thread_error
-
-
-def run_rank(
-    rank: int,
-    events: Any,
-    init_method: str,
-    world_size: int,
-    timeout_s: float,
-    body: Callable[[], tuple[str, bytes]],
-    backend: str = "gloo",
-) -> NoReturn:
-    """The life of one spawned rank after :func:`setup_child`, then exit (code 0 or 1).
-
-    Joins the process group (gloo, or ``backend``; every operation times out after ``timeout_s``), runs
-    ``body`` and posts its ``(kind, payload)`` as ``(kind, rank, payload)`` on ``events``; if
-    anything fails (also ``KeyboardInterrupt``), posts ``("error", rank, "Type: message
-    (file:line)")`` instead, for the launcher's :func:`watch`.
-    """
-    import torch.distributed as dist
-
-    if init_method.startswith("file://"):  # one host: heartbeats beside the rendezvous file
-        beat = Heartbeats.path(Path(init_method.removeprefix("file://")).parent, rank)
-        threading.Thread(target=_beat, args=(beat,), daemon=True, name="heartbeat").start()
-    code = 0
-    try:
-        dist.init_process_group(
-            backend, init_method=init_method, rank=rank, world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )  # fmt: skip
-        try:
-            kind, payload = body()
-            events.put((kind, rank, payload))
-        finally:
-            dist.destroy_process_group()
-    except BaseException as exc:  # report anything to the launcher
-        where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
-        loc = f" ({Path(where.filename).name}:{where.lineno})" if where else ""
-        events.put(("error", rank, f"{type(exc).__name__}: {exc}{loc}"))
-        code = 1
-    events.close()
-    events.join_thread()
-    sys.exit(code)

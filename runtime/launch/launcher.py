@@ -30,8 +30,9 @@ from planner.sync import RULES, effective_rule
 from profiler.errors import ConfigError, HetPipeRuntimeError
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.data import default_dataset
-from runtime.launch.failures import Interrupted, rendezvous_dir
+from runtime.launch.failures import Interrupted
 from runtime.launch.jobs import Prepared, prepare_allreduce, prepare_local
+from runtime.launch.liveness import rendezvous_dir
 from runtime.launch.supervise import spawn_and_watch
 from runtime.launch.wsp import prepare_wsp
 from runtime.persist.checkpoint import atomic_torch_save

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.config import ModelSource
-from runtime.launch.failures import run_rank, setup_child
+from runtime.launch.child import run_rank, setup_child
 from runtime.launch.faults import ShardFault
 from runtime.persist.checkpoint import shard_from_payload
 from runtime.persist.snapshot import load_part, read_manifest, snapshot_dir

@@ -9,7 +9,7 @@ child's end (its exit code names the cause).
 
 The launcher's :class:`Reports` has the ``get(timeout)`` of a queue (what
 :func:`runtime.launch.failures.watch` reads); each child gets a :class:`Channel` with the
-``put``/``close``/``join_thread`` of one (what :func:`runtime.launch.failures.run_rank` and
+``put``/``close``/``join_thread`` of one (what :func:`runtime.launch.child.run_rank` and
 the stage worker write to).
 """
 

@@ -18,11 +18,12 @@ from typing import Any
 from profiler.errors import HetPipeRuntimeError
 from runtime.config import RunConfig
 from runtime.launch.evict import VWEvictor
-from runtime.launch.failures import Heartbeats, Interrupted, root_cause_rank, stop_all, watch
+from runtime.launch.failures import Interrupted, root_cause_rank, stop_all, watch
+from runtime.launch.liveness import Heartbeats
 from runtime.launch.procs import ShardJob, loads_result, process_context, shard_main, stage_main
 from runtime.launch.reports import Reports
 from runtime.persist.checkpoint import ShardState
-from runtime.ps.core import ClockEvent
+from runtime.ps.outcome import ClockEvent
 from runtime.results.metrics import ProgressBar, StageResult
 from runtime.stage.job import StageJob
 

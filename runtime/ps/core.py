@@ -16,14 +16,8 @@ the shard process. The rules (see ``docs/parameter_server.md``):
   ``(vw, stage)`` order; any other push of ``c`` (late, or a part of a VW that did not make
   the quorum) is ``DROPPED``: never applied, recorded once in :attr:`ShardCore.dropped`.
 
-Eviction (``--on-failure continue``, GaDei Sec. 4.3): with ``peers`` (the other shards' ids),
-a wave is applied only once every member VW's push of it is complete at *every* shard (each
-shard reports its VW clocks to the others, :meth:`ShardCore.peer_report`), so no shard ever
-folds a wave that another shard may lack. A VW whose client died is :meth:`ShardCore.lose`-t;
-once no more of its pushes can arrive here (:meth:`ShardCore.end_pushes`) and every shard has
-said so, every shard computes the same cut ``min over shards of its VW clock``: its waves
-below the cut are in everywhere, the buffered ones at or above it are discarded once, and the
-global clock stops waiting for it (:class:`Eviction`).
+Eviction (``--on-failure continue``, GaDei Sec. 4.3) is :class:`runtime.ps.eviction.PeerEviction`,
+a base of :class:`ShardCore`.
 
 The global clock is the minimum of the VW clocks (:class:`planner.wsp.GlobalClock`). With
 clients that admit minibatch ``p`` only when :func:`planner.wsp.required_global_clock` holds,
@@ -36,8 +30,6 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
-from enum import IntEnum
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,71 +38,19 @@ from planner.backup import Arrival, QuorumClock
 from planner.wsp import GlobalClock
 from profiler.errors import ConfigError
 from runtime.persist.checkpoint import LedgerEntry, ShardState
+from runtime.ps.eviction import PeerEviction
 from runtime.ps.layout import ShardSpec
+from runtime.ps.outcome import ClockEvent, Eviction, PushResult, Status
 
 if TYPE_CHECKING:
     from runtime.sync.rule import WaveFold
 
-__all__ = ["ClockEvent", "Eviction", "PushResult", "ShardCore", "Status"]
+__all__ = ["ShardCore"]
 
 log = logging.getLogger(__name__)
 
 
-class Status(IntEnum):
-    """Outcome of a push or pull."""
-
-    OK = 0
-    DUPLICATE = 1  # this (vw, stage, wave) was already received: not applied again
-    TOO_FAR_AHEAD = 2  # wave > global clock + D: the client broke the WSP admission rule
-    BAD_WAVE = 3  # negative wave, or a wave already folded into the global weights
-    BAD_SIZE = 4  # payload length does not match the client's slice
-    DROPPED = 5  # backup workers: the wave closed without this VW; recorded, never applied
-
-
-@dataclass(frozen=True)
-class ClockEvent:
-    """Clock state right after an accepted push (the trace the WSP bound is checked on).
-
-    Attributes:
-        seq: arrival order of the push.
-        vw, stage, wave: the push.
-        local: every VW's clock at this shard (waves fully pushed), in VW id order.
-        global_clock: the shard's global clock (min of ``local``) after applying ready waves.
-    """
-
-    seq: int
-    vw: int
-    stage: int
-    wave: int
-    local: tuple[int, ...]
-    global_clock: int
-
-    @property
-    def distance(self) -> int:
-        """Clock distance: fastest VW clock minus the global (slowest) clock."""
-        return max(self.local) - self.global_clock
-
-
-@dataclass(frozen=True)
-class Eviction:
-    """A VW left out of the global clock: its waves ``< wave`` are applied at every shard,
-    none at or above; ``discarded`` of its buffered pushes were dropped at this shard."""
-
-    vw: int
-    wave: int
-    discarded: int
-
-
-@dataclass(frozen=True)
-class PushResult:
-    """What :meth:`ShardCore.push` did: ``status``, a message when rejected, waves applied."""
-
-    status: Status
-    message: str = ""
-    applied: int = 0
-
-
-class ShardCore:
+class ShardCore(PeerEviction):
     """The shard's WSP state machine (pure: no processes, no I/O).
 
     Args:
@@ -334,10 +274,6 @@ class ShardCore:
         log.warning(msg)
         return PushResult(status, msg)
 
-    def _committed(self, vi: int) -> int:
-        """Waves of VW index ``vi`` complete at every shard (here and as the peers reported)."""
-        return min([self._gclock.local(vi), *(c[vi] for c in self._peer_clocks.values())])
-
     def _advance(self) -> int:
         """Apply every wave whose member VWs' pushes are complete at every shard."""
         applied = 0
@@ -349,70 +285,6 @@ class ShardCore:
                 return applied
             self._apply(self._pending.pop(self._clock, {}), {self.spec.vws[vi] for vi in members})
             applied += 1
-
-    def lose(self, vw: int) -> int:
-        """VW ``vw`` lost a client (a process died): evict it once no more of its pushes can
-        arrive anywhere (:meth:`end_pushes`, :meth:`peer_report`). Returns waves applied."""
-        if vw in self._vw_index:
-            self._lost.add(self._vw_index[vw])
-        return self._settle()
-
-    def end_pushes(self, vw: int, stage: int) -> int:
-        """Client ``(vw, stage)`` sends no more pushes (its stream ended). Returns waves applied."""
-        self._ended.add((vw, stage))
-        return self._settle()
-
-    def report(self) -> tuple[tuple[int, ...], tuple[bool, ...]]:
-        """What this shard tells its peers: each VW's clock here, and whether it is final
-        (the VW is lost and none of its pushes can arrive here any more), VW id order."""
-        final = tuple(
-            vi in self._lost and all(k in self._ended for k in self._vw_keys[vi])
-            for vi in range(len(self.spec.vws))
-        )
-        return self.local_clocks(), final
-
-    def peer_report(self, shard: int, clocks: Sequence[int], final: Sequence[bool]) -> int:
-        """Shard ``shard``'s :meth:`report` arrived. Returns waves applied.
-
-        Raises:
-            ConfigError: not a peer, or a report of another VW count (a wiring bug).
-        """
-        n = len(self.spec.vws)
-        if shard not in self._peer_clocks or len(clocks) != n or len(final) != n:
-            raise ConfigError(
-                f"shard {self.spec.id}: report of shard {shard} with {len(clocks)} VW clocks; "
-                f"expected a peer in {sorted(self._peer_clocks)} with {n}"
-            )
-        for vi in range(n):
-            self._peer_clocks[shard][vi] = max(self._peer_clocks[shard][vi], int(clocks[vi]))
-            self._peer_final[shard][vi] = self._peer_final[shard][vi] or bool(final[vi])
-        return self._settle()
-
-    def _settle(self) -> int:
-        """Evict every lost VW that is final at every shard (the same cut everywhere), then
-        apply what became ready."""
-        final_here = self.report()[1]
-        for vi in sorted(self._lost - self._cut.keys()):
-            if final_here[vi] and all(f[vi] for f in self._peer_final.values()):
-                cut, dropped = self._committed(vi), 0
-                for w in [w for w in self._pending if w >= cut]:
-                    for k in self._vw_keys[vi]:
-                        dropped += self._pending[w].pop(k, None) is not None
-                self._cut[vi] = cut
-                self.evictions.append(Eviction(self.spec.vws[vi], cut, dropped))
-                log.warning("shard %d: vw %d evicted at wave %d (%d buffered pushes discarded)",
-                            self.spec.id, self.spec.vws[vi], cut, dropped)  # fmt: skip
-        return self._advance()
-
-    @property
-    def waiting_on_eviction(self) -> bool:
-        """A VW is lost but not evicted yet (the shard must keep serving until it is)."""
-        return bool(self._lost - self._cut.keys())
-
-    @property
-    def unsettled(self) -> bool:
-        """A lost VW is not evicted yet, or pushes wait for a wave to be applied."""
-        return self.waiting_on_eviction or any(self._pending.values())
 
     def _apply(
         self,

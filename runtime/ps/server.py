@@ -25,8 +25,8 @@ tests can check that bound.
 
 :class:`ShardCore` (in :mod:`runtime.ps.core`) is pure and unit-tested on its own;
 :class:`ShardServer` runs it in a shard process over torch.distributed point-to-point
-messages (gloo), one reader thread per client. The wire protocol is shared with
-:mod:`runtime.ps.client`.
+messages (gloo), one reader thread per client. The wire protocol, shared with
+:mod:`runtime.ps.client`, is :mod:`runtime.ps.wire`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import queue
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import IntEnum
 
 import torch
 import torch.distributed as dist
@@ -45,50 +44,33 @@ import torch.distributed as dist
 from profiler.errors import HetPipeRuntimeError
 from runtime.persist.checkpoint import ShardState, shard_payload
 from runtime.persist.snapshot import SnapshotSpec, write_part
-from runtime.ps.core import ShardCore, Status
+from runtime.ps.core import ShardCore
 from runtime.ps.layout import (
     ClientSpec,
 )
+from runtime.ps.outcome import Status
 from runtime.ps.peers import PeerLink
+from runtime.ps.wire import (
+    HEADER_BYTES,
+    HEADER_LEN,
+    LAST_PUSH,
+    NO_PULL,
+    TAG_ACK,
+    TAG_PULL_DATA,
+    TAG_PULL_HEADER,
+    TAG_PUSH,
+    TAG_REQUEST,
+    Op,
+    irecv,
+    isend,
+    push_message,
+)
 
-__all__ = ["Op", "ShardServer", "irecv", "isend"]
+__all__ = ["ShardServer"]
 
 log = logging.getLogger(__name__)
 
-# ------------------------------------------------------------------ wire protocol
-TAG_BASE = 7_000_000  # far from any tag the pipeline runtime uses between stages
-TAG_REQUEST = TAG_BASE + 1  # client -> shard: int64 [op, arg, seq, 0] (PULL, BYE)
-TAG_PUSH = TAG_BASE + 2  # client -> shard: one push message, see push_message()
-TAG_ACK = TAG_BASE + 3  # shard -> client: int64 [status, wave, global clock, 0] per push
-TAG_PULL_HEADER = TAG_BASE + 4  # shard -> client: int64 [status, global clock, min_clock, seq]
-TAG_PULL_DATA = TAG_BASE + 5  # shard -> client: the client's flat slice of the weights
-HEADER_LEN = 4
-HEADER_BYTES = HEADER_LEN * 8
-NO_PULL = -1  # a push header's pull clock when the push asks for no pull
-LAST_PUSH = 1  # push header flag: no more pushes follow (the client is closing), no update
 
-
-class Op(IntEnum):
-    """Request kinds a client sends on ``TAG_REQUEST`` (pushes have their own tag)."""
-
-    PULL = 2  # arg = minimum global clock, seq = the client's pull number
-    BYE = 3  # the client is done; no more requests follow
-
-
-def push_message(numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A push message buffer: ``(message, header, payload)``.
-
-    One push is **one** gloo message of ``HEADER_BYTES + 4 * numel`` bytes: an int64 header
-    ``[wave, pull clock or NO_PULL, pull seq, flags]`` followed by the float32 update. ``header`` and
-    ``payload`` are views of ``message`` (uint8), so filling the payload in place is the only copy
-    a push needs, and a push can carry the client's next pull request (saving a message and a
-    rendezvous on the critical path of a wave).
-    """
-    msg = torch.empty(HEADER_BYTES + 4 * numel, dtype=torch.uint8)
-    return msg, msg[:HEADER_BYTES].view(torch.int64), msg[HEADER_BYTES:].view(torch.float32)
-
-
-# ------------------------------------------------------------------ the shard process
 @dataclass(frozen=True)
 class _Event:
     kind: str  # push | pull | bye | error | last (no more pushes) | peer (a shard's report)
@@ -99,26 +81,6 @@ class _Event:
     pull: int = NO_PULL  # push: the pull clock it carries
     error: str = ""
     report: tuple[tuple[int, ...], tuple[bool, ...]] = ((), ())  # peer: clocks, final flags
-
-
-def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None, tag: int) -> dist.Work:
-    """``dist.isend`` that never returns ``None`` (which means this rank is not in ``group``)."""
-    work = dist.isend(tensor, dst=dst, group=group, tag=tag)
-    if work is None:
-        raise HetPipeRuntimeError(
-            f"this rank is not in the parameter-server process group (send to rank {dst})"
-        )
-    return work
-
-
-def irecv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None, tag: int) -> dist.Work:
-    """``dist.irecv`` that never returns ``None`` (which means this rank is not in ``group``)."""
-    work = dist.irecv(tensor, src=src, group=group, tag=tag)
-    if work is None:
-        raise HetPipeRuntimeError(
-            f"this rank is not in the parameter-server process group (recv from rank {src})"
-        )
-    return work
 
 
 _IDLE_FOREVER_S = (

@@ -1,7 +1,7 @@
 """Run measurements: per-stage results, the run summary, CSV/TensorBoard output, the table.
 
 Throughput is samples per second with the simulator's definition
-(:func:`planner.sim.engine.measured_throughput`): stage-0 backward completions after the
+(:func:`planner.sim.types.measured_throughput`): stage-0 backward completions after the
 warm-up wave, so the pipeline's fill is excluded and measured and predicted agree in meaning.
 """
 
@@ -116,12 +116,12 @@ class RunResult:
 
     @property
     def throughput(self) -> float:
-        """Samples/s with the simulator's definition (``planner.sim.engine.measured_throughput``:
+        """Samples/s with the simulator's definition (``planner.sim.types.measured_throughput``:
         stage-0 backward completions after warm-up wave 0); whole-run average for runs shorter
         than two waves; 0 for a VW lost in the run."""
         times = sorted(self.stages[0].done_times) if self.stages else []
         if len(times) >= 2 * self.nm:
-            from planner.sim.engine import measured_throughput
+            from planner.sim.types import measured_throughput
 
             start = self.stages[0].start_time
             return measured_throughput(

@@ -29,8 +29,8 @@ from profiler.files import atomic_write_text
 from runtime.config import ModelSource, RunConfig
 from runtime.persist.checkpoint import ShardState, atomic_torch_save, shard_from_payload
 from runtime.persist.snapshot import Manifest, load_part
-from runtime.ps.core import ClockEvent
 from runtime.ps.layout import ShardSpec, export_state_dict
+from runtime.ps.outcome import ClockEvent
 from runtime.results.evaluation import evaluate_module
 from runtime.results.metrics import RunResult, StageResult, write_metrics
 from runtime.results.sync import arrival_table, describe_rule, dropped_vw_waves, kth_push_s

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from planner.wsp import local_version
 from profiler.errors import HetPipeRuntimeError
-from runtime.ps.server import irecv, isend
+from runtime.ps.wire import irecv, isend
 from runtime.stage.tied import TiedGrads
 from runtime.stage.weights import VersionedWeights
 

@@ -39,7 +39,8 @@ from runtime.persist.snapshot import (
     snapshot_dir,
     write_part,
 )
-from runtime.ps.client import PSClient, PullHandle
+from runtime.ps.client import PSClient
+from runtime.ps.pull import PullHandle
 from runtime.results.metrics import StageResult
 from runtime.stage.weights import VersionedWeights
 from runtime.sync.rule import StageSync, StageView, SyncSpec

@@ -10,13 +10,9 @@ import pytest
 from planner.cluster import Link
 from planner.predict import simulate_allreduce
 from planner.schedule import in_flight_bound
-from planner.sim.simulator import (
-    PipelineSpec,
-    allreduce_for_plan,
-    measured_throughput,
-    simulate,
-    simulate_pipelines,
-)
+from planner.sim.engine import simulate_pipelines
+from planner.sim.simulator import allreduce_for_plan, simulate
+from planner.sim.types import PipelineSpec, measured_throughput
 from profiler.errors import PlanError
 from tests.planner.simplan import make_plan
 

@@ -14,7 +14,9 @@ import random
 
 import pytest
 
-from planner.sim.simulator import PipelineSpec, SimResult, simulate, simulate_pipelines
+from planner.sim.engine import simulate_pipelines
+from planner.sim.simulator import simulate
+from planner.sim.types import PipelineSpec, SimResult
 from tests.planner.simplan import make_plan
 
 

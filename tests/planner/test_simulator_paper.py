@@ -13,7 +13,8 @@ import pytest
 
 from planner.cluster import Cluster, load_cluster
 from planner.plan import Plan
-from planner.sim.simulator import SimResult, allreduce_for_plan, best_by_simulation, simulate
+from planner.sim.simulator import allreduce_for_plan, best_by_simulation, simulate
+from planner.sim.types import SimResult
 from profiler.table import Profile
 from tests.conftest import EXAMPLES
 

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from planner.sim.engine import simulate_pipelines
 from planner.sim.gantt import _chart_rows, read_chrome_trace, write_chrome_trace, write_gantt
-from planner.sim.simulator import PipelineSpec, TraceEvent, simulate_pipelines
+from planner.sim.types import PipelineSpec, TraceEvent
 from profiler.errors import ConfigError
 
 

@@ -24,9 +24,10 @@ import torch.distributed as dist
 from planner.wsp import required_global_clock
 from profiler.errors import HetPipeRuntimeError
 from runtime.persist.snapshot import SnapshotSpec
-from runtime.ps.client import PSClient, PullHandle, PullResult
+from runtime.ps.client import PSClient
 from runtime.ps.core import ShardCore
 from runtime.ps.layout import ShardSpec
+from runtime.ps.pull import PullHandle, PullResult
 from runtime.ps.server import ShardServer
 
 EXIT_FAILED = 3

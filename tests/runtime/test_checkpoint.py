@@ -22,7 +22,8 @@ from runtime.persist.snapshot import (
     snapshot_dir,
     write_part,
 )
-from runtime.ps.core import ShardCore, Status
+from runtime.ps.core import ShardCore
+from runtime.ps.outcome import Status
 from tests.runtime.test_ps import all_pushes, init_weights, specs, update
 
 PARTS = ("shard-0", "vw0-stage0")

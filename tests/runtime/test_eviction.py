@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from profiler.errors import ConfigError
-from runtime.ps.core import ShardCore, Status
+from runtime.ps.core import ShardCore
 from runtime.ps.layout import ShardSpec
+from runtime.ps.outcome import Status
 from tests.runtime.test_ps import init_weights, specs, update
 
 WAVES = 4

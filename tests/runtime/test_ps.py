@@ -25,7 +25,7 @@ from profiler.models import resolve_model
 from runtime.persist.checkpoint import shard_from_payload
 from runtime.persist.snapshot import committed_clocks, load_part, read_manifest, snapshot_dir
 from runtime.ps.client import PSClient
-from runtime.ps.core import ShardCore, Status
+from runtime.ps.core import ShardCore
 from runtime.ps.layout import (
     ShardSpec,
     export_state_dict,
@@ -33,6 +33,7 @@ from runtime.ps.layout import (
     round_robin_assignment,
     shard_specs_for_layout,
 )
+from runtime.ps.outcome import Status
 from tests.runtime._ps_procs import (
     RunConfig,
     param_update,

@@ -7,8 +7,9 @@ import random
 import pytest
 import torch
 
-from runtime.ps.core import ShardCore, Status
+from runtime.ps.core import ShardCore
 from runtime.ps.layout import ShardSpec
+from runtime.ps.outcome import Status
 from tests.runtime.test_ps import init_weights, specs, update
 
 

@@ -1,0 +1,118 @@
+"""The life of one spawned rank: set-up, no orphans, the process group, the report.
+
+No orphans: every child dies with its parent (``PR_SET_PDEATHSIG`` on Linux) and also polls
+the launcher, which it treats as gone once it is dead *or a zombie* (a killed launcher whose
+own parent does not reap it). A failure is posted to the launcher's :func:`watch
+<runtime.launch.failures.watch>` as ``("error", rank, "Type: message (file:line)")``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, NoReturn
+
+from runtime.launch.liveness import Heartbeats, alive, keep_beating
+
+__all__ = ["run_rank", "setup_child"]
+
+
+def _watch_parent(parent: int, ppid: int) -> None:
+    while True:
+        time.sleep(0.5)
+        if not alive(parent) or os.getppid() != ppid:  # never linger as an orphan
+            os._exit(3)
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel SIGKILLs this process when its parent exits (even by SIGKILL)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+
+
+def _quiet_thread_error(args: threading.ExceptHookArgs) -> None:
+    name = args.thread.name if args.thread is not None else "?"
+    logging.getLogger(__name__).debug(
+        "thread %s ended with %s: %s", name, args.exc_type.__name__, args.exc_value
+    )
+
+
+def setup_child(
+    where: str, parent: int, level: int = logging.WARNING, quiet_threads: bool = False
+) -> None:
+    """First call of every spawned rank: one thread, ``[where]`` log prefix, no orphans.
+
+    Args:
+        where: log prefix, e.g. ``vw 1 | stage 0 | rank 3``.
+        parent: the launcher's pid; the process exits (code 3) once the launcher is gone.
+        level: log level (``HETPIPE_DEBUG`` in the environment turns on debug logging).
+        quiet_threads: log helper-thread failures at debug level instead of printing their
+            tracebacks (gloo receiver threads fail noisily once the process group is torn down
+            after the real error was reported).
+    """
+    import torch
+
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the launcher stops every rank
+    torch.set_num_threads(1)
+    logging.basicConfig(
+        level=logging.DEBUG if os.environ.get("HETPIPE_DEBUG") else level,
+        format=f"%(asctime)s [{where}] %(levelname)s %(message)s",
+        force=True,
+    )
+    threading.Thread(target=_watch_parent, args=(parent, os.getppid()), daemon=True).start()
+    if quiet_threads:
+        threading.excepthook = _quiet_thread_error
+
+
+def run_rank(
+    rank: int,
+    events: Any,
+    init_method: str,
+    world_size: int,
+    timeout_s: float,
+    body: Callable[[], tuple[str, bytes]],
+    backend: str = "gloo",
+) -> NoReturn:
+    """The life of one spawned rank after :func:`setup_child`, then exit (code 0 or 1).
+
+    Joins the process group (gloo, or ``backend``; every operation times out after ``timeout_s``), runs
+    ``body`` and posts its ``(kind, payload)`` as ``(kind, rank, payload)`` on ``events``; if
+    anything fails (also ``KeyboardInterrupt``), posts ``("error", rank, "Type: message
+    (file:line)")`` instead, for the launcher's :func:`watch`.
+    """
+    import torch.distributed as dist
+
+    if init_method.startswith("file://"):  # one host: heartbeats beside the rendezvous file
+        beat = Heartbeats.path(Path(init_method.removeprefix("file://")).parent, rank)
+        threading.Thread(target=keep_beating, args=(beat,), daemon=True, name="heartbeat").start()
+    code = 0
+    try:
+        dist.init_process_group(
+            backend, init_method=init_method, rank=rank, world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )  # fmt: skip
+        try:
+            kind, payload = body()
+            events.put((kind, rank, payload))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as exc:  # report anything to the launcher
+        where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+        loc = f" ({Path(where.filename).name}:{where.lineno})" if where else ""
+        events.put(("error", rank, f"{type(exc).__name__}: {exc}{loc}"))
+        code = 1
+    events.close()
+    events.join_thread()
+    sys.exit(code)

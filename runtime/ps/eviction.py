@@ -1,0 +1,123 @@
+"""Eviction of a lost VW at a parameter-server shard (``--on-failure continue``).
+
+Eviction (``--on-failure continue``, GaDei Sec. 4.3): with ``peers`` (the other shards' ids),
+a wave is applied only once every member VW's push of it is complete at *every* shard (each
+shard reports its VW clocks to the others, :meth:`PeerEviction.peer_report`), so no shard ever
+folds a wave that another shard may lack. A VW whose client died is :meth:`PeerEviction.lose`-t;
+once no more of its pushes can arrive here (:meth:`PeerEviction.end_pushes`) and every shard has
+said so, every shard computes the same cut ``min over shards of its VW clock``: its waves
+below the cut are in everywhere, the buffered ones at or above it are discarded once, and the
+global clock stops waiting for it (:class:`Eviction`).
+
+:class:`PeerEviction` is the eviction half of :class:`runtime.ps.core.ShardCore` (its base):
+it reads and updates the core's state, declared below, and asks the core to apply what became
+ready (``_advance``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from planner.wsp import GlobalClock
+from profiler.errors import ConfigError
+from runtime.ps.layout import ShardSpec
+from runtime.ps.outcome import Eviction
+
+__all__ = ["PeerEviction"]
+
+log = logging.getLogger(__name__)
+
+
+class PeerEviction:
+    """The eviction half of :class:`runtime.ps.core.ShardCore` (whose constructor sets this state)."""
+
+    spec: ShardSpec
+    _gclock: GlobalClock
+    _pending: dict[int, dict[tuple[int, int], tuple[torch.Tensor, int]]]
+    _vw_index: dict[int, int]
+    _vw_keys: list[list[tuple[int, int]]]
+    _peer_clocks: dict[int, list[int]]  # what the other shards reported, VW index order
+    _peer_final: dict[int, list[bool]]
+    _lost: set[int]  # VW indices with a dead client
+    _ended: set[tuple[int, int]]  # clients whose pushes can no longer arrive
+    _cut: dict[int, int]  # evicted VW index -> first wave left out
+    evictions: list[Eviction]
+
+    def local_clocks(self) -> tuple[int, ...]:
+        """Each VW's clock at this shard (:meth:`runtime.ps.core.ShardCore.local_clocks`)."""
+        raise NotImplementedError
+
+    def _advance(self) -> int:
+        """Apply what became ready (:meth:`runtime.ps.core.ShardCore._advance`)."""
+        raise NotImplementedError
+
+    def _committed(self, vi: int) -> int:
+        """Waves of VW index ``vi`` complete at every shard (here and as the peers reported)."""
+        return min([self._gclock.local(vi), *(c[vi] for c in self._peer_clocks.values())])
+
+    def lose(self, vw: int) -> int:
+        """VW ``vw`` lost a client (a process died): evict it once no more of its pushes can
+        arrive anywhere (:meth:`end_pushes`, :meth:`peer_report`). Returns waves applied."""
+        if vw in self._vw_index:
+            self._lost.add(self._vw_index[vw])
+        return self._settle()
+
+    def end_pushes(self, vw: int, stage: int) -> int:
+        """Client ``(vw, stage)`` sends no more pushes (its stream ended). Returns waves applied."""
+        self._ended.add((vw, stage))
+        return self._settle()
+
+    def report(self) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+        """What this shard tells its peers: each VW's clock here, and whether it is final
+        (the VW is lost and none of its pushes can arrive here any more), VW id order."""
+        final = tuple(
+            vi in self._lost and all(k in self._ended for k in self._vw_keys[vi])
+            for vi in range(len(self.spec.vws))
+        )
+        return self.local_clocks(), final
+
+    def peer_report(self, shard: int, clocks: Sequence[int], final: Sequence[bool]) -> int:
+        """Shard ``shard``'s :meth:`report` arrived. Returns waves applied.
+
+        Raises:
+            ConfigError: not a peer, or a report of another VW count (a wiring bug).
+        """
+        n = len(self.spec.vws)
+        if shard not in self._peer_clocks or len(clocks) != n or len(final) != n:
+            raise ConfigError(
+                f"shard {self.spec.id}: report of shard {shard} with {len(clocks)} VW clocks; "
+                f"expected a peer in {sorted(self._peer_clocks)} with {n}"
+            )
+        for vi in range(n):
+            self._peer_clocks[shard][vi] = max(self._peer_clocks[shard][vi], int(clocks[vi]))
+            self._peer_final[shard][vi] = self._peer_final[shard][vi] or bool(final[vi])
+        return self._settle()
+
+    def _settle(self) -> int:
+        """Evict every lost VW that is final at every shard (the same cut everywhere), then
+        apply what became ready."""
+        final_here = self.report()[1]
+        for vi in sorted(self._lost - self._cut.keys()):
+            if final_here[vi] and all(f[vi] for f in self._peer_final.values()):
+                cut, dropped = self._committed(vi), 0
+                for w in [w for w in self._pending if w >= cut]:
+                    for k in self._vw_keys[vi]:
+                        dropped += self._pending[w].pop(k, None) is not None
+                self._cut[vi] = cut
+                self.evictions.append(Eviction(self.spec.vws[vi], cut, dropped))
+                log.warning("shard %d: vw %d evicted at wave %d (%d buffered pushes discarded)",
+                            self.spec.id, self.spec.vws[vi], cut, dropped)  # fmt: skip
+        return self._advance()
+
+    @property
+    def waiting_on_eviction(self) -> bool:
+        """A VW is lost but not evicted yet (the shard must keep serving until it is)."""
+        return bool(self._lost - self._cut.keys())
+
+    @property
+    def unsettled(self) -> bool:
+        """A lost VW is not evicted yet, or pushes wait for a wave to be applied."""
+        return self.waiting_on_eviction or any(self._pending.values())

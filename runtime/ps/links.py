@@ -1,0 +1,188 @@
+"""A parameter-server client's connections to its shards: which parameters go where, the
+transport and its errors, and the acknowledgements of pushes in flight.
+
+:class:`ShardLinks` is the base of :class:`runtime.ps.client.PSClient` (through
+:class:`runtime.ps.pull.PullingClient`); see there for the protocol. Any failure of the
+transport (a shard died, or did not answer within the timeout) raises
+:class:`~profiler.errors.HetPipeRuntimeError` naming the shard and what was being done.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from profiler.errors import ConfigError, HetPipeRuntimeError
+from runtime.ps.layout import ShardSpec
+from runtime.ps.outcome import Status
+from runtime.ps.wire import irecv, isend, push_message
+
+__all__ = ["Link", "Message", "Push", "ShardLinks"]
+
+
+@dataclass(frozen=True)
+class Link:
+    """This stage's view of one shard: which of its parameters go there, in shard order."""
+
+    spec: ShardSpec
+    order: tuple[int, ...]  # indices into the client's parameter list, in shard order
+    numel: int
+
+
+@dataclass(frozen=True)
+class Message:
+    """A push message (uint8) and its int64 header and float32 payload views."""
+
+    message: torch.Tensor
+    header: torch.Tensor
+    payload: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Push:
+    """A push in flight: its send and the receive of its acknowledgement."""
+
+    link: int
+    wave: int
+    ack_work: dist.Work
+    ack: torch.Tensor
+    send: dist.Work
+    msg: Message
+
+
+class ShardLinks:
+    """The shards one stage of one VW talks to (the arguments are :class:`PSClient`'s)."""
+
+    def __init__(
+        self,
+        vw: int,
+        stage: int,
+        params: Sequence[tuple[str, Sequence[int]]],
+        shards: Sequence[ShardSpec],
+        group: dist.ProcessGroup | None = None,
+        timeout_s: float = 60.0,
+        pull_timeout_s: float | None = None,
+    ) -> None:
+        self.vw, self.stage, self.group = vw, stage, group
+        self.timeout_s = timeout_s
+        self.pull_timeout_s = timeout_s if pull_timeout_s is None else pull_timeout_s
+        self._shapes = [tuple(int(d) for d in shape) for _, shape in params]
+        index = {name: i for i, (name, _) in enumerate(params)}
+        links, seen = [], set()
+        for spec in shards:
+            try:
+                me = spec.client(vw, stage)
+            except KeyError:
+                continue
+            for n in me.params:
+                if n not in index:
+                    raise ConfigError(
+                        f"shard {spec.id} expects parameter {n!r} from vw {vw} stage {stage}, which does not hold it"
+                    )
+                seen.add(n)
+            links.append(Link(spec, tuple(index[n] for n in me.params), spec.client_numel(me)))
+        orphans = sorted(set(index) - seen)
+        if orphans:
+            raise ConfigError(
+                f"vw {vw} stage {stage}: parameters {orphans} are on no parameter-server shard; fix the shard assignment"
+            )
+        self._links = tuple(links)
+        self._prefix = (
+            f"[vw {vw} | stage {stage} | rank {dist.get_rank() if dist.is_initialized() else '?'}]"
+        )
+        self._pushed: set[int] = set()
+        # per shard: this stage's pushed updates not yet in the global weights (wave -> push
+        # message; the local copy adds them), and spare push messages to reuse: fresh
+        # multi-MB buffers cost page faults that are slower than the copy itself
+        self._own: list[dict[int, Message]] = [{} for _ in links]
+        self._spare: list[list[Message]] = [[] for _ in links]
+        self._recv_spare: list[list[torch.Tensor]] = [[] for _ in links]  # pull(out=) buffers
+        self._seq = [0] * len(links)  # pulls asked of each shard (replies come in this order)
+        self._reserved: list[Message | None] = [None] * len(links)  # from update_buffers()
+        self._inflight: list[Push] = []
+        self._closed = False
+        self.dropped: list[tuple[int, int]] = []  # (shard, wave): pushes a backup rule dropped
+
+    @property
+    def shards(self) -> tuple[ShardSpec, ...]:
+        """The shards this stage talks to, in the order of :attr:`PullResult.clocks`."""
+        return tuple(link.spec for link in self._links)
+
+    # -------------------------------------------------------------- errors
+    def _fail(self, link: Link, what: str, exc: BaseException) -> HetPipeRuntimeError:
+        text = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        why = (
+            "died (connection closed)"
+            if "closed" in text or "reset" in text.lower()
+            else f"did not answer ({text})"
+        )
+        return HetPipeRuntimeError(
+            f"{self._prefix} parameter-server shard {link.spec.id} (rank {link.spec.rank}) {why} during {what}; "
+            "stop the run and resume from the last checkpoint (hetpipe run --resume DIR)"
+        )
+
+    def _isend(self, link: Link, tensor: torch.Tensor, tag: int, what: str) -> dist.Work:
+        try:
+            return isend(tensor, link.spec.rank, self.group, tag)
+        except RuntimeError as exc:
+            raise self._fail(link, what, exc) from None
+
+    def _irecv(self, link: Link, tensor: torch.Tensor, tag: int, what: str) -> dist.Work:
+        try:
+            return irecv(tensor, link.spec.rank, self.group, tag)
+        except RuntimeError as exc:
+            raise self._fail(link, what, exc) from None
+
+    def _wait(self, link: Link, work: dist.Work, what: str, timeout_s: float) -> None:
+        try:
+            work.wait(datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            raise self._fail(link, what, exc) from None
+
+    def _take_message(self, k: int) -> Message:
+        """A push message for shard ``k``: a recycled one, else a fresh one."""
+        spare = self._spare[k]
+        return spare.pop() if spare else Message(*push_message(self._links[k].numel))
+
+    def _check_acks(self, block: bool) -> None:
+        """Retire acknowledged pushes (in order); raise on the first rejected one.
+
+        ``block=False`` keeps only the newest two waves' pushes (per shard) in flight and waits
+        for the older ones: gloo's ``Work.is_completed()`` stays ``False`` until ``wait()`` is
+        called, so it cannot be polled, and a shard acknowledges a push as soon as it reads
+        it, so those waits return at once. This bounds the buffers held and surfaces a rejected
+        push within two waves.
+        """
+        keep = 0 if block else 2 * len(self._links)
+        while len(self._inflight) > keep:
+            push = self._inflight[0]
+            link, what = self._links[push.link], f"push of wave {push.wave}"
+            self._wait(link, push.send, what, self.timeout_s)
+            self._wait(link, push.ack_work, f"{what} (acknowledgement)", self.timeout_s)
+            self._inflight.pop(0)
+            status = Status(int(push.ack[0]))
+            if status == Status.DROPPED:  # backup workers: the wave closed without this VW
+                self.dropped.append((link.spec.id, push.wave))
+                continue
+            if status != Status.OK:
+                raise HetPipeRuntimeError(
+                    f"{self._prefix} shard {link.spec.id} rejected the push of wave {push.wave}: {status.name} "
+                    f"(global clock {int(push.ack[2])}); see the shard's log"
+                )
+
+    def flush(self) -> None:
+        """Wait until every push was delivered and acknowledged.
+
+        Raises:
+            HetPipeRuntimeError: a push was rejected or a shard is unreachable.
+        """
+        self._check_acks(block=True)
+
+    # -------------------------------------------------------------- shutdown
+    def _check_open(self) -> None:
+        if self._closed:
+            raise HetPipeRuntimeError(f"{self._prefix} the parameter-server client is closed")
