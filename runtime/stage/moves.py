@@ -35,7 +35,19 @@ from torch import Tensor
 from planner.offload import MemoryPlacement, Place
 from profiler.errors import HetPipeRuntimeError
 
-__all__ = ["ClassMoves", "HostCopies", "class_moves"]
+__all__ = ["ClassMoves", "HostCopies", "class_moves", "parse_placement"]
+
+
+def parse_placement(memory: str, where: str) -> MemoryPlacement:
+    """The stage's placement (``StagePlan.memory``).
+
+    Raises:
+        HetPipeRuntimeError: ``memory`` is not a placement (one line naming the stage).
+    """
+    try:
+        return MemoryPlacement.parse(memory)
+    except ValueError as exc:
+        raise HetPipeRuntimeError(f"{where}: memory placement: {exc}") from None
 
 
 def class_moves(memory: str, where: str, device: torch.device) -> ClassMoves | None:
@@ -45,10 +57,7 @@ def class_moves(memory: str, where: str, device: torch.device) -> ClassMoves | N
     Raises:
         HetPipeRuntimeError: ``memory`` is not a placement.
     """
-    try:
-        placement = MemoryPlacement.parse(memory)
-    except ValueError as exc:
-        raise HetPipeRuntimeError(f"{where}: memory placement: {exc}") from None
+    placement = parse_placement(memory, where)
     moved = (placement.weights, placement.optimizer, placement.gradients)
     if all(p is Place.KEEP for p in moved):
         return None

@@ -35,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 from planner.offload import ACTIVATION_BUFFERS, VERSION_BUFFERS, MemoryPlacement, Place
 from profiler.errors import HetPipeRuntimeError
 from runtime.stage.emulation import MemoryMeter
-from runtime.stage.moves import HostCopies
+from runtime.stage.moves import HostCopies, parse_placement
 
 __all__ = ["OffloadManager", "ResidencyMeter", "memory_manager"]
 
@@ -56,10 +56,7 @@ def memory_manager(
     Raises:
         HetPipeRuntimeError: ``memory`` is not a placement.
     """
-    try:
-        placement = MemoryPlacement.parse(memory)
-    except ValueError as exc:
-        raise HetPipeRuntimeError(f"{where}: memory placement: {exc}") from None
+    placement = parse_placement(memory, where)
     args = (where, cap_bytes, param_bytes, buffer_bytes, optimizer_state_factor)
     if placement.kept:
         return None, MemoryMeter(*args)

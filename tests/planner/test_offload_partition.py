@@ -22,6 +22,7 @@ from planner.partition.dp import InfeasiblePartition, distinct_orders, partition
 from planner.partition.memory import fits_memory
 from planner.partition.milp import partition_milp
 from planner.partition.search import partition_exact
+from planner.plan import Plan
 from planner.planner import PlanOptions, make_plan
 from profiler.errors import PlanError
 from profiler.table import COLUMNS, Profile, ProfileMeta
@@ -163,9 +164,10 @@ MODEL = "mlp(hidden=400,depth=8)"
 EMULATED = load_cluster(EXAMPLES / "emulated_cluster.yaml")
 
 
-def _auto_plan(host_memory: int, nm: int | None = None) -> tuple[int, list[int]]:
+def _emulated_plan(host_memory: int, memory: str, nm: int | None = None) -> Plan:
+    """One VW over the emulated cluster, every node with ``host_memory`` bytes of host memory."""
     nodes = tuple(replace(n, host_memory_bytes=host_memory) for n in EMULATED.nodes)
-    plan = make_plan(
+    return make_plan(
         replace(EMULATED, nodes=nodes),
         model=MODEL,
         batch_size=32,
@@ -173,9 +175,12 @@ def _auto_plan(host_memory: int, nm: int | None = None) -> tuple[int, list[int]]
         num_vws=1,
         optimizer="sgd",
         nm=nm,
-        options=PlanOptions(memory="auto", simulate_waves=0, nm_choice="max"),
+        options=PlanOptions(memory=memory, simulate_waves=0, nm_choice="max"),
     )
-    vw = plan.virtual_workers[0]
+
+
+def _auto_plan(host_memory: int, nm: int | None = None) -> tuple[int, list[int]]:
+    vw = _emulated_plan(host_memory, "auto", nm).virtual_workers[0]
     return vw.nm_max, [s.host_bytes for s in vw.stages]
 
 
@@ -193,17 +198,8 @@ def test_nm_bound_counts_host_memory() -> None:
 
 
 def test_forced_offload_without_host_memory_names_the_fix() -> None:
-    nodes = tuple(replace(n, host_memory_bytes=1) for n in EMULATED.nodes)
     with pytest.raises(PlanError, match="host_memory"):
-        make_plan(
-            replace(EMULATED, nodes=nodes),
-            model=MODEL,
-            batch_size=32,
-            policy="ed",
-            num_vws=1,
-            optimizer="sgd",
-            options=PlanOptions(memory="gradients:offload", simulate_waves=0),
-        )
+        _emulated_plan(1, "gradients:offload")
 
 
 def test_a_smaller_nm_optimum_is_reused_only_when_the_times_agree() -> None:
