@@ -65,7 +65,7 @@ class StageWorker:
         device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
         self.weights = VersionedWeights(
             params, ctx.nm, job.optimizer, job.first_mb + ctx.total_steps, job.first_mb,
-            class_moves(ctx.memory, ctx.where, device),
+            class_moves(ctx.memory, ctx.where, device, copy=not run.emulate or ctx.speed <= 0),
         )  # fmt: skip
         buffer_bytes = sum(b.numel() * b.element_size() for b in self.module.buffers())
         factor = ctx.optimizer_state_factor

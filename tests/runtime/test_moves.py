@@ -104,3 +104,10 @@ def test_host_copies_are_fresh_storage() -> None:
     assert torch.equal(up, t) and up.data_ptr() != t.data_ptr() != down.data_ptr()
     assert copies.moved_bytes == 2 * t.numel() * t.element_size()
     assert class_moves("activations:offload", "s", CPU) is None
+
+
+def test_an_emulated_device_counts_moves_without_copying() -> None:
+    copies = HostCopies(copy=False)  # the emulated device is host memory: no CPU time spent
+    t = torch.arange(6.0)
+    assert copies.down(t).data_ptr() == t.data_ptr() == copies.up(t, CPU).data_ptr()
+    assert copies.moved_bytes == 2 * t.numel() * t.element_size()
