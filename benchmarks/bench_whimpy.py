@@ -206,7 +206,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12, help="minibatches to train the largest one")
     ap.add_argument("--min-hidden", type=int, default=16)
     ap.add_argument("--max-hidden", type=int, default=4096)
-    ap.add_argument("--step", type=int, default=16, help="granularity of the hidden width")
+    ap.add_argument("--step", type=int, default=4, help="granularity of the hidden width")
     ap.add_argument("--hd-model", default="mlp(hidden=384,depth=4)", help="equal-memory model")
     ap.add_argument("--hd-batch", type=int, default=128)
     ap.add_argument("--hd-steps", type=int, default=60, help="minibatches per VW, equal memory")
