@@ -3,11 +3,17 @@
 Runs ``hetpipe run CLUSTER --steps N --checkpoint-every K --D 0`` twice through the CLI (separate
 processes, emulated devices): once undisturbed, once with a killer that SIGKILLs a random rank
 (a stage or a parameter-server shard) every ``--every`` seconds while the job trains, under
-``--on-failure restart``. Reports the test accuracy of both, the failures survived, the waves
-lost per failure (the newest clock any process had started to snapshot at the kill minus the
-clock the job restarted from), the time to recover (kill to every rank of the next attempt
-beating again), and checks in the final snapshot that every shard's ledger holds every
-``(vw, stage, wave)`` exactly once.
+``--on-failure restart``. A killed stage's VW is restarted alone at the shards' cut (the
+others wait there); a killed shard restarts the whole job from its last snapshot. Both runs
+train the same samples: every VW's every wave is applied exactly once, with the data of that
+wave (checked in the final snapshot's ledgers), so the accuracies compare like for like.
+Reports the test accuracy of both and, per failure: its kind, the waves lost (never trained:
+0 for both kinds), the work redone (a stage: its VW's wave in flight, ``pushes_discarded``
+buffered pushes dropped once; a shard: ``waves_redone``, the newest clock any process had
+started to snapshot at the kill minus the clock the job restarted from) and the time to
+recover (a stage: kill to the last of the VW's new stages
+logging ``rejoined at clock``, i.e. holding the global weights; a shard: kill to every rank of
+the next attempt beating again).
 
 ``--mode continue``: the killer SIGKILLs a random *stage* (at most one fewer than the VWs);
 its VW is evicted and the others go on. Reports the accuracy of both runs, each lost VW's
@@ -99,11 +105,15 @@ def _killer(proc: subprocess.Popen[str], out: Path, args: argparse.Namespace,
             continue
         victim = rng.choice(ranks)
         started = max(_clock_dirs(out / "checkpoints"), default=0)
+        n_shards = len(json.loads((out / "plan.json").read_text())["shards"])
         t_kill = time.time()
         try:
             os.kill(victim, signal.SIGKILL)
         except ProcessLookupError:
             continue
+        if victim not in sorted(ranks)[:n_shards]:  # a stage: its VW restarts alone
+            kills.append({"kind": "stage", "t_kill": t_kill})
+            continue  # timed afterwards from the log (rejoin_times)
         # recovered: a new attempt (new rendezvous folder) with every rank beating
         old = {d.name for d in TMP.glob(f"hetpipe-rdzv-{proc.pid}-*")}
         while proc.poll() is None:
@@ -111,7 +121,7 @@ def _killer(proc: subprocess.Popen[str], out: Path, args: argparse.Namespace,
             if new and len(list(new[0].glob("beat-*"))) >= n_ranks:
                 break
             time.sleep(0.05)
-        kills.append({"at_clock": started, "recover_s": time.time() - t_kill})
+        kills.append({"kind": "shard", "at_clock": started, "recover_s": time.time() - t_kill})
 
 
 def _kill_stage(
@@ -137,11 +147,21 @@ def _running(pid: int) -> bool:
     return text[text.rindex(")") + 2 :].split()[0] not in ("Z", "X")
 
 
-def _evicted_at(stderr: str) -> list[float]:
-    """Wall times of the shards' ``evicted at wave`` log lines (local time, as logged)."""
+def _rejoins(stderr: str) -> list[tuple[float, str]]:
+    """(wall time, ``vw<k>-stage<s>``) of every restarted stage's ``rejoined at clock`` line."""
     out = []
     for line in stderr.splitlines():
-        if "evicted at wave" in line and (
+        if (m := re.search(r"(vw\d+-stage\d+) rejoined at clock", line)) is not None:
+            out.extend((t, m.group(1)) for t in _evicted_at(line, "rejoined at clock"))
+    return sorted(out)
+
+
+def _evicted_at(stderr: str, what: str = "evicted at wave") -> list[float]:
+    """Wall times of the log lines holding ``what`` (local time, as logged; default: the
+    shards' evictions)."""
+    out = []
+    for line in stderr.splitlines():
+        if what in line and (
             m := re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d+)", line)
         ):
             t = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp()
@@ -213,20 +233,43 @@ def main() -> None:
     path = RESULTS if args.mode == "restart" else RESULTS.with_name("soak_continue.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
+    (TMP / "hetpipe-soak.log").write_text(soak["stderr"])  # the disturbed run's log
     print(json.dumps({k: v for k, v in result.items() if k != "restarts"}, indent=2))
 
 
 def restart_figures(soak: dict[str, Any], clock: int) -> dict[str, Any]:
-    """Failures survived, waves lost per failure (newest clock started at the kill minus the
-    clock restarted from), the final clock (its ledger checked exact)."""
+    """Per failure: its kind, waves lost, pushes discarded, seconds to recover; the final
+    clock (its ledger checked exact)."""
     restarts = soak["summary"]["restarts"]
     froms = [int(m.group(1)) for r in restarts if (m := re.search(r"from clock (\d+)", r))]
+    alone = [r for r in restarts if "restarted alone" in r]
+    rejoined = _rejoins(soak["stderr"])
+    failures = []
+    for k in soak["kills"]:
+        if k["kind"] == "shard":
+            f = froms.pop(0) if froms else k["at_clock"]
+            failures.append({"kind": "shard", "waves_lost": 0, "waves_redone": k["at_clock"] - f,
+                             "recover_s": k["recover_s"]})  # fmt: skip
+            continue
+        note = alone.pop(0) if alone else ""
+        m = re.search(r"vw (\d+) restarted alone at wave (\d+|\?)(?:; (\d+) buffered)?", note)
+        vw = f"vw{m.group(1)}-" if m else "?"
+        firsts: dict[str, float] = {}  # the VW's stages: their first rejoin after the kill
+        for t, where in rejoined:
+            if t >= k["t_kill"] - 0.5 and where.startswith(vw):
+                firsts.setdefault(where, t)
+        failures.append({
+            "kind": "stage", "waves_lost": 0, "vw": int(m.group(1)) if m else None,
+            "rejoined_at_wave": int(m.group(2)) if m and m.group(2) != "?" else None,
+            "pushes_discarded": int(m.group(3)) if m and m.group(3) else None,  # lost with a failed attempt
+            "recover_s": max(firsts.values()) - k["t_kill"] if firsts else None,
+        })  # fmt: skip
+        rejoined = [(t, w) for t, w in rejoined if not (w in firsts and t <= firsts[w])]
     return {
         "failures_survived": len(restarts),
-        "kills": soak["kills"],
-        "waves_lost_per_failure": [
-            k["at_clock"] - f for k, f in zip(soak["kills"], froms, strict=False)
-        ],
+        "failures": failures,
+        "waves_lost_per_failure": [f["waves_lost"] for f in failures],
+        "recover_s": [f["recover_s"] for f in failures],
         "final_clock": clock,
         "ledger_exactly_once": True,
         "restarts": restarts,

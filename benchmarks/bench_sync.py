@@ -39,8 +39,8 @@ from planner.planner import make_plan
 from planner.sim.waves import predict_rule
 from planner.sync import with_rule
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
+from runtime.results.run_result import RunResult
 from runtime.results.sync import dropped_vw_waves, kth_push_s
-from runtime.results.wsp import WSPResult
 from runtime.run import run_plan
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,7 +71,7 @@ def final_loss(points: list[tuple[float, float]], window: int) -> float:
     return sum(loss for _, loss in last) / max(1, len(last))
 
 
-def wsp_row(res: WSPResult, args: argparse.Namespace, predicted: float) -> dict[str, Any]:
+def wsp_row(res: RunResult, args: argparse.Namespace, predicted: float) -> dict[str, Any]:
     """The figures of a run through the parameter servers."""
     t0 = min(s.start_time for v in res.vws for s in v.stages)
     points = [(t - t0, loss) for v in res.vws for (_, loss), t in
@@ -138,14 +138,14 @@ def main() -> None:
                                 tau=int(params.get("tau", 1)))  # fmt: skip
         run = RunConfig(steps=args.steps, seed=args.seed, progress=False)
         res = run_plan(plan, source, OptimizerConfig(lr=lr), run, WSPConfig())
-        assert isinstance(res, WSPResult)
+        assert isinstance(res, RunResult)
         rows[label] = wsp_row(res, args, pred.throughput(plan.batch_size))
         _print(label, rows[label])
     ddp_plan = allreduce_plan(cl, args.model, args.batch)
     world = len(ddp_plan.virtual_workers)
     run = RunConfig(steps=args.steps * args.vws // world, seed=args.seed, progress=False)
     ddp = run_plan(ddp_plan, source, OptimizerConfig(lr=args.lr * world), run)
-    assert isinstance(ddp, WSPResult)  # the allreduce rule under the same launcher
+    assert isinstance(ddp, RunResult)  # the allreduce rule under the same launcher
     rows[f"DDP ({world} devices)"] = wsp_row(ddp, args, ddp.predicted_throughput)
     _print(f"DDP ({world} devices)", rows[f"DDP ({world} devices)"])
     load = [load_before, os.getloadavg()]

@@ -107,12 +107,9 @@ def largest(fits: Any, lo: int, hi: int, step: int) -> int:
 
 def train_largest(plan: Plan, steps: int) -> dict[str, Any]:
     """Train ``plan`` (one VW) for ``steps`` minibatches with the byte accounting on."""
-    from runtime.results.wsp import WSPResult
-
     result, wall = train_plan(plan, steps)
     stages = []
-    one = result.vws[0] if isinstance(result, WSPResult) else result  # one VW through a shard
-    for st, sp in zip(one.stages, plan.virtual_workers[0].stages, strict=True):
+    for st, sp in zip(result.vws[0].stages, plan.virtual_workers[0].stages, strict=True):
         cap = sp.capacity_bytes
         stages.append(
             {
@@ -126,9 +123,9 @@ def train_largest(plan: Plan, steps: int) -> dict[str, Any]:
             }
         )
     return {
-        "steps": one.steps,
-        "losses_first_last": [one.losses[0], one.losses[-1]],
-        "throughput": one.throughput,
+        "steps": result.steps,
+        "losses_first_last": [result.losses[0], result.losses[-1]],
+        "throughput": result.throughput,
         "wall_s": wall,
         "stages": stages,
     }

@@ -29,7 +29,7 @@ from planner.cluster import load_cluster
 from planner.planner import make_plan
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.launch.launcher import launch
-from runtime.results.wsp import WSPResult
+from runtime.results.run_result import RunResult
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -98,7 +98,7 @@ def main() -> None:
         ddp_plan, ModelSource(ref=args.model), OptimizerConfig(lr=args.lr * world),
         RunConfig(steps=steps),
     )  # fmt: skip
-    assert isinstance(ddp, WSPResult)
+    assert isinstance(ddp, RunResult)
     devices = [vw.stages[0].device for vw in ddp.vws]
     print(
         f"AllReduce on {' '.join(devices)} ({steps} steps, lr x {world}): "

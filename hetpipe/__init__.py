@@ -26,12 +26,13 @@ if TYPE_CHECKING:
         PlanError,
         ProfileError,
     )
-    from profiler.graph import ModelGraph, StageModule
+    from profiler.graph import ModelGraph
     from profiler.models import ModelSpec, resolve_model
+    from profiler.stages import StageModule
     from profiler.table import Profile, load_profile
     from runtime.api import train
     from runtime.config import ModelSource, OptimizerConfig, RunConfig
-    from runtime.results.metrics import RunResult
+    from runtime.results.run_result import RunResult
 
 try:
     __version__ = version("hetpipe")
@@ -52,7 +53,7 @@ _WHERE = {
     "PlanError": "profiler.errors",
     "ProfileError": "profiler.errors",
     "ModelGraph": "profiler.graph",
-    "StageModule": "profiler.graph",
+    "StageModule": "profiler.stages",
     "ModelSpec": "profiler.models",
     "resolve_model": "profiler.models",
     "Profile": "profiler.table",
@@ -61,7 +62,7 @@ _WHERE = {
     "ModelSource": "runtime.config",
     "OptimizerConfig": "runtime.config",
     "RunConfig": "runtime.config",
-    "RunResult": "runtime.results.metrics",
+    "RunResult": "runtime.results.run_result",
 }
 
 __all__ = [

@@ -146,6 +146,35 @@ def _imbalance(groups: Sequence[Sequence[Device]], speed: SpeedFn) -> float:
     return math.log(max(comp) / min(comp)) + math.log(max(mem) / min(mem))
 
 
+def _best_grouping(
+    cluster: Cluster, size: int, speed: SpeedFn, mixed: bool
+) -> tuple[tuple[float, int], list[tuple[Device, ...]]] | None:
+    """HD's grouping of the nodes into VWs of ``size`` GPUs with the least imbalance (then the
+    fewest nodes per group), each group spread evenly over its VWs; ``None`` if none."""
+    nodes = list(cluster.nodes)
+    n = len(nodes)
+    devs = _node_devices(cluster)
+    best: tuple[tuple[float, int], list[tuple[Device, ...]]] | None = None
+    for part in _set_partitions(list(range(n))):
+        if any(len(b) == n for b in part) or not any(len(b) >= 2 for b in part):
+            continue
+        if not mixed and any(len(b) < 2 for b in part):
+            continue
+        groups: list[tuple[Device, ...]] = []
+        for block in sorted(part):
+            members = [nodes[i] for i in block]
+            gpus = sum(nd.count for nd in members)
+            vws = gpus // size
+            if gpus % size or any(nd.count % vws for nd in members):
+                break
+            groups += _spread(members, devs, vws)
+        else:
+            score = (round(_imbalance(groups, speed), 12), sum(len(b) for b in part))
+            if best is None or score < best[0]:
+                best = (score, groups)
+    return best
+
+
 def hybrid_distribution(
     cluster: Cluster,
     num_vws: int | None = None,
@@ -189,25 +218,7 @@ def hybrid_distribution(
             f"policy 'hd' needs equal VWs: {total} GPUs do not split into {want} VWs; pick --vws dividing {total}"
         )
     size = total // want
-    devs = _node_devices(cluster)
-    best: tuple[tuple[float, int], list[tuple[Device, ...]]] | None = None
-    for part in _set_partitions(list(range(n))):
-        if any(len(b) == n for b in part) or not any(len(b) >= 2 for b in part):
-            continue
-        if not mixed and any(len(b) < 2 for b in part):
-            continue
-        groups: list[tuple[Device, ...]] = []
-        for block in sorted(part):
-            members = [nodes[i] for i in block]
-            gpus = sum(nd.count for nd in members)
-            vws = gpus // size
-            if gpus % size or any(nd.count % vws for nd in members):
-                break
-            groups += _spread(members, devs, vws)
-        else:
-            score = (round(_imbalance(groups, speed), 12), sum(len(b) for b in part))
-            if best is None or score < best[0]:
-                best = (score, groups)
+    best = _best_grouping(cluster, size, speed, mixed)
     if best is None:
         raise PlanError(
             f"policy 'hd' found no grouping of the {n} nodes into VWs of {size} GPUs with every node "

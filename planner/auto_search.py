@@ -51,6 +51,24 @@ class Candidate:
     status: str
 
 
+def _by_bound(
+    allocs: Sequence[Allocation], bound: Callable[[Allocation], float]
+) -> tuple[list[tuple[float, Allocation]], list[Candidate]]:
+    """The allocations with their optimistic bound, best first, and a row for each one whose
+    bound refused it (infeasible)."""
+    rows: list[Candidate] = []
+    scored: list[tuple[float, Allocation]] = []
+    for alloc in allocs:
+        try:
+            scored.append((bound(alloc), alloc))
+        except PlanError as exc:
+            rows.append(
+                Candidate(alloc.policy, alloc.signatures, 0.0, 0.0, 0, 0.0, f"infeasible: {exc}")
+            )
+    scored.sort(key=lambda x: -x[0])
+    return scored, rows
+
+
 def compare_allocations(
     allocs: Sequence[Allocation],
     bound: Callable[[Allocation], float],
@@ -69,16 +87,7 @@ def compare_allocations(
         clock: seconds (injected by tests).
     """
     t0 = clock()
-    rows: list[Candidate] = []
-    scored: list[tuple[float, Allocation]] = []
-    for alloc in allocs:
-        try:
-            scored.append((bound(alloc), alloc))
-        except PlanError as exc:
-            rows.append(
-                Candidate(alloc.policy, alloc.signatures, 0.0, 0.0, 0, 0.0, f"infeasible: {exc}")
-            )
-    scored.sort(key=lambda x: -x[0])
+    scored, rows = _by_bound(allocs, bound)
     best: Plan | None = None
     best_row = -1
     for ub, alloc in scored:
@@ -97,17 +106,8 @@ def compare_allocations(
                 Candidate(alloc.policy, sig, ub, 0.0, 0, clock() - start, f"infeasible: {exc}")
             )
             continue
-        rows.append(
-            Candidate(
-                alloc.policy,
-                sig,
-                ub,
-                plan.predicted.throughput,
-                plan.nm,
-                clock() - start,
-                "planned",
-            )
-        )
+        took = clock() - start
+        rows.append(Candidate(alloc.policy, sig, ub, plan.predicted.throughput, plan.nm, took, "planned"))  # fmt: skip
         if best is None or plan.predicted.throughput > best.predicted.throughput:
             best, best_row = plan, len(rows) - 1
     if best_row >= 0:

@@ -47,6 +47,25 @@ def model_memory_bytes(
     return cm.model_memory_bytes(1)
 
 
+def _holders(
+    cluster: Cluster, types: Sequence[str], need: int, model: str, batch: int
+) -> list[Device]:
+    """The devices of a profiled type that hold the whole model (``need`` bytes).
+
+    Raises:
+        ConfigError: none can (says how much it needs and the largest cap).
+    """
+    devices = [d for d in eligible_devices(cluster, need) if d.type in types]
+    if not devices:
+        biggest = max(device_capacity_bytes(d) for d in cluster.devices)
+        raise ConfigError(
+            f"{cluster.source}: no device can hold {model} at batch {batch} "
+            f"({need / 2**20:.2f} MiB > largest device {biggest / 2**20:.2f} MiB); AllReduce "
+            "needs the whole model on every device: lower the batch size or use HetPipe"
+        )
+    return devices
+
+
 def allreduce_plan(
     cluster: Cluster,
     model: str | None,
@@ -80,14 +99,7 @@ def allreduce_plan(
     by_type, provenance, model_name, batch = resolve_profiles(view, profiles, model, batch_size)
     cm = CostModel(by_type, view.link, optimizer_factor(optimizer))
     need = cm.model_memory_bytes(1) if memory_bytes is None else memory_bytes
-    devices = [d for d in eligible_devices(cluster, need) if d.type in cm.types]
-    if not devices:
-        biggest = max(device_capacity_bytes(d) for d in cluster.devices)
-        raise ConfigError(
-            f"{cluster.source}: no device can hold {model_name} at batch {batch} "
-            f"({need / 2**20:.2f} MiB > largest device {biggest / 2**20:.2f} MiB); AllReduce "
-            "needs the whole model on every device: lower the batch size or use HetPipe"
-        )
+    devices = _holders(cluster, cm.types, need, model_name, batch)
     if max_devices:
         devices = devices[:max_devices]
     vws = [_whole_model_vw(k, d, cm, need, batch) for k, d in enumerate(devices)]

@@ -19,8 +19,8 @@ crosses (:mod:`planner.offload`; PCIe 3.0 x16 by default). ``emulate: {speed: 0.
 runs the node's GPUs as CPU processes whose layers are paced to ``calibrated CPU time / speed``
 and whose memory is capped; ``straggle: {p: 0.05, factor: 3}`` inside it makes 5 % of the
 (VW, wave)s 3x slower (:mod:`planner.straggle`, reproducible: ``seed`` defaults to 0).
-The file is validated with pydantic (the schema: :mod:`planner.cluster_schema`) and turned into frozen dataclasses; every error is
-one line naming the file, the field and the fix. Values are range-checked: sizes, bandwidths
+The file is validated with pydantic (the schema: :mod:`planner.cluster_schema`) and turned
+into frozen dataclasses; every error is one line naming the file, the field and the fix. Values are range-checked: sizes, bandwidths
 and latencies finite (bandwidth positive), an emulated memory cap at most the GPU's own memory,
 names printable and short (no newlines or terminal escapes).
 """

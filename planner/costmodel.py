@@ -64,8 +64,8 @@ from planner.offload import (
 )
 from planner.plan import StageCost
 from planner.schedule import in_flight_bound
+from profiler.crossing import crossing_sets
 from profiler.errors import ConfigError, ProfileError
-from profiler.graph import crossing_sets
 from profiler.inputs import load_document
 from profiler.table import Profile
 

@@ -51,6 +51,48 @@ def cpu_cluster(n: int, speed: float = 0.0, memory_bytes: int = 1 << 30) -> Clus
     return Cluster("cpu", (node,), Link(1e9, 1e-5), Link(1e9, 1e-5))
 
 
+def _slot(d: Device) -> GpuSlot:
+    """A device as the plan records it: an emulated one with its emulated memory and speed."""
+    return GpuSlot(
+        d.node,
+        d.index,
+        d.type,
+        d.emulation.memory_bytes if d.emulation else d.memory_bytes,
+        d.emulation.speed if d.emulation else 0.0,
+    )
+
+
+def _stage(
+    graph: ModelGraph,
+    s: int,
+    bounds: Sequence[int],
+    nm: int,
+    capacity_bytes: int,
+    fwd_ms: Sequence[float],
+    bwd_ms: Sequence[float],
+) -> StagePlan:
+    """Stage ``s`` of a hand cut: layers ``bounds[s] .. bounds[s+1]-1`` of ``graph``."""
+    n_stages = len(bounds) - 1
+    lo, hi = bounds[s], bounds[s + 1] - 1
+    return StagePlan(
+        gpu=s,
+        first_layer=graph.layers[lo].name,
+        last_layer=graph.layers[hi].name,
+        first_index=lo,
+        last_index=hi,
+        fwd_ms=fwd_ms[s] if fwd_ms else 0.0,
+        bwd_ms=bwd_ms[s] if bwd_ms else 0.0,
+        recv_fwd_ms=0.0,
+        recv_bwd_ms=0.0,
+        recv_bytes=graph.cut_bytes(lo) if s else 0,
+        send_bytes=graph.cut_bytes(bounds[s + 1]) if s < n_stages - 1 else 0,
+        param_bytes=sum(lay.param_bytes for lay in graph.layers[lo : hi + 1]),
+        in_flight=1 if s == n_stages - 1 else nm,
+        memory_bytes=0,
+        capacity_bytes=capacity_bytes,
+    )
+
+
 def manual_plan(
     graph: ModelGraph,
     cuts: Sequence[int],
@@ -83,38 +125,10 @@ def manual_plan(
     if len(devs) < n_stages:
         raise PlanError(f"{n_stages} stages need {n_stages} devices; the cluster has {len(devs)}")
     bounds = [0, *cuts, len(graph.layers)]
-    gpus = tuple(
-        GpuSlot(
-            d.node,
-            d.index,
-            d.type,
-            d.emulation.memory_bytes if d.emulation else d.memory_bytes,
-            d.emulation.speed if d.emulation else 0.0,
-        )
-        for d in devs[:n_stages]
-    )
-    stages = []
-    for s in range(n_stages):
-        lo, hi = bounds[s], bounds[s + 1] - 1
-        stages.append(
-            StagePlan(
-                gpu=s,
-                first_layer=graph.layers[lo].name,
-                last_layer=graph.layers[hi].name,
-                first_index=lo,
-                last_index=hi,
-                fwd_ms=fwd_ms[s] if fwd_ms else 0.0,
-                bwd_ms=bwd_ms[s] if bwd_ms else 0.0,
-                recv_fwd_ms=0.0,
-                recv_bwd_ms=0.0,
-                recv_bytes=graph.cut_bytes(lo) if s else 0,
-                send_bytes=graph.cut_bytes(bounds[s + 1]) if s < n_stages - 1 else 0,
-                param_bytes=sum(lay.param_bytes for lay in graph.layers[lo : hi + 1]),
-                in_flight=1 if s == n_stages - 1 else nm,
-                memory_bytes=0,
-                capacity_bytes=gpus[s].memory_bytes,
-            )
-        )
+    gpus = tuple(_slot(d) for d in devs[:n_stages])
+    stages = [
+        _stage(graph, s, bounds, nm, gpus[s].memory_bytes, fwd_ms, bwd_ms) for s in range(n_stages)
+    ]
     slowest = max((st.fwd_ms + st.bwd_ms for st in stages), default=0.0)
     throughput = batch_size / (slowest / 1e3) if slowest > 0 else 0.0
     vw = VirtualWorker(0, gpus, tuple(stages), nm_max=nm, throughput=throughput)

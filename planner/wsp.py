@@ -188,3 +188,21 @@ class GlobalClock:
             self._count.popleft()
             self._global += 1
         return self._global
+
+    def rewind(self, vw: int, wave: int) -> int:
+        """Set ``vw``'s local clock back to ``wave``: its pushes from ``wave`` on were
+        discarded and a restarted incarnation pushes them again (``--on-failure restart``).
+        Returns the global clock. O(``n_vws``).
+
+        Raises:
+            ValueError: ``wave`` is negative or above the VW's local clock.
+        """
+        if not 0 <= wave <= self.local(vw):
+            raise ValueError(f"vw {vw} cannot rewind to wave {wave} (local clock {self.local(vw)})")
+        self._local[vw] = wave
+        self._global = min(self._local)
+        counts = [0] * (max(self._local) - self._global + 1)
+        for c in self._local:
+            counts[c - self._global] += 1
+        self._count = deque(counts)
+        return self._global

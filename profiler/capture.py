@@ -15,10 +15,12 @@ read on two stages (GPT-2's tied input and output embeddings) is then held by bo
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import traceback
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,11 +30,36 @@ from torch import Tensor, nn
 
 from profiler.errors import ModelError
 
-__all__ = ["HOLDER_PREFIX", "Captured", "capture", "keyword_order", "rewrite_tensor_attrs"]
+__all__ = [
+    "HOLDER_PREFIX",
+    "Captured",
+    "capture",
+    "keyword_order",
+    "quiet_treespec",
+    "rewrite_tensor_attrs",
+]
 
 log = logging.getLogger(__name__)
 
 HOLDER_PREFIX = "_hp_attr"
+
+
+@contextlib.contextmanager
+def quiet_treespec() -> Iterator[None]:
+    """Silence torch's own ``LeafSpec`` deprecation while a captured graph is copied or
+    (un)pickled.
+
+    An exported ``GraphModule`` carries pytree specs; torch 2.13's ``copy``/``pickle`` of them
+    rebuilds ``LeafSpec`` objects through ``copyreg``, and that constructor warns
+    (``FutureWarning: isinstance(treespec, LeafSpec) is deprecated``) from torch's code, not
+    the caller's. Every Hugging Face stage process printed it three times. Only that one
+    message is filtered, only inside the block.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning
+        )
+        yield
 
 
 @dataclass(frozen=True)

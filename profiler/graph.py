@@ -13,7 +13,8 @@ tensor attribute is read through a holder module placed with its user. Layers ca
 *position* for cuts: a holder counts at its user and a ``getitem`` of a tuple at the tuple's
 producer, so only tensors (activations, token ids, masks) ever cross a cut; a parameter read
 on two stages (tied embeddings) is held by both (:meth:`ModelGraph.shared_params`).
-Stage modules are built with ``torch.fx.passes.split_module`` on the captured graph.
+Stage modules (:mod:`profiler.stages`) are built with ``torch.fx.passes.split_module`` on the
+captured graph; the tensors crossing each cut are :func:`profiler.crossing.crossing_sets`.
 """
 
 from __future__ import annotations
@@ -34,17 +35,13 @@ from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 from torch.fx.passes.split_module import split_module
 from torch.utils import _pytree as pytree
 
-from profiler.capture import HOLDER_PREFIX, capture
+from profiler.capture import HOLDER_PREFIX, capture, quiet_treespec
+from profiler.crossing import crossing_sets
 from profiler.errors import ModelError
 from profiler.models import ModelSpec
+from profiler.stages import StageModule, inner_signature, refs
 
-__all__ = [
-    "Layer",
-    "ModelGraph",
-    "StageModule",
-    "crossing_sets",
-    "trace_module",
-]
+__all__ = ["Layer", "ModelGraph", "trace_module"]
 
 
 @dataclass(frozen=True)
@@ -72,45 +69,6 @@ class Layer:
     param_bytes: int
     buffer_bytes: int
     params: tuple[str, ...]
-
-
-def crossing_sets(
-    inputs: Sequence[Sequence[int]], positions: Sequence[int] | None = None
-) -> list[tuple[int, ...]]:
-    """For every cut ``k`` (between layer ``k-1`` and layer ``k``), the layers whose output crosses it.
-
-    Args:
-        inputs: ``inputs[j]`` lists the producers that layer ``j`` reads.
-        positions: where each layer counts for the cuts (default: its index). A getitem of a
-            tuple counts at its producer and a parameter holder at its user, so neither a
-            tuple nor a parameter is ever cut from what reads it.
-
-    Returns:
-        ``result[k]`` for ``k`` in ``0..L``: sorted producers ``i`` at a position below ``k``
-        with a consumer at ``k`` or above. ``result[0]`` and ``result[L]`` are empty.
-    """
-    n = len(inputs)
-    pos = list(range(n)) if positions is None else list(positions)
-    last_use = list(pos)  # a layer's output is "used" until its last consumer
-    for j, preds in enumerate(inputs):
-        for i in preds:
-            if i >= j or pos[i] > pos[j]:
-                raise ModelError(
-                    f"layer {j} reads layer {i}, which is not earlier: the order is not topological"
-                )
-            last_use[i] = max(last_use[i], pos[j])
-    starts: dict[int, list[int]] = {}
-    for i in range(n):
-        if last_use[i] > pos[i]:
-            starts.setdefault(pos[i] + 1, []).append(i)
-    result: list[tuple[int, ...]] = [()]
-    live: set[int] = set()
-    for k in range(1, n + 1):
-        live.update(starts.get(k, ()))
-        live = {i for i in live if last_use[i] >= k}
-        result.append(tuple(sorted(live)))
-    result[n] = ()
-    return result
 
 
 def _meta_bytes(meta: Any) -> tuple[int, list[tuple[int, ...]]]:
@@ -157,87 +115,6 @@ def _op_name(node: fx.Node, gm: fx.GraphModule) -> str:
 
 def _is_holder(node: fx.Node) -> bool:
     return node.op == "call_module" and str(node.target).startswith(HOLDER_PREFIX)
-
-
-def _mutates_input(gm: fx.GraphModule, node: fx.Node) -> bool:
-    """Whether ``node`` may write into its first input (``ReLU(inplace=True)``, ``x.add_(y)``)."""
-    if node.kwargs.get("inplace") is True:
-        return True
-    if node.op == "call_module":
-        return bool(getattr(gm.get_submodule(str(node.target)), "inplace", False))
-    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-        return bool(node.target._schema.is_mutable)
-    name = str(getattr(node.target, "__name__", node.target))
-    return name.endswith("_") and not name.endswith("__")
-
-
-@dataclass(frozen=True)
-class _Ref:
-    """A reference to a graph value by node name in a stage's output structure (picklable,
-    unlike the ``fx.Node`` it stands for, which drags in the whole model graph)."""
-
-    name: str
-
-
-def _refs(structure: Any) -> Any:
-    """``structure`` (an fx output argument) with every node replaced by a :class:`_Ref`."""
-    return fx.node.map_aggregate(
-        structure, lambda a: cast("Any", _Ref(a.name)) if isinstance(a, fx.Node) else a
-    )
-
-
-class StageModule(nn.Module):
-    """A range of layers as a module: crossing tensors in, crossing tensors out.
-
-    ``forward(*inputs)`` takes the tensors crossing the stage's first cut (in
-    ``input_names`` order) and returns those crossing its last cut (``output_names``
-    order), passing skip tensors through. The last stage returns the model's output
-    in its original structure instead. Inputs the stage writes in place (an in-place
-    ReLU right after the cut) are cloned first: a received activation is an autograd leaf.
-    """
-
-    def __init__(
-        self,
-        inner: nn.Module | None,
-        inner_inputs: tuple[str, ...],
-        inner_outputs: tuple[str, ...],
-        input_names: tuple[str, ...],
-        output_names: tuple[str, ...],
-        output_structure: Any = None,
-        out_spec: Any = None,
-        clone_inputs: frozenset[str] = frozenset(),
-    ) -> None:
-        super().__init__()
-        self.inner = inner
-        self.inner_inputs = inner_inputs
-        self.inner_outputs = inner_outputs
-        self.input_names = input_names
-        self.output_names = output_names
-        self.output_structure = output_structure  # fx output args, for the last stage
-        self.out_spec = out_spec  # pytree spec of an exported model's output
-        self.clone_inputs = clone_inputs
-
-    def forward(self, *inputs: Any) -> Any:
-        if len(inputs) != len(self.input_names):
-            raise ModelError(
-                f"stage expects {len(self.input_names)} inputs {self.input_names}, got {len(inputs)}"
-            )
-        env: dict[str, Any] = dict(zip(self.input_names, inputs, strict=True))
-        for name in self.clone_inputs:
-            env[name] = env[name].clone()
-        if self.inner is not None:
-            result = self.inner(*(env[n] for n in self.inner_inputs))
-            if len(self.inner_outputs) == 1:
-                result = (result,)
-            env.update(zip(self.inner_outputs, result, strict=True))
-        if self.output_structure is None:
-            return tuple(env[n] for n in self.output_names)
-        out = fx.node.map_aggregate(
-            self.output_structure, lambda a: env[a.name] if isinstance(a, _Ref) else a
-        )
-        if self.out_spec is not None:
-            return pytree.tree_unflatten(list(out), self.out_spec)
-        return out
 
 
 class ModelGraph:
@@ -359,9 +236,10 @@ class ModelGraph:
             if fake:
                 from torch._subclasses.fake_tensor import FakeTensorMode
 
-                ShapeProp(cap.gm, fake_mode=FakeTensorMode(allow_non_fake_inputs=True)).propagate(
-                    *flat
-                )
+                with quiet_treespec():  # ShapeProp deep-copies the graph's pytree specs
+                    ShapeProp(
+                        cap.gm, fake_mode=FakeTensorMode(allow_non_fake_inputs=True)
+                    ).propagate(*flat)
             else:
                 with torch.no_grad():
                     ShapeProp(cap.gm).propagate(*flat)
@@ -483,23 +361,7 @@ class ModelGraph:
         wanted = range(n_stages) if only is None else [only]
         for s in wanted:
             inner = cast("fx.GraphModule | None", children.get(f"submod_{s}"))
-            inner_in: tuple[str, ...] = ()
-            inner_out: tuple[str, ...] = ()
-            clone: set[str] = set()
-            if inner is not None:
-                sub_graph = inner.graph
-                placeholders = [n for n in sub_graph.nodes if n.op == "placeholder"]
-                if any(isinstance(p.type, str) for p in placeholders):
-                    for p in placeholders:  # a postponed annotation ("Tensor") cannot be pickled
-                        p.type = None
-                    inner.recompile()
-                inner_in = tuple(n.name for n in placeholders)
-                out_arg = next(n for n in sub_graph.nodes if n.op == "output").args[0]
-                outs = out_arg if isinstance(out_arg, (tuple, list)) else (out_arg,)
-                inner_out = tuple(o.name for o in outs)
-                clone = {
-                    p.name for p in placeholders if any(_mutates_input(inner, u) for u in p.users)
-                }
+            inner_in, inner_out, clone = inner_signature(inner)
             in_names = (
                 self.cut_names(bounds[s])
                 if s > 0
@@ -507,7 +369,7 @@ class ModelGraph:
             )
             last = s == n_stages - 1
             out_names = () if last else self.cut_names(bounds[s + 1])
-            structure = _refs(output_node.args[0]) if last else None
+            structure = refs(output_node.args[0]) if last else None
             result.append(
                 StageModule(
                     inner,

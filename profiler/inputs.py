@@ -3,7 +3,9 @@
 Every loader of a user file (cluster.yaml, plan, profile CSV, PipeDream graph, links.yaml) reads
 it through :func:`read_text` (size cap, strict UTF-8, one-line ``OSError``) and, for YAML/JSON,
 :func:`load_document`, which also refuses documents nested too deeply or blown up by YAML
-aliases (``&a [*b, *b, ...]``) before any validator walks them.
+aliases (``&a [*b, *b, ...]``) before any validator walks them, and a key written twice in one
+mapping (YAML and JSON parsers silently keep the last one: a typo'd cluster would plan on the
+wrong numbers).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ __all__ = [
     "MAX_DEPTH",
     "MAX_FILE_BYTES",
     "MAX_VALUES",
+    "DuplicateKey",
+    "UniqueKeyLoader",
     "load_document",
     "read_text",
     "text_problem",
@@ -30,7 +34,50 @@ MAX_FILE_BYTES = 64 * 2**20  # a plan of 10,000 GPUs is ~5 MB; larger input is n
 MAX_VALUES = 2_000_000  # values in a document with every YAML alias expanded
 MAX_DEPTH = 32  # nesting of mappings and lists (our files use at most 6)
 
-_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when built with it
+_BASE_LOADER: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml
+_MERGE = "tag:yaml.org,2002:merge"  # ``<<: *base``: merged keys may be overridden, not duplicated
+
+
+class DuplicateKey(yaml.YAMLError):
+    """A mapping of the document names ``key`` twice; ``line`` is the second one (1-based)."""
+
+    def __init__(self, key: object, line: int) -> None:
+        super().__init__(f"duplicate key {key!r} at line {line}")
+        self.key, self.line = key, line
+
+
+class UniqueKeyLoader(_BASE_LOADER):  # type: ignore[valid-type,misc]
+    """The safe YAML loader (libyaml's when built with it) that refuses a key written twice in
+    one mapping (:class:`DuplicateKey`) instead of keeping the last value."""
+
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[object, object]:
+        """The mapping of ``node``, after checking its explicit keys are distinct."""
+        if isinstance(node, yaml.MappingNode):
+            seen: set[object] = set()
+            for key_node, _ in node.value:
+                if key_node.tag == _MERGE:
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    if key in seen:
+                        raise DuplicateKey(key, key_node.start_mark.line + 1)
+                    seen.add(key)
+                except TypeError:  # unhashable: the base class names it
+                    continue
+        return super().construct_mapping(node, deep)  # type: ignore[no-any-return]
+
+
+def _unique_pairs(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """``json.loads``'s ``object_pairs_hook``: refuse a key written twice in one object."""
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKey(key, 0)
+        out[key] = value
+    return out
+
+
+_LOADER = UniqueKeyLoader
 _STYLE_TAG = re.compile(r"\[[A-Za-z#/@][^\[\]]*\]")  # what rich reads as markup: [red], [/x]
 
 
@@ -98,12 +145,19 @@ def load_document(path: str | os.PathLike[str], what: str, error: type[HetPipeEr
     text = read_text(p, what, error)
     try:
         if p.suffix.lower() == ".json":
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_pairs)
         else:
             _check_yaml_depth(text, p, what, error)
             data = yaml.load(text, Loader=_LOADER)
     except RecursionError:
         raise error(f"{p}: {what} is nested too deeply (at most {MAX_DEPTH} levels)") from None
+    except DuplicateKey as exc:
+        line = exc.line or _json_line(text, exc.key)
+        at = f"line {line}: " if line else ""
+        raise error(
+            f"{p}: {at}key {shown(exc.key, 40)} is written twice in one mapping ({what}); "
+            "keep one of them"
+        ) from None
     except json.JSONDecodeError as exc:
         raise error(
             f"{p}: {what} is not valid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
@@ -119,6 +173,12 @@ def load_document(path: str | os.PathLike[str], what: str, error: type[HetPipeEr
         ) from None
     _check_size(data, p, what, error)
     return data
+
+
+def _json_line(text: str, key: object) -> int:
+    """The line of the second ``"key":`` in a JSON text (0 when it cannot be told)."""
+    hits = [m.start() for m in re.finditer(re.escape(json.dumps(key)) + r"\s*:", text)]
+    return text.count("\n", 0, hits[1]) + 1 if len(hits) >= 2 else 0
 
 
 def _check_yaml_depth(text: str, p: Path, what: str, error: type[HetPipeError]) -> None:

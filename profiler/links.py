@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -156,6 +157,46 @@ def _pingpong_worker(
         dist.destroy_process_group()
 
 
+def _checked_backend(sizes: Sequence[int], repeats: int, warmup: int, backend: str | None) -> str:
+    """The backend to measure with, after checking the arguments (see :func:`measure_links`)."""
+    if len(set(sizes)) < 2 or min(sizes) <= 0:
+        raise ConfigError(
+            f"link sizes must hold at least two distinct positive byte counts, got {list(sizes)}"
+        )
+    if repeats < 1 or warmup < 0:
+        raise ConfigError(f"--repeats must be >= 1 and --warmup >= 0, got {repeats} and {warmup}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = backend or ("nccl" if gpus >= 2 else "gloo")
+    if backend == "nccl" and gpus < 2:
+        raise ConfigError(
+            f"the nccl link profile needs two GPUs, this machine has {gpus}; use gloo"
+        )
+    if backend not in ("gloo", "nccl"):
+        raise ConfigError(f"link backend {backend!r} is unknown; use gloo or nccl")
+    return backend
+
+
+def _run_pair(args: tuple[Any, ...], timeout_s: float) -> None:
+    """Run the two ping-pong ranks to completion within ``timeout_s``; never leave one behind."""
+    ctx = spawn(_pingpong_worker, args=args, nprocs=2, join=False)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                raise ProfileError(f"link measurement did not finish within {timeout_s:.0f} s")
+    except ProcessRaisedException as exc:
+        raise ProfileError(
+            f"link measurement failed in a spawned rank: {str(exc).strip().splitlines()[-1]}"
+        ) from exc
+    except ProcessExitedException as exc:
+        raise ProfileError(f"link measurement rank exited unexpectedly ({exc})") from exc
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(5)
+
+
 def measure_links(
     sizes: Sequence[int] = DEFAULT_SIZES,
     repeats: int = 5,
@@ -176,41 +217,12 @@ def measure_links(
         ConfigError: bad sizes/counts or NCCL without two GPUs.
         ProfileError: a rank failed or the measurement timed out.
     """
-    if len(set(sizes)) < 2 or min(sizes) <= 0:
-        raise ConfigError(
-            f"link sizes must hold at least two distinct positive byte counts, got {list(sizes)}"
-        )
-    if repeats < 1 or warmup < 0:
-        raise ConfigError(f"--repeats must be >= 1 and --warmup >= 0, got {repeats} and {warmup}")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    backend = backend or ("nccl" if gpus >= 2 else "gloo")
-    if backend == "nccl" and gpus < 2:
-        raise ConfigError(
-            f"the nccl link profile needs two GPUs, this machine has {gpus}; use gloo"
-        )
-    if backend not in ("gloo", "nccl"):
-        raise ConfigError(f"link backend {backend!r} is unknown; use gloo or nccl")
+    backend = _checked_backend(sizes, repeats, warmup, backend)
     with tempfile.TemporaryDirectory(prefix="hetpipe-links-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         out_file = os.path.join(tmp, "result.json")
         args = (init_file, out_file, list(sizes), repeats, warmup, backend, timeout_s)
-        ctx = spawn(_pingpong_worker, args=args, nprocs=2, join=False)
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not ctx.join(timeout=0.5):
-                if time.monotonic() > deadline:
-                    raise ProfileError(f"link measurement did not finish within {timeout_s:.0f} s")
-        except ProcessRaisedException as exc:
-            raise ProfileError(
-                f"link measurement failed in a spawned rank: {str(exc).strip().splitlines()[-1]}"
-            ) from exc
-        except ProcessExitedException as exc:
-            raise ProfileError(f"link measurement rank exited unexpectedly ({exc})") from exc
-        finally:
-            for proc in ctx.processes:
-                if proc.is_alive():
-                    proc.terminate()
-                    proc.join(5)
+        _run_pair(args, timeout_s)
         samples = [
             (int(b), float(s)) for b, s in json.loads(Path(out_file).read_text(encoding="utf-8"))
         ]

@@ -6,7 +6,7 @@ Two kinds of passes over the traced graph:
   detached copies of its inputs (so its backward stops at its own boundary): it records
   the bytes autograd saves (:class:`profiler.memory.SavedTensorCounter`, exact), the
   forward FLOPs (``FlopCounterMode``) and, on CUDA, the allocator peak.
-* ``warmup + repeats`` timed passes (:func:`_timed_pass`) execute one training step layer
+* ``warmup + repeats`` timed passes (:func:`profiler.timing.timed_pass`) execute one training step layer
   by layer on connected tensors: each layer's forward is timed around its call; its
   backward is the time autograd spends in the autograd nodes its forward created
   (node pre/post hooks), so engine start-up, allocation and cache behaviour are those of
@@ -19,7 +19,6 @@ whole-model training step (forward + loss + backward) for the honesty check.
 
 from __future__ import annotations
 
-import functools
 import gc
 import hashlib
 import logging
@@ -33,21 +32,20 @@ from typing import Any
 
 import pandas as pd
 import torch
-import torch.fx as fx
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from profiler.catalog import lookup_gpu
 from profiler.errors import ConfigError
 from profiler.graph import ModelGraph
-from profiler.interpret import LayerCall, backward_call, bind_node, run_layers, tensors_of
+from profiler.interpret import LayerCall, backward_call, run_layers
 from profiler.memory import SavedTensorCounter, cuda_peak_bytes, reset_cuda_peak
 from profiler.models import ModelSpec
 from profiler.precision import autocast, dtype_name
 from profiler.table import COLUMNS, Profile, ProfileMeta
+from profiler.timing import Clock, clock_of, timed_ms, timed_pass
 
 __all__ = [
-    "clock_of",
     "measure_profile",
     "parse_device",
     "profile_rows",
@@ -88,41 +86,6 @@ def parse_device(name: str) -> torch.device:
     return torch.device("cuda", index)
 
 
-Clock = Callable[[], float]
-
-
-def clock_of(name: str) -> Clock:
-    """The CPU clock called ``name``: ``wall`` (``time.perf_counter``) or ``cpu``.
-
-    ``cpu`` (``time.thread_time``, this thread's CPU time) is only meaningful with one
-    intra-op thread, where it ignores time the process spends preempted on a shared machine.
-
-    Raises:
-        ConfigError: unknown clock name.
-    """
-    if name == "wall":
-        return time.perf_counter
-    if name == "cpu":
-        return time.thread_time
-    raise ConfigError(f"--clock {name!r} is unknown; use wall or cpu")
-
-
-def _timed_ms(
-    device: torch.device, fn: Callable[[], Any], clock: Clock = time.perf_counter
-) -> tuple[float, Any]:
-    """Run ``fn`` once and return (milliseconds, result): CUDA events on GPU, ``clock`` on CPU."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        result = fn()
-        end.record()
-        torch.cuda.synchronize(device)
-        return float(start.elapsed_time(end)), result
-    t0 = clock()
-    result = fn()
-    return (clock() - t0) * 1e3, result
-
-
 # ---------------------------------------------------------------- per-layer measurement
 
 
@@ -151,125 +114,6 @@ def _count_call(
     if run is not None:
         run()
     return out, saved, cuda_peak_bytes(device), float(flops.get_total_flops())
-
-
-def _new_grad_fns(value: Any, known: set[Any]) -> list[Any]:
-    """Autograd nodes reachable from ``value`` that are not in ``known`` (adds them to it)."""
-    stack: list[Any] = [t.grad_fn for t in tensors_of(value) if t.grad_fn is not None]
-    found = []
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in known:
-            continue
-        known.add(fn)
-        found.append(fn)
-        stack += [nxt for nxt, _ in fn.next_functions]
-    return found
-
-
-class _BackwardTimer:
-    """Sums, per layer, the time autograd spends inside the layer's backward nodes.
-
-    Each autograd node a layer's forward created gets a pre-hook and a post-hook; on CPU the
-    engine runs nodes one at a time, so ``post - pre`` is that node's backward time. On CUDA
-    the hooks record events instead and the totals are read after a synchronize.
-    """
-
-    def __init__(self, device: torch.device, clock: Clock) -> None:
-        self.device = device
-        self.clock = clock
-        self.total_ms: dict[int, float] = {}
-        self._events: list[tuple[int, Any, Any]] = []
-
-    def watch(self, layer: int, grad_fns: Sequence[Any]) -> None:
-        """Attribute the backward time of ``grad_fns`` to ``layer``."""
-        self.total_ms.setdefault(layer, 0.0)
-        for fn in grad_fns:
-            start: list[Any] = [None]
-
-            def pre(grad_outputs: Any, start: list[Any] = start) -> None:
-                if self.device.type == "cuda":
-                    start[0] = torch.cuda.Event(enable_timing=True)
-                    start[0].record()
-                else:
-                    start[0] = self.clock()
-
-            def post(
-                grad_inputs: Any, grad_outputs: Any, start: list[Any] = start, layer: int = layer
-            ) -> None:
-                if self.device.type == "cuda":
-                    end = torch.cuda.Event(enable_timing=True)
-                    end.record()
-                    self._events.append((layer, start[0], end))
-                else:
-                    self.total_ms[layer] += (self.clock() - start[0]) * 1e3
-
-            fn.register_prehook(pre)
-            fn.register_hook(post)
-
-    def result(self) -> dict[int, float]:
-        """Milliseconds of backward per layer."""
-        if self._events:
-            torch.cuda.synchronize(self.device)
-            for layer, start, end in self._events:
-                self.total_ms[layer] += float(start.elapsed_time(end))
-            self._events.clear()
-        return self.total_ms
-
-
-def _timed_pass(
-    graph: ModelGraph,
-    inputs: Sequence[Any],
-    device: torch.device,
-    clock: Clock,
-    loss: Callable[[Any], Tensor] | None = None,
-) -> tuple[dict[int, float], dict[int, float]]:
-    """One training step executed layer by layer: timed forwards in order, then one backward.
-
-    Layers run on the outputs of the layers before them (not on detached copies), so
-    allocation, cache behaviour and autograd engine costs match a real step; every layer's
-    forward is timed around its call and its backward is the time autograd spends in the
-    autograd nodes its forward created (:class:`_BackwardTimer`). The backward starts from
-    the loss, whose forward and backward are charged to the ``output`` layer (the last
-    stage computes it), or without ``loss`` from the model output with a ones-like gradient.
-
-    Returns:
-        Forward and backward milliseconds by layer index.
-    """
-    gm = graph.gm
-    env: dict[fx.Node, Any] = {}
-    args_iter = iter(inputs)
-    fwd: dict[int, float] = {}
-    known: set[Any] = set()
-    timer = _BackwardTimer(device, clock)
-    output: Any = None
-    nodes = list(gm.graph.nodes)
-    last_use = {n: i for i, node in enumerate(nodes) for n in node.all_input_nodes}
-    for index, node in enumerate(nodes):
-        for done in [n for n in env if last_use.get(n, -1) < index]:
-            del env[
-                done
-            ]  # autograd keeps what the backward needs; drop the rest, as eager code does
-        if node.op == "placeholder":
-            env[node] = next(args_iter)
-            continue
-        args = fx.node.map_arg(node.args, env.__getitem__)
-        if node.op == "output":
-            output = args[0]
-            if loss is not None:
-                fwd[index], output = _timed_ms(device, functools.partial(loss, output), clock)
-                timer.watch(index, _new_grad_fns(output, known))
-            break
-        kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
-        ms, out = _timed_ms(device, bind_node(gm, node, args, kwargs), clock)
-        fwd[index] = ms
-        env[node] = out
-        timer.watch(index, _new_grad_fns(out, known))
-    outs = [t for t in tensors_of(output) if t.requires_grad]
-    if outs:
-        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-    gm.zero_grad(set_to_none=True)
-    return fwd, timer.result()
 
 
 def _tick(progress: Progress | None, done: int, total: int, name: str) -> None:
@@ -315,7 +159,7 @@ def profile_rows(
     """Measure every layer of ``graph`` on ``inputs`` (already on ``device``) as a profile table.
 
     A first pass interprets the graph node by node and records saved bytes, FLOPs and the
-    CUDA peak; then ``warmup + repeats`` timed passes (:func:`_timed_pass`) run every layer
+    CUDA peak; then ``warmup + repeats`` timed passes (:func:`timed_pass`) run every layer
     layer by layer; the medians over the last ``repeats`` passes are kept. ``loss(output)``
     (e.g. cross-entropy against the sample targets) is timed as the ``output`` row.
     """
@@ -329,12 +173,22 @@ def profile_rows(
     for r in range(warmup + repeats):
         if progress is not None:
             progress(len(graph.layers) + r, total, f"pass {r + 1}/{warmup + repeats}")
-        fwd, bwd = _timed_pass(graph, inputs, device, clock, loss)
+        fwd, bwd = timed_pass(graph, inputs, device, clock, loss)
         if r >= warmup:
             fwd_runs.append(fwd)
             bwd_runs.append(bwd)
     if progress is not None:
         progress(total, total, "done")
+    return _table(graph, counted, fwd_runs, bwd_runs)
+
+
+def _table(
+    graph: ModelGraph,
+    counted: dict[int, tuple[int, int, float]],
+    fwd_runs: Sequence[dict[int, float]],
+    bwd_runs: Sequence[dict[int, float]],
+) -> pd.DataFrame:
+    """The profile table: per layer, the median timed forward/backward and the counted bytes."""
     rows: dict[int, _Row] = {}
     for index, (saved, peak, flops) in counted.items():
         rows[index] = _Row(
@@ -391,6 +245,35 @@ def _cuda_type(device: torch.device) -> str:
         return name
 
 
+def _meta(
+    spec: ModelSpec,
+    device_type: str,
+    dtype: str,
+    repeats: int,
+    warmup: int,
+    dev: torch.device,
+    clock: str,
+) -> ProfileMeta:
+    """A measured profile's metadata: what was measured, where, when and how."""
+    return ProfileMeta(
+        model=spec.name,
+        device_type=device_type,
+        batch_size=spec.batch_size,
+        source="measured",
+        dtype=dtype,
+        torch_version=torch.__version__,
+        host=platform.node(),
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        extra={
+            "repeats": repeats,
+            "warmup": warmup,
+            "device": str(dev),
+            "threads": torch.get_num_threads(),
+            "clock": clock if dev.type == "cpu" else "cuda-events",
+        },
+    )
+
+
 def measure_profile(
     spec: ModelSpec,
     device: str | torch.device = "cpu",
@@ -439,23 +322,7 @@ def measure_profile(
         dtype = dtype_name(precision)
     if device_type is None:
         device_type = _cuda_type(dev) if dev.type == "cuda" else "cpu"
-    meta = ProfileMeta(
-        model=spec.name,
-        device_type=device_type,
-        batch_size=spec.batch_size,
-        source="measured",
-        dtype=dtype,
-        torch_version=torch.__version__,
-        host=platform.node(),
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        extra={
-            "repeats": repeats,
-            "warmup": warmup,
-            "device": str(dev),
-            "threads": torch.get_num_threads(),
-            "clock": clock if dev.type == "cpu" else "cuda-events",
-        },
-    )
+    meta = _meta(spec, device_type, dtype, repeats, warmup, dev, clock)
     return Profile(table, meta)
 
 
@@ -508,7 +375,7 @@ def step_time_ms(
     times = []
     for r in range(warmup + repeats):
         module.zero_grad(set_to_none=True)
-        ms = _timed_ms(dev, step, clock_fn)[0]
+        ms = timed_ms(dev, step, clock_fn)[0]
         if r >= warmup:
             times.append(ms)
     module.zero_grad(set_to_none=True)

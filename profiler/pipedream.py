@@ -20,6 +20,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import networkx as nx
 import pandas as pd
@@ -179,28 +180,11 @@ def _order(nodes: list[PipeDreamNode], edges: list[tuple[str, str]], source: str
     return list(nx.lexicographical_topological_sort(dag, key=key))
 
 
-def import_pipedream(
-    path: str | os.PathLike[str], batch_size: int = 64, device_type: str = "unknown GPU"
-) -> Profile:
-    """Read a PipeDream ``graph.txt`` as a hetpipe :class:`Profile`.
-
-    ``saved_bytes`` (unknown to PipeDream) is taken as the output activation, which is what
-    PipeDream's own memory model stashes; ``mem_per_mb_bytes`` = saved + one weight version.
-
-    Args:
-        path: the ``graph.txt`` file.
-        batch_size: minibatch size it was profiled with (PipeDream's image models use 64).
-        device_type: GPU type it was measured on, stored in the metadata.
-
-    Returns:
-        A profile with ``placeholder`` rows for the inputs, one row per node, and an ``output`` row.
-
-    Raises:
-        ProfileError: the file is unreadable or malformed.
-    """
-    p = Path(path)
-    text = read_text(p, "PipeDream graph", ProfileError)
-    nodes, edges = parse_graph_txt(text, str(p))
+def _rows(
+    nodes: list[PipeDreamNode], edges: list[tuple[str, str]], source: str
+) -> list[dict[str, Any]]:
+    """The profile rows of a parsed graph: one per node in a topological order, then ``output``
+    reading the sinks."""
     by_id = {n.node_id: n for n in nodes}
     preds: dict[str, list[str]] = {n: [] for n in by_id}
     succs: dict[str, int] = {n: 0 for n in by_id}
@@ -208,7 +192,7 @@ def import_pipedream(
         if src not in preds[dst]:
             preds[dst].append(src)
         succs[src] += 1
-    order = _order(nodes, edges, str(p))
+    order = _order(nodes, edges, source)
     rank = {n: i for i, n in enumerate(order)}
     rows = []
     for node_id in order:
@@ -243,6 +227,32 @@ def import_pipedream(
             "flops": 0.0,
         }
     )
+    return rows
+
+
+def import_pipedream(
+    path: str | os.PathLike[str], batch_size: int = 64, device_type: str = "unknown GPU"
+) -> Profile:
+    """Read a PipeDream ``graph.txt`` as a hetpipe :class:`Profile`.
+
+    ``saved_bytes`` (unknown to PipeDream) is taken as the output activation, which is what
+    PipeDream's own memory model stashes; ``mem_per_mb_bytes`` = saved + one weight version.
+
+    Args:
+        path: the ``graph.txt`` file.
+        batch_size: minibatch size it was profiled with (PipeDream's image models use 64).
+        device_type: GPU type it was measured on, stored in the metadata.
+
+    Returns:
+        A profile with ``placeholder`` rows for the inputs, one row per node, and an ``output`` row.
+
+    Raises:
+        ProfileError: the file is unreadable or malformed.
+    """
+    p = Path(path)
+    text = read_text(p, "PipeDream graph", ProfileError)
+    nodes, edges = parse_graph_txt(text, str(p))
+    rows = _rows(nodes, edges, str(p))
     table = check_table(pd.DataFrame(rows, columns=list(COLUMNS)), str(p))
     meta = ProfileMeta(
         model=p.parent.name if p.name == "graph.txt" else p.stem,

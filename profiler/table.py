@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from profiler.crossing import crossing_sets
 from profiler.errors import ProfileError, shown
 from profiler.files import atomic_write_text
 from profiler.inputs import read_text, text_problem
@@ -131,8 +132,6 @@ class Profile:
     def cut_bytes(self) -> list[int]:
         """``result[k]``: activation bytes crossing cut ``k`` (skips included), ``k = 0..L``."""
         acts = self.table["act_bytes"].tolist()
-        from profiler.graph import crossing_sets  # torch: only when a graph is needed
-
         return [sum(int(acts[i]) for i in cross) for cross in crossing_sets(self.input_indices())]
 
     def at_precision(self, precision: str) -> Profile:

@@ -15,7 +15,7 @@ node 0. ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` come from 
 
 Every rank writes its result to ``--out/rank<r>.pt`` (a stage's ``StageResult`` or a shard's
 final state and clock trace); :func:`collect_wsp` turns the files into a
-:class:`runtime.results.wsp.WSPResult`. Checkpoints and ``--resume DIR`` need ``--out`` on a
+:class:`runtime.results.run_result.RunResult`. Checkpoints and ``--resume DIR`` need ``--out`` on a
 file system every host shares; ranks that torchrun restarts (its own ``--max-restarts``)
 resume from the last snapshot; ``--time-limit`` stops every VW at
 one agreed wave (through the process group's store). ``--calibration`` replaces the pacing
@@ -39,7 +39,7 @@ from profiler.errors import ConfigError, HetPipeError, HetPipeRuntimeError
 from profiler.files import atomic_write_bytes
 from runtime.config import ModelSource
 from runtime.options import add_arguments, configs
-from runtime.results.wsp import WSPResult
+from runtime.results.run_result import RunResult
 
 log = logging.getLogger("runtime")
 
@@ -53,7 +53,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="run directory, shared by every host")
     p.add_argument("--resume", default=None, help="continue the run in DIR (its --out)")
     p.add_argument("--calibration", type=Path, default=None, help="pacing table to use")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    given = sys.argv[1:] if argv is None else argv
+    args.every_given = any(x.split("=")[0] == "--checkpoint-every" for x in given)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,12 +106,16 @@ def _rank_job(a: argparse.Namespace, plan: Plan, rank: int, world: int) -> Any:
     if cfg.checkpoint_dir is None and out is not None:
         cfg = dataclasses.replace(cfg, checkpoint_dir=out / "checkpoints")
     rule = rule_for(plan, a.vw)
+    if rule == "local":  # one VW alone writes no snapshots (an explicit --checkpoint-every: no)
+        from runtime.launch.jobs import check_alone
+
+        check_alone(cfg, a.every_given)
     run = settle(run, plan, rule)  # the plan's defaults, as hetpipe run fills them
     attempt = "-".join(os.environ.get(k, "0") for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"))  # fmt: skip
     owner = SharedRun("" if cfg.resume else attempt, attempt, rank == 0) if out else None
     prep = prepare(plan, ModelSource(ref=plan.model), opt, run, cfg, None, owner, rule,
                    max(a.vw, 0), "env://")  # fmt: skip
-    if isinstance(prep, WSPResult):
+    if isinstance(prep, RunResult):
         return None
     jobs: dict[int, Any] = {s.rank: s for s in prep.shards}
     jobs |= {j.ctx.rank: j for j in prep.stages}
@@ -146,8 +153,8 @@ class _RankSink:
         """Nothing to wait for."""
 
 
-def collect_wsp(plan: Plan, out: Path, nm: int = 0, D: int | None = None) -> WSPResult:
-    """The :class:`WSPResult` of a torchrun WSP run from its ``out/rank<r>.pt`` files.
+def collect_wsp(plan: Plan, out: Path, nm: int = 0, D: int | None = None) -> RunResult:
+    """The :class:`RunResult` of a torchrun WSP run from its ``out/rank<r>.pt`` files.
 
     Raises:
         HetPipeRuntimeError: a rank's file is missing (that rank failed).
@@ -170,7 +177,7 @@ def collect_wsp(plan: Plan, out: Path, nm: int = 0, D: int | None = None) -> WSP
         results.append(loads_result(path.read_bytes()))
     stages = [x for x in results if isinstance(x, StageResult)]
     states = [x for x in results if not isinstance(x, StageResult)]
-    return WSPResult.build(plan, nm or plan.nm, D, stages, states, specs, 0.0)
+    return RunResult.build(plan, nm or plan.nm, D, stages, states, specs, 0.0)
 
 
 if __name__ == "__main__":

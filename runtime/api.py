@@ -38,8 +38,7 @@ from runtime.run import run_plan
 from runtime.stage.model import resolve_source
 
 if TYPE_CHECKING:
-    from runtime.results.metrics import RunResult
-    from runtime.results.wsp import WSPResult
+    from runtime.results.run_result import RunResult
 
 __all__ = ["make_single_vw_plan", "train"]
 
@@ -121,7 +120,7 @@ def train(  # long by its signature and docstring (every option, documented); th
     checkpoint_every: int = 0,
     vw: int = -1,
     precision: str = "",
-) -> RunResult | WSPResult:
+) -> RunResult:
     """Train ``model`` with any plan on this host: what ``hetpipe run`` does, through the same
     entry (:func:`runtime.run.run_plan`): several VWs through the WSP parameter servers, one
     VW, or the AllReduce baseline, by the plan (default: one VW cut by hand or planned).
@@ -148,15 +147,15 @@ def train(  # long by its signature and docstring (every option, documented); th
         timeout_s: timeout of every process-group operation.
         emulate: pace emulated devices and cap their memory.
         D: WSP clock-distance threshold of a plan with shards (``None`` = the plan's).
-        checkpoint_every: with shards and ``out_dir``, checkpoint every K global clocks.
+        checkpoint_every: with ``out_dir``, snapshot every K global clocks (AllReduce: steps;
+            one VW alone writes none).
         vw: train only this VW of the plan, without parameter servers (-1 = every VW).
         precision: ``fp32`` or ``bf16`` (autocast, fp32 master weights, bfloat16 activations
             across cuts); ``""`` = the plan's (``fp32`` for a plan made here).
 
     Returns:
-        One VW: the :class:`RunResult` (losses, throughput, per-stage measurements, final
-        weights); several VWs (WSP or AllReduce): the :class:`runtime.results.wsp.WSPResult`.
-        Each has ``state_dict()``.
+        The run's :class:`runtime.results.run_result.RunResult`, whatever the rule: ``losses``,
+        ``throughput``, ``state_dict()``, ``stages`` and one entry per VW in ``vws``.
 
     Raises:
         HetPipeError: invalid inputs or a failed run (naming the rank, VW and stage).

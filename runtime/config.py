@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from profiler.capture import quiet_treespec
 from profiler.errors import ConfigError
 from profiler.precision import check_precision
 from runtime.defaults import TIMEOUT_S
@@ -145,7 +146,8 @@ class ModelSource:
         for key in _BLOBS:
             if state[key] is not None:
                 buf = io.BytesIO()
-                torch.save(state[key], buf)
+                with quiet_treespec():
+                    torch.save(state[key], buf)
                 state[key] = buf.getvalue()
         return state
 
@@ -153,7 +155,8 @@ class ModelSource:
         for key in _BLOBS:
             if isinstance(state.get(key), bytes):
                 # our own blob from __getstate__ (the module's classes must be importable)
-                state[key] = torch.load(io.BytesIO(state[key]), weights_only=False)
+                with quiet_treespec():
+                    state[key] = torch.load(io.BytesIO(state[key]), weights_only=False)
         for key, value in state.items():
             object.__setattr__(self, key, value)
 
@@ -233,6 +236,9 @@ class WSPConfig:
         evict: ``--on-failure continue``: a VW whose process fails is evicted from the global
             clock (its unfinished wave discarded at every shard) and the others go on; a
             shard failure still ends the run (see ``docs/fault_tolerance.md``).
+        restart_vw: with ``max_restarts`` (``--on-failure restart``, one host, the ``wsp``
+            rule): a VW whose process fails is restarted alone at its cut while the others
+            wait there (:mod:`runtime.launch.restart_vw`); a shard failure restarts the job.
         resume_hint: the command line to print when the run fails (``--resume DIR`` is appended).
         overlap_pulls: stages keep running tasks while a pull is in flight (``False``: the
             stage blocks in the pull at the wave end; a benchmark baseline).
@@ -253,3 +259,4 @@ class WSPConfig:
     shard_fault: ShardFault | None = None
     max_restarts: int = 0
     evict: bool = False
+    restart_vw: bool = False

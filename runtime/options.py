@@ -48,7 +48,7 @@ OPTIONS: Mapping[str, Option] = MappingProxyType(
         "vw": Option("--vw", -1, "run only this virtual worker of the plan (-1 = all, through its synchronisation rule)"),
         "staleness": Option("--D", None, "WSP clock-distance threshold D (default: the plan's)"),
         "checkpoint_every": Option("--checkpoint-every", CHECKPOINT_EVERY, "checkpoint every K global clocks into --out/checkpoints (0 = never)"),
-        "on_failure": Option("--on-failure", "stop", "stop: a failed process ends the run; restart: restart the whole job from its last snapshot (up to --max-restarts times; under torchrun, torchrun's own --max-restarts); continue: evict a failed VW and go on with the others (a failed shard still stops the run)"),
+        "on_failure": Option("--on-failure", "stop", "stop: a failed process ends the run; restart: restart a failed stage's VW alone where the shards cut it (the others wait there) and a failed shard's whole job from its last snapshot, up to --max-restarts times, then evict a failed VW (under torchrun: torchrun's own --max-restarts, whole group); continue: evict a failed VW and go on with the others (a failed shard still stops the run)"),
         "max_restarts": Option("--max-restarts", 3, "restarts allowed with --on-failure restart"),
         "overwrite": Option("--overwrite", False, "replace another run's outputs in --out"),
         "optimizer": Option("--optimizer", "sgd", "sgd or adam"),
@@ -117,5 +117,6 @@ def configs(
         overwrite=v["overwrite"],
         max_restarts=v["max_restarts"] if v["on_failure"] == "restart" else 0,
         evict=v["on_failure"] == "continue",
+        restart_vw=v["on_failure"] == "restart",
     )
     return opt, run, wsp

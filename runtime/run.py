@@ -20,10 +20,7 @@ from profiler.errors import ConfigError
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 
 if TYPE_CHECKING:
-    from rich.table import Table
-
-    from runtime.results.metrics import RunResult
-    from runtime.results.wsp import WSPResult
+    from runtime.results.run_result import RunResult
 
 __all__ = [
     "MAIN_JOB_EPOCHS",
@@ -33,7 +30,6 @@ __all__ = [
     "rule_for",
     "run_plan",
     "settle",
-    "summary",
 ]
 
 
@@ -45,7 +41,7 @@ def run_plan(
     wsp: WSPConfig | None = None,
     dataset: Any = None,
     vw: int = -1,
-) -> RunResult | WSPResult:
+) -> RunResult:
     """Train ``plan`` with its synchronisation rule (see the module doc).
 
     Args:
@@ -136,17 +132,7 @@ def describe_training(plan: Plan, vw: int, nm: int, D: int | None) -> str:
     return f"training {plan.model} on VW {k} ({stages}), batch {plan.batch_size}, Nm {nm}"
 
 
-def outputs(result: RunResult | WSPResult) -> list[str]:
+def outputs(result: RunResult) -> list[str]:
     """The files a run with ``--out`` wrote, relative to its folder."""
-    from runtime.results.metrics import RunResult
-
-    if isinstance(result, RunResult):
-        return ["metrics.csv", "stages.csv", "weights.pt", "timeline.png", "trace.json"]
-    return ["vw*/metrics.csv", "summary.json", "weights.pt", "timeline.png", "trace.json"]
-
-
-def summary(result: RunResult | WSPResult) -> Table:
-    """The summary table of any run (what ``hetpipe run`` prints)."""
-    from runtime.results.metrics import RunResult, summary_table
-
-    return summary_table(result) if isinstance(result, RunResult) else result.table()
+    metrics = ["metrics.csv", "stages.csv"] if result.alone else ["vw*/metrics.csv"]
+    return [*metrics, "summary.json", "weights.pt", "timeline.png", "trace.json"]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -58,3 +60,51 @@ def test_the_cli_starts_without_torch_pandas_or_pulp() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.strip() == "[]"
+
+
+_QUIET_RUN = """
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+import hetpipe
+
+class Net(nn.Module):  # called with keywords: captured by torch.export, not fx
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+    def forward(self, x, labels):
+        return {"loss": nn.functional.cross_entropy(self.b(torch.relu(self.a(x))), labels)}
+
+class Data(Dataset):
+    def __len__(self): return 32
+    def __getitem__(self, i): return {"x": torch.ones(8) * i / 32, "labels": torch.tensor(i % 4)}
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    r = hetpipe.train(Net(), Data(), stages=2, nm=2, batch_size=4, steps=3)
+    print("losses", len(r.losses))
+"""
+
+
+def test_a_run_prints_no_warning_of_torch_or_tqdm_internals(tmp_path: Path) -> None:
+    """An exported model through two stage processes ends without the launcher printing
+    ``leaked semaphore objects`` (tqdm's multiprocessing lock, opened by torch.fx in every
+    rank) or torch's own ``LeafSpec`` deprecation (its pickling of pytree specs)."""
+    script = tmp_path / "quiet_run.py"
+    script.write_text(_QUIET_RUN, encoding="utf-8")
+    env = {**os.environ, "HETPIPE_CACHE_DIR": "off", "PYTHONWARNINGS": "default"}
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env,
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "losses 3" in out.stdout
+    assert "LeafSpec" not in out.stderr
+    cluster = Path(__file__).resolve().parents[1] / "examples" / "emulated_cluster.yaml"
+    args = ["run", str(cluster), "--vws", "1", "--policy", "ed", "--steps", "3"]
+    out = subprocess.run(
+        [sys.executable, "-m", "hetpipe", *args, "--out", str(tmp_path / "o")],
+        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "leaked semaphore" not in out.stderr

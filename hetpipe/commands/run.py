@@ -101,6 +101,7 @@ OPT = OPTIONS  # the defaults below are the table's: one source for hetpipe run 
 
 @handle_errors
 def run(  # long only by its typer signature (the command's options); the body is ~15 lines
+    ctx: typer.Context,
     path: Annotated[Path, typer.Argument(help="plan.yaml/plan.json, or cluster.yaml with --model")],
     model: Annotated[
         str | None, typer.Option(help="model for a cluster.yaml (built-in name or pkg.mod:factory)")
@@ -170,13 +171,15 @@ def run(  # long only by its typer signature (the command's options); the body i
     values = {name: value for name, value in locals().items() if name in OPTIONS}
     rule = rule_params(sync, backups, tau, alpha)
     if sync == "allreduce":
-        _refuse_pipeline_options(resume, nm, staleness, vw, vws, stages, policy)
+        _refuse_pipeline_options(nm, staleness, vw, vws, stages, policy)
     target = resume_target(resume) if resume is not None else None
     opt, run_cfg, wsp = configs(values, out or (target[0] if target else None), progress, target,
                                 _resume_hint(path))  # fmt: skip
     plan = _plan(path, model, batch_size, nm, stages, vws, staleness, policy, sync, opt,
                  run_cfg.out_dir if resume is not None else None, precision)  # fmt: skip
-    _train(apply_rule(plan, sync, rule), opt, run_cfg, wsp, vw)
+    every = ctx.get_parameter_source("checkpoint_every")  # given, or its default
+    given = every is not None and every.name != "DEFAULT"
+    _train(apply_rule(plan, sync, rule), opt, run_cfg, wsp, vw, given)
 
 
 def _plan(
@@ -215,14 +218,21 @@ def _plan(
     return plan
 
 
-def _train(plan: Plan, opt: OptimizerConfig, run_cfg: RunConfig, wsp: WSPConfig, vw: int) -> None:
-    """Say what trains, train it (:func:`runtime.run.run_plan`), print the summary."""
+def _train(
+    plan: Plan, opt: OptimizerConfig, run_cfg: RunConfig, wsp: WSPConfig, vw: int, every: bool
+) -> None:
+    """Say what trains, train it (:func:`runtime.run.run_plan`), print the summary (``every``:
+    ``--checkpoint-every`` was given, which one VW alone refuses)."""
     from runtime.config import ModelSource
-    from runtime.run import describe_training, outputs, run_plan, summary
+    from runtime.launch.jobs import check_alone
+    from runtime.run import describe_training, outputs, rule_for, run_plan
+
+    if rule_for(plan, vw) == "local":
+        check_alone(wsp, every)
 
     console.print(describe_training(plan, vw, run_cfg.nm or plan.nm, wsp.D))
     result = run_plan(plan, ModelSource(ref=plan.model), opt, run_cfg, wsp, vw=vw)
-    console.print(summary(result))
+    console.print(result.table())
     out = run_cfg.out_dir
     if out is not None:
         console.print(f"outputs: {', '.join(str(out / f) for f in outputs(result))}")
@@ -245,7 +255,6 @@ def _resume_hint(path: Path) -> str:
 
 
 def _refuse_pipeline_options(
-    resume: str | None,
     nm: int,
     staleness: int | None,
     vw: int,
@@ -255,7 +264,6 @@ def _refuse_pipeline_options(
 ) -> None:
     """AllReduce trains the whole model on every device: no pipeline options apply."""
     given = {
-        "--resume": resume is not None,
         "--nm": nm > 1,
         "--D": staleness is not None,
         "--vw": vw >= 0,
@@ -267,8 +275,7 @@ def _refuse_pipeline_options(
         if is_given:
             raise ConfigError(
                 f"{flag} does not apply to --sync allreduce (whole-model data parallelism on "
-                "every device that holds the model: no pipeline, no parameter servers, no "
-                "checkpoints); drop it"
+                "every device that holds the model: no pipeline, no parameter servers); drop it"
             )
 
 

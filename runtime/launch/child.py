@@ -48,6 +48,21 @@ def _quiet_thread_error(args: threading.ExceptHookArgs) -> None:
     )
 
 
+def _thread_lock_for_tqdm() -> None:
+    """Give tqdm a thread lock before torch.fx's ``Interpreter`` opens its first bar.
+
+    tqdm otherwise creates a ``multiprocessing.RLock``, a named semaphore registered with the
+    launcher's resource tracker; a rank does not unlink it on its way out, and the launcher
+    printed ``resource_tracker: There appear to be N leaked semaphore objects`` at the end of
+    every run, one per rank. tqdm is optional (torch falls back to a stub without it).
+    """
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
+
+
 def setup_child(
     where: str, parent: int, level: int = logging.WARNING, quiet_threads: bool = False
 ) -> None:
@@ -72,8 +87,24 @@ def setup_child(
         force=True,
     )
     threading.Thread(target=_watch_parent, args=(parent, os.getppid()), daemon=True).start()
+    _thread_lock_for_tqdm()
     if quiet_threads:
         threading.excepthook = _quiet_thread_error
+
+
+def _attempt_store(init_method: str, rank: int, world_size: int, timeout: timedelta) -> Any:
+    """Under torchrun (``env://`` with ``TORCHELASTIC_RESTART_COUNT``): the rendezvous store
+    with a prefix per restart of the worker group. torchrun's agent keeps one store for every
+    restart, so without it a restarted rank reads the dead group's addresses (gloo: "connection
+    refused") and its stop wave. ``None``: use ``init_method`` as it is."""
+    from torch._C._distributed_c10d import PrefixStore
+    from torch.distributed.rendezvous import rendezvous
+
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if init_method != "env://" or restart is None:
+        return None
+    store, _, _ = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    return PrefixStore(f"hetpipe/attempt-{restart}/", store)
 
 
 def run_rank(
@@ -84,13 +115,15 @@ def run_rank(
     timeout_s: float,
     body: Callable[[], tuple[str, bytes]],
     backend: str = "gloo",
+    join: bool = True,
 ) -> NoReturn:
     """The life of one spawned rank after :func:`setup_child`, then exit (code 0 or 1).
 
     Joins the process group (gloo, or ``backend``; every operation times out after ``timeout_s``), runs
     ``body`` and posts its ``(kind, payload)`` as ``(kind, rank, payload)`` on ``events``; if
     anything fails (also ``KeyboardInterrupt``), posts ``("error", rank, "Type: message
-    (file:line)")`` instead, for the launcher's :func:`watch`.
+    (file:line)")`` instead, for the launcher's :func:`watch`. ``join=False``: ``body`` builds
+    its own groups (a restarted VW's rank, :mod:`runtime.launch.restart_vw`).
     """
     import torch.distributed as dist
 
@@ -99,15 +132,19 @@ def run_rank(
         threading.Thread(target=keep_beating, args=(beat,), daemon=True, name="heartbeat").start()
     code = 0
     try:
-        dist.init_process_group(
-            backend, init_method=init_method, rank=rank, world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )  # fmt: skip
+        if join:
+            timeout = timedelta(seconds=timeout_s)
+            store = _attempt_store(init_method, rank, world_size, timeout)
+            dist.init_process_group(
+                backend, init_method=None if store else init_method, store=store, rank=rank,
+                world_size=world_size, timeout=timeout,
+            )  # fmt: skip
         try:
             kind, payload = body()
             events.put((kind, rank, payload))
         finally:
-            dist.destroy_process_group()
+            if join:
+                dist.destroy_process_group()
     except BaseException as exc:  # report anything to the launcher
         where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
         loc = f" ({Path(where.filename).name}:{where.lineno})" if where else ""

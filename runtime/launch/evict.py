@@ -3,8 +3,10 @@
 The parameter-server shards evict the VW themselves once its connections close
 (:meth:`runtime.ps.core.ShardCore.lose`); the launcher's part is to stop the VW's remaining
 stages (they would otherwise wait on their dead neighbour until a timeout), to blame the
-rank that caused it, and to keep watching the survivors. A failed *shard* holds global
-weights no one else has: the run stops (or restarts the whole job, ``--on-failure restart``).
+rank that caused it, and to keep watching the survivors. With ``restart``
+(``--on-failure restart``) the VW's stages are started again instead, while the budget lasts
+(:class:`runtime.launch.restart_vw.VWRestarter`). A failed *shard* holds global weights no
+one else has: the run stops (or restarts the whole job, ``--on-failure restart``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +35,8 @@ class VWEvictor:
         labels: rank -> description for messages.
         lost: VW id -> why it was evicted (the rank blamed), filled as VWs fail.
         grace_s: longest wait for the death of the rank that caused a neighbour's error.
+        restart: ``(vw, cause) -> restarted``: start the stopped VW's stages again (``False``:
+            no budget left, it stays evicted); ``None``: never (``--on-failure continue``).
     """
 
     vw_ranks: Mapping[int, tuple[int, ...]]
@@ -40,26 +44,35 @@ class VWEvictor:
     labels: Mapping[int, str]
     lost: dict[int, str] = field(default_factory=dict)
     grace_s: float = 1.5
+    restart: Callable[[int, str], bool] | None = None
 
-    def __call__(self, errors: dict[int, str]) -> set[int]:
-        """Stop the VWs of the failed ranks; their ranks, or an empty set when the run must
-        stop (a shard failed, or no VW would survive)."""
+    def __call__(self, errors: dict[int, str]) -> set[int] | None:
+        """Stop the VWs of the failed ranks (and restart them when allowed); the ranks the
+        run goes on without, or ``None`` when the run must stop (a shard failed, or no VW
+        would survive)."""
         vw_of = {r: k for k, ranks in self.vw_ranks.items() for r in ranks}
         vws = {vw_of.get(r, -1) for r in errors}
-        if -1 in vws or len(self.lost.keys() | vws) >= len(self.vw_ranks):
-            return set()
+        if -1 in vws or (
+            self.restart is None and len(self.lost.keys() | vws) >= len(self.vw_ranks)
+        ):
+            return None
         gone: set[int] = set()
         for k in sorted(vws):
             ranks = self.vw_ranks[k]
-            if k not in self.lost:
-                rank, why = self._culprit(ranks, errors)
-                self.lost[k] = f"rank {rank} ({self.labels[rank]}) failed: {why}"
-                log.warning("vw %d lost, the others go on: %s", k, self.lost[k])
-                for r in ranks:  # SIGKILL: a frozen (SIGSTOPped) process ignores SIGTERM
-                    if self.procs[r].is_alive():
-                        self.procs[r].kill()
+            if k in self.lost:
+                gone.update(ranks)
+                continue
+            rank, why = self._culprit(ranks, errors)
+            cause = f"rank {rank} ({self.labels[rank]}) failed: {why}"
+            for r in ranks:  # SIGKILL: a frozen (SIGSTOPped) process ignores SIGTERM
+                if self.procs[r].is_alive():
+                    self.procs[r].kill()
+            if self.restart is not None and self.restart(k, cause):
+                continue  # new processes in the same ranks: nothing is gone
+            self.lost[k] = cause
+            log.warning("vw %d lost, the others go on: %s", k, cause)
             gone.update(ranks)
-        return gone
+        return None if len(self.lost) >= len(self.vw_ranks) else gone
 
     def _culprit(self, ranks: tuple[int, ...], errors: dict[int, str]) -> tuple[int, str]:
         """The rank of the VW that caused the failure: one that is frozen, else one whose

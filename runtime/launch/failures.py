@@ -94,7 +94,7 @@ def watch(
     tick: Callable[[float], None] | None = None,
     first_event_s: float = 0.0,
     frozen: Callable[[], dict[int, str]] | None = None,
-    absorb: Callable[[dict[int, str]], set[int]] | None = None,
+    absorb: Callable[[dict[int, str]], set[int] | None] | None = None,
 ) -> dict[int, bytes]:
     """Watch a launcher's children until ``n_results`` of them delivered their result.
 
@@ -117,7 +117,8 @@ def watch(
         frozen: returns the ranks that stopped responding (rank -> why), checked every tick;
             any such rank fails the run at once, blamed (:class:`Heartbeats`).
         absorb: given failed ranks (rank -> why), the ranks the run goes on without (it
-            stopped them; ``--on-failure continue``), or an empty set: the run fails.
+            stopped them; ``--on-failure continue``; none when it restarted them), or
+            ``None``: the run fails.
 
     Returns:
         rank -> result payload (as sent), without the absorbed ranks.
@@ -132,9 +133,11 @@ def watch(
 
     def absorbed(errors: dict[int, str]) -> bool:
         errors = {r: m for r, m in errors.items() if r not in gone}
-        more = absorb(errors) if absorb is not None and errors else set()
-        gone.update(more)
-        return not errors or bool(more)
+        if not errors:
+            return True
+        more = absorb(errors) if absorb is not None else None
+        gone.update(more or ())
+        return more is not None
 
     while len(set(results) - gone) < n_results - len(gone):
         try:

@@ -17,12 +17,14 @@ __all__ = ["ShardFault", "StageFault"]
 class StageFault:
     """Test hook, passed in the job description: stage ``stage`` of VW ``vw`` (every VW when
     ``vw`` is -1) sends itself ``signum`` before minibatch ``at_mb`` (SIGKILL: a crash;
-    SIGSTOP: a frozen process; 0: it raises ``RuntimeError``, a failure in Python)."""
+    SIGSTOP: a frozen process; 0: it raises ``RuntimeError``, a failure in Python). A VW
+    restarted alone (``--on-failure restart``) keeps the fault only with ``repeat``."""
 
     stage: int
     at_mb: int
     vw: int = -1
     signum: int = int(signal.SIGKILL)
+    repeat: bool = False
 
     def hook(self, vw: int, stage: int) -> Callable[[int], None] | None:
         """The stage worker's per-minibatch fault hook for ``(vw, stage)``, or ``None``."""

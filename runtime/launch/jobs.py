@@ -3,7 +3,8 @@
 :func:`prepare` turns a plan into the frozen jobs of its processes (stages, and shards for a
 rule that goes through them) plus what the result needs; the rule decides only the data each
 VW trains on, the steps, the :class:`runtime.sync.rule.SyncSpec` and whether shards run. The
-WSP part (shards, snapshots, resume) is :mod:`runtime.launch.wsp`.
+WSP part (shards, snapshots, resume) is :mod:`runtime.launch.wsp`, the AllReduce part
+:mod:`runtime.launch.allreduce`.
 """
 
 from __future__ import annotations
@@ -19,12 +20,11 @@ from profiler.errors import ConfigError
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.launch.procs import ShardJob
 from runtime.launch.roles import pacing_table, stage_contexts, total_steps
-from runtime.results.evaluation import split_dataset
 from runtime.stage.emulation import Calibration
 from runtime.stage.job import StageJob
 from runtime.sync.rule import SyncSpec
 
-__all__ = ["Prepared", "prepare_allreduce", "prepare_local", "vw_stage_jobs"]
+__all__ = ["Prepared", "check_alone", "prepare_local", "vw_stage_jobs", "with_world"]
 
 
 @dataclass(frozen=True)
@@ -88,9 +88,32 @@ def vw_stage_jobs(
     return jobs
 
 
-def _world(jobs: list[StageJob], n_shards: int = 0) -> tuple[StageJob, ...]:
+def with_world(jobs: list[StageJob], n_shards: int = 0) -> tuple[int, tuple[StageJob, ...]]:
+    """The process group's size (``n_shards`` shards, then the stages) and the stages' jobs
+    with it set (shards take ranks ``0..n_shards-1``)."""
     world = n_shards + len(jobs)
-    return tuple(dataclasses.replace(j, world_size=world) for j in jobs)
+    return world, tuple(dataclasses.replace(j, world_size=world) for j in jobs)
+
+
+def check_alone(cfg: WSPConfig, every_given: bool = False) -> None:
+    """Refuse what a run of one VW alone (the ``local`` rule: ``--vw K``, or a plan without
+    shards) cannot do: such a run measures that VW's pipeline (its throughput against the
+    plan's prediction, its losses) and its weights never reach the parameter servers, so it
+    writes no snapshots, and so cannot resume or restart from one (``every_given``: the user
+    asked for ``--checkpoint-every`` explicitly; its default is ignored silently).
+
+    Raises:
+        ConfigError: one line naming the flag and the way out.
+    """
+    asked = [("--resume", cfg.resume), ("--checkpoint-every", every_given),
+             ("--on-failure restart", cfg.max_restarts > 0), ("--on-failure continue", cfg.evict)]  # fmt: skip
+    for flag, given in asked:
+        if given:
+            raise ConfigError(
+                f"{flag}: one VW trained alone (--vw K, or a plan without shards) measures that "
+                "VW and its weights never reach the parameter servers, so it writes no snapshots; "
+                f"drop {flag}, or train the whole plan (one VW with shards: hetpipe plan --vws 1)"
+            )
 
 
 def prepare_local(
@@ -115,45 +138,4 @@ def prepare_local(
     sync = SyncSpec("local", plan.sync_params, timeout_s=run.timeout_s)
     jobs = vw_stage_jobs(plan, source, optimizer, run, cfg, sync, [dataset], steps, init_method,
                          nm, vws=[vw])  # fmt: skip
-    return Prepared((), _world(jobs), steps, 0, nm, 0)
-
-
-def prepare_allreduce(
-    plan: Plan,
-    source: ModelSource,
-    optimizer: OptimizerConfig,
-    run: RunConfig,
-    cfg: WSPConfig,
-    dataset: Dataset[Any],
-    init_method: str,
-) -> Prepared:
-    """The ``allreduce`` rule: every VW (one per device, :func:`planner.baseline.allreduce_plan`)
-    trains its slice of each global minibatch of the training split, ``Nm = 1``; a held-out
-    split measures the final model.
-
-    Raises:
-        ConfigError: VWs of different depths, or less than one global minibatch of data.
-    """
-    vws = plan.virtual_workers
-    depth = {len(w.stages) for w in vws}
-    if len(depth) != 1:
-        raise ConfigError(
-            f"the {plan.model} plan's VWs have {sorted(depth)} stages; AllReduce averages each "
-            "stage over the VWs: plan it with planner.baseline.allreduce_plan"
-        )
-    (n_stages,) = depth
-    world, batch = len(vws), plan.batch_size
-    train, test = split_dataset(dataset, cfg.test_fraction, run.seed)
-    per_epoch = len(train) // (batch * world)
-    if per_epoch < 1:
-        raise ConfigError(
-            f"the training split has {len(train)} samples, fewer than one global minibatch of "
-            f"{world} x {batch}; use a smaller --batch-size or more data"
-        )
-    steps = total_steps(run, per_epoch)
-    groups = tuple(tuple(k * n_stages + s for k in range(world)) for s in range(n_stages))
-    sync = SyncSpec("allreduce", plan.sync_params, timeout_s=run.timeout_s, groups=groups)
-    keep = dataclasses.replace(run, return_state=True)  # the final model comes from VW 0
-    jobs = vw_stage_jobs(plan, source, optimizer, keep, cfg, sync, [train] * world, steps,
-                         init_method, nm=1)  # fmt: skip
-    return Prepared((), _world(jobs), steps, 0, 1, 0, test)
+    return Prepared((), with_world(jobs)[1], steps, 0, nm, 0)

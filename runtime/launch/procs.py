@@ -17,12 +17,14 @@ import torch
 import torch.distributed as dist
 
 from runtime.config import ModelSource
+from runtime.launch.backend import GLOO, cuda_index, stage_backend
 from runtime.launch.child import run_rank, setup_child
 from runtime.launch.faults import ShardFault
 from runtime.persist.checkpoint import shard_from_payload
 from runtime.persist.snapshot import load_part, read_manifest, snapshot_dir
 from runtime.ps.core import ShardCore
 from runtime.ps.layout import ShardSpec
+from runtime.ps.rejoin import Rejoin
 from runtime.ps.server import ShardServer
 from runtime.stage.job import StageJob
 from runtime.stage.model import initial_weights, ship_shard
@@ -78,6 +80,8 @@ class ShardJob:
         fault: test hook: the shard kills itself after a while.
         peers: eviction mode (``--on-failure continue``): (shard id, rank) of the other
             shards, which gate each wave; ``None``: a lost client ends the shard.
+        rejoin: with ``peers``, restart mode (``--on-failure restart``): a lost VW waits at
+            its cut for its restarted processes (:mod:`runtime.ps.readmit`).
     """
 
     rank: int
@@ -92,6 +96,7 @@ class ShardJob:
     world_size: int = 1
     fault: ShardFault | None = None
     peers: tuple[tuple[int, int], ...] | None = None
+    rejoin: Rejoin | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled for the shard's process: of a user's module, only the shard's weights."""
@@ -127,9 +132,11 @@ def _shard_core(job: ShardJob) -> ShardCore:
         manifest = read_manifest(snapshot_dir(snaps.directory, job.sync.first_wave))
         name = f"shard-{job.spec.id}"
         state = shard_from_payload(load_part(manifest, name), manifest.path / f"{name}.pt")
-        return ShardCore(job.spec, state=state, fold=fold, backups=backups, peers=peers)
+        return ShardCore(job.spec, state=state, fold=fold, backups=backups, peers=peers,
+                         rejoin=job.rejoin is not None)  # fmt: skip
     init = initial_weights(job.source, job.batch_size, job.seed)
-    return ShardCore(job.spec, job.spec.flatten(init), fold=fold, backups=backups, peers=peers)
+    return ShardCore(job.spec, job.spec.flatten(init), fold=fold, backups=backups, peers=peers,
+                     rejoin=job.rejoin is not None)  # fmt: skip
 
 
 def shard_main(job: ShardJob, events: Any, parent: int) -> None:
@@ -147,6 +154,7 @@ def shard_main(job: ShardJob, events: Any, parent: int) -> None:
             idle_timeout_s=4 * timeout_s,
             snapshots=job.sync.snapshots,
             peer_ranks=dict(job.peers) if job.peers is not None else None,
+            rejoin=job.rejoin,
         )
         dist.barrier()
         state = server.serve()
@@ -164,7 +172,12 @@ def stage_main(job: StageJob, events: Any, parent: int) -> None:
         dist.barrier()
         return "result", dumps_result(worker.run())
 
-    run_rank(job.ctx.rank, events, job.init_method, job.world_size, job.run.timeout_s, body)
+    emulated = job.ctx.speed > 0 or job.ctx.cap_bytes > 0
+    backend = stage_backend(job.sync.rule, emulated, torch.cuda.is_available())
+    if backend != GLOO:  # NCCL: one GPU per rank, the plan's
+        torch.cuda.set_device(cuda_index(job.ctx.device, torch.cuda.device_count()))
+    run_rank(job.ctx.rank, events, job.init_method, job.world_size, job.run.timeout_s, body,
+             backend)  # fmt: skip
 
 
 def process_context() -> Any:

@@ -48,14 +48,28 @@ class Reports:
     def __init__(self, ctx: Any) -> None:
         self._ctx = ctx
         self._readers: list[Connection] = []
-        self._pending: deque[Any] = deque()
+        self._pending: deque[tuple[Connection, Any]] = deque()
+        self._keyed: dict[int, Connection] = {}
 
-    def channel(self) -> tuple[Channel, Connection]:
+    def channel(self, key: int | None = None) -> tuple[Channel, Connection]:
         """A new child's channel, and the launcher's copy of its write end (close it with
-        :meth:`started` once the child has started)."""
+        :meth:`started` once the child has started); ``key`` (its rank) allows :meth:`drop`."""
         reader, writer = self._ctx.Pipe(duplex=False)
         self._readers.append(reader)
+        if key is not None:
+            self._keyed[key] = reader
         return Channel(writer), writer
+
+    def drop(self, key: int) -> None:
+        """Forget the child of ``key`` and every report of it not read yet (a restarted
+        rank's old process: what it said is stale)."""
+        reader = self._keyed.pop(key, None)
+        if reader is None:
+            return
+        self._pending = deque((r, m) for r, m in self._pending if r is not reader)
+        if reader in self._readers:
+            self._readers.remove(reader)
+        reader.close()
 
     @staticmethod
     def started(writer: Connection) -> None:
@@ -75,13 +89,13 @@ class Reports:
             for ready in wait(self._readers, timeout):
                 reader = cast(Connection, ready)  # wait returns some of what it was given
                 try:
-                    self._pending.append(reader.recv())
+                    self._pending.append((reader, reader.recv()))
                 except (EOFError, OSError):  # the child closed its end or died mid-report
                     self._readers.remove(reader)
                     reader.close()
         if not self._pending:
             raise queue.Empty
-        return self._pending.popleft()
+        return self._pending.popleft()[1]
 
     def close(self) -> None:
         """Close every child's pipe."""

@@ -22,6 +22,7 @@ from runtime.launch.failures import Interrupted, root_cause_rank, stop_all, watc
 from runtime.launch.liveness import Heartbeats
 from runtime.launch.procs import ShardJob, loads_result, process_context, shard_main, stage_main
 from runtime.launch.reports import Reports
+from runtime.launch.restart_vw import AttemptFailed, Restart, VWRestarter, rejoin_main
 from runtime.persist.checkpoint import ShardState
 from runtime.ps.outcome import ClockEvent
 from runtime.results.metrics import ProgressBar, StageResult
@@ -39,9 +40,11 @@ def spawn_and_watch(
     progress_total: int,
     hint: str = "",
     evict: bool = False,
-) -> tuple[list[StageResult], list[ShardOutcome], dict[int, str]]:
-    """Start every process, watch them, return the stage results, the shards' final states and
-    the VWs lost (``--on-failure continue``: VW -> cause; empty otherwise).
+    restarts: int = 0,
+) -> tuple[list[StageResult], list[ShardOutcome], dict[int, str], list[Restart]]:
+    """Start every process, watch them, return the stage results, the shards' final states,
+    the VWs lost (``--on-failure continue``: VW -> cause; empty otherwise) and the VWs
+    restarted (``--on-failure restart``).
 
     Args:
         shards: the shard processes' jobs (none for a rule without shards).
@@ -51,6 +54,9 @@ def spawn_and_watch(
         hint: appended to a failure's message (``; resume with: ...``).
         evict: ``--on-failure continue``: a failed VW is stopped and the others go on
             (:class:`runtime.launch.evict.VWEvictor`); a failed shard still ends the run.
+        restarts: with ``evict`` and shards that readmit VWs (``ShardJob.rejoin``): a failed
+            VW's stages are started again, at most this many times in all
+            (:class:`runtime.launch.restart_vw.VWRestarter`); then failed VWs are evicted.
 
     Raises:
         HetPipeRuntimeError: a process failed, died, froze or stalled (names it).
@@ -61,6 +67,7 @@ def spawn_and_watch(
     procs: dict[int, Any] = {}
     progress = ProgressBar(run.progress, progress_total, stages[0].ctx.batch_size)
     labels = {s.rank: s.where for s in shards} | {j.ctx.rank: j.ctx.where for j in stages}
+    restarter: VWRestarter | None = None
     try:
         for sh in shards:
             channel, writer = events.channel()
@@ -69,37 +76,63 @@ def spawn_and_watch(
             p.start()
             events.started(writer)
             procs[sh.rank] = p  # only started processes: stop_all joins them
-        for job in stages:
-            ctx = job.ctx
-            channel, writer = events.channel()
-            p = mpc.Process(target=stage_main, args=(job, channel, os.getpid()),
-                            name=f"hetpipe-vw{ctx.vw}-stage{ctx.stage}")  # fmt: skip
+
+        def start(job: StageJob, target: Any, *args: Any) -> Any:
+            channel, writer = events.channel(job.ctx.rank)
+            p = mpc.Process(target=target, args=(job, *args, channel, os.getpid()),
+                            name=f"hetpipe-vw{job.ctx.vw}-stage{job.ctx.stage}")  # fmt: skip
             p.start()
             events.started(writer)
-            procs[ctx.rank] = p
+            return p
+
+        for job in stages:
+            procs[job.ctx.rank] = start(job, stage_main)
         rendezvous = Path(stages[0].init_method.removeprefix("file://")).parent
         beats = Heartbeats(rendezvous, max(5.0, run.timeout_s / 2), labels)
-        evictor = _evictor(stages, procs, labels) if evict else None
+        rejoin = shards[0].rejoin if shards else None
+        if evict and rejoin is not None:
+
+            def respawn(job: StageJob, inc: int) -> Any:
+                events.drop(job.ctx.rank)  # the old process's reports are stale
+                return start(job, rejoin_main, rejoin, inc)
+
+            restarter = VWRestarter(_by_vw(stages), rejoin, restarts, respawn, procs, rendezvous)
+        evictor = _evictor(stages, procs, labels, restarter) if evict else None
         results = _watch(labels, procs, events, progress, run, beats, hint, evictor)
     except KeyboardInterrupt:
         raise Interrupted(f"interrupted (Ctrl-C): every process stopped{hint}") from None
+    except HetPipeRuntimeError as exc:  # the VWs restarted before count as failures survived
+        if restarter is None or not restarter.restarted:
+            raise
+        raise AttemptFailed(str(exc), restarter.notes()) from exc
     finally:
         progress.stop()
         stop_all(procs)
         events.close()
     stage_results = [r for r in results if isinstance(r, StageResult)]
     states = [r for r in results if not isinstance(r, StageResult)]
-    return stage_results, states, dict(evictor.lost) if evictor is not None else {}
+    lost = dict(evictor.lost) if evictor is not None else {}
+    return stage_results, states, lost, restarter.restarted if restarter is not None else []
+
+
+def _by_vw(stages: Sequence[StageJob]) -> dict[int, tuple[StageJob, ...]]:
+    """VW id -> its stages' jobs."""
+    out: dict[int, tuple[StageJob, ...]] = {}
+    for j in stages:
+        out[j.ctx.vw] = (*out.get(j.ctx.vw, ()), j)
+    return out
 
 
 def _evictor(
-    stages: Sequence[StageJob], procs: dict[int, Any], labels: dict[int, str]
+    stages: Sequence[StageJob],
+    procs: dict[int, Any],
+    labels: dict[int, str],
+    restarter: VWRestarter | None = None,
 ) -> VWEvictor:
-    """The ``--on-failure continue`` policy over the VWs of ``stages``."""
-    vw_ranks: dict[int, tuple[int, ...]] = {}
-    for j in stages:
-        vw_ranks[j.ctx.vw] = (*vw_ranks.get(j.ctx.vw, ()), j.ctx.rank)
-    return VWEvictor(vw_ranks, procs, labels)
+    """The ``--on-failure continue`` policy over the VWs of ``stages`` (restarting them
+    while the budget lasts with ``restarter``)."""
+    vw_ranks = {k: tuple(j.ctx.rank for j in jobs) for k, jobs in _by_vw(stages).items()}
+    return VWEvictor(vw_ranks, procs, labels, restart=restarter)
 
 
 def _watch(

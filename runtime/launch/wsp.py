@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 from typing import Any
 
 from torch.utils.data import Dataset, Subset
@@ -21,18 +22,19 @@ from planner.plan import Plan
 from profiler.errors import ConfigError
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
-from runtime.launch.jobs import Prepared, vw_stage_jobs
+from runtime.launch.jobs import Prepared, vw_stage_jobs, with_world
 from runtime.launch.procs import ShardJob
 from runtime.persist.run_dir import RunOwner, check_settings, job_settings
 from runtime.persist.snapshot import Manifest, SnapshotSpec, clean, select
 from runtime.ps.layout import ShardSpec, shard_specs_for_layout
+from runtime.ps.rejoin import Rejoin
 from runtime.results.evaluation import shard_dataset, split_dataset
-from runtime.results.wsp import WSPResult, export_snapshot
+from runtime.results.run_result import RunResult, export_snapshot
 from runtime.stage.job import StageJob
 from runtime.stage.model import resolve_source
 from runtime.sync.rule import SyncSpec
 
-__all__ = ["prepare_wsp", "shard_specs", "snapshot_parts", "split_data", "wsp_steps"]
+__all__ = ["prepare_wsp", "resume_from", "shard_specs", "snapshot_parts", "split_data", "wsp_steps"]
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +80,7 @@ def prepare_wsp(
     dataset: Dataset[Any],
     owner: RunOwner | None,
     init_method: str,
-) -> Prepared | WSPResult:
+) -> Prepared | RunResult:
     """The ``wsp`` rule's processes: the shards (ranks ``0..n-1``) and every VW's stages, each
     VW on its own shard of the training split; a resumed run starts at its snapshot's wave.
     A resume with nothing left to train writes the outputs from the snapshot and returns that
@@ -104,7 +106,7 @@ def prepare_wsp(
     horizon = wsp_steps(run, nm, 0, vw_samples, plan.batch_size)
     settings = job_settings(source.name, plan.to_json(), nm, D, run.seed, cfg.test_fraction,
                             f"{type(dataset).__name__}:{len(dataset)}", optimizer, horizon, run.precision)  # type: ignore[arg-type]  # fmt: skip
-    manifest = _resume_from(cfg, owner, settings)
+    manifest = resume_from(cfg, owner, settings)
     first_wave = manifest.clock if manifest is not None else 0
     tidies = owner is None or owner.tidies  # one process of the job tidies the folder
     if cfg.checkpoint_dir is not None and tidies:
@@ -122,6 +124,10 @@ def prepare_wsp(
                              settings, cfg.checkpoint_every, cfg.keep, cfg.write_fault)  # fmt: skip
     sync = SyncSpec(rule, plan.sync_params, D, specs, snaps, first_wave, cfg.overlap_pulls,
                     run.timeout_s)  # fmt: skip
+    if cfg.restart_vw and any(graph.shared_params(c) for c in _vw_cuts(plan)):
+        log.warning("a VW holds tied parameters on several stages (all-reduced in a subgroup "
+                    "of the first process group): a failure restarts the whole job")  # fmt: skip
+        cfg = dataclasses.replace(cfg, restart_vw=False)
     shards, stages = _jobs(plan, source, optimizer, run, cfg, sync, shards_data, steps, init_method)
     hint = ""
     if snaps is not None and cfg.checkpoint_every > 0:
@@ -142,9 +148,10 @@ def _jobs(
 ) -> tuple[tuple[ShardJob, ...], tuple[StageJob, ...]]:
     """The shards' jobs (ranks ``0..n-1``) and every VW's stages' (the next ranks)."""
     nm, specs = run.nm or plan.nm, sync.shards
-    stages = vw_stage_jobs(plan, source, optimizer, run, cfg, sync, list(data), steps,
-                           init_method, nm, first_rank=len(specs))  # fmt: skip
-    world = len(specs) + len(stages)
+    jobs = vw_stage_jobs(plan, source, optimizer, run, cfg, sync, list(data), steps,
+                         init_method, nm, first_rank=len(specs))  # fmt: skip
+    world, stages = with_world(jobs, len(specs))
+    rejoin = _rejoin(cfg, sync, init_method, world)
     shards = tuple(
         ShardJob(
             k,
@@ -158,21 +165,40 @@ def _jobs(
             init_method,
             world,
             cfg.shard_fault,
-            _peers(s, specs, cfg),
+            _peers(s, specs, cfg, rejoin),
+            rejoin,
         )
         for k, s in enumerate(specs)
     )
     log.info("%d VWs x %s stages, %d shards, Nm %d, D %d, %d minibatches per VW",
              len(plan.virtual_workers), [len(v.stages) for v in plan.virtual_workers],
              len(shards), nm, sync.D, steps)  # fmt: skip
-    return shards, tuple(dataclasses.replace(j, world_size=world) for j in stages)
+    return shards, stages
 
 
 def _peers(
-    spec: ShardSpec, specs: tuple[ShardSpec, ...], cfg: WSPConfig
+    spec: ShardSpec, specs: tuple[ShardSpec, ...], cfg: WSPConfig, rejoin: Rejoin | None
 ) -> tuple[tuple[int, int], ...] | None:
-    """``--on-failure continue``: (id, rank) of the other shards, which gate each wave."""
-    return tuple((s.id, s.rank) for s in specs if s.id != spec.id) if cfg.evict else None
+    """``--on-failure continue`` (or a VW restart): (id, rank) of the other shards, which
+    gate each wave."""
+    evict = cfg.evict or rejoin is not None
+    return tuple((s.id, s.rank) for s in specs if s.id != spec.id) if evict else None
+
+
+def _vw_cuts(plan: Plan) -> list[list[int]]:
+    """Each VW's cut points (the first layer index of every stage after its first)."""
+    return [[st.first_index for st in vw.stages[1:]] for vw in plan.virtual_workers]
+
+
+def _rejoin(cfg: WSPConfig, sync: SyncSpec, init_method: str, world: int) -> Rejoin | None:
+    """``--on-failure restart`` on one host under WSP: where a restarted VW meets the shards
+    (beside the rendezvous file); ``None`` otherwise (torchrun restarts the whole group)."""
+    if not (cfg.restart_vw and sync.rule == "wsp"):
+        return None
+    if not init_method.startswith("file://"):
+        return None
+    folder = Path(init_method.removeprefix("file://")).parent
+    return Rejoin(str(folder / "rejoin"), world, 4 * sync.timeout_s)
 
 
 def snapshot_parts(plan: Plan) -> tuple[str, ...]:
@@ -182,7 +208,7 @@ def snapshot_parts(plan: Plan) -> tuple[str, ...]:
     return tuple(parts)
 
 
-def _resume_from(
+def resume_from(
     cfg: WSPConfig, owner: RunOwner | None, settings: tuple[tuple[str, str], ...]
 ) -> Manifest | None:
     """The snapshot a resume starts from (verified, of this run, with the same settings)."""

@@ -20,6 +20,13 @@ snapshots stay, older ones go, and so do incomplete folders older than the oldes
 (never a folder newer than the newest commit: a VW running ahead under ``D > 0`` writes parts
 of clocks the others have not reached). Loading verifies sizes and checksums; a corrupt or
 incomplete snapshot is named and skipped (:func:`select`).
+
+A VW evicted for good at wave ``c`` (``--on-failure continue``, or a restart budget spent)
+writes no more parts: a shard records it once (:func:`leave_out`, a small
+``left-out-<attempt>-vw<k>.json`` beside the snapshots), and the snapshots of this attempt
+at clocks ``> c`` commit without that VW's stages' parts. A resume from such a snapshot
+brings the VW back with fresh optimizer state at that clock (its data of waves ``c`` to the
+clock is never trained).
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ __all__ = [
     "WriteFault",
     "clean",
     "committed_clocks",
+    "leave_out",
     "load_part",
     "prune",
     "read_manifest",
@@ -173,10 +181,31 @@ def write_part(spec: SnapshotSpec, clock: int, name: str, payload: Any) -> None:
     _try_commit(spec, clock)
 
 
+def leave_out(spec: SnapshotSpec, vw: int, wave: int) -> None:
+    """VW ``vw`` was evicted for good at ``wave`` in this attempt: the snapshots at clocks
+    after ``wave`` commit without its stages' parts (it writes none any more). Write this
+    before any part of such a clock (a shard does, as it evicts the VW)."""
+    data = json.dumps({"vw": vw, "wave": wave}).encode()
+    durable_write_bytes(spec.directory / f"left-out-{spec.attempt}-vw{vw}.json", data)
+
+
+def _needed(spec: SnapshotSpec, clock: int) -> list[str]:
+    """The parts the snapshot at ``clock`` needs: every one but those of VWs left out."""
+    gone = []
+    for f in spec.directory.glob(f"left-out-{spec.attempt}-vw*.json"):
+        try:
+            rec = json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue  # being written: its VW's parts are still expected
+        if clock > int(rec["wave"]):
+            gone.append(f"vw{int(rec['vw'])}-stage")
+    return [p for p in spec.parts if not any(p.startswith(g) for g in gone)]
+
+
 def _try_commit(spec: SnapshotSpec, clock: int) -> None:
     d = snapshot_dir(spec.directory, clock)
     parts = {}
-    for name in spec.parts:
+    for name in _needed(spec, clock):
         try:
             rec = json.loads((d / f"{name}.json").read_text(encoding="utf-8"))
         except (OSError, ValueError):
@@ -326,3 +355,5 @@ def clean(directory: Path, resume_clock: int | None) -> None:
     if directory.is_dir():
         for tmp in directory.rglob(".*.tmp"):
             tmp.unlink(missing_ok=True)
+        for gone in directory.glob("left-out-*.json"):  # an earlier attempt's evictions
+            gone.unlink(missing_ok=True)

@@ -15,9 +15,11 @@ By default a pull returns the VW's *local copy* of the paper: the pulled global 
 (not pushed yet) are the caller's business.
 
 Any failure of the transport (a shard died, or did not answer within the timeout) raises
-:class:`~profiler.errors.HetPipeRuntimeError` naming the shard and what was being done. The client is built in layers: :class:`runtime.ps.links.ShardLinks`
-(shards, transport, acknowledgements), :class:`runtime.ps.pull.PullingClient` (pulls), and
-:class:`PSClient` (pushes, close).
+:class:`~profiler.errors.HetPipeRuntimeError` naming the shard and what was being done.
+
+The client is built in layers: :class:`runtime.ps.links.ShardLinks` (shards, transport,
+acknowledgements), :class:`runtime.ps.pull.PullingClient` (pulls), and :class:`PSClient`
+(pushes, close).
 """
 
 from __future__ import annotations

@@ -16,8 +16,9 @@ the shard process. The rules (see ``docs/parameter_server.md``):
   ``(vw, stage)`` order; any other push of ``c`` (late, or a part of a VW that did not make
   the quorum) is ``DROPPED``: never applied, recorded once in :attr:`ShardCore.dropped`.
 
-Eviction (``--on-failure continue``, GaDei Sec. 4.3) is :class:`runtime.ps.eviction.PeerEviction`,
-a base of :class:`ShardCore`.
+Eviction (``--on-failure continue``, GaDei Sec. 4.3) and the restart of an evicted VW
+(``--on-failure restart``) are :class:`runtime.ps.eviction.PeerEviction`, a base of
+:class:`ShardCore`.
 
 The global clock is the minimum of the VW clocks (:class:`planner.wsp.GlobalClock`). With
 clients that admit minibatch ``p`` only when :func:`planner.wsp.required_global_clock` holds,
@@ -69,6 +70,8 @@ class ShardCore(PeerEviction):
         backups: backup VWs ``b`` (0: every VW's push is waited for, plain WSP).
         peers: the other shards' ids whose VW clocks gate applying a wave (eviction mode,
             ``--on-failure continue``); empty: a wave complete here is applied at once.
+        rejoin: with ``peers``: a lost VW is not left out but waits, from its cut, for its
+            restarted incarnation (``--on-failure restart``; :meth:`release` gives up on it).
     """
 
     def __init__(
@@ -81,6 +84,7 @@ class ShardCore(PeerEviction):
         fold: WaveFold | None = None,
         backups: int = 0,
         peers: Sequence[int] = (),
+        rejoin: bool = False,
     ) -> None:
         self.spec = spec
         self.fold = fold
@@ -133,6 +137,9 @@ class ShardCore(PeerEviction):
         self._ended: set[tuple[int, int]] = set()  # clients whose pushes can no longer arrive
         self._cut: dict[int, int] = {}  # evicted VW index -> first wave left out
         self.evictions: list[Eviction] = []
+        self._rejoin = rejoin
+        self._inc = [0] * n  # restart mode: each VW's incarnation (+1 at every restart)
+        self._reopened: dict[int, int] = {}  # VW index -> the wave its incarnation starts at
 
     @property
     def clock(self) -> int:

@@ -1,8 +1,8 @@
 """Shard-to-shard clock reports of the eviction mode (``--on-failure continue``).
 
-Each shard tells every other shard its VW clocks and which lost VWs are final there
-(:meth:`runtime.ps.core.ShardCore.report`) whenever that changes: one int64 message
-``[clock of each VW..., final flag of each VW...]``. A shard applies a wave only once every
+Each shard tells every other shard its VW clocks, which lost VWs are final there and each
+VW's incarnation (:meth:`runtime.ps.core.ShardCore.report`) whenever that changes: one int64
+message ``[clock of each VW..., final flag of each VW..., incarnation of each VW...]``. A shard applies a wave only once every
 shard reported it complete, so a VW that dies between its pushes to two shards is left wholly
 out of that wave at both (:meth:`runtime.ps.core.ShardCore.peer_report`).
 
@@ -21,12 +21,14 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.distributed as dist
 
-__all__ = ["TAG_PEER", "PeerLink"]
+__all__ = ["TAG_PEER", "PeerLink", "Report"]
+
+Report = tuple[tuple[int, ...], tuple[bool, ...], tuple[int, ...]]  # clocks, finals, incarnations
 
 log = logging.getLogger(__name__)
 
 TAG_PEER = (
-    7_000_006  # shard -> shard: int64 [VW clocks..., final flags...] (beside ps.server's tags)
+    7_000_006  # shard -> shard: int64 [VW clocks..., finals..., incarnations...] (ps.server's tags)
 )
 _FOREVER = datetime.timedelta(days=7)
 
@@ -38,7 +40,7 @@ class PeerLink:
         peers: shard id -> rank of every other shard.
         n_vws: VWs in a report.
         group: the process group (``None``: the default one).
-        deliver: called from a reader thread with ``(shard id, clocks, final)`` per report.
+        deliver: called from a reader thread with ``(shard id, report)`` per report.
     """
 
     def __init__(
@@ -46,10 +48,10 @@ class PeerLink:
         peers: Mapping[int, int],
         n_vws: int,
         group: dist.ProcessGroup | None,
-        deliver: Callable[[int, tuple[int, ...], tuple[bool, ...]], None],
+        deliver: Callable[[int, Report], None],
     ) -> None:
         self.peers, self.n_vws, self.group, self.deliver = dict(peers), n_vws, group, deliver
-        self._last: tuple[tuple[int, ...], tuple[bool, ...]] | None = None
+        self._last: Report | None = None
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
 
     def start(self) -> None:
@@ -63,22 +65,29 @@ class PeerLink:
         n = self.n_vws
         try:
             while True:
-                buf = torch.zeros(2 * n, dtype=torch.int64)
+                buf = torch.zeros(3 * n, dtype=torch.int64)
                 work = dist.irecv(buf, src=rank, group=self.group, tag=TAG_PEER)
                 if work is None:
                     return  # not in the group: no peer reports (a wiring bug, seen as a hang)
                 work.wait(_FOREVER)
                 vals = buf.tolist()
-                self.deliver(sid, tuple(vals[:n]), tuple(bool(f) for f in vals[n:]))
+                report = (
+                    tuple(vals[:n]),
+                    tuple(bool(f) for f in vals[n : 2 * n]),
+                    tuple(vals[2 * n :]),
+                )
+                self.deliver(sid, report)
         except RuntimeError as exc:  # the peer finished or died
             log.debug("reports from shard %d ended: %s", sid, str(exc).splitlines()[0][:200])
 
-    def tell(self, report: tuple[tuple[int, ...], tuple[bool, ...]]) -> None:
+    def tell(self, report: Report) -> None:
         """Send ``report`` to every peer if it changed since the last one."""
         if report == self._last:
             return
         self._last = report
-        msg = torch.tensor([*report[0], *(int(f) for f in report[1])], dtype=torch.int64)
+        msg = torch.tensor(
+            [*report[0], *(int(f) for f in report[1]), *report[2]], dtype=torch.int64
+        )
         self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
         for sid, rank in self.peers.items():
             try:

@@ -37,19 +37,22 @@ import queue
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from profiler.errors import HetPipeRuntimeError
 from runtime.persist.checkpoint import ShardState, shard_payload
-from runtime.persist.snapshot import SnapshotSpec, write_part
+from runtime.persist.snapshot import SnapshotSpec, leave_out, write_part
 from runtime.ps.core import ShardCore
 from runtime.ps.layout import (
     ClientSpec,
 )
 from runtime.ps.outcome import Status
-from runtime.ps.peers import PeerLink
+from runtime.ps.peers import PeerLink, Report
+from runtime.ps.readmit import Readmission
+from runtime.ps.rejoin import Rejoin
 from runtime.ps.wire import (
     HEADER_BYTES,
     HEADER_LEN,
@@ -80,7 +83,8 @@ class _Event:
     seq: int = 0  # pull: the client's pull number
     pull: int = NO_PULL  # push: the pull clock it carries
     error: str = ""
-    report: tuple[tuple[int, ...], tuple[bool, ...]] = ((), ())  # peer: clocks, final flags
+    report: Report = ((), (), ())  # peer: clocks, final flags, incarnations
+    inc: int = 0  # the client's incarnation (restart mode): events of an older one are stale
 
 
 _IDLE_FOREVER_S = (
@@ -121,6 +125,9 @@ class ShardServer:
         peer_ranks: eviction mode (``--on-failure continue``; the core built with the same
             peers): shard id -> rank of every other shard. A lost client then evicts its VW
             (:meth:`ShardCore.lose`) instead of ending the shard; ``None``: it ends the shard.
+        rejoin: restart mode (``--on-failure restart``; with ``peer_ranks``, the core built
+            with ``rejoin``): a lost VW's restarted processes are served again
+            (:class:`runtime.ps.readmit.Readmission`).
     """
 
     def __init__(
@@ -131,14 +138,25 @@ class ShardServer:
         snapshots: SnapshotSpec | None = None,
         idle_timeout_s: float | None = None,
         peer_ranks: Mapping[int, int] | None = None,
+        rejoin: Rejoin | None = None,
     ) -> None:
         self.core, self.group, self.timeout_s = core, group, timeout_s
+        self.rejoin = rejoin
+        self._events: queue.Queue[_Event] = queue.Queue()
+        self._pulls = [_Pulls() for _ in core.spec.clients]
+        self._done: set[int] = set()  # clients that said BYE (or are gone)
+        self._rejoins = (
+            Readmission(core, rejoin, self._reset_client, self._start_incarnation, self._release)
+            if rejoin is not None
+            else None
+        )
         self.peer_ranks = peer_ranks
         self._gone: set[tuple[int, int]] = set()  # eviction mode: clients lost
         self.idle_timeout_s = 10 * timeout_s if idle_timeout_s is None else idle_timeout_s
         self.snapshots = snapshots
         self._written = core.clock  # the clock of the last part written (or resumed from)
-        self._sends: list[tuple[dist.Work, torch.Tensor, ClientSpec]] = []
+        self._marked: set[int] = set()  # VWs left out, recorded beside the snapshots
+        self._sends: list[tuple[dist.Work, torch.Tensor, ClientSpec, int]] = []
         # receive buffers, recycled once their wave is applied: fresh multi-MB tensors cost
         # page faults that are slower than the copy itself
         self._free: list[queue.SimpleQueue[torch.Tensor]] = [
@@ -147,28 +165,32 @@ class ShardServer:
         self._held: dict[tuple[int, int], torch.Tensor] = {}  # (client index, wave) -> buffer
         self._prefix = f"[shard {core.spec.id} | rank {core.spec.rank}]"
 
-    def _request_reader(self, idx: int, client: ClientSpec, events: queue.Queue[_Event]) -> None:
+    def _request_reader(
+        self, idx: int, client: ClientSpec, events: queue.Queue[_Event], group: Any, inc: int
+    ) -> None:
         """Reads one client's standalone requests (``PULL``, ``BYE``) in order."""
         try:
             while True:
                 hdr = torch.zeros(HEADER_LEN, dtype=torch.int64)
                 _wait(
-                    irecv(hdr, src=client.rank, group=self.group, tag=TAG_REQUEST),
+                    irecv(hdr, src=client.rank, group=group, tag=TAG_REQUEST),
                     _IDLE_FOREVER_S,  # a client waiting on a pull is silent: hangs are judged in serve()
                 )
                 op = int(hdr[0])
                 if op == Op.PULL:
-                    events.put(_Event("pull", idx, int(hdr[1]), seq=int(hdr[2])))
+                    events.put(_Event("pull", idx, int(hdr[1]), seq=int(hdr[2]), inc=inc))
                 elif op == Op.BYE:
-                    events.put(_Event("bye", idx))
+                    events.put(_Event("bye", idx, inc=inc))
                     return
                 else:
-                    events.put(_Event("error", idx, error=f"unknown request op {op}"))
+                    events.put(_Event("error", idx, error=f"unknown request op {op}", inc=inc))
                     return
         except (RuntimeError, HetPipeRuntimeError) as exc:  # gloo: peer closed, or timeout
-            events.put(_Event("error", idx, error=str(exc).splitlines()[0][:300]))
+            events.put(_Event("error", idx, error=str(exc).splitlines()[0][:300], inc=inc))
 
-    def _push_reader(self, idx: int, client: ClientSpec, events: queue.Queue[_Event]) -> None:
+    def _push_reader(
+        self, idx: int, client: ClientSpec, events: queue.Queue[_Event], group: Any, inc: int
+    ) -> None:
         """Reads one client's push messages until its ``LAST_PUSH``: the receive is always
         posted, so a push is one message with no rendezvous wait."""
         numel = self.core.spec.client_numel(client)
@@ -178,29 +200,43 @@ class ShardServer:
                     msg = self._free[idx].get_nowait()
                 except queue.Empty:
                     msg = push_message(numel)[0]
-                _wait(irecv(msg, src=client.rank, group=self.group, tag=TAG_PUSH), _IDLE_FOREVER_S)
+                _wait(irecv(msg, src=client.rank, group=group, tag=TAG_PUSH), _IDLE_FOREVER_S)
                 wave, pull, seq, flags = msg[:HEADER_BYTES].view(torch.int64).tolist()
                 if flags & LAST_PUSH:
-                    events.put(_Event("last", idx))
+                    events.put(_Event("last", idx, inc=inc))
                     return
-                events.put(_Event("push", idx, wave, msg, seq=seq, pull=pull))
+                events.put(_Event("push", idx, wave, msg, seq=seq, pull=pull, inc=inc))
         except (RuntimeError, HetPipeRuntimeError) as exc:  # gloo: peer closed, or timeout
-            events.put(_Event("error", idx, 1, error=str(exc).splitlines()[0][:300]))
+            events.put(_Event("error", idx, 1, error=str(exc).splitlines()[0][:300], inc=inc))
+
+    def start_readers(self, idx: int, events: queue.Queue[_Event], group: Any, inc: int) -> None:
+        """Start client ``idx``'s two reader threads on ``group`` (its incarnation ``inc``)."""
+        c = self.core.spec.clients[idx]
+        for kind, target in (("req", self._request_reader), ("push", self._push_reader)):
+            name = f"ps{self.core.spec.id}-vw{c.vw}s{c.stage}-{kind}{inc or ''}"
+            args = (idx, c, events, group, inc)
+            threading.Thread(target=target, args=args, daemon=True, name=name).start()
 
     def _send(self, tensor: torch.Tensor, client: ClientSpec, tag: int) -> None:
-        if (client.vw, client.stage) in self._gone:
+        key = (client.vw, client.stage)
+        if key in self._gone:
             return
+        inc = self.core.incarnation(client.vw) if self.rejoin is not None else 0
         try:
-            work = isend(tensor, dst=client.rank, group=self.group, tag=tag)
+            group = self._rejoins.groups.get(key, self.group) if self._rejoins else self.group
+            work = isend(tensor, dst=client.rank, group=group, tag=tag)
         except RuntimeError as exc:
-            self._failed(client, str(exc))
+            self._failed(client, str(exc), inc)
             return
-        self._sends.append((work, tensor, client))
+        self._sends.append((work, tensor, client, inc))
 
-    def _failed(self, c: ClientSpec, why: str) -> None:
-        """A client's connection failed: evict its VW in eviction mode, else raise."""
+    def _failed(self, c: ClientSpec, why: str, inc: int = 0) -> None:
+        """A client's connection failed: evict its VW in eviction mode, else raise (a
+        failure of an earlier incarnation of a restarted VW is old news: ignored)."""
         if self.peer_ranks is None:
             raise self._lost(c, why)
+        if self.rejoin is not None and inc != self.core.incarnation(c.vw):
+            return
         if (c.vw, c.stage) not in self._gone:
             log.warning("%s vw %d stage %d lost (%s): evicting vw %d", self._prefix, c.vw,
                         c.stage, why.splitlines()[0][:200], c.vw)  # fmt: skip
@@ -209,14 +245,14 @@ class ShardServer:
 
     def _drain_sends(self, block: bool) -> None:
         still = []
-        for work, t, client in self._sends:
+        for work, t, client, inc in self._sends:
             try:
                 if block:
                     _wait(work, self.timeout_s)
                 elif not work.is_completed():
-                    still.append((work, t, client))
+                    still.append((work, t, client, inc))
             except RuntimeError as exc:
-                self._failed(client, str(exc))
+                self._failed(client, str(exc), inc)
         self._sends = still
 
     def _lost(self, c: ClientSpec, why: str) -> HetPipeRuntimeError:
@@ -233,13 +269,9 @@ class ShardServer:
                 non-zero so the launcher stops the run).
         """
         spec, core = self.core.spec, self.core
-        events: queue.Queue[_Event] = queue.Queue()
-        for i, c in enumerate(spec.clients):
-            for kind, target in (("req", self._request_reader), ("push", self._push_reader)):
-                name = f"ps{spec.id}-vw{c.vw}s{c.stage}-{kind}"
-                threading.Thread(target=target, args=(i, c, events), daemon=True, name=name).start()
-        pulls = [_Pulls() for _ in spec.clients]
-        done: set[int] = set()
+        events, pulls, done = self._events, self._pulls, self._done
+        for i in range(len(spec.clients)):
+            self.start_readers(i, events, self.group, 0)
         link = self._peer_link(events)
         log.info(
             "%s serving %d clients, %d elements, clock %d",
@@ -254,6 +286,8 @@ class ShardServer:
             except queue.Empty:
                 raise self._stuck(pulls) from None
             applied = self._handle(ev, pulls, done)
+            if self._rejoins is not None:
+                self._rejoins.follow()
             if link is not None:
                 for i, c in enumerate(spec.clients):
                     if (c.vw, c.stage) in self._gone:
@@ -283,9 +317,14 @@ class ShardServer:
         core = self.core
         if ev.kind == "peer":
             return core.peer_report(ev.arg, *ev.report)
+        if ev.kind == "release":
+            self._gone.update((c.vw, c.stage) for c in core.spec.clients if c.vw == ev.arg)
+            return core.release(ev.arg)
         c = core.spec.clients[ev.client]
+        if self.rejoin is not None and ev.inc != core.incarnation(c.vw):
+            return 0  # an earlier incarnation's, read before its end was noticed
         if ev.kind == "error":
-            self._failed(c, ev.error)
+            self._failed(c, ev.error, ev.inc)
             return core.end_pushes(c.vw, c.stage) if ev.arg == 1 else 0
         if ev.kind == "last":
             return core.end_pushes(c.vw, c.stage) if self.peer_ranks is not None else 0
@@ -308,13 +347,26 @@ class ShardServer:
             done.add(ev.client)
         return 0
 
+    def _reset_client(self, idx: int) -> None:
+        """Restart mode: client ``idx``'s VW was reopened; its next incarnation starts afresh."""
+        c = self.core.spec.clients[idx]
+        self._gone.discard((c.vw, c.stage))
+        self._done.discard(idx)
+        self._pulls[idx] = _Pulls()
+
+    def _start_incarnation(self, idx: int, group: Any, inc: int) -> None:
+        self.start_readers(idx, self._events, group, inc)
+
+    def _release(self, vw: int) -> None:
+        self._events.put(_Event("release", -1, vw))
+
     def _peer_link(self, events: queue.Queue[_Event]) -> PeerLink | None:
         """Eviction mode: the shard-to-shard reports, delivered as ``peer`` events."""
         if self.peer_ranks is None:
             return None
 
-        def deliver(sid: int, clocks: tuple[int, ...], final: tuple[bool, ...]) -> None:
-            events.put(_Event("peer", -1, sid, report=(clocks, final)))
+        def deliver(sid: int, report: Report) -> None:
+            events.put(_Event("peer", -1, sid, report=report))
 
         link = PeerLink(self.peer_ranks, len(self.core.spec.vws), self.group, deliver)
         link.start()
@@ -379,9 +431,13 @@ class ShardServer:
             self._write_part()
 
     def _write_part(self) -> None:
-        if self.core.evictions or self.core.waiting_on_eviction:
-            return  # a VW is gone: its stages write no more parts, no later snapshot commits
+        if self.core.waiting_on_eviction:
+            return  # not settled yet (the clock waits for the cut anyway)
         if self.snapshots is not None:
+            for vw, wave in self.core.left_out.items():  # before any part after its cut
+                if vw not in self._marked:
+                    leave_out(self.snapshots, vw, wave)
+                    self._marked.add(vw)
             state = self.core.state()
             write_part(self.snapshots, state.clock, f"shard-{state.shard_id}", shard_payload(state))
             self._written = state.clock

@@ -10,6 +10,7 @@ is answered by a header and the client's flat slice of the weights.
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,9 +51,16 @@ def push_message(numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return msg, msg[:HEADER_BYTES].view(torch.int64), msg[HEADER_BYTES:].view(torch.float32)
 
 
-def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None, tag: int) -> dist.Work:
-    """``dist.isend`` that never returns ``None`` (which means this rank is not in ``group``)."""
-    work = dist.isend(tensor, dst=dst, group=group, tag=tag)
+def isend(tensor: torch.Tensor, dst: int, group: Any, tag: int) -> dist.Work:
+    """``dist.isend`` that never returns ``None`` (which means this rank is not in ``group``).
+
+    ``group``: ``None`` (the default group) or a group numbered like the world (a restarted
+    VW's, :mod:`runtime.ps.rejoin`): ``dst`` is the global rank either way."""
+    work = (
+        dist.isend(tensor, dst=dst, group=group, tag=tag)
+        if group is None
+        else dist.isend(tensor, group=group, group_dst=dst, tag=tag)
+    )
     if work is None:
         raise HetPipeRuntimeError(
             f"this rank is not in the parameter-server process group (send to rank {dst})"
@@ -60,9 +68,14 @@ def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None, tag: 
     return work
 
 
-def irecv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None, tag: int) -> dist.Work:
-    """``dist.irecv`` that never returns ``None`` (which means this rank is not in ``group``)."""
-    work = dist.irecv(tensor, src=src, group=group, tag=tag)
+def irecv(tensor: torch.Tensor, src: int, group: Any, tag: int) -> dist.Work:
+    """``dist.irecv`` that never returns ``None`` (which means this rank is not in ``group``);
+    ``group`` as in :func:`isend`."""
+    work = (
+        dist.irecv(tensor, src=src, group=group, tag=tag)
+        if group is None
+        else dist.irecv(tensor, group=group, group_src=src, tag=tag)
+    )
     if work is None:
         raise HetPipeRuntimeError(
             f"this rank is not in the parameter-server process group (recv from rank {src})"

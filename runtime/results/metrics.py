@@ -1,4 +1,7 @@
-"""Run measurements: per-stage results, the run summary, CSV/TensorBoard output, the table.
+"""Measurements: per-stage results, one VW's figures, its CSV/TensorBoard output, its table.
+
+A run's result (every rule) is :class:`runtime.results.run_result.RunResult`, which holds one
+:class:`VWResult` per VW.
 
 Throughput is samples per second with the simulator's definition
 (:func:`planner.sim.types.measured_throughput`): stage-0 backward completions after the
@@ -18,7 +21,7 @@ from typing import Any
 from rich.table import Table
 from torch import Tensor
 
-__all__ = ["ProgressBar", "RunResult", "StageResult", "summary_table", "write_metrics"]
+__all__ = ["ProgressBar", "StageResult", "VWResult", "stage_table", "write_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -84,17 +87,18 @@ class StageResult:
 
 
 @dataclass(frozen=True)
-class RunResult:
-    """A finished run.
+class VWResult:
+    """What one VW of a finished run measured.
 
     Attributes:
-        stages: per-stage results in pipeline order.
+        stages: per-stage results in pipeline order (none for a VW lost in the run).
         batch_size: samples per minibatch.
         nm: minibatches in flight.
         predicted_throughput: the plan's prediction for this VW (samples/s, 0 = none).
         wall_s: launcher wall time including start-up.
         bound_throughput: emulated runs: batch / slowest stage's paced forward+backward time
             (the pipeline's upper bound, samples/s; 0 = not emulated).
+        devices: the plan's device of each stage (``N0:0``), known even when the VW was lost.
     """
 
     stages: tuple[StageResult, ...]
@@ -103,6 +107,7 @@ class RunResult:
     predicted_throughput: float = 0.0
     wall_s: float = 0.0
     bound_throughput: float = 0.0
+    devices: tuple[str, ...] = ()
 
     @property
     def steps(self) -> int:
@@ -140,7 +145,7 @@ class RunResult:
         return out
 
 
-def write_metrics(result: RunResult, out_dir: Path) -> Path:
+def write_metrics(result: VWResult, out_dir: Path) -> Path:
     """Write ``metrics.csv`` (one row per minibatch) and ``stages.csv``; TensorBoard when installed."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "metrics.csv"
@@ -185,7 +190,7 @@ def write_metrics(result: RunResult, out_dir: Path) -> Path:
     return path
 
 
-def _tensorboard(result: RunResult, out_dir: Path) -> None:
+def _tensorboard(result: VWResult, out_dir: Path) -> None:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # tensorboard is optional
@@ -199,8 +204,8 @@ def _tensorboard(result: RunResult, out_dir: Path) -> None:
         writer.close()
 
 
-def summary_table(result: RunResult) -> Table:
-    """The run summary as a rich table: per-stage busy/idle, in-flight, memory; throughput."""
+def stage_table(result: VWResult) -> Table:
+    """One VW's summary as a rich table: per-stage busy/idle, in-flight, memory; throughput."""
     measured = result.throughput
     title = f"{result.steps} minibatches x {result.batch_size} samples, Nm={result.nm}: {measured:.1f} samples/s"
     if result.predicted_throughput > 0:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from planner.sync import SyncParams
-from runtime.results.metrics import RunResult
+from runtime.results.metrics import VWResult
 
 __all__ = ["arrival_table", "describe_rule", "dropped_vw_waves", "kth_push_s", "vw_arrivals"]
 
@@ -28,7 +28,7 @@ def describe_rule(rule: str, params: SyncParams, D: int) -> str:
     return f"WSP D={D}"
 
 
-def vw_arrivals(vws: Sequence[RunResult]) -> dict[int, dict[int, float]]:
+def vw_arrivals(vws: Sequence[VWResult]) -> dict[int, dict[int, float]]:
     """``wave -> {vw: wall-clock time its last stage pushed the wave}``."""
     out: dict[int, dict[int, float]] = {}
     for k, vw in enumerate(vws):
@@ -39,7 +39,7 @@ def vw_arrivals(vws: Sequence[RunResult]) -> dict[int, dict[int, float]]:
     return out
 
 
-def kth_push_s(vws: Sequence[RunResult]) -> list[float]:
+def kth_push_s(vws: Sequence[VWResult]) -> list[float]:
     """Mean seconds from a wave's first VW push to its k-th (k = 1..VWs), over the waves every
     VW pushed (empty when there is none)."""
     n = len(vws)
@@ -49,12 +49,12 @@ def kth_push_s(vws: Sequence[RunResult]) -> list[float]:
     return [sum(a[k] - a[0] for a in full) / len(full) for k in range(n)]
 
 
-def dropped_vw_waves(vws: Sequence[RunResult]) -> int:
+def dropped_vw_waves(vws: Sequence[VWResult]) -> int:
     """(VW, wave) pairs some shard dropped (a VW counts once per wave, whatever its stages)."""
     return len({(k, w) for k, vw in enumerate(vws) for s in vw.stages for _, w in s.dropped})
 
 
-def arrival_table(vws: Sequence[RunResult]) -> list[list[float | None]]:
+def arrival_table(vws: Sequence[VWResult]) -> list[list[float | None]]:
     """Per wave (in order), each VW's push time in seconds since the run's first stage start
     (``None``: that VW did not push the wave): the data of the seed's Fig. 4."""
     starts = [s.start_time for vw in vws for s in vw.stages if s.start_time > 0]

@@ -117,7 +117,7 @@ class Channel:
     Args:
         peer: global rank of the peer.
         specs: tensors crossing the cut between the two stages.
-        group: process group (default group if ``None``).
+        group: process group numbered like the world (``None``: the default group).
     """
 
     def __init__(self, peer: int, specs: tuple[TensorSpec, ...], group: Any = None) -> None:
@@ -128,7 +128,7 @@ class Channel:
 
     def _isend(self, t: Tensor, tag: int) -> None:
         t = t.detach().contiguous()
-        work = dist.isend(t, self.peer, group=self.group, tag=tag)
+        work = _post(dist.isend, t, self.peer, self.group, tag)
         self._pending.append((work, t))  # keep the buffer alive until the send completes
 
     def _prune(self) -> None:
@@ -169,9 +169,17 @@ class Channel:
         self._pending.clear()
 
 
+def _post(op: Any, t: Tensor, peer: int, group: Any, tag: int) -> Any:
+    """``dist.isend``/``dist.irecv`` to or from global rank ``peer``: in the default group, or
+    in ``group`` numbered like the world (a restarted VW's, :mod:`runtime.ps.rejoin`)."""
+    if group is None:
+        return op(t, peer, tag=tag)
+    return op(t, group=group, tag=tag, **{"group_dst" if op is dist.isend else "group_src": peer})
+
+
 def _recv(buffers: list[Tensor], peer: int, group: Any, first_tag: int = 1) -> None:
     """Post every receive of one message at once (one round trip, not one per tensor), then wait."""
-    works = [dist.irecv(buf, peer, group=group, tag=first_tag + i) for i, buf in enumerate(buffers)]
+    works = [_post(dist.irecv, buf, peer, group, first_tag + i) for i, buf in enumerate(buffers)]
     for work in works:
         if work is not None:
             work.wait()

@@ -28,8 +28,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from profiler.errors import ModelError
-from profiler.graph import ModelGraph, StageModule
+from profiler.graph import ModelGraph
 from profiler.models import ModelSpec, output_loss, resolve_model, resolve_model_for_graph
+from profiler.stages import StageModule
 from runtime.config import LossFn, ModelSource
 from runtime.stage.comm import TensorSpec, cut_specs
 from runtime.stage.tied import TiedParam, tied_params
@@ -43,6 +44,7 @@ __all__ = [
     "resolve_source",
     "ship_shard",
     "ship_stage",
+    "stage_rng_seed",
 ]
 
 log = logging.getLogger(__name__)
@@ -104,6 +106,12 @@ def _built(
 
 def _key_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def stage_rng_seed(seed: int, vw: int, stage: int) -> int:
+    """The seed of a stage process's global RNG (dropout masks) before its first task: fixed by
+    ``(seed, vw, stage)``, so runs repeat (a new process's RNG is seeded at random)."""
+    return _key_seed(seed, f"rng/vw{vw}/stage{stage}")
 
 
 def _owners(module: nn.Module) -> list[tuple[str, nn.Module]]:

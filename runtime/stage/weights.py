@@ -95,6 +95,7 @@ class VersionedWeights:
         self._users: dict[int, int] = {}
         self._last_acquired = 0
         self._mb_version: dict[int, int] = {}
+        self._resumed = False  # versions -(nm-1)..-1 restored: the first minibatches use them
         self.param_bytes = sum(p.numel() * p.element_size() for p in params.values())
         self.moves = moves
 
@@ -114,7 +115,7 @@ class VersionedWeights:
             raise HetPipeRuntimeError(
                 f"forward of minibatch {mb} after {self._last_acquired}: out of order"
             )
-        v = local_version(mb, self.nm)
+        v = mb - self.nm if self._resumed and mb < self.nm else local_version(mb, self.nm)
         if self.nm == 1 and v == self.version:  # no staleness: the master itself, no copies
             self._versions.setdefault(v, dict(self.master))
         if v not in self._versions:
@@ -218,6 +219,48 @@ class VersionedWeights:
             if self.moves is not None:
                 self.moves.state_down(self.optimizer)
         self.version += 1
+
+    def in_flight_versions(self) -> dict[int, dict[str, Tensor]]:
+        """Copies of the versions the next ``Nm - 1`` minibatches run on, by their offset from
+        the master (``-(Nm-1) .. -1``): at a wave end (``version`` a multiple of ``Nm``) what
+        a snapshot must hold for a resumed run to go on exactly (:meth:`restore_versions`).
+
+        Raises:
+            HetPipeRuntimeError: one of them was not kept (called while minibatches are out
+                of the admission order).
+        """
+        out: dict[int, dict[str, Tensor]] = {}
+        for k in range(max(0, self.version - self.nm + 1), self.version):
+            leaves = self._versions.get(k)
+            if leaves is None:
+                raise HetPipeRuntimeError(
+                    f"weight version {k} is not kept at version {self.version} (Nm {self.nm})"
+                )
+            out[k - self.version] = {n: t.detach().clone() for n, t in leaves.items()}
+        return out
+
+    def restore_versions(self, versions: dict[int, dict[str, Tensor]]) -> None:
+        """Before the first minibatch: the versions ``-(Nm-1) .. -1`` (relative to the master,
+        :meth:`in_flight_versions`) that minibatches ``1 .. Nm-1`` of a resumed run use, as
+        in the run that stopped (version ``0``, the master, serves minibatch ``Nm``).
+
+        Raises:
+            HetPipeRuntimeError: after the first forward, or a version missing or misshapen.
+        """
+        if self._last_acquired or self.version:
+            raise HetPipeRuntimeError("weight versions are restored before the first minibatch")
+        for k in range(1 - self.nm, 0):
+            leaves = versions.get(k)
+            if leaves is None or set(leaves) != set(self.master) or any(
+                leaves[n].shape != p.shape for n, p in self.master.items()
+            ):
+                raise HetPipeRuntimeError(
+                    f"weight version {k} (of the {self.nm - 1} in flight) missing or misshapen"
+                )
+            self._versions[k] = {
+                n: leaves[n].to(p.dtype).clone().requires_grad_() for n, p in self.master.items()
+            }
+        self._resumed = True
 
     def add_from(self, version: int, corrections: dict[str, Tensor]) -> None:
         """Add ``corrections`` (by parameter name) to the master and to every kept version

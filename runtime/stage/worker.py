@@ -27,7 +27,7 @@ from runtime.stage.comm import Channel, Event, GradReceiver, start_activation_re
 from runtime.stage.emulation import SavedBytes, pace_until
 from runtime.stage.grads import Held, backward_grads, outputs_backward
 from runtime.stage.job import StageJob
-from runtime.stage.model import build_stage
+from runtime.stage.model import build_stage, stage_rng_seed
 from runtime.stage.moves import class_moves
 from runtime.stage.offload import memory_manager
 from runtime.stage.tied import TiedGrads
@@ -43,9 +43,12 @@ log = logging.getLogger(__name__)
 class StageWorker:
     """Runs one stage to completion; :meth:`run` returns its :class:`StageResult`."""
 
-    def __init__(self, job: StageJob, events: Any = None) -> None:
+    def __init__(self, job: StageJob, events: Any = None, group: Any = None) -> None:
+        """``group``: the group of every message, numbered like the world (a restarted VW's,
+        :mod:`runtime.ps.rejoin`; ``None``: the default group)."""
         ctx, run = job.ctx, job.run
         self.ctx = ctx
+        self.group = group
         self.run_cfg = run
         self.events = events
         self.calibration = job.calibration if ctx.speed > 0 else None
@@ -82,7 +85,8 @@ class StageWorker:
         view = StageView(
             ctx.rank, ctx.vw, ctx.stage, ctx.nm, f"vw{ctx.vw}-stage{ctx.stage}",
             tuple((self.names[n], p) for n, p in params.items()), self.weights, self.result,
-            self.tied if self.tied else None, job.init_method,
+            self.tied if self.tied else None, job.init_method, group,
+            tuple(self.module.named_buffers()),
         )  # fmt: skip
         self.sync = stage_sync(job.sync, view)  # the synchronisation rule's hooks
         self._task_mb = 1  # the minibatch of the task being paced (its wave may straggle)
@@ -99,16 +103,18 @@ class StageWorker:
         """Start the synchronisation rule, execute every task of this stage, close the rule;
         returns the stage's measurements (``start_time``: now, after the rule started)."""
         ctx = self.ctx
-        self.sync.start(self.first_wave)
+        torch.manual_seed(stage_rng_seed(self.run_cfg.seed, ctx.vw, ctx.stage))  # reproducible
+        self.sync.start(self.first_wave)  # (a resumed stage: the RNG state of its snapshot)
         start_time = time.time() if start_time is None else start_time
         self.result.start_time = start_time
-        to_next = Channel(ctx.next_rank, self.out_specs) if ctx.next_rank is not None else None
-        to_prev = Channel(ctx.prev_rank, self.in_specs) if ctx.prev_rank is not None else None
+        nxt, prev, group = ctx.next_rank, ctx.prev_rank, self.group
+        to_next = Channel(nxt, self.out_specs, group) if nxt is not None else None
+        to_prev = Channel(prev, self.in_specs, group) if prev is not None else None
         grad_rx = None
-        if ctx.next_rank is not None:
-            grad_rx = GradReceiver(ctx.next_rank, self.out_specs, self.inbox)
-        if ctx.prev_rank is not None:
-            start_activation_receiver(ctx.prev_rank, self.in_specs, self.inbox)
+        if nxt is not None:
+            grad_rx = GradReceiver(nxt, self.out_specs, self.inbox, group)
+        if prev is not None:
+            start_activation_receiver(prev, self.in_specs, self.inbox, group)
         self._received = 0  # forward messages received (stage 0: minibatches admitted)
         self._stop_in = ctx.stage == 0  # whether the number of minibatches is final
         self._f_done = self._b_done = 0  # forwards / backwards done here

@@ -5,6 +5,8 @@ gradients with the others' (one flat ``all_reduce`` over that stage position's r
 ``SyncSpec.groups``), so every copy takes the same step and the run equals SGD on the combined
 minibatch. The data rule (each rank's slice of a global minibatch) is
 :func:`planner.sync.global_slice`; the prediction :func:`planner.predict.simulate_allreduce`.
+Snapshots (``--checkpoint-every``, ``--resume``, ``--on-failure restart``) are
+:mod:`runtime.sync.allreduce_snapshot`'s, committed by the run's manifest like WSP's.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from runtime.sync.allreduce_snapshot import StagePart
 from runtime.sync.rule import Grads, StageSync, StageView, SyncSpec
 
 __all__ = ["AllReduceSync"]
@@ -26,29 +29,49 @@ class AllReduceSync(StageSync):
     Args:
         group: the process group of this stage position (``None``: the default group).
         size: ranks in that group.
+        part: the stage's part of the run's snapshots (``None``: no snapshots).
+        first_clock: the step this run starts after (a resumed run's snapshot clock).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, size: int) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        size: int,
+        part: StagePart | None = None,
+        first_clock: int = 0,
+    ) -> None:
         self.group, self.size = group, size
         self._up = False  # this copy's own time is up (stage 0 says so in agreed_total)
         self._last: int | None = None  # the agreed last minibatch, once a flag came back
+        self.part, self.first_clock = part, first_clock
+        self._done = 0  # steps of this run whose update is applied
 
     @classmethod
     def create(cls, spec: SyncSpec, view: StageView) -> AllReduceSync:
         """The rule's factory (:mod:`runtime.sync.rule`): one group per stage position when
         the VWs have several stages (every stage process creates every group, in order)."""
+        part = None
+        if spec.snapshots is not None:
+            part = StagePart(spec.snapshots, view.vw, view.stage, view.params,
+                             view.weights.optimizer, spec.first_wave)  # fmt: skip
         groups = spec.groups
         if len(groups) <= 1:
             size = len(groups[0]) if groups else dist.get_world_size()
-            return cls(None, size)
+            return cls(None, size, part, spec.first_wave)
         handles = [dist.new_group(list(g)) for g in groups]
-        return cls(handles[view.stage], len(groups[view.stage]))
+        return cls(handles[view.stage], len(groups[view.stage]), part, spec.first_wave)
+
+    def start(self, first_wave: int) -> None:
+        """A resumed run: every copy loads its stage from the snapshot at ``first_wave``."""
+        if first_wave > 0 and self.part is not None:
+            self.part.load(first_wave)
 
     def reduce_grads(self, mb: int, grads: Grads) -> Grads:
         """The mean of every copy's gradients (one flat ``all_reduce``; a gradient that is
         ``None`` on this stage is ``None`` on every copy: same module, same inputs' kinds)."""
         present = [(n, g) for n, g in grads.items() if g is not None]
-        flag = torch.tensor([1.0 if self._up else 0.0])
+        device = present[0][1].device if present else None  # CUDA grads: NCCL (launch.backend)
+        flag = torch.tensor([1.0 if self._up else 0.0], device=device)
         flat = torch.cat([*(g.reshape(-1) for _, g in present), flag])  # (sum of numels + 1,)
         dist.all_reduce(flat, group=self.group)
         if flat[-1] > 0 and self._last is None:
@@ -60,6 +83,17 @@ class AllReduceSync(StageSync):
             out[name] = flat[pos : pos + g.numel()].view_as(g)
             pos += g.numel()
         return out
+
+    def after_update(self, mb: int) -> None:
+        """After step ``mb``: this process's snapshot part when the clock is due."""
+        self._done = mb
+        if self.part is not None:
+            self.part.write(self.first_clock + mb)
+
+    def close(self) -> None:
+        """After the last step: the final snapshot part (whatever the period)."""
+        if self.part is not None and self._done:
+            self.part.write(self.first_clock + self._done, final=True)
 
     def agreed_total(self, admitted: int, time_up: bool) -> int | None:
         """The step after which some copy's time was up (every copy learnt it in the same

@@ -43,7 +43,7 @@ Who calls what (nothing else in the launcher or the worker knows the rule):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from planner.sync import SyncParams
 from runtime.defaults import TIMEOUT_S
@@ -77,6 +77,9 @@ class SyncSpec:
         timeout_s: timeout of the rule's own waits (pushes, pulls, collectives).
         groups: the global ranks of each stage position over the VWs (``groups[s]``: every
             VW's stage ``s``), for rules that reduce across VWs.
+        rejoined: a restarted VW's new incarnation (``--on-failure restart``), starting at
+            ``first_wave`` from the global weights: its optimizer state comes from the newest
+            committed snapshot at or below that clock that holds its part (none: fresh).
     """
 
     rule: str = "local"
@@ -88,6 +91,7 @@ class SyncSpec:
     overlap_pulls: bool = True
     timeout_s: float = TIMEOUT_S
     groups: tuple[tuple[int, ...], ...] = ()
+    rejoined: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,9 @@ class StageView:
         tied: the stage's tied parameters (held by several stages of its VW), if any.
         init_method: the process group's rendezvous (a rule's own store can live beside it:
             :func:`runtime.launch.stop.stop_store`).
+        group: the group of the stage's parameter-server and pipeline messages, numbered
+            like the world (a restarted VW's, :mod:`runtime.ps.rejoin`; ``None``: default).
+        buffers: ``(local name, buffer)`` of the stage's module (a snapshot holds them).
     """
 
     rank: int
@@ -116,6 +123,8 @@ class StageView:
     result: StageResult
     tied: TiedGrads | None = None
     init_method: str = "env://"
+    group: Any = None
+    buffers: tuple[tuple[str, Tensor], ...] = ()
 
 
 class StageSync:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -33,12 +34,15 @@ from planner.wsp import local_version, required_global_clock
 from profiler.errors import HetPipeRuntimeError
 from runtime.launch.stop import LazyStop
 from runtime.persist.snapshot import (
+    Manifest,
     SnapshotSpec,
+    committed_clocks,
     load_part,
     read_manifest,
     snapshot_dir,
     write_part,
 )
+from runtime.persist.stage_part import ForwardState, StagePart, stage_from_payload, stage_payload
 from runtime.ps.client import PSClient
 from runtime.ps.pull import PullHandle
 from runtime.results.metrics import StageResult
@@ -73,6 +77,9 @@ class WaveSync(StageSync):
         weights: given: pulls overlap the tasks until a forward needs them.
         stop: stage 0 under a time limit: where the VWs agree on the last wave
             (:class:`runtime.launch.stop.LazyStop`; ``None``: this VW stops alone).
+        versions: the stage's weight versions (with ``snapshots``: their master and versions
+            in flight go into its part, :mod:`runtime.persist.stage_part`).
+        buffers: the stage module's buffers by local name (in its part too).
     """
 
     def __init__(
@@ -90,6 +97,8 @@ class WaveSync(StageSync):
         names: Sequence[str] | None = None,
         mirror: TiedMirror | None = None,
         stop: LazyStop | None = None,
+        versions: VersionedWeights | None = None,
+        buffers: dict[str, Tensor] | None = None,
     ) -> None:
         self.client, self.params, self.nm, self.D = client, list(params), nm, D
         self.result = result
@@ -105,6 +114,11 @@ class WaveSync(StageSync):
         self.names = None if names is None else list(names)
         self.mirror = mirror
         self._stop = stop
+        self.versions = versions if versions is not None else weights
+        self.buffers = buffers or {}
+        self._wave_start: tuple[int, ForwardState] | None = None  # (its first minibatch, state)
+        self._pulled: list[Tensor] = []  # a pull to fold (a resumed start)
+        self.rejoined = False  # a restarted VW: optimizer state from an earlier snapshot
 
     @classmethod
     def create(cls, spec: SyncSpec, view: StageView) -> WaveSync:
@@ -120,10 +134,11 @@ class WaveSync(StageSync):
             view.stage,
             [(name, tuple(p.shape)) for name, p in params],
             spec.shards,
+            group=view.group,
             timeout_s=spec.timeout_s,
             pull_timeout_s=2 * spec.timeout_s,
         )
-        return cls(
+        sync = cls(
             client,
             [p for _, p in params],
             view.nm,
@@ -137,7 +152,11 @@ class WaveSync(StageSync):
             [local[p] for _, p in params],
             mirror,
             LazyStop(view.init_method, view.nm, spec.D),
+            view.weights,
+            dict(view.buffers),
         )
+        sync.rejoined = spec.rejoined
+        return sync
 
     def agreed_total(self, admitted: int, time_up: bool) -> int | None:
         """Every VW runs the same waves: the first whose time is up proposes the last one
@@ -148,23 +167,60 @@ class WaveSync(StageSync):
 
     def start(self, clock: int = 0) -> None:
         """Load the global weights at ``clock`` (the run's first wave) into the stage and, when
-        resuming, its part of the snapshot at that clock (optimizer and RNG state)."""
-        self._pull(clock)
-        self._mirror_set()
-        if clock > 0 and self.snapshots is not None:
-            manifest = read_manifest(snapshot_dir(self.snapshots.directory, clock))
-            part = load_part(manifest, self.where)
-            where = manifest.path / f"{self.where}.pt"
-            if not isinstance(part, dict) or part.get("kind") != "hetpipe-stage":
-                raise HetPipeRuntimeError(f"{where}: not a hetpipe stage checkpoint")
-            if int(part["data_position"]) != clock * self.nm:
-                raise HetPipeRuntimeError(
-                    f"{where}: data position {part['data_position']}, expected {clock * self.nm} "
-                    "(a snapshot of another Nm)"
-                )
-            if self.optimizer is not None:
-                self.optimizer.load_state_dict(part["optimizer"])
-            torch.set_rng_state(part["rng"])
+        resuming, its part of the snapshot at that clock: the master weights and versions in
+        flight, into which the pull is folded as in the run that stopped, the optimizer, RNG
+        and buffers (:mod:`runtime.persist.stage_part`). A restarted VW (:attr:`rejoined`)
+        takes the global weights at ``clock`` and only the optimizer state of its newest part."""
+        part = self._resume_part(clock)
+        fold = False
+        exact = part is not None and part.master is not None and not self.rejoined
+        if exact and part is not None and self.versions is not None:
+            part.restore_weights(self.versions)
+            fold = self.weights is not None  # the stopped run folded this pull in (overlapped)
+        if fold:
+            self._pull(clock, fold=True)
+            self._mirror_announce(0)  # followers: the owner's correction for version 0 follows
+            self._fold(0, self._pulled)
+            if self.mirror is not None:
+                self.mirror.before_update()
+        else:
+            self._pull(clock)
+            self._mirror_set()
+        if self.rejoined:  # the soak benchmark times a VW restart up to this line
+            log.warning("%s rejoined at clock %d", self.where, self.pulled_clock)
+        if part is None:
+            return
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(part.optimizer)
+        if not self.rejoined:  # a restarted VW's data goes on at ``clock``, not at its part's
+            part.forward.restore(self.buffers, f"{self.where} at clock {clock}")
+
+    def _resume_part(self, clock: int) -> StagePart | None:
+        """This stage's part to start from (``None``: a run from the start, or no part of its
+        own: fresh optimizer state)."""
+        if clock <= 0 or self.snapshots is None:
+            return None
+        manifest = self._own_snapshot(self.snapshots.directory, clock)
+        if manifest is None:
+            return None
+        where = manifest.path / f"{self.where}.pt"
+        return stage_from_payload(load_part(manifest, self.where), where, manifest.clock, self.nm)
+
+    def _own_snapshot(self, directory: Path, clock: int) -> Manifest | None:
+        """The snapshot to start from: the one at ``clock`` (a resume); a restarted VW's
+        (:attr:`rejoined`): the newest committed one at or below ``clock`` holding its part."""
+        if not self.rejoined:
+            manifest = read_manifest(snapshot_dir(directory, clock))
+            if self.where not in manifest.parts:  # its VW was left out before that clock
+                log.warning("%s: no part of %s (its VW was evicted before that clock): it "
+                            "starts with fresh optimizer state", manifest.path, self.where)  # fmt: skip
+                return None
+            return manifest
+        for c in sorted((c for c in committed_clocks(directory) if c <= clock), reverse=True):
+            manifest = read_manifest(snapshot_dir(directory, c))
+            if self.where in manifest.parts:
+                return manifest
+        return None
 
     def _checkpoint(self, clock: int, final: bool = False) -> None:
         snaps = self.snapshots
@@ -172,14 +228,14 @@ class WaveSync(StageSync):
             return
         if clock <= self._written:
             return  # never rewrite a part a committed manifest may already vouch for
-        payload = {
-            "kind": "hetpipe-stage",
-            "clock": clock,
-            "data_position": clock * self.nm,  # minibatches of this VW's data consumed
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else {},
-            "rng": torch.get_rng_state(),
-        }
-        write_part(snaps, clock, self.where, payload)
+        if self.versions is None:
+            raise HetPipeRuntimeError(f"{self.where}: a snapshot needs the stage's weights")
+        start = self._wave_start  # the next wave's forwards may have begun: their RNG/buffers
+        if start is not None and start[0] == clock * self.nm + 1:
+            fwd = start[1]
+        else:
+            fwd = ForwardState.capture(self.buffers)
+        write_part(snaps, clock, self.where, stage_payload(clock, self.nm, self.versions, fwd))
         self._written = clock
 
     def _log_wait(self, clock: int, waited: float) -> None:
@@ -188,9 +244,12 @@ class WaveSync(StageSync):
             end = time.time()
             self.result.log_interval("wait", clock, end - waited, end)
 
-    def _pull(self, min_clock: int) -> None:
+    def _pull(self, min_clock: int, fold: bool = False) -> None:
+        """Pull clock ``min_clock`` into the master (``fold``: into ``_pulled``, for
+        :meth:`_fold`; the snapshot is then the master as it is)."""
         t0 = time.perf_counter()
-        res = self.client.pull(min_clock, out=self.params)
+        res = self.client.pull(min_clock, out=None if fold else self.params)
+        self._pulled = list(res.tensors) if fold else []
         waited = time.perf_counter() - t0
         self._log_wait(min_clock, waited)
         self.result.wait_s += waited
@@ -249,7 +308,12 @@ class WaveSync(StageSync):
     def before_forward(self, mb: int) -> None:
         """Call before the forward of minibatch ``mb``: it runs on version ``mb - Nm``; if that
         version needs a pull still in flight, wait for it and fold the pulled local copy into
-        that version and every later one (the master included)."""
+        that version and every later one (the master included). The first forward of a wave
+        records the RNG state and buffers a snapshot at that wave's clock holds."""
+        wave, first = divmod(self.first_mb + mb - 1, self.nm)
+        every = self.snapshots.every if self.snapshots is not None else 0
+        if first == 0 and every > 0 and wave % every == 0:  # a snapshot clock's part needs it
+            self._wave_start = (self.first_mb + mb, ForwardState.capture(self.buffers))
         if self.mirror is not None:
             self.mirror.before_forward(mb, self.nm)
         if self._pending is None or self.weights is None:

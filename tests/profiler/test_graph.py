@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from profiler.crossing import crossing_sets
 from profiler.errors import ModelError
-from profiler.graph import ModelGraph, crossing_sets
+from profiler.graph import ModelGraph
 from profiler.models import BUILTIN_MODELS, ModelSpec, resolve_model
 
 

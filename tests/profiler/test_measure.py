@@ -11,10 +11,11 @@ from torch import nn
 
 from profiler.analytic import layer_costs
 from profiler.errors import ConfigError, ProfileError
-from profiler.measure import clock_of, measure_profile, parse_device, step_time_ms
+from profiler.measure import measure_profile, parse_device, step_time_ms
 from profiler.memory import SavedTensorCounter
 from profiler.models import resolve_model
 from profiler.table import COLUMNS, Profile, load_profile, load_profile_set
+from profiler.timing import clock_of
 
 
 @pytest.fixture(scope="module")

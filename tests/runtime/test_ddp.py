@@ -3,6 +3,9 @@ with single-process SGD, the run options it shares with the pipelines (time limi
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -14,8 +17,9 @@ from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.data import DigitsDataset, MinibatchSource
 from runtime.launch.faults import StageFault
 from runtime.launch.launcher import launch
+from runtime.persist.snapshot import committed_clocks
 from runtime.results.evaluation import accuracy, split_dataset
-from runtime.results.wsp import WSPResult
+from runtime.results.run_result import RunResult
 from runtime.stage.model import reference_module
 
 MiB = 2**20
@@ -90,9 +94,9 @@ def _single_process_sgd(
     return {names[n]: t.detach() for n, t in module.named_parameters()}
 
 
-def _allreduce(plan: Plan, run: RunConfig, **kw: object) -> WSPResult:
+def _allreduce(plan: Plan, run: RunConfig, **kw: object) -> RunResult:
     result = launch(plan, ModelSource(ref=plan.model), run=run, **kw)  # type: ignore[arg-type]
-    assert isinstance(result, WSPResult)
+    assert isinstance(result, RunResult)
     return result
 
 
@@ -141,3 +145,49 @@ def test_a_pipeline_plan_without_shards_is_refused() -> None:
     plan = type(plan)(**{**plan.__dict__, "shards": ()})
     with pytest.raises(ConfigError, match="no parameter-server shards"):
         _allreduce(plan, RunConfig(steps=2))
+
+
+def test_the_backend_is_nccl_for_cuda_tensors_only_under_allreduce_on_real_gpus() -> None:
+    from runtime.launch.backend import GLOO, GLOO_NCCL, stage_backend
+
+    assert stage_backend("allreduce", emulated=False, cuda_available=True) == GLOO_NCCL
+    assert GLOO_NCCL == "cpu:gloo,cuda:nccl"  # CPU tensors (flags, p2p, barriers) stay on gloo
+    assert stage_backend("allreduce", emulated=True, cuda_available=True) == GLOO
+    assert stage_backend("allreduce", emulated=False, cuda_available=False) == GLOO
+    for rule in ("wsp", "local", "backup", "easgd"):
+        assert stage_backend(rule, emulated=False, cuda_available=True) == GLOO
+
+
+def test_an_nccl_rank_takes_its_plan_gpu_as_cuda_device() -> None:
+    from runtime.launch.backend import cuda_index
+
+    assert [cuda_index(d, 2) for d in ("N0:0", "N0:1", "N1:0", "my:node:3")] == [0, 1, 0, 1]
+
+
+def _assert_equal(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert set(state) == set(expected)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6)
+
+
+def test_restart_and_resume_go_on_from_the_last_allreduce_snapshot(tmp_path: Path) -> None:
+    """A rank killed at step 5 of 6: the run restarts from its last committed snapshot (step 2
+    or 4) and ends with single-process SGD's weights; a resume to 8 steps trains the 2 left."""
+    opt = OptimizerConfig(lr=0.2, momentum=0.5)
+    out = tmp_path / "run"
+    run = RunConfig(steps=6, emulate=False, timeout_s=20, out_dir=out)
+    kill = StageFault(0, at_mb=5, vw=1)  # fires in the first attempt only
+    cfg = WSPConfig(checkpoint_every=2, stage_fault=kill, max_restarts=1)
+    result = _allreduce(_plan([8, 8]), run, optimizer=opt, cfg=cfg)
+    assert len(result.restarts) == 1 and "SIGKILL" in result.restarts[0]
+    clock = int(result.restarts[0].rsplit("restarted from clock ", 1)[1].rstrip(")"))
+    assert clock in (2, 4) and [vw.steps for vw in result.vws] == [6 - clock] * 2
+    assert committed_clocks(out / "checkpoints")[-1] == 6
+    train, _ = split_dataset(DigitsDataset(), 0.2, seed=0)
+    _assert_equal(result.state_dict(), _single_process_sgd(train, 16, 6, opt))
+    more = dataclasses.replace(run, steps=8)
+    resumed = _allreduce(
+        _plan([8, 8]), more, optimizer=opt, cfg=WSPConfig(checkpoint_every=2, resume=True)
+    )
+    assert [vw.steps for vw in resumed.vws] == [2, 2]
+    _assert_equal(resumed.state_dict(), _single_process_sgd(train, 16, 8, opt))

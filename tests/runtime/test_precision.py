@@ -19,7 +19,7 @@ from runtime.api import train
 from runtime.config import ModelSource, OptimizerConfig
 from runtime.data import MinibatchSource
 from runtime.persist.run_dir import check_settings, job_settings
-from runtime.results.metrics import RunResult
+from runtime.results.run_result import RunResult
 from runtime.stage.comm import cut_specs
 from runtime.stage.model import resolve_source
 

@@ -100,3 +100,18 @@ def test_run_sync_allreduce_refuses_pipeline_options() -> None:
     )
     assert res.exit_code == 2
     assert "--nm does not apply to --sync allreduce" in res.output
+
+
+def test_run_sync_allreduce_resumes_from_its_out_directory(tmp_path: Path) -> None:
+    """``--resume DIR`` of an AllReduce run goes on from its newest snapshot (its plan.json)."""
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    out = tmp_path / "ddp"
+    base = ["run", str(examples / "emulated_cluster.yaml"), "--sync", "allreduce", "--no-progress",
+            "--no-emulate", "--checkpoint-every", "2"]  # fmt: skip
+    res = CliRunner().invoke(app, [*base, "--steps", "4", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(app, [*base, "--steps", "6", "--resume", str(out)])
+    assert res.exit_code == 0, res.output
+    figures = json.loads((out / "summary.json").read_text())
+    assert {vw["steps"] for vw in figures["vws"]} == {2}  # steps 5-6 only
+    assert figures["final_loss"] is not None

@@ -15,7 +15,7 @@ from planner.manual import cpu_cluster, manual_plan, multi_vw_plan
 from profiler.errors import ConfigError
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource, RunConfig
-from runtime.results.wsp import WSPResult
+from runtime.results.run_result import RunResult
 from runtime.run import default_length, rule_for
 from runtime.stage.model import resolve_source
 
@@ -60,6 +60,6 @@ def test_the_api_trains_a_multi_vw_plan_through_the_parameter_servers() -> None:
     g = ModelGraph.from_module(model, (torch.randn(8, 8),))
     plan = multi_vw_plan(g, [[2], [2]], "model", 8, 1, cluster=cpu_cluster(4))
     result = hetpipe.train(model, data, nn.functional.cross_entropy, plan=plan, steps=4)
-    assert isinstance(result, WSPResult)
+    assert isinstance(result, RunResult)
     assert len(result.vws) == 2 and all(vw.steps == 4 for vw in result.vws)
     assert set(result.state_dict()) == {n for n, _ in model.named_parameters()}

@@ -18,8 +18,8 @@ from planner.easgd import elastic_difference, exchanges_after
 from planner.manual import multi_vw_plan
 from runtime.config import OptimizerConfig, RunConfig, WSPConfig
 from runtime.launch.launcher import launch
+from runtime.results.run_result import RunResult
 from runtime.results.sync import arrival_table, dropped_vw_waves, kth_push_s
-from runtime.results.wsp import WSPResult
 from runtime.stage.model import reference_module
 from tests.runtime.test_wsp_run import BATCH, LR, SOURCE, _graph, _sources, wsp_reference
 
@@ -110,7 +110,7 @@ def easgd_reference(
     return {names[n]: t for n, t in centre.items()}, losses
 
 
-def _run(plan: Any, steps: int, rule: str, **params: float) -> WSPResult:
+def _run(plan: Any, steps: int, rule: str, **params: float) -> RunResult:
     plan = dataclasses.replace(plan, sync=rule, sync_params=tuple(sorted(params.items())))
     run = RunConfig(steps=steps, timeout_s=15.0, emulate=False)
     return launch(plan, SOURCE, OptimizerConfig(lr=LR), run, WSPConfig())

@@ -17,7 +17,7 @@ from runtime.api import _module_source, train
 from runtime.config import OptimizerConfig
 from runtime.data import MinibatchSource
 from runtime.launch.wsp import split_data
-from runtime.results.wsp import WSPResult
+from runtime.results.run_result import RunResult
 from runtime.stage.model import reference_module, resolve_source
 from tests.runtime.test_hf_models import TokenData, gpt2
 
@@ -81,7 +81,7 @@ def test_two_vws_tied_gpt2_equal_the_wsp_reference(nm: int) -> None:
         model, data, plan=plan, D=0, nm=nm, steps=waves * nm, optimizer=OptimizerConfig(lr=LR),
         emulate=False, timeout_s=20.0,
     )  # fmt: skip
-    assert isinstance(result, WSPResult)
+    assert isinstance(result, RunResult)
     ref, losses, own = wsp_reference(reference, data, 2, nm, waves)
     for k in range(2):
         assert_close(result.vws[k].losses, losses[k], rtol=1e-5, atol=1e-5)

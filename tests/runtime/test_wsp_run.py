@@ -26,7 +26,7 @@ from runtime.launch.faults import ShardFault, StageFault
 from runtime.launch.launcher import launch
 from runtime.launch.wsp import split_data
 from runtime.persist.snapshot import committed_clocks
-from runtime.results.wsp import WSPResult
+from runtime.results.run_result import RunResult
 from runtime.stage.model import reference_module, resolve_source
 
 pytestmark = pytest.mark.timeout(120)
@@ -84,7 +84,7 @@ def wsp_reference(
     return {names[n]: t for n, t in glob.items()}, losses
 
 
-def _check_invariants(result: WSPResult, n_stages: list[int], waves: int, first: int = 0) -> None:
+def _check_invariants(result: RunResult, n_stages: list[int], waves: int, first: int = 0) -> None:
     """Ledger: every client's every wave applied exactly once; clock distance <= D + 1."""
     for state, spec in zip(result.states, result.specs, strict=True):
         tags = Counter((e.vw, e.stage, e.wave) for e in state.ledger)
@@ -96,7 +96,7 @@ def _check_invariants(result: WSPResult, n_stages: list[int], waves: int, first:
     assert result.max_clock_distance <= result.D + 1
 
 
-def _run(plan: Any, tmp_path: Path, steps: int, **kw: Any) -> WSPResult:
+def _run(plan: Any, tmp_path: Path, steps: int, **kw: Any) -> RunResult:
     run = RunConfig(steps=steps, timeout_s=15.0, emulate=False, out_dir=kw.pop("out", None))
     cfg = WSPConfig(**kw)
     return launch(plan, SOURCE, OptimizerConfig(lr=LR), run, cfg)
@@ -161,7 +161,7 @@ def test_time_limit_stops_every_vw_at_the_same_wave(tmp_path: Path) -> None:
     _check_invariants(result, [2, 3], n // 2)
 
 
-def _kill_then_resume(plan: Any, out: Path, steps: int) -> tuple[str, WSPResult]:
+def _kill_then_resume(plan: Any, out: Path, steps: int) -> tuple[str, RunResult]:
     run = RunConfig(steps=steps, timeout_s=15.0, emulate=False, out_dir=out)
     cfg = WSPConfig(checkpoint_every=2, resume_hint="hetpipe run X")
     opt = OptimizerConfig(lr=LR, momentum=0.5)  # stage-side optimizer state is checkpointed too

@@ -1,4 +1,8 @@
-"""The result of a run of several VWs (any rule): per-VW figures, the shards' state, the summary.
+"""The result of a run, whatever its rule: per-VW figures, the shards' state, the summary.
+
+Every rule returns a :class:`RunResult` (``hetpipe.train``, ``hetpipe run`` and
+``python -m runtime`` alike): ``wsp``, ``backup`` and ``easgd`` with their shards' states,
+``allreduce`` without shards (every VW holds the model), ``local`` (one VW alone) with one VW.
 
 Per VW: throughput (the simulator's definition, stage-0 completions after the warm-up wave),
 **waiting** (seconds its stages spent blocked on the parameter servers: WSP pulls and the
@@ -8,6 +12,7 @@ bubbles), both summed over the VW's stages, as in the paper's Fig. 9 breakdown.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -32,12 +37,12 @@ from runtime.persist.snapshot import Manifest, load_part
 from runtime.ps.layout import ShardSpec, export_state_dict
 from runtime.ps.outcome import ClockEvent
 from runtime.results.evaluation import evaluate_module
-from runtime.results.metrics import RunResult, StageResult, write_metrics
+from runtime.results.metrics import StageResult, VWResult, stage_table, write_metrics
 from runtime.results.sync import arrival_table, describe_rule, dropped_vw_waves, kth_push_s
 from runtime.results.timeline import write_timeline
 from runtime.stage.model import reference_module
 
-__all__ = ["LostVW", "WSPResult", "evaluate", "export_snapshot"]
+__all__ = ["LostVW", "RunResult", "evaluate", "export_snapshot", "restart_notes"]
 
 log = logging.getLogger(__name__)
 
@@ -67,23 +72,41 @@ class LostVW:
         """The lost VWs from the launcher's causes and the shards' evictions (``waves``: the
         global clock the run was to reach)."""
         out = []
-        for vw, cause in sorted(lost.items()):
-            evs = [e for s in states for e in s.evictions if e[0] == vw]
-            wave = min((e[1] for e in evs), default=0)
-            out.append(LostVW(vw, cause, wave, sum(e[2] for e in evs), max(0, waves - wave)))
+        for vw, cause in sorted(lost.items()):  # the last eviction (earlier ones restarted)
+            evs = [[e for e in s.evictions if e[0] == vw][-1:] for s in states]
+            last = [e[0] for e in evs if e]
+            wave = min((e[1] for e in last), default=0)
+            out.append(LostVW(vw, cause, wave, sum(e[2] for e in last), max(0, waves - wave)))
         return tuple(out)
 
 
+def restart_notes(
+    restarted: Sequence[tuple[int, int, str]], states: Sequence[ShardState]
+) -> tuple[str, ...]:
+    """One line per VW restarted alone (``(vw, incarnation, cause)``): the cause, the wave it
+    rejoined at (its cut: the shards' ``incarnation``-th eviction of it) and the buffered
+    pushes the shards discarded (recomputed by the new incarnation; no wave is lost)."""
+    notes = []
+    for vw, inc, cause in restarted:
+        evs = [[e for e in s.evictions if e[0] == vw][inc - 1 : inc] for s in states]
+        hits = [e[0] for e in evs if e]
+        wave = min((e[1] for e in hits), default=-1)
+        dropped = sum(e[2] for e in hits)
+        notes.append(f"{cause} (vw {vw} restarted alone at wave {wave}; {dropped} buffered "
+                     "pushes discarded and recomputed, no wave lost)")  # fmt: skip
+    return tuple(notes)
+
+
 @dataclass(frozen=True)
-class WSPResult:
-    """A finished multi-VW run.
+class RunResult:
+    """A finished run (any rule; one VW alone is the ``local`` rule with one entry in ``vws``).
 
     Attributes:
-        vws: one :class:`RunResult` per VW (its stages, its predicted throughput).
+        vws: one :class:`VWResult` per VW (its stages, its predicted throughput).
         nm, D: minibatches per wave and the clock-distance threshold.
         states: every shard's final state, in shard order.
         traces: every shard's clock trace (one event per accepted push).
-        specs: every shard's spec (for :meth:`state_dict`).
+        specs: every shard's spec (for :meth:`state_dict`; none without shards).
         wall_s: launcher wall time including start-up, seconds.
         predicted_throughput: the plan's prediction for all VWs together (samples/s).
         test_accuracy, test_loss: the exported model on the held-out split (NaN if not a classifier).
@@ -94,11 +117,11 @@ class WSPResult:
         restarts: the failures survived by restarting from the last snapshot (``--on-failure
             restart``), oldest first; this result is the last attempt's.
         sync, sync_params: the synchronisation rule (``wsp``, ``backup``, ``easgd``,
-            ``allreduce``) and its parameters (:mod:`runtime.results.sync` summarises what it did).
+            ``allreduce``, ``local``) and its parameters (:mod:`runtime.results.sync` summarises what it did).
         lost: the VWs evicted during the run (``--on-failure continue``).
     """
 
-    vws: tuple[RunResult, ...]
+    vws: tuple[VWResult, ...]
     nm: int
     D: int
     states: tuple[ShardState, ...]
@@ -125,14 +148,15 @@ class WSPResult:
         specs: Sequence[ShardSpec],
         wall_s: float,
         sync: str = "",
-    ) -> WSPResult:
+    ) -> RunResult:
         """Group stage results by VW and shard results by shard id."""
         vws = []
         for k, vw in enumerate(plan.virtual_workers):
             mine = tuple(sorted((s for s in stages if s.vw == k), key=lambda s: s.stage))
-            vws.append(RunResult(mine, plan.batch_size, nm, vw.throughput, wall_s))
+            devices = tuple(f"{vw.gpus[st.gpu].node}:{vw.gpus[st.gpu].index}" for st in vw.stages)
+            vws.append(VWResult(mine, plan.batch_size, nm, vw.throughput, wall_s, devices=devices))
         ordered = sorted(states, key=lambda st: st[0].shard_id)
-        return WSPResult(
+        return RunResult(
             tuple(vws),
             nm,
             D,
@@ -149,6 +173,30 @@ class WSPResult:
     def throughput(self) -> float:
         """Samples/s of all VWs together."""
         return sum(v.throughput for v in self.vws)
+
+    @property
+    def stages(self) -> tuple[StageResult, ...]:
+        """Every stage's result, VW by VW in pipeline order."""
+        return tuple(s for v in self.vws for s in v.stages)
+
+    @property
+    def steps(self) -> int:
+        """Minibatches each VW trained in this run (the most any VW trained)."""
+        return max((v.steps for v in self.vws), default=0)
+
+    @property
+    def losses(self) -> list[float]:
+        """The run's loss at every step: the mean over the VWs that reported of their losses at
+        that step. One VW alone: its own; ``allreduce``: the global minibatch's (the VWs' slices
+        are equal in size), the one loss the old DDP baseline reported."""
+        per_vw = [v.losses for v in self.vws if v.stages]
+        n = min((len(x) for x in per_vw), default=0)
+        return [sum(x[i] for x in per_vw) / len(per_vw) for i in range(n)]
+
+    @property
+    def alone(self) -> bool:
+        """One VW trained alone (the ``local`` rule): its figures are the run's."""
+        return self.sync == "local" and len(self.vws) == 1
 
     @property
     def max_clock_distance(self) -> int:
@@ -189,11 +237,14 @@ class WSPResult:
 
     def _save(self, out_dir: Path, about: str) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        if self.vws:
+        if self.alone:  # one VW alone: its metrics at the top of the run directory
+            write_metrics(self.vws[0], out_dir)
+        else:
             for k, vw in enumerate(self.vws):
                 if vw.stages:  # a lost VW reported nothing
                     write_metrics(vw, out_dir / f"vw{k}")
-            write_timeline([s for vw in self.vws for s in vw.stages], out_dir, about=about)
+        if self.vws:
+            write_timeline(list(self.stages), out_dir, about=about)
         atomic_torch_save(self.state_dict(), out_dir / "weights.pt")
         summary = {
             "throughput": self.throughput,
@@ -203,6 +254,7 @@ class WSPResult:
             "max_clock_distance": self.max_clock_distance,
             "test_accuracy": self.test_accuracy,
             "test_loss": self.test_loss,
+            "final_loss": self.losses[-1] if self.losses else None,
             "wall_s": self.wall_s,
             "stopped_by": self.stopped_by,
             "global_clock": min((s.clock for s in self.states), default=0),
@@ -228,69 +280,74 @@ class WSPResult:
         atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2))
 
     def table(self) -> Table:
-        """The summary as a rich table: one row per VW, totals in the title and caption."""
+        """The summary as a rich table: one row per VW, totals in the title and caption (one VW
+        alone: its stages, :func:`runtime.results.metrics.stage_table`)."""
+        if self.alone:
+            return stage_table(self.vws[0])
         rule = describe_rule(self.sync, self.sync_params, self.D)
         title = f"{len(self.vws)} VWs, Nm={self.nm}, {rule}: {self.throughput:.1f} samples/s"
         if self.predicted_throughput > 0:
             title += f" (predicted {self.predicted_throughput:.1f}, ratio {self.throughput / self.predicted_throughput:.2f})"
+        one_loss = self.sync == "allreduce"  # the VWs train slices of one global minibatch
         table = Table(title=title)
-        for col in (
-            "VW",
-            "devices",
-            "minibatches",
-            "samples/s",
-            "predicted",
-            "waiting s",
-            "idle s",
-            "last loss",
-        ):
+        columns = ["VW", "devices", "minibatches", "samples/s", "predicted", "waiting s", "idle s"]
+        for col in columns if one_loss else [*columns, "last loss"]:
             table.add_column(col, justify="right")
         for k, v in enumerate(self.vws):
-            losses = v.losses
-            table.add_row(
+            row = [
                 str(k),
-                " ".join(s.device for s in v.stages),
+                " ".join(v.devices or tuple(s.device for s in v.stages)),  # a lost VW: the plan's
                 str(v.steps),
                 f"{v.throughput:.1f}",
                 f"{v.predicted_throughput:.1f}",
                 f"{self.waiting_s(k):.2f}",
                 f"{self.idle_s(k):.2f}",
-                f"{losses[-1]:.4f}" if losses else "-",
-            )
-        applied = sum(len(s.ledger) for s in self.states)
+            ]
+            losses = v.losses
+            table.add_row(*row, *([] if one_loss else [f"{losses[-1]:.4f}" if losses else "-"]))
+        table.caption = self._caption()
+        return table
+
+    def _caption(self) -> str:
+        """The table's caption: the test figures, what the rule did, how the run ended."""
         acc = self.test_accuracy
         tested = (  # a model whose output is not class scores (a language model) has no accuracy
             f"test loss {self.test_loss:.4f}"
             if math.isnan(acc)
             else f"test accuracy {acc:.2%} (loss {self.test_loss:.4f})"
         )
-        clocks = (
-            f"global clock {min((s.clock for s in self.states), default=0)}, {applied} updates "
-            f"applied once, max clock distance {self.max_clock_distance} (bound D+1 = {self.D + 1})"
-            if self.states
-            else "gradients averaged over every VW each minibatch"
-        )
-        table.caption = f"{tested}; {clocks}; wall {self.wall_s:.1f} s"
+        applied = sum(len(s.ledger) for s in self.states)
+        if self.states:
+            clocks = (
+                f"global clock {min(s.clock for s in self.states)}, {applied} updates applied "
+                f"once, max clock distance {self.max_clock_distance} (bound D+1 = {self.D + 1})"
+            )
+        else:
+            losses = self.losses
+            clocks = "gradients averaged over every VW each minibatch" + (
+                f"; loss of the global minibatch: first {losses[0]:.4f}, last {losses[-1]:.4f}"
+                if losses
+                else ""
+            )
+        caption = f"{tested}; {clocks}; wall {self.wall_s:.1f} s"
         if self.sync == "backup":
             kth = " ".join(f"{t:.2f}" for t in kth_push_s(self.vws))
-            table.caption += (
+            caption += (
                 f"; {dropped_vw_waves(self.vws)} VW-waves dropped; k-th push after the first "
                 f"(s, mean over waves): {kth}"
             )
         if self.stopped_by:
-            table.caption += f"; {self.stopped_by}"
+            caption += f"; {self.stopped_by}"
         if self.restarts:
-            table.caption += f"; restarted {len(self.restarts)}x from the last snapshot"
+            caption += f"; restarted {len(self.restarts)}x from the last snapshot"
         for gone in self.lost:
-            table.caption += (
+            caption += (
                 f"; vw {gone.vw} lost ({escape(gone.cause)}): evicted at wave {gone.wave}, "
                 f"{gone.discarded} buffered pushes discarded, {gone.waves_lost} waves not trained"
             )
         if self.exported_from:
-            table.caption += (
-                f"; written from the snapshot {self.exported_from} (nothing left to train)"
-            )
-        return table
+            caption += f"; written from the snapshot {self.exported_from} (nothing left to train)"
+        return caption
 
 
 def evaluate(
@@ -300,10 +357,14 @@ def evaluate(
     state: dict[str, Tensor],
     test: Dataset[Any],
 ) -> tuple[float, float]:
-    """Test accuracy and mean loss of ``state`` loaded into the model (NaN accuracy if not a classifier)."""
+    """Test accuracy and mean loss of ``state`` loaded into the model (NaN accuracy if not a
+    classifier). A user's module is left as it was (the state goes into a copy: its stage
+    shares the module's parameters, and a second run would start from the trained weights)."""
     if len(test) == 0:  # type: ignore[arg-type]
         return float("nan"), float("nan")
     module, names, loss_fn = reference_module(source, batch_size, seed)
+    if source.module is not None:
+        module = copy.deepcopy(module)
     by_orig = {orig: n for n, orig in names.items()}
     module.load_state_dict({by_orig[k]: v for k, v in state.items() if k in by_orig}, strict=False)
     return evaluate_module(module, test, batch_size, loss_fn)
@@ -318,14 +379,14 @@ def export_snapshot(
     test: Dataset[Any],
     nm: int,
     D: int,
-) -> WSPResult:
+) -> RunResult:
     """The final outputs of a run from its snapshot, without training: the shards' weights,
     the test accuracy, and (with ``run.out_dir``) ``weights.pt`` and ``summary.json``."""
     states = tuple(
         shard_from_payload(load_part(manifest, f"shard-{s.id}"), manifest.path / f"shard-{s.id}.pt")
         for s in specs
     )
-    result = WSPResult((), nm, D, states, tuple(() for _ in specs), tuple(specs), 0.0,
+    result = RunResult((), nm, D, states, tuple(() for _ in specs), tuple(specs), 0.0,
                        plan.predicted.throughput, exported_from=str(manifest.path))  # fmt: skip
     acc, loss = evaluate(source, plan.batch_size, run.seed, result.state_dict(), test)
     result = dataclasses.replace(result, test_accuracy=acc, test_loss=loss)

@@ -1,0 +1,46 @@
+"""Which torch.distributed backend a stage process joins the process group with.
+
+Every process of a run joins one process group. Gloo carries everything on CPU (the
+pipeline's point-to-point tensors, the parameter-server messages, barriers). Under the
+``allreduce`` rule on real CUDA devices the gradient ``all_reduce`` goes through NCCL, as the
+old DDP baseline did: the group is then ``cpu:gloo,cuda:nccl``, so CUDA tensors take NCCL and
+CPU tensors still take gloo (guarded: nothing else changes, and an emulated or CPU-only run
+stays on gloo). Such a process first makes its plan GPU the current CUDA device
+(:func:`cuda_index`), so NCCL's collectives (a barrier included) never put two ranks on one
+GPU.
+"""
+
+from __future__ import annotations
+
+__all__ = ["GLOO", "GLOO_NCCL", "cuda_index", "stage_backend"]
+
+GLOO = "gloo"
+GLOO_NCCL = "cpu:gloo,cuda:nccl"  # per device type: CUDA tensors over NCCL, CPU over gloo
+
+
+def stage_backend(rule: str, emulated: bool, cuda_available: bool) -> str:
+    """The backend of a stage process: NCCL for CUDA tensors under ``allreduce`` on real GPUs.
+
+    Args:
+        rule: the run's synchronisation rule (:data:`planner.sync.RULES`).
+        emulated: the stage runs on an emulated device (paced or memory-capped CPU process).
+        cuda_available: ``torch.cuda.is_available()`` in the stage's process.
+
+    >>> stage_backend("allreduce", emulated=False, cuda_available=True)
+    'cpu:gloo,cuda:nccl'
+    >>> stage_backend("allreduce", emulated=False, cuda_available=False)
+    'gloo'
+    >>> stage_backend("wsp", emulated=False, cuda_available=True)
+    'gloo'
+    """
+    return GLOO_NCCL if rule == "allreduce" and not emulated and cuda_available else GLOO
+
+
+def cuda_index(device: str, cuda_devices: int) -> int:
+    """The CUDA device of a stage whose plan device is ``device`` (``node:index``, e.g.
+    ``R:1``): its index, wrapped to the ``cuda_devices`` this host has.
+
+    >>> cuda_index("R:1", 4), cuda_index("R:5", 4)
+    (1, 1)
+    """
+    return int(device.rsplit(":", 1)[1]) % max(1, cuda_devices)

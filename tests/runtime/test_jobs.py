@@ -1,0 +1,36 @@
+"""Each process's frozen job: the process group's size is set in one place (``with_world``)."""
+
+from __future__ import annotations
+
+from planner.manual import cpu_cluster, multi_vw_plan
+from profiler.graph import ModelGraph
+from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
+from runtime.launch.jobs import Prepared, with_world
+from runtime.launch.launcher import prepare
+from runtime.stage.model import resolve_source
+
+
+def test_shards_and_stages_share_one_world_size() -> None:
+    source = ModelSource(ref="mlp")
+    graph = ModelGraph.from_spec(resolve_source(source, 8, meta=True))
+    plan = multi_vw_plan(graph, [[2], [2]], "mlp", 8, 1, cluster=cpu_cluster(4))
+    prep = prepare(plan, source, OptimizerConfig(), RunConfig(steps=2), WSPConfig(), None, None,
+                   "wsp", 0, "file:///nonexistent")  # fmt: skip
+    assert isinstance(prep, Prepared) and prep.shards
+    world = len(prep.shards) + len(prep.stages)
+    assert {j.world_size for j in prep.shards} == {world}
+    assert {j.world_size for j in prep.stages} == {world}
+    assert [j.ctx.rank for j in prep.stages] == list(range(len(prep.shards), world))
+
+
+def test_with_world_counts_the_shards_before_the_stages() -> None:
+    source = ModelSource(ref="mlp")
+    graph = ModelGraph.from_spec(resolve_source(source, 8, meta=True))
+    plan = multi_vw_plan(graph, [[2]], "mlp", 8, 1, cluster=cpu_cluster(2))
+    prep = prepare(plan, source, OptimizerConfig(), RunConfig(steps=2), WSPConfig(), None, None,
+                   "local", 0, "file:///nonexistent")  # fmt: skip
+    assert isinstance(prep, Prepared) and not prep.shards
+    stages = list(prep.stages)
+    assert with_world(stages)[0] == len(stages) == 2
+    world, jobs = with_world(stages, n_shards=3)
+    assert world == 5 and {j.world_size for j in jobs} == {5}
