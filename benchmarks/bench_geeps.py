@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -34,8 +33,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.plan_runs import run_row, train_plan  # noqa: E402
 from planner.cluster import Cluster, Link, load_cluster  # noqa: E402
-from planner.offload import MemoryPlacement  # noqa: E402
 from planner.plan import Plan  # noqa: E402
 from planner.planner import PlanOptions, make_plan  # noqa: E402
 from profiler.errors import PlanError  # noqa: E402
@@ -74,15 +73,6 @@ def plan_at(cluster: Cluster, model: str, batch: int, nm: int, memory: str) -> P
     return plan if plan.nm == nm else None
 
 
-def measure(plan: Plan, steps: int) -> float:
-    """Samples/s of ``plan`` trained for ``steps`` minibatches (paced, byte accounting on)."""
-    from runtime.api import train
-
-    with tempfile.TemporaryDirectory() as tmp:
-        res = train(plan.model, plan=plan, steps=steps, out_dir=tmp, return_state=False)
-    return float(res.throughput)
-
-
 def curve(cluster: Cluster, args: argparse.Namespace, batch: int) -> list[dict[str, Any]]:
     """The points of one batch size's curve."""
     full = plan_at(scaled(cluster, args.cap_scale), args.model, batch, args.nm, "keep")
@@ -97,38 +87,25 @@ def curve(cluster: Cluster, args: argparse.Namespace, batch: int) -> list[dict[s
             rows.append({"batch": batch, "fraction_allowed": f, "fits": False})
             continue
         stages = plan.virtual_workers[0].stages
-        measured = measure(plan, args.steps) if args.train else plan.predicted.throughput
-        row = {
-            "batch": batch,
-            "fraction_allowed": f,
-            "fits": True,
-            "device_over_all_keep": sum(s.memory_bytes for s in stages) / keep_bytes,
-            "host_MiB": sum(s.host_bytes for s in stages) / 2**20,
-            "placements": [s.memory for s in stages],
-            "exposed_ms": [round(s.transfer_ms, 3) for s in stages],
-            "recompute_ms": [round(s.recompute_ms, 3) for s in stages],
-            "predicted": plan.predicted.throughput,
-            "measured": measured if args.train else None,
-            "measured_over_predicted": measured / plan.predicted.throughput if args.train else None,
-            "loadavg": os.getloadavg(),
-        }
+        measured = float(train_plan(plan, args.steps)[0].throughput) if args.train else None
+        device = sum(s.memory_bytes for s in stages) / keep_bytes
+        row = run_row(
+            f"batch {batch}, f {f:.2f}, device {device:.2f} of all-keep",
+            plan,
+            measured,
+            batch=batch,
+            fraction_allowed=f,
+            fits=True,
+            device_over_all_keep=device,
+            host_MiB=sum(s.host_bytes for s in stages) / 2**20,
+            exposed_ms=[round(s.transfer_ms, 3) for s in stages],
+            recompute_ms=[round(s.recompute_ms, 3) for s in stages],
+        )
         rows.append(row)
-        base = rows[0]["predicted"]
-        row["predicted_over_f1"] = plan.predicted.throughput / base
-        if args.train:
-            row["measured_over_f1"] = measured / rows[0]["measured"]
-        seen = (
-            f"{measured:,.0f} samples/s measured ({row['measured_over_f1']:.2f} of f=1, "
-            f"{row['measured_over_predicted']:.2f} of predicted), "
-            if args.train
-            else ""
-        )
-        print(
-            f"  batch {batch}, f {f:.2f}: device {row['device_over_all_keep']:.2f} of all-keep, "
-            f"{seen}predicted {plan.predicted.throughput:,.0f} ({row['predicted_over_f1']:.2f} of f=1), "
-            f"WAOG {' '.join(MemoryPlacement.parse(s).code for s in row['placements'])}, "
-            f"load {os.getloadavg()[0]:.1f}"
-        )
+        first = next(r for r in rows if r["fits"])
+        row["predicted_over_f1"] = plan.predicted.throughput / first["predicted"]
+        if measured is not None:
+            row["measured_over_f1"] = measured / first["measured"]
     return rows
 
 

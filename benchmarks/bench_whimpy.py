@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -45,6 +44,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.plan_runs import run_row, train_plan  # noqa: E402
 from planner.baseline import device_capacity_bytes, model_memory_bytes  # noqa: E402
 from planner.cluster import Cluster, load_cluster  # noqa: E402
 from planner.plan import Plan  # noqa: E402
@@ -107,12 +107,7 @@ def largest(fits: Any, lo: int, hi: int, step: int) -> int:
 
 def train_largest(plan: Plan, steps: int) -> dict[str, Any]:
     """Train ``plan`` (one VW) for ``steps`` minibatches with the byte accounting on."""
-    from runtime.api import train
-
-    with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        result = train(plan.model, plan=plan, steps=steps, out_dir=tmp, return_state=False)
-        wall = time.perf_counter() - t0
+    result, wall = train_plan(plan, steps)
     stages = []
     for st, sp in zip(result.vws[0].stages, plan.virtual_workers[0].stages, strict=True):
         cap = sp.capacity_bytes
@@ -171,8 +166,6 @@ def equal_memory(cluster: Cluster, args: argparse.Namespace) -> list[dict[str, A
 
     Runs alternate (keep, auto, keep, auto) in one process so that the machine's load hits both.
     """
-    from runtime.api import train
-
     plans = {
         memory: make_plan(
             cluster,
@@ -186,27 +179,17 @@ def equal_memory(cluster: Cluster, args: argparse.Namespace) -> list[dict[str, A
     rows: list[dict[str, Any]] = []
     for rep in range(args.reps):
         for memory, plan in plans.items():
-            with tempfile.TemporaryDirectory() as tmp:
-                res = train(
-                    plan.model, plan=plan, steps=args.hd_steps, out_dir=tmp, return_state=False
-                )
+            res, _ = train_plan(plan, args.hd_steps)
+            signatures = [vw.signature for vw in plan.virtual_workers]
             rows.append(
-                {
-                    "memory": memory,
-                    "rep": rep,
-                    "nm": plan.nm,
-                    "signatures": [vw.signature for vw in plan.virtual_workers],
-                    "placements": [[s.memory for s in vw.stages] for vw in plan.virtual_workers],
-                    "measured": res.throughput,
-                    "predicted": plan.predicted.throughput,
-                    "measured_over_predicted": res.throughput / plan.predicted.throughput,
-                    "loadavg": os.getloadavg(),
-                }
-            )
-            print(
-                f"  HD {memory:>4}: Nm {plan.nm}, {res.throughput:,.0f} samples/s measured, "
-                f"{plan.predicted.throughput:,.0f} predicted "
-                f"({res.throughput / plan.predicted.throughput:.2f}), load {os.getloadavg()[0]:.1f}"
+                run_row(
+                    f"HD {memory:>4}",
+                    plan,
+                    res.throughput,
+                    memory=memory,
+                    rep=rep,
+                    signatures=signatures,
+                )
             )
     return rows
 
@@ -220,7 +203,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12, help="minibatches to train the largest one")
     ap.add_argument("--min-hidden", type=int, default=16)
     ap.add_argument("--max-hidden", type=int, default=4096)
-    ap.add_argument("--step", type=int, default=16, help="granularity of the hidden width")
+    ap.add_argument("--step", type=int, default=4, help="granularity of the hidden width")
     ap.add_argument("--hd-model", default="mlp(hidden=384,depth=4)", help="equal-memory model")
     ap.add_argument("--hd-batch", type=int, default=128)
     ap.add_argument("--hd-steps", type=int, default=60, help="minibatches per VW, equal memory")

@@ -36,6 +36,7 @@ from pydantic import (
 )
 
 from planner.cluster_schema import PCIE_BPS, ClusterIn, LinkIn, pydantic_error
+from planner.offload import HostShare
 from planner.straggle import NO_STRAGGLE, Straggle
 from profiler.catalog import lookup_gpu
 from profiler.errors import ConfigError, shown
@@ -155,6 +156,14 @@ class Cluster:
         """Host memory one GPU of ``node`` may offload to: the node's share per GPU (0: unbounded)."""
         n = self.node(node)
         return n.host_memory_bytes // n.count
+
+    def host_share(self, node: str) -> HostShare:
+        """One GPU of ``node``'s share of its host link and host memory (:mod:`planner.offload`)."""
+        return HostShare(self.node(node).count, self.host_memory_bytes(node))
+
+    def host_shares(self) -> dict[str, HostShare]:
+        """:meth:`host_share` of every node, by node name."""
+        return {n.name: self.host_share(n.name) for n in self.nodes}
 
     def link(self, a: Device, b: Device) -> Link:
         """The link between two devices: intra-node when they share a node."""

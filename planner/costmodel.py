@@ -15,9 +15,13 @@ Its memory with ``Nm`` minibatches in flight (the shared memory model of the pro
 
 That is the all-keep case of :mod:`planner.offload`: a cost model carries one uniform memory
 placement (:meth:`CostModel.with_placement`) that changes the multipliers of the same prefix
-sums, so every partitioner sees it; recompute adds the forward time to ``compute_ms``.
-:meth:`CostModel.stage_memory` then evaluates any placement of one stage exactly (device,
-host and host-link bytes, recompute and exposed transfer time, both charged to ``bwd_ms``).
+sums, so every partitioner sees it. The partitioners charge each stage its busy time
+(:meth:`CostModel.busy_ms`, :func:`planner.offload.busy_ms`): compute plus recompute, or the
+host-link time of its offloaded bytes on its GPU's share of the node's link when that is
+longer; they check host memory (the GPU's share of its node's) beside device memory
+(:meth:`CostModel.fits_matrix`). :meth:`CostModel.stage_memory` evaluates any placement of one
+stage exactly (device, host and host-link bytes, recompute and exposed transfer time, both
+charged to ``bwd_ms``), with the same functions.
 
 Candidate cuts: every cut ``1 .. L-1`` by default (the partitioners are then exact). Given a
 ``max_cuts``, graphs with more cut points (e.g. resnet152's 563 fx layers) are *coarsened* to
@@ -42,16 +46,21 @@ from planner.cluster import PCIE, Device, Link, parse_links
 from planner.offload import (
     KEEP_ALL,
     Coefficients,
+    HostShare,
     MemoryPlacement,
-    Place,
     StageBytes,
+    busy_ms,
     coefficients,
     device_bytes,
     effective,
     exposed_ms,
     host_bytes,
+    host_coefficients,
+    host_link_ms,
+    recompute_factor,
     recompute_ms,
     transfer_bytes,
+    transfer_coefficients,
 )
 from planner.plan import StageCost
 from planner.schedule import in_flight_bound
@@ -161,6 +170,9 @@ class CostModel:
         max_cuts: see :func:`candidate_cuts`.
         memory_type: GPU type whose profile gives the memory columns (paper Sec. 7 measures
             memory on one type); default the first profile.
+        host_link: the GPU <-> host-memory link of a node (offloaded bytes cross it).
+        hosts: each node's :class:`~planner.offload.HostShare` (GPUs sharing the host link,
+            host memory per GPU), by node name; a node not listed: one GPU, unbounded memory.
 
     Raises:
         ProfileError: profiles disagree on the layers.
@@ -174,6 +186,7 @@ class CostModel:
         max_cuts: int | None = None,
         memory_type: str | None = None,
         host_link: Link = PCIE,
+        hosts: Mapping[str, HostShare] | None = None,
     ) -> None:
         if not profiles:
             raise ProfileError("no profiles given to the cost model")
@@ -190,6 +203,7 @@ class CostModel:
         self.link = link
         self.optimizer_state_factor = float(optimizer_state_factor)
         self.host_link = host_link
+        self.hosts: dict[str, HostShare] = dict(hosts or {})
         self.placement: MemoryPlacement = KEEP_ALL
         cuts = candidate_cuts(ref, max_cuts)
         self.positions: np.ndarray = np.array([0, *cuts, len(names)], dtype=np.int64)
@@ -202,6 +216,7 @@ class CostModel:
         self.param_prefix = self._prefix(table["param_bytes"].to_numpy(np.int64))
         self.buffer_prefix = self._prefix(table["buffer_bytes"].to_numpy(np.int64))
         self.saved_prefix = self._prefix(table["saved_bytes"].to_numpy(np.int64))
+        self._comp: dict[str, np.ndarray] = {}  # compute_ms per type (cached)
         self.fwd_prefix: dict[str, np.ndarray] = {}
         self.bwd_prefix: dict[str, np.ndarray] = {}
         for t, prof in profiles.items():
@@ -234,8 +249,8 @@ class CostModel:
         return int(self.param_prefix[-1])
 
     def compute_ms(self, gpu_type: str) -> np.ndarray:
-        """Prefix sums over positions of fwd+bwd ms on ``gpu_type`` (plus fwd again when the
-        cost model's placement recomputes activations).
+        """Prefix sums over positions of fwd+bwd ms on ``gpu_type`` (a lower bound on a stage's
+        busy time under any placement, :meth:`busy_ms`).
 
         Raises:
             ProfileError: no profile for that type.
@@ -246,8 +261,6 @@ class CostModel:
             raise ProfileError(
                 f"no profile for GPU type {gpu_type!r} (have: {', '.join(self.types)})"
             ) from None
-        if self.placement.activations is Place.RECOMPUTE:
-            return 2 * fwd + bwd
         return fwd + bwd
 
     def comm_ms(self, link: Link) -> np.ndarray:
@@ -269,18 +282,65 @@ class CostModel:
         (those the placement keeps on the device)."""
         return self.coefficients(1, nm).param
 
+    def host_share(self, gpu: Device) -> HostShare:
+        """``gpu``'s share of its node's host link and host memory."""
+        return self.hosts.get(gpu.node, HostShare())
+
+    def same_times(self, n_stages: int, nm_a: int, nm_b: int) -> bool:
+        """Whether every stage of ``n_stages`` takes the same time at ``nm_a`` and ``nm_b`` in
+        flight (the placement recomputes and moves the same classes at both)."""
+
+        def rule(nm: int) -> list[tuple[float, Coefficients]]:
+            o = self.optimizer_state_factor
+            ks = [in_flight_bound(j, n_stages, nm) for j in range(n_stages)]
+            pl = self.placement
+            return [(recompute_factor(pl, k), transfer_coefficients(pl, nm, k, o)) for k in ks]
+
+        return rule(nm_a) == rule(nm_b)
+
     # ------------------------------------------------------------ matrices for the DP
 
-    def time_matrix(self, gpus: Sequence[Device], j: int) -> np.ndarray:
-        """``M[p, q]``: time in ms of stage ``j`` over positions ``[p, q)`` (``inf`` if ``q <= p``)."""
-        comp = self.compute_ms(gpus[j].type)
+    def busy_ms(
+        self, gpu: Device, in_flight: int, nm: int, p: np.ndarray, q: np.ndarray
+    ) -> np.ndarray:
+        """Busy ms on ``gpu`` of a stage over positions ``[p, q)`` (arrays, broadcast) holding
+        ``in_flight`` minibatches, under the cost model's placement: fwd + bwd + recompute, or
+        the host-link time of its offloaded bytes when longer (:func:`planner.offload.busy_ms`).
+        Entries with ``q <= p`` are meaningless."""
+        t, k = gpu.type, in_flight
+        if t not in self._comp:
+            self._comp[t] = self.compute_ms(t)
+        rf = recompute_factor(self.placement, k)
+        tc = transfer_coefficients(self.placement, nm, k, self.optimizer_state_factor)
+        comp = self._comp[t][q] - self._comp[t][p]
+        if rf:
+            comp = comp + rf * (self.fwd_prefix[t][q] - self.fwd_prefix[t][p])
+        if tc.zero:
+            return np.asarray(comp)
+        moved = (
+            tc.param * (self.param_prefix[q] - self.param_prefix[p])
+            + tc.saved * (self.saved_prefix[q] - self.saved_prefix[p])
+            + tc.cut * self.cut_bytes[p]
+        )
+        host = host_link_ms(
+            np.asarray(moved, dtype=np.float64), self.host_link, self.host_share(gpu).sharers
+        )
+        return busy_ms(np.asarray(comp, dtype=np.float64), host)
+
+    def time_matrix(self, gpus: Sequence[Device], j: int, nm: int = 1) -> np.ndarray:
+        """``M[p, q]``: time in ms of stage ``j`` over positions ``[p, q)`` with ``nm`` in flight
+        (``inf`` if ``q <= p``)."""
+        pos = np.arange(self.num_segments + 1)
+        k = in_flight_bound(j, len(gpus), nm)
+        busy = self.busy_ms(gpus[j], k, nm, pos[:, None], pos[None, :])
+        comp = np.zeros(len(pos))
         recv = self.comm_ms(self.link(gpus[j - 1], gpus[j])) if j > 0 else np.zeros(len(comp))
         send = (
             self.comm_ms(self.link(gpus[j], gpus[j + 1]))
             if j + 1 < len(gpus)
             else np.zeros(len(comp))
         )
-        m = comp[None, :] - comp[:, None] + recv[:, None] + send[None, :]
+        m = busy + recv[:, None] + send[None, :]
         return np.where(np.triu(np.ones_like(m, dtype=bool), 1), m, np.inf)
 
     def memory_matrix(self, n_stages: int, j: int, nm: int) -> np.ndarray:
@@ -292,6 +352,23 @@ class CostModel:
         sav = self.saved_prefix[None, :] - self.saved_prefix[:, None]
         mem = c.param * par + buf + c.saved * sav + c.cut * self.cut_bytes[:, None]
         return np.where(np.triu(np.ones_like(mem, dtype=bool), 1), mem, np.inf)
+
+    def host_matrix(self, n_stages: int, j: int, nm: int) -> np.ndarray:
+        """``M[p, q]``: host bytes stage ``j`` of ``n_stages`` offloads over ``[p, q)``."""
+        k = in_flight_bound(j, n_stages, nm)
+        c = host_coefficients(self.placement, nm, k, self.optimizer_state_factor)
+        par = self.param_prefix[None, :] - self.param_prefix[:, None]
+        sav = self.saved_prefix[None, :] - self.saved_prefix[:, None]
+        host: np.ndarray = c.param * par + c.saved * sav + c.cut * self.cut_bytes[:, None]
+        return host
+
+    def fits_matrix(self, gpus: Sequence[Device], j: int, nm: int) -> np.ndarray:
+        """``M[p, q]``: stage ``j`` over ``[p, q)`` fits its GPU's memory and its host share."""
+        fits: np.ndarray = self.memory_matrix(len(gpus), j, nm) <= gpus[j].memory_bytes
+        cap = self.host_share(gpus[j]).memory_bytes
+        if cap:
+            fits &= self.host_matrix(len(gpus), j, nm) <= cap
+        return fits
 
     # ------------------------------------------------------------ one stage
 
@@ -328,7 +405,10 @@ class CostModel:
             host_bytes=host_bytes(b, pl, nm, k, o),
             transfer_bytes=moved,
             recompute_ms=extra,
-            transfer_ms=exposed_ms(self.host_link.time_s(moved) * 1e3, compute),
+            transfer_ms=exposed_ms(
+                host_link_ms(float(moved), self.host_link, self.host_share(gpus[j]).sharers),
+                compute,
+            ),
         )
 
     def stage_cost(
@@ -372,11 +452,11 @@ class CostModel:
         q: int,
         nm: int,
         candidates: Sequence[MemoryPlacement],
-        host_cap: int = 0,
     ) -> StageMemory | None:
-        """The fastest placement of stage ``j`` among ``candidates`` that fits its GPU (and
-        ``host_cap`` host bytes, 0: unbounded); ties go to fewer host-link bytes, then to the
-        earlier candidate. ``None``: none fits."""
+        """The fastest placement of stage ``j`` among ``candidates`` that fits its GPU and its
+        host share; ties go to fewer host-link bytes, then to the earlier candidate. ``None``:
+        none fits."""
+        host_cap = self.host_share(gpus[j]).memory_bytes
         best: tuple[float, int, int] | None = None
         chosen = None
         for i, pl in enumerate(candidates):

@@ -52,10 +52,8 @@ def _choose(
     candidates: Sequence[MemoryPlacement],
     j: int,
 ) -> StageMemory | None:
-    gpu = part.gpus[j]
-    host = cluster.host_memory_bytes(gpu.node)
     p, q = part.bounds[j], part.bounds[j + 1]
-    return cm.choose_placement(part.gpus, j, p, q, nm, candidates, host)
+    return cm.choose_placement(part.gpus, j, p, q, nm, candidates)
 
 
 def refined_ms(

@@ -34,16 +34,30 @@ and the one prefetched). Offloaded bytes live in host memory; per minibatch the 
 
     weights      2 * P            when v > 2 (a version goes down once and comes back once)
     activations  2 * (S + C)      when k > 2
-    gradients    2 * P            (down as produced; updated weights or gradients back up)
-    optimizer    2 * o * P        when the gradients are kept (state in and out around the
-                                  device's update); 0 when they are offloaded too (the
-                                  update runs on the host, where the state is)
+    gradients    2 * P            (down as produced, back up for the update)
+    optimizer    2 * o * P        (the state comes up for the update and goes down again)
+
+The update always runs on the device, so results stay bit-equal to all-keep
+(:mod:`runtime.stage.moves` executes these moves).
 
 Overlap rule (:func:`exposed_ms`): the schedule fixes every stage's task order in advance
 (:mod:`planner.schedule`), so each transfer is issued one task ahead of its use on a side
 stream (GeePS's background prefetch) and a minibatch's transfers overlap the stage's compute
 of that minibatch; only the excess ``max(0, transfer_ms - compute_ms)`` delays the backward.
-Recompute adds the stage's forward time to its backward and cannot be hidden.
+Recompute adds the stage's forward time to its backward and cannot be hidden. A stage's busy
+time per minibatch is therefore (:func:`busy_ms`)::
+
+    busy = max(fwd + bwd + recompute, host_ms),   host_ms = host-link time of transfer_bytes
+
+The planner's cost model charges it while the partitioners choose the cuts, the plan records
+the exposed part in ``bwd_ms`` (which the simulator times and an emulated device paces).
+
+Host side (:class:`HostShare`): the GPUs of one node share its host memory equally
+(``host_memory / count`` each) and one host link (PCIe). The pipelines keep every GPU of a
+node busy at once, so when they offload they move bytes at the same time: each gets an equal
+share of the link's bandwidth (``bandwidth / count``; the latency stays). A GPU whose stage
+moves nothing frees no share for the others -- a conservative, simple model
+(:func:`host_link_ms`).
 
 Example:
     >>> b = StageBytes(param=100, buffer=0, saved=40, cut=10)
@@ -61,6 +75,12 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from enum import Enum
 from itertools import product
+from typing import TYPE_CHECKING, TypeVar
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from planner.cluster import Link
 
 __all__ = [
     "CANDIDATES",
@@ -68,16 +88,22 @@ __all__ = [
     "KEEP_ALL",
     "LADDER",
     "Coefficients",
+    "HostShare",
     "MemoryPlacement",
     "Place",
     "StageBytes",
+    "busy_ms",
     "coefficients",
     "device_bytes",
     "effective",
     "exposed_ms",
     "host_bytes",
+    "host_coefficients",
+    "host_link_ms",
+    "recompute_factor",
     "recompute_ms",
     "transfer_bytes",
+    "transfer_coefficients",
 ]
 
 ACTIVATION_BUFFERS = 2  # minibatches of offloaded activations on the device (double buffering)
@@ -216,6 +242,11 @@ class Coefficients:
     saved: float
     cut: float
 
+    @property
+    def zero(self) -> bool:
+        """Whether every multiplier is 0 (nothing counted)."""
+        return self.param == 0 and self.saved == 0 and self.cut == 0
+
 
 def coefficients(
     pl: MemoryPlacement, nm: int, in_flight: int, optimizer_factor: float
@@ -244,36 +275,51 @@ def device_bytes(
     return round(c.param * b.param + b.buffer + c.saved * b.saved + c.cut * b.cut)
 
 
+def host_coefficients(
+    pl: MemoryPlacement, nm: int, in_flight: int, optimizer_factor: float
+) -> Coefficients:
+    """The multipliers of :func:`host_bytes` (host bytes are ``param * P + saved * S + cut * C``)."""
+    param = 0.0
+    if pl.weights is Place.OFFLOAD:
+        param += max(0, nm - 1 - VERSION_BUFFERS)
+    if pl.optimizer is Place.OFFLOAD:
+        param += optimizer_factor
+    if pl.gradients is Place.OFFLOAD:
+        param += 1.0
+    act = float(max(0, in_flight - ACTIVATION_BUFFERS)) if pl.activations is Place.OFFLOAD else 0.0
+    return Coefficients(param, act, act)
+
+
 def host_bytes(
     b: StageBytes, pl: MemoryPlacement, nm: int, in_flight: int, optimizer_factor: float
 ) -> int:
     """Host bytes the stage's offloaded classes occupy (the bytes not on the device)."""
-    out = 0.0
-    if pl.weights is Place.OFFLOAD:
-        out += max(0, nm - 1 - VERSION_BUFFERS) * b.param
-    if pl.activations is Place.OFFLOAD:
-        out += max(0, in_flight - ACTIVATION_BUFFERS) * (b.saved + b.cut)
-    if pl.optimizer is Place.OFFLOAD:
-        out += optimizer_factor * b.param
+    c = host_coefficients(pl, nm, in_flight, optimizer_factor)
+    return round(c.param * b.param + c.saved * b.saved + c.cut * b.cut)
+
+
+def transfer_coefficients(
+    pl: MemoryPlacement, nm: int, in_flight: int, optimizer_factor: float
+) -> Coefficients:
+    """The multipliers of :func:`transfer_bytes` (``param * P + saved * S + cut * C``)."""
+    param = 0.0
+    if pl.weights is Place.OFFLOAD and nm - 1 > VERSION_BUFFERS:
+        param += 2.0
     if pl.gradients is Place.OFFLOAD:
-        out += b.param
-    return round(out)
+        param += 2.0
+    if pl.optimizer is Place.OFFLOAD:
+        param += 2.0 * optimizer_factor
+    moved = pl.activations is Place.OFFLOAD and in_flight > ACTIVATION_BUFFERS
+    act = 2.0 if moved else 0.0
+    return Coefficients(param, act, act)
 
 
 def transfer_bytes(
     b: StageBytes, pl: MemoryPlacement, nm: int, in_flight: int, optimizer_factor: float
 ) -> int:
     """Host-link bytes per minibatch, both directions summed (module docstring)."""
-    out = 0.0
-    if pl.weights is Place.OFFLOAD and nm - 1 > VERSION_BUFFERS:
-        out += 2 * b.param
-    if pl.activations is Place.OFFLOAD and in_flight > ACTIVATION_BUFFERS:
-        out += 2 * (b.saved + b.cut)
-    if pl.gradients is Place.OFFLOAD:
-        out += 2 * b.param
-    elif pl.optimizer is Place.OFFLOAD:
-        out += 2 * optimizer_factor * b.param
-    return round(out)
+    c = transfer_coefficients(pl, nm, in_flight, optimizer_factor)
+    return round(c.param * b.param + c.saved * b.saved + c.cut * b.cut)
 
 
 def effective(pl: MemoryPlacement, nm: int, in_flight: int) -> MemoryPlacement:
@@ -293,14 +339,50 @@ def effective(pl: MemoryPlacement, nm: int, in_flight: int) -> MemoryPlacement:
     return MemoryPlacement(w, a, pl.optimizer, pl.gradients)
 
 
-def recompute_ms(pl: MemoryPlacement, fwd_ms: float, in_flight: int) -> float:
-    """Extra milliseconds per minibatch: the forward again before the backward (recompute).
+def recompute_factor(pl: MemoryPlacement, in_flight: int) -> float:
+    """1 when the stage runs its forward again before each backward, else 0.
 
     A stage holding one minibatch (the last stage's fused task) keeps its activations anyway.
     """
-    return fwd_ms if pl.activations is Place.RECOMPUTE and in_flight > 1 else 0.0
+    return 1.0 if pl.activations is Place.RECOMPUTE and in_flight > 1 else 0.0
 
 
-def exposed_ms(transfer_ms: float, compute_ms: float) -> float:
+def recompute_ms(pl: MemoryPlacement, fwd_ms: float, in_flight: int) -> float:
+    """Extra milliseconds per minibatch: the forward again before the backward (recompute)."""
+    return recompute_factor(pl, in_flight) * fwd_ms
+
+
+@dataclass(frozen=True, slots=True)
+class HostShare:
+    """One GPU's share of its node's host side (module docstring, "Host side").
+
+    Attributes:
+        sharers: GPUs of the node sharing its host link (each gets ``1 / sharers`` of it).
+        memory_bytes: host memory this GPU may offload to (0: unbounded).
+    """
+
+    sharers: int = 1
+    memory_bytes: int = 0
+
+
+_A = TypeVar("_A", float, np.ndarray)
+
+
+def host_link_ms(nbytes: _A, link: Link, sharers: int = 1) -> _A:
+    """Milliseconds to move ``nbytes`` over one GPU's share of its node's host link
+    (0 bytes: 0 ms); floats or numpy arrays elementwise."""
+    share = link.bandwidth_bps / max(1, sharers)
+    out = np.where(np.asarray(nbytes) > 0, (link.latency_s + np.asarray(nbytes) / share) * 1e3, 0.0)
+    return float(out) if isinstance(nbytes, float | int) else out
+
+
+def exposed_ms(transfer_ms: _A, compute_ms: _A) -> _A:
     """The overlap rule: transfer time per minibatch not hidden behind its compute (ms)."""
-    return max(0.0, transfer_ms - compute_ms)
+    out = np.maximum(0.0, np.asarray(transfer_ms) - np.asarray(compute_ms))
+    return float(out) if isinstance(transfer_ms, float | int) else out
+
+
+def busy_ms(compute_ms: _A, transfer_ms: _A) -> _A:
+    """A stage's time per minibatch on its device: compute (recompute included) plus the
+    exposed transfer, i.e. ``max(compute_ms, transfer_ms)`` (floats or arrays)."""
+    return compute_ms + exposed_ms(transfer_ms, compute_ms)

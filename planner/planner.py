@@ -203,6 +203,7 @@ def _cost_models(
         max_cuts,
         first_measured,
         cluster.host_link,
+        cluster.host_shares(),
     )
     full = None
     if cm.num_segments < cm.num_layers:  # --max-cuts coarsened the graph: bound the exact optimum

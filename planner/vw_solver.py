@@ -82,7 +82,14 @@ class VWSolver:
 
     def _nm_max(self, gpus: Sequence[Device]) -> tuple[int, int]:
         """The largest Nm over the ladder's placements, and the smallest Nm=1 shortfall."""
-        found = [self._nm_max_under(self.cm_for(pl), gpus) for pl in self.ladder]
+        found, host_error = [], None
+        for pl in self.ladder:
+            try:
+                found.append(self._nm_max_under(self.cm_for(pl), gpus))
+            except PlanError as exc:  # its offloaded bytes exceed host memory at any size
+                host_error = host_error or exc
+        if not found and host_error is not None:
+            raise host_error
         best = max(nm for nm, _ in found)
         return (best, 0) if best else (0, min(short for _, short in found))
 
@@ -181,8 +188,9 @@ class VWSolver:
         """An optimum at a smaller Nm that still fits memory at ``nm`` (then it is optimal here too).
 
         Memory only grows with Nm, so the feasible partitions at ``nm`` are a subset of those
-        at any smaller Nm: the smaller Nm's optimum, when it fits, is optimal at ``nm``; its
-        lower bound stays valid.
+        at any smaller Nm: the smaller Nm's optimum, when it fits and the stage times are the
+        same at both (the placement moves the same bytes), is optimal at ``nm``; its lower
+        bound stays valid.
         """
         same = (key, use_dp, placement)
         done = sorted(
@@ -192,6 +200,8 @@ class VWSolver:
         cm = self.cm_for(placement)
         for small, (perm, bounds, bound, solver) in reversed(done):
             if not isinstance(small, int) or small >= nm:
+                continue
+            if not cm.same_times(len(ordered), small, nm):  # more moves at ``nm``: re-solve
                 continue
             order = [ordered[i] for i in perm]
             if all(

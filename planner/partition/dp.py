@@ -148,10 +148,16 @@ def _bottleneck(mats: Sequence[np.ndarray]) -> tuple[float, list[int]]:
 
 
 def _result(
-    cm: CostModel, gpus: Sequence[Device], bounds: list[int], obj: float, solver: str, t0: float
+    cm: CostModel,
+    gpus: Sequence[Device],
+    bounds: list[int],
+    obj: float,
+    nm: int,
+    solver: str,
+    t0: float,
 ) -> Partition:
     stage_ms = tuple(
-        cm.stage_cost(gpus, j, bounds[j], bounds[j + 1], 1).time_ms for j in range(len(gpus))
+        cm.stage_cost(gpus, j, bounds[j], bounds[j + 1], nm).time_ms for j in range(len(gpus))
     )
     return Partition(
         gpus=tuple(gpus),
@@ -198,20 +204,26 @@ def partition_dp(
     k = len(gpus)
     mats = []
     for j in range(k):
-        m = cm.time_matrix(gpus, j)
+        m = cm.time_matrix(gpus, j, nm)
         if memory:
-            m = np.where(cm.memory_matrix(k, j, nm) <= gpus[j].memory_bytes, m, np.inf)
+            m = np.where(cm.fits_matrix(gpus, j, nm), m, np.inf)
         mats.append(m)
     value, bounds = _bottleneck(mats)
     if not bounds:
         short, _ = _bottleneck(_shortfall_mats(cm, gpus, nm))
         order = "".join(g.letter for g in gpus)
+        if short <= 0:  # device memory would do: the offloaded bytes exceed host memory
+            raise InfeasiblePartition(
+                f"no partition of {cm.num_layers} layers over {order} fits host memory with "
+                f"Nm={nm} under {cm.placement}; raise the nodes' host_memory or lower --nm",
+                0,
+            )
         raise InfeasiblePartition(
             f"no partition of {cm.num_layers} layers over {order} fits memory with Nm={nm} "
             f"(smallest shortfall {int(np.ceil(short))} bytes on one stage)",
             int(np.ceil(short)),
         )
-    return _result(cm, gpus, bounds, value, "dp", t0)
+    return _result(cm, gpus, bounds, value, nm, "dp", t0)
 
 
 def partition_dp_best_order(

@@ -13,6 +13,11 @@ not depend on links, so whether the first ``j`` stages can end at ``q`` depends 
 positions) is a DP over multisets with ``O(C)`` numpy work per step (a difference array marks
 the intervals). That makes the largest feasible Nm and the smallest shortfall exact for every
 GPU order at once, in milliseconds, where enumerating orders would take minutes.
+
+Host memory is the second limit: the bytes a stage offloads (``host(p, q)``, the same form
+with the multipliers of :func:`planner.offload.host_coefficients`) must fit its GPU's share of
+the node's host memory (:meth:`CostModel.host_share`; 0: unbounded), so ``qmax`` is the smaller
+of the two ends and a memory class is a (device, host) capacity pair.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import numpy as np
 
 from planner.cluster import Device
 from planner.costmodel import CostModel
+from planner.offload import host_coefficients
 from planner.schedule import in_flight_bound
 from profiler.errors import PlanError
 
@@ -59,7 +65,8 @@ class MemoryLimits:
     cm: CostModel
     nm: int
     _mp: dict[int, np.ndarray] = field(default_factory=dict)
-    _qmax: dict[tuple[float, int], np.ndarray] = field(default_factory=dict)
+    _hp: dict[int, np.ndarray] = field(default_factory=dict)
+    _qmax: dict[tuple[float, int, int], np.ndarray] = field(default_factory=dict)
 
     def prefix(self, k: int) -> np.ndarray:
         """``mp_k``: prefix bytes over positions with ``k`` minibatches in flight.
@@ -83,24 +90,40 @@ class MemoryLimits:
             self._mp[k] = mp
         return self._mp[k]
 
-    def qmax(self, cap: float, k: int) -> np.ndarray:
-        """``qmax[p]``: last end position whose stage from ``p`` fits ``cap`` bytes (``<= p``: none)."""
-        key = (float(cap), k)
+    def host_prefix(self, k: int) -> tuple[np.ndarray, float]:
+        """Prefix host bytes over positions with ``k`` in flight, and the cut multiplier."""
+        cm = self.cm
+        co = host_coefficients(cm.placement, self.nm, k, cm.optimizer_state_factor)
+        if k not in self._hp:
+            param = cm.param_prefix.astype(np.float64)
+            self._hp[k] = co.param * param + co.saved * cm.saved_prefix.astype(np.float64)
+        return self._hp[k], co.cut
+
+    def qmax(self, cap: float, k: int, host_cap: int = 0) -> np.ndarray:
+        """``qmax[p]``: last end position whose stage from ``p`` fits ``cap`` device bytes and
+        ``host_cap`` host bytes (0: unbounded) (``<= p``: none)."""
+        key = (float(cap), k, host_cap)
         if key not in self._qmax:
+            cut_b = self.cm.cut_bytes.astype(np.float64)
             mp = self.prefix(k)
-            cut = self.cm.coefficients(k, self.nm).cut
-            target = cap + mp - cut * self.cm.cut_bytes.astype(np.float64)
-            self._qmax[key] = np.searchsorted(mp, target, side="right").astype(np.int64) - 1
+            target = cap + mp - self.cm.coefficients(k, self.nm).cut * cut_b
+            q = np.searchsorted(mp, target, side="right").astype(np.int64) - 1
+            if host_cap:
+                hp, hc = self.host_prefix(k)
+                host_q = np.searchsorted(hp, host_cap + hp - hc * cut_b, side="right") - 1
+                q = np.minimum(q, host_q.astype(np.int64))
+            self._qmax[key] = q
         return self._qmax[key]
 
 
-def _classes(gpus: Sequence[Device]) -> tuple[list[float], list[int]]:
-    """Capacities and counts of the VW's memory classes (GPUs with equal memory)."""
-    caps: dict[int, int] = {}
+def _classes(cm: CostModel, gpus: Sequence[Device]) -> tuple[list[tuple[int, int]], list[int]]:
+    """(device, host) capacities and counts of the VW's memory classes."""
+    caps: dict[tuple[int, int], int] = {}
     for g in gpus:
-        caps[g.memory_bytes] = caps.get(g.memory_bytes, 0) + 1
+        key = (g.memory_bytes, cm.host_share(g).memory_bytes)
+        caps[key] = caps.get(key, 0) + 1
     keys = sorted(caps)
-    return [float(c) for c in keys], [caps[c] for c in keys]
+    return keys, [caps[c] for c in keys]
 
 
 def _covered(reach: np.ndarray, qmax: np.ndarray, c: int) -> np.ndarray:
@@ -121,7 +144,7 @@ def _reach_layers(
     """``out[j][M]``: positions the first ``j`` stages can end at using memory-class multiset ``M``."""
     n_gpus = len(gpus)
     check_stage_count(cm, n_gpus)
-    caps, counts = _classes(gpus)
+    caps, counts = _classes(cm, gpus)
     c = cm.num_segments
     start = np.zeros(c + 1, dtype=bool)
     start[0] = True
@@ -134,7 +157,8 @@ def _reach_layers(
             for t, n in enumerate(counts):
                 if used[t] >= n:
                     continue
-                cover = _covered(reach, lim.qmax(caps[t] + extra_bytes, k), c)
+                dev, host = caps[t]
+                cover = _covered(reach, lim.qmax(dev + extra_bytes, k, host), c)
                 cover[room + 1 :] = False
                 if not cover.any():
                     continue
@@ -179,7 +203,7 @@ def feasible_order(cm: CostModel, gpus: Sequence[Device], nm: int) -> list[Devic
     """
     lim = MemoryLimits(cm, nm)
     layers = _reach_layers(cm, gpus, nm, 0.0, lim)
-    caps, counts = _classes(gpus)
+    caps, counts = _classes(cm, gpus)
     c, n_gpus = cm.num_segments, len(gpus)
     used = tuple(counts)
     if len(layers) != n_gpus + 1 or not layers[-1].get(used, np.zeros(1, dtype=bool))[-1]:
@@ -191,14 +215,15 @@ def feasible_order(cm: CostModel, gpus: Sequence[Device], nm: int) -> list[Devic
             prev = tuple(u - (i == t) for i, u in enumerate(used))
             if not n or prev not in layers[j]:
                 continue
-            p = np.flatnonzero(layers[j][prev][:q] & (lim.qmax(caps[t], k)[:q] >= q))
+            qmax = lim.qmax(caps[t][0], k, caps[t][1])
+            p = np.flatnonzero(layers[j][prev][:q] & (qmax[:q] >= q))
             if p.size:
                 classes.append(t)
                 used, q = prev, int(p[-1])
                 break
-    pools: dict[float, list[Device]] = {}
+    pools: dict[tuple[int, int], list[Device]] = {}
     for g in gpus:
-        pools.setdefault(float(g.memory_bytes), []).append(g)
+        pools.setdefault((g.memory_bytes, cm.host_share(g).memory_bytes), []).append(g)
     return [pools[caps[t]].pop(0) for t in reversed(classes)]
 
 
@@ -209,11 +234,18 @@ def min_memory_shortfall(cm: CostModel, gpus: Sequence[Device], nm: int) -> int:
     by bisection on a uniform capacity increase with :func:`fits_memory` (exact to the byte).
 
     Raises:
-        PlanError: more GPUs than candidate segments, or negative byte counts in the profile.
+        PlanError: more GPUs than candidate segments, negative byte counts in the profile, or
+            host memory too small whatever the device memory.
     """
     lim = MemoryLimits(cm, nm)
     if fits_memory(cm, gpus, nm, 0.0, lim):
         return 0
+    if not fits_memory(cm, gpus, nm, np.inf, lim):
+        raise PlanError(
+            f"no partition over {len(gpus)} GPUs fits the host memory of their nodes with "
+            f"Nm={nm} under memory placement {cm.placement}; raise host_memory of the nodes in "
+            "the cluster file, lower --nm or offload less (--memory)"
+        )
     # with this much more, any GPU holds the whole model as one stage
     lo, hi = 0, int(np.ceil(lim.prefix(nm)[-1] + nm * float(cm.cut_bytes.max()))) + 1
     while not fits_memory(cm, gpus, nm, float(hi), lim):

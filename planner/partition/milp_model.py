@@ -12,7 +12,13 @@ Formulation (``K`` stages, ``C`` candidate segments, GPU classes ``t`` of interc
   ``y[j] >= comm_l(j) - M (1 - r[j, l])`` with ``r[j, l] >= x[j, t] + x[j+1, u] - 1`` over the
   class pairs ``(t, u)`` joined by ``l``.
 - ``z >= comp_t(j) + y[j-1] + y[j] - M (1 - x[j, t])``; minimise ``z``.
-- memory: ``static(j) + in_flight(j) * (saved(j) + recv_bytes(j)) <= sum_t cap_t x[j, t]``.
+- memory: ``static(j) + in_flight(j) * (saved(j) + recv_bytes(j)) <= sum_t cap_t x[j, t]``
+  (the multipliers of the cost model's placement, :func:`planner.offload.coefficients`), and
+  the same form for the offloaded bytes against each class's host share.
+- a placement that recomputes adds the forward to ``comp_t(j)`` of the stages holding more
+  than one minibatch; one that moves bytes adds ``z >= host(j) + y[j-1] + y[j]``, ``host(j)``
+  the host-link ms of the stage's transfer bytes on its class's share of the link (the stage
+  is busy ``max(compute, host)``, :func:`planner.offload.busy_ms`).
 
 Speed (helpers in :mod:`planner.partition.bounds`): the DP optimum over every distinct GPU order when
 there are at most 24 (else over a few heuristic orders; the given order when it is fixed) is an
@@ -35,6 +41,7 @@ import pulp
 
 from planner.cluster import Device, Link
 from planner.costmodel import CostModel
+from planner.offload import host_coefficients, recompute_factor, transfer_coefficients
 from planner.partition.bounds import EPS, classes, reach_table, windows
 from planner.partition.dp import InfeasiblePartition, class_key
 from planner.schedule import in_flight_bound
@@ -190,16 +197,52 @@ class MilpModel:
             self.prob += y >= self.boundary_sum(j, fastest)
             self.y.append(y)
         seg = [np.diff(cm.compute_ms(r.type)) for r in self.cls.reps]
+        fwd = [np.diff(cm.fwd_prefix[r.type]) for r in self.cls.reps]
         for j in range(self.k):
             comm_in = self.y[j - 1] if j > 0 else 0.0
             comm_out = self.y[j] if j < self.k - 1 else 0.0
-            self.prob += self.z >= self._stage_compute(j, seg) + comm_in + comm_out
+            rf = recompute_factor(cm.placement, in_flight_bound(j, self.k, self.nm))
+            seg_j = [s + rf * f for s, f in zip(seg, fwd, strict=True)] if rf else seg
+            self.prob += self.z >= self._stage_compute(j, seg_j) + comm_in + comm_out
+            host = self._host_ms(j)
+            if host is not None:
+                self.prob += self.z >= host + comm_in + comm_out
         if self.v:  # total work on class t fits its n_t GPUs: a strong valid cut
             for t, members in enumerate(self.cls.members):
                 work = pulp.lpSum(
                     float(seg[t][i]) * v for (_, tt, i), v in self.v.items() if tt == t
                 )
                 self.prob += work <= len(members) * self.z
+
+    def _host_ms(self, j: int) -> pulp.LpAffineExpression | pulp.LpVariable | None:
+        """Host-link ms of stage ``j``'s transfer bytes on its class's share of the link
+        (``None``: the placement moves nothing there)."""
+        cm = self.cm
+        k = in_flight_bound(j, self.k, self.nm)
+        tc = transfer_coefficients(cm.placement, self.nm, k, cm.optimizer_state_factor)
+        if tc.zero:
+            return None
+        link = cm.host_link
+        seg = tc.param * np.diff(cm.param_prefix) + tc.saved * np.diff(cm.saved_prefix)
+        cut_b = tc.cut * cm.cut_bytes.astype(np.float64)
+        per: list[tuple[int, pulp.LpAffineExpression, float]] = []
+        for t, r in enumerate(self.cls.reps):
+            xt = self.x[j, t]
+            if isinstance(xt, float) and xt == 0.0:
+                continue
+            ms_per_byte = 1e3 * cm.host_share(r).sharers / link.bandwidth_bps
+            cut = ms_per_byte * cut_b
+            expr = self.stage_sum(j, ms_per_byte * seg) + 1e3 * link.latency_s
+            expr = expr + (self.boundary_sum(j - 1, cut) if j > 0 else float(cut[0]))
+            span = self._span(j)
+            big = float(ms_per_byte * seg[span.start : span.stop].sum() + cut.max()) + 1.0
+            per.append((t, expr, big))
+        if len(per) == 1:
+            return per[0][1]
+        h = pulp.LpVariable(f"h_{j}", lowBound=0)
+        for t, expr, big in per:
+            self.prob += h >= expr - big * (1 - self.x[j, t])
+        return h
 
     def _stage_compute(self, j: int, seg: Sequence[np.ndarray]) -> pulp.LpAffineExpression:
         """Compute ms of stage ``j`` on its class, linearised without big-M.
@@ -303,15 +346,25 @@ class MilpModel:
         buf = np.diff(cm.buffer_prefix) / _GIB
         sav = np.diff(cm.saved_prefix) / _GIB
         cut = cm.cut_bytes / _GIB
+        hosts = [cm.host_share(r).memory_bytes / _GIB for r in self.cls.reps]
         for j in range(self.k):
-            co = cm.coefficients(in_flight_bound(j, self.k, self.nm), self.nm)
+            k = in_flight_bound(j, self.k, self.nm)
+            co = cm.coefficients(k, self.nm)
             need = self.stage_sum(j, co.param * par + buf + co.saved * sav)
-            if j > 0:
-                need = need + co.cut * self.boundary_sum(j - 1, cut)
+            need = need + co.cut * (self.boundary_sum(j - 1, cut) if j > 0 else float(cut[0]))
             cap = pulp.lpSum(
                 self.x[j, t] * (r.memory_bytes / _GIB) for t, r in enumerate(self.cls.reps)
             )
             self.prob += need <= cap
+            hc = host_coefficients(cm.placement, self.nm, k, cm.optimizer_state_factor)
+            if hc.zero or not any(hosts):
+                continue
+            unbounded = float(hc.param * par.sum() + hc.saved * sav.sum() + hc.cut * cut.max())
+            host = self.stage_sum(j, hc.param * par + hc.saved * sav)
+            host = host + hc.cut * (self.boundary_sum(j - 1, cut) if j > 0 else float(cut[0]))
+            self.prob += host <= pulp.lpSum(
+                self.x[j, t] * (h if h else unbounded) for t, h in enumerate(hosts)
+            )
 
     def solution(self) -> tuple[list[int], list[Device]]:
         """Stage bounds (positions) and the GPU order of the solved model."""

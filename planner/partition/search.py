@@ -82,8 +82,8 @@ class _Search(SearchTables):
         if not rows.size:
             return None
         p = st.lo + rows
-        comp = self.comp[st.u]
-        a = comp[p] - self.recv(st)[p]  # stage cost = comp[q] - a + out[q]
+        comp = self.comp[st.u]  # a lower bound on the busy time: prunes the ends
+        a = comp[p] - self.recv(st)[p]  # stage cost >= comp[q] - a + out[q]
         qm = self.qmax(st.u, j)[p]
         if np.isfinite(inc):
             qm = np.minimum(qm, np.searchsorted(comp, a + inc, side="left") - 1)
@@ -91,9 +91,8 @@ class _Search(SearchTables):
         if q_hi < q_lo:
             return None
         cols = np.arange(q_lo, q_hi + 1)
-        cand = np.maximum(
-            st.f[rows][:, None], comp[cols][None, :] - a[:, None] + out[cols][None, :]
-        )
+        cost = self.busy(st.u, j, p[:, None], cols[None, :]) + self.recv(st)[p][:, None]
+        cand = np.maximum(st.f[rows][:, None], cost + out[cols][None, :])
         valid = (cols[None, :] > p[:, None]) & (cols[None, :] <= qm[:, None])
         cand = np.where(valid, cand, np.inf)
         arg = np.argmin(cand, axis=0)
@@ -108,8 +107,7 @@ class _Search(SearchTables):
     def finish(self, st: State, inc: float) -> tuple[float, int]:
         """Best value and start of the last stage (``inf`` if none beats ``inc``)."""
         p = np.arange(st.lo, st.lo + len(st.f))
-        comp = self.comp[st.u]
-        val = np.maximum(st.f, comp[self.c] - comp[p] + self.recv(st)[p])
+        val = np.maximum(st.f, self.busy(st.u, self.k - 1, p, np.array(self.c)) + self.recv(st)[p])
         val[self.qmax(st.u, self.k - 1)[p] < self.c] = np.inf
         i = int(np.argmin(val))
         return (float(val[i]), int(p[i])) if val[i] < inc else (np.inf, -1)

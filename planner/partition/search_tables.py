@@ -123,9 +123,14 @@ class SearchTables:
         """Per start position: the furthest end of stage ``j`` on class ``u`` that fits memory."""
         if self.mem is None:
             return np.full(self.c + 1, self.c, dtype=np.int64)
-        return self.mem.qmax(
-            float(self.cls.reps[u].memory_bytes), in_flight_bound(j, self.k, self.nm)
-        )
+        rep = self.cls.reps[u]
+        host = self.cm.host_share(rep).memory_bytes
+        return self.mem.qmax(float(rep.memory_bytes), in_flight_bound(j, self.k, self.nm), host)
+
+    def busy(self, u: int, j: int, p: np.ndarray, q: np.ndarray) -> np.ndarray:
+        """Busy ms of stage ``j`` on class ``u`` over ``[p, q)`` (:meth:`CostModel.busy_ms`)."""
+        k = in_flight_bound(j, self.k, self.nm)
+        return self.cm.busy_ms(self.cls.reps[u], k, self.nm, p, q)
 
     def largest(self, st: State) -> np.ndarray:
         """``out[p]``: the longest segment after ``p`` on the fastest class still available."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Mapping
 
+from planner.offload import host_link_ms
 from planner.plan import Plan, StagePlan, VirtualWorker
 from planner.predict import AllReduceResult, ring_link, simulate_allreduce
 from planner.sim.engine import simulate_pipelines
@@ -117,7 +118,12 @@ def pipeline_specs(plan: Plan, profile: Profile | None = None) -> list[PipelineS
                 nodes=tuple(vw.gpus[s.gpu].node for s in vw.stages),
                 push_inter_ms=tuple(push_inter),
                 host_ms=tuple(
-                    plan.cluster.host_link.time_s(s.transfer_bytes) * 1e3 for s in vw.stages
+                    host_link_ms(
+                        float(s.transfer_bytes),
+                        plan.cluster.host_link,
+                        plan.cluster.host_share(vw.gpus[s.gpu].node).sharers,
+                    )
+                    for s in vw.stages
                 ),
                 host_exposed_ms=tuple(s.transfer_ms for s in vw.stages),
             ).validated()

@@ -12,9 +12,10 @@
   ready. On CUDA the copies run on a side stream into pinned host buffers (used only when CUDA
   is available); on the CPU the "host" copy is a second buffer, so the code path and the
   accounting are exercised while the values stay identical.
-* stashed weight versions, optimizer state and gradients: on the emulated device their bytes
-  are accounted as host bytes by :class:`ResidencyMeter` (the emulated device *is* host memory)
-  and the host-link time the plan charges (``StagePlan.transfer_ms``, in ``bwd_ms``) is paced.
+* stashed weight versions, optimizer state and gradients move to host memory and back by
+  :mod:`runtime.stage.moves` (the same copier, :class:`runtime.stage.moves.HostCopies`). On an
+  emulated device the host-link time the plan charges (``StagePlan.transfer_ms``, in
+  ``bwd_ms``) is paced.
 
 :class:`ResidencyMeter` extends the byte accounting of :class:`runtime.stage.emulation.MemoryMeter`
 with the device/host split of the rule: device bytes are checked against the device's cap, host
@@ -34,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 from planner.offload import ACTIVATION_BUFFERS, VERSION_BUFFERS, MemoryPlacement, Place
 from profiler.errors import HetPipeRuntimeError
 from runtime.stage.emulation import MemoryMeter
+from runtime.stage.moves import HostCopies, parse_placement
 
 __all__ = ["OffloadManager", "ResidencyMeter", "memory_manager"]
 
@@ -54,10 +56,7 @@ def memory_manager(
     Raises:
         HetPipeRuntimeError: ``memory`` is not a placement.
     """
-    try:
-        placement = MemoryPlacement.parse(memory)
-    except ValueError as exc:
-        raise HetPipeRuntimeError(f"{where}: memory placement: {exc}") from None
+    placement = parse_placement(memory, where)
     args = (where, cap_bytes, param_bytes, buffer_bytes, optimizer_state_factor)
     if placement.kept:
         return None, MemoryMeter(*args)
@@ -67,14 +66,13 @@ def memory_manager(
 class _Packed:
     """One saved tensor in host memory, and its device copy once prefetched."""
 
-    __slots__ = ("device", "event", "host", "nbytes", "ready")
+    __slots__ = ("device", "host", "nbytes", "ready")
 
     def __init__(self, host: Tensor, device: torch.device, nbytes: int) -> None:
         self.host = host
         self.device = device
         self.nbytes = nbytes
         self.ready: Tensor | None = None
-        self.event: Any = None
 
 
 class _KeepBuffers:
@@ -114,8 +112,7 @@ class OffloadManager:
         self._mb = 0
         self.saved_bytes = 0  # bytes the last forward saved (device or host)
         self.working_bytes = 0  # recompute: one minibatch's activations, measured on the first
-        cuda = torch.cuda.is_available()
-        self._stream = torch.cuda.Stream() if cuda else None
+        self._copies = HostCopies()
 
     @property
     def recompute(self) -> bool:
@@ -180,15 +177,7 @@ class OffloadManager:
         if key in self._seen[ptr]:  # the same view again: one host copy
             return self._seen[ptr][key]
         nbytes = int(t.numel() * t.element_size())
-        if self._stream is not None and t.is_cuda:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            self._stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self._stream):
-                host.copy_(t, non_blocking=True)
-            t.record_stream(self._stream)
-        else:
-            host = t.detach().clone()
-        packed = _Packed(host, t.device, nbytes)
+        packed = _Packed(self._copies.down(t), t.device, nbytes)
         self._packed[self._mb].append(packed)
         self._seen[ptr][key] = packed
         return packed
@@ -198,21 +187,13 @@ class OffloadManager:
             return packed  # type: ignore[no-any-return]
         if packed.ready is None:
             self._fetch(packed)
-        if packed.event is not None:
-            torch.cuda.current_stream().wait_event(packed.event)
         out = packed.ready
         if out is None:
             raise HetPipeRuntimeError("an offloaded activation was lost before its backward")
-        return out
+        return self._copies.ready(out)
 
     def _fetch(self, p: _Packed) -> None:
-        if self._stream is not None and p.device.type == "cuda":
-            with torch.cuda.stream(self._stream):
-                p.ready = p.host.to(p.device, non_blocking=True)
-                p.event = torch.cuda.Event()
-                p.event.record(self._stream)
-        else:
-            p.ready = p.host.detach().clone()
+        p.ready = self._copies.up(p.host, p.device)
 
     def prefetch(self, mb: int) -> None:
         """Start bringing minibatch ``mb``'s offloaded activations back (before its backward)."""

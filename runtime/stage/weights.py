@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from planner.wsp import local_version
 from profiler.errors import HetPipeRuntimeError
 from runtime.config import OptimizerConfig
+from runtime.stage.moves import ClassMoves
 
 __all__ = ["VersionedWeights", "build_optimizer", "lr_at"]
 
@@ -69,6 +70,9 @@ class VersionedWeights:
         nm: minibatches in flight (local staleness ``nm - 1``).
         cfg: optimizer settings.
         total_updates: run length (for the ``cosine`` schedule).
+        first_update: updates before this run (a resumed run's lr-schedule position).
+        moves: the stage's moves of stashed versions, optimizer state and gradients to host
+            memory (:mod:`runtime.stage.moves`; ``None``: all on the device).
     """
 
     def __init__(
@@ -78,6 +82,7 @@ class VersionedWeights:
         cfg: OptimizerConfig,
         total_updates: int = 0,
         first_update: int = 0,
+        moves: ClassMoves | None = None,
     ) -> None:
         self.master = params
         self.nm = nm
@@ -92,6 +97,7 @@ class VersionedWeights:
         self._mb_version: dict[int, int] = {}
         self._resumed = False  # versions -(nm-1)..-1 restored: the first minibatches use them
         self.param_bytes = sum(p.numel() * p.element_size() for p in params.values())
+        self.moves = moves
 
     # ------------------------------------------------------------ versions
 
@@ -122,11 +128,43 @@ class VersionedWeights:
         self._users[v] = self._users.get(v, 0) + 1
         self._mb_version[mb] = v
         self._last_acquired = mb
+        if self.moves is not None:
+            self.moves.version_up(self._versions[v])
         return self._versions[v]
 
     def leaves(self, mb: int) -> dict[str, Tensor]:
-        """The leaf tensors minibatch ``mb``'s forward used."""
-        return self._versions[self._mb_version[mb]]
+        """The leaf tensors minibatch ``mb``'s forward used (on the device)."""
+        leaves = self._versions[self._mb_version[mb]]
+        if self.moves is not None:
+            self.moves.version_up(leaves)
+        return leaves
+
+    def _stashed(self, v: int) -> bool:
+        """Whether version ``v`` is kept and no longer the master's storage."""
+        leaves = self._versions.get(v)
+        if not leaves or not self.master:
+            return False
+        name = next(iter(self.master))
+        return leaves[name] is not self.master[name] and (
+            leaves[name].data_ptr() != self.master[name].data_ptr()
+        )
+
+    def park(self, mb: int) -> None:
+        """Minibatch ``mb``'s task is done with its version: a stashed one goes to host memory
+        (``weights: offload``)."""
+        v = self._mb_version.get(mb, self.version - 1)
+        if self.moves is not None and self._stashed(v):
+            self.moves.version_down(self._versions[v])
+
+    def prefetch(self) -> None:
+        """Start bringing the next backward's version back (the oldest minibatch in flight)."""
+        if self.moves is not None and self._mb_version:
+            leaves = self._versions[self._mb_version[min(self._mb_version)]]
+            self.moves.version_up(leaves, wait=False)
+
+    def park_grads(self, grads: dict[str, Tensor | None]) -> dict[str, Tensor | None]:
+        """Gradients waiting for the push: in host memory under ``gradients: offload``."""
+        return grads if self.moves is None else self.moves.grads_down(grads)
 
     def _release(self, mb: int) -> None:
         v = self._mb_version.pop(mb)
@@ -134,7 +172,9 @@ class VersionedWeights:
         if self._users[v] == 0:
             del self._users[v]
             if self._last_acquired >= self._last_user(v):
-                del self._versions[v]
+                dropped = self._versions.pop(v)
+                if self.moves is not None:
+                    self.moves.forget(dropped)
 
     def update(self, mb: int, grads: dict[str, Tensor | None]) -> None:
         """Release minibatch ``mb``'s version and apply its update ``u_mb`` to the master.
@@ -150,7 +190,10 @@ class VersionedWeights:
             raise HetPipeRuntimeError(
                 f"update of minibatch {mb} after {self.version}: out of order"
             )
+        v = self._mb_version[mb]
         self._release(mb)
+        if self.moves is not None and self._stashed(v):  # kept for a later minibatch
+            self.moves.version_down(self._versions[v])
         k = self.version
         if self._last_user(k) > mb:  # version k is still needed: keep its storage, move the master
             self._versions.setdefault(
@@ -158,6 +201,12 @@ class VersionedWeights:
             )
             for p in self.master.values():
                 p.data = p.data.clone()
+            if self.moves is not None:  # version k is stashed from now on
+                self.moves.version_down(self._versions[k])
+        if self.moves is not None:
+            grads = self.moves.grads_up(grads)
+            if self.optimizer is not None:
+                self.moves.state_up(self.optimizer)
         if self.optimizer is not None:
             lr = lr_at(self.cfg, self.first_update + k, self.total_updates)
             for group in self.optimizer.param_groups:
@@ -167,6 +216,8 @@ class VersionedWeights:
             self.optimizer.step()
             for p in self.master.values():
                 p.grad = None
+            if self.moves is not None:
+                self.moves.state_down(self.optimizer)
         self.version += 1
 
     def in_flight_versions(self) -> dict[int, dict[str, Tensor]]:
@@ -223,7 +274,7 @@ class VersionedWeights:
                     t = group[name]
                     if t.data_ptr() not in seen:
                         seen.add(t.data_ptr())
-                        t.data.add_(c)
+                        t.data.add_(c.to(t.device))  # a version may be in host memory
 
     @property
     def stashed_versions(self) -> int:

@@ -28,6 +28,7 @@ from runtime.stage.emulation import SavedBytes, pace_until
 from runtime.stage.grads import Held, backward_grads, outputs_backward
 from runtime.stage.job import StageJob
 from runtime.stage.model import build_stage, stage_rng_seed
+from runtime.stage.moves import class_moves
 from runtime.stage.offload import memory_manager
 from runtime.stage.tied import TiedGrads
 from runtime.stage.weights import VersionedWeights
@@ -64,9 +65,11 @@ class StageWorker:
         local = {orig: name for name, orig in self.names.items()}
         self.tied = TiedGrads(ctx.stage, ctx.rank - ctx.stage, built.tied, local)
         # a resumed run's lr schedule goes on where it stopped (cosine horizon included)
+        device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
         self.weights = VersionedWeights(
-            params, ctx.nm, job.optimizer, job.first_mb + ctx.total_steps, job.first_mb
-        )
+            params, ctx.nm, job.optimizer, job.first_mb + ctx.total_steps, job.first_mb,
+            class_moves(ctx.memory, ctx.where, device, copy=not run.emulate or ctx.speed <= 0),
+        )  # fmt: skip
         buffer_bytes = sum(b.numel() * b.element_size() for b in self.module.buffers())
         factor = ctx.optimizer_state_factor
         self.offload, self.memory = memory_manager(
@@ -289,8 +292,9 @@ class StageWorker:
             self.sync.before_forward(mb)
         t0, self._task_wall0 = time.perf_counter(), time.time()
         log.debug("[%s] task %s", self.ctx.where, task)
-        if self.offload is not None:  # offloaded activations come back one task ahead
+        if self.offload is not None:  # offloaded data comes back one task ahead
             self.offload.prefetch_ahead()
+            self.weights.prefetch()
         if self.fault is not None:
             self.fault(mb)
         if task.kind is Kind.B:
@@ -327,7 +331,7 @@ class StageWorker:
             to_prev.send_grads(grads_x)
 
     def _update(self, mb: int, grads_w: dict[str, Tensor | None]) -> None:
-        grads_w = self.sync.reduce_grads(mb, grads_w)
+        grads_w = self.sync.reduce_grads(mb, self.weights.park_grads(grads_w))
         self.sync.before_update(mb)
         if self.tied:  # a parameter held by several stages: every copy takes the summed step
             grads_w = self.tied.exchange(grads_w, self.weights.master)
@@ -361,6 +365,7 @@ class StageWorker:
         else:
             out = self._call(leaves, held.inputs)
         if not self.last:  # cast inside autograd: the gradients come back in the wire dtype
+            self.weights.park(mb)  # a stashed version waits in host memory for the backward
             held.outputs = tuple(
                 o.to(s.dtype) if o.is_floating_point() else o
                 for o, s in zip(out, self.out_specs, strict=True)

@@ -118,22 +118,6 @@ def test_cluster_host_link_and_host_memory() -> None:
         parse_cluster({"nodes": [{"name": "A", "gpu": "TITAN V", "count": 1, "host_memory": -1}]})
 
 
-def test_host_memory_too_small_fails_with_the_fix() -> None:
-    cluster = load_cluster(CLUSTER)
-    nodes = tuple(replace(n, host_memory_bytes=1) for n in cluster.nodes)
-    with pytest.raises(PlanError, match="host_memory"):
-        make_plan(
-            replace(cluster, nodes=nodes),
-            model=MODEL,
-            batch_size=32,
-            policy="ed",
-            num_vws=1,
-            optimizer="sgd",
-            nm=6,
-            options=PlanOptions(memory="auto", simulate_waves=0),
-        )
-
-
 def test_simulator_draws_the_host_transfers(tmp_path: Path) -> None:
     from planner.sim.gantt import write_gantt
     from planner.sim.simulator import simulate

@@ -110,7 +110,7 @@ def test_pipeline_runs_equal_the_all_keep_run() -> None:
         return replace(plan, virtual_workers=(replace(vw, stages=stages),))
 
     base = launch(plan, source, cfg, run)
-    for memory in ("activations:recompute", "ORKO"):  # ORKO: recompute, versions/grads offloaded
+    for memory in ("activations:recompute", "ORKO", "OOOO"):  # O: moved to host memory
         got = launch(with_memory(memory), source, cfg, run)  # type: ignore[arg-type]
         assert got.losses == base.losses
         for name, p in base.state_dict().items():
