@@ -38,11 +38,12 @@ from runtime.ps.layout import ShardSpec, export_state_dict
 from runtime.ps.outcome import ClockEvent
 from runtime.results.evaluation import evaluate_module
 from runtime.results.metrics import StageResult, VWResult, stage_table, write_metrics
+from runtime.results.restarts import restart_caption
 from runtime.results.sync import arrival_table, describe_rule, dropped_vw_waves, kth_push_s
 from runtime.results.timeline import write_timeline
 from runtime.stage.model import reference_module
 
-__all__ = ["LostVW", "RunResult", "evaluate", "export_snapshot", "restart_notes"]
+__all__ = ["LostVW", "RunResult", "evaluate", "export_snapshot"]
 
 log = logging.getLogger(__name__)
 
@@ -78,23 +79,6 @@ class LostVW:
             wave = min((e[1] for e in last), default=0)
             out.append(LostVW(vw, cause, wave, sum(e[2] for e in last), max(0, waves - wave)))
         return tuple(out)
-
-
-def restart_notes(
-    restarted: Sequence[tuple[int, int, str]], states: Sequence[ShardState]
-) -> tuple[str, ...]:
-    """One line per VW restarted alone (``(vw, incarnation, cause)``): the cause, the wave it
-    rejoined at (its cut: the shards' ``incarnation``-th eviction of it) and the buffered
-    pushes the shards discarded (recomputed by the new incarnation; no wave is lost)."""
-    notes = []
-    for vw, inc, cause in restarted:
-        evs = [[e for e in s.evictions if e[0] == vw][inc - 1 : inc] for s in states]
-        hits = [e[0] for e in evs if e]
-        wave = min((e[1] for e in hits), default=-1)
-        dropped = sum(e[2] for e in hits)
-        notes.append(f"{cause} (vw {vw} restarted alone at wave {wave}; {dropped} buffered "
-                     "pushes discarded and recomputed, no wave lost)")  # fmt: skip
-    return tuple(notes)
 
 
 @dataclass(frozen=True)
@@ -339,7 +323,7 @@ class RunResult:
         if self.stopped_by:
             caption += f"; {self.stopped_by}"
         if self.restarts:
-            caption += f"; restarted {len(self.restarts)}x from the last snapshot"
+            caption += f"; {escape(restart_caption(self.restarts))}"
         for gone in self.lost:
             caption += (
                 f"; vw {gone.vw} lost ({escape(gone.cause)}): evicted at wave {gone.wave}, "
