@@ -29,6 +29,7 @@ from torch.utils.data import Dataset
 
 from planner.plan import Plan
 from planner.sync import SyncParams
+from profiler.capture import quiet_treespec
 from profiler.errors import HetPipeRuntimeError
 from profiler.files import atomic_write_text
 from runtime.config import ModelSource
@@ -352,7 +353,8 @@ def evaluate(
         return float("nan"), float("nan")
     module, names, loss_fn = reference_module(source, batch_size, seed)
     if source.module is not None:
-        module = copy.deepcopy(module)
+        with quiet_treespec():  # an exported module carries torch's pytree specs
+            module = copy.deepcopy(module)
     by_orig = {orig: n for n, orig in names.items()}
     module.load_state_dict({by_orig[k]: v for k, v in state.items() if k in by_orig}, strict=False)
     return evaluate_module(module, test, batch_size, loss_fn)
