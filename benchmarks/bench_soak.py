@@ -18,11 +18,12 @@ the next attempt beating again).
 ``--mode continue``: the killer SIGKILLs a random *stage* (at most one fewer than the VWs);
 its VW is evicted and the others go on. Reports the accuracy of both runs, each lost VW's
 cut wave and waves never trained (``summary.json`` ``lost``), the time from the kill to
-the eviction at the last shard (the shards' log lines). No snapshot is committed after an
-eviction, so the ledger is not re-read here (``tests/runtime/test_faults_continue.py``
-checks it exactly).
+the eviction at the last shard (the shards' log lines). The ledger is not re-read here
+(``tests/runtime/test_faults_continue.py`` checks it exactly).
 
-Run: ``python benchmarks/bench_soak.py`` (a few minutes). Writes
+Run: ``python benchmarks/bench_soak.py --steps 900 --checkpoint-every 5 --kills 4 --every 5``
+(about 2-3 minutes; it prints the JSON it writes; the disturbed run's log goes to
+``$TMPDIR/hetpipe-soak.log``). Writes
 ``benchmarks/results/soak.json`` (``soak_continue.json`` with ``--mode continue``).
 """
 
@@ -209,7 +210,7 @@ def main() -> None:
     p.add_argument("--cluster", type=Path, default=REPO / "examples" / "emulated_cluster.yaml")
     p.add_argument("--steps", type=int, default=900)
     p.add_argument("--checkpoint-every", type=int, default=5)
-    p.add_argument("--every", type=float, default=4.0, help="seconds between kills")
+    p.add_argument("--every", type=float, default=5.0, help="seconds between kills")
     p.add_argument("--kills", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mode", choices=("restart", "continue"), default="restart")

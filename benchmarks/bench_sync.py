@@ -77,8 +77,9 @@ def wsp_row(res: RunResult, args: argparse.Namespace, predicted: float) -> dict[
     points = [(t - t0, loss) for v in res.vws for (_, loss), t in
               zip(sorted(v.stages[-1].losses), v.stages[-1].done_times, strict=False)]  # fmt: skip
     dropped = dropped_vw_waves(res.vws)
-    waves = sum(v.steps for v in res.vws) // res.nm
-    applied = res.throughput * (waves - dropped) / waves if waves else 0.0
+    waves = sum(v.steps for v in res.vws) // res.nm  # computed VW-waves
+    counted = len({(e.vw, e.wave) for e in res.states[0].ledger})  # applied (the ledger)
+    applied = res.throughput * counted / waves if waves else 0.0
     return {
         "throughput": res.throughput,
         "applied_throughput": applied,

@@ -28,6 +28,7 @@ import argparse
 import json
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,57 @@ class Trainer:
         vector_to_parameters(w, self.params)
         return accuracy(self.module, self.test, self.batch)
 
+    def metric(self, w: Tensor) -> float:
+        """What the curves plot: the test accuracy (``benchmarks/lm_task.py``'s trainer
+        plots the test loss)."""
+        return self.accuracy(w)
+
+
+def vw_sources(shards: list[Dataset[Any]], batch: int, seed: int) -> list[MinibatchSource]:
+    """Each VW's minibatches: its own shard in its own seeded order (``seed + 101 v``)."""
+    return [MinibatchSource(s, batch, seed + 101 * v) for v, s in enumerate(shards)]
+
+
+class Versions:
+    """One VW's local weight versions (the paper's local staleness): minibatch ``p`` runs on
+    the version holding ``p - Nm`` local updates (the first one while ``p <= Nm``)."""
+
+    def __init__(self, first: Tensor, nm: int) -> None:
+        self.nm = nm
+        self._kept: deque[Tensor] = deque([first], maxlen=nm + 1)
+
+    def for_minibatch(self, p: int) -> Tensor:
+        """The weights minibatch ``p`` (1-based) runs its forward on."""
+        return self._kept[-self.nm] if p > self.nm else self._kept[0]
+
+    def append(self, w: Tensor) -> None:
+        """The version after the next update."""
+        self._kept.append(w)
+
+    @property
+    def last(self) -> Tensor:
+        """The newest version (the master weights)."""
+        return self._kept[-1]
+
+    @last.setter
+    def last(self, w: Tensor) -> None:
+        self._kept[-1] = w
+
+
+def write_results(
+    args: argparse.Namespace,
+    summary: dict[str, Any],
+    rows: list[dict[str, Any]],
+    plot: Callable[[list[dict[str, Any]], Path], None],
+) -> None:
+    """Print the summary, write ``args.out`` (config, summary, rows) and its PNG beside it."""
+    print(json.dumps(summary, indent=2))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    args.out.write_text(json.dumps({"config": config, "summary": summary, "rows": rows}) + "\n")
+    plot(rows, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
 
 def warm(lr: float, done: float, warmup: float) -> float:
     """``lr`` scaled linearly from 0 over the first ``warmup`` fraction of the samples.
@@ -96,7 +148,7 @@ def warm(lr: float, done: float, warmup: float) -> float:
 
 
 def sequential(
-    tr: Trainer,
+    tr: Any,
     train: Dataset[Any],
     steps: int,
     lr: float,
@@ -107,16 +159,16 @@ def sequential(
     """Plain SGD over the whole training split; curve = (samples, test accuracy)."""
     src = MinibatchSource(train, tr.batch, seed)
     w = tr.w0.clone()
-    curve = [(0, tr.accuracy(w))]
+    curve = [(0, tr.metric(w))]
     for p in range(1, steps + 1):
         w -= warm(lr, p / steps, warmup) * tr.grad(w, *src.batch(p))
         if p % every == 0:
-            curve.append((p * tr.batch, tr.accuracy(w)))
+            curve.append((p * tr.batch, tr.metric(w)))
     return w, curve
 
 
 def wsp(
-    tr: Trainer,
+    tr: Any,
     shards: list[Dataset[Any]],
     steps: int,
     nm: int,
@@ -133,19 +185,18 @@ def wsp(
         and the largest global staleness seen (updates of other VWs' minibatches missing).
     """
     n = len(shards)
-    srcs = [MinibatchSource(s, tr.batch, seed + 101 * v) for v, s in enumerate(shards)]
+    srcs = vw_sources(shards, tr.batch, seed)
     own = [tr.w0.new_zeros(tr.w0.shape) for _ in range(n)]  # L_v: v's cumulative own updates
-    recent: list[deque[Tensor]] = [deque([own[v].clone()], maxlen=nm + 1) for v in range(n)]
+    recent = [Versions(own[v].clone(), nm) for v in range(n)]
     at_wave: list[dict[int, Tensor]] = [{0: own[v].clone()} for v in range(n)]  # S_v[c]
     total = tr.w0.new_zeros(tr.w0.shape)  # every update of every VW so far
-    curve = [(0, tr.accuracy(tr.w0))]
+    curve = [(0, tr.metric(tr.w0))]
     worst = 0
     for p in range(1, steps + 1):
         g = required_global_clock(p, nm, d)
         global_part = sum((at_wave[u][g] for u in range(n)), tr.w0.new_zeros(tr.w0.shape))
         for v in range(n):
-            # recent[v] ends with L_v[p-1]: L_v[p-Nm] is nm from the end (L_v[0] while p <= Nm)
-            local = recent[v][-nm] if p > nm else recent[v][0]
+            local = recent[v].for_minibatch(p)  # L_v[p - Nm] (L_v[0] while p <= Nm)
             w = tr.w0 + global_part - at_wave[v][g] + local
             u = -warm(lr, p / steps, warmup) * tr.grad(w, *srcs[v].batch(p))
             own[v] += u
@@ -159,7 +210,7 @@ def wsp(
                 for c in [c for c in at_wave[v] if c < g]:
                     del at_wave[v][c]
         if (p * n) % every == 0:
-            curve.append((p * n * tr.batch, tr.accuracy(tr.w0 + total)))
+            curve.append((p * n * tr.batch, tr.metric(tr.w0 + total)))
     return tr.w0 + total, curve, worst
 
 
@@ -310,12 +361,7 @@ def main() -> None:
         "best_gap_pp": 100 * max(gaps),
         "seconds": time.perf_counter() - t0,
     }
-    print(json.dumps(summary, indent=2))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    args.out.write_text(json.dumps({"config": config, "summary": summary, "rows": rows}) + "\n")
-    plot(rows, args.out.with_suffix(".png"))
-    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    write_results(args, summary, rows, plot)
 
 
 if __name__ == "__main__":

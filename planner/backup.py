@@ -9,11 +9,20 @@ One source of truth for the simulator (:mod:`planner.sim.waves`) and the paramet
 - a push of a wave that is already closed is *dropped*: it never reaches the weights, and the
   shard records it once (a second copy of the same tag is a duplicate, not a second drop);
 - waves close in order, D = 0 semantics otherwise: a VW needs wave ``c`` closed before it may
-  finish wave ``c + 1``; a late VW goes on from the newest global weights (its pull returns
-  the current clock, without its dropped update) with its next wave, whose push counts if it
-  comes among the first ``N``.
+  finish wave ``c + 1``;
+- a late VW *continues at the current clock* (the seed's worker reads ``theta(t)`` at the
+  current ``t``): after pushing wave ``c`` it pulls the global weights, whose clock ``G`` may
+  be past ``c + 1`` when waves closed without it, and its next wave is numbered
+  :func:`continue_at` ``(c, G) = max(c + 1, G)``. Its *data* position goes on where it was
+  (no sample is skipped or repeated): waves ``c + 1 .. G - 1`` are simply never pushed by it,
+  so a VW that fell behind trains fewer of its own samples in the run, never stale ones;
+- the run ends at global clock ``W`` (the waves asked for), whoever pushed them: a VW pushes
+  waves below ``W`` only and runs :func:`vw_minibatches` minibatches in all. Every wave
+  below ``W`` closes (every VW either pushes it or already saw it closed, and ``N <= n``),
+  so no pull ever waits for a wave that never comes.
 
-With ``b = 0`` every wave waits for every VW: exactly WSP with ``D = 0``.
+With ``b = 0`` every wave waits for every VW: exactly WSP with ``D = 0`` (the clock never
+passes ``c + 1`` before a VW pushed ``c``, so :func:`continue_at` is always ``c + 1``).
 
 Worked example, 3 VWs, 1 backup (N = 2): VW 2 pushes wave 0 first, then VW 0: the wave closes
 and its update is ``u0 + u2`` (VW id order); VW 1's push comes late and is dropped.
@@ -25,13 +34,22 @@ and its update is ``u0 + u2`` (VW id order); VW 1's push comes late and is dropp
 (0, 2)
 >>> q.arrive(1, 0)
 <Arrival.DROPPED: 2>
+
+VW 1 was a whole wave late: VWs 0 and 2 closed wave 1 as well before its pull was answered,
+so it continues at wave 2 (its next data wave is pushed as wave 2). In a run of 3 waves it
+then trains 2 waves of its data (it skipped wave 1), 4 minibatches at ``Nm = 2``:
+
+>>> continue_at(0, clock=2)
+2
+>>> vw_minibatches(waves=3, skipped=1, admitted=3, nm=2)
+4
 """
 
 from __future__ import annotations
 
 from enum import IntEnum
 
-__all__ = ["Arrival", "QuorumClock", "quorum"]
+__all__ = ["Arrival", "QuorumClock", "continue_at", "quorum", "vw_minibatches"]
 
 
 def quorum(n_vws: int, backups: int) -> int:
@@ -50,6 +68,51 @@ def quorum(n_vws: int, backups: int) -> int:
             f"backups must be in 0..{n_vws - 1} with {n_vws} virtual workers, got {backups}"
         )
     return n_vws - backups
+
+
+def continue_at(pushed: int, clock: int) -> int:
+    """The wave a VW works on after pushing wave ``pushed`` and pulling global clock ``clock``.
+
+    Normally ``pushed + 1``; a VW the others left behind (waves up to ``clock - 1`` closed
+    without it) jumps to the current clock instead of pushing waves that are already closed.
+
+    >>> continue_at(4, 5), continue_at(4, 8)
+    (5, 8)
+
+    Raises:
+        ValueError: ``clock`` below ``pushed + 1`` (the pull was answered too early: at
+            ``D = 0`` it waits until wave ``pushed`` closed) or a negative wave.
+    """
+    if pushed < 0:
+        raise ValueError(f"waves are numbered from 0, got {pushed}")
+    if clock < pushed + 1:
+        raise ValueError(
+            f"a pull after pushing wave {pushed} must return clock >= {pushed + 1}, got {clock}"
+        )
+    return clock
+
+
+def vw_minibatches(waves: int, skipped: int, admitted: int, nm: int) -> int:
+    """Minibatches a VW runs in all when the run ends at global clock ``waves``.
+
+    The run is over when the global clock reaches ``waves``, whoever pushed them: a VW that
+    skipped ``skipped`` waves (:func:`continue_at`) pushes ``waves - skipped`` waves of its
+    data. It never runs fewer than the whole waves it has already admitted: a wave in progress
+    when the VW learns it jumped to ``waves`` or beyond is finished and not pushed (its
+    number is not below ``waves``), so every stage of the VW ends on a wave boundary.
+
+    >>> vw_minibatches(10, 0, 7, 4), vw_minibatches(10, 3, 7, 4), vw_minibatches(10, 9, 7, 4)
+    (40, 28, 8)
+
+    Raises:
+        ValueError: negative values or ``nm < 1``.
+    """
+    if nm < 1 or min(waves, skipped, admitted) < 0:
+        raise ValueError(
+            f"need waves, skipped, admitted >= 0 and nm >= 1, got {waves}, {skipped}, "
+            f"{admitted}, {nm}"
+        )
+    return max(-(-admitted // nm), waves - skipped) * nm
 
 
 class Arrival(IntEnum):

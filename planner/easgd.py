@@ -48,6 +48,7 @@ __all__ = [
     "elastic_worker",
     "exchange_index",
     "exchanges_after",
+    "waves_at",
 ]
 
 
@@ -96,6 +97,18 @@ def exchange_index(wave: int, tau: int) -> int:
     if not exchanges_after(wave, tau):
         raise ValueError(f"no exchange after wave {wave} with tau {tau}")
     return (wave + 1) // tau - 1
+
+
+def waves_at(exchanges: int, tau: int) -> int:
+    """Waves every VW has run when the centre holds ``exchanges`` exchanges (its clock, the
+    clock of an EASGD snapshot): a resumed run starts at that wave.
+
+    >>> waves_at(3, 4)
+    12
+    """
+    if tau < 1 or exchanges < 0:
+        raise ValueError(f"need tau >= 1 and exchanges >= 0, got {tau}, {exchanges}")
+    return exchanges * tau
 
 
 def elastic_difference(w: _V, centre: _V, alpha: float) -> _V:

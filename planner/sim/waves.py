@@ -12,8 +12,11 @@ and the throughput of the samples that reached the weights:
   (:func:`planner.wsp.required_global_clock`), so a wave starts once wave ``c - D - 2`` is
   global and ends no sooner than one minibatch (``T_v x slowdown / Nm``) after wave ``c - D - 1``;
 - ``backup`` (``b`` backups, :mod:`planner.backup`): the same gates with ``D = 0`` on the
-  *closing* times, a wave closing with its ``N``-th push; a late VW's push is dropped and it
-  goes on with its next wave;
+  *closing* times, a wave closing with its ``N``-th push; a late VW's push is dropped, and
+  when its pull is answered (once the wave it pushed closed) it continues at the current clock
+  (:func:`planner.backup.continue_at`), its next data wave numbered by that clock. A VW's
+  straggler draw is keyed by its *data* wave, as the emulated devices draw it, and the run
+  ends when the global clock reaches ``waves``;
 - ``easgd`` (every ``tau`` waves, :mod:`planner.easgd`): VWs run free between exchanges; at
   exchange ``k`` a VW waits until every VW made exchange ``k - 1`` (the centre it pulls holds
   them), i.e. a WSP clock over exchanges with ``D = 0``.
@@ -38,7 +41,7 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from planner.backup import Arrival, QuorumClock
+from planner.backup import Arrival, QuorumClock, continue_at
 from planner.easgd import exchanges_after
 from planner.plan import Plan
 from planner.sim.simulator import simulate
@@ -66,6 +69,8 @@ class WavePlay:
         counted: per wave, the VWs whose pushes reached the weights (VW id order).
         dropped: pushes dropped (backup only).
         applied: pushes that reached the weights.
+        numbers: per VW, the wave number of each of its data waves it pushed (backup: a VW
+            that jumped skips numbers; otherwise ``0, 1, 2, ...``).
         makespan_ms: when the last wave closed.
         nm: minibatches per wave.
     """
@@ -78,6 +83,7 @@ class WavePlay:
     applied: int
     makespan_ms: float
     nm: int
+    numbers: tuple[tuple[int, ...], ...] = ()
 
     def throughput(self, batch_size: int) -> float:
         """Samples/s that reached the weights (dropped pushes' samples are lost work)."""
@@ -99,13 +105,23 @@ def _play_clocked(
     quorum = QuorumClock(n, backups)
     closed: list[float] = []
     arrivals: list[list[float]] = [[] for _ in range(waves)]
-    state = [(0, 0.0)] * n  # per VW: (next wave, time it is free)
+    # per VW: (data waves done, wave pushed last or -1, time it is free); the next wave's
+    # number is known once the pull after that push is answered (continue_at)
+    state = [(0, -1, 0.0)] * n
+    numbers: list[list[int]] = [[] for _ in range(n)]
     heap: list[tuple[float, int, int]] = []
     blocked: set[int] = set()
     pushed = [0] * waves
 
     def schedule(v: int) -> None:
-        c, free = state[v]
+        d, last, free = state[v]
+        if backups and last >= 0:
+            if quorum.clock <= last:  # numbered when its pull is answered (the VW runs on:
+                blocked.add(v)  # rescheduled at that close, it still starts at ``free``)
+                return
+            c = continue_at(last, quorum.clock)
+        else:
+            c = last + 1
         if c >= waves:
             return
         # the first Nm-1 minibatches of wave c need G(c-D-1) waves closed, its last one G(c-D)
@@ -114,7 +130,7 @@ def _play_clocked(
         if start is None or end is None:
             blocked.add(v)
             return
-        t = wave_ms[v] * slowdown(v, c)
+        t = wave_ms[v] * slowdown(v, d)
         heapq.heappush(heap, (max(max(free, start) + t, end + t / nm), v, c))
 
     for v in range(n):
@@ -123,18 +139,20 @@ def _play_clocked(
     while heap and len(closed) < waves:
         t, v, c = heapq.heappop(heap)
         arrivals[c].append(t)
+        numbers[v].append(c)
         before = quorum.clock
         if quorum.arrive(v, c) is Arrival.DROPPED:
             dropped += 1
         else:
             pushed[c] += 1
         closed += [t] * (quorum.clock - before)
-        state[v] = (c + 1, t)
-        schedule(v)
+        state[v] = (state[v][0] + 1, c, t)
         if quorum.clock > before:
-            for u in sorted(blocked):
+            for u in sorted(blocked | {v}):
                 blocked.discard(u)
                 schedule(u)
+        else:
+            schedule(v)
     return WavePlay(
         "backup" if backups else "wsp",
         tuple(tuple(sorted(a)) for a in arrivals),
@@ -144,6 +162,7 @@ def _play_clocked(
         sum(pushed),
         closed[-1] if closed else 0.0,
         nm,
+        tuple(tuple(x) for x in numbers),
     )
 
 

@@ -52,6 +52,8 @@ class VWEvictor:
         would survive)."""
         vw_of = {r: k for k, ranks in self.vw_ranks.items() for r in ranks}
         vws = {vw_of.get(r, -1) for r in errors}
+        if -1 not in vws and self._shard_died(vw_of, errors):
+            return None  # the stages only lost their shard: the run (or the job) must stop
         if -1 in vws or (
             self.restart is None and len(self.lost.keys() | vws) >= len(self.vw_ranks)
         ):
@@ -74,6 +76,22 @@ class VWEvictor:
             gone.update(ranks)
         return None if len(self.lost) >= len(self.vw_ranks) else gone
 
+    def _shard_died(self, vw_of: Mapping[int, int], errors: dict[int, str]) -> bool:
+        """Whether a shard died: at once when one did, else, when the stages' failures are
+        all consequences (no stage killed by a signal, every error a lost connection or a
+        timeout), after waiting up to ``grace_s`` for a shard's exit code to show."""
+        shards = [r for r in self.procs if r not in vw_of]
+        deadline = time.monotonic() + self.grace_s
+        while True:
+            if any(self.procs[r].exitcode not in (None, 0) for r in shards):
+                return True
+            vws = {vw_of[r] for r in errors}
+            killed = any((self.procs[r].exitcode or 0) < 0 for r in vw_of if vw_of[r] in vws)
+            primary = [m for m in errors.values() if m != "died" and not _secondary(m)]
+            if killed or primary or time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)  # polls the shards' exit codes until the deadline
+
     def _culprit(self, ranks: tuple[int, ...], errors: dict[int, str]) -> tuple[int, str]:
         """The rank of the VW that caused the failure: one that is frozen, else one whose
         error is not a consequence of another's, else one that died without reporting (a
@@ -83,7 +101,7 @@ class VWEvictor:
         if frozen:
             return frozen[0], errors[frozen[0]]
         mine = {r: m for r, m in errors.items() if r in ranks and m != "died"}
-        primary = [r for r, m in mine.items() if not any(s in m for s in SECONDARY)]
+        primary = [r for r, m in mine.items() if not _secondary(m)]
         if primary:
             return min(primary), mine[min(primary)]
         deadline = time.monotonic() + self.grace_s
@@ -98,3 +116,9 @@ class VWEvictor:
             time.sleep(0.05)  # polls the exit codes until the deadline
         r = min(mine) if mine else min(r for r in errors if r in ranks)
         return r, errors[r]
+
+
+def _secondary(message: str) -> bool:
+    """Whether an error is a consequence of another rank's failure (a lost connection, a
+    timeout), not a cause."""
+    return any(s in message for s in SECONDARY)

@@ -1,12 +1,13 @@
 """Test hooks that make a process fail on purpose, passed in its frozen job (never a string
-in a production signature): a stage that crashes, freezes or raises, a shard that dies. The
-snapshot writer's hook is :class:`runtime.persist.snapshot.WriteFault`."""
+in a production signature): a stage that crashes, freezes, raises or straggles, a shard that
+dies. The snapshot writer's hook is :class:`runtime.persist.snapshot.WriteFault`."""
 
 from __future__ import annotations
 
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,21 +18,31 @@ __all__ = ["ShardFault", "StageFault"]
 class StageFault:
     """Test hook, passed in the job description: stage ``stage`` of VW ``vw`` (every VW when
     ``vw`` is -1) sends itself ``signum`` before minibatch ``at_mb`` (SIGKILL: a crash;
-    SIGSTOP: a frozen process; 0: it raises ``RuntimeError``, a failure in Python). A VW
-    restarted alone (``--on-failure restart``) keeps the fault only with ``repeat``."""
+    SIGSTOP: a frozen process; 0: it raises ``RuntimeError``, a failure in Python; ``at_mb``
+    0: never). A VW restarted alone (``--on-failure restart``) keeps the fault only with
+    ``repeat``. ``delays`` are injected stragglers: ``(vw, minibatch, seconds)``, stage
+    ``stage`` of that VW sleeps that long before the minibatch's first task."""
 
     stage: int
     at_mb: int
     vw: int = -1
     signum: int = int(signal.SIGKILL)
+    delays: tuple[tuple[int, int, float], ...] = ()
     repeat: bool = False
 
     def hook(self, vw: int, stage: int) -> Callable[[int], None] | None:
         """The stage worker's per-minibatch fault hook for ``(vw, stage)``, or ``None``."""
-        if stage != self.stage or self.vw not in (-1, vw):
+        if stage != self.stage:
+            return None
+        sleeps = {mb: s for v, mb, s in self.delays if v == vw}
+        if self.vw not in (-1, vw) and not sleeps:
             return None
 
         def fire(mb: int) -> None:
+            if mb in sleeps:
+                time.sleep(sleeps.pop(mb))  # once: a stage runs F and B of a minibatch
+            if self.vw not in (-1, vw):
+                return
             if mb == self.at_mb and self.signum == 0:
                 raise RuntimeError(f"injected fault at minibatch {mb}")
             if mb == self.at_mb:

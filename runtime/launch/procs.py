@@ -24,6 +24,7 @@ from runtime.persist.checkpoint import shard_from_payload
 from runtime.persist.snapshot import load_part, read_manifest, snapshot_dir
 from runtime.ps.core import ShardCore
 from runtime.ps.layout import ShardSpec
+from runtime.ps.quorum import quorum_peers
 from runtime.ps.rejoin import Rejoin
 from runtime.ps.server import ShardServer
 from runtime.stage.job import StageJob
@@ -127,16 +128,17 @@ def _shard_core(job: ShardJob) -> ShardCore:
     """The shard's state: from its snapshot part when resuming, else the seeded model."""
     fold, backups = shard_fold(job.sync), shard_backups(job.sync)
     peers = tuple(sid for sid, _ in job.peers or ())
+    decides = quorum_peers(job.spec.id, job.sync.shards or (job.spec,))[0]
     snaps = job.sync.snapshots
     if job.resume and snaps is not None:
-        manifest = read_manifest(snapshot_dir(snaps.directory, job.sync.first_wave))
+        manifest = read_manifest(snapshot_dir(snaps.directory, job.sync.first_clock))
         name = f"shard-{job.spec.id}"
         state = shard_from_payload(load_part(manifest, name), manifest.path / f"{name}.pt")
         return ShardCore(job.spec, state=state, fold=fold, backups=backups, peers=peers,
-                         rejoin=job.rejoin is not None)  # fmt: skip
+                         decides=decides, rejoin=job.rejoin is not None)  # fmt: skip
     init = initial_weights(job.source, job.batch_size, job.seed)
     return ShardCore(job.spec, job.spec.flatten(init), fold=fold, backups=backups, peers=peers,
-                     rejoin=job.rejoin is not None)  # fmt: skip
+                     decides=decides, rejoin=job.rejoin is not None)  # fmt: skip
 
 
 def shard_main(job: ShardJob, events: Any, parent: int) -> None:
@@ -154,6 +156,9 @@ def shard_main(job: ShardJob, events: Any, parent: int) -> None:
             idle_timeout_s=4 * timeout_s,
             snapshots=job.sync.snapshots,
             peer_ranks=dict(job.peers) if job.peers is not None else None,
+            quorum_ranks=quorum_peers(job.spec.id, job.sync.shards)[1]
+            if shard_backups(job.sync)
+            else None,
             rejoin=job.rejoin,
         )
         dist.barrier()

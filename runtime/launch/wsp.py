@@ -18,7 +18,9 @@ from typing import Any
 
 from torch.utils.data import Dataset, Subset
 
+from planner.easgd import waves_at
 from planner.plan import Plan
+from planner.sync import param
 from profiler.errors import ConfigError
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
@@ -29,7 +31,8 @@ from runtime.persist.snapshot import Manifest, SnapshotSpec, clean, select
 from runtime.ps.layout import ShardSpec, shard_specs_for_layout
 from runtime.ps.rejoin import Rejoin
 from runtime.results.evaluation import shard_dataset, split_dataset
-from runtime.results.run_result import RunResult, export_snapshot
+from runtime.results.export import export_snapshot
+from runtime.results.run_result import RunResult
 from runtime.stage.job import StageJob
 from runtime.stage.model import resolve_source
 from runtime.sync.rule import SyncSpec
@@ -84,7 +87,7 @@ def prepare_wsp(
     """The ``wsp`` rule's processes: the shards (ranks ``0..n-1``) and every VW's stages, each
     VW on its own shard of the training split; a resumed run starts at its snapshot's wave.
     A resume with nothing left to train writes the outputs from the snapshot and returns that
-    result instead (:func:`export_snapshot`).
+    result instead (:func:`runtime.results.export.export_snapshot`).
 
     Raises:
         ConfigError: bad settings, a mismatched resume, nothing to train.
@@ -107,10 +110,13 @@ def prepare_wsp(
     settings = job_settings(source.name, plan.to_json(), nm, D, run.seed, cfg.test_fraction,
                             f"{type(dataset).__name__}:{len(dataset)}", optimizer, horizon, run.precision)  # type: ignore[arg-type]  # fmt: skip
     manifest = resume_from(cfg, owner, settings)
-    first_wave = manifest.clock if manifest is not None else 0
+    clock = manifest.clock if manifest is not None else 0
+    first_wave = clock  # easgd: the shards' clock counts exchanges, tau waves each
+    if rule == "easgd":
+        first_wave = waves_at(clock, int(param(plan.sync_params, "tau", 1.0)))
     tidies = owner is None or owner.tidies  # one process of the job tidies the folder
     if cfg.checkpoint_dir is not None and tidies:
-        clean(cfg.checkpoint_dir, first_wave if cfg.resume else None)
+        clean(cfg.checkpoint_dir, clock if cfg.resume else None)
     if owner is not None and owner.tidies and run.out_dir is not None and not cfg.resume:
         plan.save(run.out_dir / "plan.json")  # --resume reuses it
     steps = wsp_steps(run, nm, first_wave, vw_samples, plan.batch_size)
@@ -119,11 +125,16 @@ def prepare_wsp(
     if steps == 0:
         raise ConfigError("nothing to train: raise --steps or --epochs")
     snaps = None
-    if cfg.checkpoint_dir is not None and owner is not None and rule != "easgd":
+    if cfg.checkpoint_dir is not None and owner is not None:
         snaps = SnapshotSpec(cfg.checkpoint_dir, owner.run_id, owner.attempt, snapshot_parts(plan),
                              settings, cfg.checkpoint_every, cfg.keep, cfg.write_fault)  # fmt: skip
+    if rule == "backup" and run.time_limit_s > 0:
+        raise ConfigError(
+            "--time-limit with --sync backup: a VW that skipped waves cannot agree on a stop "
+            "wave yet; give --steps or --epochs instead"
+        )
     sync = SyncSpec(rule, plan.sync_params, D, specs, snaps, first_wave, cfg.overlap_pulls,
-                    run.timeout_s)  # fmt: skip
+                    run.timeout_s, last_wave=first_wave + steps // nm)  # fmt: skip
     if cfg.restart_vw and any(graph.shared_params(c) for c in _vw_cuts(plan)):
         log.warning("a VW holds tied parameters on several stages (all-reduced in a subgroup "
                     "of the first process group): a failure restarts the whole job")  # fmt: skip

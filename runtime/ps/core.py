@@ -15,6 +15,8 @@ the shard process. The rules (see ``docs/parameter_server.md``):
   ``c`` is applied as soon as ``N = VWs - b`` VWs pushed it completely, their updates added in
   ``(vw, stage)`` order; any other push of ``c`` (late, or a part of a VW that did not make
   the quorum) is ``DROPPED``: never applied, recorded once in :attr:`ShardCore.dropped`.
+  With several shards one decides which VWs each wave counts and the others follow
+  (:mod:`runtime.ps.quorum`), so every shard sums the same VWs.
 
 Eviction (``--on-failure continue``, GaDei Sec. 4.3) and the restart of an evicted VW
 (``--on-failure restart``) are :class:`runtime.ps.eviction.PeerEviction`, a base of
@@ -35,13 +37,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from planner.backup import Arrival, QuorumClock
+from planner.backup import Arrival
 from planner.wsp import GlobalClock
 from profiler.errors import ConfigError
 from runtime.persist.checkpoint import LedgerEntry, ShardState
 from runtime.ps.eviction import PeerEviction
 from runtime.ps.layout import ShardSpec
 from runtime.ps.outcome import ClockEvent, Eviction, PushResult, Status
+from runtime.ps.quorum import WaveQuorum
 
 if TYPE_CHECKING:
     from runtime.sync.rule import WaveFold
@@ -72,6 +75,9 @@ class ShardCore(PeerEviction):
             ``--on-failure continue``); empty: a wave complete here is applied at once.
         rejoin: with ``peers``: a lost VW is not left out but waits, from its cut, for its
             restarted incarnation (``--on-failure restart``; :meth:`release` gives up on it).
+        decides: backup workers: this shard decides which VWs each wave counts (the only
+            shard, or the lowest id); ``False``: it counts the VWs the decider tells it
+            (:meth:`decide`, :mod:`runtime.ps.quorum`).
     """
 
     def __init__(
@@ -85,6 +91,7 @@ class ShardCore(PeerEviction):
         backups: int = 0,
         peers: Sequence[int] = (),
         rejoin: bool = False,
+        decides: bool = True,
     ) -> None:
         self.spec = spec
         self.fold = fold
@@ -125,7 +132,7 @@ class ShardCore(PeerEviction):
         self.trace: list[ClockEvent] = []
         self.rejected: list[tuple[int, int, int, Status]] = []
         self._quorum = (
-            QuorumClock(len(self._vw_keys), backups, self._clock) if backups > 0 else None
+            WaveQuorum(len(self._vw_keys), backups, self._clock, decides) if backups > 0 else None
         )
         self.dropped: list[LedgerEntry] = []  # backup workers: every dropped push, once
         self._dropped_tags: set[tuple[int, int, int]] = set()
@@ -251,7 +258,7 @@ class ShardCore(PeerEviction):
         return PushResult(Status.DROPPED, f"wave {wave} closed without vw {vw}")
 
     def _push_quorum(
-        self, quorum: QuorumClock, vi: int, vw: int, stage: int, wave: int
+        self, quorum: WaveQuorum, vi: int, vw: int, stage: int, wave: int
     ) -> PushResult:
         """Backup workers: count ``vw`` once all its clients pushed ``wave``; close waves."""
         pend = self._pending[wave]
@@ -262,6 +269,15 @@ class ShardCore(PeerEviction):
             for k in self._vw_keys[vi]:
                 self._drop(*k, wave, seq=pend.pop(k)[1])
             return PushResult(Status.DROPPED, f"wave {wave} already has its quorum")
+        self._close_quorum(quorum, before)
+        self.trace.append(
+            ClockEvent(self._seq - 1, vw, stage, wave, self.local_clocks(), self._clock)
+        )
+        return PushResult(Status.OK, "", quorum.clock - before)
+
+    def _close_quorum(self, quorum: WaveQuorum, before: int) -> None:
+        """Apply the waves that closed since clock ``before``: their counted VWs' updates;
+        the parts of any other VW are dropped."""
         for c in range(before, quorum.clock):
             counted = {self.spec.vws[i] for i in quorum.counted(c)}
             ups = self._pending.pop(c)
@@ -270,10 +286,33 @@ class ShardCore(PeerEviction):
             self._apply(ups, counted)
         if self.max_ledger_waves is not None:
             quorum.forget(self._clock - self.max_ledger_waves)
-        self.trace.append(
-            ClockEvent(self._seq - 1, vw, stage, wave, self.local_clocks(), self._clock)
-        )
-        return PushResult(Status.OK, "", quorum.clock - before)
+
+    def decide(self, wave: int, counted: Sequence[int]) -> int:
+        """Backup workers, a shard that follows: the decider counted VWs ``counted`` (VW
+        ids) in ``wave``. Returns waves applied.
+
+        Raises:
+            ConfigError: no backup workers here, or this shard decides (a wiring bug).
+        """
+        quorum = self._quorum
+        if quorum is None or quorum.decides:
+            raise ConfigError(f"shard {self.spec.id}: a quorum decision it does not take")
+        before = quorum.clock
+        quorum.decide(wave, [self._vw_index[v] for v in counted])
+        self._close_quorum(quorum, before)
+        return quorum.clock - before
+
+    @property
+    def decides(self) -> bool:
+        """Backup workers: whether this shard decides each wave's quorum."""
+        return self._quorum is not None and self._quorum.decides
+
+    def decisions(self) -> list[tuple[int, tuple[int, ...]]]:
+        """Backup workers, the deciding shard: ``(wave, counted VW ids)`` of the waves closed
+        since the last call, to tell the other shards (none otherwise)."""
+        if self._quorum is None:
+            return []
+        return [(c, tuple(self.spec.vws[i] for i in vis)) for c, vis in self._quorum.take()]
 
     def _reject(self, vw: int, stage: int, wave: int, status: Status, why: str) -> PushResult:
         self.rejected.append((vw, stage, wave, status))

@@ -50,7 +50,7 @@ from runtime.ps.layout import (
     ClientSpec,
 )
 from runtime.ps.outcome import Status
-from runtime.ps.peers import PeerLink, Report
+from runtime.ps.peers import TAG_QUORUM, IntLink, PeerLink, Report
 from runtime.ps.readmit import Readmission
 from runtime.ps.rejoin import Rejoin
 from runtime.ps.wire import (
@@ -77,6 +77,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class _Event:
     kind: str  # push | pull | bye | error | last (no more pushes) | peer (a shard's report)
+    #  | decision (backup workers: the deciding shard's quorum of wave ``arg``, in ``report[0]``)
     client: int
     arg: int = 0  # push: wave; pull: min clock; error: 1 from the push reader; peer: shard id
     message: torch.Tensor | None = None  # push: the whole message buffer (recycled)
@@ -139,6 +140,7 @@ class ShardServer:
         idle_timeout_s: float | None = None,
         peer_ranks: Mapping[int, int] | None = None,
         rejoin: Rejoin | None = None,
+        quorum_ranks: Mapping[int, int] | None = None,
     ) -> None:
         self.core, self.group, self.timeout_s = core, group, timeout_s
         self.rejoin = rejoin
@@ -151,6 +153,7 @@ class ShardServer:
             else None
         )
         self.peer_ranks = peer_ranks
+        self.quorum_ranks = quorum_ranks
         self._gone: set[tuple[int, int]] = set()  # eviction mode: clients lost
         self.idle_timeout_s = 10 * timeout_s if idle_timeout_s is None else idle_timeout_s
         self.snapshots = snapshots
@@ -273,6 +276,7 @@ class ShardServer:
         for i in range(len(spec.clients)):
             self.start_readers(i, events, self.group, 0)
         link = self._peer_link(events)
+        qlink = self._quorum_link(events)
         log.info(
             "%s serving %d clients, %d elements, clock %d",
             self._prefix,
@@ -286,6 +290,8 @@ class ShardServer:
             except queue.Empty:
                 raise self._stuck(pulls) from None
             applied = self._handle(ev, pulls, done)
+            if qlink is not None:
+                self._tell_decisions(qlink)
             if self._rejoins is not None:
                 self._rejoins.follow()
             if link is not None:
@@ -301,8 +307,9 @@ class ShardServer:
         self._drain_sends(block=True)
         if self.snapshots is not None and self.snapshots.every > 0 and core.clock > self._written:
             self._write_part()  # the final clock, whatever the period
-        if link is not None:
-            link.drain(self.timeout_s)
+        for lk in (link, qlink):
+            if lk is not None:
+                lk.drain(self.timeout_s)
         log.info(
             "%s done at clock %d: %d updates applied, %d rejected",
             self._prefix,
@@ -317,6 +324,8 @@ class ShardServer:
         core = self.core
         if ev.kind == "peer":
             return core.peer_report(ev.arg, *ev.report)
+        if ev.kind == "decision":
+            return core.decide(ev.arg, ev.report[0])
         if ev.kind == "release":
             self._gone.update((c.vw, c.stage) for c in core.spec.clients if c.vw == ev.arg)
             return core.release(ev.arg)
@@ -372,6 +381,28 @@ class ShardServer:
         link.start()
         link.tell(self.core.report())
         return link
+
+    def _quorum_link(self, events: queue.Queue[_Event]) -> IntLink | None:
+        """Backup workers over several shards: the decider's quorum decisions, told to the
+        other shards (``[wave, counted flag of each VW in spec.vws order]``), which get them
+        as ``decision`` events (:mod:`runtime.ps.quorum`)."""
+        if not self.quorum_ranks:
+            return None
+        vws = self.core.spec.vws
+
+        def deliver(sid: int, values: tuple[int, ...]) -> None:
+            counted = tuple(v for v, f in zip(vws, values[1:], strict=True) if f)
+            events.put(_Event("decision", -1, values[0], report=(counted, (), ())))
+
+        link = IntLink(self.quorum_ranks, 1 + len(vws), self.group, deliver, TAG_QUORUM)
+        if not self.core.decides:
+            link.start()
+        return link
+
+    def _tell_decisions(self, link: IntLink) -> None:
+        vws = self.core.spec.vws
+        for wave, counted in self.core.decisions():
+            link.tell((wave, *(int(v in counted) for v in vws)))
 
     def _unsettled(self) -> bool:
         """Eviction mode: a lost VW not evicted yet, or buffered waves that wait for the

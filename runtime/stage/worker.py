@@ -214,6 +214,7 @@ class StageWorker:
         Alone, a VW stops admitting when its time is up; several VWs end where their rule
         agrees (:meth:`runtime.sync.rule.StageSync.agreed_total`).
         """
+        total = self.sync.rule_total(total, self._received)  # backup: a late VW's jumps
         if self.run_cfg.time_limit_s <= 0:
             return total
         agreed = self.sync.agreed_total(self._received, self._time_up(start_time))

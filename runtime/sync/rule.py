@@ -34,8 +34,9 @@ Who calls what (nothing else in the launcher or the worker knows the rule):
   ``before_forward(mb)`` before each forward of minibatch ``mb``; ``reduce_grads(mb, grads)``
   after each backward, before the update (returns the gradients to apply);
   ``before_update(mb)`` / ``after_update(mb)`` around each local update -- a *wave boundary*
-  is ``mb % nm == 0``; under a time limit, stage 0 asks ``agreed_total(admitted, time_up)``
-  how many minibatches to run in all; ``close()`` after the last task;
+  is ``mb % nm == 0``; stage 0 asks ``rule_total(total, admitted)`` how many minibatches
+  the rule runs in all (backup workers: fewer for a VW that skipped waves) and, under a time
+  limit, ``agreed_total(admitted, time_up)``; ``close()`` after the last task;
 - a shard process folds each complete wave with the rule's :class:`WaveFold` (``None``: the
   plain sum, optionally with server momentum: :class:`runtime.ps.core.ShardCore`).
 """
@@ -45,7 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from planner.sync import SyncParams
+from planner.sync import SyncParams, param
 from runtime.defaults import TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -77,6 +78,8 @@ class SyncSpec:
         timeout_s: timeout of the rule's own waits (pushes, pulls, collectives).
         groups: the global ranks of each stage position over the VWs (``groups[s]``: every
             VW's stage ``s``), for rules that reduce across VWs.
+        last_wave: the global clock the run ends at (backup workers: a VW that skipped waves
+            stops there too, :mod:`runtime.sync.backup`).
         rejoined: a restarted VW's new incarnation (``--on-failure restart``), starting at
             ``first_wave`` from the global weights: its optimizer state comes from the newest
             committed snapshot at or below that clock that holds its part (none: fresh).
@@ -92,6 +95,15 @@ class SyncSpec:
     timeout_s: float = TIMEOUT_S
     groups: tuple[tuple[int, ...], ...] = ()
     rejoined: bool = False
+    last_wave: int = 0
+
+    @property
+    def first_clock(self) -> int:
+        """The shards' clock at the start (a resumed run's snapshot clock): ``first_wave``,
+        or under ``easgd``, whose shards count exchanges, ``first_wave / tau``."""
+        if self.rule == "easgd":
+            return self.first_wave // int(param(self.params, "tau", 1.0))
+        return self.first_wave
 
 
 @dataclass(frozen=True)
@@ -162,6 +174,12 @@ class StageSync:
             time_up: whether this VW's own time limit has passed.
         """
         return admitted if time_up else None
+
+    def rule_total(self, total: int, admitted: int) -> int:
+        """Stage 0, between tasks: the minibatches this VW runs in all by the rule's own end
+        (``total`` asked; backup workers: fewer for a VW that skipped waves). Never fewer
+        than ``admitted``, rounded up to a whole wave."""
+        return total
 
     def close(self) -> None:
         """After the last task: flush, write the final snapshot part, say goodbye."""

@@ -26,6 +26,7 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -44,11 +45,14 @@ from runtime.persist.snapshot import (
 )
 from runtime.persist.stage_part import ForwardState, StagePart, stage_from_payload, stage_payload
 from runtime.ps.client import PSClient
-from runtime.ps.pull import PullHandle
+from runtime.ps.pull import PullHandle, PullResult
 from runtime.results.metrics import StageResult
 from runtime.stage.weights import VersionedWeights
 from runtime.sync.rule import StageSync, StageView, SyncSpec
 from runtime.sync.tied_mirror import TiedMirror
+
+if TYPE_CHECKING:
+    from runtime.sync.backup import WaveNumbers
 
 __all__ = ["WaveSync"]
 
@@ -80,6 +84,9 @@ class WaveSync(StageSync):
         versions: the stage's weight versions (with ``snapshots``: their master and versions
             in flight go into its part, :mod:`runtime.persist.stage_part`).
         buffers: the stage module's buffers by local name (in its part too).
+        numbers: backup workers: the VW's wave numbers when it jumps to the current clock,
+            and the run's end (:class:`runtime.sync.backup.WaveNumbers`; ``None``: a wave's
+            number is its data position, as WSP has it).
     """
 
     def __init__(
@@ -99,8 +106,10 @@ class WaveSync(StageSync):
         stop: LazyStop | None = None,
         versions: VersionedWeights | None = None,
         buffers: dict[str, Tensor] | None = None,
+        numbers: WaveNumbers | None = None,
     ) -> None:
         self.client, self.params, self.nm, self.D = client, list(params), nm, D
+        self.numbers = numbers
         self.result = result
         self.first_mb = first_mb
         self.optimizer = optimizer
@@ -121,7 +130,9 @@ class WaveSync(StageSync):
         self.rejoined = False  # a restarted VW: optimizer state from an earlier snapshot
 
     @classmethod
-    def create(cls, spec: SyncSpec, view: StageView) -> WaveSync:
+    def create(
+        cls, spec: SyncSpec, view: StageView, numbers: WaveNumbers | None = None
+    ) -> WaveSync:
         """The ``wsp`` rule's factory (:mod:`runtime.sync.rule`): the stage's shard client
         and hooks; a resumed run goes on at ``spec.first_wave``."""
         # a tied parameter's other holders follow its owner instead of talking to the shards
@@ -154,6 +165,7 @@ class WaveSync(StageSync):
             LazyStop(view.init_method, view.nm, spec.D),
             view.weights,
             dict(view.buffers),
+            numbers,
         )
         sync.rejoined = spec.rejoined
         return sync
@@ -164,6 +176,23 @@ class WaveSync(StageSync):
         if self._stop is None:
             return super().agreed_total(admitted, time_up)
         return self._stop.total(admitted, time_up)
+
+    def rule_total(self, total: int, admitted: int) -> int:
+        """Backup workers: fewer minibatches for a VW that jumped (:class:`WaveNumbers`)."""
+        if self.numbers is None:
+            return total
+        return self.numbers.minibatches(total, admitted)
+
+    def _jumped(self, need: int, res: PullResult, out: Sequence[Tensor] | None) -> PullResult:
+        """Backup workers, after the pull that follows the push of wave ``need - 1``: agree
+        on the wave the VW continues at; pull again if this stage's reply is older."""
+        if self.numbers is None:
+            return res
+        wave = self.numbers.agree(need - 1, res.clock)
+        if res.clock < wave:
+            res = self.client.pull(wave, out=out)
+            self.result.clocks.append((wave, res.clock))
+        return res
 
     def start(self, clock: int = 0) -> None:
         """Load the global weights at ``clock`` (the run's first wave) into the stage and, when
@@ -244,17 +273,21 @@ class WaveSync(StageSync):
             end = time.time()
             self.result.log_interval("wait", clock, end - waited, end)
 
-    def _pull(self, min_clock: int, fold: bool = False) -> None:
+    def _pull(self, min_clock: int, fold: bool = False, pushed: bool = False) -> None:
         """Pull clock ``min_clock`` into the master (``fold``: into ``_pulled``, for
-        :meth:`_fold`; the snapshot is then the master as it is)."""
+        :meth:`_fold`; the snapshot is then the master as it is; ``pushed``: the pull after a
+        push, where backup workers may jump)."""
         t0 = time.perf_counter()
-        res = self.client.pull(min_clock, out=None if fold else self.params)
+        out = None if fold else self.params
+        res = self.client.pull(min_clock, out=out)
+        self.result.clocks.append((min_clock, res.clock))
+        if pushed:
+            res = self._jumped(min_clock, res, out)
         self._pulled = list(res.tensors) if fold else []
         waited = time.perf_counter() - t0
         self._log_wait(min_clock, waited)
         self.result.wait_s += waited
         self.result.busy_s -= waited  # the hook runs inside a timed task: waiting is not work
-        self.result.clocks.append((min_clock, res.clock))
         self.pulled_clock = res.clock
         self._snapshot = [p.detach().clone() for p in self.params]
         log.debug("pulled clock %d (needed %d) in %.3f s", res.clock, min_clock, waited)
@@ -276,6 +309,10 @@ class WaveSync(StageSync):
             return
         total_mb = self.first_mb + mb
         wave = total_mb // self.nm - 1
+        if self.numbers is not None:
+            wave = self.numbers.number(mb // self.nm - 1)
+            if not self.numbers.pushes(wave):  # past the run's end: finished, not pushed
+                return
         # the wave's update, computed straight into the push messages (no packing copy)
         delta = self.client.update_buffers()
         with torch.no_grad():
@@ -283,16 +320,16 @@ class WaveSync(StageSync):
                 torch.sub(p.detach(), s, out=d)
         self._checkpoint(wave + 1)  # before the push: a wave the shards hold has its file
         self.last_clock = wave + 1
-        need = required_global_clock(total_mb + self.nm, self.nm, self.D)
+        need = required_global_clock((wave + 2) * self.nm, self.nm, self.D)
         t_push = time.time()
         self.result.pushes.append((wave, t_push))
-        if need <= self.pulled_clock:
-            self.client.push(wave, delta)
+        if need <= self.pulled_clock and self.numbers is None:  # backup: every stage of the
+            self.client.push(wave, delta)  # VW pulls after every push, to agree on the jump
             self._mirror_announce(None)
         elif self.weights is None:
             self.client.push(wave, delta)
             self.result.log_interval("push", wave, t_push, time.time())
-            self._pull(need)
+            self._pull(need, pushed=True)
             self._mirror_set()
             return
         else:  # the pull request rides in the push; wait only when a forward needs the weights
@@ -338,11 +375,12 @@ class WaveSync(StageSync):
         handle, need, version = self._pending
         t0 = time.perf_counter()
         res = handle.wait()
+        self.result.clocks.append((need, res.clock))
+        res = self._jumped(need, res, None)
         waited = time.perf_counter() - t0
         self._log_wait(need, waited)
         self.result.wait_s += waited
         self.result.busy_s -= waited
-        self.result.clocks.append((need, res.clock))
         self.pulled_clock, self._pending = res.clock, None
         self._fold(version, list(res.tensors))
         log.debug("pulled clock %d (needed %d), waited %.3f s", res.clock, need, waited)

@@ -12,7 +12,7 @@ import planner.backup
 import planner.easgd
 import planner.sim.waves
 import planner.straggle
-from planner.backup import Arrival, QuorumClock, quorum
+from planner.backup import Arrival, QuorumClock, continue_at, quorum, vw_minibatches
 from planner.cluster import parse_cluster
 from planner.easgd import check_elastic, elastic_centre, elastic_worker, exchange_index
 from planner.sim.waves import play_waves
@@ -167,3 +167,70 @@ def test_predict_rule_on_a_plan_uses_the_clusters_stragglers() -> None:
     easgd = predict_rule(plan, "easgd", 30, tau=4)
     assert easgd.makespan_ms < wsp.makespan_ms  # exchanges every 4 waves absorb stragglers
     assert predict_rule(plan, "backup", 30, backups=1).dropped > 0
+
+
+@given(
+    st.integers(1, 5).flatmap(lambda n: st.tuples(st.just(n), st.integers(0, n - 1))),
+    st.integers(1, 8),
+    st.lists(st.integers(0, 10**6), min_size=200, max_size=200),
+)
+def test_late_vws_continue_at_the_clock_and_every_run_ends(
+    nb: tuple[int, int], waves: int, picks: list[int]
+) -> None:
+    """Any interleaving of VWs pushing (D = 0) and pulling: a pull after pushing wave ``c``
+    is answered once ``c`` closed and the VW continues at :func:`continue_at`; a VW whose
+    number reaches the run's end stops. Nothing ever waits for a wave that never comes: the
+    run always finishes at global clock ``waves``, each VW with :func:`vw_minibatches`."""
+    n, b = nb
+    q = QuorumClock(n, b)
+    wave, data, pulling = [0] * n, [0] * n, [False] * n
+    pushes: list[list[int]] = [[] for _ in range(n)]
+    step = 0
+    while True:
+        live = [v for v in range(n) if wave[v] < waves]
+        enabled = [v for v in live if not pulling[v] or q.clock > wave[v]]
+        if not live:
+            break
+        assert enabled, f"stuck at clock {q.clock}: waves {wave}, pulling {pulling}"
+        v = enabled[picks[step % len(picks)] % len(enabled)]
+        step += 1
+        if not pulling[v]:
+            assert q.clock >= wave[v]  # D = 0: the wave's last minibatch had its clock
+            q.arrive(v, wave[v])
+            pushes[v].append(wave[v])
+            pulling[v] = True
+        else:
+            wave[v], data[v], pulling[v] = continue_at(wave[v], q.clock), data[v] + 1, False
+            assert wave[v] >= q.clock  # never works on a wave that closed already
+    assert q.clock == waves
+    assert all(len(q.counted(c)) == n - b for c in range(waves))
+    for v in range(n):
+        assert pushes[v] == sorted(set(pushes[v])) and all(c < waves for c in pushes[v])
+        skipped = wave[v] - data[v]
+        assert len(pushes[v]) == waves - skipped if wave[v] == waves else len(pushes[v]) == data[v]
+        # its stage 0 had admitted one minibatch of the next data wave when it jumped
+        runs = vw_minibatches(waves, skipped, data[v] * 2 + 1, 2) // 2
+        assert runs == data[v] + 1 if wave[v] > waves else runs in (data[v], data[v] + 1)
+    if b == 0:
+        assert all(p == list(range(waves)) for p in pushes)
+
+
+def test_continue_at_and_the_end_rule() -> None:
+    assert continue_at(3, 4) == 4 and continue_at(3, 9) == 9
+    with pytest.raises(ValueError, match="clock >= 4"):
+        continue_at(3, 3)
+    assert vw_minibatches(5, 0, 0, 2) == 10 and vw_minibatches(5, 5, 1, 2) == 2
+    with pytest.raises(ValueError, match="nm >= 1"):
+        vw_minibatches(5, 0, 0, 0)
+
+
+def test_a_late_vw_rejoins_in_the_wave_player() -> None:
+    """VW 3 straggles 10x in its data wave 2: the others close waves without it; when it is
+    back it continues at the clock (its numbers skip), and once VW 0 straggles in turn its
+    pushes count again (with equal speeds a VW that rejoins mid-wave stays last until then)."""
+    slow = lambda v, d: 10.0 if (v, d) in ((3, 2), (0, 15)) else 1.0  # noqa: E731
+    play = play_waves("backup", [10.0] * 4, 30, 2, slow, backups=1)
+    nums = play.numbers[3]
+    assert nums[:2] == (0, 1) and nums[3] > nums[2] + 1  # the late wave, then a jump
+    assert sum(3 in play.counted[c] for c in nums[3:] if c < len(play.counted)) > 0
+    assert len(nums) < 30 and all(len(play.numbers[v]) == 30 for v in (1, 2))

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from profiler.errors import ConfigError
 from runtime.ps.core import ShardCore
 from runtime.ps.layout import ShardSpec
 from runtime.ps.outcome import Status
@@ -103,3 +104,40 @@ def test_no_backups_is_wsp() -> None:
         if c.vw != 2:
             core.push(c.vw, c.stage, 0, update(c.vw, c.stage, 0, spec.client_numel(c)))
     assert core.clock == 0 and not core.dropped
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_two_shards_count_the_same_vws_whatever_order_each_sees(seed: int) -> None:
+    """Shard 0 decides each wave's quorum from the pushes it sees first; shard 1 sees another
+    order, receives the decisions (as over runtime.ps.peers, at a random moment) and counts
+    exactly the same VWs: its late pushes carry 1e6 and never show in its weights."""
+    rng = random.Random(seed)
+    s0, s1 = specs(D=0)
+    lead = ShardCore(s0, init_weights(s0), backups=1)
+    follow = ShardCore(s1, init_weights(s1), backups=1, decides=False)
+    assert lead.decides and not follow.decides
+    counted: list[set[int]] = []
+    for wave in range(4):
+        order0 = [(c.vw, c.stage) for c in s0.clients]
+        order1 = [(c.vw, c.stage) for c in s1.clients]
+        rng.shuffle(order0)
+        rng.shuffle(order1)
+        for vw, stage in order0:
+            lead.push(vw, stage, wave, update(vw, stage, wave, _numel(s0, vw, stage)))
+        ((c, vws),) = lead.decisions()
+        assert c == wave and lead.clock == wave + 1
+        counted.append(set(vws))
+        told = rng.randrange(len(order1) + 1)  # the decision arrives after `told` pushes
+        for i, (vw, stage) in enumerate([*order1, (-1, -1)]):
+            if i == told:
+                follow.decide(wave, vws)
+            if vw >= 0:
+                u = update(vw, stage, wave, _numel(s1, vw, stage))
+                follow.push(vw, stage, wave, u if vw in vws else torch.full_like(u, 1e6))
+        assert follow.clock == wave + 1 and not follow.decisions()
+    for spec, core in ((s0, lead), (s1, follow)):
+        torch.testing.assert_close(core.weights(), _expected(spec, counted), rtol=0, atol=0)
+        by_wave = [{e.vw for e in core.ledger if e.wave == w} for w in range(4)]
+        assert by_wave == counted
+    with pytest.raises(ConfigError, match="does not take"):
+        lead.decide(4, (0, 1))

@@ -113,3 +113,13 @@ def test_vw_restarts_of_a_failed_attempt_are_listed_and_spend_the_budget() -> No
     assert result.restarts == ("vw 1 note", "rank 0 (shard 0) failed: boom (restarted from "
                                "clock 0)", "vw 0 note")  # fmt: skip
     assert budgets == [3, 1]  # the second attempt may restart one VW more
+
+
+def test_stages_that_only_lost_their_shard_are_not_restarted(tmp_path: Path) -> None:
+    spawned: list[int] = []
+    procs = {0: _Proc(None), 4: _Proc(1), 5: _Proc(None)}  # stage 4 exited after an error
+    restarter = VWRestarter({1: (_job(1, 0, 4), _job(1, 1, 5))}, Rejoin(str(tmp_path / "s"), 6, 5.0),
+                            3, lambda job, inc: spawned.append(job.ctx.rank), procs)  # fmt: skip
+    evictor = VWEvictor({1: (4, 5)}, procs, {}, restart=restarter, grace_s=0.3)
+    procs[0] = _Proc(-9)  # shard 0 was killed: the stage's lost connection is its consequence
+    assert evictor({4: "RuntimeError: Connection closed by peer"}) is None and spawned == []

@@ -4,6 +4,7 @@ single-process references of the same algorithms (``planner.backup``, ``planner.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -14,10 +15,13 @@ import torch
 from torch import Tensor
 from torch.func import functional_call
 
-from planner.easgd import elastic_difference, exchanges_after
+from planner.easgd import elastic_difference, exchanges_after, waves_at
 from planner.manual import multi_vw_plan
+from profiler.errors import HetPipeRuntimeError
 from runtime.config import OptimizerConfig, RunConfig, WSPConfig
+from runtime.launch.faults import StageFault
 from runtime.launch.launcher import launch
+from runtime.persist.snapshot import committed_clocks
 from runtime.results.run_result import RunResult
 from runtime.results.sync import arrival_table, dropped_vw_waves, kth_push_s
 from runtime.stage.model import reference_module
@@ -49,34 +53,46 @@ def backup_reference(
     nm: int,
     waves: int,
     counted: Callable[[int], Sequence[int]],
-    pulled: Callable[[int, int], int],
+    pulled: Callable[[int, int, int], int],
+    number: Callable[[int, int], int] = lambda k, d: d,
+    data_waves: Sequence[int] = (),
+    stage_of: Callable[[str], int] = lambda name: 0,
 ) -> tuple[Weights, list[list[float]]]:
     """Single-process backup workers (D = 0): wave ``c`` adds the deltas of the VWs
-    ``counted(c)`` in VW id order; after its wave ``c`` VW ``k`` goes on from the global weights
-    of clock ``pulled(k, c)`` (the current clock when its pull was answered: ``c + 1``, or more
-    for a VW so late that later waves closed without it)."""
+    ``counted(c)`` in VW id order; after its data wave ``d`` VW ``k`` goes on from the global
+    weights of clock ``pulled(k, d, s)`` (the clock stage ``s``'s pull returned: ``c + 1``, or
+    more for a VW so late that later waves closed without it; a parameter is in stage
+    ``stage_of(name)``) with its data wave ``d + 1``, pushed as
+    wave ``number(k, d + 1)`` (a VW that jumped skips numbers; one numbered ``waves`` or more
+    is trained, not pushed). VW ``k`` trains ``data_waves[k]`` data waves (default ``waves``)."""
     module, names, loss_fn = reference_module(SOURCE, BATCH, 0)
     w0 = {n: p.detach().clone() for n, p in module.named_parameters()}
     data = _sources(n_vws, 0)
+    todo = list(data_waves) or [waves] * n_vws
     glob_at = [w0]  # global weights at each clock
     hist: list[list[Weights]] = [[w0] for _ in range(n_vws)]
     losses: list[list[float]] = [[] for _ in range(n_vws)]
     deltas: list[dict[int, Weights]] = [{} for _ in range(waves)]
-    while any(len(h) <= waves * nm for h in hist):
-        ready = [k for k in range(n_vws) if len(hist[k]) <= waves * nm]
+    while any(len(h) <= todo[k] * nm for k, h in enumerate(hist)):
         ready = [
             k
-            for k in ready
-            if len(hist[k]) == 1 or pulled(k, len(hist[k]) // nm - 1) < len(glob_at)
+            for k in range(n_vws)
+            if len(hist[k]) <= todo[k] * nm
+            and (
+                len(hist[k]) == 1
+                or max(pulled(k, len(hist[k]) // nm - 1, stage_of(names[n])) for n in w0)
+                < len(glob_at)
+            )
         ]
         assert ready, "the pulled clocks are not consistent with the counted VWs"
         for k in ready:
-            c = len(hist[k]) // nm
-            if c > 0:  # the pull at the end of wave c - 1 replaces the wave-end version
-                hist[k][-1] = glob_at[pulled(k, c - 1)]
+            d = len(hist[k]) // nm
+            if d > 0:  # the pull at the end of data wave d - 1 replaces the wave-end version
+                hist[k][-1] = {n: glob_at[pulled(k, d - 1, stage_of(names[n]))][n] for n in w0}
             start = hist[k][-1]
-            losses[k] += _wave(module, loss_fn, data[k], hist[k], c, nm)
-            deltas[c][k] = {n: hist[k][-1][n] - start[n] for n in w0}
+            losses[k] += _wave(module, loss_fn, data[k], hist[k], d, nm)
+            if number(k, d) < waves:
+                deltas[number(k, d)][k] = {n: hist[k][-1][n] - start[n] for n in w0}
         c = len(glob_at) - 1
         while c < waves and all(k in deltas[c] for k in counted(c)):
             glob = glob_at[c]
@@ -84,6 +100,7 @@ def backup_reference(
                 glob = {n: glob[n] + deltas[c][k][n] for n in glob}
             glob_at.append(glob)
             c += 1
+    assert len(glob_at) == waves + 1, "some wave never closed"
     return {names[n]: t for n, t in glob_at[waves].items()}, losses
 
 
@@ -110,10 +127,17 @@ def easgd_reference(
     return {names[n]: t for n, t in centre.items()}, losses
 
 
-def _run(plan: Any, steps: int, rule: str, **params: float) -> RunResult:
+def _run(
+    plan: Any,
+    steps: int,
+    rule: str,
+    cfg: WSPConfig | None = None,
+    return_state: bool = False,
+    **params: float,
+) -> RunResult:
     plan = dataclasses.replace(plan, sync=rule, sync_params=tuple(sorted(params.items())))
-    run = RunConfig(steps=steps, timeout_s=15.0, emulate=False)
-    return launch(plan, SOURCE, OptimizerConfig(lr=LR), run, WSPConfig())
+    run = RunConfig(steps=steps, timeout_s=15.0, emulate=False, return_state=return_state)
+    return launch(plan, SOURCE, OptimizerConfig(lr=LR), run, cfg or WSPConfig())
 
 
 def _same(state: Weights, ref: Weights) -> None:
@@ -161,11 +185,97 @@ def test_backup_b1_equals_the_reference_given_who_was_first(tmp_path: Path) -> N
         # pull before it
         return max(g for n, g in clocks[k] if n <= c + 1)
 
-    ref, losses = backup_reference(3, 2, waves, lambda c: sorted(by_wave[c]), got)
+    ref, losses = backup_reference(
+        3, 2, waves, lambda c: sorted(by_wave[c]), lambda k, c, s: got(k, c)
+    )
     _same(result.state_dict(), ref)
     for k in range(3):
         torch.testing.assert_close(result.vws[k].losses, losses[k], rtol=1e-5, atol=1e-6)
     assert "backup b=1" in str(result.table().title)
+
+
+def test_a_late_vw_continues_at_the_clock_and_its_later_pushes_count(tmp_path: Path) -> None:
+    """3 VWs, 1 backup, 6 waves. VW 2 sleeps 1 s in its data wave 1 while VWs 0 and 1 close
+    waves 1-3 without it, then sleep 4 s in their wave 4. VW 2's push of wave 1 is dropped,
+    its pull returns clock 4 and it continues at wave 4 (its data goes on): that push and
+    later ones are applied, where before it stayed a wave behind, dropped every time. Two
+    shards count the same VWs in every wave (shard 0 decides); the ledgers are exact and the
+    weights equal the reference fed who was first and the jumps."""
+    plan = multi_vw_plan(_graph(), [(), (), ()], "mlp", BATCH, nm=2, D=0, n_shards=2)
+    delays = ((2, 3, 1.0), (0, 9, 4.0), (1, 9, 4.0))
+    cfg = WSPConfig(stage_fault=StageFault(stage=0, at_mb=0, delays=delays))
+    waves = 6
+    result = _run(plan, 2 * waves, "backup", cfg, backups=1)
+    stages = [v.stages[0] for v in result.vws]
+    numbers = [[w for w, _ in s.pushes] for s in stages]  # each data wave's wave number
+    dropped = {(k, w) for k, s in enumerate(stages) for _, w in s.dropped}
+    ns = numbers[2]
+    jump = next(d for d in range(len(ns) - 1) if ns[d + 1] > ns[d] + 1)  # VW 2 skipped waves
+    ledgers = [Counter((e.vw, e.wave) for e in st.ledger) for st in result.states]
+    assert len(ledgers) == 2 and ledgers[0] == ledgers[1]  # the same VWs at both shards
+    applied = ledgers[0]
+    assert all(n == 1 for n in applied.values()) and all(st.clock == waves for st in result.states)
+    assert (2, ns[jump]) in dropped and any((2, w) in applied for w in ns[jump + 1 :])
+    pushed = {(k, w) for k, ns in enumerate(numbers) for w in ns}
+    assert dropped == pushed - set(applied) and not dropped & set(applied)
+    assert all(len(ns) == len(set(ns)) and max(ns) < waves for ns in numbers)
+    clocks = [s.clocks for s in stages]  # the start, then one pull after every push
+    assert all(len(cl) == len(ns) + 1 for cl, ns in zip(clocks, numbers, strict=True))
+    data_waves = [s.steps // 2 for s in stages]
+    for k, ns in enumerate(numbers):  # a VW that jumped to the end trains its wave, unpushed
+        assert data_waves[k] == len(ns) + (ns[-1] < waves - 1)
+    ref, losses = backup_reference(
+        3, 2, waves,
+        lambda c: sorted(k for k, w in applied if w == c),
+        lambda k, d, s: clocks[k][d + 1][1],
+        lambda k, d: numbers[k][d] if d < len(numbers[k]) else waves,
+        data_waves,
+    )  # fmt: skip
+    _same(result.state_dict(), ref)
+    for k in range(3):
+        torch.testing.assert_close(result.vws[k].losses, losses[k], rtol=1e-5, atol=1e-6)
+
+
+def test_the_stages_of_a_late_vw_jump_together() -> None:
+    """VWs of 2 stages, 2 shards: each stage pulls at its own time, yet every stage of a VW
+    numbers its waves the same (the jump agreed through the store), each VW-wave is applied
+    at all its stages or none, and the run ends at its clock (nothing hangs)."""
+    plan = multi_vw_plan(_graph(), [(4,), (4,), (4,)], "mlp", BATCH, nm=2, D=0, n_shards=2)
+    delays = ((2, 3, 1.0), (0, 9, 3.0), (1, 9, 3.0))
+    cfg = WSPConfig(stage_fault=StageFault(stage=1, at_mb=0, delays=delays))
+    waves = 6
+    result = _run(plan, 2 * waves, "backup", cfg, backups=1, return_state=True)
+    for v in result.vws:
+        first, second = ([w for w, _ in s.pushes] for s in v.stages)
+        assert first == second and v.stages[0].steps == v.stages[1].steps
+    assert any(
+        b > a + 1 for a, b in itertools.pairwise(w for w, _ in result.vws[2].stages[0].pushes)
+    )
+    for st in result.states:
+        assert st.clock == waves
+        per = Counter((e.vw, e.wave) for e in st.ledger)
+        assert all(n == 2 for n in per.values())  # both stages of a counted VW, once each
+    applied = {(e.vw, e.wave) for e in result.states[0].ledger}
+    assert applied == {(e.vw, e.wave) for e in result.states[1].ledger}
+    # the reference, each stage's parameters from the clock that stage pulled (its last pull
+    # after the push of wave c: need c + 1, or the agreed jump J when its reply was older)
+    numbers = [[w for w, _ in v.stages[0].pushes] for v in result.vws]
+    nxt = [[*ns[1:], waves] for ns in numbers]
+
+    def pulled(k: int, d: int, s: int) -> int:
+        wanted = (numbers[k][d] + 1, nxt[k][d])
+        return max(g for n, g in result.vws[k].stages[s].clocks if n in wanted)
+
+    stage_names = [set(s.state) for s in result.vws[0].stages]
+    ref, _ = backup_reference(
+        3, 2, waves,
+        lambda c: sorted(k for k, w in applied if w == c),
+        pulled,
+        lambda k, d: numbers[k][d] if d < len(numbers[k]) else waves,
+        [v.stages[0].steps // 2 for v in result.vws],
+        lambda name: 0 if name in stage_names[0] else 1,
+    )  # fmt: skip
+    _same(result.state_dict(), ref)
 
 
 def test_backup_without_backups_is_wsp_d0(tmp_path: Path) -> None:
@@ -187,3 +297,32 @@ def test_easgd_equals_the_reference_with_pipelines(tmp_path: Path) -> None:
         torch.testing.assert_close(result.vws[k].losses, losses[k], rtol=1e-5, atol=1e-6)
     assert all(s.clock == 3 for s in result.states)  # 3 exchanges of 6 waves
     assert "EASGD tau=2 alpha=0.25" in str(result.table().title)
+
+
+def test_easgd_snapshots_and_resumes_exactly(tmp_path: Path) -> None:
+    """EASGD writes snapshots (the centre at the shards, each stage's own weights, optimizer
+    and RNG state) at exchange clocks; a run killed mid-way and resumed equals the
+    uninterrupted one bit for bit (Nm = 1, D = 0: no stashed versions, fixed summation
+    order), with SGD momentum so that a lost optimizer state would show."""
+    plan = multi_vw_plan(_graph(), [(4,), (6,)], "mlp", BATCH, nm=1, D=0, n_shards=2)
+    plan = dataclasses.replace(plan, sync="easgd", sync_params=(("alpha", 0.25), ("tau", 2.0)))
+    opt = OptimizerConfig(lr=LR, momentum=0.5)
+
+    def run(out: Path) -> RunConfig:
+        return RunConfig(steps=8, timeout_s=15.0, emulate=False, out_dir=out)
+
+    whole = launch(plan, SOURCE, opt, run(tmp_path / "whole"))
+    out = tmp_path / "cut"
+    with pytest.raises(HetPipeRuntimeError):
+        launch(plan, SOURCE, opt, run(out), WSPConfig(checkpoint_every=1,
+               stage_fault=StageFault(0, 7)))  # fmt: skip
+    clocks = committed_clocks(out / "checkpoints")  # exchanges after waves 1, 3, 5: clocks 1-3
+    assert clocks and clocks[-1] <= 3  # (the kill races the shards' last writes)
+    resumed = launch(plan, SOURCE, opt, run(out), WSPConfig(checkpoint_every=1, resume=True))
+    start = waves_at(clocks[-1], 2)
+    assert [vw.steps for vw in resumed.vws] == [8 - start] * 2
+    ref = whole.state_dict()
+    for name, t in resumed.state_dict().items():
+        assert torch.equal(t, ref[name]), name
+    for k in range(2):  # and each VW's losses after the resume
+        assert resumed.vws[k].losses == whole.vws[k].losses[start:]
