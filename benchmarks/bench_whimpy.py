@@ -209,12 +209,24 @@ def main() -> None:
     ap.add_argument("--hd-steps", type=int, default=60, help="minibatches per VW, equal memory")
     ap.add_argument("--reps", type=int, default=1, help="alternating repetitions, equal memory")
     ap.add_argument("--skip-equal-memory", action="store_true")
+    ap.add_argument("--equal-memory-only", action="store_true", help="only the HD comparison")
     ap.add_argument("--out", type=Path, default=RESULTS, help="the JSON to write")
     args = ap.parse_args()
     cluster = load_cluster(args.cluster)
     caps = {d.node: device_capacity_bytes(d) for d in cluster.devices}
     total_caps = sum(caps.values())
     load_before = os.getloadavg()
+    if args.equal_memory_only:
+        print(f"equal device memory: HD, {args.hd_model}, batch {args.hd_batch}")
+        rows = equal_memory(cluster, args)
+        doc = {
+            "equal_memory": rows,
+            "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(),
+        }
+        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"wrote {args.out}")
+        return
     het = {m: largest_model(cluster, args, m) for m in ("keep", "auto")}
 
     def ddp_ok(h: int) -> bool:

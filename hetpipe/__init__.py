@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from planner.cluster import Cluster, load_cluster, parse_cluster
-    from planner.plan import Plan, load_plan
+    from planner.plan import Plan
+    from planner.plan_file import load_plan
     from planner.planner import plan
     from profiler.errors import (
         ConfigError,
@@ -44,7 +45,7 @@ _WHERE = {
     "load_cluster": "planner.cluster",
     "parse_cluster": "planner.cluster",
     "Plan": "planner.plan",
-    "load_plan": "planner.plan",
+    "load_plan": "planner.plan_file",
     "plan": "planner.planner",
     "ConfigError": "profiler.errors",
     "HetPipeError": "profiler.errors",

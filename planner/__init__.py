@@ -46,7 +46,7 @@ _WHERE = {
     "partition_milp": "planner.partition.milp",
     "place_shards": "planner.placement",
     "Plan": "planner.plan",
-    "load_plan": "planner.plan",
+    "load_plan": "planner.plan_file",
     "PlanOptions": "planner.planner",
     "make_plan": "planner.planner",
     "resolve_profiles": "planner.profiles",

@@ -4,7 +4,8 @@ A plan is versioned and self-contained: it embeds the cluster, the model referen
 batch size, each virtual worker's GPUs in pipeline order with its stages (layer ranges by
 name and index, per-stage times, transfer times and memory), Nm, D, the parameter-server
 shard placement and the predictions. It is stored as YAML (``plan.yaml``) or JSON; both
-hold the same document, whose shape is what :meth:`Plan.to_dict` returns.
+hold the same document, whose shape is what :meth:`Plan.to_dict` returns. Reading plan
+files: :mod:`planner.plan_file`.
 """
 
 from __future__ import annotations
@@ -21,9 +22,8 @@ from planner.cluster import Cluster, parse_cluster
 from planner.plan_check import check_plan_document, validate_plan
 from planner.sync import SyncParams, check_sync_params
 from planner.wsp import s_global, s_local
-from profiler.errors import ConfigError, PlanError, shown
+from profiler.errors import PlanError, shown
 from profiler.files import atomic_write_text
-from profiler.inputs import load_document
 from profiler.precision import check_precision
 
 __all__ = [
@@ -34,8 +34,6 @@ __all__ = [
     "ShardPlan",
     "StagePlan",
     "VirtualWorker",
-    "load_plan",
-    "load_plan_or_cluster",
 ]
 
 PLAN_VERSION = 1
@@ -377,30 +375,3 @@ def _plain(x: Any) -> Any:
     if hasattr(x, "to_dict"):
         return _plain(x.to_dict())
     return x
-
-
-def load_plan(path: str | os.PathLike[str]) -> Plan:
-    """Read a plan file (YAML or JSON).
-
-    Raises:
-        PlanError: unreadable, not a mapping, or invalid.
-    """
-    p = Path(path)
-    data = load_document(p, "plan file", PlanError)
-    if not isinstance(data, dict):
-        raise PlanError(f"{p}: a plan file must be a mapping, got {type(data).__name__}")
-    return Plan.from_dict(data, str(p))
-
-
-def load_plan_or_cluster(path: str | os.PathLike[str]) -> Plan | Cluster:
-    """Read a file that is either a plan (it has ``virtual_workers``) or a cluster.yaml.
-
-    Raises:
-        PlanError, ConfigError: unreadable or invalid, as :func:`load_plan` and
-            :func:`planner.cluster.load_cluster` report it.
-    """
-    p = Path(path)
-    data = load_document(p, "plan or cluster file", ConfigError)
-    if isinstance(data, dict) and "virtual_workers" in data:
-        return Plan.from_dict(data, str(p))
-    return parse_cluster(data, str(p))

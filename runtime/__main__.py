@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from planner.plan import Plan, load_plan
+from planner.plan import Plan
+from planner.plan_file import load_plan
 from profiler.errors import ConfigError, HetPipeError, HetPipeRuntimeError
 from profiler.files import atomic_write_bytes
 from runtime.config import ModelSource

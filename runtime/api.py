@@ -26,7 +26,8 @@ from torch.utils.data import Dataset, default_collate
 
 from planner.cluster import Cluster, load_cluster
 from planner.manual import hand_cut_plan
-from planner.plan import Plan, load_plan
+from planner.plan import Plan
+from planner.plan_file import load_plan
 from planner.planner import make_plan
 from profiler.errors import ConfigError
 from profiler.graph import ModelGraph

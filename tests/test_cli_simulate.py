@@ -48,7 +48,7 @@ def test_simulate_errors_are_one_line(tmp_path: Path) -> None:
 def test_plan_and_simulate_the_allreduce_baseline(tmp_path: Path) -> None:
     """The DDP baseline has a plan like any run: made by 'plan --sync allreduce', predicted by
     'simulate' (BSP, ring all-reduce) with the same figure the plan records."""
-    from planner.plan import load_plan
+    from planner.plan_file import load_plan
 
     out = tmp_path / "ar.yaml"
     cluster = Path(__file__).resolve().parents[1] / "examples" / "paper_cluster.yaml"

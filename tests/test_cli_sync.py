@@ -8,7 +8,7 @@ import yaml
 from typer.testing import CliRunner
 
 from hetpipe.cli import app
-from planner.plan import load_plan
+from planner.plan_file import load_plan
 from tests.conftest import EXAMPLES, PIPEDREAM
 
 runner = CliRunner()

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from hetpipe.cli import app
 from planner.cluster import load_cluster
 from planner.costmodel import load_links
-from planner.plan import load_plan, load_plan_or_cluster
+from planner.plan_file import load_plan, load_plan_or_cluster
 from profiler.errors import ConfigError, PlanError
 from profiler.inputs import load_document
 

@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from hetpipe.cli import app
 from planner.cluster import load_cluster
 from planner.costmodel import load_links
-from planner.plan import load_plan
+from planner.plan_file import load_plan
 from profiler.errors import HetPipeError
 from profiler.pipedream import import_pipedream
 from profiler.table import load_profile

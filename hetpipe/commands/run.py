@@ -13,8 +13,9 @@ import typer
 
 from hetpipe._common import console, handle_errors
 from hetpipe._rules import SYNC_HELP, AlphaOpt, BackupsOpt, TauOpt, apply_rule, rule_params
-from planner.plan import Plan, load_plan, load_plan_or_cluster
+from planner.plan import Plan
 from planner.plan_check import check_plan_layers
+from planner.plan_file import load_plan, load_plan_or_cluster
 from profiler.errors import ConfigError
 from runtime.options import OPTIONS
 

@@ -10,8 +10,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from hetpipe._common import console, handle_errors
-from planner.plan import Plan, load_plan
+from planner.plan import Plan
 from planner.plan_check import check_plan_layers
+from planner.plan_file import load_plan
 from profiler.errors import ConfigError, HetPipeError
 
 if TYPE_CHECKING:

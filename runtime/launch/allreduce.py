@@ -22,8 +22,10 @@ from runtime.launch.jobs import Prepared, vw_stage_jobs, with_world
 from runtime.launch.roles import total_steps
 from runtime.launch.wsp import resume_from, snapshot_parts
 from runtime.persist.run_dir import RunOwner, job_settings
-from runtime.persist.snapshot import SnapshotSpec, clean
+from runtime.persist.snapshot import SnapshotSpec, clean, read_manifest, snapshot_dir
 from runtime.results.evaluation import split_dataset
+from runtime.results.export import export_snapshot
+from runtime.results.run_result import RunResult
 from runtime.sync.rule import SyncSpec
 
 __all__ = ["prepare_allreduce"]
@@ -38,14 +40,16 @@ def prepare_allreduce(
     dataset: Dataset[Any],
     owner: RunOwner | None,
     init_method: str,
-) -> Prepared:
+) -> Prepared | RunResult:
     """The ``allreduce`` rule's processes: every VW's stages, each rank on its slice of every
     global minibatch; with a run directory (``owner``) they write snapshots, and a resumed run
-    starts after its snapshot's step.
+    starts after its snapshot's step. A resume with nothing left to train writes the outputs
+    from the snapshot and returns that result instead
+    (:func:`runtime.results.export.export_snapshot`).
 
     Raises:
         ConfigError: VWs of different depths, less than one global minibatch of data, a
-            mismatched resume, or nothing left to train.
+            mismatched resume, or nothing to train.
     """
     vws = plan.virtual_workers
     depth = {len(w.stages) for w in vws}
@@ -66,11 +70,11 @@ def prepare_allreduce(
     horizon = total_steps(run, per_epoch)
     snaps, first = _snapshots(plan, source, optimizer, run, cfg, dataset, owner, horizon)
     steps = max(0, horizon - first)
+    if steps == 0 and snaps is not None and cfg.resume:  # the outputs, from the snapshot
+        manifest = read_manifest(snapshot_dir(snaps.directory, first))
+        return export_snapshot(manifest, plan, source, run, (), test, 1, 0)
     if steps == 0:
-        raise ConfigError(
-            f"nothing left to train: the snapshot at step {first} already holds the "
-            f"{horizon} steps asked for; raise --steps or --epochs"
-        )
+        raise ConfigError("nothing to train: raise --steps or --epochs")
     groups = tuple(tuple(k * n_stages + s for k in range(world)) for s in range(n_stages))
     sync = SyncSpec("allreduce", plan.sync_params, timeout_s=run.timeout_s, groups=groups,
                     snapshots=snaps, first_wave=first)  # fmt: skip

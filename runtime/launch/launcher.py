@@ -43,7 +43,8 @@ from runtime.launch.wsp import prepare_wsp
 from runtime.persist.run_dir import RunDirectory, RunOwner
 from runtime.persist.snapshot import committed_clocks
 from runtime.results.metrics import VWResult, warn_overruns
-from runtime.results.run_result import LostVW, RunResult, evaluate, restart_notes
+from runtime.results.restarts import restart_notes, whole_vws
+from runtime.results.run_result import LostVW, RunResult, evaluate
 from runtime.results.timeline import describe_run
 from runtime.stage.model import resolve_source
 
@@ -196,7 +197,8 @@ def _attempt(
     if restarted:  # --on-failure restart of single VWs: each failure survived, and where
         back = [(r.vw, r.incarnation, r.cause) for r in restarted]
         notes = restart_notes(back, [st for st, _ in states])
-        result = dataclasses.replace(result, restarts=(*result.restarts, *notes))
+        vws = whole_vws(result.vws, back, [st for st, _ in states], prep.first_wave)
+        result = dataclasses.replace(result, vws=vws, restarts=(*result.restarts, *notes))
     ran = {st.steps for st in stages}
     if run.time_limit_s > 0 and ran and max(ran) < prep.steps:
         waves = prep.first_wave + max(ran) // prep.nm

@@ -31,7 +31,8 @@ from runtime.persist.snapshot import Manifest, SnapshotSpec, clean, select
 from runtime.ps.layout import ShardSpec, shard_specs_for_layout
 from runtime.ps.rejoin import Rejoin
 from runtime.results.evaluation import shard_dataset, split_dataset
-from runtime.results.run_result import RunResult, export_snapshot
+from runtime.results.export import export_snapshot
+from runtime.results.run_result import RunResult
 from runtime.stage.job import StageJob
 from runtime.stage.model import resolve_source
 from runtime.sync.rule import SyncSpec
@@ -86,7 +87,7 @@ def prepare_wsp(
     """The ``wsp`` rule's processes: the shards (ranks ``0..n-1``) and every VW's stages, each
     VW on its own shard of the training split; a resumed run starts at its snapshot's wave.
     A resume with nothing left to train writes the outputs from the snapshot and returns that
-    result instead (:func:`export_snapshot`).
+    result instead (:func:`runtime.results.export.export_snapshot`).
 
     Raises:
         ConfigError: bad settings, a mismatched resume, nothing to train.

@@ -99,6 +99,10 @@ class VWResult:
         bound_throughput: emulated runs: batch / slowest stage's paced forward+backward time
             (the pipeline's upper bound, samples/s; 0 = not emulated).
         devices: the plan's device of each stage (``N0:0``), known even when the VW was lost.
+        earlier: minibatches its earlier incarnations trained that the shards kept (a VW
+            restarted alone at a cut, ``--on-failure restart``; ``stages`` are its last one's).
+        run_start: with ``earlier``: the attempt's start (its earliest stage start), seconds
+            since the epoch: the whole VW's throughput counts from there.
     """
 
     stages: tuple[StageResult, ...]
@@ -108,11 +112,13 @@ class VWResult:
     wall_s: float = 0.0
     bound_throughput: float = 0.0
     devices: tuple[str, ...] = ()
+    earlier: int = 0
+    run_start: float = 0.0
 
     @property
     def steps(self) -> int:
-        """Minibatches trained."""
-        return self.stages[0].steps if self.stages else 0
+        """Minibatches trained (a restarted VW: every incarnation's that the shards kept)."""
+        return self.earlier + (self.stages[0].steps if self.stages else 0)
 
     @property
     def losses(self) -> list[float]:
@@ -123,8 +129,12 @@ class VWResult:
     def throughput(self) -> float:
         """Samples/s with the simulator's definition (``planner.sim.types.measured_throughput``:
         stage-0 backward completions after warm-up wave 0); whole-run average for runs shorter
-        than two waves; 0 for a VW lost in the run."""
+        than two waves; 0 for a VW lost in the run. A VW restarted alone: every minibatch
+        it trained in all over the time from the attempt's start (the restart's gap included)."""
         times = sorted(self.stages[0].done_times) if self.stages else []
+        if self.earlier and times:
+            span = times[-1] - self.run_start
+            return self.steps * self.batch_size / span if span > 0 else 0.0
         if len(times) >= 2 * self.nm:
             from planner.sim.types import measured_throughput
 
@@ -239,8 +249,9 @@ class ProgressBar:
         self.bar: Any = None
         self.batch_size = batch_size
         self.t0 = time.time()
-        self.loss = float("nan")
-        self.done = 0
+        self.last_loss: dict[int, float] = {}  # each last stage's latest loss
+        self.done = 0  # stage-0 completions seen (recomputed ones included): the rate
+        self.per_rank: dict[int, int] = {}  # minibatches each stage 0 has to its credit
         if enabled:
             from rich.progress import (
                 BarColumn,
@@ -268,10 +279,18 @@ class ProgressBar:
             self.bar.start()
 
     def event(self, msg: tuple[Any, ...]) -> None:
+        """A stage's ``loss``/``done`` event, or a restarted VW's ``rejoined`` one (its
+        stage 0's rank, the minibatches kept before its cut): what its previous incarnation
+        trained past the cut is recomputed, not counted twice. The loss shown is the run's:
+        the mean of every VW's latest (AllReduce: over the slices of one global minibatch,
+        as :attr:`runtime.results.run_result.RunResult.losses`)."""
         if msg[0] == "loss":
-            self.loss = float(msg[3])
+            self.last_loss[int(msg[1])] = float(msg[3])
+        elif msg[0] == "rejoined":
+            self.per_rank[int(msg[1])] = int(msg[2])
         elif msg[0] == "done":
             self.done += 1
+            self.per_rank[int(msg[1])] = self.per_rank.get(int(msg[1]), 0) + 1
             if self.done == 1:
                 self.t0 = float(msg[3])
             if self.bar is not None:
@@ -279,9 +298,20 @@ class ProgressBar:
                 self.bar.update(
                     self.task,
                     description="training",
-                    completed=self.done,
+                    completed=self.completed,
                     info=f"{rate:.1f} samples/s  loss {self.loss:.4f}",
                 )
+
+    @property
+    def completed(self) -> int:
+        """Minibatches trained and kept, every VW's (a restarted VW's recomputed ones once)."""
+        return sum(self.per_rank.values())
+
+    @property
+    def loss(self) -> float:
+        """The mean of the latest loss of every VW that reported one (NaN: none yet)."""
+        losses = self.last_loss.values()
+        return sum(losses) / len(losses) if losses else float("nan")
 
     def stop(self) -> None:
         if self.bar is not None:

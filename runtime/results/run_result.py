@@ -32,18 +32,18 @@ from planner.sync import SyncParams
 from profiler.capture import quiet_treespec
 from profiler.errors import HetPipeRuntimeError
 from profiler.files import atomic_write_text
-from runtime.config import ModelSource, RunConfig
-from runtime.persist.checkpoint import ShardState, atomic_torch_save, shard_from_payload
-from runtime.persist.snapshot import Manifest, load_part
+from runtime.config import ModelSource
+from runtime.persist.checkpoint import ShardState, atomic_torch_save
 from runtime.ps.layout import ShardSpec, export_state_dict
 from runtime.ps.outcome import ClockEvent
 from runtime.results.evaluation import evaluate_module
 from runtime.results.metrics import StageResult, VWResult, stage_table, write_metrics
+from runtime.results.restarts import restart_caption
 from runtime.results.sync import arrival_table, describe_rule, dropped_vw_waves, kth_push_s
 from runtime.results.timeline import write_timeline
 from runtime.stage.model import reference_module
 
-__all__ = ["LostVW", "RunResult", "evaluate", "export_snapshot", "restart_notes"]
+__all__ = ["LostVW", "RunResult", "evaluate"]
 
 log = logging.getLogger(__name__)
 
@@ -81,23 +81,6 @@ class LostVW:
         return tuple(out)
 
 
-def restart_notes(
-    restarted: Sequence[tuple[int, int, str]], states: Sequence[ShardState]
-) -> tuple[str, ...]:
-    """One line per VW restarted alone (``(vw, incarnation, cause)``): the cause, the wave it
-    rejoined at (its cut: the shards' ``incarnation``-th eviction of it) and the buffered
-    pushes the shards discarded (recomputed by the new incarnation; no wave is lost)."""
-    notes = []
-    for vw, inc, cause in restarted:
-        evs = [[e for e in s.evictions if e[0] == vw][inc - 1 : inc] for s in states]
-        hits = [e[0] for e in evs if e]
-        wave = min((e[1] for e in hits), default=-1)
-        dropped = sum(e[2] for e in hits)
-        notes.append(f"{cause} (vw {vw} restarted alone at wave {wave}; {dropped} buffered "
-                     "pushes discarded and recomputed, no wave lost)")  # fmt: skip
-    return tuple(notes)
-
-
 @dataclass(frozen=True)
 class RunResult:
     """A finished run (any rule; one VW alone is the ``local`` rule with one entry in ``vws``).
@@ -114,7 +97,9 @@ class RunResult:
         stopped_by: why the run ended early (the time limit and the wave it stopped after;
             empty: it trained every minibatch asked for).
         exported_from: the snapshot folder these outputs were written from, without training
-            (:func:`export_snapshot`; empty for a run that trained).
+            (:func:`runtime.results.export.export_snapshot`; empty for a run that trained).
+        exported_state: the model those outputs hold when there are no shards (AllReduce:
+            VW 0's copy of every stage, from the snapshot); ``None`` otherwise.
         restarts: the failures survived by restarting from the last snapshot (``--on-failure
             restart``), oldest first; this result is the last attempt's.
         sync, sync_params: the synchronisation rule (``wsp``, ``backup``, ``easgd``,
@@ -138,6 +123,7 @@ class RunResult:
     sync: str = "wsp"
     sync_params: SyncParams = ()
     lost: tuple[LostVW, ...] = ()
+    exported_state: dict[str, Tensor] | None = None
 
     @staticmethod
     def build(
@@ -214,7 +200,9 @@ class RunResult:
 
     def state_dict(self) -> dict[str, Tensor]:
         """The trained model's parameters by original name: the shards' global weights; without
-        shards (AllReduce: every VW holds the same model) VW 0's."""
+        shards (AllReduce: every VW holds the same model) VW 0's, or the snapshot's."""
+        if self.exported_state is not None:
+            return dict(self.exported_state)
         if not self.specs and self.vws:
             return self.vws[0].state_dict()
         return export_state_dict(self.specs, [s.weights for s in self.states])
@@ -340,7 +328,7 @@ class RunResult:
         if self.stopped_by:
             caption += f"; {self.stopped_by}"
         if self.restarts:
-            caption += f"; restarted {len(self.restarts)}x from the last snapshot"
+            caption += f"; {escape(restart_caption(self.restarts))}"
         for gone in self.lost:
             caption += (
                 f"; vw {gone.vw} lost ({escape(gone.cause)}): evicted at wave {gone.wave}, "
@@ -370,29 +358,3 @@ def evaluate(
     by_orig = {orig: n for n, orig in names.items()}
     module.load_state_dict({by_orig[k]: v for k, v in state.items() if k in by_orig}, strict=False)
     return evaluate_module(module, test, batch_size, loss_fn)
-
-
-def export_snapshot(
-    manifest: Manifest,
-    plan: Plan,
-    source: ModelSource,
-    run: RunConfig,
-    specs: Sequence[ShardSpec],
-    test: Dataset[Any],
-    nm: int,
-    D: int,
-) -> RunResult:
-    """The final outputs of a run from its snapshot, without training: the shards' weights,
-    the test accuracy, and (with ``run.out_dir``) ``weights.pt`` and ``summary.json``."""
-    states = tuple(
-        shard_from_payload(load_part(manifest, f"shard-{s.id}"), manifest.path / f"shard-{s.id}.pt")
-        for s in specs
-    )
-    result = RunResult((), nm, D, states, tuple(() for _ in specs), tuple(specs), 0.0,
-                       plan.predicted.throughput, exported_from=str(manifest.path))  # fmt: skip
-    acc, loss = evaluate(source, plan.batch_size, run.seed, result.state_dict(), test)
-    result = dataclasses.replace(result, test_accuracy=acc, test_loss=loss)
-    if run.out_dir is not None:
-        result.save(run.out_dir)
-    log.info("outputs written from the snapshot %s (clock %d)", manifest.path, manifest.clock)
-    return result

@@ -10,7 +10,8 @@ import pytest
 from planner.cluster import PCIE, Cluster, Link, load_cluster, parse_cluster
 from planner.offload import LADDER, MemoryPlacement, Place
 from planner.partition.milp import partition_milp
-from planner.plan import Plan, load_plan
+from planner.plan import Plan
+from planner.plan_file import load_plan
 from planner.planner import PlanOptions, make_plan
 from profiler.errors import ConfigError, PlanError
 

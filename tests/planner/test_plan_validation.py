@@ -12,8 +12,9 @@ from typer.testing import CliRunner
 
 from hetpipe.cli import app
 from planner.cluster import parse_cluster
-from planner.plan import GpuSlot, Plan, Prediction, ShardPlan, StagePlan, VirtualWorker, load_plan
+from planner.plan import GpuSlot, Plan, Prediction, ShardPlan, StagePlan, VirtualWorker
 from planner.plan_check import check_plan_layers, validate_plan
+from planner.plan_file import load_plan
 from profiler.errors import ConfigError, PlanError
 
 LAYERS = [f"l{i}" for i in range(6)]

@@ -4,6 +4,7 @@ with single-process SGD, the run options it shares with the pipelines (time limi
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.data import DigitsDataset, MinibatchSource
 from runtime.launch.faults import StageFault
 from runtime.launch.launcher import launch
-from runtime.persist.snapshot import committed_clocks
+from runtime.persist.snapshot import committed_clocks, load_part, read_manifest, snapshot_dir
 from runtime.results.evaluation import accuracy, split_dataset
 from runtime.results.run_result import RunResult
 from runtime.stage.model import reference_module
@@ -191,3 +192,12 @@ def test_restart_and_resume_go_on_from_the_last_allreduce_snapshot(tmp_path: Pat
     )
     assert [vw.steps for vw in resumed.vws] == [2, 2]
     _assert_equal(resumed.state_dict(), _single_process_sgd(train, 16, 8, opt))
+    (out / "weights.pt").unlink()  # e.g. lost to a failure during evaluation
+    again = _allreduce(  # nothing left to train: the outputs come from the snapshot
+        _plan([8, 8]), more, optimizer=opt, cfg=WSPConfig(checkpoint_every=2, resume=True)
+    )
+    assert again.exported_from and not again.vws
+    _assert_equal(torch.load(out / "weights.pt"), resumed.state_dict())
+    assert json.loads((out / "summary.json").read_text())["exported_from"] == again.exported_from
+    newest = read_manifest(snapshot_dir(out / "checkpoints", 8))
+    assert "weights" not in load_part(newest, "vw1-stage0")  # the model once, in VW 0's part

@@ -55,7 +55,8 @@ def test_a_lost_vw_restarts_alone_and_rejoins_at_the_cut(
     assert f"vw 1 restarted alone at wave {cut}" in note
     assert {s.clock for s in result.states} == {6}
     _every_update_once(result.states, 6)  # the new incarnation filled the waves from the cut
-    assert result.vws[0].steps == 12 and result.vws[1].steps == 12 - 2 * cut
+    assert result.vws[0].steps == 12 and result.vws[1].steps == 12  # the whole VW
+    assert result.vws[1].stages[0].steps == 12 - 2 * cut and result.vws[1].earlier == 2 * cut
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["lost"] == [] and "restarted alone" in summary["restarts"][0]
     assert not _children()
