@@ -19,9 +19,9 @@ sums, so every partitioner sees it. The partitioners charge each stage its busy 
 (:meth:`CostModel.busy_ms`, :func:`planner.offload.busy_ms`): compute plus recompute, or the
 host-link time of its offloaded bytes on its GPU's share of the node's link when that is
 longer; they check host memory (the GPU's share of its node's) beside device memory
-(:meth:`CostModel.fits_matrix`). :meth:`CostModel.stage_memory` evaluates any placement of one
-stage exactly (device, host and host-link bytes, recompute and exposed transfer time, both
-charged to ``bwd_ms``), with the same functions.
+(:meth:`CostModel.fits_matrix`). :meth:`CostModel.stage_memory` (:mod:`planner.stagecost`)
+evaluates any placement of one stage exactly (device, host and host-link bytes, recompute and
+exposed transfer time, both charged to ``bwd_ms``), with the same functions.
 
 Candidate cuts: every cut ``1 .. L-1`` by default (the partitioners are then exact). Given a
 ``max_cuts``, graphs with more cut points (e.g. resnet152's 563 fx layers) are *coarsened* to
@@ -38,7 +38,6 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -48,22 +47,15 @@ from planner.offload import (
     Coefficients,
     HostShare,
     MemoryPlacement,
-    StageBytes,
     busy_ms,
     coefficients,
-    device_bytes,
-    effective,
-    exposed_ms,
-    host_bytes,
     host_coefficients,
     host_link_ms,
     recompute_factor,
-    recompute_ms,
-    transfer_bytes,
     transfer_coefficients,
 )
-from planner.plan import StageCost
 from planner.schedule import in_flight_bound
+from planner.stagecost import StageCosts
 from profiler.crossing import crossing_sets
 from profiler.errors import ConfigError, ProfileError
 from profiler.inputs import load_document
@@ -72,7 +64,6 @@ from profiler.table import Profile
 __all__ = [
     "CostModel",
     "LinkFn",
-    "StageMemory",
     "candidate_cuts",
     "load_links",
     "optimizer_factor",
@@ -139,28 +130,7 @@ def load_links(path: str | os.PathLike[str]) -> dict[str, Link]:
     return parse_links(load_document(path, "links file", ConfigError), os.fspath(path))
 
 
-@dataclass(frozen=True)
-class StageMemory:
-    """Where one stage's bytes live and what that costs per minibatch (:mod:`planner.offload`).
-
-    Attributes:
-        placement: the placement, with moves that save nothing undone (:func:`effective`).
-        device_bytes: peak device bytes.
-        host_bytes: host bytes of the offloaded classes.
-        transfer_bytes: host-link bytes per minibatch (both directions).
-        recompute_ms: forward time again per minibatch (recompute).
-        transfer_ms: host-link time per minibatch not hidden behind compute (overlap rule).
-    """
-
-    placement: MemoryPlacement
-    device_bytes: int
-    host_bytes: int
-    transfer_bytes: int
-    recompute_ms: float
-    transfer_ms: float
-
-
-class CostModel:
+class CostModel(StageCosts):
     """Prefix-summed per-layer costs of one model for every GPU type of a cluster.
 
     Args:
@@ -282,10 +252,6 @@ class CostModel:
         (those the placement keeps on the device)."""
         return self.coefficients(1, nm).param
 
-    def host_share(self, gpu: Device) -> HostShare:
-        """``gpu``'s share of its node's host link and host memory."""
-        return self.hosts.get(gpu.node, HostShare())
-
     def same_times(self, n_stages: int, nm_a: int, nm_b: int) -> bool:
         """Whether every stage of ``n_stages`` takes the same time at ``nm_a`` and ``nm_b`` in
         flight (the placement recomputes and moves the same classes at both)."""
@@ -369,104 +335,6 @@ class CostModel:
         if cap:
             fits &= self.host_matrix(len(gpus), j, nm) <= cap
         return fits
-
-    # ------------------------------------------------------------ one stage
-
-    def stage_bytes(self, p: int, q: int) -> StageBytes:
-        """The sizes of a stage over positions ``[p, q)`` (:class:`planner.offload.StageBytes`)."""
-        return StageBytes(
-            param=float(self.param_prefix[q] - self.param_prefix[p]),
-            buffer=float(self.buffer_prefix[q] - self.buffer_prefix[p]),
-            saved=float(self.saved_prefix[q] - self.saved_prefix[p]),
-            cut=float(self.cut_bytes[p]),
-        )
-
-    def stage_memory(
-        self,
-        gpus: Sequence[Device],
-        j: int,
-        p: int,
-        q: int,
-        nm: int,
-        placement: MemoryPlacement | None = None,
-    ) -> StageMemory:
-        """Where stage ``j``'s bytes live under ``placement`` (default: the model's) and what
-        that costs per minibatch."""
-        k = in_flight_bound(j, len(gpus), nm)
-        pl = effective(self.placement if placement is None else placement, nm, k)
-        b, o, t = self.stage_bytes(p, q), self.optimizer_state_factor, gpus[j].type
-        fwd = float(self.fwd_prefix[t][q] - self.fwd_prefix[t][p])
-        extra = recompute_ms(pl, fwd, k)
-        moved = transfer_bytes(b, pl, nm, k, o)
-        compute = fwd + float(self.bwd_prefix[t][q] - self.bwd_prefix[t][p]) + extra
-        return StageMemory(
-            placement=pl,
-            device_bytes=device_bytes(b, pl, nm, k, o),
-            host_bytes=host_bytes(b, pl, nm, k, o),
-            transfer_bytes=moved,
-            recompute_ms=extra,
-            transfer_ms=exposed_ms(
-                host_link_ms(float(moved), self.host_link, self.host_share(gpus[j]).sharers),
-                compute,
-            ),
-        )
-
-    def stage_cost(
-        self,
-        gpus: Sequence[Device],
-        j: int,
-        p: int,
-        q: int,
-        nm: int,
-        placement: MemoryPlacement | None = None,
-    ) -> StageCost:
-        """Cost of stage ``j`` over positions ``[p, q)`` of the pipeline ``gpus``.
-
-        ``memory_bytes`` counts device bytes; ``bwd_ms`` includes the recompute and the
-        exposed host-link time of the placement (default: the cost model's).
-        """
-        t = gpus[j].type
-        recv_b = int(self.cut_bytes[p])
-        send_b = int(self.cut_bytes[q])
-        recv_ms = self.link(gpus[j - 1], gpus[j]).time_s(recv_b) * 1e3 if j > 0 else 0.0
-        send_ms = self.link(gpus[j], gpus[j + 1]).time_s(send_b) * 1e3 if j + 1 < len(gpus) else 0.0
-        mem = self.stage_memory(gpus, j, p, q, nm, placement)
-        bwd = float(self.bwd_prefix[t][q] - self.bwd_prefix[t][p])
-        return StageCost(
-            fwd_ms=float(self.fwd_prefix[t][q] - self.fwd_prefix[t][p]),
-            bwd_ms=bwd + mem.recompute_ms + mem.transfer_ms,
-            recv_fwd_ms=recv_ms,
-            recv_bwd_ms=send_ms,
-            recv_bytes=recv_b,
-            send_bytes=send_b,
-            param_bytes=int(self.param_prefix[q] - self.param_prefix[p]),
-            in_flight=in_flight_bound(j, len(gpus), nm),
-            memory_bytes=mem.device_bytes,
-        )
-
-    def choose_placement(
-        self,
-        gpus: Sequence[Device],
-        j: int,
-        p: int,
-        q: int,
-        nm: int,
-        candidates: Sequence[MemoryPlacement],
-    ) -> StageMemory | None:
-        """The fastest placement of stage ``j`` among ``candidates`` that fits its GPU and its
-        host share; ties go to fewer host-link bytes, then to the earlier candidate. ``None``:
-        none fits."""
-        host_cap = self.host_share(gpus[j]).memory_bytes
-        best: tuple[float, int, int] | None = None
-        chosen = None
-        for i, pl in enumerate(candidates):
-            mem = self.stage_memory(gpus, j, p, q, nm, pl)
-            if mem.device_bytes > gpus[j].memory_bytes or (host_cap and mem.host_bytes > host_cap):
-                continue
-            key = (mem.recompute_ms + mem.transfer_ms, mem.transfer_bytes, i)
-            if best is None or key < best:
-                best, chosen = key, mem
-        return chosen
 
     def model_memory_bytes(self, nm: int = 1) -> int:
         """Bytes to hold the whole model on one GPU (one stage, ``nm`` = 1: data parallelism)."""

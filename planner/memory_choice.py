@@ -14,9 +14,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from planner.cluster import Cluster
-from planner.costmodel import CostModel, StageMemory
+from planner.costmodel import CostModel
 from planner.offload import CANDIDATES, KEEP_ALL, LADDER, MemoryPlacement
 from planner.partition.dp import Partition
+from planner.stagecost import StageMemory
 from profiler.errors import PlanError
 from profiler.units import format_bytes
 
