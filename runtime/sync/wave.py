@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,21 +34,17 @@ from planner.wsp import local_version, required_global_clock
 from profiler.errors import HetPipeRuntimeError
 from runtime.launch.stop import LazyStop
 from runtime.persist.snapshot import (
-    Manifest,
     SnapshotSpec,
-    committed_clocks,
-    load_part,
-    read_manifest,
-    snapshot_dir,
     write_part,
 )
-from runtime.persist.stage_part import ForwardState, StagePart, stage_from_payload, stage_payload
+from runtime.persist.stage_part import ForwardState, stage_payload
 from runtime.ps.client import PSClient
 from runtime.ps.pull import PullHandle, PullResult
 from runtime.results.metrics import StageResult
 from runtime.stage.weights import VersionedWeights
 from runtime.sync.rule import StageSync, StageView, SyncSpec
 from runtime.sync.tied_mirror import TiedMirror
+from runtime.sync.wave_resume import resume_part
 
 if TYPE_CHECKING:
     from runtime.sync.backup import WaveNumbers
@@ -200,7 +195,7 @@ class WaveSync(StageSync):
         flight, into which the pull is folded as in the run that stopped, the optimizer, RNG
         and buffers (:mod:`runtime.persist.stage_part`). A restarted VW (:attr:`rejoined`)
         takes the global weights at ``clock`` and only the optimizer state of its newest part."""
-        part = self._resume_part(clock)
+        part = resume_part(self.snapshots, self.where, clock, self.nm, self.rejoined)
         fold = False
         exact = part is not None and part.master is not None and not self.rejoined
         if exact and part is not None and self.versions is not None:
@@ -223,33 +218,6 @@ class WaveSync(StageSync):
             self.optimizer.load_state_dict(part.optimizer)
         if not self.rejoined:  # a restarted VW's data goes on at ``clock``, not at its part's
             part.forward.restore(self.buffers, f"{self.where} at clock {clock}")
-
-    def _resume_part(self, clock: int) -> StagePart | None:
-        """This stage's part to start from (``None``: a run from the start, or no part of its
-        own: fresh optimizer state)."""
-        if clock <= 0 or self.snapshots is None:
-            return None
-        manifest = self._own_snapshot(self.snapshots.directory, clock)
-        if manifest is None:
-            return None
-        where = manifest.path / f"{self.where}.pt"
-        return stage_from_payload(load_part(manifest, self.where), where, manifest.clock, self.nm)
-
-    def _own_snapshot(self, directory: Path, clock: int) -> Manifest | None:
-        """The snapshot to start from: the one at ``clock`` (a resume); a restarted VW's
-        (:attr:`rejoined`): the newest committed one at or below ``clock`` holding its part."""
-        if not self.rejoined:
-            manifest = read_manifest(snapshot_dir(directory, clock))
-            if self.where not in manifest.parts:  # its VW was left out before that clock
-                log.warning("%s: no part of %s (its VW was evicted before that clock): it "
-                            "starts with fresh optimizer state", manifest.path, self.where)  # fmt: skip
-                return None
-            return manifest
-        for c in sorted((c for c in committed_clocks(directory) if c <= clock), reverse=True):
-            manifest = read_manifest(snapshot_dir(directory, c))
-            if self.where in manifest.parts:
-                return manifest
-        return None
 
     def _checkpoint(self, clock: int, final: bool = False) -> None:
         snaps = self.snapshots
