@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -34,10 +34,13 @@ from torch.utils.checkpoint import checkpoint
 
 from planner.offload import ACTIVATION_BUFFERS, VERSION_BUFFERS, MemoryPlacement, Place
 from profiler.errors import HetPipeRuntimeError
-from runtime.stage.emulation import MemoryMeter
+from runtime.stage.emulation import MemoryMeter, SavedBytes
 from runtime.stage.moves import HostCopies, parse_placement
 
-__all__ = ["OffloadManager", "ResidencyMeter", "memory_manager"]
+if TYPE_CHECKING:
+    from runtime.stage.weights import VersionedWeights
+
+__all__ = ["OffloadManager", "ResidencyMeter", "memory_manager", "metered_forward"]
 
 
 def memory_manager(
@@ -61,6 +64,32 @@ def memory_manager(
     if placement.kept:
         return None, MemoryMeter(*args)
     return OffloadManager(placement, buffers), ResidencyMeter(*args, placement, host_cap_bytes)
+
+
+def metered_forward(
+    mb: int,
+    call: Callable[..., Any],
+    inputs: tuple[Tensor, ...],
+    leaves: dict[str, Tensor],
+    offload: OffloadManager | None,
+    memory: MemoryMeter,
+    weights: VersionedWeights,
+) -> Any:
+    """A stage's forward ``call(*inputs)`` of minibatch ``mb`` with its bytes checked: run by
+    the memory manager (``offload``), or, on an emulated device (``memory.cap_bytes > 0``), with what
+    autograd saves counted (:class:`SavedBytes`); unmetered otherwise."""
+    if offload is not None:  # the memory manager runs and accounts the forward
+        out = offload.forward(mb, call, inputs, [*leaves.values(), *inputs])
+        recv_bytes = sum(x.numel() * x.element_size() for x in inputs)
+        memory.check(mb, offload.saved_bytes + recv_bytes, weights.stashed_bytes)
+    elif memory.cap_bytes > 0:  # emulated device: account what autograd saves
+        with SavedBytes([*leaves.values(), *inputs]) as saved:
+            out = call(*inputs)
+        recv_bytes = sum(x.numel() * x.element_size() for x in inputs)
+        memory.check(mb, saved.nbytes + recv_bytes, weights.stashed_bytes)
+    else:
+        out = call(*inputs)
+    return out
 
 
 class _Packed:

@@ -24,12 +24,12 @@ from profiler.errors import HetPipeRuntimeError
 from profiler.precision import autocast
 from runtime.results.metrics import StageResult
 from runtime.stage.comm import Channel, Event, GradReceiver, start_activation_receiver, wire_specs
-from runtime.stage.emulation import SavedBytes, pace_until
+from runtime.stage.emulation import pace_until
 from runtime.stage.grads import Held, backward_grads, outputs_backward
 from runtime.stage.job import StageJob
 from runtime.stage.model import build_stage, stage_rng_seed
 from runtime.stage.moves import class_moves
-from runtime.stage.offload import memory_manager
+from runtime.stage.offload import memory_manager, metered_forward
 from runtime.stage.tied import TiedGrads
 from runtime.stage.weights import VersionedWeights
 from runtime.sync.registry import stage_sync
@@ -352,18 +352,8 @@ class StageWorker:
             for x in held.inputs
         )
         leaves = self.weights.acquire(mb)
-        if self.offload is not None:  # the memory manager runs and accounts the forward
-            excl = [*leaves.values(), *held.inputs]
-            out = self.offload.forward(mb, lambda *xs: self._call(leaves, xs), held.inputs, excl)
-            recv_bytes = sum(x.numel() * x.element_size() for x in held.inputs)
-            self.memory.check(mb, self.offload.saved_bytes + recv_bytes, self.weights.stashed_bytes)
-        elif self.ctx.cap_bytes > 0:  # emulated device: account what autograd saves
-            with SavedBytes([*leaves.values(), *held.inputs]) as saved:
-                out = self._call(leaves, held.inputs)
-            recv_bytes = sum(x.numel() * x.element_size() for x in held.inputs)
-            self.memory.check(mb, saved.nbytes + recv_bytes, self.weights.stashed_bytes)
-        else:
-            out = self._call(leaves, held.inputs)
+        fn = lambda *xs: self._call(leaves, xs)  # noqa: E731
+        out = metered_forward(mb, fn, held.inputs, leaves, self.offload, self.memory, self.weights)
         if not self.last:  # cast inside autograd: the gradients come back in the wire dtype
             self.weights.park(mb)  # a stashed version waits in host memory for the backward
             held.outputs = tuple(
