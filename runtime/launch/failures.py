@@ -84,7 +84,7 @@ def root_cause_rank(
     return min(primary) if primary else min(errors)
 
 
-def watch(
+def watch(  # long by its docstring (10 arguments, documented); the body is ~40 lines
     procs: Mapping[int, Any],
     events: Any,
     n_results: int,
@@ -147,16 +147,8 @@ def watch(
         if msg is not None:
             last_event = time.time()
             first_event = first_event or last_event
-        elif last_event and time.time() - last_event > stall_s:
-            raise HetPipeRuntimeError(
-                f"no progress from any process for {stall_s:.0f} s (one is stuck in a task or "
-                "a wait); stopping every rank"
-            )
-        elif first_event_s and not last_event and time.time() - started > first_event_s:
-            raise HetPipeRuntimeError(
-                f"no progress from any process in the {first_event_s:g} s since the launch "
-                "(none reported anything); stopping every rank"
-            )
+        else:
+            _check_stall(started, last_event, stall_s, first_event_s)
         if tick is not None and first_event:
             tick(time.time() - first_event)
         dead = {
@@ -174,6 +166,25 @@ def watch(
         elif frozen is not None and (stuck := frozen()) and not absorbed(stuck):
             raise fail(stuck, results)
     return {r: v for r, v in results.items() if r not in gone}
+
+
+def _check_stall(started: float, last_event: float, stall_s: float, first_event_s: float) -> None:
+    """Raise when no event came for ``stall_s`` since the last one, or, before any, for
+    ``first_event_s`` since ``started`` (0: no limit) (:func:`watch`).
+
+    Raises:
+        HetPipeRuntimeError: the run stalled.
+    """
+    if last_event and time.time() - last_event > stall_s:
+        raise HetPipeRuntimeError(
+            f"no progress from any process for {stall_s:.0f} s (one is stuck in a task or "
+            "a wait); stopping every rank"
+        )
+    if first_event_s and not last_event and time.time() - started > first_event_s:
+        raise HetPipeRuntimeError(
+            f"no progress from any process in the {first_event_s:g} s since the launch "
+            "(none reported anything); stopping every rank"
+        )
 
 
 def stop_all(procs: Mapping[int, Any], grace_s: float = GRACE_S) -> None:

@@ -11,7 +11,7 @@ launcher disappears, and every process-group operation has a timeout
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,34 +69,14 @@ def spawn_and_watch(
     labels = {s.rank: s.where for s in shards} | {j.ctx.rank: j.ctx.where for j in stages}
     restarter: VWRestarter | None = None
     try:
-        for sh in shards:
-            channel, writer = events.channel()
-            p = mpc.Process(target=shard_main, args=(sh, channel, os.getpid()),
-                            name=f"hetpipe-shard{sh.spec.id}")  # fmt: skip
-            p.start()
-            events.started(writer)
-            procs[sh.rank] = p  # only started processes: stop_all joins them
-
-        def start(job: StageJob, target: Any, *args: Any) -> Any:
-            channel, writer = events.channel(job.ctx.rank)
-            p = mpc.Process(target=target, args=(job, *args, channel, os.getpid()),
-                            name=f"hetpipe-vw{job.ctx.vw}-stage{job.ctx.stage}")  # fmt: skip
-            p.start()
-            events.started(writer)
-            return p
-
+        _start_shards(mpc, events, shards, procs)
+        start = _stage_starter(mpc, events)
         for job in stages:
             procs[job.ctx.rank] = start(job, stage_main)
         rendezvous = Path(stages[0].init_method.removeprefix("file://")).parent
         beats = Heartbeats(rendezvous, max(5.0, run.timeout_s / 2), labels)
-        rejoin = shards[0].rejoin if shards else None
-        if evict and rejoin is not None:
-
-            def respawn(job: StageJob, inc: int) -> Any:
-                events.drop(job.ctx.rank)  # the old process's reports are stale
-                return start(job, rejoin_main, rejoin, inc)
-
-            restarter = VWRestarter(_by_vw(stages), rejoin, restarts, respawn, procs, rendezvous)
+        if evict:
+            restarter = _restarter(shards, stages, events, start, restarts, procs, rendezvous)
         evictor = _evictor(stages, procs, labels, restarter) if evict else None
         results = _watch(labels, procs, events, progress, run, beats, hint, evictor)
     except KeyboardInterrupt:
@@ -113,6 +93,55 @@ def spawn_and_watch(
     states = [r for r in results if not isinstance(r, StageResult)]
     lost = dict(evictor.lost) if evictor is not None else {}
     return stage_results, states, lost, restarter.restarted if restarter is not None else []
+
+
+def _start_shards(
+    mpc: Any, events: Reports, shards: Sequence[ShardJob], procs: dict[int, Any]
+) -> None:
+    """Start the shard processes into ``procs`` (rank -> process)."""
+    for sh in shards:
+        channel, writer = events.channel()
+        p = mpc.Process(target=shard_main, args=(sh, channel, os.getpid()),
+                        name=f"hetpipe-shard{sh.spec.id}")  # fmt: skip
+        p.start()
+        events.started(writer)
+        procs[sh.rank] = p  # only started processes: stop_all joins them
+
+
+def _stage_starter(mpc: Any, events: Reports) -> Callable[..., Any]:
+    """``start(job, target, *args)``: a started stage process running ``target`` for ``job``."""
+
+    def start(job: StageJob, target: Any, *args: Any) -> Any:
+        channel, writer = events.channel(job.ctx.rank)
+        p = mpc.Process(target=target, args=(job, *args, channel, os.getpid()),
+                        name=f"hetpipe-vw{job.ctx.vw}-stage{job.ctx.stage}")  # fmt: skip
+        p.start()
+        events.started(writer)
+        return p
+
+    return start
+
+
+def _restarter(
+    shards: Sequence[ShardJob],
+    stages: Sequence[StageJob],
+    events: Reports,
+    start: Callable[..., Any],
+    restarts: int,
+    procs: dict[int, Any],
+    rendezvous: Path,
+) -> VWRestarter | None:
+    """The restarter of failed VWs when the shards readmit them (``ShardJob.rejoin``); a
+    restarted stage process runs :func:`rejoin_main` (``None``: the shards do not)."""
+    rejoin = shards[0].rejoin if shards else None
+    if rejoin is None:
+        return None
+
+    def respawn(job: StageJob, inc: int) -> Any:
+        events.drop(job.ctx.rank)  # the old process's reports are stale
+        return start(job, rejoin_main, rejoin, inc)
+
+    return VWRestarter(_by_vw(stages), rejoin, restarts, respawn, procs, rendezvous)
 
 
 def _by_vw(stages: Sequence[StageJob]) -> dict[int, tuple[StageJob, ...]]:
