@@ -114,20 +114,13 @@ def prepare_wsp(
     first_wave = clock  # easgd: the shards' clock counts exchanges, tau waves each
     if rule == "easgd":
         first_wave = waves_at(clock, int(param(plan.sync_params, "tau", 1.0)))
-    tidies = owner is None or owner.tidies  # one process of the job tidies the folder
-    if cfg.checkpoint_dir is not None and tidies:
-        clean(cfg.checkpoint_dir, clock if cfg.resume else None)
-    if owner is not None and owner.tidies and run.out_dir is not None and not cfg.resume:
-        plan.save(run.out_dir / "plan.json")  # --resume reuses it
+    _tidy(plan, run, cfg, owner, clock)
     steps = wsp_steps(run, nm, first_wave, vw_samples, plan.batch_size)
     if steps == 0 and manifest is not None:
         return export_snapshot(manifest, plan, source, run, specs, test, nm, D)
     if steps == 0:
         raise ConfigError("nothing to train: raise --steps or --epochs")
-    snaps = None
-    if cfg.checkpoint_dir is not None and owner is not None:
-        snaps = SnapshotSpec(cfg.checkpoint_dir, owner.run_id, owner.attempt, snapshot_parts(plan),
-                             settings, cfg.checkpoint_every, cfg.keep, cfg.write_fault)  # fmt: skip
+    snaps = _snapshots(plan, cfg, owner, settings)
     if rule == "backup" and run.time_limit_s > 0:
         raise ConfigError(
             "--time-limit with --sync backup: a VW that skipped waves cannot agree on a stop "
@@ -135,15 +128,41 @@ def prepare_wsp(
         )
     sync = SyncSpec(rule, plan.sync_params, D, specs, snaps, first_wave, cfg.overlap_pulls,
                     run.timeout_s, last_wave=first_wave + steps // nm)  # fmt: skip
-    if cfg.restart_vw and any(graph.shared_params(c) for c in _vw_cuts(plan)):
-        log.warning("a VW holds tied parameters on several stages (all-reduced in a subgroup "
-                    "of the first process group): a failure restarts the whole job")  # fmt: skip
-        cfg = dataclasses.replace(cfg, restart_vw=False)
+    cfg = _restart_scope(plan, graph, cfg)
     shards, stages = _jobs(plan, source, optimizer, run, cfg, sync, shards_data, steps, init_method)
     hint = ""
     if snaps is not None and cfg.checkpoint_every > 0:
         hint = f"; resume with: {cfg.resume_hint} --resume {cfg.checkpoint_dir}"
     return Prepared(shards, stages, steps, first_wave, nm, D, test, hint)
+
+
+def _tidy(plan: Plan, run: RunConfig, cfg: WSPConfig, owner: RunOwner | None, clock: int) -> None:
+    """Clean the checkpoint folder past the resume ``clock`` and save the plan beside the
+    outputs (one process of the job tidies; ``--resume`` reuses the saved plan)."""
+    tidies = owner is None or owner.tidies
+    if cfg.checkpoint_dir is not None and tidies:
+        clean(cfg.checkpoint_dir, clock if cfg.resume else None)
+    if owner is not None and owner.tidies and run.out_dir is not None and not cfg.resume:
+        plan.save(run.out_dir / "plan.json")
+
+
+def _snapshots(
+    plan: Plan, cfg: WSPConfig, owner: RunOwner | None, settings: tuple[tuple[str, str], ...]
+) -> SnapshotSpec | None:
+    """The run's snapshots (``None``: no checkpoint folder or no owner to name the run)."""
+    if cfg.checkpoint_dir is None or owner is None:
+        return None
+    return SnapshotSpec(cfg.checkpoint_dir, owner.run_id, owner.attempt, snapshot_parts(plan),
+                        settings, cfg.checkpoint_every, cfg.keep, cfg.write_fault)  # fmt: skip
+
+
+def _restart_scope(plan: Plan, graph: ModelGraph, cfg: WSPConfig) -> WSPConfig:
+    """``cfg`` without VW restarts when a VW holds tied parameters on several stages."""
+    if cfg.restart_vw and any(graph.shared_params(c) for c in _vw_cuts(plan)):
+        log.warning("a VW holds tied parameters on several stages (all-reduced in a subgroup "
+                    "of the first process group): a failure restarts the whole job")  # fmt: skip
+        return dataclasses.replace(cfg, restart_vw=False)
+    return cfg
 
 
 def _jobs(
