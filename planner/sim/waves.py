@@ -97,6 +97,26 @@ def _gate(closed: Sequence[float], wave: int) -> float | None:
     return closed[wave] if wave < len(closed) else None
 
 
+def _wave_number(last: int, clock: int, backups: int) -> int | None:
+    """The wave a VW that pushed wave ``last`` (-1: none) trains next; ``None`` with backup
+    workers until the pull after that push is answered (the quorum ``clock`` passed it)."""
+    if backups and last >= 0:
+        if clock <= last:  # numbered when its pull is answered (the VW runs on)
+            return None
+        return continue_at(last, clock)
+    return last + 1
+
+
+def _gates(closed: Sequence[float], c: int, nm: int, D: int) -> tuple[float, float] | None:
+    """When wave ``c``'s first ``Nm-1`` minibatches may start (``G(c-D-1)`` waves closed) and
+    when its last one may (``G(c-D)``); ``None``: a gate is not closed yet."""
+    start = _gate(closed, required_global_clock(c * nm + 1, nm, D) - 1)
+    end = _gate(closed, required_global_clock((c + 1) * nm, nm, D) - 1)
+    if start is None or end is None:
+        return None
+    return start, end
+
+
 def _play_clocked(
     wave_ms: Sequence[float], waves: int, nm: int, slowdown: Slowdown, D: int, backups: int
 ) -> WavePlay:
@@ -115,23 +135,15 @@ def _play_clocked(
 
     def schedule(v: int) -> None:
         d, last, free = state[v]
-        if backups and last >= 0:
-            if quorum.clock <= last:  # numbered when its pull is answered (the VW runs on:
-                blocked.add(v)  # rescheduled at that close, it still starts at ``free``)
-                return
-            c = continue_at(last, quorum.clock)
-        else:
-            c = last + 1
-        if c >= waves:
+        c = _wave_number(last, quorum.clock, backups)
+        if c is not None and c >= waves:
             return
-        # the first Nm-1 minibatches of wave c need G(c-D-1) waves closed, its last one G(c-D)
-        start = _gate(closed, required_global_clock(c * nm + 1, nm, D) - 1)
-        end = _gate(closed, required_global_clock((c + 1) * nm, nm, D) - 1)
-        if start is None or end is None:
+        gates = None if c is None else _gates(closed, c, nm, D)
+        if c is None or gates is None:  # rescheduled at a close (it still starts at ``free``)
             blocked.add(v)
             return
         t = wave_ms[v] * slowdown(v, d)
-        heapq.heappush(heap, (max(max(free, start) + t, end + t / nm), v, c))
+        heapq.heappush(heap, (max(max(free, gates[0]) + t, gates[1] + t / nm), v, c))
 
     for v in range(n):
         schedule(v)
