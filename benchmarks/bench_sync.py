@@ -78,7 +78,12 @@ def wsp_row(res: RunResult, args: argparse.Namespace, predicted: float) -> dict[
               zip(sorted(v.stages[-1].losses), v.stages[-1].done_times, strict=False)]  # fmt: skip
     dropped = dropped_vw_waves(res.vws)
     waves = sum(v.steps for v in res.vws) // res.nm  # computed VW-waves
-    counted = len({(e.vw, e.wave) for e in res.states[0].ledger})  # applied (the ledger)
+    # applied (the ledger); AllReduce has no shards and applies every minibatch it computes;
+    # under EASGD every minibatch trains its VW's replica (the ledger holds one entry per
+    # exchange, every tau waves)
+    counted = waves
+    if res.states and res.sync != "easgd":
+        counted = len({(e.vw, e.wave) for e in res.states[0].ledger})
     applied = res.throughput * counted / waves if waves else 0.0
     return {
         "throughput": res.throughput,

@@ -11,7 +11,8 @@ the shard process. The rules (see ``docs/parameter_server.md``):
   ``(vw, stage)`` order, so the floating-point result does not depend on arrival order, or
   their sum goes through server-side momentum; the global clock becomes ``c + 1``;
 - a pull ``(min_clock)`` can be answered once the global clock is ``>= min_clock``;
-- with ``backups = b > 0`` (synchronous SGD with backup workers, :mod:`planner.backup`) wave
+- with ``backups = b > 0`` (synchronous SGD with backup workers, :mod:`planner.backup`,
+  :class:`runtime.ps.backup_waves.BackupWaves`, a base of :class:`ShardCore`) wave
   ``c`` is applied as soon as ``N = VWs - b`` VWs pushed it completely, their updates added in
   ``(vw, stage)`` order; any other push of ``c`` (late, or a part of a VW that did not make
   the quorum) is ``DROPPED``: never applied, recorded once in :attr:`ShardCore.dropped`.
@@ -37,10 +38,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from planner.backup import Arrival
 from planner.wsp import GlobalClock
 from profiler.errors import ConfigError
 from runtime.persist.checkpoint import LedgerEntry, ShardState
+from runtime.ps.backup_waves import BackupWaves
 from runtime.ps.eviction import PeerEviction
 from runtime.ps.layout import ShardSpec
 from runtime.ps.outcome import ClockEvent, Eviction, PushResult, Status
@@ -54,7 +55,7 @@ __all__ = ["ShardCore"]
 log = logging.getLogger(__name__)
 
 
-class ShardCore(PeerEviction):
+class ShardCore(PeerEviction, BackupWaves):
     """The shard's WSP state machine (pure: no processes, no I/O).
 
     Args:
@@ -96,26 +97,7 @@ class ShardCore(PeerEviction):
         self.spec = spec
         self.fold = fold
         self.max_ledger_waves = max_ledger_waves
-        if state is not None:
-            if state.shard_id != spec.id:
-                raise ConfigError(
-                    f"checkpoint is for shard {state.shard_id}, not shard {spec.id}; pass the right file"
-                )
-            weights, self._clock, self._ledger = state.weights, state.clock, deque(state.ledger)
-            momentum, self._opt = state.momentum, {k: v.clone() for k, v in state.optimizer.items()}
-        else:
-            self._clock, self._ledger, self._opt = 0, deque(), {}
-        if weights is None or weights.dim() != 1 or weights.numel() != spec.numel:
-            got = None if weights is None else tuple(weights.shape)
-            raise ConfigError(
-                f"shard {spec.id}: initial weights must be flat with {spec.numel} elements, got shape {got}"
-            )
-        if weights.dtype != torch.float32:
-            raise ConfigError(
-                f"shard {spec.id}: weights must be float32 (the wire format), got {weights.dtype}"
-            )
-        self._w = weights.detach().clone()
-        self.momentum = momentum
+        self.momentum = momentum = self._load(spec, weights, state, momentum)
         if momentum and "momentum" not in self._opt:
             self._opt["momentum"] = torch.zeros_like(self._w)
         self._keys = [(c.vw, c.stage) for c in spec.clients]
@@ -148,6 +130,36 @@ class ShardCore(PeerEviction):
         self._inc = [0] * n  # restart mode: each VW's incarnation (+1 at every restart)
         self._reopened: dict[int, int] = {}  # VW index -> the wave its incarnation starts at
 
+    def _load(
+        self,
+        spec: ShardSpec,
+        weights: torch.Tensor | None,
+        state: ShardState | None,
+        momentum: float,
+    ) -> float:
+        """Set the clock, ledger, optimizer state and weights, from ``state`` when given, after
+        checking them; returns the momentum to use (the state's when resuming)."""
+        if state is not None:
+            if state.shard_id != spec.id:
+                raise ConfigError(
+                    f"checkpoint is for shard {state.shard_id}, not shard {spec.id}; pass the right file"
+                )
+            weights, self._clock, self._ledger = state.weights, state.clock, deque(state.ledger)
+            momentum, self._opt = state.momentum, {k: v.clone() for k, v in state.optimizer.items()}
+        else:
+            self._clock, self._ledger, self._opt = 0, deque(), {}
+        if weights is None or weights.dim() != 1 or weights.numel() != spec.numel:
+            got = None if weights is None else tuple(weights.shape)
+            raise ConfigError(
+                f"shard {spec.id}: initial weights must be flat with {spec.numel} elements, got shape {got}"
+            )
+        if weights.dtype != torch.float32:
+            raise ConfigError(
+                f"shard {spec.id}: weights must be float32 (the wire format), got {weights.dtype}"
+            )
+        self._w = weights.detach().clone()
+        return momentum
+
     @property
     def clock(self) -> int:
         """Global clock: the weights include waves ``0..clock-1`` of every VW."""
@@ -178,7 +190,29 @@ class ShardCore(PeerEviction):
         rejection (and records it in :attr:`rejected`) so the server can tell the client.
         """
         key = (vw, stage)
-        if key not in self._keys:
+        bad = self._check(vw, stage, wave, update)
+        if bad is not None:
+            return bad
+        self._pending.setdefault(wave, {})[key] = (
+            update.detach().clone() if copy else update.detach(),
+            self._seq,
+        )
+        self._seq += 1
+        vi = self._vw_index[vw]
+        if self._quorum is not None:
+            return self._push_quorum(self._quorum, vi, vw, stage, wave)
+        while all(k in self._pending.get(self._gclock.local(vi), {}) for k in self._vw_keys[vi]):
+            self._gclock.push(vi, self._gclock.local(vi))
+        applied = self._advance()
+        self.trace.append(
+            ClockEvent(self._seq - 1, vw, stage, wave, self.local_clocks(), self._clock)
+        )
+        return PushResult(Status.OK, "", applied)
+
+    def _check(self, vw: int, stage: int, wave: int, update: torch.Tensor) -> PushResult | None:
+        """The rejection (or backup workers: the drop) of a push that cannot be buffered;
+        ``None`` for a valid one."""
+        if (vw, stage) not in self._keys:
             return self._reject(
                 vw,
                 stage,
@@ -198,7 +232,7 @@ class ShardCore(PeerEviction):
                 status,
                 f"wave {wave} is already folded into the global weights (clock {self._clock})",
             )
-        if key in self._pending.get(wave, {}):
+        if (vw, stage) in self._pending.get(wave, {}):
             return self._reject(vw, stage, wave, Status.DUPLICATE, "this tag was already received")
         if self.spec.D is not None and wave > self._clock + self.spec.D:
             return self._reject(
@@ -218,101 +252,7 @@ class ShardCore(PeerEviction):
                 Status.BAD_SIZE,
                 f"update is {update.dtype} of shape {tuple(update.shape)}, expected float32 ({numel},)",
             )
-        self._pending.setdefault(wave, {})[key] = (
-            update.detach().clone() if copy else update.detach(),
-            self._seq,
-        )
-        self._seq += 1
-        vi = self._vw_index[vw]
-        if self._quorum is not None:
-            return self._push_quorum(self._quorum, vi, vw, stage, wave)
-        while all(k in self._pending.get(self._gclock.local(vi), {}) for k in self._vw_keys[vi]):
-            self._gclock.push(vi, self._gclock.local(vi))
-        applied = self._advance()
-        self.trace.append(
-            ClockEvent(self._seq - 1, vw, stage, wave, self.local_clocks(), self._clock)
-        )
-        return PushResult(Status.OK, "", applied)
-
-    def _late(self, vw: int, stage: int, wave: int) -> bool:
-        """Backup workers: whether a push of closed ``wave`` is a late one (not a duplicate)."""
-        if self._quorum is None or (vw, stage, wave) in self._dropped_tags:
-            return False
-        try:
-            counted = self._quorum.counted(wave)
-        except KeyError:  # forgotten (older than max_ledger_waves): cannot tell, refuse it
-            return False
-        return self._vw_index[vw] not in counted
-
-    def _drop(self, vw: int, stage: int, wave: int, seq: int | None = None) -> PushResult:
-        """Record a push of a wave that closed without its VW; it never reaches the weights."""
-        if seq is None:
-            seq, self._seq = self._seq, self._seq + 1
-        self._dropped_tags.add((vw, stage, wave))
-        vi = self._vw_index[vw]
-        self._seen[vi] = max(self._seen[vi], wave + 1)
-        self.dropped.append(LedgerEntry(vw, stage, wave, seq))
-        log.debug(
-            "shard %d: push (vw %d, stage %d, wave %d) dropped", self.spec.id, vw, stage, wave
-        )
-        return PushResult(Status.DROPPED, f"wave {wave} closed without vw {vw}")
-
-    def _push_quorum(
-        self, quorum: WaveQuorum, vi: int, vw: int, stage: int, wave: int
-    ) -> PushResult:
-        """Backup workers: count ``vw`` once all its clients pushed ``wave``; close waves."""
-        pend = self._pending[wave]
-        before = quorum.clock
-        self._seen[vi] = max(self._seen[vi], wave + 1)
-        complete = all(k in pend for k in self._vw_keys[vi])
-        if complete and quorum.arrive(vi, wave) is Arrival.DROPPED:  # the wave is full
-            for k in self._vw_keys[vi]:
-                self._drop(*k, wave, seq=pend.pop(k)[1])
-            return PushResult(Status.DROPPED, f"wave {wave} already has its quorum")
-        self._close_quorum(quorum, before)
-        self.trace.append(
-            ClockEvent(self._seq - 1, vw, stage, wave, self.local_clocks(), self._clock)
-        )
-        return PushResult(Status.OK, "", quorum.clock - before)
-
-    def _close_quorum(self, quorum: WaveQuorum, before: int) -> None:
-        """Apply the waves that closed since clock ``before``: their counted VWs' updates;
-        the parts of any other VW are dropped."""
-        for c in range(before, quorum.clock):
-            counted = {self.spec.vws[i] for i in quorum.counted(c)}
-            ups = self._pending.pop(c)
-            for k in sorted(k for k in ups if k[0] not in counted):  # parts of late VWs
-                self._drop(*k, c, seq=ups.pop(k)[1])
-            self._apply(ups, counted)
-        if self.max_ledger_waves is not None:
-            quorum.forget(self._clock - self.max_ledger_waves)
-
-    def decide(self, wave: int, counted: Sequence[int]) -> int:
-        """Backup workers, a shard that follows: the decider counted VWs ``counted`` (VW
-        ids) in ``wave``. Returns waves applied.
-
-        Raises:
-            ConfigError: no backup workers here, or this shard decides (a wiring bug).
-        """
-        quorum = self._quorum
-        if quorum is None or quorum.decides:
-            raise ConfigError(f"shard {self.spec.id}: a quorum decision it does not take")
-        before = quorum.clock
-        quorum.decide(wave, [self._vw_index[v] for v in counted])
-        self._close_quorum(quorum, before)
-        return quorum.clock - before
-
-    @property
-    def decides(self) -> bool:
-        """Backup workers: whether this shard decides each wave's quorum."""
-        return self._quorum is not None and self._quorum.decides
-
-    def decisions(self) -> list[tuple[int, tuple[int, ...]]]:
-        """Backup workers, the deciding shard: ``(wave, counted VW ids)`` of the waves closed
-        since the last call, to tell the other shards (none otherwise)."""
-        if self._quorum is None:
-            return []
-        return [(c, tuple(self.spec.vws[i] for i in vis)) for c, vis in self._quorum.take()]
+        return None
 
     def _reject(self, vw: int, stage: int, wave: int, status: Status, why: str) -> PushResult:
         self.rejected.append((vw, stage, wave, status))

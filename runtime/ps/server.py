@@ -25,17 +25,16 @@ tests can check that bound.
 
 :class:`ShardCore` (in :mod:`runtime.ps.core`) is pure and unit-tested on its own;
 :class:`ShardServer` runs it in a shard process over torch.distributed point-to-point
-messages (gloo), one reader thread per client. The wire protocol, shared with
-:mod:`runtime.ps.client`, is :mod:`runtime.ps.wire`.
+messages (gloo), with reader threads per client (:mod:`runtime.ps.inbox`). The wire protocol,
+shared with :mod:`runtime.ps.client`, is :mod:`runtime.ps.wire`.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
 import queue
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,51 +45,24 @@ from profiler.errors import HetPipeRuntimeError
 from runtime.persist.checkpoint import ShardState, shard_payload
 from runtime.persist.snapshot import SnapshotSpec, leave_out, write_part
 from runtime.ps.core import ShardCore
-from runtime.ps.layout import (
-    ClientSpec,
-)
+from runtime.ps.inbox import Event, peer_link, push_reader, quorum_link, request_reader, wait
+from runtime.ps.layout import ClientSpec
 from runtime.ps.outcome import Status
-from runtime.ps.peers import TAG_QUORUM, IntLink, PeerLink, Report
+from runtime.ps.peers import IntLink
 from runtime.ps.readmit import Readmission
 from runtime.ps.rejoin import Rejoin
 from runtime.ps.wire import (
     HEADER_BYTES,
-    HEADER_LEN,
-    LAST_PUSH,
     NO_PULL,
     TAG_ACK,
     TAG_PULL_DATA,
     TAG_PULL_HEADER,
-    TAG_PUSH,
-    TAG_REQUEST,
-    Op,
-    irecv,
     isend,
-    push_message,
 )
 
 __all__ = ["ShardServer"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _Event:
-    kind: str  # push | pull | bye | error | last (no more pushes) | peer (a shard's report)
-    #  | decision (backup workers: the deciding shard's quorum of wave ``arg``, in ``report[0]``)
-    client: int
-    arg: int = 0  # push: wave; pull: min clock; error: 1 from the push reader; peer: shard id
-    message: torch.Tensor | None = None  # push: the whole message buffer (recycled)
-    seq: int = 0  # pull: the client's pull number
-    pull: int = NO_PULL  # push: the pull clock it carries
-    error: str = ""
-    report: Report = ((), (), ())  # peer: clocks, final flags, incarnations
-    inc: int = 0  # the client's incarnation (restart mode): events of an older one are stale
-
-
-_IDLE_FOREVER_S = (
-    7 * 24 * 3600.0
-)  # a gloo timeout closes the connection, so never time out idle readers
 
 
 @dataclass
@@ -99,10 +71,6 @@ class _Pulls:
 
     waiting: dict[int, int] = field(default_factory=dict)
     next: int = 0
-
-
-def _wait(work: dist.Work, timeout_s: float) -> None:
-    work.wait(datetime.timedelta(seconds=timeout_s))
 
 
 class ShardServer:
@@ -144,7 +112,7 @@ class ShardServer:
     ) -> None:
         self.core, self.group, self.timeout_s = core, group, timeout_s
         self.rejoin = rejoin
-        self._events: queue.Queue[_Event] = queue.Queue()
+        self._events: queue.Queue[Event] = queue.Queue()
         self._pulls = [_Pulls() for _ in core.spec.clients]
         self._done: set[int] = set()  # clients that said BYE (or are gone)
         self._rejoins = (
@@ -168,56 +136,16 @@ class ShardServer:
         self._held: dict[tuple[int, int], torch.Tensor] = {}  # (client index, wave) -> buffer
         self._prefix = f"[shard {core.spec.id} | rank {core.spec.rank}]"
 
-    def _request_reader(
-        self, idx: int, client: ClientSpec, events: queue.Queue[_Event], group: Any, inc: int
-    ) -> None:
-        """Reads one client's standalone requests (``PULL``, ``BYE``) in order."""
-        try:
-            while True:
-                hdr = torch.zeros(HEADER_LEN, dtype=torch.int64)
-                _wait(
-                    irecv(hdr, src=client.rank, group=group, tag=TAG_REQUEST),
-                    _IDLE_FOREVER_S,  # a client waiting on a pull is silent: hangs are judged in serve()
-                )
-                op = int(hdr[0])
-                if op == Op.PULL:
-                    events.put(_Event("pull", idx, int(hdr[1]), seq=int(hdr[2]), inc=inc))
-                elif op == Op.BYE:
-                    events.put(_Event("bye", idx, inc=inc))
-                    return
-                else:
-                    events.put(_Event("error", idx, error=f"unknown request op {op}", inc=inc))
-                    return
-        except (RuntimeError, HetPipeRuntimeError) as exc:  # gloo: peer closed, or timeout
-            events.put(_Event("error", idx, error=str(exc).splitlines()[0][:300], inc=inc))
-
-    def _push_reader(
-        self, idx: int, client: ClientSpec, events: queue.Queue[_Event], group: Any, inc: int
-    ) -> None:
-        """Reads one client's push messages until its ``LAST_PUSH``: the receive is always
-        posted, so a push is one message with no rendezvous wait."""
-        numel = self.core.spec.client_numel(client)
-        try:
-            while True:
-                try:
-                    msg = self._free[idx].get_nowait()
-                except queue.Empty:
-                    msg = push_message(numel)[0]
-                _wait(irecv(msg, src=client.rank, group=group, tag=TAG_PUSH), _IDLE_FOREVER_S)
-                wave, pull, seq, flags = msg[:HEADER_BYTES].view(torch.int64).tolist()
-                if flags & LAST_PUSH:
-                    events.put(_Event("last", idx, inc=inc))
-                    return
-                events.put(_Event("push", idx, wave, msg, seq=seq, pull=pull, inc=inc))
-        except (RuntimeError, HetPipeRuntimeError) as exc:  # gloo: peer closed, or timeout
-            events.put(_Event("error", idx, 1, error=str(exc).splitlines()[0][:300], inc=inc))
-
-    def start_readers(self, idx: int, events: queue.Queue[_Event], group: Any, inc: int) -> None:
+    def start_readers(self, idx: int, events: queue.Queue[Event], group: Any, inc: int) -> None:
         """Start client ``idx``'s two reader threads on ``group`` (its incarnation ``inc``)."""
         c = self.core.spec.clients[idx]
-        for kind, target in (("req", self._request_reader), ("push", self._push_reader)):
+        numel = self.core.spec.client_numel(c)
+        readers: tuple[tuple[str, Callable[..., None], tuple[Any, ...]], ...] = (
+            ("req", request_reader, (idx, c, events, group, inc)),
+            ("push", push_reader, (idx, c, numel, self._free[idx], events, group, inc)),
+        )
+        for kind, target, args in readers:
             name = f"ps{self.core.spec.id}-vw{c.vw}s{c.stage}-{kind}{inc or ''}"
-            args = (idx, c, events, group, inc)
             threading.Thread(target=target, args=args, daemon=True, name=name).start()
 
     def _send(self, tensor: torch.Tensor, client: ClientSpec, tag: int) -> None:
@@ -251,7 +179,7 @@ class ShardServer:
         for work, t, client, inc in self._sends:
             try:
                 if block:
-                    _wait(work, self.timeout_s)
+                    wait(work, self.timeout_s)
                 elif not work.is_completed():
                     still.append((work, t, client, inc))
             except RuntimeError as exc:
@@ -275,8 +203,8 @@ class ShardServer:
         events, pulls, done = self._events, self._pulls, self._done
         for i in range(len(spec.clients)):
             self.start_readers(i, events, self.group, 0)
-        link = self._peer_link(events)
-        qlink = self._quorum_link(events)
+        link = peer_link(self.peer_ranks, core, self.group, events)
+        qlink = quorum_link(self.quorum_ranks, core, self.group, events)
         log.info(
             "%s serving %d clients, %d elements, clock %d",
             self._prefix,
@@ -319,7 +247,7 @@ class ShardServer:
         )
         return core.state()
 
-    def _handle(self, ev: _Event, pulls: list[_Pulls], done: set[int]) -> int:
+    def _handle(self, ev: Event, pulls: list[_Pulls], done: set[int]) -> int:
         """One event; returns the waves it applied that are not checkpointed yet."""
         core = self.core
         if ev.kind == "peer":
@@ -367,37 +295,7 @@ class ShardServer:
         self.start_readers(idx, self._events, group, inc)
 
     def _release(self, vw: int) -> None:
-        self._events.put(_Event("release", -1, vw))
-
-    def _peer_link(self, events: queue.Queue[_Event]) -> PeerLink | None:
-        """Eviction mode: the shard-to-shard reports, delivered as ``peer`` events."""
-        if self.peer_ranks is None:
-            return None
-
-        def deliver(sid: int, report: Report) -> None:
-            events.put(_Event("peer", -1, sid, report=report))
-
-        link = PeerLink(self.peer_ranks, len(self.core.spec.vws), self.group, deliver)
-        link.start()
-        link.tell(self.core.report())
-        return link
-
-    def _quorum_link(self, events: queue.Queue[_Event]) -> IntLink | None:
-        """Backup workers over several shards: the decider's quorum decisions, told to the
-        other shards (``[wave, counted flag of each VW in spec.vws order]``), which get them
-        as ``decision`` events (:mod:`runtime.ps.quorum`)."""
-        if not self.quorum_ranks:
-            return None
-        vws = self.core.spec.vws
-
-        def deliver(sid: int, values: tuple[int, ...]) -> None:
-            counted = tuple(v for v, f in zip(vws, values[1:], strict=True) if f)
-            events.put(_Event("decision", -1, values[0], report=(counted, (), ())))
-
-        link = IntLink(self.quorum_ranks, 1 + len(vws), self.group, deliver, TAG_QUORUM)
-        if not self.core.decides:
-            link.start()
-        return link
+        self._events.put(Event("release", -1, vw))
 
     def _tell_decisions(self, link: IntLink) -> None:
         vws = self.core.spec.vws
