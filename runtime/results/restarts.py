@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 
 from runtime.persist.checkpoint import ShardState
@@ -63,7 +64,9 @@ def restart_caption(restarts: Sequence[str]) -> str:
     alone = [r for r in restarts if ALONE in r]
     for note in alone:  # "<cause> (vw K restarted alone at wave W; N buffered ...)"
         parts.append(note[note.rfind(" (vw ") + 2 : -1] if " (vw " in note else note)
-    whole = len(restarts) - len(alone)
+    whole = [r for r in restarts if ALONE not in r]
     if whole:
-        parts.append(f"the whole job restarted {whole}x from the last snapshot")
+        clock = re.search(r"restarted from clock (\d+)", whole[-1])
+        since = f" (clock {clock.group(1)}: the table counts from there)" if clock else ""
+        parts.append(f"the whole job restarted {len(whole)}x from the last snapshot{since}")
     return "; ".join(parts)

@@ -50,6 +50,7 @@ def test_a_vw_restarted_alone_counts_whole_in_its_row_and_caption(tmp_path: Path
 def test_a_whole_job_restart_still_says_from_the_last_snapshot() -> None:
     result = RunResult((), NM, 0, (), (), (), 1.0, restarts=("x failed (restarted from clock 40)",))
     assert "the whole job restarted 1x from the last snapshot" in result._caption()
+    assert "(clock 40: the table counts from there)" in result._caption()  # not the whole run
 
 
 def test_the_progress_bar_does_not_count_a_restarted_vws_recomputed_minibatches() -> None:
