@@ -10,8 +10,11 @@ launcher disappears, and every process-group operation has a timeout
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Sequence
+import signal
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,9 +73,9 @@ def spawn_and_watch(
     restarter: VWRestarter | None = None
     try:
         _start_shards(mpc, events, shards, procs)
-        start = _stage_starter(mpc, events)
+        start = _stage_starter(mpc, events, procs)
         for job in stages:
-            procs[job.ctx.rank] = start(job, stage_main)
+            start(job, stage_main)
         rendezvous = Path(stages[0].init_method.removeprefix("file://")).parent
         beats = Heartbeats(rendezvous, max(5.0, run.timeout_s / 2), labels)
         if evict:
@@ -100,23 +103,53 @@ def _start_shards(
 ) -> None:
     """Start the shard processes into ``procs`` (rank -> process)."""
     for sh in shards:
-        channel, writer = events.channel()
-        p = mpc.Process(target=shard_main, args=(sh, channel, os.getpid()),
-                        name=f"hetpipe-shard{sh.spec.id}")  # fmt: skip
-        p.start()
-        events.started(writer)
-        procs[sh.rank] = p  # only started processes: stop_all joins them
+        with ctrl_c_deferred():
+            channel, writer = events.channel()
+            p = mpc.Process(target=shard_main, args=(sh, channel, os.getpid()),
+                            name=f"hetpipe-shard{sh.spec.id}")  # fmt: skip
+            p.start()
+            events.started(writer)
+            procs[sh.rank] = p  # only started processes: stop_all joins them
 
 
-def _stage_starter(mpc: Any, events: Reports) -> Callable[..., Any]:
-    """``start(job, target, *args)``: a started stage process running ``target`` for ``job``."""
+@contextlib.contextmanager
+def ctrl_c_deferred() -> Iterator[None]:
+    """Hold Ctrl-C (SIGINT) until the block ends: a process is started *and* entered in the
+    launcher's table, or neither.
+
+    A ``KeyboardInterrupt`` between ``Process.start()`` and the table entry leaves a running
+    child that nobody stops, and at exit ``multiprocessing`` joins its non-daemon children: the
+    launcher waits for a child that waits for the launcher. (In one CI run a Ctrl-C'd run went
+    on for over 60 s; this window is the explanation found, not a proven one.) A Ctrl-C during
+    the block is recorded and raised again right after it. Python
+    runs signal handlers in the main thread only, so only there is it held (a thread mask
+    would not do: the kernel hands the signal to any other thread that does not block it).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, _frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            signal.raise_signal(signal.SIGINT)  # now handled as it would have been
+
+
+def _stage_starter(mpc: Any, events: Reports, procs: dict[int, Any]) -> Callable[..., Any]:
+    """``start(job, target, *args)``: a started stage process running ``target`` for ``job``,
+    entered in ``procs`` (rank -> process) before Ctrl-C can interrupt."""
 
     def start(job: StageJob, target: Any, *args: Any) -> Any:
-        channel, writer = events.channel(job.ctx.rank)
-        p = mpc.Process(target=target, args=(job, *args, channel, os.getpid()),
-                        name=f"hetpipe-vw{job.ctx.vw}-stage{job.ctx.stage}")  # fmt: skip
-        p.start()
-        events.started(writer)
+        with ctrl_c_deferred():
+            channel, writer = events.channel(job.ctx.rank)
+            p = mpc.Process(target=target, args=(job, *args, channel, os.getpid()),
+                            name=f"hetpipe-vw{job.ctx.vw}-stage{job.ctx.stage}")  # fmt: skip
+            p.start()
+            events.started(writer)
+            procs[job.ctx.rank] = p
         return p
 
     return start

@@ -277,7 +277,12 @@ def test_ctrl_c_stops_cleanly_with_one_line_and_the_resume_command(tmp_path: Pat
     proc, out = _start_cli(tmp_path, False, "--on-failure", "restart")  # Ctrl-C never restarts
     ranks = [p for p in _children() if p != proc.pid]
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # never leave a 100,000-step run to the next tests
+        proc.kill()
+        _, err = proc.communicate()
+        pytest.fail(f"Ctrl-C did not stop the run within 60 s: {err[-2000:]}")
     assert proc.returncode == 2, err
     lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and "interrupted (Ctrl-C)" in lines[0], err
