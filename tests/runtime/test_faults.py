@@ -212,7 +212,12 @@ def _start_cli(
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "hetpipe", "run", str(plan), "--steps", "100000", "--out",
            str(out), "--checkpoint-every", "1", "--no-progress", "--no-emulate", *extra]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # a shell's background job ignores SIGINT and so would the run: give it Python's default
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     tmp = Path(tempfile.gettempdir())
     deadline = time.monotonic() + 150  # a loaded 2-core machine starts 7 processes slowly
     try:

@@ -46,8 +46,13 @@ def test_ctrl_c_waits_until_a_started_process_is_in_the_launchers_table() -> Non
     from runtime.launch.supervise import ctrl_c_deferred
 
     reached = False
-    with pytest.raises(KeyboardInterrupt), ctrl_c_deferred():
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.05)  # without the mask the handler raises here
-        reached = True
+    # Python's own handler, whatever this process inherited (a background job ignores SIGINT)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt), ctrl_c_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # without the hold the handler raises here
+            reached = True
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert reached
