@@ -197,8 +197,12 @@ def test_backup_b1_equals_the_reference_given_who_was_first(tmp_path: Path) -> N
         3, 2, waves, lambda c: sorted(by_wave[c]), lambda k, c, s: got(k, c)
     )
     _same(result.state_dict(), ref)
+    jumped = {k for k, _ in skipped}
     for k in range(3):
-        torch.testing.assert_close(result.vws[k].losses, losses[k], rtol=1e-5, atol=1e-6)
+        if k in jumped:  # trained fewer waves, its data going on (the reference has every wave)
+            assert len(result.vws[k].losses) == 2 * (waves - sum(1 for j, _ in skipped if j == k))
+        else:
+            torch.testing.assert_close(result.vws[k].losses, losses[k], rtol=1e-5, atol=1e-6)
     assert "backup b=1" in str(result.table().title)
 
 
