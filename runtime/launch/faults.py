@@ -21,7 +21,9 @@ class StageFault:
     SIGSTOP: a frozen process; 0: it raises ``RuntimeError``, a failure in Python; ``at_mb``
     0: never). A VW restarted alone (``--on-failure restart``) keeps the fault only with
     ``repeat``. ``delays`` are injected stragglers: ``(vw, minibatch, seconds)``, stage
-    ``stage`` of that VW sleeps that long before the minibatch's first task."""
+    ``stage`` of that VW sleeps that long before the minibatch's first task.
+    ``rejoin_delay_s``: every process of a restarted VW sleeps that long before it rejoins (a
+    restart on a loaded host, slower than the timeout)."""
 
     stage: int
     at_mb: int
@@ -29,6 +31,7 @@ class StageFault:
     signum: int = int(signal.SIGKILL)
     delays: tuple[tuple[int, int, float], ...] = ()
     repeat: bool = False
+    rejoin_delay_s: float = 0.0
 
     def hook(self, vw: int, stage: int) -> Callable[[int], None] | None:
         """The stage worker's per-minibatch fault hook for ``(vw, stage)``, or ``None``."""

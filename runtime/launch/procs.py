@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.config import ModelSource
+from runtime.defaults import neighbour_wait_s
 from runtime.launch.backend import GLOO, cuda_index, stage_backend
 from runtime.launch.child import run_rank, setup_child
 from runtime.launch.faults import ShardFault
@@ -153,7 +154,7 @@ def shard_main(job: ShardJob, events: Any, parent: int) -> None:
         server = ShardServer(
             core,
             timeout_s=timeout_s,
-            idle_timeout_s=4 * timeout_s,
+            idle_timeout_s=neighbour_wait_s(timeout_s),  # every VW may wait on a restart
             snapshots=job.sync.snapshots,
             peer_ranks=dict(job.peers) if job.peers is not None else None,
             quorum_ranks=quorum_peers(job.spec.id, job.sync.shards)[1]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +72,8 @@ def rejoin_main(job: StageJob, rejoin: Rejoin, inc: int, events: Any, parent: in
     ctx = job.ctx
 
     def body() -> tuple[str, bytes]:
+        if job.fault is not None and job.fault.rejoin_delay_s > 0:
+            time.sleep(job.fault.rejoin_delay_s)  # test hook: a slow restart
         store = rejoin.store()
         wave = int(rejoin.wait(store, Rejoin.wave_key(ctx.vw, inc)))
         log.warning("incarnation %d of vw %d starts at wave %d", inc, ctx.vw, wave)

@@ -13,6 +13,7 @@ metadata travels.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import queue
 import threading
@@ -177,25 +178,34 @@ def _post(op: Any, t: Tensor, peer: int, group: Any, tag: int) -> Any:
     return op(t, group=group, tag=tag, **{"group_dst" if op is dist.isend else "group_src": peer})
 
 
-def _recv(buffers: list[Tensor], peer: int, group: Any, first_tag: int = 1) -> None:
-    """Post every receive of one message at once (one round trip, not one per tensor), then wait."""
+def _recv(
+    buffers: list[Tensor], peer: int, group: Any, first_tag: int = 1, timeout_s: float | None = None
+) -> None:
+    """Post every receive of one message at once (one round trip, not one per tensor), then
+    wait (at most ``timeout_s`` each; ``None``: the group's timeout)."""
     works = [_post(dist.irecv, buf, peer, group, first_tag + i) for i, buf in enumerate(buffers)]
+    limit = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     for work in works:
         if work is not None:
-            work.wait()
+            work.wait() if limit is None else work.wait(limit)
 
 
 def start_activation_receiver(
-    peer: int, specs: tuple[TensorSpec, ...], inbox: queue.Queue[Event], group: Any = None
+    peer: int,
+    specs: tuple[TensorSpec, ...],
+    inbox: queue.Queue[Event],
+    group: Any = None,
+    timeout_s: float | None = None,
 ) -> threading.Thread:
-    """Receive forward messages from ``peer`` until the stop header, into ``inbox``."""
+    """Receive forward messages from ``peer`` until the stop header, into ``inbox`` (waiting
+    at most ``timeout_s`` for each; ``None``: the group's timeout)."""
 
     def loop() -> None:
         try:
             while True:
                 header = torch.empty(1, dtype=torch.int64)
                 bufs = [s.empty() for s in specs]
-                _recv([header, *bufs], peer, group, first_tag=0)
+                _recv([header, *bufs], peer, group, first_tag=0, timeout_s=timeout_s)
                 mb = int(header.item())
                 if mb == STOP:
                     inbox.put(Event("stop"))
@@ -212,13 +222,20 @@ def start_activation_receiver(
 class GradReceiver:
     """Receives one gradient message from ``peer`` per activation message sent to it.
 
-    Call :meth:`expect` after each forward send and :meth:`close` when no more come.
+    Call :meth:`expect` after each forward send and :meth:`close` when no more come; each
+    message is awaited at most ``timeout_s`` (``None``: the group's timeout).
     """
 
     def __init__(
-        self, peer: int, specs: tuple[TensorSpec, ...], inbox: queue.Queue[Event], group: Any = None
+        self,
+        peer: int,
+        specs: tuple[TensorSpec, ...],
+        inbox: queue.Queue[Event],
+        group: Any = None,
+        timeout_s: float | None = None,
     ):
         self._floats = [s for s in specs if s.is_float]
+        self._timeout_s = timeout_s
         self._expected: queue.Queue[int] = queue.Queue()
         self._peer = peer
         self._group = group
@@ -243,7 +260,7 @@ class GradReceiver:
                 if mb == STOP:
                     return
                 bufs = [s.empty() for s in self._floats]
-                _recv(bufs, self._peer, self._group)
+                _recv(bufs, self._peer, self._group, timeout_s=self._timeout_s)
                 self._inbox.put(Event("grad", mb, tuple(bufs)))
         except Exception as exc:  # a dead peer or a timeout: hand it to the stage loop
             self._inbox.put(Event("error", error=exc))

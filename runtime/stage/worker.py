@@ -22,6 +22,7 @@ from planner.schedule import Kind, StageQueue, Task
 from planner.wsp import wave_of
 from profiler.errors import HetPipeRuntimeError
 from profiler.precision import autocast
+from runtime.defaults import neighbour_wait_s
 from runtime.results.metrics import StageResult
 from runtime.stage.comm import Channel, Event, GradReceiver, start_activation_receiver, wire_specs
 from runtime.stage.emulation import pace_until
@@ -50,6 +51,7 @@ class StageWorker:
         self.ctx = ctx
         self.group = group
         self.run_cfg = run
+        self._wait_s = neighbour_wait_s(run.timeout_s)  # a neighbour may be blocked in a pull
         self.events = events
         self.calibration = job.calibration if ctx.speed > 0 else None
         built = build_stage(job.source, ctx.batch_size, ctx.cuts, ctx.stage, run.seed)
@@ -112,9 +114,9 @@ class StageWorker:
         to_prev = Channel(prev, self.in_specs, group) if prev is not None else None
         grad_rx = None
         if nxt is not None:
-            grad_rx = GradReceiver(nxt, self.out_specs, self.inbox, group)
+            grad_rx = GradReceiver(nxt, self.out_specs, self.inbox, group, self._wait_s)
         if prev is not None:
-            start_activation_receiver(prev, self.in_specs, self.inbox, group)
+            start_activation_receiver(prev, self.in_specs, self.inbox, group, self._wait_s)
         self._received = 0  # forward messages received (stage 0: minibatches admitted)
         self._stop_in = ctx.stage == 0  # whether the number of minibatches is final
         self._f_done = self._b_done = 0  # forwards / backwards done here
@@ -228,10 +230,10 @@ class StageWorker:
         """Hand arrived messages to the queue in arrival order (waiting for one if ``block``)."""
         if block:
             try:
-                ev = self.inbox.get(timeout=self.run_cfg.timeout_s)
+                ev = self.inbox.get(timeout=self._wait_s)
             except queue.Empty:
                 raise HetPipeRuntimeError(
-                    f"[{self.ctx.where}] no message from a neighbour stage for {self.run_cfg.timeout_s:.0f} s "
+                    f"[{self.ctx.where}] no message from a neighbour stage for {self._wait_s:.0f} s "
                     "(a peer is stuck or dead)"
                 ) from None
             self._handle(ev)

@@ -38,6 +38,7 @@ from torch import nn
 from planner.easgd import elastic_difference, exchange_index, exchanges_after, waves_at
 from planner.sync import param
 from profiler.errors import ConfigError, HetPipeRuntimeError
+from runtime.defaults import vw_wait_s
 from runtime.launch.stop import LazyStop
 from runtime.persist.snapshot import (
     SnapshotSpec,
@@ -111,7 +112,7 @@ class ElasticSync(StageSync):
             [(name, tuple(p.shape)) for name, p in view.params],
             spec.shards,
             timeout_s=spec.timeout_s,
-            pull_timeout_s=2 * spec.timeout_s,
+            pull_timeout_s=vw_wait_s(spec.timeout_s),
         )
         tau, alpha = int(param(spec.params, "tau", 1.0)), param(spec.params, "alpha")
         if spec.first_wave % tau:

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from planner.wsp import local_version, required_global_clock
 from profiler.errors import HetPipeRuntimeError
+from runtime.defaults import neighbour_wait_s, vw_wait_s
 from runtime.launch.stop import LazyStop
 from runtime.persist.snapshot import (
     SnapshotSpec,
@@ -131,7 +132,11 @@ class WaveSync(StageSync):
         """The ``wsp`` rule's factory (:mod:`runtime.sync.rule`): the stage's shard client
         and hooks; a resumed run goes on at ``spec.first_wave``."""
         # a tied parameter's other holders follow its owner instead of talking to the shards
-        mirror = TiedMirror(view.tied, view.weights, spec.timeout_s) if view.tied else None
+        mirror = (
+            TiedMirror(view.tied, view.weights, neighbour_wait_s(spec.timeout_s))
+            if view.tied
+            else None
+        )
         followed = mirror.followed if mirror is not None else set()
         local = {p: n for n, p in view.weights.master.items()}  # parameter -> stage name
         params = [(name, p) for name, p in view.params if local[p] not in followed]
@@ -142,7 +147,7 @@ class WaveSync(StageSync):
             spec.shards,
             group=view.group,
             timeout_s=spec.timeout_s,
-            pull_timeout_s=2 * spec.timeout_s,
+            pull_timeout_s=vw_wait_s(spec.timeout_s),
         )
         sync = cls(
             client,

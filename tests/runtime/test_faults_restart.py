@@ -80,6 +80,19 @@ def test_with_the_budget_spent_a_lost_vw_is_evicted(tmp_path: Path) -> None:
     assert not _children()
 
 
+def test_a_restart_slower_than_the_timeout_does_not_fail_the_waiting_vw(tmp_path: Path) -> None:
+    # VW 0 waits at the cut (D = 0) for longer than --timeout while VW 1's new processes
+    # start: waiting on another VW is not a hang (a CI run lost VW 0 here on a loaded host)
+    run = RunConfig(steps=8, timeout_s=3.0, emulate=False, out_dir=tmp_path / "run")
+    fault = StageFault(stage=1, at_mb=3, vw=1, rejoin_delay_s=3 * run.timeout_s)
+    cfg = WSPConfig(stage_fault=fault, restart_vw=True, max_restarts=1)
+    result = launch(_plan(D=0, nm=2), SOURCE, None, run, cfg)
+    assert result.lost == () and len(result.restarts) == 1
+    assert result.vws[0].steps == 8 and result.vws[1].steps == 8
+    _every_update_once(result.states, 4)
+    assert not _children()
+
+
 def test_snapshots_go_on_after_an_eviction_and_a_resume_brings_the_vw_back(
     tmp_path: Path,
 ) -> None:
