@@ -140,6 +140,11 @@ def watch(  # long by its docstring (10 arguments, documented); the body is ~40 
         return more is not None
 
     while len(set(results) - gone) < n_results - len(gone):
+        # exit codes before the read: a child that died after reporting its error has its
+        # report read first (the cause), and is judged "died" only if it said nothing
+        dead = {
+            r: "died" for r, p in procs.items() if p.exitcode not in (None, 0) and r not in results
+        }
         try:
             msg = events.get(timeout=0.2)
         except queue.Empty:
@@ -151,9 +156,6 @@ def watch(  # long by its docstring (10 arguments, documented); the body is ~40 
             _check_stall(started, last_event, stall_s, first_event_s)
         if tick is not None and first_event:
             tick(time.time() - first_event)
-        dead = {
-            r: "died" for r, p in procs.items() if p.exitcode not in (None, 0) and r not in results
-        }
         if msg is not None and msg[0] in ("result", "shard"):
             results[msg[1]] = msg[2]
         elif msg is not None and msg[0] == "error":

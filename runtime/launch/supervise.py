@@ -20,6 +20,7 @@ from typing import Any
 
 from profiler.errors import HetPipeRuntimeError
 from runtime.config import RunConfig
+from runtime.defaults import neighbour_wait_s
 from runtime.launch.evict import VWEvictor
 from runtime.launch.failures import Interrupted, root_cause_rank, stop_all, watch
 from runtime.launch.liveness import Heartbeats
@@ -209,13 +210,16 @@ def _watch(
 ) -> list[Any]:
     """Every process's result, in rank order."""
 
+    def frozen() -> dict[int, str]:  # an exited rank's beat file is stale, it is not frozen
+        return {r: m for r, m in beats.frozen().items() if procs[r].exitcode is None}
+
     def fail(errors: dict[int, str], done: dict[int, bytes]) -> HetPipeRuntimeError:
-        frozen = beats.frozen()  # a frozen rank is the cause of its peers' timeouts
-        rank = min(frozen) if frozen else root_cause_rank(procs, events, errors, done, grace_s=1.5)
-        why = frozen.get(rank) or errors[rank]
+        stuck = frozen()  # a frozen rank is the cause of its peers' timeouts
+        rank = min(stuck) if stuck else root_cause_rank(procs, events, errors, done, grace_s=1.5)
+        why = stuck.get(rank) or errors[rank]
         return HetPipeRuntimeError(f"rank {rank} ({labels[rank]}) failed: {why}{hint}")
 
-    stall_s = max(120.0, 4 * run.timeout_s)
+    stall_s = max(120.0, neighbour_wait_s(run.timeout_s))  # a VW may wait on another's restart
     results = watch(procs, events, len(labels), progress.event, fail, stall_s,
-                    frozen=beats.frozen, absorb=evictor)  # fmt: skip
+                    frozen=frozen, absorb=evictor)  # fmt: skip
     return [loads_result(results[r]) for r in sorted(results)]
