@@ -162,9 +162,7 @@ def _evicted_at(stderr: str, what: str = "evicted at wave") -> list[float]:
     shards' evictions)."""
     out = []
     for line in stderr.splitlines():
-        if what in line and (
-            m := re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d+)", line)
-        ):
+        if what in line and (m := re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d+)", line)):
             t = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp()
             out.append(t + int(m.group(2)) / 1000)
     return sorted(out)

@@ -90,7 +90,9 @@ class VersionedWeights:
         self.total_updates = total_updates
         self.optimizer = build_optimizer(list(params.values()), cfg) if params else None
         self.version = 0  # updates applied to the master
-        self.first_update = first_update  # updates before this run (a resumed run's lr-schedule position)
+        self.first_update = (
+            first_update  # updates before this run (a resumed run's lr-schedule position)
+        )
         self._versions: dict[int, dict[str, Tensor]] = {}
         self._users: dict[int, int] = {}
         self._last_acquired = 0
@@ -251,8 +253,10 @@ class VersionedWeights:
             raise HetPipeRuntimeError("weight versions are restored before the first minibatch")
         for k in range(1 - self.nm, 0):
             leaves = versions.get(k)
-            if leaves is None or set(leaves) != set(self.master) or any(
-                leaves[n].shape != p.shape for n, p in self.master.items()
+            if (
+                leaves is None
+                or set(leaves) != set(self.master)
+                or any(leaves[n].shape != p.shape for n, p in self.master.items())
             ):
                 raise HetPipeRuntimeError(
                     f"weight version {k} (of the {self.nm - 1} in flight) missing or misshapen"

@@ -49,7 +49,9 @@ def test_resume_after_a_kill_is_bit_identical_at_nm_3(
     out = tmp_path / "cut"
     # stage 1 dies before minibatch 8: the snapshot at clock 2 (minibatch 6) is the last one
     with pytest.raises(HetPipeRuntimeError):
-        launch(plan, SOURCE, opt, run(out), WSPConfig(checkpoint_every=2, stage_fault=StageFault(1, 8)))
+        launch(
+            plan, SOURCE, opt, run(out), WSPConfig(checkpoint_every=2, stage_fault=StageFault(1, 8))
+        )
     assert committed_clocks(out / "checkpoints") == [2]
     part = load_part(read_manifest(snapshot_dir(out / "checkpoints", 2)), "vw0-stage0")
     assert sorted(part["versions"]) == [-2, -1]  # the Nm - 1 versions in flight
@@ -77,7 +79,9 @@ def test_resume_after_a_kill_is_bit_identical_at_nm_3(
         (WSPConfig(evict=True), "--on-failure continue"),
     ],
 )
-def test_one_vw_alone_refuses_what_needs_snapshots(tmp_path: Path, cfg: WSPConfig, flag: str) -> None:
+def test_one_vw_alone_refuses_what_needs_snapshots(
+    tmp_path: Path, cfg: WSPConfig, flag: str
+) -> None:
     """--vw K trains one VW alone, whose weights never reach the shards: no snapshots, so
     nothing to resume or restart from; refused in one line instead of ignored."""
     plan = _plan([(3,), (5,)], 2)
@@ -127,7 +131,14 @@ def test_resume_with_dropout_and_batch_norm_is_bit_identical(tmp_path: Path) -> 
     assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items())
     out = tmp_path / "cut"
     with pytest.raises(HetPipeRuntimeError):
-        launch(plan, source, None, run(out), WSPConfig(checkpoint_every=2, stage_fault=StageFault(1, 8)), data)
+        launch(
+            plan,
+            source,
+            None,
+            run(out),
+            WSPConfig(checkpoint_every=2, stage_fault=StageFault(1, 8)),
+            data,
+        )
     resumed = launch(plan, source, None, run(out), WSPConfig(checkpoint_every=2, resume=True), data)
     assert isinstance(whole, RunResult) and isinstance(resumed, RunResult)
     ref = whole.state_dict()

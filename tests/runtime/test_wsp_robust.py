@@ -68,7 +68,9 @@ def test_resume_continues_lr_schedule_and_momentum_exactly(tmp_path: Path) -> No
     whole = launch(plan, SOURCE, opt, run(tmp_path / "whole"))
     out = tmp_path / "cut"
     with pytest.raises(HetPipeRuntimeError):
-        launch(plan, SOURCE, opt, run(out), WSPConfig(checkpoint_every=2, stage_fault=StageFault(0, 6)))
+        launch(
+            plan, SOURCE, opt, run(out), WSPConfig(checkpoint_every=2, stage_fault=StageFault(0, 6))
+        )
     ckpt = out / "checkpoints"
     assert committed_clocks(ckpt) == [2, 4]
     resumed = launch(plan, SOURCE, opt, run(out), WSPConfig(checkpoint_every=2, resume=True))
