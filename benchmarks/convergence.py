@@ -177,15 +177,17 @@ def wsp(
     seed: int,
     every: int,
     warmup: float = 0.0,
+    srcs: list[MinibatchSource] | None = None,
 ) -> tuple[Tensor, list[tuple[int, float]], int]:
-    """WSP with deterministic pulls over ``len(shards)`` VWs, ``steps`` minibatches each.
+    """WSP with deterministic pulls over ``len(shards)`` VWs, ``steps`` minibatches each
+    (each VW's minibatches from ``srcs`` when given, else its shard in its own order).
 
     Returns:
         Final global weights, the curve (samples, accuracy of ``w0`` + all updates so far),
         and the largest global staleness seen (updates of other VWs' minibatches missing).
     """
     n = len(shards)
-    srcs = vw_sources(shards, tr.batch, seed)
+    srcs = vw_sources(shards, tr.batch, seed) if srcs is None else srcs
     own = [tr.w0.new_zeros(tr.w0.shape) for _ in range(n)]  # L_v: v's cumulative own updates
     recent = [Versions(own[v].clone(), nm) for v in range(n)]
     at_wave: list[dict[int, Tensor]] = [{0: own[v].clone()} for v in range(n)]  # S_v[c]

@@ -2,9 +2,11 @@
 
 Single-process *algorithmic* references of the two rules, in the style of
 ``benchmarks/convergence.py``'s WSP reference (its ``Trainer``, data shards, sequential SGD and
-helpers are reused): ``n`` virtual workers (VWs), each on its own disjoint shard of the
-training split, ``Nm`` minibatches per wave, every minibatch computed on exactly the weights
-the rule gives it. Two tasks (``--task``): ``digits`` (scikit-learn's digits, the mlp; test
+helpers are reused): ``n`` virtual workers (VWs), ``Nm`` minibatches per wave, every
+minibatch computed on exactly the weights the rule gives it. Each VW's data follows the
+rule's data rule as in the runtime (:func:`planner.sync.data_slice`): under WSP and EASGD its
+own disjoint shard of the training split; under backup its slice of every global minibatch
+of the whole split (so a late VW's dropped pushes are different samples every epoch). Two tasks (``--task``): ``digits`` (scikit-learn's digits, the mlp; test
 accuracy) and ``lm`` (the tiny GPT-2 of ``examples/gpt2_lm.py`` on structured synthetic
 tokens, ``benchmarks/lm_task.py``; test loss).
 
@@ -62,16 +64,26 @@ from torch.utils.data import Dataset
 from planner.easgd import check_elastic, elastic_difference, exchanges_after
 from planner.sim.waves import WavePlay, play_waves
 from planner.straggle import Straggle, uniform
+from planner.sync import data_slice
 from planner.wsp import wave_of
-from runtime.data import DigitsDataset
+from runtime.data import DigitsDataset, MinibatchSource
 from runtime.results.evaluation import split_dataset
 
 RESULTS = Path(__file__).resolve().parent / "results"
 Curve = list[tuple[int, float]]
 
 
+def backup_sources(train: Dataset[Any], n: int, batch: int, seed: int) -> list[MinibatchSource]:
+    """The backup rule's data, as the runtime's (:func:`planner.sync.data_slice`): VW ``v``
+    takes slice ``v`` of every global minibatch of the whole split, so a late VW's dropped
+    push is a different sample every epoch (with a shard each, the same shard every time)."""
+    return [
+        MinibatchSource(train, batch, seed, slice_of=data_slice("backup", v, n)) for v in range(n)
+    ]
+
+
 def backup(
-    tr: Any, shards: list[Dataset[Any]], nm: int, lr: float, seed: int, every: int, play: WavePlay
+    tr: Any, srcs: list[MinibatchSource], nm: int, lr: float, seed: int, every: int, play: WavePlay
 ) -> tuple[Tensor, Curve, int]:
     """Synchronous SGD with backup workers over VWs (D = 0), driven by a wave play: VW ``v``
     pushes its data wave ``d`` as wave ``play.numbers[v][d]`` (a late VW skips numbers: it
@@ -84,8 +96,7 @@ def backup(
         Final global weights, the curve (computed samples, metric of the global weights),
         and the number of dropped VW-waves.
     """
-    n, waves = len(shards), len(play.counted)
-    srcs = vw_sources(shards, tr.batch, seed)
+    n, waves = len(srcs), len(play.counted)
     glob = {0: tr.w0.clone()}  # global weights at each clock still needed
     vers = [Versions(tr.w0.clone(), nm) for _ in range(n)]
     done = [0] * n  # data waves trained
@@ -185,11 +196,12 @@ def play_for(
 
 
 def self_check(tr: Any, train: Any, lr: float) -> None:
-    """Backup with b = 0 is WSP at D = 0: the two references agree to float precision."""
-    shards = shards_of(train, 3)
+    """Backup with b = 0 is WSP at D = 0 on the same data: the two references agree to
+    float precision."""
+    srcs = backup_sources(train, 3, tr.batch, 0)
     play = play_waves("backup", [1.0] * 3, 4, 2)
-    w_b, _, dropped = backup(tr, shards, 2, lr, 0, 10**9, play)
-    w_w, _, _ = wsp(tr, shards, 8, 2, 0, lr, 0, 10**9)
+    w_b, _, dropped = backup(tr, srcs, 2, lr, 0, 10**9, play)
+    w_w, _, _ = wsp(tr, shards_of(train, 3), 8, 2, 0, lr, 0, 10**9, srcs=srcs)
     assert dropped == 0
     torch.testing.assert_close(w_b, w_w, rtol=1e-5, atol=1e-6)
 
@@ -248,7 +260,7 @@ def settings(args: argparse.Namespace, train: Any) -> list[tuple[str, Run]]:
             )
         for label, play in plays:
             out.append((label, lambda tr, s, pl=play: backup(
-                tr, shards_of(train, n), nm, args.lr, s, args.eval_every, pl)))  # fmt: skip
+                tr, backup_sources(train, n, tr.batch, s), nm, args.lr, s, args.eval_every, pl)))  # fmt: skip
     easgd_lr = args.easgd_lr if args.easgd_lr is not None else args.lr * n
     for tau in args.taus:
         for alpha in args.alphas:

@@ -37,6 +37,8 @@ __all__ = [
     "SyncParams",
     "check_rule_values",
     "check_sync_params",
+    "check_time_limit",
+    "data_slice",
     "effective_rule",
     "global_slice",
     "param",
@@ -57,12 +59,17 @@ class RuleInfo:
             them; the plan must place some).
         params: the parameters the rule takes, with their defaults (``Plan.sync_params``).
         doc: one line for error messages and ``--help``.
+        data: what each VW trains on: ``"shard"``, its own disjoint shard of the training
+            split (an epoch over it); ``"global"``, its slice of every global minibatch of the
+            whole split (:func:`global_slice`): a rule that drops some VWs' work must, or a VW
+            that is always late would have its shard never learned (:func:`data_slice`).
     """
 
     name: str
     uses_shards: bool
     params: SyncParams
     doc: str
+    data: str = "shard"
 
 
 RULES: Mapping[str, RuleInfo] = MappingProxyType(
@@ -79,6 +86,7 @@ RULES: Mapping[str, RuleInfo] = MappingProxyType(
             False,
             (),
             "BSP data parallelism: gradients averaged over every VW after every minibatch",
+            data="global",
         ),
         "backup": RuleInfo(
             "backup",
@@ -86,6 +94,7 @@ RULES: Mapping[str, RuleInfo] = MappingProxyType(
             (("backups", 1.0),),
             "synchronous SGD with backup workers: a wave closes at the first VWs - backups "
             "pushes, the rest are dropped (planner.backup)",
+            data="global",  # the dropped pushes are a different random sample every epoch
         ),
         "easgd": RuleInfo(
             "easgd",
@@ -186,6 +195,36 @@ def effective_rule(sync: str, n_shards: int, n_vws: int, vw: int = -1) -> str:
             f"{sync!r}; re-plan with shards (hetpipe plan) or train one VW (vw=K)"
         )
     return sync
+
+
+def check_time_limit(rule: str, time_limit_s: float) -> None:
+    """Refuse ``--time-limit`` for a rule that cannot stop on it: under ``backup`` a VW that
+    skipped waves cannot agree on a stop wave yet (``docs/sync.md``, What is not done).
+
+    Raises:
+        ConfigError: ``rule`` is ``backup`` and a time limit is given.
+    """
+    if rule == "backup" and time_limit_s > 0:
+        raise ConfigError(
+            "--time-limit with --sync backup: a VW that skipped waves cannot agree on a stop "
+            "wave yet; give --steps or --epochs instead"
+        )
+
+
+def data_slice(rule: str, vw: int, n_vws: int) -> tuple[int, int]:
+    """VW ``vw``'s ``(rank, world)`` of every minibatch under ``rule``
+    (:class:`runtime.data.MinibatchSource`): ``(vw, n_vws)``, its slice of the global minibatch
+    of the whole training split, for a rule whose data is ``"global"``; ``(0, 1)``, the whole
+    minibatch of its own shard, otherwise (:attr:`RuleInfo.data`).
+
+    Under backup workers the same VWs are late wave after wave on a heterogeneous cluster;
+    with a shard each, their shards would be dropped nearly every time (``docs/sync.md``
+    measures what that costs).
+
+    >>> data_slice("backup", 2, 4), data_slice("wsp", 2, 4)
+    ((2, 4), (0, 1))
+    """
+    return (vw, n_vws) if RULES[rule].data == "global" else (0, 1)
 
 
 def global_slice(rank: int, batch_size: int) -> tuple[int, int]:

@@ -57,14 +57,21 @@ class StageFault:
 @dataclass(frozen=True)
 class ShardFault:
     """Test hook, passed in the shard's job: shard ``shard`` SIGKILLs itself ``after_s``
-    seconds after it starts."""
+    seconds after it starts (0: never), and waits ``lag_s`` before it applies each wave
+    another shard decided (backup workers: it lags behind its peers, so pulls find the
+    shards at different clocks)."""
 
     shard: int
-    after_s: float
+    after_s: float = 0.0
+    lag_s: float = 0.0
+
+    def lag(self, shard_id: int) -> float:
+        """Shard ``shard_id``'s lag before each decided wave (s)."""
+        return self.lag_s if shard_id == self.shard else 0.0
 
     def arm(self, shard_id: int) -> None:
         """Start the timer in shard ``shard_id``'s process (nothing for another shard)."""
-        if shard_id == self.shard:
+        if shard_id == self.shard and self.after_s > 0:
             timer = threading.Timer(self.after_s, os.kill, (os.getpid(), signal.SIGKILL))
             timer.daemon = True
             timer.start()

@@ -16,6 +16,7 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from planner.plan import Plan
+from planner.sync import data_slice
 from profiler.errors import ConfigError
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.launch.procs import ShardJob
@@ -67,8 +68,9 @@ def vw_stage_jobs(
 ) -> list[StageJob]:
     """Every stage's job, VW by VW from ``first_rank`` (``world_size`` left to the caller).
 
-    ``data[i]`` is VW ``vws[i]``'s training set; the ``allreduce`` rule gives every VW the
-    same set and its rank's slice of each global minibatch.
+    ``data[i]`` is VW ``vws[i]``'s training set; a rule whose data is ``global``
+    (``allreduce``, ``backup``) gives every VW the same set and its slice of each global
+    minibatch (:func:`planner.sync.data_slice`).
     """
     vws = list(range(len(plan.virtual_workers))) if vws is None else vws
     jobs: list[StageJob] = []
@@ -78,7 +80,7 @@ def vw_stage_jobs(
         if run.out_dir is not None and sync.rule != "local":
             vw_run = dataclasses.replace(run, out_dir=run.out_dir / f"vw{k}")
         cal: Calibration | None = pacing_table(plan, source, ctxs, vw_run)
-        part = (i, len(vws)) if sync.rule == "allreduce" else (0, 1)
+        part = data_slice(sync.rule, i, len(vws))
         jobs += [
             StageJob(
                 ctx, source, optimizer, run, sync, data[i], part, cal, cfg.stage_fault, init_method

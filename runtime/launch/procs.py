@@ -161,6 +161,7 @@ def shard_main(job: ShardJob, events: Any, parent: int) -> None:
             if shard_backups(job.sync)
             else None,
             rejoin=job.rejoin,
+            lag_s=job.fault.lag(job.spec.id) if job.fault is not None else 0.0,
         )
         dist.barrier()
         state = server.serve()

@@ -20,7 +20,7 @@ from torch.utils.data import Dataset, Subset
 
 from planner.easgd import waves_at
 from planner.plan import Plan
-from planner.sync import param
+from planner.sync import RULES, check_time_limit, param
 from profiler.errors import ConfigError
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
@@ -37,7 +37,15 @@ from runtime.stage.job import StageJob
 from runtime.stage.model import resolve_source
 from runtime.sync.rule import SyncSpec
 
-__all__ = ["prepare_wsp", "resume_from", "shard_specs", "snapshot_parts", "split_data", "wsp_steps"]
+__all__ = [
+    "prepare_wsp",
+    "resume_from",
+    "shard_specs",
+    "snapshot_parts",
+    "split_data",
+    "vw_training_data",
+    "wsp_steps",
+]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +57,19 @@ def split_data(
     (:func:`runtime.results.evaluation.split_dataset`, the split every run uses)."""
     train, test = split_dataset(dataset, test_fraction, seed)
     return shard_dataset(train, n_vws), test
+
+
+def vw_training_data(
+    rule: str, dataset: Dataset[Any], n_vws: int, test_fraction: float, seed: int = 0
+) -> tuple[list[Subset[Any]], Subset[Any], int]:
+    """Each VW's training set under ``rule`` (:attr:`planner.sync.RuleInfo.data`: its own
+    shard, or the whole split it takes a slice of every minibatch from), the test split, and
+    the samples one VW sees per epoch."""
+    if RULES[rule].data == "global":
+        train, test = split_dataset(dataset, test_fraction, seed)
+        return [train] * n_vws, test, len(train) // n_vws
+    shards, test = split_data(dataset, n_vws, test_fraction, seed)
+    return shards, test, min(len(s) for s in shards)
 
 
 def shard_specs(
@@ -101,11 +122,12 @@ def prepare_wsp(
             "clock: use --sync wsp, or --on-failure stop|restart"
         )
     spec = resolve_source(source, plan.batch_size, meta=source.module is None)
-    shards_data, test = split_data(dataset, len(plan.virtual_workers), cfg.test_fraction, run.seed)
+    shards_data, test, vw_samples = vw_training_data(
+        rule, dataset, len(plan.virtual_workers), cfg.test_fraction, run.seed
+    )
     graph = ModelGraph.from_spec(spec)
     shapes = {n: tuple(p.shape) for n, p in spec.module.named_parameters()}
     specs, _ = shard_specs(plan, graph, shapes, D)
-    vw_samples = min(len(s) for s in shards_data)
     horizon = wsp_steps(run, nm, 0, vw_samples, plan.batch_size)
     settings = job_settings(source.name, plan.to_json(), nm, D, run.seed, cfg.test_fraction,
                             f"{type(dataset).__name__}:{len(dataset)}", optimizer, horizon, run.precision)  # type: ignore[arg-type]  # fmt: skip
@@ -121,11 +143,7 @@ def prepare_wsp(
     if steps == 0:
         raise ConfigError("nothing to train: raise --steps or --epochs")
     snaps = _snapshots(plan, cfg, owner, settings)
-    if rule == "backup" and run.time_limit_s > 0:
-        raise ConfigError(
-            "--time-limit with --sync backup: a VW that skipped waves cannot agree on a stop "
-            "wave yet; give --steps or --epochs instead"
-        )
+    check_time_limit(rule, run.time_limit_s)
     sync = SyncSpec(rule, plan.sync_params, D, specs, snaps, first_wave, cfg.overlap_pulls,
                     run.timeout_s, last_wave=first_wave + steps // nm)  # fmt: skip
     cfg = _restart_scope(plan, graph, cfg)

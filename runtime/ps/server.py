@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,6 +98,10 @@ class ShardServer:
         rejoin: restart mode (``--on-failure restart``; with ``peer_ranks``, the core built
             with ``rejoin``): a lost VW's restarted processes are served again
             (:class:`runtime.ps.readmit.Readmission`).
+        quorum_ranks: backup workers: shard id -> rank of the other shards the wave
+            decisions go to (this shard decides) or come from.
+        lag_s: test hook: apply each wave another shard decided this much later (the
+            decisions arrive late; pulls are still answered meanwhile).
     """
 
     def __init__(
@@ -109,8 +114,10 @@ class ShardServer:
         peer_ranks: Mapping[int, int] | None = None,
         rejoin: Rejoin | None = None,
         quorum_ranks: Mapping[int, int] | None = None,
+        lag_s: float = 0.0,
     ) -> None:
         self.core, self.group, self.timeout_s = core, group, timeout_s
+        self.lag_s = lag_s  # test hook (runtime.launch.faults.ShardFault): a lagging shard
         self.rejoin = rejoin
         self._events: queue.Queue[Event] = queue.Queue()
         self._pulls = [_Pulls() for _ in core.spec.clients]
@@ -204,7 +211,8 @@ class ShardServer:
         for i in range(len(spec.clients)):
             self.start_readers(i, events, self.group, 0)
         link = peer_link(self.peer_ranks, core, self.group, events)
-        qlink = quorum_link(self.quorum_ranks, core, self.group, events)
+        decided: Any = _Delayed(events, self.lag_s) if self.lag_s > 0 else events
+        qlink = quorum_link(self.quorum_ranks, core, self.group, decided)
         log.info(
             "%s serving %d clients, %d elements, clock %d",
             self._prefix,
@@ -370,3 +378,23 @@ class ShardServer:
             state = self.core.state()
             write_part(self.snapshots, state.clock, f"shard-{state.shard_id}", shard_payload(state))
             self._written = state.clock
+
+
+class _Delayed:
+    """Test hook (:class:`runtime.launch.faults.ShardFault` ``lag_s``): hands every event
+    ``put`` here to ``events`` ``lag_s`` later, in order (a shard that learns the decided
+    waves late, while it goes on answering pulls)."""
+
+    def __init__(self, events: queue.Queue[Event], lag_s: float) -> None:
+        self._events, self._lag_s = events, lag_s
+        self._held: queue.SimpleQueue[tuple[float, Event]] = queue.SimpleQueue()
+        threading.Thread(target=self._forward, daemon=True, name="ps-delayed").start()
+
+    def put(self, ev: Event) -> None:
+        self._held.put((time.monotonic() + self._lag_s, ev))
+
+    def _forward(self) -> None:
+        while True:
+            due, ev = self._held.get()
+            time.sleep(max(0.0, due - time.monotonic()))
+            self._events.put(ev)

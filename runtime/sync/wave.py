@@ -184,10 +184,20 @@ class WaveSync(StageSync):
         return self.numbers.minibatches(total, admitted)
 
     def _jumped(self, need: int, res: PullResult, out: Sequence[Tensor] | None) -> PullResult:
-        """Backup workers, after the pull that follows the push of wave ``need - 1``: agree
-        on the wave the VW continues at; pull again if this stage's reply is older."""
+        """Backup workers, after the pull that follows the push of wave ``need - 1``: make
+        it one clock's weights, agree on the wave the VW continues at; pull again if this
+        stage's reply is older.
+
+        Waves close without a late VW, and each shard applies a closed wave when it learns
+        the decision, so a pull may find the shards at different clocks (shard 0 at 4, shard
+        1 still at 3). Synchronous SGD computes on the weights of one step: the stage pulls
+        again at the newest of them until every shard answers the same clock (one more pull,
+        rarely two: a wave takes longer than a pull). The pull's recorded clock is that one."""
         if self.numbers is None:
             return res
+        while len(set(res.clocks)) > 1:
+            res = self.client.pull(max(res.clocks), out=out)
+        self.result.clocks[-1] = (self.result.clocks[-1][0], res.clock)
         wave = self.numbers.agree(need - 1, res.clock)
         if res.clock < wave:
             res = self.client.pull(wave, out=out)

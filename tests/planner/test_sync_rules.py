@@ -12,6 +12,7 @@ import planner.backup
 import planner.easgd
 import planner.sim.waves
 import planner.straggle
+import planner.sync
 from planner.backup import Arrival, QuorumClock, continue_at, quorum, vw_minibatches
 from planner.cluster import parse_cluster
 from planner.easgd import check_elastic, elastic_centre, elastic_worker, exchange_index
@@ -21,7 +22,7 @@ from profiler.errors import ConfigError
 
 
 @pytest.mark.parametrize(
-    "module", [planner.backup, planner.easgd, planner.sim.waves, planner.straggle]
+    "module", [planner.backup, planner.easgd, planner.sim.waves, planner.straggle, planner.sync]
 )
 def test_doctests(module: object) -> None:
     res = doctest.testmod(module)  # type: ignore[arg-type]

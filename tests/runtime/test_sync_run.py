@@ -19,7 +19,7 @@ from planner.easgd import elastic_difference, exchanges_after, waves_at
 from planner.manual import multi_vw_plan
 from profiler.errors import HetPipeRuntimeError
 from runtime.config import OptimizerConfig, RunConfig, WSPConfig
-from runtime.launch.faults import StageFault
+from runtime.launch.faults import ShardFault, StageFault
 from runtime.launch.launcher import launch
 from runtime.persist.snapshot import committed_clocks
 from runtime.results.run_result import RunResult
@@ -67,7 +67,7 @@ def backup_reference(
     is trained, not pushed). VW ``k`` trains ``data_waves[k]`` data waves (default ``waves``)."""
     module, names, loss_fn = reference_module(SOURCE, BATCH, 0)
     w0 = {n: p.detach().clone() for n, p in module.named_parameters()}
-    data = _sources(n_vws, 0)
+    data = _sources(n_vws, 0, "backup")  # each VW its slice of every global minibatch
     todo = list(data_waves) or [waves] * n_vws
     glob_at = [w0]  # global weights at each clock
     hist: list[list[Weights]] = [[w0] for _ in range(n_vws)]
@@ -206,16 +206,24 @@ def test_backup_b1_equals_the_reference_given_who_was_first(tmp_path: Path) -> N
     assert "backup b=1" in str(result.table().title)
 
 
-def test_a_late_vw_continues_at_the_clock_and_its_later_pushes_count(tmp_path: Path) -> None:
+@pytest.mark.parametrize("lag_s", [0.0, 0.3], ids=["shards-in-step", "shard-1-lags"])
+def test_a_late_vw_continues_at_the_clock_and_its_later_pushes_count(
+    tmp_path: Path, lag_s: float
+) -> None:
     """3 VWs, 1 backup, 6 waves. VW 2 sleeps 1 s in its data wave 1 while VWs 0 and 1 close
     waves 1-3 without it, then sleep 4 s in their wave 4. VW 2's push of wave 1 is dropped,
     its pull returns clock 4 and it continues at wave 4 (its data goes on): that push and
     later ones are applied, where before it stayed a wave behind, dropped every time. Two
     shards count the same VWs in every wave (shard 0 decides); the ledgers are exact and the
-    weights equal the reference fed who was first and the jumps."""
+    weights equal the reference fed who was first and the jumps. With shard 1 applying each
+    decided wave 0.3 s late, VW 2's pull finds the shards at different clocks and pulls again
+    until they agree: the weights are one clock's (a CI run under load once mixed them)."""
     plan = multi_vw_plan(_graph(), [(), (), ()], "mlp", BATCH, nm=2, D=0, n_shards=2)
     delays = ((2, 3, 1.0), (0, 9, 4.0), (1, 9, 4.0))
-    cfg = WSPConfig(stage_fault=StageFault(stage=0, at_mb=0, delays=delays))
+    cfg = WSPConfig(
+        stage_fault=StageFault(stage=0, at_mb=0, delays=delays),
+        shard_fault=ShardFault(1, lag_s=lag_s) if lag_s else None,
+    )
     waves = 6
     result = _run(plan, 2 * waves, "backup", cfg, backups=1)
     stages = [v.stages[0] for v in result.vws]
@@ -291,11 +299,39 @@ def test_the_stages_of_a_late_vw_jump_together() -> None:
 
 
 def test_backup_without_backups_is_wsp_d0(tmp_path: Path) -> None:
+    """b = 0 is WSP at D = 0 on the same data (backup's: each VW its slice of every global
+    minibatch, so what a dropped push loses is a different sample every epoch)."""
     plan = multi_vw_plan(_graph(), [(4,), (6,)], "mlp", BATCH, nm=2, D=0, n_shards=2)
     result = _run(plan, 8, "backup", backups=0)
-    ref, _ = wsp_reference(2, 2, 4)
+    ref, _ = wsp_reference(2, 2, 4, rule="backup")
     _same(result.state_dict(), ref)
     assert dropped_vw_waves(result.vws) == 0
+    other, _ = wsp_reference(2, 2, 4)  # WSP's own data (a shard per VW) gives other weights
+    assert any(not torch.allclose(other[n], t) for n, t in ref.items())
+
+
+def test_under_backup_the_vws_share_every_global_minibatch_and_wsp_does_not() -> None:
+    """Backup's data rule: in every minibatch the VWs' samples are disjoint slices of one
+    global minibatch of the whole split, and over an epoch every sample is trained once by
+    some VW; a late VW (always the same one on a heterogeneous cluster) thus loses different
+    samples every epoch. WSP's VWs keep their own shards."""
+    n = 3
+    backup, wsp = _sources(n, 0, "backup"), _sources(n, 0, "wsp")
+    per_epoch = backup[0].steps_per_epoch
+    for e in range(2):
+        seen: list[int] = []
+        for p in range(e * per_epoch + 1, (e + 1) * per_epoch + 1):
+            idx = [backup[k].indices(p) for k in range(n)]
+            assert all(len(i) == BATCH for i in idx)
+            seen += [i for ix in idx for i in ix]
+        assert len(seen) == len(set(seen)) == per_epoch * n * BATCH
+    late_first, late_second = (
+        {i for p in range(e * per_epoch + 1, e * per_epoch + 4) for i in backup[2].indices(p)}
+        for e in (0, 1)
+    )
+    assert late_first != late_second  # the late VW's samples change from epoch to epoch
+    shards = [set(w.dataset.indices) for w in wsp]  # type: ignore[attr-defined]
+    assert not shards[0] & shards[1] and not shards[1] & shards[2]
 
 
 def test_easgd_equals_the_reference_with_pipelines(tmp_path: Path) -> None:

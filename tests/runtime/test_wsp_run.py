@@ -18,13 +18,14 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from planner.manual import multi_vw_plan
+from planner.sync import data_slice
 from profiler.errors import HetPipeRuntimeError
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.data import MinibatchSource, default_dataset
 from runtime.launch.faults import ShardFault, StageFault
 from runtime.launch.launcher import launch
-from runtime.launch.wsp import split_data
+from runtime.launch.wsp import vw_training_data
 from runtime.persist.snapshot import committed_clocks
 from runtime.results.run_result import RunResult
 from runtime.stage.model import reference_module, resolve_source
@@ -40,22 +41,28 @@ def _graph() -> ModelGraph:
     return ModelGraph.from_spec(resolve_source(SOURCE, BATCH, meta=True))
 
 
-def _sources(n_vws: int, seed: int = 0) -> list[MinibatchSource]:
+def _sources(n_vws: int, seed: int = 0, rule: str = "wsp") -> list[MinibatchSource]:
+    """Each VW's minibatches under ``rule``'s data rule (its shard, or its global slices)."""
     spec = resolve_source(SOURCE, BATCH, meta=True)
     ds = default_dataset("mlp", spec.inputs, spec.targets, BATCH)
-    shards, _ = split_data(ds, n_vws, WSPConfig().test_fraction, seed)
-    return [MinibatchSource(s, BATCH, seed, tuple(spec.targets.shape)) for s in shards]
+    sets, _, _ = vw_training_data(rule, ds, n_vws, WSPConfig().test_fraction, seed)
+    shape = tuple(spec.targets.shape)
+    return [
+        MinibatchSource(s, BATCH, seed, shape, slice_of=data_slice(rule, k, n_vws))
+        for k, s in enumerate(sets)
+    ]
 
 
 def wsp_reference(
-    n_vws: int, nm: int, waves: int, seed: int = 0, momentum: float = 0.0
+    n_vws: int, nm: int, waves: int, seed: int = 0, momentum: float = 0.0, rule: str = "wsp"
 ) -> tuple[dict[str, Tensor], list[list[float]]]:
     """Single-process WSP with D = 0 and each VW's own SGD (with momentum): each VW's minibatch
     p runs on its version p - Nm; at each wave end every VW pushes its wave delta, the global
-    weights add them in VW order, and every VW continues from the global weights."""
+    weights add them in VW order, and every VW continues from the global weights. Each VW's
+    data follows ``rule``'s data rule."""
     module, names, loss_fn = reference_module(SOURCE, BATCH, seed)
     w0 = {n: p.detach().clone() for n, p in module.named_parameters()}
-    data = _sources(n_vws, seed)
+    data = _sources(n_vws, seed, rule)
     glob = {n: t.clone() for n, t in w0.items()}
     history: list[list[dict[str, Tensor]]] = [[w0] for _ in range(n_vws)]
     losses: list[list[float]] = [[] for _ in range(n_vws)]
