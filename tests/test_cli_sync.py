@@ -47,3 +47,13 @@ def test_rule_options_are_checked() -> None:
         res = runner.invoke(app, [*base, *extra])
         assert res.exit_code == 2, res.output
         assert msg in " ".join(res.output.split()), res.output
+
+
+def test_backup_with_a_time_limit_is_refused_before_training_starts(tmp_path: Path) -> None:
+    cluster = str(EXAMPLES / "emulated_cluster.yaml")
+    args = ["run", cluster, "--sync", "backup", "--backups", "1", "--time-limit", "5"]
+    res = runner.invoke(app, [*args, "--out", str(tmp_path / "r")])
+    assert res.exit_code == 2, res.output
+    assert "--time-limit with --sync backup" in " ".join(res.output.split())
+    assert "training" not in res.output.lower()  # refused before the header, nothing started
+    assert not (tmp_path / "r").exists()

@@ -224,12 +224,14 @@ def _train(
 ) -> None:
     """Say what trains, train it (:func:`runtime.run.run_plan`), print the summary (``every``:
     ``--checkpoint-every`` was given, which one VW alone refuses)."""
+    from planner.sync import check_time_limit
     from runtime.config import ModelSource
     from runtime.launch.jobs import check_alone
     from runtime.run import describe_training, outputs, rule_for, run_plan
 
     if rule_for(plan, vw) == "local":
         check_alone(wsp, every)
+    check_time_limit(rule_for(plan, vw), run_cfg.time_limit_s)  # before the header prints
 
     console.print(describe_training(plan, vw, run_cfg.nm or plan.nm, wsp.D))
     result = run_plan(plan, ModelSource(ref=plan.model), opt, run_cfg, wsp, vw=vw)
