@@ -374,3 +374,26 @@ def test_easgd_snapshots_and_resumes_exactly(tmp_path: Path) -> None:
         assert torch.equal(t, ref[name]), name
     for k in range(2):  # and each VW's losses after the resume
         assert resumed.vws[k].losses == whole.vws[k].losses[start:]
+
+
+def test_easgd_stops_on_a_time_limit_at_one_agreed_wave() -> None:
+    """EASGD under ``--time-limit``: every VW stops at the same wave (the WSP stop-wave
+    agreement), the shards at the same exchange count, and the exported centre equals the
+    single-process reference of that many waves."""
+    plan = multi_vw_plan(_graph(), [(4,), (6,)], "mlp", BATCH, nm=2, D=0, n_shards=2)
+    plan = dataclasses.replace(plan, sync="easgd", sync_params=(("alpha", 0.25), ("tau", 2.0)))
+    run = RunConfig(time_limit_s=2.0, timeout_s=15.0, emulate=False, return_state=True)
+    result = launch(plan, SOURCE, OptimizerConfig(lr=LR), run, WSPConfig())
+    steps = {s.steps for v in result.vws for s in v.stages}
+    (trained,) = steps  # one agreed stop for every stage of every VW
+    assert trained > 0 and trained % 2 == 0
+    waves = trained // 2
+    assert waves >= 2  # at least one exchange to compare
+    assert {s.clock for s in result.states} == {waves_at_exchanges(waves, 2)}
+    ref, _ = easgd_reference(2, 2, waves, 2, 0.25)
+    _same(result.state_dict(), ref)
+
+
+def waves_at_exchanges(waves: int, tau: int) -> int:
+    """Exchanges made in ``waves`` waves (one after every ``tau``-th)."""
+    return sum(1 for c in range(waves) if exchanges_after(c, tau))
