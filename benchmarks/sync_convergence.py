@@ -252,6 +252,12 @@ def settings(args: argparse.Namespace, train: Any) -> list[tuple[str, Run]]:
     ]
     out.append(("wsp D=0", lambda tr, s: (*wsp(
         tr, shards_of(train, n), per_vw, nm, 0, args.lr, s, args.eval_every)[:2], 0)))  # fmt: skip
+
+    def data(tr: Any, s: int) -> list[MinibatchSource]:
+        if args.backup_data == "shard":  # the old rule, for comparison: a shard per VW
+            return vw_sources(shards_of(train, n), tr.batch, s)
+        return backup_sources(train, n, tr.batch, s)
+
     for b in args.backups:
         plays = [(f"backup b={b}", play_for(n, nm, b, straggle, computed=args.steps))]
         if args.equal_applied:
@@ -260,7 +266,7 @@ def settings(args: argparse.Namespace, train: Any) -> list[tuple[str, Run]]:
             )
         for label, play in plays:
             out.append((label, lambda tr, s, pl=play: backup(
-                tr, backup_sources(train, n, tr.batch, s), nm, args.lr, s, args.eval_every, pl)))  # fmt: skip
+                tr, data(tr, s), nm, args.lr, s, args.eval_every, pl)))  # fmt: skip
     easgd_lr = args.easgd_lr if args.easgd_lr is not None else args.lr * n
     for tau in args.taus:
         for alpha in args.alphas:
@@ -318,6 +324,13 @@ def main() -> None:
         dest="equal_applied",
         action="store_false",
         help="skip the backup rows at equal applied samples",
+    )
+    ap.add_argument(
+        "--backup-data",
+        choices=("rule", "shard"),
+        default="rule",
+        help="backup's data: the runtime's rule (each VW its slice of every global minibatch) "
+        "or, for comparison, a shard per VW",
     )
     ap.add_argument("--p", type=float, default=0.1, help="straggler probability per VW-wave")
     ap.add_argument("--factor", type=float, default=3.0, help="straggler slowdown")
