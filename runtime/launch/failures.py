@@ -57,7 +57,8 @@ def root_cause_rank(
         procs: rank -> ``multiprocessing.Process``.
         events: queue of ``("error", rank, message)`` (other events are ignored).
         errors: rank -> error message, completed in place (exit codes of dead ranks too).
-        results: ranks that finished normally.
+        results: ranks that finished normally, or that the run already went on without (a
+            VW evicted earlier): never blamed for this failure.
         grace_s: how long to wait for the peers' reports.
 
     Returns:
@@ -80,8 +81,9 @@ def root_cause_rank(
                 if code < 0
                 else f"exited with code {code}"
             )
-    primary = [r for r, m in errors.items() if not any(s in m for s in SECONDARY)]
-    return min(primary) if primary else min(errors)
+    live = {r: m for r, m in errors.items() if r not in results} or errors
+    primary = [r for r, m in live.items() if not any(s in m for s in SECONDARY)]
+    return min(primary) if primary else min(live)
 
 
 def watch(  # long by its docstring (10 arguments, documented); the body is ~40 lines
@@ -131,6 +133,9 @@ def watch(  # long by its docstring (10 arguments, documented); the body is ~40 
     first_event = last_event = 0.0  # wall times (0 = training not started)
     started = time.time()
 
+    def settled() -> dict[int, bytes]:  # finished, or absorbed: not the cause of a new failure
+        return {**results, **dict.fromkeys(gone, b"")}
+
     def absorbed(errors: dict[int, str]) -> bool:
         errors = {r: m for r, m in errors.items() if r not in gone}
         if not errors:
@@ -160,13 +165,13 @@ def watch(  # long by its docstring (10 arguments, documented); the body is ~40 
             results[msg[1]] = msg[2]
         elif msg is not None and msg[0] == "error":
             if not absorbed({msg[1]: str(msg[2])}):
-                raise fail({msg[1]: str(msg[2])}, results)
+                raise fail({msg[1]: str(msg[2])}, settled())
         elif msg is not None:
             on_progress(msg)
         elif dead and not absorbed(dead):
-            raise fail({}, results)
+            raise fail({}, settled())
         elif frozen is not None and (stuck := frozen()) and not absorbed(stuck):
-            raise fail(stuck, results)
+            raise fail(stuck, settled())
     return {r: v for r, v in results.items() if r not in gone}
 
 

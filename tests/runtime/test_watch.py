@@ -10,7 +10,7 @@ import time
 import pytest
 
 from profiler.errors import HetPipeRuntimeError
-from runtime.launch.failures import watch
+from runtime.launch.failures import root_cause_rank, watch
 
 
 def _fail(errors: dict[int, str], done: dict[int, bytes]) -> HetPipeRuntimeError:
@@ -56,3 +56,30 @@ def test_ctrl_c_waits_until_a_started_process_is_in_the_launchers_table() -> Non
     finally:
         signal.signal(signal.SIGINT, previous)
     assert reached
+
+
+class _Proc:
+    def __init__(self, exitcode: int | None) -> None:
+        self.exitcode = exitcode
+
+
+def test_a_vw_the_run_went_on_without_is_not_blamed_for_a_later_failure() -> None:
+    """VW 1 (ranks 4, 5) died and was absorbed; later VW 0's rank 2 fails with a timeout (a
+    'secondary' message). The blame is rank 2's, not the long-dead rank 4's exit code (a CI
+    failure message blamed the evicted rank and hid the real error)."""
+    procs = {2: _Proc(None), 3: _Proc(None), 4: _Proc(1), 5: _Proc(-9)}
+    events: queue.Queue[tuple[object, ...]] = queue.Queue()
+    events.put(("error", 5, "killed"))
+    absorbed: list[dict[int, str]] = []
+
+    def absorb(errors: dict[int, str]) -> set[int] | None:
+        absorbed.append(errors)
+        return {4, 5} if len(absorbed) == 1 else None  # the first VW goes, the second ends it
+
+    def fail(errors: dict[int, str], done: dict[int, bytes]) -> HetPipeRuntimeError:
+        rank = root_cause_rank(procs, queue.Queue(), errors, done, grace_s=0.0)
+        return HetPipeRuntimeError(f"rank {rank} failed: {errors[rank]}")
+
+    events.put(("error", 2, "no message from a neighbour stage for 72 s"))
+    with pytest.raises(HetPipeRuntimeError, match="rank 2 failed: no message from a neighbour"):
+        watch(procs, events, 4, lambda _: None, fail, stall_s=5.0, absorb=absorb)
