@@ -111,8 +111,8 @@ class ElasticSync(StageSync):
             view.stage,
             [(name, tuple(p.shape)) for name, p in view.params],
             spec.shards,
-            timeout_s=spec.timeout_s,
-            pull_timeout_s=vw_wait_s(spec.timeout_s),
+            timeout_s=vw_wait_s(spec.timeout_s),  # a live shard may be busy (a lost VW's
+            pull_timeout_s=vw_wait_s(spec.timeout_s),  # connections, a snapshot): not a hang
         )
         tau, alpha = int(param(spec.params, "tau", 1.0)), param(spec.params, "alpha")
         if spec.first_wave % tau:

@@ -146,8 +146,8 @@ class WaveSync(StageSync):
             [(name, tuple(p.shape)) for name, p in params],
             spec.shards,
             group=view.group,
-            timeout_s=spec.timeout_s,
-            pull_timeout_s=vw_wait_s(spec.timeout_s),
+            timeout_s=vw_wait_s(spec.timeout_s),  # a live shard may be busy (a lost VW's
+            pull_timeout_s=vw_wait_s(spec.timeout_s),  # connections, a snapshot): not a hang
         )
         sync = cls(
             client,
