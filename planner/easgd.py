@@ -48,6 +48,7 @@ __all__ = [
     "elastic_worker",
     "exchange_index",
     "exchanges_after",
+    "stop_waves",
     "waves_at",
 ]
 
@@ -109,6 +110,25 @@ def waves_at(exchanges: int, tau: int) -> int:
     if tau < 1 or exchanges < 0:
         raise ValueError(f"need tau >= 1 and exchanges >= 0, got {tau}, {exchanges}")
     return exchanges * tau
+
+
+def stop_waves(admitted: int, nm: int, tau: int) -> int:
+    """Waves every VW runs when a VW that has admitted ``admitted`` minibatches must stop (a
+    time limit; the EASGD counterpart of :func:`planner.wsp.stop_wave`).
+
+    The proposer has made at most ``e = admitted // nm // tau`` exchanges. Exchange ``k``
+    (after ``(k + 1) tau`` waves) pulls the centre of every VW's exchange ``k - 1``, so another
+    VW can complete exchange ``e`` and block at exchange ``e + 1``, after ``(e + 2) tau`` waves,
+    with up to ``Nm - 1`` minibatches of the next wave admitted (local staleness). The stop
+    must lie beyond that and on an exchange, so that no VW waits for an exchange that never
+    comes and no trained wave is left out of the centre: ``(e + 3) tau`` waves.
+
+    >>> stop_waves(0, 2, 1), stop_waves(9, 2, 2)
+    (3, 10)
+    """
+    if nm < 1 or tau < 1 or admitted < 0:
+        raise ValueError(f"need nm, tau >= 1 and admitted >= 0, got {nm}, {tau}, {admitted}")
+    return (admitted // nm // tau + 3) * tau
 
 
 def elastic_difference(w: _V, centre: _V, alpha: float) -> _V:

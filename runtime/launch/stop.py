@@ -49,6 +49,8 @@ class StopAgreement:
         D: WSP threshold.
         poll_s: seconds between looks at the store while this VW's own time is not up.
         clock: monotonic clock (injected by tests).
+        waves: the rule's stop: admitted minibatches -> waves every VW runs (default WSP's
+            :func:`planner.wsp.stop_wave` with ``D``; EASGD's :func:`planner.easgd.stop_waves`).
     """
 
     def __init__(
@@ -58,8 +60,10 @@ class StopAgreement:
         D: int,
         poll_s: float = 0.05,
         clock: Callable[[], float] = time.monotonic,
+        waves: Callable[[int], int] | None = None,
     ) -> None:
         self.store, self.nm, self.D = store, nm, D
+        self._waves = waves if waves is not None else lambda a: stop_wave(a, nm, D)
         self.poll_s, self.clock = poll_s, clock
         self._next_poll = 0.0
         self.waves: int | None = None  # the agreed number of waves, once known
@@ -73,7 +77,7 @@ class StopAgreement:
         """
         if self.waves is None:
             if time_up:
-                proposal = stop_wave(admitted, self.nm, self.D)
+                proposal = self._waves(admitted)
                 agreed = self.store.compare_set(KEY, "", str(proposal))
                 self.waves = int(agreed)
                 log.info("time limit: proposed %d waves, agreed %d", proposal, self.waves)
@@ -90,12 +94,15 @@ class LazyStop:
     whose VWs must stop at one agreed wave answers in ``StageSync.agreed_total`` (only stage 0
     of a time-limited run asks, so no store is opened otherwise)."""
 
-    def __init__(self, init_method: str, nm: int, D: int) -> None:
-        self.init_method, self.nm, self.D = init_method, nm, D
+    def __init__(
+        self, init_method: str, nm: int, D: int, waves: Callable[[int], int] | None = None
+    ) -> None:
+        self.init_method, self.nm, self.D, self.waves = init_method, nm, D, waves
         self._agreement: StopAgreement | None = None
 
     def total(self, admitted: int, time_up: bool) -> int | None:
         """:meth:`StopAgreement.total` of the agreement (made now if need be)."""
         if self._agreement is None:
-            self._agreement = StopAgreement(stop_store(self.init_method), self.nm, self.D)
+            store = stop_store(self.init_method)
+            self._agreement = StopAgreement(store, self.nm, self.D, waves=self.waves)
         return self._agreement.total(admitted, time_up)

@@ -35,7 +35,13 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from planner.easgd import elastic_difference, exchange_index, exchanges_after, waves_at
+from planner.easgd import (
+    elastic_difference,
+    exchange_index,
+    exchanges_after,
+    stop_waves,
+    waves_at,
+)
 from planner.sync import param
 from profiler.errors import ConfigError, HetPipeRuntimeError
 from runtime.defaults import vw_wait_s
@@ -120,7 +126,8 @@ class ElasticSync(StageSync):
                 f"--sync easgd resumes at an exchange: wave {spec.first_wave} is not a multiple "
                 f"of tau {tau}; resume from a snapshot of this run"
             )
-        stop = LazyStop(view.init_method, view.nm, 0)  # every VW stops at one agreed wave
+        nm = view.nm  # every VW stops at one agreed wave, on an exchange
+        stop = LazyStop(view.init_method, nm, 0, waves=lambda a: stop_waves(a, nm, tau))
         params = [p for _, p in view.params]
         return cls(client, params, view.nm, tau, alpha, view.result, stop, spec.first_wave,
                    spec.snapshots, view.where, view.weights.optimizer)  # fmt: skip
