@@ -130,6 +130,7 @@ class ShardServer:
         self.peer_ranks = peer_ranks
         self.quorum_ranks = quorum_ranks
         self._gone: set[tuple[int, int]] = set()  # eviction mode: clients lost
+        self._lost_vws: set[int] = set()  # eviction mode: VWs with a client lost
         self.idle_timeout_s = 10 * timeout_s if idle_timeout_s is None else idle_timeout_s
         self.snapshots = snapshots
         self._written = core.clock  # the clock of the last part written (or resumed from)
@@ -157,8 +158,8 @@ class ShardServer:
 
     def _send(self, tensor: torch.Tensor, client: ClientSpec, tag: int) -> None:
         key = (client.vw, client.stage)
-        if key in self._gone:
-            return
+        if key in self._gone or client.vw in self._lost_vws:
+            return  # a lost VW's other stages are being stopped: nothing to answer
         inc = self.core.incarnation(client.vw) if self.rejoin is not None else 0
         try:
             group = self._rejoins.groups.get(key, self.group) if self._rejoins else self.group
@@ -179,12 +180,17 @@ class ShardServer:
             log.warning("%s vw %d stage %d lost (%s): evicting vw %d", self._prefix, c.vw,
                         c.stage, why.splitlines()[0][:200], c.vw)  # fmt: skip
         self._gone.add((c.vw, c.stage))
+        self._lost_vws.add(c.vw)
         self.core.lose(c.vw)
 
     def _drain_sends(self, block: bool) -> None:
         still = []
         for work, t, client, inc in self._sends:
             try:
+                stale = self.rejoin is not None and inc != self.core.incarnation(client.vw)
+                if block and (client.vw in self._lost_vws or stale):
+                    still.append((work, t, client, inc))  # never block on a lost VW's peer:
+                    continue  # its death may not show on this pair before the timeout
                 if block:
                     wait(work, self.timeout_s)
                 elif not work.is_completed():
@@ -296,6 +302,7 @@ class ShardServer:
         """Restart mode: client ``idx``'s VW was reopened; its next incarnation starts afresh."""
         c = self.core.spec.clients[idx]
         self._gone.discard((c.vw, c.stage))
+        self._lost_vws.discard(c.vw)
         self._done.discard(idx)
         self._pulls[idx] = _Pulls()
 
