@@ -644,7 +644,13 @@ def test_failed_process_stops_the_others_with_a_clear_error(
         assert "waits for wave" in errors["shard0"], errors
         assert "from vw 1 stage 0 (rank 2)," in errors["shard0"], errors
     if victim != "shard0":
-        assert "parameter-server shard 0 (rank 0) died" in errors["vw0s0"], errors
+        # the healthy stage names the shard: "died" once the shard exited, or "did not answer"
+        # when gloo never showed the shard the killed stage's closed connection and both hit
+        # the same timeout (seen twice in CI; the shard then named the lost client after its
+        # own timeout, asserted above)
+        said = errors["vw0s0"]
+        assert "parameter-server shard 0 (rank 0)" in said, errors
+        assert "died" in said or "did not answer" in said, errors
     # nothing already checkpointed is lost: the newest complete checkpoint loads and is exact
     clock = max(committed_clocks(ckpt), default=0)
     assert clock >= 3
