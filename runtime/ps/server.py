@@ -130,7 +130,6 @@ class ShardServer:
         self.peer_ranks = peer_ranks
         self.quorum_ranks = quorum_ranks
         self._gone: set[tuple[int, int]] = set()  # eviction mode: clients lost
-        self._lost_vws: set[int] = set()  # eviction mode: VWs with a client lost
         self.idle_timeout_s = 10 * timeout_s if idle_timeout_s is None else idle_timeout_s
         self.snapshots = snapshots
         self._written = core.clock  # the clock of the last part written (or resumed from)
@@ -158,7 +157,7 @@ class ShardServer:
 
     def _send(self, tensor: torch.Tensor, client: ClientSpec, tag: int) -> None:
         key = (client.vw, client.stage)
-        if key in self._gone or client.vw in self._lost_vws:
+        if self._vw_lost(client.vw):
             return  # a lost VW's other stages are being stopped: nothing to answer
         inc = self.core.incarnation(client.vw) if self.rejoin is not None else 0
         try:
@@ -180,15 +179,18 @@ class ShardServer:
             log.warning("%s vw %d stage %d lost (%s): evicting vw %d", self._prefix, c.vw,
                         c.stage, why.splitlines()[0][:200], c.vw)  # fmt: skip
         self._gone.add((c.vw, c.stage))
-        self._lost_vws.add(c.vw)
         self.core.lose(c.vw)
+
+    def _vw_lost(self, vw: int) -> bool:
+        """Eviction mode: a client of ``vw`` is lost (its other stages are being stopped)."""
+        return any(v == vw for v, _ in self._gone)
 
     def _drain_sends(self, block: bool) -> None:
         still = []
         for work, t, client, inc in self._sends:
             try:
                 stale = self.rejoin is not None and inc != self.core.incarnation(client.vw)
-                if block and (client.vw in self._lost_vws or stale):
+                if block and (self._vw_lost(client.vw) or stale):
                     still.append((work, t, client, inc))  # never block on a lost VW's peer:
                     continue  # its death may not show on this pair before the timeout
                 if block:
@@ -302,7 +304,6 @@ class ShardServer:
         """Restart mode: client ``idx``'s VW was reopened; its next incarnation starts afresh."""
         c = self.core.spec.clients[idx]
         self._gone.discard((c.vw, c.stage))
-        self._lost_vws.discard(c.vw)
         self._done.discard(idx)
         self._pulls[idx] = _Pulls()
 
