@@ -10,9 +10,11 @@ wrong numbers).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 import yaml
@@ -183,9 +185,27 @@ def _json_line(text: str, key: object) -> int:
 
 def _check_yaml_depth(text: str, p: Path, what: str, error: type[HetPipeError]) -> None:
     """Refuse deep nesting from the parser's events (libyaml's composer would overflow the C
-    stack on ``[[[[...`` and kill the process; its event parser is iterative)."""
+    stack on ``[[[[...`` and kill the process; its event parser is iterative).
+
+    libyaml has a nesting limit of its own (1,000 levels since PyYAML 6.0.3, reported as a
+    syntax error in its own words); when its parser fails, the pure-Python parser, which has
+    none and yields events lazily, tells whether the document is deeper than ours, so the
+    message never depends on a dependency's wording.
+    """
+    try:
+        _max_depth_events(yaml.parse(text, Loader=_LOADER), p, what, error)
+    except yaml.YAMLError:
+        with contextlib.suppress(yaml.YAMLError):  # then the C parser's error below names it
+            _max_depth_events(yaml.parse(text, Loader=yaml.SafeLoader), p, what, error)
+        raise
+
+
+def _max_depth_events(
+    events: Iterable[yaml.Event], p: Path, what: str, error: type[HetPipeError]
+) -> None:
+    """Raise ``error`` as soon as ``events`` open more than :data:`MAX_DEPTH` collections."""
     depth = 0
-    for event in yaml.parse(text, Loader=_LOADER):
+    for event in events:
         if isinstance(event, yaml.CollectionStartEvent):
             depth += 1
             if depth > MAX_DEPTH:
