@@ -105,6 +105,8 @@ class RunResult:
         sync, sync_params: the synchronisation rule (``wsp``, ``backup``, ``easgd``,
             ``allreduce``, ``local``) and its parameters (:mod:`runtime.results.sync` summarises what it did).
         lost: the VWs evicted during the run (``--on-failure continue``).
+        data: what the run trained and tested on (``digits (...)``, ``synthetic (...)``,
+            ``mydata:make (train 400, test 100)``; empty: not known).
     """
 
     vws: tuple[VWResult, ...]
@@ -124,6 +126,7 @@ class RunResult:
     sync_params: SyncParams = ()
     lost: tuple[LostVW, ...] = ()
     exported_state: dict[str, Tensor] | None = None
+    data: str = ""
 
     @staticmethod
     def build(
@@ -241,6 +244,7 @@ class RunResult:
             "nm": self.nm,
             "D": self.D,
             "max_clock_distance": self.max_clock_distance,
+            "data": self.data,
             "test_accuracy": self.test_accuracy,
             "test_loss": self.test_loss,
             "final_loss": self.losses[-1] if self.losses else None,
@@ -272,7 +276,12 @@ class RunResult:
         """The summary as a rich table: one row per VW, totals in the title and caption (one VW
         alone: its stages, :func:`runtime.results.metrics.stage_table`)."""
         if self.alone:
-            return stage_table(self.vws[0])
+            alone = stage_table(self.vws[0])
+            if self.data:
+                alone.caption = "; ".join(
+                    filter(None, [f"data: {escape(self.data)}", str(alone.caption or "")])
+                )
+            return alone
         rule = describe_rule(self.sync, self.sync_params, self.D)
         title = f"{len(self.vws)} VWs, Nm={self.nm}, {rule}: {self.throughput:.1f} samples/s"
         if self.predicted_throughput > 0:
@@ -319,6 +328,8 @@ class RunResult:
                 else ""
             )
         caption = f"{tested}; {clocks}; wall {self.wall_s:.1f} s"
+        if self.data:
+            caption = f"data: {escape(self.data)}; {caption}"
         if self.sync == "backup":
             kth = " ".join(f"{t:.2f}" for t in kth_push_s(self.vws))
             caption += (
