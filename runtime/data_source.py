@@ -200,7 +200,13 @@ def check_targets(data: RunData, classes: int, where: str) -> None:
     for which, dataset in (("train", data.train), ("test", data.test)):
         if dataset is None:
             continue
-        targets = _targets(dataset)
+        try:
+            targets = _targets(dataset)
+        except Exception as exc:  # the user's __getitem__ may raise anything
+            raise ConfigError(
+                f"{where}: reading the {which} set's targets raised {type(exc).__name__}: "
+                f"{shown(str(exc))}; each sample must be (input, target)"
+            ) from None
         if targets is None or targets.numel() == 0 or targets.is_floating_point():
             continue
         low, high = int(targets.min()), int(targets.max())
