@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from profiler.errors import HetPipeRuntimeError
+
 __all__ = [
     "HEADER",
     "MetricsLog",
@@ -123,8 +125,7 @@ class MetricsLog:
         for p in paths.values():
             if not has_history(p):
                 p.parent.mkdir(parents=True, exist_ok=True)
-                with p.open("w", newline="", encoding="utf-8") as f:
-                    csv.writer(f).writerow(HEADER)
+                _append(p, HEADER, "w")
 
     def event(self, msg: tuple[Any, ...]) -> None:
         """A stage's ``loss`` / ``done`` report, or the ``incarnation`` report a restarted
@@ -153,16 +154,25 @@ class MetricsLog:
         vw, inc, mb = key
         self._written.add(key)
         loss, done = self._loss.pop(key), self._done.pop(key)
-        with self.paths[vw].open("a", newline="", encoding="utf-8") as f:
-            row = (
-                self.attempt,
-                inc,
-                mb,
-                f"{loss:.6f}",
-                f"{done - self.start:.6f}",
-                mb * batch_size,
-            )
+        row = (self.attempt, inc, mb, f"{loss:.6f}", f"{done - self.start:.6f}", mb * batch_size)
+        _append(self.paths[vw], row)
+
+
+def _append(path: Path, row: Sequence[object], mode: str = "a") -> None:
+    """Write one CSV row to ``path``.
+
+    Raises:
+        HetPipeRuntimeError: it cannot be written (one line naming it; the snapshots go on
+            from the last one, so ``--resume`` continues the run and its history).
+    """
+    try:
+        with path.open(mode, newline="", encoding="utf-8") as f:
             csv.writer(f).writerow(row)
+    except OSError as exc:
+        raise HetPipeRuntimeError(
+            f"{path}: cannot write the run's metrics ({exc.strerror or exc}); free disk space, "
+            "then go on from the last snapshot with --resume and the run's --out folder"
+        ) from None
 
 
 def has_history(path: Path) -> bool:

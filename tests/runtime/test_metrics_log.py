@@ -7,6 +7,9 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+import pytest
+
+from profiler.errors import HetPipeRuntimeError
 from runtime.results.metrics import StageResult, VWResult, write_metrics
 from runtime.results.metrics_log import (
     HEADER,
@@ -96,3 +99,12 @@ def test_saving_a_result_keeps_the_history_and_a_fresh_run_starts_it_again(
     assert not (tmp_path / "vw0" / "metrics.csv").exists()
     write_metrics(VWResult((stage,), BATCH, 2), tmp_path / "vw0")  # no history: its own rows
     assert _rows(tmp_path / "vw0" / "metrics.csv") == [(0, 0, 1)]
+
+
+def test_a_metrics_file_that_cannot_be_written_is_one_line_naming_it(tmp_path: Path) -> None:
+    log = _log(tmp_path, first_mb=0)
+    path = tmp_path / "vw1" / "metrics.csv"
+    path.unlink()
+    path.mkdir()  # not a file any more: the append fails
+    with pytest.raises(HetPipeRuntimeError, match=r"metrics.csv: cannot write the run's metrics"):
+        _train(log, (3,), range(1, 2))
