@@ -43,6 +43,7 @@ from runtime.launch.wsp import prepare_wsp
 from runtime.persist.run_dir import RunDirectory, RunOwner
 from runtime.persist.snapshot import committed_clocks
 from runtime.results.metrics import VWResult, warn_overruns
+from runtime.results.metrics_log import reset_history
 from runtime.results.restarts import restart_notes, whole_vws
 from runtime.results.run_result import LostVW, RunResult, evaluate
 from runtime.results.timeline import describe_run
@@ -89,6 +90,7 @@ def launch(
         out = run.out_dir
         claim = RunDirectory(out, resume=False, overwrite=cfg.overwrite) if out else nullcontext()
         with claim:
+            reset_history(out)
             return _attempt(plan, source, optimizer, run, cfg, dataset, None, rule, max(vw, 0))
     if cfg.checkpoint_dir is None and run.out_dir is not None:
         cfg = dataclasses.replace(cfg, checkpoint_dir=run.out_dir / "checkpoints")
@@ -102,6 +104,8 @@ def launch(
             )
         return _attempt(plan, source, optimizer, run, cfg, dataset, None, rule)
     with RunDirectory(run_dir, resume=cfg.resume, overwrite=cfg.overwrite) as owner:
+        if not cfg.resume:  # metrics.csv keeps the history of restarts and resumes only
+            reset_history(run.out_dir)
         try:
             return _restarting(
                 lambda c: _attempt(plan, source, optimizer, run, c, dataset, owner, rule), run, cfg

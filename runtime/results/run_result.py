@@ -38,6 +38,7 @@ from runtime.ps.layout import ShardSpec, export_state_dict
 from runtime.ps.outcome import ClockEvent
 from runtime.results.evaluation import evaluate_module
 from runtime.results.metrics import StageResult, VWResult, stage_table, write_metrics
+from runtime.results.metrics_log import history, metrics_paths
 from runtime.results.restarts import restart_caption
 from runtime.results.sync import arrival_table, describe_rule, dropped_vw_waves, kth_push_s
 from runtime.results.timeline import write_timeline
@@ -229,12 +230,11 @@ class RunResult:
 
     def _save(self, out_dir: Path, about: str) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        if self.alone:  # one VW alone: its metrics at the top of the run directory
-            write_metrics(self.vws[0], out_dir)
-        else:
-            for k, vw in enumerate(self.vws):
-                if vw.stages:  # a lost VW reported nothing
-                    write_metrics(vw, out_dir / f"vw{k}")
+        paths = metrics_paths(out_dir, range(len(self.vws)), self.alone)
+        for k, vw in enumerate(self.vws):
+            if vw.stages:  # a lost VW reported nothing
+                write_metrics(vw, paths[k].parent)
+        kept = [history(paths[k]) for k in range(len(self.vws))]  # every attempt's rows
         if self.vws:
             write_timeline(list(self.stages), out_dir, about=about)
         atomic_torch_save(self.state_dict(), out_dir / "weights.pt")
@@ -266,6 +266,9 @@ class RunResult:
                     "steps": v.steps,
                     "waiting_s": self.waiting_s(k),
                     "idle_s": self.idle_s(k),
+                    "metrics_rows": kept[k].rows,  # metrics.csv: every attempt, incarnation
+                    "metrics_minibatches": kept[k].minibatches,  # distinct minibatches there
+                    "metrics_attempts": kept[k].attempts,
                 }
                 for k, v in enumerate(self.vws)
             ],
