@@ -21,12 +21,13 @@ from typer.testing import CliRunner
 from hetpipe.cli import app
 from planner.manual import multi_vw_plan
 from profiler.errors import ConfigError
+from runtime.api import train
 from runtime.config import OptimizerConfig, RunConfig, WSPConfig
 from runtime.launch.faults import StageFault
 from runtime.launch.launcher import launch
 from runtime.persist.snapshot import committed_clocks
 from runtime.results.run_result import RunResult
-from runtime.stage.nonfinite import Diverged
+from runtime.stage.nonfinite import Diverged, all_finite
 from tests.runtime.test_wsp_run import BATCH, LR, SOURCE, _graph, wsp_reference
 
 pytestmark = pytest.mark.timeout(180)
@@ -140,6 +141,34 @@ def test_cli_huge_lr_one_red_line_exit_2_and_skip_counts(tmp_path: Path) -> None
     assert f"{summary['skipped_updates']} updates skipped" in res.output
 
 
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_one_vw_alone_through_the_api(policy: str) -> None:
+    huge = OptimizerConfig(lr=1e6)
+    if policy == "stop":  # one VW alone writes no snapshots: the message says so
+        with pytest.raises(Diverged, match=r"at vw 0, stage \d, .*no snapshot was committed"):
+            train("mlp", steps=12, optimizer=huge, emulate=False, stages=2)
+        return
+    result = train("mlp", steps=12, optimizer=huge, emulate=False, stages=2, on_nonfinite=policy)
+    assert result.skipped_updates == len(result.vws[0].skipped) > 0
+    assert "skipped (non-finite loss or gradients)" in str(result.table().caption)
+
+
 def test_an_unknown_policy_is_refused_in_our_words() -> None:
     with pytest.raises(ConfigError, match=r"--on-nonfinite 'halt': use stop or skip"):
         RunConfig(on_nonfinite="halt")
+
+
+def test_the_check_finds_nan_and_inf_in_any_dtype_and_changes_no_bit() -> None:
+    ts = [torch.randn(5, 3), torch.randn(4, dtype=torch.bfloat16), None, torch.arange(3)]
+    ts.append(torch.tensor([-0.0, 1e-45, 3.4e38]))  # signed zero, subnormal, near the top
+    before = [t.clone() if t is not None else None for t in ts]
+    assert all_finite(ts) and all_finite([])
+    for a, b in zip(ts, before, strict=True):
+        assert a is None or (
+            b is not None and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        )
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for i in (0, 1):
+            worse = [t.clone() if t is not None else None for t in ts]
+            worse[i].view(-1)[2] = bad  # type: ignore[union-attr]
+            assert not all_finite(worse)
