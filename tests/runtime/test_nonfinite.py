@@ -106,6 +106,14 @@ def test_skip_skips_the_update_at_every_stage_as_the_reference(tmp_path: Path) -
     assert "1 update skipped" in str(result.table().caption)
 
 
+@pytest.mark.parametrize("rule", ["backup", "easgd"])
+def test_skip_under_the_other_shard_rules_goes_on(rule: str) -> None:
+    nan = StageFault(stage=1, at_mb=3, vw=0, nonfinite=True)
+    result = _launch(_plan(rule), 8, "skip", WSPConfig(stage_fault=nan), None)
+    assert [v.skipped for v in result.vws] == [[3], []] and result.skipped_updates == 1
+    assert all(torch.isfinite(t).all() for t in result.state_dict().values())
+
+
 def test_skip_under_allreduce_skips_the_step_on_every_copy(tmp_path: Path) -> None:
     nan = StageFault(stage=1, at_mb=3, vw=1, nonfinite=True)  # only VW 1's loss is NaN
     result = _launch(_plan("allreduce"), 6, "skip", WSPConfig(stage_fault=nan), None)
