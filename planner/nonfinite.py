@@ -9,7 +9,8 @@ its own backward, so when stage ``s`` judges minibatch ``p`` the stages after it
 applied (or skipped) ``p``. Hence the rule, stage by stage in backward order:
 
 1. the next stage skipped ``p`` (the gradients it sent back are marked: every element NaN):
-   skip ``p`` here too, and mark what goes back to the previous stage;
+   skip ``p`` here too, and mark what goes back to the previous stage (under ``stop``, where
+   no stage skips, non-finite gradients from the next stage stop the run);
 2. everything this stage sees is finite: apply ``p``;
 3. something is not finite: under ``stop`` stop the run; under ``skip`` skip ``p`` only on the
    last stage, the first to judge ``p`` (nothing of the VW applied it yet), and mark the
@@ -59,12 +60,15 @@ def verdict(policy: str, finite: bool, skipped_after: bool, last: bool) -> Verdi
     <Verdict.STOP: 'stop'>
     >>> verdict("stop", finite=True, skipped_after=False, last=False)
     <Verdict.APPLY: 'apply'>
+    >>> verdict("stop", finite=True, skipped_after=True, last=False)  # never skips
+    <Verdict.STOP: 'stop'>
     """
+    skip = Verdict.SKIP if policy == "skip" else Verdict.STOP
     if skipped_after:
-        return Verdict.SKIP
+        return skip
     if finite:
         return Verdict.APPLY
-    return Verdict.SKIP if policy == "skip" and last else Verdict.STOP
+    return skip if last else Verdict.STOP
 
 
 def after_reduction(policy: str, local: Verdict, reduced_finite: bool) -> Verdict:

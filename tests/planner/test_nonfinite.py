@@ -44,6 +44,11 @@ def test_a_vw_never_applies_and_skips_the_same_minibatch(policy: str, finite: li
         assert out[-1] is Verdict.STOP and Verdict.SKIP not in out
 
 
+@given(st.booleans(), st.booleans(), st.booleans())
+def test_stop_never_skips(finite: bool, skipped_after: bool, last: bool) -> None:
+    assert verdict("stop", finite, skipped_after, last) is not Verdict.SKIP
+
+
 def test_a_marked_reduction_skips_under_skip_and_stops_under_stop() -> None:
     for local in Verdict:
         assert after_reduction("skip", local, reduced_finite=True) is local
