@@ -101,6 +101,7 @@ class StageJudge:
             what = "gradient sent to the previous stage"
         v = verdict(self.policy, not what, skipped_after, self.last)
         if v is Verdict.STOP:
+            what = what or "gradient from the next stage"
             late = " (the later stages applied it already: it cannot be skipped)"
             raise Diverged(
                 self._message(mb, f"non-finite {what}{late if self.policy == 'skip' else ''}")

@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 
 from hetpipe.cli import app
 from planner.manual import multi_vw_plan
+from planner.nonfinite import Verdict
 from profiler.errors import ConfigError
 from runtime.api import train
 from runtime.config import OptimizerConfig, RunConfig, WSPConfig
@@ -27,7 +28,7 @@ from runtime.launch.faults import StageFault
 from runtime.launch.launcher import launch
 from runtime.persist.snapshot import committed_clocks
 from runtime.results.run_result import RunResult
-from runtime.stage.nonfinite import Diverged, all_finite
+from runtime.stage.nonfinite import Diverged, StageJudge, all_finite
 from tests.runtime.test_wsp_run import BATCH, LR, SOURCE, _graph, wsp_reference
 
 pytestmark = pytest.mark.timeout(180)
@@ -180,3 +181,15 @@ def test_the_check_finds_nan_and_inf_in_any_dtype_and_changes_no_bit() -> None:
             worse = [t.clone() if t is not None else None for t in ts]
             worse[i].view(-1)[2] = bad  # type: ignore[union-attr]
             assert not all_finite(worse)
+
+
+def test_the_judge_marks_a_skip_and_names_what_stopped() -> None:
+    nan, ok = torch.tensor([float("nan")]), torch.ones(2)
+    last = StageJudge("skip", 1, 2, True, 10, 4)
+    grads_w, grads_x = [torch.ones(3)], [torch.ones(2)]
+    assert last.local(3, float("inf"), [], grads_w, grads_x) is Verdict.SKIP
+    assert torch.isnan(grads_w[0]).all() and torch.isnan(grads_x[0]).all()  # marked
+    middle = StageJudge("stop", 1, 0, False, 10, 4)
+    with pytest.raises(Diverged, match=r"gradient from the next stage at vw 1, stage 0, "
+                       r"minibatch 13 \(wave 3\)"):  # fmt: skip
+        middle.local(3, 0.0, [nan], [ok], [ok])
