@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from planner.nonfinite import POLICIES
 from profiler.capture import quiet_treespec
-from profiler.errors import ConfigError
+from profiler.errors import ConfigError, shown
 from profiler.precision import check_precision
 from runtime.defaults import TIMEOUT_S
 
@@ -184,6 +185,8 @@ class RunConfig:
             when the whole previous wave finished (a pipeline flush, as GPipe/1F1B schedules do).
         precision: ``fp32`` or ``bf16`` (autocast, fp32 master weights, bfloat16 activations
             across cuts: :mod:`profiler.precision`); ``""`` = the plan's.
+        on_nonfinite: a NaN or infinite loss or gradient: ``stop`` the run, or ``skip`` that
+            minibatch's update at every stage of the VW (:mod:`planner.nonfinite`).
     """
 
     steps: int = 0
@@ -199,10 +202,15 @@ class RunConfig:
     log_every: int = 10
     flush_every_wave: bool = False
     precision: str = ""
+    on_nonfinite: str = "stop"
 
     def __post_init__(self) -> None:
         if self.precision:
             check_precision(self.precision)
+        if self.on_nonfinite not in POLICIES:
+            raise ConfigError(
+                f"--on-nonfinite {shown(self.on_nonfinite)}: use {' or '.join(POLICIES)}"
+            )
         if self.steps < 0 or self.epochs < 0 or self.time_limit_s < 0:
             raise ConfigError(
                 f"--steps/--epochs/--time-limit must be >= 0, got {self.steps}/{self.epochs}/{self.time_limit_s}"

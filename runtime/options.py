@@ -58,6 +58,7 @@ OPTIONS: Mapping[str, Option] = MappingProxyType(
         "schedule": Option("--schedule", "constant", "lr schedule: constant, step, cosine, warmup"),
         "timeout": Option("--timeout", TIMEOUT_S, "seconds before a stuck process-group operation fails"),
         "emulate": Option("--emulate", True, "pace emulated devices and enforce their memory caps"),
+        "on_nonfinite": Option("--on-nonfinite", "stop", "a NaN or infinite loss or gradient (a diverging run): stop (the run ends naming the VW, stage, minibatch and the last snapshot) or skip (that minibatch's update is skipped at every stage of its VW, counted in the summary)"),
         "precision": Option("--precision", "", "fp32 or bf16 (autocast, fp32 master weights; default: the plan's)"),
     }
 )  # fmt: skip
@@ -106,7 +107,8 @@ def configs(
                           weight_decay=v["weight_decay"], schedule=v["schedule"])  # fmt: skip
     run = RunConfig(steps=v["steps"], epochs=v["epochs"], time_limit_s=v["time_limit"],
                     seed=v["seed"], nm=v["nm"], out_dir=out, timeout_s=v["timeout"],
-                    emulate=v["emulate"], progress=progress, precision=v["precision"])  # fmt: skip
+                    emulate=v["emulate"], progress=progress, precision=v["precision"],
+                    on_nonfinite=v["on_nonfinite"])  # fmt: skip
     wsp = WSPConfig(
         D=v["staleness"],
         checkpoint_dir=resume[1] if resume is not None else None,

@@ -176,6 +176,7 @@ def run(  # long only by its typer signature (the command's options); the body i
     timeout: Annotated[float, _opt("timeout")] = OPT["timeout"].default,
     emulate: Annotated[bool, _opt("emulate")] = OPT["emulate"].default,
     precision: Annotated[str, _opt("precision")] = OPT["precision"].default,
+    on_nonfinite: Annotated[str, _opt("on_nonfinite")] = OPT["on_nonfinite"].default,
 ) -> None:
     """Train a plan (all its VWs through WSP, one VW, or the AllReduce baseline); print the summary."""
     from runtime.options import configs

@@ -48,6 +48,7 @@ from runtime.results.restarts import restart_notes, whole_vws
 from runtime.results.run_result import LostVW, RunResult, evaluate
 from runtime.results.timeline import describe_run
 from runtime.stage.model import resolve_source
+from runtime.stage.nonfinite import REMEDY, Diverged, skip_hint
 
 __all__ = ["launch", "prepare"]
 
@@ -86,14 +87,31 @@ def launch(
     optimizer, run, cfg = optimizer or OptimizerConfig(), run or RunConfig(), cfg or WSPConfig()
     rule = effective_rule(plan.sync, len(plan.shards), len(plan.virtual_workers), vw)
     _check_rule(rule, vw, cfg)
+    if rule != "local" and cfg.checkpoint_dir is None and run.out_dir is not None:
+        cfg = dataclasses.replace(cfg, checkpoint_dir=run.out_dir / "checkpoints")
+    try:
+        return _launch(plan, source, optimizer, run, cfg, dataset, vw, rule)
+    except Diverged as exc:  # never restarted: name the snapshot to go on from instead
+        raise _diverged(exc, cfg, rule, run.on_nonfinite) from None
+
+
+def _launch(
+    plan: Plan,
+    source: ModelSource,
+    optimizer: OptimizerConfig,
+    run: RunConfig,
+    cfg: WSPConfig,
+    dataset: Dataset[Any] | None,
+    vw: int,
+    rule: str,
+) -> RunResult:
+    """:func:`launch` once its arguments are settled (``rule``: the effective one)."""
     if rule == "local":  # no snapshots; the run directory is still this run's
         out = run.out_dir
         claim = RunDirectory(out, resume=False, overwrite=cfg.overwrite) if out else nullcontext()
         with claim:
             reset_history(out)
             return _attempt(plan, source, optimizer, run, cfg, dataset, None, rule, max(vw, 0))
-    if cfg.checkpoint_dir is None and run.out_dir is not None:
-        cfg = dataclasses.replace(cfg, checkpoint_dir=run.out_dir / "checkpoints")
     run_dir = run.out_dir or cfg.checkpoint_dir
     if run_dir is None:
         if cfg.resume:
@@ -145,7 +163,7 @@ def _restarting(attempt: Callable[[WSPConfig], Any], run: RunConfig, cfg: WSPCon
         except HetPipeRuntimeError as exc:
             if isinstance(exc, AttemptFailed):  # VWs it restarted alone before it failed
                 restarts.extend(exc.survived)
-            if len(restarts) >= budget or isinstance(exc, Interrupted):
+            if len(restarts) >= budget or isinstance(exc, Interrupted | Diverged):
                 raise
             ckpt = cfg.checkpoint_dir
             committed = committed_clocks(ckpt) if ckpt is not None else []
@@ -161,6 +179,23 @@ def _restarting(attempt: Callable[[WSPConfig], Any], run: RunConfig, cfg: WSPCon
         if run.out_dir is not None:
             result.save(run.out_dir)  # the summary says what was survived
     return result
+
+
+def _diverged(exc: Diverged, cfg: WSPConfig, rule: str, policy: str) -> Diverged:
+    """``exc`` (a run that diverged) with the way on: the newest committed snapshot, which
+    holds only finite updates (none that diverged was applied), resumed with a smaller lr."""
+    what = str(exc).split(REMEDY)[0]
+    ckpt = cfg.checkpoint_dir
+    clocks = committed_clocks(ckpt) if ckpt is not None and rule != "local" else []
+    if ckpt is None or not clocks:
+        how = "no snapshot was committed: start again with a smaller --lr"
+    else:
+        last = max(clocks)
+        how = (
+            f"the last good snapshot is clock {last} in {ckpt}; go on from it with a smaller "
+            f"--lr: {cfg.resume_hint} --resume {ckpt}@{last} --lr LR"
+        )
+    return Diverged(f"{what}; {how}{skip_hint(policy)}")
 
 
 def _attempt(

@@ -22,7 +22,14 @@ from profiler.errors import HetPipeRuntimeError
 from runtime.config import RunConfig
 from runtime.defaults import neighbour_wait_s
 from runtime.launch.evict import VWEvictor
-from runtime.launch.failures import Interrupted, root_cause_rank, stop_all, watch
+from runtime.launch.failures import (
+    Interrupted,
+    diverged,
+    reported,
+    root_cause_rank,
+    stop_all,
+    watch,
+)
 from runtime.launch.liveness import Heartbeats
 from runtime.launch.procs import ShardJob, loads_result, process_context, shard_main, stage_main
 from runtime.launch.reports import Reports
@@ -32,6 +39,7 @@ from runtime.ps.outcome import ClockEvent
 from runtime.results.metrics import ProgressBar, StageResult
 from runtime.results.metrics_log import MetricsLog, RankRole, metrics_paths, start_log
 from runtime.stage.job import StageJob
+from runtime.stage.nonfinite import Diverged
 
 __all__ = ["spawn_and_watch"]
 
@@ -89,7 +97,7 @@ def spawn_and_watch(
     except KeyboardInterrupt:
         raise Interrupted(f"interrupted (Ctrl-C): every process stopped{hint}") from None
     except HetPipeRuntimeError as exc:  # the VWs restarted before count as failures survived
-        if restarter is None or not restarter.restarted:
+        if restarter is None or not restarter.restarted or isinstance(exc, Diverged):
             raise
         raise AttemptFailed(str(exc), restarter.notes()) from exc
     finally:
@@ -247,6 +255,8 @@ def _watch(
         stuck = frozen()  # a frozen rank is the cause of its peers' timeouts
         rank = min(stuck) if stuck else root_cause_rank(procs, events, errors, done, grace_s=1.5)
         why = stuck.get(rank) or errors[rank]
+        if diverged(why):  # not a crash: the launcher names the snapshot, never restarts
+            return Diverged(reported(why))
         return HetPipeRuntimeError(f"rank {rank} ({labels[rank]}) failed: {why}{hint}")
 
     stall_s = max(120.0, neighbour_wait_s(run.timeout_s))  # a VW may wait on another's restart

@@ -37,7 +37,13 @@ from runtime.persist.checkpoint import ShardState, atomic_torch_save
 from runtime.ps.layout import ShardSpec, export_state_dict
 from runtime.ps.outcome import ClockEvent
 from runtime.results.evaluation import evaluate_module
-from runtime.results.metrics import StageResult, VWResult, stage_table, write_metrics
+from runtime.results.metrics import (
+    StageResult,
+    VWResult,
+    skipped_caption,
+    stage_table,
+    write_metrics,
+)
 from runtime.results.metrics_log import history, metrics_paths
 from runtime.results.restarts import restart_caption
 from runtime.results.sync import arrival_table, describe_rule, dropped_vw_waves, kth_push_s
@@ -185,6 +191,11 @@ class RunResult:
         return [sum(x[i] for x in per_vw) / len(per_vw) for i in range(n)]
 
     @property
+    def skipped_updates(self) -> int:
+        """Minibatch updates skipped over every VW (``--on-nonfinite skip``)."""
+        return sum(len(v.skipped) for v in self.vws)
+
+    @property
     def alone(self) -> bool:
         """One VW trained alone (the ``local`` rule): its figures are the run's."""
         return self.sync == "local" and len(self.vws) == 1
@@ -259,6 +270,7 @@ class RunResult:
             "kth_push_s": kth_push_s(self.vws),
             "wave_arrivals_s": arrival_table(self.vws),
             "lost": [dataclasses.asdict(v) for v in self.lost],
+            "skipped_updates": self.skipped_updates,
             "vws": [
                 {
                     "throughput": v.throughput,
@@ -269,6 +281,7 @@ class RunResult:
                     "metrics_rows": kept[k].rows,  # metrics.csv: every attempt, incarnation
                     "metrics_minibatches": kept[k].minibatches,  # distinct minibatches there
                     "metrics_attempts": kept[k].attempts,
+                    "skipped": v.skipped,
                 }
                 for k, v in enumerate(self.vws)
             ],
@@ -341,6 +354,8 @@ class RunResult:
             )
         if self.stopped_by:
             caption += f"; {self.stopped_by}"
+        if self.skipped_updates:
+            caption += f"; {skipped_caption(self.skipped_updates)}"
         if self.restarts:
             caption += f"; {escape(restart_caption(self.restarts))}"
         for gone in self.lost:
