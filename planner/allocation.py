@@ -261,14 +261,38 @@ def allocate(
     raise PlanError(f"unknown allocation policy {policy!r}; use one of {', '.join(POLICIES)}")
 
 
+def _pattern(alloc: Allocation) -> tuple[tuple[tuple[str, int, int], ...], ...]:
+    """A key equal for allocations whose VWs are the same up to node names: each VW's GPU types,
+    memory and node pattern (which GPUs share a node), sorted."""
+    keys = []
+    for group in alloc.groups:
+        ids: dict[str, int] = {}
+        ordered = sorted(group, key=lambda d: (d.type, d.memory_bytes, d.node, d.index))
+        keys.append(
+            tuple((d.type, d.memory_bytes, ids.setdefault(d.node, len(ids))) for d in ordered)
+        )
+    return tuple(sorted(keys))
+
+
+def _natural(cluster: Cluster) -> Iterator[Allocation]:
+    """Each plain policy's own allocation (its default VW count), where it applies."""
+    for policy in ("np", "ed", "hd"):
+        try:
+            yield allocate(cluster, policy)
+        except PlanError:
+            continue
+
+
 def candidate_allocations(
     cluster: Cluster, num_vws: int | None = None, max_vw_gpus: int = 8
 ) -> list[Allocation]:
-    """Every distinct applicable allocation for ``auto``: each policy x each VW count, and HD
+    """Every distinct applicable allocation for ``auto``: each plain policy's own allocation
+    (so ``auto`` is never worse than one of them), then each policy x each VW count, and HD
     with mixed groupings (single-node groups beside multi-node ones).
 
     VW counts range over divisors of the GPU total whose VWs have at most ``max_vw_gpus`` GPUs
-    (or just ``num_vws``). Allocations with the same VW signatures are listed once.
+    (or just ``num_vws``); the plain policies' own allocations are kept whatever their VW size.
+    Allocations whose VWs are the same up to node names are listed once.
     """
     total = sum(nd.count for nd in cluster.nodes)
     counts = (
@@ -276,21 +300,26 @@ def candidate_allocations(
         if num_vws is not None
         else [v for v in range(1, total + 1) if total % v == 0 and total // v <= max_vw_gpus]
     )
-    seen: set[tuple[str, ...]] = set()
+
+    def per_count() -> Iterator[Allocation]:
+        for policy in ("np", "ed", "hd", "hd-mixed"):
+            for v in counts:
+                try:
+                    if policy == "hd-mixed":
+                        yield hybrid_distribution(cluster, v, mixed=True)
+                    else:
+                        yield allocate(cluster, policy, v)
+                except PlanError:
+                    continue
+
+    seen: set[tuple[tuple[tuple[str, int, int], ...], ...]] = set()
     out = []
-    for policy in ("np", "ed", "hd", "hd-mixed"):
-        for v in counts:
-            try:
-                if policy == "hd-mixed":
-                    alloc = hybrid_distribution(cluster, v, mixed=True)
-                else:
-                    alloc = allocate(cluster, policy, v)
-            except PlanError:
-                continue
-            key = tuple(sorted(alloc.signatures))
-            if key not in seen:
-                seen.add(key)
-                out.append(alloc)
+    natural = _natural(cluster) if num_vws is None else iter(())
+    for alloc in (*natural, *per_count()):
+        key = _pattern(alloc)
+        if key not in seen:
+            seen.add(key)
+            out.append(alloc)
     if not out:
         raise PlanError(f"no allocation policy applies to {cluster.source} with {num_vws} VWs")
     return out
