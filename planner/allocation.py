@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.cluster import Cluster, Device, Node
 from profiler.catalog import CATALOG
@@ -48,11 +48,14 @@ class Allocation:
         policy: ``np``, ``ed`` or ``hd``.
         groups: one tuple of devices per VW.
         note: how the allocation was chosen (shown to the user).
+        natural: the plain policy's own allocation (its default VW count): ``auto`` plans it
+            whatever its budget, so it is never worse than ``--policy`` alone.
     """
 
     policy: str
     groups: tuple[tuple[Device, ...], ...]
     note: str = ""
+    natural: bool = False
 
     @property
     def signatures(self) -> tuple[str, ...]:
@@ -274,11 +277,11 @@ def _pattern(alloc: Allocation) -> tuple[tuple[tuple[str, int, int], ...], ...]:
     return tuple(sorted(keys))
 
 
-def _natural(cluster: Cluster) -> Iterator[Allocation]:
-    """Each plain policy's own allocation (its default VW count), where it applies."""
+def _natural(cluster: Cluster, num_vws: int | None) -> Iterator[Allocation]:
+    """Each plain policy's own allocation (``num_vws`` or its default VW count), where it applies."""
     for policy in ("np", "ed", "hd"):
         try:
-            yield allocate(cluster, policy)
+            yield replace(allocate(cluster, policy, num_vws), natural=True)
         except PlanError:
             continue
 
@@ -314,8 +317,7 @@ def candidate_allocations(
 
     seen: set[tuple[tuple[tuple[str, int, int], ...], ...]] = set()
     out = []
-    natural = _natural(cluster) if num_vws is None else iter(())
-    for alloc in (*natural, *per_count()):
+    for alloc in (*_natural(cluster, num_vws), *per_count()):
         key = _pattern(alloc)
         if key not in seen:
             seen.add(key)

@@ -69,8 +69,8 @@ class PlanOptions:
         time_limit_s: solver time limit per partition; when hit, the best partition found is
             kept and the VW records the proven lower bound (its gap).
         auto_max_vw_gpus: largest VW the ``auto`` policy tries.
-        auto_budget_s: planning-time budget of ``auto``: candidates not reached within it are
-            reported as skipped.
+        auto_budget_s: CPU seconds ``auto`` may spend on its candidates, shared between them
+            (:mod:`planner.auto_search`); candidates not reached within it are reported as cut.
         nm_choice: without a user ``nm``: ``best`` (default) compares Nm = 1..S+2, powers of
             two and the largest feasible Nm by predicted throughput (paper Sec. 8.3: "Nm is set
             such that performance is maximized"; ties go to the smaller Nm, less staleness);
@@ -238,9 +238,12 @@ def _plan_auto(
         return len(alloc.groups) * batch * 1000.0 / worst if worst > 0 else float("inf")
 
     allocs = candidate_allocations(cluster, num_vws, opts.auto_max_vw_gpus)
-    best, rows = compare_allocations(
-        allocs, bound, lambda al: _plan_allocation(pl, al, *args), opts.auto_budget_s
-    )
+
+    def plan_one(alloc: Allocation, share_s: float) -> Plan:
+        limited = replace(opts, time_limit_s=min(opts.time_limit_s, share_s))
+        return _plan_allocation(replace(pl, opts=limited), alloc, *args)
+
+    best, rows = compare_allocations(allocs, bound, plan_one, opts.auto_budget_s)
     if report is not None:
         report.extend(rows)
     if best is None:

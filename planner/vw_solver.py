@@ -160,7 +160,10 @@ class VWSolver:
                 bound = min(bound, lower_bound_ms(self.full, ordered))
             where = {id(d): i for i, d in enumerate(ordered)}
             perm = tuple(where[id(d)] for d in part.gpus)
-            self.cache[ck] = (perm, part.bounds, bound, part.solver)
+            entry = (perm, part.bounds, bound, part.solver)
+            if part.gap > 1e-9:  # stopped by its time limit: a later solve with more time
+                return self._rebuild(cm, ordered, nm, entry)  # may do better: not cached
+            self.cache[ck] = entry
             log.info(
                 "partitioned %s at Nm=%d with %s in %.3f s (gap %.2g)",
                 letters(part.gpus),
@@ -169,7 +172,17 @@ class VWSolver:
                 part.solve_s,
                 part.gap,
             )
-        perm, bounds, bound, solver = self.cache[ck]
+        return self._rebuild(cm, ordered, nm, self.cache[ck])
+
+    @staticmethod
+    def _rebuild(
+        cm: CostModel,
+        ordered: Sequence[Device],
+        nm: int,
+        entry: tuple[tuple[int, ...], tuple[int, ...], float, str],
+    ) -> Partition:
+        """The partition of a solved (perm, bounds, bound, solver) entry for these GPUs."""
+        perm, bounds, bound, solver = entry
         order = tuple(ordered[i] for i in perm)
         stage_ms = tuple(
             cm.stage_cost(order, j, bounds[j], bounds[j + 1], nm).time_ms for j in range(len(order))

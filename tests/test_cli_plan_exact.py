@@ -24,7 +24,17 @@ def test_auto_prints_the_candidates_it_compared() -> None:
     out = " ".join(res.output.split())
     assert "4xVRGQ" in out and "2xVVQQ 2xRRGG" in out  # ED and HD, Table 3
     assert "infeasible (1)" in out and "(1) np" in out  # NP with 8 VWs: GG cannot hold vgg16
-    assert "proven" in out
+    assert "proven" in out and "chosen (exact)" in out
+    res = runner.invoke(
+        app,
+        ["plan", CLUSTER, "--profiles", VGG, "--policy", "auto", "--auto-max-vw-gpus", "4",
+         "--auto-budget", "0"],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    out = " ".join(res.output.split())
+    # no budget: the plain policies' own allocations are solved, the other candidates are cut
+    assert "budget 0 CPU s" in out and out.count("cut by budget") == 3
+    assert "4xVRGQ" in out and "2xVVQQ 2xRRGG" in out and out.count("exact") == 3
 
 
 def test_max_cuts_plan_states_its_gap(tmp_path: Path) -> None:

@@ -158,11 +158,21 @@ def _vw_summary(signatures: tuple[str, ...]) -> str:
     return " ".join(f"{n}x{sig}" if n > 1 else sig for sig, n in out)
 
 
+def _status(status: str, solve: str) -> str:
+    """A candidate's status cell: solved ``exact`` or with a proven ``gap``, the winner marked."""
+    if status == "planned":
+        return solve
+    return f"{status} ({solve})" if solve else status
+
+
 def render_candidates(rows: list[Candidate], budget_s: float) -> None:
-    """The allocations policy ``auto`` compared (best bound first), then why some were infeasible."""
-    table = Table(title=f"policy auto: candidates compared (budget {budget_s:g} s)")
-    for col in ("policy", "VWs", "bound/s", "predicted/s", "Nm", "s", "status"):
-        table.add_column(col, justify="left" if col in ("policy", "VWs", "status") else "right")
+    """The allocations policy ``auto`` compared (best bound first): solved exactly (or with a
+    proven gap), cut by the budget or unable to win (with their bound), and the winner; then why
+    some were infeasible."""
+    table = Table(title=f"policy auto: candidates compared (budget {budget_s:g} CPU s)")
+    for col in ("policy", "VWs", "bound/s", "pred/s", "Nm", "CPU s", "status"):
+        right = col in ("bound/s", "pred/s", "Nm", "CPU s")
+        table.add_column(col, justify="right" if right else "left", no_wrap=col != "VWs")
     reasons: list[str] = []
     for r in rows:
         vws = _vw_summary(r.signatures)
@@ -177,7 +187,7 @@ def render_candidates(rows: list[Candidate], budget_s: float) -> None:
             f"{r.throughput:.1f}" if r.throughput else "-",
             str(r.nm) if r.nm else "-",
             f"{r.seconds:.2f}",
-            escape(status),
+            escape(_status(status, r.solve)),
             style="bold" if r.status == "chosen" else None,
         )
     console.print(table)
@@ -252,7 +262,10 @@ def plan(  # long only by its typer signature (the command's options); the body 
     ] = 60.0,
     auto_budget: Annotated[
         float,
-        typer.Option("--auto-budget", help="planning seconds policy auto may spend on candidates"),
+        typer.Option(
+            "--auto-budget",
+            help="CPU seconds policy auto may spend solving candidates (shared between them)",
+        ),
     ] = 120.0,
     auto_max_vw_gpus: Annotated[
         int, typer.Option("--auto-max-vw-gpus", help="largest VW policy auto tries")
