@@ -143,6 +143,46 @@ def _set_partitions(items: list[int]) -> Iterator[list[list[int]]]:
         yield [[first], *part]
 
 
+HD_MAX_NODES = 9
+"""HD enumerates every grouping (Bell(9) = 21,147) of at most this many nodes; larger clusters
+are grouped per copy of their repeating unit (:func:`_node_groupings`)."""
+
+
+def _node_groupings(cluster: Cluster) -> Iterator[list[list[int]]]:
+    """Groupings of the cluster's node indices that HD scores.
+
+    Up to :data:`HD_MAX_NODES` nodes: every set partition. Larger clusters: nodes that differ
+    only by name are interchangeable, so a cluster of ``g`` identical copies of a unit (``g`` =
+    gcd of how many nodes each kind has) is grouped as its unit, every copy alike: the set
+    partitions of one unit's nodes, replicated. A unit above :data:`HD_MAX_NODES` nodes is
+    refused (use np or ed).
+
+    Raises:
+        PlanError: the repeating unit has more than :data:`HD_MAX_NODES` nodes.
+    """
+    n = len(cluster.nodes)
+    if n <= HD_MAX_NODES:
+        yield from _set_partitions(list(range(n)))
+        return
+    kinds: dict[tuple[object, ...], list[int]] = {}
+    for i, nd in enumerate(cluster.nodes):
+        key = (nd.gpu_type, nd.count, nd.memory_bytes, nd.emulation, nd.host_memory_bytes)
+        kinds.setdefault(key, []).append(i)
+    copies = math.gcd(*(len(v) for v in kinds.values()))
+    unit = [(k, j) for k, v in kinds.items() for j in range(len(v) // copies)]
+    if len(unit) > HD_MAX_NODES:
+        raise PlanError(
+            f"policy 'hd' groups at most {HD_MAX_NODES} distinct nodes, but the repeating unit of "
+            f"{cluster.source} has {len(unit)} ({copies} copies of it); use np or ed, or policy auto"
+        )
+    for part in _set_partitions(list(range(len(unit)))):
+        yield [
+            [kinds[unit[u][0]][r * (len(kinds[unit[u][0]]) // copies) + unit[u][1]] for u in block]
+            for r in range(copies)
+            for block in part
+        ]
+
+
 def _imbalance(groups: Sequence[Sequence[Device]], speed: SpeedFn) -> float:
     comp = [sum(speed(d.type) for d in g) for g in groups]
     mem = [sum(d.memory_bytes for d in g) for g in groups]
@@ -158,7 +198,7 @@ def _best_grouping(
     n = len(nodes)
     devs = _node_devices(cluster)
     best: tuple[tuple[float, int], list[tuple[Device, ...]]] | None = None
-    for part in _set_partitions(list(range(n))):
+    for part in _node_groupings(cluster):
         if any(len(b) == n for b in part) or not any(len(b) >= 2 for b in part):
             continue
         if not mixed and any(len(b) < 2 for b in part):
