@@ -22,12 +22,13 @@ from planner.partition.dp import Partition
 from planner.partition.memory import fits_memory, min_memory_shortfall
 from planner.partition.milp import partition_milp
 from planner.partition.search import lower_bound_ms, partition_exact
+from planner.plan import StagePlan
 from profiler.errors import PlanError
 
 if TYPE_CHECKING:
     from planner.planner import PlanOptions
 
-__all__ = ["VWSolver", "letters"]
+__all__ = ["VWSolver", "letters", "pipeline_key"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class VWSolver:
     )
     nm_cache: dict[tuple[object, ...], tuple[int, int]] = field(default_factory=dict)
     cms: dict[MemoryPlacement, CostModel] = field(default_factory=dict)
+    stage_cache: dict[tuple[object, ...], tuple[StagePlan, ...]] = field(default_factory=dict)
 
     # ------------------------------------------------------------ memory placements
     @property
@@ -224,6 +226,25 @@ class VWSolver:
             ):
                 return perm, bounds, bound, solver
         return None
+
+
+def pipeline_key(cluster: Cluster, gpus: Sequence[Device]) -> tuple[object, ...]:
+    """A key equal for pipelines (GPUs in stage order) that differ only by node names: each GPU's
+    type and memory, its node's first-appearance number, GPU count and host memory."""
+    ids: dict[str, int] = {}
+    out = []
+    for d in gpus:
+        node = cluster.node(d.node)
+        out.append(
+            (
+                d.type,
+                d.memory_bytes,
+                ids.setdefault(d.node, len(ids)),
+                node.count,
+                node.host_memory_bytes,
+            )
+        )
+    return tuple(out)
 
 
 def letters(gpus: Sequence[Device]) -> str:
