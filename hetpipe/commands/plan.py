@@ -88,8 +88,29 @@ def _allreduce_plan(
     return allreduce_plan(cluster, model, batch, profiles=profiles or None, optimizer=opt)
 
 
-def render(plan: Plan) -> None:
-    """Print the VW/stage table and the predictions with rich."""
+SUMMARY_VWS = 8
+"""Above this many VWs the table shows one VW per kind unless ``--full``."""
+
+
+def _kinds(plan: Plan) -> list[tuple[VirtualWorker, int]]:
+    """One VW per kind (same GPU types, layers and stage times), with how many VWs share it."""
+    kinds: dict[tuple[object, ...], list[VirtualWorker]] = {}
+    for vw in plan.virtual_workers:
+        key = tuple(
+            (vw.gpus[s.gpu].type, s.first_index, s.last_index, round(s.time_ms, 6), s.memory)
+            for s in vw.stages
+        )
+        kinds.setdefault(key, []).append(vw)
+    return [(vws[0], len(vws)) for vws in kinds.values()]
+
+
+def render(plan: Plan, full: bool = True) -> None:
+    """Print the VW/stage table and the predictions with rich (``full``: every VW; else, above
+    :data:`SUMMARY_VWS` VWs, one VW of each kind with its count)."""
+    n = len(plan.virtual_workers)
+    shown_vws = [(vw, 1) for vw in plan.virtual_workers]
+    if not full and n > SUMMARY_VWS:
+        shown_vws = _kinds(plan)
     table = Table(
         title=f"{plan.model} (batch {plan.batch_size}) on {plan.cluster.name}: policy {plan.policy}"
     )
@@ -97,11 +118,13 @@ def render(plan: Plan) -> None:
     cols = ("VW", "stage", "GPU", "layers", "time ms", "memory used/cap")
     for col in (*cols, "WAOG host") if managed else cols:
         table.add_column(col, justify="right" if col in ("time ms", "VW", "stage") else "left")
-    for vw in plan.virtual_workers:
+    for vw, alike in shown_vws:
         for s in vw.stages:
             g = vw.gpus[s.gpu]
             table.add_row(
-                f"{vw.id} {vw.signature}" if s.gpu == 0 else "",
+                (f"{vw.id} {vw.signature}" + (f" (x{alike})" if alike > 1 else ""))
+                if s.gpu == 0
+                else "",
                 str(s.gpu),
                 f"{g.node}:{g.index} {g.type}",
                 f"{s.first_layer} .. {s.last_layer} ({s.last_index - s.first_index + 1})",
@@ -119,6 +142,11 @@ def render(plan: Plan) -> None:
             end_section=True,
         )
     console.print(table)
+    if len(shown_vws) < n:
+        console.print(
+            f"{n} VWs of {len(shown_vws)} kinds: one of each shown (xN: VWs alike); "
+            "--full lists every VW"
+        )
     pr = plan.predicted
     if plan.sync == "allreduce":
         console.print(
@@ -270,6 +298,13 @@ def plan(  # long only by its typer signature (the command's options); the body 
     auto_max_vw_gpus: Annotated[
         int, typer.Option("--auto-max-vw-gpus", help="largest VW policy auto tries")
     ] = 16,
+    full: Annotated[
+        bool,
+        typer.Option(
+            "--full",
+            help=f"list every VW and stage (default above {SUMMARY_VWS} VWs: one VW of each kind)",
+        ),
+    ] = False,
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="write the plan (YAML, or JSON if *.json)")
     ] = None,
@@ -324,7 +359,7 @@ def plan(  # long only by its typer signature (the command's options); the body 
                 links=load_links(links) if links else None, options=options,
                 reference_type=profile_gpu, report=candidates, precision=precision,
             )  # fmt: skip
-    _emit(apply_rule(result, sync, rule), output, as_json, candidates, auto_budget)
+    _emit(apply_rule(result, sync, rule), output, as_json, candidates, auto_budget, full)
 
 
 def _check_options(
@@ -350,7 +385,12 @@ def _check_options(
 
 
 def _emit(
-    result: Plan, output: Path | None, as_json: bool, candidates: list[Candidate], budget: float
+    result: Plan,
+    output: Path | None,
+    as_json: bool,
+    candidates: list[Candidate],
+    budget: float,
+    full: bool,
 ) -> None:
     """Write the plan (``-o``), print it as JSON (``--json``) or render it."""
     if output is not None:
@@ -362,6 +402,6 @@ def _emit(
         return
     if candidates:
         render_candidates(candidates, budget)
-    render(result)
+    render(result, full)
     if output is not None:
         console.print(f"wrote {output}")
