@@ -144,7 +144,8 @@ def render(plan: Plan, full: bool = True) -> None:
     console.print(table)
     if len(shown_vws) < n:
         console.print(
-            f"{n} VWs of {len(shown_vws)} kinds: one of each shown (xN: VWs alike); "
+            f"{n} VWs of {len(shown_vws)} kind{'s' if len(shown_vws) > 1 else ''}: one of each shown "
+            "(xN: VWs alike); "
             "--full lists every VW"
         )
     pr = plan.predicted
