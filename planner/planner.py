@@ -231,10 +231,17 @@ def _plan_auto(
     """Policy ``auto``: the best predicted plan over the candidate allocations."""
     cm, batch, opts = pl.cm, args[1], pl.opts
 
+    bounds: dict[tuple[object, ...], float] = {}  # alike VWs (thousands at 10,240 GPUs): once
+
+    def vw_bound(gpus: Sequence[Device]) -> float:
+        key, _ = pl.canonical(gpus)
+        if key not in bounds:
+            check_stage_count(cm, len(gpus))
+            bounds[key] = lower_bound_ms(cm, gpus)
+        return bounds[key]
+
     def bound(alloc: Allocation) -> float:
-        worst = max(lower_bound_ms(cm, g) for g in alloc.groups)
-        for g in alloc.groups:
-            check_stage_count(cm, len(g))
+        worst = max(vw_bound(g) for g in alloc.groups)
         return len(alloc.groups) * batch * 1000.0 / worst if worst > 0 else float("inf")
 
     allocs = candidate_allocations(cluster, num_vws, opts.auto_max_vw_gpus)

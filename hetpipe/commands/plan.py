@@ -177,14 +177,17 @@ def render(plan: Plan, full: bool = True) -> None:
 
 
 def _vw_summary(signatures: tuple[str, ...]) -> str:
-    """``('VVQQ', 'VVQQ', 'RRGG', 'RRGG')`` -> ``2xVVQQ 2xRRGG``."""
-    out: list[tuple[str, int]] = []
+    """``('VVQQ', 'VVQQ', 'RRGG', 'RRGG')`` -> ``2xVVQQ 2xRRGG`` (alike VWs counted together, in
+    order of first appearance)."""
+    counts: dict[str, int] = {}
     for sig in signatures:
-        if out and out[-1][0] == sig:
-            out[-1] = (sig, out[-1][1] + 1)
-        else:
-            out.append((sig, 1))
-    return " ".join(f"{n}x{sig}" if n > 1 else sig for sig, n in out)
+        counts[sig] = counts.get(sig, 0) + 1
+    return " ".join(f"{n}x{_short(sig)}" if n > 1 else _short(sig) for sig, n in counts.items())
+
+
+def _short(sig: str, limit: int = 24) -> str:
+    """A VW's letters, cut to ``limit`` characters with its GPU count (``VRGQVRGQ...(1280)``)."""
+    return sig if len(sig) <= limit else f"{sig[:limit]}...({len(sig)})"
 
 
 def _status(status: str, solve: str) -> str:
@@ -207,7 +210,8 @@ def render_candidates(rows: list[Candidate], budget_s: float) -> None:
         vws = _vw_summary(r.signatures)
         status = r.status
         if status.startswith("infeasible: "):
-            reasons.append(f"{r.policy} {vws}: {status[len('infeasible: ') :]}")
+            head = vws if len(vws) <= 60 else vws[:57] + "..."
+            reasons.append(f"{r.policy} {head}: {status[len('infeasible: ') :]}")
             status = f"infeasible ({len(reasons)})"
         table.add_row(
             r.policy,
