@@ -88,8 +88,29 @@ def _allreduce_plan(
     return allreduce_plan(cluster, model, batch, profiles=profiles or None, optimizer=opt)
 
 
-def render(plan: Plan) -> None:
-    """Print the VW/stage table and the predictions with rich."""
+SUMMARY_VWS = 8
+"""Above this many VWs the table shows one VW per kind unless ``--full``."""
+
+
+def _kinds(plan: Plan) -> list[tuple[VirtualWorker, int]]:
+    """One VW per kind (same GPU types, layers and stage times), with how many VWs share it."""
+    kinds: dict[tuple[object, ...], list[VirtualWorker]] = {}
+    for vw in plan.virtual_workers:
+        key = tuple(
+            (vw.gpus[s.gpu].type, s.first_index, s.last_index, round(s.time_ms, 6), s.memory)
+            for s in vw.stages
+        )
+        kinds.setdefault(key, []).append(vw)
+    return [(vws[0], len(vws)) for vws in kinds.values()]
+
+
+def render(plan: Plan, full: bool = True) -> None:
+    """Print the VW/stage table and the predictions with rich (``full``: every VW; else, above
+    :data:`SUMMARY_VWS` VWs, one VW of each kind with its count)."""
+    n = len(plan.virtual_workers)
+    shown_vws = [(vw, 1) for vw in plan.virtual_workers]
+    if not full and n > SUMMARY_VWS:
+        shown_vws = _kinds(plan)
     table = Table(
         title=f"{plan.model} (batch {plan.batch_size}) on {plan.cluster.name}: policy {plan.policy}"
     )
@@ -97,11 +118,13 @@ def render(plan: Plan) -> None:
     cols = ("VW", "stage", "GPU", "layers", "time ms", "memory used/cap")
     for col in (*cols, "WAOG host") if managed else cols:
         table.add_column(col, justify="right" if col in ("time ms", "VW", "stage") else "left")
-    for vw in plan.virtual_workers:
+    for vw, alike in shown_vws:
         for s in vw.stages:
             g = vw.gpus[s.gpu]
             table.add_row(
-                f"{vw.id} {vw.signature}" if s.gpu == 0 else "",
+                (f"{vw.id} {vw.signature}" + (f" (x{alike})" if alike > 1 else ""))
+                if s.gpu == 0
+                else "",
                 str(s.gpu),
                 f"{g.node}:{g.index} {g.type}",
                 f"{s.first_layer} .. {s.last_layer} ({s.last_index - s.first_index + 1})",
@@ -119,6 +142,12 @@ def render(plan: Plan) -> None:
             end_section=True,
         )
     console.print(table)
+    if len(shown_vws) < n:
+        console.print(
+            f"{n} VWs of {len(shown_vws)} kind{'s' if len(shown_vws) > 1 else ''}: one of each shown "
+            "(xN: VWs alike); "
+            "--full lists every VW"
+        )
     pr = plan.predicted
     if plan.sync == "allreduce":
         console.print(
@@ -148,27 +177,41 @@ def render(plan: Plan) -> None:
 
 
 def _vw_summary(signatures: tuple[str, ...]) -> str:
-    """``('VVQQ', 'VVQQ', 'RRGG', 'RRGG')`` -> ``2xVVQQ 2xRRGG``."""
-    out: list[tuple[str, int]] = []
+    """``('VVQQ', 'VVQQ', 'RRGG', 'RRGG')`` -> ``2xVVQQ 2xRRGG`` (alike VWs counted together, in
+    order of first appearance)."""
+    counts: dict[str, int] = {}
     for sig in signatures:
-        if out and out[-1][0] == sig:
-            out[-1] = (sig, out[-1][1] + 1)
-        else:
-            out.append((sig, 1))
-    return " ".join(f"{n}x{sig}" if n > 1 else sig for sig, n in out)
+        counts[sig] = counts.get(sig, 0) + 1
+    return " ".join(f"{n}x{_short(sig)}" if n > 1 else _short(sig) for sig, n in counts.items())
+
+
+def _short(sig: str, limit: int = 24) -> str:
+    """A VW's letters, cut to ``limit`` characters with its GPU count (``VRGQVRGQ...(1280)``)."""
+    return sig if len(sig) <= limit else f"{sig[:limit]}...({len(sig)})"
+
+
+def _status(status: str, solve: str) -> str:
+    """A candidate's status cell: solved ``exact`` or with a proven ``gap``, the winner marked."""
+    if status == "planned":
+        return solve
+    return f"{status} ({solve})" if solve else status
 
 
 def render_candidates(rows: list[Candidate], budget_s: float) -> None:
-    """The allocations policy ``auto`` compared (best bound first), then why some were infeasible."""
-    table = Table(title=f"policy auto: candidates compared (budget {budget_s:g} s)")
-    for col in ("policy", "VWs", "bound/s", "predicted/s", "Nm", "s", "status"):
-        table.add_column(col, justify="left" if col in ("policy", "VWs", "status") else "right")
+    """The allocations policy ``auto`` compared (best bound first): solved exactly (or with a
+    proven gap), cut by the budget or unable to win (with their bound), and the winner; then why
+    some were infeasible."""
+    table = Table(title=f"policy auto: candidates compared (budget {budget_s:g} CPU s)")
+    for col in ("policy", "VWs", "bound/s", "pred/s", "Nm", "CPU s", "status"):
+        right = col in ("bound/s", "pred/s", "Nm", "CPU s")
+        table.add_column(col, justify="right" if right else "left", no_wrap=col != "VWs")
     reasons: list[str] = []
     for r in rows:
         vws = _vw_summary(r.signatures)
         status = r.status
         if status.startswith("infeasible: "):
-            reasons.append(f"{r.policy} {vws}: {status[len('infeasible: ') :]}")
+            head = vws if len(vws) <= 60 else vws[:57] + "..."
+            reasons.append(f"{r.policy} {head}: {status[len('infeasible: ') :]}")
             status = f"infeasible ({len(reasons)})"
         table.add_row(
             r.policy,
@@ -177,7 +220,7 @@ def render_candidates(rows: list[Candidate], budget_s: float) -> None:
             f"{r.throughput:.1f}" if r.throughput else "-",
             str(r.nm) if r.nm else "-",
             f"{r.seconds:.2f}",
-            escape(status),
+            escape(_status(status, r.solve)),
             style="bold" if r.status == "chosen" else None,
         )
     console.print(table)
@@ -252,11 +295,21 @@ def plan(  # long only by its typer signature (the command's options); the body 
     ] = 60.0,
     auto_budget: Annotated[
         float,
-        typer.Option("--auto-budget", help="planning seconds policy auto may spend on candidates"),
+        typer.Option(
+            "--auto-budget",
+            help="CPU seconds policy auto may spend solving candidates (shared between them)",
+        ),
     ] = 120.0,
     auto_max_vw_gpus: Annotated[
         int, typer.Option("--auto-max-vw-gpus", help="largest VW policy auto tries")
     ] = 16,
+    full: Annotated[
+        bool,
+        typer.Option(
+            "--full",
+            help=f"list every VW and stage (default above {SUMMARY_VWS} VWs: one VW of each kind)",
+        ),
+    ] = False,
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="write the plan (YAML, or JSON if *.json)")
     ] = None,
@@ -311,7 +364,7 @@ def plan(  # long only by its typer signature (the command's options); the body 
                 links=load_links(links) if links else None, options=options,
                 reference_type=profile_gpu, report=candidates, precision=precision,
             )  # fmt: skip
-    _emit(apply_rule(result, sync, rule), output, as_json, candidates, auto_budget)
+    _emit(apply_rule(result, sync, rule), output, as_json, candidates, auto_budget, full)
 
 
 def _check_options(
@@ -337,7 +390,12 @@ def _check_options(
 
 
 def _emit(
-    result: Plan, output: Path | None, as_json: bool, candidates: list[Candidate], budget: float
+    result: Plan,
+    output: Path | None,
+    as_json: bool,
+    candidates: list[Candidate],
+    budget: float,
+    full: bool,
 ) -> None:
     """Write the plan (``-o``), print it as JSON (``--json``) or render it."""
     if output is not None:
@@ -349,6 +407,6 @@ def _emit(
         return
     if candidates:
         render_candidates(candidates, budget)
-    render(result)
+    render(result, full)
     if output is not None:
         console.print(f"wrote {output}")
