@@ -39,7 +39,7 @@ from planner.plan_file import load_plan
 from profiler.errors import ConfigError, HetPipeError, HetPipeRuntimeError
 from profiler.files import atomic_write_bytes
 from runtime.config import ModelSource
-from runtime.options import add_arguments, configs
+from runtime.options import add_arguments, check_values, configs
 from runtime.results.run_result import RunResult
 
 log = logging.getLogger("runtime")
@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     torch.set_num_threads(1)
     try:
+        check_values(vars(a))  # every number in range before the plan is read
         job = _rank_job(a, load_plan(a.plan), rank, world)
     except HetPipeError as exc:
         log.error("%s", exc)

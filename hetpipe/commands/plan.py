@@ -15,6 +15,7 @@ from hetpipe._rules import SYNC_HELP, AlphaOpt, BackupsOpt, TauOpt, apply_rule, 
 from planner.cluster import Cluster, load_cluster
 from planner.plan import Plan, StagePlan, VirtualWorker
 from profiler.errors import ConfigError
+from runtime.options import Range, check_number
 
 if TYPE_CHECKING:  # heavy (torch, pandas, PuLP): imported when a plan is made
     from planner.auto_search import Candidate
@@ -282,8 +283,10 @@ def plan(  # long only by its typer signature (the command's options); the body 
     from planner.costmodel import load_links
     from planner.planner import PlanOptions, make_plan
 
-    _check_options(time_limit, auto_budget, auto_max_vw_gpus, max_cuts, sync,
-                   bool(policy or vws or nm or staleness))  # fmt: skip
+    numbers = {"--batch-size": batch_size, "--nm": nm, "-D": staleness, "--vws": vws,
+               "--time-limit": time_limit, "--auto-budget": auto_budget,
+               "--auto-max-vw-gpus": auto_max_vw_gpus, "--max-cuts": max_cuts}  # fmt: skip
+    _check_options(numbers, sync, bool(policy or vws or nm or staleness))
     rule = rule_params(sync, backups, tau, alpha)
     cl = load_cluster(cluster)
     profs = _load_profiles(profiles, profile_gpu) if profiles else []
@@ -314,22 +317,18 @@ def plan(  # long only by its typer signature (the command's options); the body 
     _emit(apply_rule(result, sync, rule), output, as_json, candidates, auto_budget)
 
 
-def _check_options(
-    time_limit: float,
-    auto_budget: float,
-    auto_max_vw_gpus: int,
-    max_cuts: int | None,
-    sync: str,
-    shapes_hetpipe: bool,
-) -> None:
+_RANGES = {
+    "--batch-size": Range(1), "--nm": Range(1), "-D": Range(0), "--vws": Range(1),
+    "--time-limit": Range(0, open_low=True), "--auto-budget": Range(0),
+    "--auto-max-vw-gpus": Range(1), "--max-cuts": Range(0),
+}  # fmt: skip
+"""The values each numeric option of ``hetpipe plan`` takes (``None``: not given)."""
+
+
+def _check_options(numbers: dict[str, float | None], sync: str, shapes_hetpipe: bool) -> None:
     """Refuse bad option values before any planning (one line each)."""
-    if time_limit <= 0 or auto_budget < 0 or auto_max_vw_gpus < 1:
-        raise ConfigError(
-            f"--time-limit must be > 0, --auto-budget >= 0 and --auto-max-vw-gpus >= 1 (got "
-            f"{time_limit:g}, {auto_budget:g}, {auto_max_vw_gpus})"
-        )
-    if max_cuts is not None and max_cuts < 0:
-        raise ConfigError(f"--max-cuts must be >= 0, got {max_cuts}")
+    for flag, value in numbers.items():
+        check_number(flag, value, _RANGES[flag])
     if sync == "allreduce" and shapes_hetpipe:
         raise ConfigError(
             "--policy, --vws, --nm and -D shape HetPipe plans; drop them with --sync allreduce"

@@ -17,7 +17,7 @@ from planner.plan import Plan
 from planner.plan_check import check_plan_layers
 from planner.plan_file import load_plan, load_plan_or_cluster
 from profiler.errors import ConfigError
-from runtime.options import OPTIONS
+from runtime.options import OPTIONS, Range, check_number
 
 if TYPE_CHECKING:
     from runtime.config import OptimizerConfig, RunConfig, WSPConfig
@@ -97,6 +97,9 @@ def _opt(name: str) -> typer.models.OptionInfo:
     return typer.Option(flag, help=o.help)  # type: ignore[no-any-return]
 
 
+_PLANNING = {"--batch-size": Range(1), "--stages": Range(0), "--vws": Range(0)}
+"""The ranges of the options only ``hetpipe run`` takes (planning on the fly)."""
+
 OPT = OPTIONS  # the defaults below are the table's: one source for hetpipe run and torchrun
 
 
@@ -166,10 +169,13 @@ def run(  # long only by its typer signature (the command's options); the body i
     precision: Annotated[str, _opt("precision")] = OPT["precision"].default,
 ) -> None:
     """Train a plan (all its VWs through WSP, one VW, or the AllReduce baseline); print the summary."""
-    from runtime.options import configs
+    from runtime.options import check_values, configs
     from runtime.persist.run_dir import resume_target
 
     values = {name: value for name, value in locals().items() if name in OPTIONS}
+    check_values(values)  # every number in range before anything is read, planned or started
+    for flag, value in (("--batch-size", batch_size), ("--stages", stages), ("--vws", vws)):
+        check_number(flag, value, _PLANNING[flag])
     rule = rule_params(sync, backups, tau, alpha)
     if sync == "allreduce":
         _refuse_pipeline_options(nm, staleness, vw, vws, stages, policy)

@@ -14,6 +14,7 @@ from planner.plan import Plan
 from planner.plan_check import check_plan_layers
 from planner.plan_file import load_plan
 from profiler.errors import ConfigError, HetPipeError
+from runtime.options import Range, check_number
 
 if TYPE_CHECKING:
     from planner.sim.types import SimResult
@@ -31,7 +32,7 @@ _GANTT_WAVES = 6  # the chart shows the first waves only, to stay legible
 @handle_errors
 def simulate(
     plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="plan.yaml or plan.json")],
-    waves: Annotated[int, typer.Option("--waves", min=2, help="waves per virtual worker")] = 20,
+    waves: Annotated[int, typer.Option("--waves", help="waves per virtual worker (>= 2)")] = 20,
     baseline: Annotated[
         str | None, typer.Option("--baseline", help="also predict a baseline: 'allreduce'")
     ] = None,
@@ -50,6 +51,7 @@ def simulate(
     from planner.sim.simulator import simulate as run_simulation
     from profiler.table import load_profile_set
 
+    check_number("--waves", waves, Range(2), 20)
     if baseline not in (None, "allreduce"):
         raise ConfigError(f"--baseline {baseline!r}: the only baseline is 'allreduce'")
     if gantt is not None and gantt.suffix.lower() not in (".png", ".svg"):

@@ -1,0 +1,138 @@
+"""Every number the command line takes is checked at once: a bad value is one line naming the
+option, the value and the fix, exit code 2, before any file is read, anything is planned or
+any process starts (``hetpipe run``/``plan``/``simulate`` and torchrun's ``python -m runtime``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from hetpipe.cli import app
+from runtime.options import OPTIONS
+from tests.conftest import EXAMPLES
+
+CLUSTER = str(EXAMPLES / "emulated_cluster.yaml")
+
+RUN_BAD = [
+    ("--lr", "nan", "must be a finite number > 0"),
+    ("--lr", "inf", "must be a finite number > 0"),
+    ("--lr", "-1", "must be a finite number > 0"),
+    ("--lr", "0", "must be a finite number > 0"),
+    ("--momentum", "nan", "in [0, 1)"),
+    ("--momentum", "1", "in [0, 1)"),
+    ("--momentum", "-0.1", "in [0, 1)"),
+    ("--weight-decay", "-1", ">= 0"),
+    ("--epochs", "nan", ">= 0"),
+    ("--epochs", "-1", ">= 0"),
+    ("--timeout", "nan", "in (0, 1000000)"),
+    ("--timeout", "0", "in (0, 1000000)"),
+    ("--timeout", "1e300", "in (0, 1000000)"),
+    ("--time-limit", "nan", ">= 0"),
+    ("--time-limit", "-inf", ">= 0"),
+    ("--checkpoint-every", "-1", "whole number >= 0"),
+    ("--max-restarts", "-1", "whole number >= 0"),
+    ("--steps", "-1", "whole number >= 0"),
+    ("--D", "-1", "whole number >= 0"),
+    ("--nm", "-1", "whole number >= 0"),
+    ("--vw", "-2", "whole number >= -1"),
+    ("--seed", "-1", "whole number in [0, "),
+]
+"""Each numeric option of the shared table (``hetpipe run`` and ``python -m runtime``)."""
+
+PLANNING_BAD = [
+    ("run", "--batch-size", "0", ">= 1"),
+    ("run", "--stages", "-1", ">= 0"),
+    ("run", "--vws", "-1", ">= 0"),
+    ("run", "--backups", "-1", ">= 0"),
+    ("run", "--tau", "0", ">= 1"),
+    ("run", "--alpha", "nan", "in (0, 1]"),
+    ("run", "--alpha", "1.5", "in (0, 1]"),
+    ("plan", "--batch-size", "0", ">= 1"),
+    ("plan", "--nm", "0", ">= 1"),
+    ("plan", "-D", "-1", ">= 0"),
+    ("plan", "--vws", "0", ">= 1"),
+    ("plan", "--time-limit", "nan", "> 0"),
+    ("plan", "--time-limit", "0", "> 0"),
+    ("plan", "--auto-budget", "nan", ">= 0"),
+    ("plan", "--auto-budget", "-1", ">= 0"),
+    ("plan", "--auto-max-vw-gpus", "0", ">= 1"),
+    ("plan", "--max-cuts", "-1", ">= 0"),
+    ("plan", "--tau", "0", ">= 1"),
+    ("simulate", "--waves", "1", ">= 2"),
+    ("simulate", "--waves", "-5", ">= 2"),
+]
+"""The options only ``hetpipe run`` (planning on the fly), ``plan`` or ``simulate`` take."""
+
+_RULE_OF = {"--backups": "backup", "--tau": "easgd", "--alpha": "easgd"}
+
+
+@pytest.fixture
+def nothing_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading the plan or cluster file, or planning, fails the test: the refusal must come
+    first (it then takes no more than the CLI's start-up, not the 12-40 s of planning)."""
+
+    def boom(*_: Any, **__: Any) -> None:
+        raise AssertionError("a file was read or a plan made before the options were checked")
+
+    for target in (
+        "hetpipe.commands.run.load_plan_or_cluster",
+        "hetpipe.commands.run.load_plan",
+        "hetpipe.commands.plan.load_cluster",
+        "hetpipe.commands.simulate.load_plan",
+        "runtime.__main__.load_plan",
+        "planner.planner.make_plan",
+    ):
+        monkeypatch.setattr(target, boom)
+
+
+def _one_red_line(output: str, flag: str, value: str, fragment: str) -> None:
+    lines = output.strip().splitlines()
+    assert len(lines) == 1, output
+    assert lines[0].startswith(f"error: {flag} "), output
+    assert fragment in lines[0] and "give such a value, or drop it" in lines[0], output
+    echoed = float(lines[0].split()[2].rstrip(":"))  # the value as parsed, e.g. 1e+300
+    assert echoed == float(value) or (math.isnan(echoed) and math.isnan(float(value))), output
+
+
+@pytest.mark.usefixtures("nothing_read")
+@pytest.mark.parametrize(("flag", "value", "fragment"), RUN_BAD)
+def test_run_refuses_a_number_out_of_range(flag: str, value: str, fragment: str) -> None:
+    res = CliRunner().invoke(app, ["run", CLUSTER, flag, value])
+    assert res.exit_code == 2, res.output
+    _one_red_line(res.output, flag, value, fragment)
+
+
+@pytest.mark.usefixtures("nothing_read")
+@pytest.mark.parametrize(("flag", "value", "fragment"), RUN_BAD)
+def test_torchrun_entry_refuses_the_same_numbers(
+    flag: str, value: str, fragment: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from runtime.__main__ import main
+
+    assert main([CLUSTER, f"{flag}={value}"]) == 2  # argparse reads a bare -1 as an option
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and errors[0].startswith(f"{flag} "), errors
+    assert fragment in errors[0]
+
+
+@pytest.mark.usefixtures("nothing_read")
+@pytest.mark.parametrize(("command", "flag", "value", "fragment"), PLANNING_BAD)
+def test_planning_options_out_of_range(command: str, flag: str, value: str, fragment: str) -> None:
+    rule = ["--sync", _RULE_OF[flag]] if flag in _RULE_OF else []
+    res = CliRunner().invoke(app, [command, CLUSTER, *rule, flag, value])
+    assert res.exit_code == 2, res.output
+    _one_red_line(res.output, flag, value, fragment)
+
+
+def test_every_numeric_option_of_the_table_has_a_range_and_a_bad_value_here() -> None:
+    """A numeric option added to the table without a range (or without a case above) fails."""
+    numeric = {
+        o.flag
+        for o in OPTIONS.values()
+        if o.default is None or type(o.default) in (int, float)  # bool is not numeric here
+    }
+    assert numeric == {o.flag for o in OPTIONS.values() if o.range is not None}
+    assert numeric == {flag for flag, _, _ in RUN_BAD}
