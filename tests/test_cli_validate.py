@@ -5,6 +5,7 @@ any process starts (``hetpipe run``/``plan``/``simulate`` and torchrun's ``pytho
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -136,3 +137,80 @@ def test_every_numeric_option_of_the_table_has_a_range_and_a_bad_value_here() ->
     }
     assert numeric == {o.flag for o in OPTIONS.values() if o.range is not None}
     assert numeric == {flag for flag, _, _ in RUN_BAD}
+
+
+# ---------------------------------------------------------------- simulate and run agree
+
+
+def _plan_doc() -> dict[str, Any]:
+    """A valid two-stage plan of the built-in mlp on two emulated CPU devices."""
+    from planner.manual import cpu_cluster, hand_cut_plan
+    from profiler.graph import ModelGraph
+    from runtime.config import ModelSource
+    from runtime.stage.model import resolve_source
+
+    graph = ModelGraph.from_spec(resolve_source(ModelSource(ref="mlp"), 8, meta=True))
+    cluster = cpu_cluster(2, speed=0.1, memory_bytes=1 << 30)
+    doc = hand_cut_plan(graph, "mlp", 8, 2, cluster, 2).to_dict()
+    for st in doc["virtual_workers"][0]["stages"]:  # times, so that it can be simulated
+        st.update(fwd_ms=1.0, bwd_ms=2.0, time_ms=3.0)
+    return doc
+
+
+def _one_byte(doc: dict[str, Any]) -> None:
+    """Every emulated device has 1 byte (consistent everywhere in the file)."""
+    for node in doc["cluster"]["nodes"]:
+        node["memory"] = node["emulate"]["memory"] = 1
+    for vw in doc["virtual_workers"]:
+        for gpu in vw["gpus"]:
+            gpu["memory_bytes"] = 1
+        for st in vw["stages"]:
+            st["capacity_bytes"] = 1
+
+
+PARITY = {
+    "unknown model": (
+        lambda d: d.update(model="nosuchmodel"),
+        "model: unknown model 'nosuchmodel'",
+    ),
+    "not a factory": (lambda d: d.update(model="math:pi"), "has no callable 'pi'"),
+    "1 byte": (_one_byte, "virtual_workers[0].stages[0]: its weights, gradients and optimizer"),
+}
+
+
+@pytest.mark.parametrize("case", list(PARITY))
+def test_simulate_and_run_refuse_the_same_plans(
+    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What ``run`` refuses ``simulate`` refuses, in the same line, before it simulates or any
+    process starts."""
+    import json
+
+    def boom(*_: Any, **__: Any) -> None:
+        raise AssertionError("simulated or started although the plan does not fit its model")
+
+    monkeypatch.setattr("planner.sim.simulator.simulate", boom)
+    monkeypatch.setattr("runtime.run.run_plan", boom)
+    doc = _plan_doc()
+    mutate, fragment = PARITY[case]
+    mutate(doc)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(doc))
+    lines = []
+    for args in (["simulate", str(path)], ["run", str(path), "--out", str(tmp_path / "o")]):
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 2, res.output
+        assert len(res.output.strip().splitlines()) == 1 and fragment in res.output, res.output
+        lines.append(res.output.strip())
+    assert lines[0] == lines[1]
+    assert lines[0].startswith(f"error: {path}: ")
+
+
+def test_simulate_still_takes_the_unmutated_plan(tmp_path: Path) -> None:
+    """The checks refuse what cannot run, not what can."""
+    import json
+
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(_plan_doc()))
+    res = CliRunner().invoke(app, ["simulate", str(path), "--waves", "2"])
+    assert res.exit_code == 0, res.output

@@ -29,8 +29,9 @@ HELP = (
 )
 
 
-def _load_profiles(paths: list[Path], reference_type: str | None) -> list[Profile]:
-    """hetpipe CSV profiles from files/folders, plus PipeDream ``graph.txt`` files or their folders."""
+def load_profiles(paths: list[Path], reference_type: str | None) -> list[Profile]:
+    """hetpipe CSV profiles from files/folders, plus PipeDream ``graph.txt`` files or their
+    folders (``plan --profiles`` and ``simulate --profiles``)."""
     from profiler.pipedream import import_pipedream
     from profiler.table import load_profile_set
 
@@ -289,7 +290,7 @@ def plan(  # long only by its typer signature (the command's options); the body 
     _check_options(numbers, sync, bool(policy or vws or nm or staleness))
     rule = rule_params(sync, backups, tau, alpha)
     cl = load_cluster(cluster)
-    profs = _load_profiles(profiles, profile_gpu) if profiles else []
+    profs = load_profiles(profiles, profile_gpu) if profiles else []
     candidates: list[Candidate] = []
     options = PlanOptions(
         partitioner=partitioner,

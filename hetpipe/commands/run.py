@@ -14,7 +14,6 @@ import typer
 from hetpipe._common import console, handle_errors
 from hetpipe._rules import SYNC_HELP, AlphaOpt, BackupsOpt, TauOpt, apply_rule, rule_params
 from planner.plan import Plan
-from planner.plan_check import check_plan_layers
 from planner.plan_file import load_plan, load_plan_or_cluster
 from profiler.errors import ConfigError
 from runtime.options import OPTIONS, Range, check_number
@@ -78,15 +77,11 @@ def _load(
 
 
 def _check_against_model(plan: Plan, path: Path) -> None:
-    """Refuse, before any process starts, a plan whose stage boundaries or shard layers are not
-    its model's (a plan made for another model, or edited by hand)."""
-    from profiler.graph import ModelGraph
-    from runtime.config import ModelSource
-    from runtime.stage.model import resolve_source
+    """Refuse, before any process starts, a plan its model does not fit (the same checks as
+    ``hetpipe simulate``: :func:`runtime.launch.admit.check_plan_model`)."""
+    from runtime.launch.admit import check_plan_model
 
-    spec = resolve_source(ModelSource(ref=plan.model), plan.batch_size, meta=True)
-    names = [layer.name for layer in ModelGraph.from_spec(spec).layers]
-    check_plan_layers(plan, names, str(path), f"model {plan.model!r}")
+    check_plan_model(plan, str(path))
 
 
 def _opt(name: str) -> typer.models.OptionInfo:
