@@ -214,3 +214,77 @@ def test_simulate_still_takes_the_unmutated_plan(tmp_path: Path) -> None:
     path.write_text(json.dumps(_plan_doc()))
     res = CliRunner().invoke(app, ["simulate", str(path), "--waves", "2"])
     assert res.exit_code == 0, res.output
+
+
+# ---------------------------------------------------------------- --resume keeps the run's inputs
+
+
+@pytest.fixture
+def resumable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path, Path]:
+    """A run directory whose ``plan.json`` was made for the emulated example cluster (what a
+    run leaves), that cluster file and the plan file; training is replaced by a marker."""
+    import yaml
+
+    from planner.cluster import load_cluster
+    from planner.manual import multi_vw_plan
+    from profiler.errors import ConfigError
+    from profiler.graph import ModelGraph
+    from runtime.config import ModelSource
+    from runtime.stage.model import resolve_source
+
+    def reached(*_: Any, **__: Any) -> None:
+        raise ConfigError("reached training")
+
+    monkeypatch.setattr("runtime.run.run_plan", reached)
+    cluster = load_cluster(CLUSTER)
+    graph = ModelGraph.from_spec(resolve_source(ModelSource(ref="mlp"), 8, meta=True))
+    plan = multi_vw_plan(graph, [[2], [2]], "mlp", 8, 2, cluster=cluster)  # 2 VWs, 1 shard
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    plan.save(run_dir / "plan.json")
+    same = tmp_path / "cluster.yaml"
+    same.write_text(yaml.safe_dump(cluster.to_dict()))
+    return run_dir, same, plan.save(tmp_path / "plan.yaml")
+
+
+def _resume(path: Path, run_dir: Path, *extra: str) -> tuple[int, str]:
+    """Exit code and output of ``hetpipe run PATH --resume RUN_DIR``."""
+    res = CliRunner().invoke(app, ["run", str(path), "--resume", str(run_dir), *extra])
+    return res.exit_code, res.output.strip()
+
+
+def test_resume_refuses_another_cluster_file(
+    resumable: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    import yaml
+
+    run_dir, same, _ = resumable
+    code, out = _resume(same, run_dir)  # its own cluster file: resumes
+    assert code == 2 and out.endswith("\nerror: reached training"), out
+    doc = yaml.safe_load(same.read_text())
+    doc["nodes"][1]["emulate"]["speed"] = 0.5
+    other = tmp_path / "other.yaml"
+    other.write_text(yaml.safe_dump(doc))
+    code, out = _resume(other, run_dir)
+    assert code == 2 and len(out.splitlines()) == 1 and out.startswith("error: --resume"), out
+    assert f"{other} is not the cluster of the run being resumed" in out
+    assert "nodes[1].emulate.speed is 0.5 but the run's" in out and "is 0.2" in out
+
+
+def test_resume_refuses_another_plan_or_model(
+    resumable: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    from dataclasses import replace
+
+    from planner.plan_file import load_plan
+
+    run_dir, same, plan_file = resumable
+    code, out = _resume(plan_file, run_dir)  # its own plan file: resumes
+    assert code == 2 and out.endswith("\nerror: reached training"), out
+    other = replace(load_plan(plan_file), batch_size=16).save(tmp_path / "other.yaml")
+    code, out = _resume(other, run_dir)
+    assert code == 2 and len(out.splitlines()) == 1, out
+    assert f"{other} is not the plan of the run being resumed" in out, out
+    assert "batch_size is 16 but the run's" in out
+    code, out = _resume(same, run_dir, "--model", "resnet")
+    assert code == 2 and "--model resnet does not match the plan's model 'mlp'" in out, out

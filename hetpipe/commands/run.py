@@ -15,7 +15,7 @@ from hetpipe._common import console, handle_errors
 from hetpipe._rules import SYNC_HELP, AlphaOpt, BackupsOpt, TauOpt, apply_rule, rule_params
 from planner.plan import Plan
 from planner.plan_file import load_plan, load_plan_or_cluster
-from profiler.errors import ConfigError
+from profiler.errors import ConfigError, shown
 from runtime.options import OPTIONS, Range, check_number
 
 if TYPE_CHECKING:
@@ -177,8 +177,11 @@ def run(  # long only by its typer signature (the command's options); the body i
     target = resume_target(resume) if resume is not None else None
     opt, run_cfg, wsp = configs(values, out or (target[0] if target else None), progress, target,
                                 _resume_hint(path))  # fmt: skip
+    resumed = run_cfg.out_dir if resume is not None else None
     plan = _plan(path, model, batch_size, nm, stages, vws, staleness, policy, sync, opt,
-                 run_cfg.out_dir if resume is not None else None, precision)  # fmt: skip
+                 resumed, precision)  # fmt: skip
+    if resumed is not None and (resumed / "plan.json").exists():
+        _check_resumed(path, apply_rule(plan, sync, rule), resumed, sync, rule)
     every = ctx.get_parameter_source("checkpoint_every")  # given, or its default
     given = every is not None and every.name != "DEFAULT"
     _train(apply_rule(plan, sync, rule), opt, run_cfg, wsp, vw, given)
@@ -218,6 +221,29 @@ def _plan(
             f"--model {model} does not match the plan's model {plan.model!r}; drop --model"
         )
     return plan
+
+
+def _check_resumed(path: Path, saved: Plan, out: Path, sync: str, rule: dict[str, float]) -> None:
+    """Refuse ``--resume`` with a plan or cluster file other than the resumed run's (its
+    ``plan.json``), naming the first field that differs; nothing is planned."""
+    from runtime.persist.run_dir import first_difference
+
+    doc = load_plan_or_cluster(path)
+    if isinstance(doc, Plan):
+        what, then, now = "plan", saved.to_dict(), apply_rule(doc, sync, rule).to_dict()
+        for key in ("predicted", "profiles"):  # how it was made, not what trains
+            then.pop(key, None)
+            now.pop(key, None)
+    else:
+        what, then, now = "cluster", saved.cluster.to_dict(), doc.to_dict()
+    found = first_difference(then, now)
+    if found is not None:
+        field, was, given = found
+        raise ConfigError(
+            f"--resume {out}: {path} is not the {what} of the run being resumed: {field} is "
+            f"{shown(given, 60)} but the run's ({out / 'plan.json'}) is {shown(was, 60)}; resume "
+            "with the run's own file, or start a new run in another --out"
+        )
 
 
 def _train(
