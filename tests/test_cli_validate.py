@@ -288,3 +288,80 @@ def test_resume_refuses_another_plan_or_model(
     assert "batch_size is 16 but the run's" in out
     code, out = _resume(same, run_dir, "--model", "resnet")
     assert code == 2 and "--model resnet does not match the plan's model 'mlp'" in out, out
+
+
+# ---------------------------------------------------------------- pacing on this machine's cores
+
+
+def _fast_plan(tmp_path: Path, speed: float) -> Path:
+    """The two-device plan of :func:`_plan_doc` with both devices at ``speed``."""
+    import json
+
+    doc = _plan_doc()
+    for node in doc["cluster"]["nodes"]:
+        node["emulate"]["speed"] = speed
+    for gpu in doc["virtual_workers"][0]["gpus"]:
+        gpu["speed"] = speed
+    path = tmp_path / f"plan-{speed}.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("cores", "speed", "refused"),
+    [
+        (1, 0.6, "need 1.2 cores (the sum of their speeds) but this machine has 1"),
+        (4, 1.5, "device cpu:0 has speed 1.5: faster than one core"),
+        (2, 0.6, None),
+    ],
+)
+def test_run_refuses_devices_it_cannot_pace(
+    cores: int, speed: float, refused: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    from profiler.errors import ConfigError
+
+    def reached(*_: Any, **__: Any) -> None:
+        raise ConfigError("reached training")
+
+    monkeypatch.setattr("runtime.run.run_plan", reached)
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    path = _fast_plan(tmp_path, speed)
+    res = CliRunner().invoke(app, ["run", str(path), "--steps", "1"])
+    last = res.output.strip().splitlines()[-1]
+    assert res.exit_code == 2, res.output
+    if refused is None:
+        assert last == "error: reached training", res.output
+        return
+    assert refused in last and "pass --no-emulate" in last and len(res.output.splitlines()) == 1
+    res = CliRunner().invoke(app, ["run", str(path), "--steps", "1", "--no-emulate"])
+    assert res.output.strip().splitlines()[-1] == "error: reached training", res.output
+
+
+def test_plan_warns_of_devices_this_machine_cannot_pace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plan may be made here and run elsewhere: plan warns, run refuses."""
+    import os
+
+    import yaml
+
+    from profiler.errors import ConfigError
+
+    def stop(*_: Any, **__: Any) -> None:
+        raise ConfigError("planning")
+
+    monkeypatch.setattr("planner.planner.make_plan", stop)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    res = CliRunner().invoke(app, ["plan", CLUSTER])  # its speeds sum to 0.525
+    assert res.output.strip() == "error: planning", res.output
+    doc = yaml.safe_load(Path(CLUSTER).read_text())
+    for node in doc["nodes"]:
+        node["emulate"]["speed"] = 0.6
+    fast = tmp_path / "fast.yaml"
+    fast.write_text(yaml.safe_dump(doc))
+    res = CliRunner().invoke(app, ["plan", str(fast)])
+    lines = res.output.strip().splitlines()
+    assert lines[0].startswith("note: the emulated devices that run at once need 2.4 cores")
+    assert lines[-1] == "error: planning", res.output

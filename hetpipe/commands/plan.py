@@ -18,6 +18,8 @@ from profiler.errors import ConfigError
 from runtime.options import Range, check_number
 
 if TYPE_CHECKING:  # heavy (torch, pandas, PuLP): imported when a plan is made
+    from rich.console import Console
+
     from planner.auto_search import Candidate
     from profiler.table import Profile
 
@@ -290,6 +292,7 @@ def plan(  # long only by its typer signature (the command's options); the body 
     _check_options(numbers, sync, bool(policy or vws or nm or staleness))
     rule = rule_params(sync, backups, tau, alpha)
     cl = load_cluster(cluster)
+    _pacing_note(cl, err_console if as_json else console)
     profs = load_profiles(profiles, profile_gpu) if profiles else []
     candidates: list[Candidate] = []
     options = PlanOptions(
@@ -334,6 +337,19 @@ def _check_options(numbers: dict[str, float | None], sync: str, shapes_hetpipe: 
         raise ConfigError(
             "--policy, --vws, --nm and -D shape HetPipe plans; drop them with --sync allreduce"
         )
+
+
+def _pacing_note(cl: Cluster, out: Console) -> None:
+    """Warn (a plan may run on another machine) when this machine could not pace the
+    cluster's emulated devices all at once; ``hetpipe run`` refuses it."""
+    import os
+
+    from planner.pacing import pacing_problem
+
+    devices = [(d.label, d.emulation.speed) for d in cl.devices if d.emulation is not None]
+    problem = pacing_problem(devices, os.cpu_count() or 1) if devices else None
+    if problem is not None:
+        out.print(f"[yellow]note:[/] {escape(problem)}; 'hetpipe run' refuses that here")
 
 
 def _emit(

@@ -3,6 +3,7 @@ alone, or the DDP AllReduce baseline (``--sync allreduce``)."""
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from dataclasses import replace
@@ -259,6 +260,8 @@ def _train(
     if rule_for(plan, vw) == "local":
         check_alone(wsp, every)
     check_time_limit(rule_for(plan, vw), run_cfg.time_limit_s)  # before the header prints
+    if run_cfg.emulate:
+        _check_pacing(plan, vw, os.cpu_count() or 1)
 
     console.print(describe_training(plan, vw, run_cfg.nm or plan.nm, wsp.D))
     result = run_plan(plan, ModelSource(ref=plan.model), opt, run_cfg, wsp, vw=vw)
@@ -266,6 +269,31 @@ def _train(
     out = run_cfg.out_dir
     if out is not None:
         console.print(f"outputs: {', '.join(str(out / f) for f in outputs(result))}")
+
+
+def _check_pacing(plan: Plan, vw: int, cores: int) -> None:
+    """Refuse emulated devices that cannot be paced on ``cores`` cores when they run at once
+    (:func:`planner.pacing.pacing_problem`): VW ``vw`` alone, else every VW of the plan."""
+    from planner.pacing import pacing_problem
+    from runtime.launch.roles import emulation
+
+    workers = (
+        [plan.virtual_workers[vw]] if 0 <= vw < len(plan.virtual_workers) else plan.virtual_workers
+    )
+    devices = []
+    for worker in workers:
+        for st in worker.stages:
+            g = worker.gpus[st.gpu]
+            speed, _ = emulation(plan, g.node, g.speed, g.memory_bytes)
+            if speed > 0:
+                devices.append((f"{g.node}:{g.index}", speed))
+    problem = pacing_problem(devices, cores)
+    if problem is not None:
+        raise ConfigError(
+            f"{problem}: lower the cluster's emulate.speed values (sum at most {cores}, each at "
+            "most 1; well under for accurate pacing), use a machine with more cores, or pass "
+            "--no-emulate"
+        )
 
 
 def _resume_hint(path: Path) -> str:
