@@ -365,3 +365,38 @@ def test_plan_warns_of_devices_this_machine_cannot_pace(
     lines = res.output.strip().splitlines()
     assert lines[0].startswith("note: the emulated devices that run at once need 2.4 cores")
     assert lines[-1] == "error: planning", res.output
+
+
+# ---------------------------------------------------------------- --nm within what memory allows
+
+
+def test_run_refuses_an_nm_above_what_memory_allows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from profiler.errors import ConfigError
+
+    def reached(*_: Any, **__: Any) -> None:
+        raise ConfigError("reached training")
+
+    monkeypatch.setattr("runtime.run.run_plan", reached)
+    path = _fast_plan(tmp_path, 0.1)  # its VW's nm_max is 2
+    res = CliRunner().invoke(app, ["run", str(path), "--nm", "3"])
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert "--nm 3: the planner's memory model fits at most 2 minibatches in flight on VW 0" in (
+        res.output
+    )
+    res = CliRunner().invoke(app, ["run", str(path), "--nm", "2"])
+    assert res.output.strip().splitlines()[-1] == "error: reached training", res.output
+
+
+def test_plan_refuses_an_nm_above_what_memory_allows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner caps Nm at its VWs' ``nm_max``; an explicit larger --nm is said, not capped."""
+    from planner.plan import Plan
+
+    planned = Plan.from_dict(_plan_doc(), "planned")  # nm_max 2
+    monkeypatch.setattr("planner.planner.make_plan", lambda *_, **__: planned)
+    res = CliRunner().invoke(app, ["plan", CLUSTER, "--nm", "3"])
+    assert res.exit_code == 2, res.output
+    assert res.output.strip().startswith("error: --nm 3: the planner's memory model fits at most 2")
+    res = CliRunner().invoke(app, ["plan", CLUSTER, "--nm", "2"])
+    assert res.exit_code == 0, res.output

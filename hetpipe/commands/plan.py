@@ -212,7 +212,10 @@ def plan(  # long only by its typer signature (the command's options); the body 
         typer.Option("--batch-size", "-b", help="minibatch size (default: the profiles', else 32)"),
     ] = None,
     nm: Annotated[
-        int | None, typer.Option("--nm", help="cap on concurrent minibatches per VW")
+        int | None,
+        typer.Option(
+            "--nm", help="cap on concurrent minibatches per VW (at most what memory allows)"
+        ),
     ] = None,
     staleness: Annotated[int, typer.Option("-D", help="WSP clock-distance threshold D")] = 0,
     placement: Annotated[str, typer.Option("--placement", help="default | local")] = "default",
@@ -284,6 +287,7 @@ def plan(  # long only by its typer signature (the command's options); the body 
 ) -> None:
     """Plan HetPipe training (see HELP)."""
     from planner.costmodel import load_links
+    from planner.plan_check import check_nm
     from planner.planner import PlanOptions, make_plan
 
     numbers = {"--batch-size": batch_size, "--nm": nm, "-D": staleness, "--vws": vws,
@@ -318,6 +322,8 @@ def plan(  # long only by its typer signature (the command's options); the body 
                 links=load_links(links) if links else None, options=options,
                 reference_type=profile_gpu, report=candidates, precision=precision,
             )  # fmt: skip
+    if nm is not None:
+        check_nm(result, nm)  # the planner caps Nm at what memory allows: say so, do not write
     _emit(apply_rule(result, sync, rule), output, as_json, candidates, auto_budget)
 
 

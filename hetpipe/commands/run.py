@@ -252,6 +252,7 @@ def _train(
 ) -> None:
     """Say what trains, train it (:func:`runtime.run.run_plan`), print the summary (``every``:
     ``--checkpoint-every`` was given, which one VW alone refuses)."""
+    from planner.plan_check import check_nm
     from planner.sync import check_time_limit
     from runtime.config import ModelSource
     from runtime.launch.jobs import check_alone
@@ -262,6 +263,7 @@ def _train(
     check_time_limit(rule_for(plan, vw), run_cfg.time_limit_s)  # before the header prints
     if run_cfg.emulate:
         _check_pacing(plan, vw, os.cpu_count() or 1)
+    check_nm(plan, run_cfg.nm, vw)
 
     console.print(describe_training(plan, vw, run_cfg.nm or plan.nm, wsp.D))
     result = run_plan(plan, ModelSource(ref=plan.model), opt, run_cfg, wsp, vw=vw)
