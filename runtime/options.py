@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from profiler.precision import PRECISIONS
 from runtime.defaults import CHECKPOINT_EVERY, TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -21,7 +22,22 @@ if TYPE_CHECKING:
 
     from runtime.config import OptimizerConfig, RunConfig, WSPConfig
 
-__all__ = ["OPTIONS", "Option", "Range", "add_arguments", "check_number", "check_values", "configs"]
+OPTIMIZERS = ("sgd", "adam")
+"""The stages' optimizers (:class:`runtime.config.OptimizerConfig`)."""
+SCHEDULES = ("constant", "step", "cosine", "warmup")
+"""The learning-rate schedules (:class:`runtime.config.OptimizerConfig`)."""
+
+__all__ = [
+    "OPTIMIZERS",
+    "OPTIONS",
+    "SCHEDULES",
+    "Option",
+    "Range",
+    "add_arguments",
+    "check_number",
+    "check_values",
+    "configs",
+]
 
 
 @dataclass(frozen=True)
@@ -74,12 +90,14 @@ class Option:
         help: one line for ``--help``.
         range: the values a numeric option takes (checked by :func:`check_values` before
             anything is planned or started); ``None`` for text and switches.
+        choices: the values a text option takes (checked likewise); ``()``: any.
     """
 
     flag: str
     default: Any
     help: str
     range: Range | None = None
+    choices: tuple[str, ...] = ()
 
 
 OPTIONS: Mapping[str, Option] = MappingProxyType(
@@ -92,17 +110,17 @@ OPTIONS: Mapping[str, Option] = MappingProxyType(
         "vw": Option("--vw", -1, "run only this virtual worker of the plan (-1 = all, through its synchronisation rule)", Range(-1)),
         "staleness": Option("--D", None, "WSP clock-distance threshold D (default: the plan's)", Range(0)),
         "checkpoint_every": Option("--checkpoint-every", CHECKPOINT_EVERY, "checkpoint every K global clocks into --out/checkpoints (0 = never)", Range(0)),
-        "on_failure": Option("--on-failure", "stop", "stop: a failed process ends the run; restart: restart a failed stage's VW alone where the shards cut it (the others wait there) and a failed shard's whole job from its last snapshot, up to --max-restarts times, then evict a failed VW (under torchrun: torchrun's own --max-restarts, whole group); continue: evict a failed VW and go on with the others (a failed shard still stops the run)"),
+        "on_failure": Option("--on-failure", "stop", "stop: a failed process ends the run; restart: restart a failed stage's VW alone where the shards cut it (the others wait there) and a failed shard's whole job from its last snapshot, up to --max-restarts times, then evict a failed VW (under torchrun: torchrun's own --max-restarts, whole group); continue: evict a failed VW and go on with the others (a failed shard still stops the run)", choices=("stop", "restart", "continue")),
         "max_restarts": Option("--max-restarts", 3, "restarts allowed with --on-failure restart", Range(0)),
         "overwrite": Option("--overwrite", False, "replace another run's outputs in --out"),
-        "optimizer": Option("--optimizer", "sgd", "sgd or adam"),
+        "optimizer": Option("--optimizer", "sgd", "sgd or adam", choices=OPTIMIZERS),
         "lr": Option("--lr", 0.05, "learning rate", Range(0, open_low=True)),
         "momentum": Option("--momentum", 0.0, "SGD momentum", Range(0, 1)),
         "weight_decay": Option("--weight-decay", 0.0, "weight decay", Range(0)),
-        "schedule": Option("--schedule", "constant", "lr schedule: constant, step, cosine, warmup"),
+        "schedule": Option("--schedule", "constant", "lr schedule: constant, step, cosine, warmup", choices=SCHEDULES),
         "timeout": Option("--timeout", TIMEOUT_S, "seconds before a stuck process-group operation fails", Range(0, 10**6, open_low=True)),
         "emulate": Option("--emulate", True, "pace emulated devices and enforce their memory caps"),
-        "precision": Option("--precision", "", "fp32 or bf16 (autocast, fp32 master weights; default: the plan's)"),
+        "precision": Option("--precision", "", "fp32 or bf16 (autocast, fp32 master weights; default: the plan's)", choices=("", *PRECISIONS)),
     }
 )  # fmt: skip
 """Every option both entries take, by parameter name (``hetpipe run`` adds the planning ones,
@@ -126,15 +144,23 @@ def check_number(flag: str, value: float | None, allowed: Range, default: object
 
 
 def check_values(values: Mapping[str, Any]) -> None:
-    """Check every numeric option of :data:`OPTIONS` in ``values`` against its range (both
-    entries, before any planning or process starts).
+    """Check every option of :data:`OPTIONS` in ``values`` against its range or choices (both
+    entries, before any planning or process starts, without importing torch).
 
     Raises:
-        ConfigError: the first value out of range, as :func:`check_number` words it.
+        ConfigError: the first value out of range (as :func:`check_number` words it) or not
+            among its choices.
     """
+    from profiler.errors import ConfigError, shown
+
     for name, opt in OPTIONS.items():
-        if opt.range is not None and name in values:
+        if name not in values:
+            continue
+        if opt.range is not None:
             check_number(opt.flag, values[name], opt.range, opt.default)
+        if opt.choices and values[name] not in opt.choices:
+            named = ", ".join(c for c in opt.choices if c)
+            raise ConfigError(f"{opt.flag} {shown(values[name], 40)}: use one of {named}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -169,13 +195,10 @@ def configs(
         ConfigError: an unknown ``--on-failure`` or a value out of its option's range
             (names the option).
     """
-    from profiler.errors import ConfigError
     from runtime.config import OptimizerConfig, RunConfig, WSPConfig
 
     v = values
-    check_values(v)
-    if v["on_failure"] not in ("stop", "restart", "continue"):
-        raise ConfigError(f"--on-failure {v['on_failure']!r}: use stop, restart or continue")
+    check_values(v)  # ranges, and --on-failure among stop, restart, continue
     opt = OptimizerConfig(name=v["optimizer"], lr=v["lr"], momentum=v["momentum"],
                           weight_decay=v["weight_decay"], schedule=v["schedule"])  # fmt: skip
     run = RunConfig(steps=v["steps"], epochs=v["epochs"], time_limit_s=v["time_limit"],

@@ -119,6 +119,30 @@ def test_torchrun_entry_refuses_the_same_numbers(
     assert fragment in errors[0]
 
 
+CHOICES_BAD = [
+    ("--optimizer", "lamb", "use one of sgd, adam"),
+    ("--schedule", "linear", "use one of constant, step, cosine, warmup"),
+    ("--on-failure", "retry", "use one of stop, restart, continue"),
+    ("--precision", "fp16", "use one of fp32, bf16"),
+]
+"""Each text option of the shared table with a fixed set of values."""
+
+
+@pytest.mark.usefixtures("nothing_read")
+@pytest.mark.parametrize(("flag", "value", "fix"), CHOICES_BAD)
+def test_run_and_torchrun_refuse_an_unknown_choice(
+    flag: str, value: str, fix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from runtime.__main__ import main
+
+    res = CliRunner().invoke(app, ["run", CLUSTER, flag, value])
+    assert res.exit_code == 2, res.output
+    assert res.output.strip() == f"error: {flag} {value!r}: {fix}", res.output
+    assert main([CLUSTER, flag, value]) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors == [f"{flag} {value!r}: {fix}"]
+
+
 @pytest.mark.usefixtures("nothing_read")
 @pytest.mark.parametrize(("command", "flag", "value", "fragment"), PLANNING_BAD)
 def test_planning_options_out_of_range(command: str, flag: str, value: str, fragment: str) -> None:
@@ -137,6 +161,7 @@ def test_every_numeric_option_of_the_table_has_a_range_and_a_bad_value_here() ->
     }
     assert numeric == {o.flag for o in OPTIONS.values() if o.range is not None}
     assert numeric == {flag for flag, _, _ in RUN_BAD}
+    assert {o.flag for o in OPTIONS.values() if o.choices} == {f for f, _, _ in CHOICES_BAD}
 
 
 # ---------------------------------------------------------------- simulate and run agree
