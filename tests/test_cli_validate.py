@@ -425,3 +425,22 @@ def test_plan_refuses_an_nm_above_what_memory_allows(monkeypatch: pytest.MonkeyP
     assert res.output.strip().startswith("error: --nm 3: the planner's memory model fits at most 2")
     res = CliRunner().invoke(app, ["plan", CLUSTER, "--nm", "2"])
     assert res.exit_code == 0, res.output
+
+
+@pytest.mark.usefixtures("nothing_read")
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--vw", "0", "--checkpoint-every", "3"], "--checkpoint-every: one VW trained alone"),
+        (["--vw", "1", "--on-failure", "restart"], "--on-failure restart: one VW trained alone"),
+        (["--sync", "backup", "--time-limit", "5"], "--time-limit with --sync backup"),
+        (["--vws", "2", "--vw", "2"], "--vw 2: --vws 2 makes VWs 0..1"),
+    ],
+)
+def test_run_refuses_what_the_options_decide_before_planning(
+    args: list[str], fragment: str
+) -> None:
+    """Refusals that need no plan do not wait for a cluster file to be planned."""
+    res = CliRunner().invoke(app, ["run", CLUSTER, *args])
+    assert res.exit_code == 2, res.output
+    assert len(res.output.strip().splitlines()) == 1 and fragment in res.output, res.output

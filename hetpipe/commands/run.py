@@ -178,14 +178,31 @@ def run(  # long only by its typer signature (the command's options); the body i
     target = resume_target(resume) if resume is not None else None
     opt, run_cfg, wsp = configs(values, out or (target[0] if target else None), progress, target,
                                 _resume_hint(path))  # fmt: skip
+    every = ctx.get_parameter_source("checkpoint_every")  # given, or its default
+    given = every is not None and every.name != "DEFAULT"
+    _check_before_planning(sync, vw, vws, wsp, given, run_cfg.time_limit_s)
     resumed = run_cfg.out_dir if resume is not None else None
     plan = _plan(path, model, batch_size, nm, stages, vws, staleness, policy, sync, opt,
                  resumed, precision)  # fmt: skip
     if resumed is not None and (resumed / "plan.json").exists():
         _check_resumed(path, apply_rule(plan, sync, rule), resumed, sync, rule)
-    every = ctx.get_parameter_source("checkpoint_every")  # given, or its default
-    given = every is not None and every.name != "DEFAULT"
     _train(apply_rule(plan, sync, rule), opt, run_cfg, wsp, vw, given)
+
+
+def _check_before_planning(
+    sync: str, vw: int, vws: int, wsp: WSPConfig, every: bool, time_limit_s: float
+) -> None:
+    """The checks of :func:`_train` that the options decide without a plan, made before a
+    cluster file is planned (12-40 s): one VW alone (``--vw K``) writes no snapshots, backup
+    workers take no time limit, ``--vw`` names one of ``--vws``."""
+    from planner.sync import check_time_limit
+    from runtime.launch.jobs import check_alone
+
+    if vw >= 0 and sync != "allreduce":
+        check_alone(wsp, every)
+    check_time_limit(sync, time_limit_s)
+    if vws and vw >= vws:
+        raise ConfigError(f"--vw {vw}: --vws {vws} makes VWs 0..{vws - 1}; give one of them")
 
 
 def _plan(
