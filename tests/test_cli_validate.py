@@ -205,7 +205,7 @@ PARITY = {
 
 @pytest.mark.parametrize("case", list(PARITY))
 def test_simulate_and_run_refuse_the_same_plans(
-    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """What ``run`` refuses ``simulate`` refuses, in the same line, before it simulates or any
     process starts."""
@@ -229,6 +229,11 @@ def test_simulate_and_run_refuse_the_same_plans(
         lines.append(res.output.strip())
     assert lines[0] == lines[1]
     assert lines[0].startswith(f"error: {path}: ")
+    from runtime.__main__ import main
+
+    assert main([str(path)]) == 2  # torchrun's entry: the same line, logged
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert [f"error: {e}" for e in errors] == lines[:1]
 
 
 def test_simulate_still_takes_the_unmutated_plan(tmp_path: Path) -> None:
