@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from hetpipe.cli import app
@@ -177,8 +179,8 @@ def _plan_doc() -> dict[str, Any]:
     graph = ModelGraph.from_spec(resolve_source(ModelSource(ref="mlp"), 8, meta=True))
     cluster = cpu_cluster(2, speed=0.1, memory_bytes=1 << 30)
     doc = hand_cut_plan(graph, "mlp", 8, 2, cluster, 2).to_dict()
-    for st in doc["virtual_workers"][0]["stages"]:  # times, so that it can be simulated
-        st.update(fwd_ms=1.0, bwd_ms=2.0, time_ms=3.0)
+    for stage in doc["virtual_workers"][0]["stages"]:  # times, so that it can be simulated
+        stage.update(fwd_ms=1.0, bwd_ms=2.0, time_ms=3.0)
     return doc
 
 
@@ -189,8 +191,8 @@ def _one_byte(doc: dict[str, Any]) -> None:
     for vw in doc["virtual_workers"]:
         for gpu in vw["gpus"]:
             gpu["memory_bytes"] = 1
-        for st in vw["stages"]:
-            st["capacity_bytes"] = 1
+        for stage in vw["stages"]:
+            stage["capacity_bytes"] = 1
 
 
 PARITY = {
@@ -449,3 +451,32 @@ def test_run_refuses_what_the_options_decide_before_planning(
     res = CliRunner().invoke(app, ["run", CLUSTER, *args])
     assert res.exit_code == 2, res.output
     assert len(res.output.strip().splitlines()) == 1 and fragment in res.output, res.output
+
+
+@given(
+    value=st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers()),
+    low=st.integers(-3, 3),
+    open_low=st.booleans(),
+    high=st.sampled_from([math.inf, 1.0, 10.0]),
+    open_high=st.booleans(),
+)
+def test_check_number_refuses_exactly_the_values_outside_the_range(
+    value: float, low: int, open_low: bool, high: float, open_high: bool
+) -> None:
+    """Any value: refused (one line naming the flag and the value) iff not finite or outside."""
+    from profiler.errors import ConfigError
+    from runtime.options import Range, check_number
+
+    allowed = Range(low, high, open_low, open_high)
+    inside = (
+        math.isfinite(value)
+        and (value > low if open_low else value >= low)
+        and (value < high if open_high else value <= high)
+    )
+    try:
+        check_number("--x", value, allowed, 1)
+    except ConfigError as exc:
+        assert not inside
+        assert str(exc).startswith(f"--x {value}: must be a ") and "\n" not in str(exc)
+    else:
+        assert inside
