@@ -480,3 +480,20 @@ def test_check_number_refuses_exactly_the_values_outside_the_range(
         assert str(exc).startswith(f"--x {value}: must be a ") and "\n" not in str(exc)
     else:
         assert inside
+
+
+def test_simulate_refuses_a_plan_without_stage_times(tmp_path: Path) -> None:
+    """A hand-made plan without stage times (run measures them) is one line, not a traceback."""
+    import json
+
+    doc = _plan_doc()
+    for stage in doc["virtual_workers"][0]["stages"]:
+        stage.update(fwd_ms=0.0, bwd_ms=0.0, time_ms=0.0)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(doc))
+    res = CliRunner().invoke(app, ["simulate", str(path)])
+    assert res.exit_code == 2, res.output
+    assert res.output.strip() == (
+        f"error: {path}: virtual_workers[0].stages: every stage takes 0 ms (a plan made without "
+        "stage times); simulate a plan made by 'hetpipe plan'"
+    )

@@ -61,6 +61,7 @@ def simulate(
         raise ConfigError(f"--gantt {gantt}: use a .png or .svg file name")
     plan = load_plan(plan_path)  # validated: coverage, GPUs, memory, Nm, batch, finite times
     by_type = _checked_profiles(plan, plan_path, profiles or [])
+    _refuse_timeless(plan, plan_path)
     if plan.sync == "allreduce":
         _show_allreduce(plan)
         return
@@ -102,6 +103,17 @@ def _checked_profiles(plan: Plan, path: Path, paths: list[Path]) -> dict[str, Pr
     sizes = list(zip(table["param_bytes"].tolist(), table["buffer_bytes"].tolist(), strict=True))
     check_static_memory(plan, sizes, str(path))
     return by_type
+
+
+def _refuse_timeless(plan: Plan, path: Path) -> None:
+    """Refuse a VW whose every stage takes 0 ms (a plan made by hand without stage times, as the
+    Python API's: ``run`` measures them, the simulator has nothing to play)."""
+    for i, vw in enumerate(plan.virtual_workers):
+        if all(st.fwd_ms + st.bwd_ms + st.recv_fwd_ms + st.recv_bwd_ms == 0 for st in vw.stages):
+            raise ConfigError(
+                f"{path}: virtual_workers[{i}].stages: every stage takes 0 ms (a plan made "
+                "without stage times); simulate a plan made by 'hetpipe plan'"
+            )
 
 
 def _show(plan: Plan, res: SimResult, title: str) -> None:
