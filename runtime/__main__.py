@@ -35,11 +35,13 @@ from typing import Any
 import torch
 
 from planner.plan import Plan
+from planner.plan_check import check_nm
 from planner.plan_file import load_plan
 from profiler.errors import ConfigError, HetPipeError, HetPipeRuntimeError
 from profiler.files import atomic_write_bytes
 from runtime.config import ModelSource
-from runtime.options import add_arguments, configs
+from runtime.launch.admit import check_plan_model
+from runtime.options import add_arguments, check_values, configs
 from runtime.results.run_result import RunResult
 
 log = logging.getLogger("runtime")
@@ -69,7 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     torch.set_num_threads(1)
     try:
-        job = _rank_job(a, load_plan(a.plan), rank, world)
+        check_values(vars(a))  # every number in range before the plan is read
+        plan = load_plan(a.plan)
+        check_plan_model(plan, str(a.plan))  # what hetpipe run and simulate refuse
+        check_nm(plan, a.nm, a.vw)
+        job = _rank_job(a, plan, rank, world)
     except HetPipeError as exc:
         log.error("%s", exc)
         return 2

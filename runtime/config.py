@@ -19,6 +19,7 @@ from profiler.capture import quiet_treespec
 from profiler.errors import ConfigError, shown
 from profiler.precision import check_precision
 from runtime.defaults import TIMEOUT_S
+from runtime.options import OPTIMIZERS, SCHEDULES
 
 if TYPE_CHECKING:
     from runtime.launch.faults import ShardFault, StageFault
@@ -28,8 +29,8 @@ __all__ = ["LossFn", "ModelSource", "OptimizerConfig", "RunConfig", "WSPConfig"]
 
 LossFn = Callable[[Any, Tensor], Tensor]
 
-_OPTIMIZERS = ("sgd", "adam")
-_SCHEDULES = ("constant", "step", "cosine", "warmup")
+_OPTIMIZERS = OPTIMIZERS  # the option table's, so that the CLI checks them without torch
+_SCHEDULES = SCHEDULES
 
 
 @dataclass(frozen=True)

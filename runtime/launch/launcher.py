@@ -101,7 +101,7 @@ def _launch(
     optimizer: OptimizerConfig,
     run: RunConfig,
     cfg: WSPConfig,
-    dataset: Dataset[Any] | None,
+    dataset: Dataset[Any] | RunData | None,
     vw: int,
     rule: str,
 ) -> RunResult:
