@@ -58,6 +58,7 @@ class StageWorker:
         self.module = built.module.train()
         self.loss_fn = built.loss
         self.names = built.names
+        self.buffer_names = built.buffer_names  # local -> original (batch-norm statistics)
         self.precision = run.precision or "fp32"
         self.device_type = next((p.device.type for p in self.module.parameters()), "cpu")
         self.in_specs = wire_specs(built.in_specs, self.precision)
@@ -88,7 +89,7 @@ class StageWorker:
             ctx.rank, ctx.vw, ctx.stage, ctx.nm, f"vw{ctx.vw}-stage{ctx.stage}",
             tuple((self.names[n], p) for n, p in params.items()), self.weights, self.result,
             self.tied if self.tied else None, job.init_method, group,
-            tuple(self.module.named_buffers()),
+            tuple((self.buffer_names[n], b) for n, b in self.module.named_buffers()),
         )  # fmt: skip
         self.sync = stage_sync(job.sync, view)  # the synchronisation rule's hooks
         self._task_mb = 1  # the minibatch of the task being paced (its wave may straggle)
@@ -134,6 +135,9 @@ class StageWorker:
         if self.run_cfg.return_state or self.run_cfg.out_dir is not None:
             self.result.state = {
                 self.names[n]: p.detach().clone() for n, p in self.module.named_parameters()
+            }
+            self.result.buffers = {
+                self.buffer_names[n]: b.detach().clone() for n, b in self.module.named_buffers()
             }
         self.sync.close()
         return self.result
