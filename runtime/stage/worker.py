@@ -58,7 +58,12 @@ class StageWorker:
         self.module = built.module.train()
         self.loss_fn = built.loss
         self.names = built.names
-        self.buffer_names = built.buffer_names  # local -> original (batch-norm statistics)
+        # local -> original name of every buffer (batch-norm statistics); a graph constant
+        # made when a shipped stage is unpickled (``_tensor_constant0``) keeps its own
+        self.buffer_names = {
+            n: built.buffer_names.get(n, n.removeprefix("inner."))
+            for n, _ in self.module.named_buffers()
+        }
         self.precision = run.precision or "fp32"
         self.device_type = next((p.device.type for p in self.module.parameters()), "cpu")
         self.in_specs = wire_specs(built.in_specs, self.precision)
