@@ -17,6 +17,7 @@ from torch.testing import assert_close
 from torch.utils.data import DataLoader, TensorDataset
 
 from planner.manual import multi_vw_plan
+from profiler.capture import quiet_treespec
 from profiler.graph import ModelGraph
 from runtime.api import _module_source, train
 from runtime.config import OptimizerConfig, RunConfig, WSPConfig
@@ -215,3 +216,57 @@ def test_merge_buffers_means_floats_and_takes_the_largest_count() -> None:
     assert int(out["bn.num_batches_tracked"]) == 6 and float(out["other"]) == 7.0
     half = merge_buffers([{"x": torch.tensor([1.0], dtype=torch.float16)}] * 2)
     assert half["x"].dtype == torch.float16
+
+
+class KeywordBN(nn.Module):
+    """Keyword inputs and its own loss: captured with ``torch.export`` (not fx), whose program
+    lists the running statistics among the buffers it mutates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = bn_mlp()
+
+    def forward(self, x: Tensor, labels: Tensor) -> dict[str, Tensor]:
+        return {"loss": F.cross_entropy(self.net(x), labels)}
+
+
+class KeywordData(torch.utils.data.Dataset[dict[str, Tensor]]):
+    def __init__(self) -> None:
+        self.x, self.y = _data((8,)).tensors
+
+    def __len__(self) -> int:
+        return int(self.x.shape[0])
+
+    def __getitem__(self, i: int) -> dict[str, Tensor]:
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+def test_exported_bn_model_updates_the_buffers_torch_export_mutates() -> None:
+    model, data = KeywordBN(), KeywordData()
+    reference = copy.deepcopy(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = train(model, data, stages=2, nm=1, batch_size=BATCH, steps=10,
+                   seed=SEED, optimizer=OptimizerConfig(lr=0.1), emulate=False)  # fmt: skip
+    state = result.state_dict()
+    assert list(state) == list(before)
+    sample = data[0]
+    batch = {k: torch.stack([sample[k]] * BATCH) for k in sample}
+    with quiet_treespec():  # torch's own deprecation warning while it copies specs
+        ep = torch.export.export(copy.deepcopy(model), (), batch, strict=False)
+        # the training IR keeps aten.batch_norm in place; functionalised, it lists what it mutates
+        mutated = set(ep.run_decompositions().graph_signature.buffers_to_mutate.values())
+    assert mutated == {k for k in state if not torch.equal(state[k], before[k])} - {
+        k for k, _ in model.named_parameters()
+    }
+    assert len(mutated) == 6  # running_mean, running_var, num_batches_tracked of two norms
+    source = MinibatchSource(data, BATCH, SEED, (), input_names=("x", "labels"))
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1, foreach=True)
+    reference.train()
+    torch.manual_seed(stage_rng_seed(SEED, 0, 1))  # the dropout of the last stage
+    for p in range(1, 11):
+        (x, y), _ = source.batch(p)
+        opt.zero_grad(set_to_none=True)
+        reference(x, y)["loss"].backward()
+        opt.step()
+    for name, t in reference.state_dict().items():
+        assert_close(state[name], t, rtol=1e-5, atol=1e-5, msg=name)
