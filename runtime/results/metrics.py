@@ -44,7 +44,7 @@ class StageResult:
         losses: ``(minibatch, loss)`` (last stage only).
         done_times: wall-clock time each backward finished.
         state: final parameters by original name (when requested).
-        buffers: final buffers (batch-norm statistics) by original name (with ``state``).
+        buffers: final buffers (batch-norm statistics) by original name (always returned).
         wait_s: time blocked waiting for the parameter servers (WSP pulls and pushes).
         clocks: ``(required global clock, pulled global clock)`` of every WSP pull.
         overrun_s: time paced tasks ran past their target (an emulated device whose real

@@ -141,9 +141,10 @@ class StageWorker:
             self.result.state = {
                 self.names[n]: p.detach().clone() for n, p in self.module.named_parameters()
             }
-            self.result.buffers = {
-                self.buffer_names[n]: b.detach().clone() for n, b in self.module.named_buffers()
-            }
+        # always: the run's evaluation needs them, and the shards hold parameters only
+        self.result.buffers = {
+            self.buffer_names[n]: b.detach().clone() for n, b in self.module.named_buffers()
+        }
         self.sync.close()
         return self.result
 
