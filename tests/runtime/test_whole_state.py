@@ -168,15 +168,20 @@ def test_two_vws_export_the_mean_of_their_buffers_and_evaluate_with_them(
     assert_close(result.test_loss, _eval_loss(trained, test), rtol=1e-5, atol=1e-6)
 
 
-def test_allreduce_resume_carries_every_vws_buffers(tmp_path: Path) -> None:
-    """Each AllReduce copy's batch norm sees its own slice: its part of a snapshot holds its
-    own buffers, so a run resumed at step 2 ends bit-identical to the one that went on; the
-    outputs written from the last snapshot hold them too."""
+@pytest.mark.parametrize("rule", ["allreduce", "easgd"])
+def test_resume_carries_every_vws_buffers(tmp_path: Path, rule: str) -> None:
+    """Each VW's batch norm sees its own data (an AllReduce copy its slice, an EASGD replica
+    its shard): its part of a snapshot holds its own buffers, so a run resumed at step 2 ends
+    bit-identical to the one that went on; the outputs written from the last snapshot hold
+    them too."""
     model, data = bn_mlp(), _data((8,))
     source = _module_source(model, data, None, BATCH)
     graph = ModelGraph.from_spec(resolve_source(source, BATCH, meta=False))
     plan = multi_vw_plan(graph, [(4,), (4,)], "bn_mlp", BATCH, nm=1, D=0, n_shards=1)
-    plan = dataclasses.replace(plan, sync="allreduce", shards=())
+    if rule == "allreduce":
+        plan = dataclasses.replace(plan, sync="allreduce", shards=())
+    else:  # an exchange every wave: a snapshot at every clock
+        plan = dataclasses.replace(plan, sync="easgd", sync_params=(("alpha", 0.25), ("tau", 1.0)))
     run = RunConfig(steps=4, seed=SEED, timeout_s=15.0, emulate=False, out_dir=tmp_path)
     whole = launch(plan, source, None, run, WSPConfig(checkpoint_every=2), data)
     resume = WSPConfig(checkpoint_every=2, resume=True, resume_clock=2)
