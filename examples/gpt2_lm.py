@@ -1,7 +1,7 @@
 """A GPT-2 language model from Hugging Face ``transformers`` for ``hetpipe --model``.
 
-``hetpipe run --model examples.gpt2_lm:small`` (from the repository root) trains a random-init
-GPT-2 (6 layers, 256 wide) on synthetic token data; ``tiny`` is a 2-layer, 64-wide one for
+``hetpipe run --model examples.gpt2_lm:small --data synthetic`` (from the repository root)
+trains a random-init GPT-2 (6 layers, 256 wide) on synthetic token data; ``tiny`` is a 2-layer, 64-wide one for
 quick checks. Each factory returns ``(module, {name: tensor})``: the model is called as
 ``module(**batch)`` and its own ``loss`` output (given ``labels``) is trained.
 """

@@ -51,10 +51,14 @@ def fail(message: str) -> typer.Exit:
     """Print ``message`` as one red line on stderr and return the exit-2 exception to raise.
 
     The message is printed literally: rich markup in it (``[/path:553]`` in a gloo error) is
-    escaped, and :func:`one_line` keeps it one line without terminal escapes.
+    escaped, emoji codes are not (``--data five:ten: ...`` names a factory, not an emoji), and
+    :func:`one_line` keeps it one line without terminal escapes.
     """
     err_console.print(
-        f"[bold red]error:[/] {escape(one_line(message))}", highlight=False, soft_wrap=True
+        f"[bold red]error:[/] {escape(one_line(message))}",
+        highlight=False,
+        soft_wrap=True,
+        emoji=False,
     )
     return typer.Exit(EXIT_USAGE)
 

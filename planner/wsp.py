@@ -33,6 +33,7 @@ __all__ = [
     "s_local",
     "stop_wave",
     "wave_of",
+    "whole_waves",
 ]
 
 
@@ -49,6 +50,20 @@ def wave_of(mb: int, nm: int) -> int:
     if mb < 1:
         raise ValueError(f"minibatches are numbered from 1, got {mb}")
     return (mb - 1) // nm
+
+
+def whole_waves(minibatches: int, nm: int) -> int:
+    """``minibatches`` rounded up to whole waves of ``nm``: what each VW trains through the
+    parameter servers, where every VW pushes the same waves (a partial last wave would never
+    be pushed, and the global clock would never pass it).
+
+    >>> whole_waves(20, 8), whole_waves(24, 8), whole_waves(0, 4)
+    (24, 24, 0)
+    """
+    _check(nm)
+    if minibatches < 0:
+        raise ValueError(f"minibatches must be >= 0, got {minibatches}")
+    return -(-minibatches // nm) * nm
 
 
 def local_version(mb: int, nm: int) -> int:

@@ -124,6 +124,8 @@ def default_dataset(
     sample_targets: Tensor,
     batch_size: int,
     input_names: tuple[str, ...] = (),
+    classes: int | None = None,
+    synthetic: bool = False,
 ) -> Dataset[Any]:
     """The built-in data set for a model: digits for ``mlp``, synthetic otherwise.
 
@@ -134,9 +136,15 @@ def default_dataset(
         sample_targets: one minibatch of targets (shape and dtype only).
         batch_size: the minibatch size of the samples.
         input_names: keyword names of the inputs (a model called as ``module(**batch)``).
+        classes: the range of synthetic integer targets and inputs: the model's output width
+            (:func:`runtime.data_source.output_classes`); ``None``: a built-in model's own.
+        synthetic: synthetic data even for ``mlp`` (``--data synthetic``).
+
+    Raises:
+        ConfigError: synthetic integer values are needed and the number of classes is unknown.
     """
     is_mlp = model_name == "mlp" or model_name.replace(" ", "").startswith("mlp(")
-    if is_mlp and tuple(sample_inputs[0].shape[1:]) == (64,):
+    if is_mlp and not synthetic and tuple(sample_inputs[0].shape[1:]) == (64,):
         return DigitsDataset()
     target_shape = tuple(int(d) for d in sample_targets.shape)
     per_sample = (target_shape[0] // batch_size, *target_shape[1:]) if target_shape else ()
@@ -147,12 +155,43 @@ def default_dataset(
         tuple(x.dtype for x in sample_inputs),
         per_sample,
         sample_targets.dtype,
-        _BUILTIN_CLASSES.get(model_name, 10),
+        _classes(model_name, classes, sample_inputs, sample_targets, input_names),
         input_names=input_names,
         # keyword models' samples are always real (their factories run on CPU): positional
         # ones may be on meta in one process and real in another, so they keep [0, classes)
         ranges=tuple(_value_range(x) for x in sample_inputs) if input_names else (),
     )
+
+
+def _classes(
+    model_name: str,
+    classes: int | None,
+    sample_inputs: tuple[Tensor, ...],
+    sample_targets: Tensor,
+    input_names: tuple[str, ...],
+) -> int:
+    """The range of synthetic integer values: ``classes``, else a built-in model's own, else
+    above the largest real sample target (0 where no integer value is drawn without a range).
+
+    Raises:
+        ConfigError: integer values are needed and neither is known.
+    """
+    known = classes if classes is not None else _BUILTIN_CLASSES.get(model_name)
+    if known is not None:
+        return known
+    seen = _value_range(sample_targets)  # a keyword model's real labels
+    if seen is not None:
+        return seen[1] + 1
+    ranged = bool(input_names)  # keyword models draw their integer inputs in the sample's range
+    needs = not sample_targets.dtype.is_floating_point or (
+        not ranged and any(not x.dtype.is_floating_point for x in sample_inputs)
+    )
+    if needs:
+        raise ConfigError(
+            f"synthetic data for model {model_name!r}: its number of classes is unknown (its "
+            "output is not one tensor of scores); give your data with --data package.module:factory"
+        )
+    return 0
 
 
 def _value_range(sample: Tensor) -> tuple[int, int] | None:

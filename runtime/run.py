@@ -30,6 +30,7 @@ __all__ = [
     "rule_for",
     "run_plan",
     "settle",
+    "steps_note",
 ]
 
 
@@ -130,6 +131,26 @@ def describe_training(plan: Plan, vw: int, nm: int, D: int | None) -> str:
     w = workers[k] if k < len(workers) else None
     stages = f"{w.signature}, {len(w.stages)} stages" if w is not None else "no such VW"
     return f"training {plan.model} on VW {k} ({stages}), batch {plan.batch_size}, Nm {nm}"
+
+
+def steps_note(plan: Plan, vw: int, steps: int, nm: int) -> str:
+    """The line saying, before training, that ``--steps`` is rounded up to whole waves
+    (:func:`planner.wsp.whole_waves`: under a rule through the parameter-server shards every
+    VW pushes the same waves); ``""`` when ``steps`` is trained exactly (one VW alone and
+    AllReduce train any number, ``--epochs`` and ``--time-limit`` say their own length)."""
+    from planner.sync import RULES
+    from planner.wsp import whole_waves
+
+    how = rule_for(plan, vw)
+    if steps <= 0 or how == "local" or not RULES[how].uses_shards:
+        return ""
+    rounded = whole_waves(steps, nm)
+    if rounded == steps:
+        return ""
+    return (
+        f"--steps {steps} -> {rounded}: whole waves of Nm {nm} minibatches per VW (every VW "
+        f"pushes the same waves to the parameter servers); a multiple of {nm} is trained exactly"
+    )
 
 
 def outputs(result: RunResult) -> list[str]:

@@ -21,6 +21,7 @@ from runtime.options import OPTIONS
 
 if TYPE_CHECKING:
     from runtime.config import OptimizerConfig, RunConfig, WSPConfig
+    from runtime.data_source import RunData
 
 HELP = (
     "Train with a plan: PLAN.yaml (from 'hetpipe plan'), or CLUSTER.yaml (planned on the fly; "
@@ -145,6 +146,17 @@ def run(  # long only by its typer signature (the command's options); the body i
         typer.Option("--out", help="run directory (metrics, summary, weights, checkpoints)"),
     ] = None,
     progress: Annotated[bool, typer.Option(help="show a progress bar")] = True,
+    data: Annotated[
+        str | None,
+        typer.Option(
+            "--data",
+            help="training and test data: pkg.mod:factory returning (train, test) torch "
+            "Datasets of (input, target) samples (test may be None: a fifth of train is held "
+            "out), or 'synthetic' (random inputs, targets below the model's output width); "
+            "default: a built-in model's own data (digits for mlp, synthetic for the others); "
+            "a pkg.mod:factory model needs it",
+        ),
+    ] = None,
     steps: Annotated[int, _opt("steps")] = OPT["steps"].default,
     epochs: Annotated[float, _opt("epochs")] = OPT["epochs"].default,
     time_limit: Annotated[float, _opt("time_limit")] = OPT["time_limit"].default,
@@ -180,7 +192,30 @@ def run(  # long only by its typer signature (the command's options); the body i
                  run_cfg.out_dir if resume is not None else None, precision)  # fmt: skip
     every = ctx.get_parameter_source("checkpoint_every")  # given, or its default
     given = every is not None and every.name != "DEFAULT"
-    _train(apply_rule(plan, sync, rule), opt, run_cfg, wsp, vw, given)
+    dataset = _data(data, plan, run_cfg.seed)
+    _train(apply_rule(plan, sync, rule), opt, run_cfg, wsp, vw, given, dataset)
+
+
+def _data(data: str | None, plan: Plan, seed: int) -> RunData | None:
+    """What ``--data`` names: the factory's ``(train, test)``, synthetic data shaped for the
+    plan's model, or ``None`` for a built-in model's own data.
+
+    Raises:
+        ConfigError: a factory model without ``--data``, or a bad factory (one line).
+    """
+    from runtime.data_source import SYNTHETIC, load_data, synthetic_data
+
+    if data is None:
+        if ":" in plan.model:  # pkg.mod:factory: no data of its own
+            raise ConfigError(
+                f"model {plan.model!r} has no data of its own: give --data pkg.mod:factory "
+                "(returning (train, test) datasets of (input, target) samples), or --data "
+                "synthetic to train on random inputs"
+            )
+        return None
+    if data == SYNTHETIC:
+        return synthetic_data(plan.model, plan.batch_size)
+    return load_data(data, seed)
 
 
 def _plan(
@@ -220,21 +255,33 @@ def _plan(
 
 
 def _train(
-    plan: Plan, opt: OptimizerConfig, run_cfg: RunConfig, wsp: WSPConfig, vw: int, every: bool
+    plan: Plan,
+    opt: OptimizerConfig,
+    run_cfg: RunConfig,
+    wsp: WSPConfig,
+    vw: int,
+    every: bool,
+    dataset: RunData | None = None,
 ) -> None:
-    """Say what trains, train it (:func:`runtime.run.run_plan`), print the summary (``every``:
-    ``--checkpoint-every`` was given, which one VW alone refuses)."""
+    """Say what trains, train it (:func:`runtime.run.run_plan`) on ``dataset`` (``None``: the
+    model's own), print the summary (``every``: ``--checkpoint-every`` was given, which one
+    VW alone refuses)."""
     from planner.sync import check_time_limit
     from runtime.config import ModelSource
     from runtime.launch.jobs import check_alone
-    from runtime.run import describe_training, outputs, rule_for, run_plan
+    from runtime.run import describe_training, outputs, rule_for, run_plan, steps_note
 
     if rule_for(plan, vw) == "local":
         check_alone(wsp, every)
     check_time_limit(rule_for(plan, vw), run_cfg.time_limit_s)  # before the header prints
 
-    console.print(describe_training(plan, vw, run_cfg.nm or plan.nm, wsp.D))
-    result = run_plan(plan, ModelSource(ref=plan.model), opt, run_cfg, wsp, vw=vw)
+    nm = run_cfg.nm or plan.nm
+    console.print(describe_training(plan, vw, nm, wsp.D))
+    note = steps_note(plan, vw, run_cfg.steps, nm)
+    if note:
+        console.print(note, markup=False)
+    source = ModelSource(ref=plan.model)
+    result = run_plan(plan, source, opt, run_cfg, wsp, dataset, vw=vw)
     console.print(result.table())
     out = run_cfg.out_dir
     if out is not None:

@@ -11,19 +11,16 @@ so ``--resume`` and ``--on-failure restart`` go on from the newest committed sna
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
-
-from torch.utils.data import Dataset
 
 from planner.plan import Plan
 from profiler.errors import ConfigError
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
+from runtime.data_source import RunData
 from runtime.launch.jobs import Prepared, vw_stage_jobs, with_world
 from runtime.launch.roles import total_steps
 from runtime.launch.wsp import resume_from, snapshot_parts
 from runtime.persist.run_dir import RunOwner, job_settings
 from runtime.persist.snapshot import SnapshotSpec, clean, read_manifest, snapshot_dir
-from runtime.results.evaluation import split_dataset
 from runtime.results.export import export_snapshot
 from runtime.results.run_result import RunResult
 from runtime.sync.rule import SyncSpec
@@ -37,7 +34,7 @@ def prepare_allreduce(
     optimizer: OptimizerConfig,
     run: RunConfig,
     cfg: WSPConfig,
-    dataset: Dataset[Any],
+    dataset: RunData,
     owner: RunOwner | None,
     init_method: str,
 ) -> Prepared | RunResult:
@@ -60,7 +57,7 @@ def prepare_allreduce(
         )
     (n_stages,) = depth
     world, batch = len(vws), plan.batch_size
-    train, test = split_dataset(dataset, cfg.test_fraction, run.seed)
+    train, test = dataset.split(cfg.test_fraction, run.seed)
     per_epoch = len(train) // (batch * world)
     if per_epoch < 1:
         raise ConfigError(
@@ -93,7 +90,7 @@ def _snapshots(
     optimizer: OptimizerConfig,
     run: RunConfig,
     cfg: WSPConfig,
-    dataset: Dataset[Any],
+    dataset: RunData,
     owner: RunOwner | None,
     horizon: int,
 ) -> tuple[SnapshotSpec | None, int]:
@@ -102,8 +99,7 @@ def _snapshots(
     if cfg.checkpoint_dir is None or owner is None:
         return None, 0
     settings = job_settings(source.name, plan.to_json(), 1, 0, run.seed, cfg.test_fraction,
-                            f"{type(dataset).__name__}:{len(dataset)}", optimizer, horizon,  # type: ignore[arg-type]
-                            run.precision)  # fmt: skip
+                            dataset.settings, optimizer, horizon, run.precision)  # fmt: skip
     manifest = resume_from(cfg, owner, settings)
     first = manifest.clock if manifest is not None else 0
     if owner.tidies:  # one process of the job tidies the folder and keeps the plan

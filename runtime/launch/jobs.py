@@ -40,6 +40,8 @@ class Prepared:
         nm, D: minibatches per wave and the WSP threshold the run uses.
         test: the held-out split for the final accuracy (``None``: none).
         hint: what a failure message ends with (``; resume with: ...``).
+        data: what the run trains on, for the summary
+            (:attr:`runtime.data_source.RunData.label`).
     """
 
     shards: tuple[ShardJob, ...]
@@ -50,6 +52,7 @@ class Prepared:
     D: int
     test: Dataset[Any] | None = None
     hint: str = ""
+    data: str = ""
 
 
 def vw_stage_jobs(

@@ -32,7 +32,7 @@ from planner.plan import Plan
 from planner.sync import RULES, effective_rule
 from profiler.errors import ConfigError, HetPipeRuntimeError
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
-from runtime.data import default_dataset
+from runtime.data_source import RunData, run_data
 from runtime.launch.allreduce import prepare_allreduce
 from runtime.launch.failures import Interrupted
 from runtime.launch.jobs import Prepared, check_alone, prepare_local
@@ -43,6 +43,7 @@ from runtime.launch.wsp import prepare_wsp
 from runtime.persist.run_dir import RunDirectory, RunOwner
 from runtime.persist.snapshot import committed_clocks
 from runtime.results.metrics import VWResult, warn_overruns
+from runtime.results.metrics_log import reset_history
 from runtime.results.restarts import restart_notes, whole_vws
 from runtime.results.run_result import LostVW, RunResult, evaluate, model_keys
 from runtime.results.timeline import describe_run
@@ -59,7 +60,7 @@ def launch(
     optimizer: OptimizerConfig | None = None,
     run: RunConfig | None = None,
     cfg: WSPConfig | None = None,
-    dataset: Dataset[Any] | None = None,
+    dataset: Dataset[Any] | RunData | None = None,
     vw: int = -1,
 ) -> RunResult:
     """Train ``plan`` on this host with its synchronisation rule.
@@ -71,7 +72,8 @@ def launch(
         run: run settings (``steps``/``epochs`` count minibatches per VW; under WSP rounded up
             to whole waves, and with ``time_limit_s`` every VW runs the same waves).
         cfg: settings of a run of several VWs (D, checkpoints, resume, restarts, test hooks).
-        dataset: the user's data set (``None`` = the model's built-in one).
+        dataset: the user's data set, or its training and test sets
+            (:class:`runtime.data_source.RunData`); ``None`` = the model's built-in one.
         vw: train only this VW, alone (``-1`` = every VW).
 
     Returns:
@@ -88,6 +90,7 @@ def launch(
         out = run.out_dir
         claim = RunDirectory(out, resume=False, overwrite=cfg.overwrite) if out else nullcontext()
         with claim:
+            reset_history(out)
             return _attempt(plan, source, optimizer, run, cfg, dataset, None, rule, max(vw, 0))
     if cfg.checkpoint_dir is None and run.out_dir is not None:
         cfg = dataclasses.replace(cfg, checkpoint_dir=run.out_dir / "checkpoints")
@@ -101,6 +104,8 @@ def launch(
             )
         return _attempt(plan, source, optimizer, run, cfg, dataset, None, rule)
     with RunDirectory(run_dir, resume=cfg.resume, overwrite=cfg.overwrite) as owner:
+        if not cfg.resume:  # metrics.csv keeps the history of restarts and resumes only
+            reset_history(run.out_dir)
         try:
             return _restarting(
                 lambda c: _attempt(plan, source, optimizer, run, c, dataset, owner, rule), run, cfg
@@ -164,7 +169,7 @@ def _attempt(
     optimizer: OptimizerConfig,
     run: RunConfig,
     cfg: WSPConfig,
-    dataset: Dataset[Any] | None,
+    dataset: Dataset[Any] | RunData | None,
     owner: RunDirectory | None,
     rule: str,
     vw: int = 0,
@@ -191,7 +196,7 @@ def _attempt(
         return _one_vw_result(plan, prep, stages, run, vw, wall_s, keys)
     result = RunResult.build(plan, prep.nm, prep.D, stages, states,
                              [s.spec for s in prep.shards], wall_s, sync=rule)  # fmt: skip
-    result = dataclasses.replace(result, keys=keys)
+    result = dataclasses.replace(result, keys=keys, data=prep.data)
     if lost:  # --on-failure continue: what was lost, from the shards' ledgers
         last_wave = prep.first_wave + prep.steps // prep.nm
         gone = LostVW.from_shards(lost, [st for st, _ in states], last_wave)
@@ -220,7 +225,7 @@ def prepare(
     optimizer: OptimizerConfig,
     run: RunConfig,
     cfg: WSPConfig,
-    dataset: Dataset[Any] | None,
+    dataset: Dataset[Any] | RunData | None,
     owner: RunOwner | None,
     rule: str,
     vw: int,
@@ -229,15 +234,19 @@ def prepare(
     """Every process's job under ``rule`` (one host, or every torchrun rank alike); a resume
     with nothing left to train returns the result written from the snapshot instead."""
     spec = resolve_source(source, plan.batch_size, meta=source.module is None)
-    ds = dataset if dataset is not None else default_dataset(
-        source.name, spec.inputs, spec.targets, plan.batch_size
-    )  # fmt: skip
-    if rule == "local":  # dataset None: each stage builds the built-in one itself
-        n = len(ds)  # type: ignore[arg-type]
-        return prepare_local(plan, source, optimizer, run, cfg, dataset, n, vw, init_method)
-    if rule == "allreduce":
-        return prepare_allreduce(plan, source, optimizer, run, cfg, ds, owner, init_method)
-    return prepare_wsp(plan, source, optimizer, run, cfg, ds, owner, init_method)
+    loss = source.loss if source.loss is not None else spec.loss
+    data = run_data(dataset, source.name, spec, plan.batch_size, loss)
+    if rule == "local":  # no dataset given: each stage builds the built-in one itself
+        mine = data.train if dataset is not None else None
+        n = len(data.train)  # type: ignore[arg-type]
+        prep: Prepared | RunResult = prepare_local(
+            plan, source, optimizer, run, cfg, mine, n, vw, init_method
+        )
+    elif rule == "allreduce":
+        prep = prepare_allreduce(plan, source, optimizer, run, cfg, data, owner, init_method)
+    else:
+        prep = prepare_wsp(plan, source, optimizer, run, cfg, data, owner, init_method)
+    return dataclasses.replace(prep, data=data.label) if isinstance(prep, Prepared) else prep
 
 
 def _one_vw_result(
@@ -260,7 +269,7 @@ def _one_vw_result(
     devices = tuple(j.ctx.device for j in prep.stages)
     one = VWResult(tuple(stages), plan.batch_size, prep.nm, predicted, wall_s, bound, devices)
     result = RunResult((one,), prep.nm, 0, (), (), (), wall_s, predicted, sync="local",
-                       sync_params=plan.sync_params, keys=keys)  # fmt: skip
+                       sync_params=plan.sync_params, keys=keys, data=prep.data)  # fmt: skip
     if run.out_dir is not None:
         result.save(run.out_dir, about=describe_run(plan, vw))
     return result

@@ -30,6 +30,7 @@ from runtime.launch.restart_vw import AttemptFailed, Restart, VWRestarter, rejoi
 from runtime.persist.checkpoint import ShardState
 from runtime.ps.outcome import ClockEvent
 from runtime.results.metrics import ProgressBar, StageResult
+from runtime.results.metrics_log import MetricsLog, RankRole, metrics_paths, start_log
 from runtime.stage.job import StageJob
 
 __all__ = ["spawn_and_watch"]
@@ -70,6 +71,7 @@ def spawn_and_watch(
     events = Reports(mpc)  # one pipe per child: a killed child cannot block the others' reports
     procs: dict[int, Any] = {}
     progress = ProgressBar(run.progress, progress_total, stages[0].ctx.batch_size)
+    metrics = _metrics_log(run, stages)
     labels = {s.rank: s.where for s in shards} | {j.ctx.rank: j.ctx.where for j in stages}
     restarter: VWRestarter | None = None
     try:
@@ -82,7 +84,8 @@ def spawn_and_watch(
         if evict:
             restarter = _restarter(shards, stages, events, start, restarts, procs, rendezvous)
         evictor = _evictor(stages, procs, labels, restarter) if evict else None
-        results = _watch(labels, procs, events, progress, run, beats, hint, evictor)
+        on_event = progress.event if metrics is None else _both(progress.event, metrics.event)
+        results = _watch(labels, procs, events, on_event, run, beats, hint, evictor)
     except KeyboardInterrupt:
         raise Interrupted(f"interrupted (Ctrl-C): every process stopped{hint}") from None
     except HetPipeRuntimeError as exc:  # the VWs restarted before count as failures survived
@@ -198,11 +201,38 @@ def _evictor(
     return VWEvictor(vw_ranks, procs, labels, restart=restarter)
 
 
+def _metrics_log(run: RunConfig, stages: Sequence[StageJob]) -> MetricsLog | None:
+    """With ``--out``: the attempt's ``metrics.csv`` rows, appended as the stages report
+    (:mod:`runtime.results.metrics_log`)."""
+    if run.out_dir is None or not stages:
+        return None
+    roles = [
+        RankRole(j.ctx.rank, j.ctx.vw, j.ctx.stage == 0, j.ctx.stage == j.ctx.n_stages - 1,
+                 j.first_mb, j.ctx.batch_size)
+        for j in stages
+    ]  # fmt: skip
+    vws = sorted({j.ctx.vw for j in stages})
+    alone = stages[0].sync.rule == "local" and len(vws) == 1
+    return start_log(metrics_paths(run.out_dir, vws, alone), roles)
+
+
+def _both(
+    first: Callable[[tuple[Any, ...]], None], second: Callable[[tuple[Any, ...]], None]
+) -> Callable[[tuple[Any, ...]], None]:
+    """One event hook calling ``first`` then ``second``."""
+
+    def both(msg: tuple[Any, ...]) -> None:
+        first(msg)
+        second(msg)
+
+    return both
+
+
 def _watch(
     labels: dict[int, str],
     procs: dict[int, Any],
     events: Any,
-    progress: ProgressBar,
+    on_event: Callable[[tuple[Any, ...]], None],
     run: RunConfig,
     beats: Heartbeats,
     hint: str,
@@ -220,6 +250,6 @@ def _watch(
         return HetPipeRuntimeError(f"rank {rank} ({labels[rank]}) failed: {why}{hint}")
 
     stall_s = max(120.0, neighbour_wait_s(run.timeout_s))  # a VW may wait on another's restart
-    results = watch(procs, events, len(labels), progress.event, fail, stall_s,
+    results = watch(procs, events, len(labels), on_event, fail, stall_s,
                     frozen=frozen, absorb=evictor)  # fmt: skip
     return [loads_result(results[r]) for r in sorted(results)]

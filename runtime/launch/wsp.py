@@ -21,16 +21,18 @@ from torch.utils.data import Dataset, Subset
 from planner.easgd import waves_at
 from planner.plan import Plan
 from planner.sync import RULES, check_time_limit, param
+from planner.wsp import whole_waves
 from profiler.errors import ConfigError
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
+from runtime.data_source import RunData
 from runtime.launch.jobs import Prepared, vw_stage_jobs, with_world
 from runtime.launch.procs import ShardJob
 from runtime.persist.run_dir import RunOwner, check_settings, job_settings
 from runtime.persist.snapshot import Manifest, SnapshotSpec, clean, select
 from runtime.ps.layout import ShardSpec, shard_specs_for_layout
 from runtime.ps.rejoin import Rejoin
-from runtime.results.evaluation import shard_dataset, split_dataset
+from runtime.results.evaluation import shard_dataset
 from runtime.results.export import export_snapshot
 from runtime.results.run_result import RunResult
 from runtime.stage.job import StageJob
@@ -51,22 +53,27 @@ log = logging.getLogger(__name__)
 
 
 def split_data(
-    dataset: Dataset[Any], n_vws: int, test_fraction: float, seed: int = 0
+    dataset: Dataset[Any] | RunData, n_vws: int, test_fraction: float, seed: int = 0
 ) -> tuple[list[Subset[Any]], Subset[Any]]:
-    """Disjoint training shards (one per VW) and the held-out test split
-    (:func:`runtime.results.evaluation.split_dataset`, the split every run uses)."""
-    train, test = split_dataset(dataset, test_fraction, seed)
+    """Disjoint training shards (one per VW) and the test set: the user's, or the held-out
+    split (:func:`runtime.results.evaluation.split_dataset`, the split every run uses)."""
+    train, test = _as_data(dataset).split(test_fraction, seed)
     return shard_dataset(train, n_vws), test
 
 
+def _as_data(dataset: Dataset[Any] | RunData) -> RunData:
+    """``dataset`` as a :class:`RunData` (a plain data set: its test split held out)."""
+    return dataset if isinstance(dataset, RunData) else RunData(dataset)
+
+
 def vw_training_data(
-    rule: str, dataset: Dataset[Any], n_vws: int, test_fraction: float, seed: int = 0
+    rule: str, dataset: Dataset[Any] | RunData, n_vws: int, test_fraction: float, seed: int = 0
 ) -> tuple[list[Subset[Any]], Subset[Any], int]:
     """Each VW's training set under ``rule`` (:attr:`planner.sync.RuleInfo.data`: its own
-    shard, or the whole split it takes a slice of every minibatch from), the test split, and
+    shard, or the whole split it takes a slice of every minibatch from), the test set, and
     the samples one VW sees per epoch."""
     if RULES[rule].data == "global":
-        train, test = split_dataset(dataset, test_fraction, seed)
+        train, test = _as_data(dataset).split(test_fraction, seed)
         return [train] * n_vws, test, len(train) // n_vws
     shards, test = split_data(dataset, n_vws, test_fraction, seed)
     return shards, test, min(len(s) for s in shards)
@@ -101,7 +108,7 @@ def prepare_wsp(
     optimizer: OptimizerConfig,
     run: RunConfig,
     cfg: WSPConfig,
-    dataset: Dataset[Any],
+    dataset: RunData,
     owner: RunOwner | None,
     init_method: str,
 ) -> Prepared | RunResult:
@@ -130,7 +137,7 @@ def prepare_wsp(
     specs, _ = shard_specs(plan, graph, shapes, D)
     horizon = wsp_steps(run, nm, 0, vw_samples, plan.batch_size)
     settings = job_settings(source.name, plan.to_json(), nm, D, run.seed, cfg.test_fraction,
-                            f"{type(dataset).__name__}:{len(dataset)}", optimizer, horizon, run.precision)  # type: ignore[arg-type]  # fmt: skip
+                            dataset.settings, optimizer, horizon, run.precision)  # fmt: skip
     manifest = resume_from(cfg, owner, settings)
     clock = manifest.clock if manifest is not None else 0
     first_wave = clock  # easgd: the shards' clock counts exchanges, tau waves each
@@ -294,5 +301,5 @@ def wsp_steps(run: RunConfig, nm: int, first_wave: int, vw_samples: int, batch_s
         steps = run.steps or max(1, round(run.epochs * per_epoch))
     else:
         steps = 2**62 if run.time_limit_s > 0 else per_epoch
-    steps = -(-steps // nm) * nm  # whole waves: every VW pushes the same waves
+    steps = whole_waves(steps, nm)  # every VW pushes the same waves
     return max(0, steps - first_wave * nm)

@@ -21,6 +21,8 @@ from typing import Any
 from rich.table import Table
 from torch import Tensor
 
+from runtime.results.metrics_log import HEADER, has_history
+
 __all__ = ["ProgressBar", "StageResult", "VWResult", "stage_table", "write_metrics"]
 
 log = logging.getLogger(__name__)
@@ -167,17 +169,20 @@ class VWResult:
 
 
 def write_metrics(result: VWResult, out_dir: Path) -> Path:
-    """Write ``metrics.csv`` (one row per minibatch) and ``stages.csv``; TensorBoard when installed."""
+    """Write ``metrics.csv`` (one row per minibatch, unless the launcher already wrote the
+    run's history there while it ran, :mod:`runtime.results.metrics_log`) and ``stages.csv``;
+    TensorBoard when installed."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "metrics.csv"
     done = sorted(result.stages[0].done_times)
     start = result.stages[0].start_time
-    with path.open("w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f)
-        w.writerow(["minibatch", "loss", "done_s", "samples"])
-        for i, (mb, loss) in enumerate(sorted(result.stages[-1].losses)):
-            t = done[i] - start if i < len(done) else float("nan")
-            w.writerow([mb, f"{loss:.6f}", f"{t:.6f}", mb * result.batch_size])
+    if not has_history(path):  # a result saved by hand: its own rows, one attempt
+        with path.open("w", newline="", encoding="utf-8") as f:
+            w = csv.writer(f)
+            w.writerow(HEADER)
+            for i, (mb, loss) in enumerate(sorted(result.stages[-1].losses)):
+                t = done[i] - start if i < len(done) else float("nan")
+                w.writerow([0, 0, mb, f"{loss:.6f}", f"{t:.6f}", mb * result.batch_size])
     with (out_dir / "stages.csv").open("w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
         w.writerow(

@@ -38,6 +38,7 @@ from runtime.ps.layout import ShardSpec, export_state_dict
 from runtime.ps.outcome import ClockEvent
 from runtime.results.evaluation import evaluate_module
 from runtime.results.metrics import StageResult, VWResult, stage_table, write_metrics
+from runtime.results.metrics_log import history, metrics_paths
 from runtime.results.restarts import restart_caption
 from runtime.results.sync import arrival_table, describe_rule, dropped_vw_waves, kth_push_s
 from runtime.results.timeline import write_timeline
@@ -110,6 +111,8 @@ class RunResult:
             tensor (:func:`runtime.results.whole_state.state_keys`; ``()``: canonical names).
         exported_buffers: the buffers those outputs hold, from the snapshot's stage parts
             (``None``: the stages' own at the end of the run).
+        data: what the run trained and tested on (``digits (...)``, ``synthetic (...)``,
+            ``mydata:make (train 400, test 100)``; empty: not known).
     """
 
     vws: tuple[VWResult, ...]
@@ -131,6 +134,7 @@ class RunResult:
     exported_state: dict[str, Tensor] | None = None
     keys: tuple[tuple[str, str], ...] = ()
     exported_buffers: dict[str, Tensor] | None = None
+    data: str = ""
 
     @staticmethod
     def build(
@@ -243,12 +247,11 @@ class RunResult:
 
     def _save(self, out_dir: Path, about: str) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        if self.alone:  # one VW alone: its metrics at the top of the run directory
-            write_metrics(self.vws[0], out_dir)
-        else:
-            for k, vw in enumerate(self.vws):
-                if vw.stages:  # a lost VW reported nothing
-                    write_metrics(vw, out_dir / f"vw{k}")
+        paths = metrics_paths(out_dir, range(len(self.vws)), self.alone)
+        for k, vw in enumerate(self.vws):
+            if vw.stages:  # a lost VW reported nothing
+                write_metrics(vw, paths[k].parent)
+        kept = [history(paths[k]) for k in range(len(self.vws))]  # every attempt's rows
         if self.vws:
             write_timeline(list(self.stages), out_dir, about=about)
         atomic_torch_save(self.state_dict(), out_dir / "weights.pt")
@@ -258,6 +261,7 @@ class RunResult:
             "nm": self.nm,
             "D": self.D,
             "max_clock_distance": self.max_clock_distance,
+            "data": self.data,
             "test_accuracy": self.test_accuracy,
             "test_loss": self.test_loss,
             "final_loss": self.losses[-1] if self.losses else None,
@@ -279,6 +283,9 @@ class RunResult:
                     "steps": v.steps,
                     "waiting_s": self.waiting_s(k),
                     "idle_s": self.idle_s(k),
+                    "metrics_rows": kept[k].rows,  # metrics.csv: every attempt, incarnation
+                    "metrics_minibatches": kept[k].minibatches,  # distinct minibatches there
+                    "metrics_attempts": kept[k].attempts,
                 }
                 for k, v in enumerate(self.vws)
             ],
@@ -289,7 +296,12 @@ class RunResult:
         """The summary as a rich table: one row per VW, totals in the title and caption (one VW
         alone: its stages, :func:`runtime.results.metrics.stage_table`)."""
         if self.alone:
-            return stage_table(self.vws[0])
+            alone = stage_table(self.vws[0])
+            if self.data:
+                alone.caption = "; ".join(
+                    filter(None, [f"data: {escape(self.data)}", str(alone.caption or "")])
+                )
+            return alone
         rule = describe_rule(self.sync, self.sync_params, self.D)
         title = f"{len(self.vws)} VWs, Nm={self.nm}, {rule}: {self.throughput:.1f} samples/s"
         if self.predicted_throughput > 0:
@@ -336,6 +348,8 @@ class RunResult:
                 else ""
             )
         caption = f"{tested}; {clocks}; wall {self.wall_s:.1f} s"
+        if self.data:
+            caption = f"data: {escape(self.data)}; {caption}"
         if self.sync == "backup":
             kth = " ".join(f"{t:.2f}" for t in kth_push_s(self.vws))
             caption += (

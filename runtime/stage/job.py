@@ -112,6 +112,16 @@ class StageJob:
         )
         return state
 
+    def _classes(self) -> int | None:
+        """The model's output width (its classes: the range of synthetic targets), from its
+        whole graph on the meta device (``None``: a shipped stage, or not class scores)."""
+        from runtime.data_source import output_classes
+        from runtime.stage.model import resolve_source
+
+        if self.source.ref is None:
+            return None
+        return output_classes(resolve_source(self.source, self.ctx.batch_size, meta=True))
+
     @property
     def first_mb(self) -> int:
         """Minibatches trained before this run (a resumed run's position)."""
@@ -124,7 +134,7 @@ class StageJob:
         if ds is None:
             ds = default_dataset(
                 self.source.name, built.inputs, built.targets,
-                self.ctx.batch_size, built.input_names,
+                self.ctx.batch_size, built.input_names, self._classes(),
             )  # fmt: skip
         return MinibatchSource(
             ds, self.ctx.batch_size, self.run.seed, tuple(built.targets.shape),

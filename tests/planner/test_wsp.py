@@ -15,7 +15,14 @@ from planner.wsp import (
     s_global,
     s_local,
     wave_of,
+    whole_waves,
 )
+
+
+def test_whole_waves_rounds_up_to_nm() -> None:
+    assert [whole_waves(n, 4) for n in (0, 1, 4, 5, 8, 9)] == [0, 4, 4, 8, 8, 12]
+    with pytest.raises(ValueError):
+        whole_waves(-1, 4)
 
 
 def test_waves_and_local_version() -> None:
