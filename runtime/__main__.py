@@ -170,6 +170,7 @@ def collect_wsp(plan: Plan, out: Path, nm: int = 0, D: int | None = None) -> Run
     from runtime.launch.procs import loads_result
     from runtime.launch.wsp import shard_specs
     from runtime.results.metrics import StageResult
+    from runtime.results.whole_state import state_keys
     from runtime.stage.model import resolve_source
 
     D = plan.D if D is None else D
@@ -184,7 +185,8 @@ def collect_wsp(plan: Plan, out: Path, nm: int = 0, D: int | None = None) -> Run
         results.append(loads_result(path.read_bytes()))
     stages = [x for x in results if isinstance(x, StageResult)]
     states = [x for x in results if not isinstance(x, StageResult)]
-    return RunResult.build(plan, nm or plan.nm, D, stages, states, specs, 0.0)
+    result = RunResult.build(plan, nm or plan.nm, D, stages, states, specs, 0.0)
+    return dataclasses.replace(result, keys=state_keys(spec.module))  # every state_dict name
 
 
 if __name__ == "__main__":

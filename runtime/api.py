@@ -145,7 +145,7 @@ def train(  # long by its signature and docstring (every option, documented); th
         seed: weights (for references) and data order.
         out_dir: run directory for metrics, calibration cache and logs.
         progress: show a progress bar.
-        return_state: return the final parameters (``result.state_dict()``).
+        return_state: return the final parameters and buffers (``result.state_dict()``).
         timeout_s: timeout of every process-group operation.
         emulate: pace emulated devices and cap their memory.
         D: WSP clock-distance threshold of a plan with shards (``None`` = the plan's).

@@ -179,7 +179,7 @@ class RunConfig:
         out_dir: run directory (metrics CSV, calibration cache, final weights); ``None`` = none.
         timeout_s: timeout of every process-group operation; a rank stuck this long fails.
         emulate: pace emulated devices and enforce their memory caps.
-        return_state: send every stage's final parameters back to the caller.
+        return_state: send every stage's final parameters and buffers back to the caller.
         progress: show a progress bar.
         log_every: minibatches between metric log lines.
         flush_every_wave: baseline mode for benchmarks: admit the next ``Nm`` minibatches only

@@ -61,6 +61,12 @@ class StageWorker:
         self.module = built.module.train()
         self.loss_fn = built.loss
         self.names = built.names
+        # local -> original name of every buffer (batch-norm statistics); a graph constant
+        # made when a shipped stage is unpickled (``_tensor_constant0``) keeps its own
+        self.buffer_names = {
+            n: built.buffer_names.get(n, n.removeprefix("inner."))
+            for n, _ in self.module.named_buffers()
+        }
         self.precision = run.precision or "fp32"
         self.device_type = next((p.device.type for p in self.module.parameters()), "cpu")
         self.in_specs = wire_specs(built.in_specs, self.precision)
@@ -96,7 +102,7 @@ class StageWorker:
             ctx.rank, ctx.vw, ctx.stage, ctx.nm, f"vw{ctx.vw}-stage{ctx.stage}",
             tuple((self.names[n], p) for n, p in params.items()), self.weights, self.result,
             self.tied if self.tied else None, job.init_method, group,
-            tuple(self.module.named_buffers()),
+            tuple((self.buffer_names[n], b) for n, b in self.module.named_buffers()),
         )  # fmt: skip
         self.sync = stage_sync(job.sync, view)  # the synchronisation rule's hooks
         self._task_mb = 1  # the minibatch of the task being paced (its wave may straggle)
@@ -143,6 +149,10 @@ class StageWorker:
             self.result.state = {
                 self.names[n]: p.detach().clone() for n, p in self.module.named_parameters()
             }
+        # always: the run's evaluation needs them, and the shards hold parameters only
+        self.result.buffers = {
+            self.buffer_names[n]: b.detach().clone() for n, b in self.module.named_buffers()
+        }
         self.sync.close()
         return self.result
 
