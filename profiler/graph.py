@@ -329,7 +329,7 @@ class ModelGraph:
         stage = self.stage_of_layer(cuts)
         where: dict[str, set[int]] = {}
         for i, node in enumerate(self._nodes):
-            if _is_holder(node):
+            if node.op == "call_module":  # a holder, or a module called more than once (fx)
                 for pname, _ in self.gm.get_submodule(str(node.target)).named_parameters():
                     qual = f"{node.target}.{pname}"
                     where.setdefault(self.param_renames.get(qual, qual), set()).add(stage[i])
