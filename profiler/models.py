@@ -62,13 +62,24 @@ def output_loss(outputs: Any, targets: Tensor) -> Tensor:
 def keyword_spec(
     name: str, module: nn.Module, batch: Mapping[str, Tensor], loss: LossFn | None = None
 ) -> ModelSpec:
-    """A spec for a model called as ``module(**batch)``; the loss defaults to :func:`output_loss`.
+    """A spec for a model called as ``module(**batch)`` with the keys its forward takes (by
+    name); the loss defaults to :func:`output_loss`.
 
-    ``batch["labels"]`` (when present) is also the target a user loss receives.
+    ``batch["labels"]`` (when present) is the target a user loss receives; it goes into the
+    forward only if the forward takes it.
+
+    Raises:
+        ModelError: a key the forward does not take, an argument no key gives, or labels the
+            forward does not take with no ``loss`` to receive them.
     """
     from profiler.capture import as_keywords
 
     names, inputs = as_keywords(batch, module)
+    if loss is None and "labels" in batch and "labels" not in names:
+        raise ModelError(
+            f"{type(module).__name__}.forward takes no 'labels', so its output carries no loss: "
+            "give a loss function (loss_fn=...) to receive them as targets"
+        )
     first = next(iter(batch.values()))
     batch_size = int(first.shape[0]) if first.dim() > 0 else 1
     targets = batch["labels"] if "labels" in batch else torch.zeros(batch_size)

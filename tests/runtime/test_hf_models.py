@@ -73,6 +73,16 @@ def albert() -> nn.Module:
     return transformers.AlbertForMaskedLM(cfg)
 
 
+def t5() -> nn.Module:
+    """T5 with its default config (``use_cache=True``, which its decoder's copy keeps too)."""
+    cfg = transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=2,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.T5ForConditionalGeneration(cfg)
+
+
 def plain_loop(
     model: nn.Module, data: MinibatchSource, names: tuple[str, ...], lr: float, steps: int
 ) -> tuple[list[float], dict[str, Tensor]]:
@@ -141,6 +151,10 @@ def test_albert_four_stages_two_in_flight_trains() -> None:
     for name in {n for s in state for n in s}:
         copies = [s[name] for s in state if name in s]
         assert all(torch.equal(copies[0], c) for c in copies[1:])
+
+
+def test_t5_default_config_equals_one_process() -> None:
+    _check_against_reference(t5(), 2, steps=3)
 
 
 class Block(nn.Module):
