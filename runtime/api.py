@@ -33,6 +33,7 @@ from profiler.errors import ConfigError
 from profiler.graph import ModelGraph
 from profiler.models import keyword_spec
 from profiler.precision import check_precision
+from runtime.by_value import check_guarded
 from runtime.config import LossFn, ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.defaults import TIMEOUT_S
 from runtime.run import run_plan
@@ -159,8 +160,10 @@ def train(  # long by its signature and docstring (every option, documented); th
         ``throughput``, ``state_dict()``, ``stages`` and one entry per VW in ``vws``.
 
     Raises:
-        HetPipeError: invalid inputs or a failed run (naming the rank, VW and stage).
+        HetPipeError: invalid inputs or a failed run (naming the rank, VW and stage); a call
+            from a script's top level outside ``if __name__ == "__main__":``.
     """
+    check_guarded()
     given = load_plan(plan) if isinstance(plan, (str, os.PathLike)) else plan
     if given is not None:
         batch_size = given.batch_size  # the plan's minibatch, also for the sample inputs

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from profiler.capture import quiet_treespec
 from profiler.errors import ConfigError
 from profiler.precision import check_precision
+from runtime.by_value import pickler
 from runtime.defaults import TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -146,8 +147,8 @@ class ModelSource:
         for key in _BLOBS:
             if state[key] is not None:
                 buf = io.BytesIO()
-                with quiet_treespec():
-                    torch.save(state[key], buf)
+                with quiet_treespec():  # by value where __main__ has no file (runtime.by_value)
+                    torch.save(state[key], buf, pickle_module=pickler())
                 state[key] = buf.getvalue()
         return state
 
