@@ -110,3 +110,10 @@ def test_bert_attention_mask_goes_through_the_dict_mapping() -> None:
     torch.testing.assert_close(out.loss, model(**batch).loss)
     unmasked = model(input_ids=ids, labels=ids).logits
     assert (out.logits - unmasked).abs().max() > 1e-4  # the mask reached the attention
+
+
+def test_sample_of_the_wrong_shape_is_one_line_naming_the_node() -> None:
+    x7 = torch.randn(4, 7)  # the model takes 8 features
+    with pytest.raises(ModelError, match=r"failed at node 'a'.*check the sample's shapes") as err:
+        ModelGraph.from_module(Masked(), (x7,), fake=False)
+    assert "\n" not in str(err.value)
