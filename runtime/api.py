@@ -72,7 +72,8 @@ def _module_source(
     model: nn.Module, dataset: Dataset[Any], loss_fn: LossFn | None, batch_size: int
 ) -> ModelSource:
     """The user's module with its first minibatch as the sample: ``(inputs, target)`` items,
-    or dict items (``{"input_ids", "attention_mask", "labels"}``) passed as keywords."""
+    or dict items (``{"input_ids", "attention_mask", "labels"}``) mapped onto the forward's
+    arguments by name (``labels`` to the loss unless the forward takes it)."""
     batch = default_collate([dataset[i] for i in range(batch_size)])
     if isinstance(batch, Mapping):
         spec = keyword_spec(type(model).__name__, model, batch, loss_fn)
@@ -130,8 +131,10 @@ def train(  # long by its signature and docstring (every option, documented); th
     Args:
         model: an ``nn.Module`` (captured with ``torch.fx`` or ``torch.export``, e.g. a Hugging
             Face model) or a model reference (``mlp``).
-        dataset: items ``(inputs, target)``, or dicts of tensors passed to the model as
-            keywords (``{"input_ids", "attention_mask", "labels"}``); ``None`` = built-in data.
+        dataset: items ``(inputs, target)``, or dicts of tensors mapped onto the forward's
+            arguments by name (``{"input_ids", "attention_mask", "labels"}``, ``{"x", "mask",
+            "labels"}``; ``labels`` is the loss's target unless the forward takes it);
+            ``None`` = built-in data.
         loss_fn: ``loss(outputs, targets)``; ``None`` = the model spec's (cross-entropy), or
             the model's own ``loss`` output for dict samples.
         plan: a plan (object or file); its batch size and Nm are used.
