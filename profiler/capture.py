@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import re
 import traceback
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -214,16 +215,18 @@ def _fx_defaults(module: nn.Module, given: int | None) -> dict[str, Any]:
 
 
 def _drop_fixed_inputs(gm: fx.GraphModule, names: Sequence[str]) -> None:
-    """Remove the placeholders ``symbolic_trace`` keeps for fixed (concrete) arguments and the
-    guards it puts on them: the graph's inputs are then the sample's."""
+    """Remove the placeholders ``symbolic_trace`` keeps for the fixed (concrete) arguments
+    ``names`` (fx calls them ``mask_1``) and the guards it puts on them: the graph's inputs
+    are then the sample's."""
     guards = (torch._assert, fx._symbolic_trace._assert_is_none)
     for node in reversed(list(gm.graph.nodes)):
         if node.op == "call_function" and node.target in guards and not node.users:
             gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code()
-    fixed = {f"{n}_1" for n in names} | set(names)
     for node in list(gm.graph.nodes):
-        if node.op == "placeholder" and not node.users and str(node.target) in fixed:
+        target = str(node.target)
+        fixed = any(target == n or re.fullmatch(rf"{re.escape(n)}_\d+", target) for n in names)
+        if node.op == "placeholder" and fixed and not node.users:
             gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
