@@ -18,6 +18,7 @@ from planner.nonfinite import POLICIES
 from profiler.capture import quiet_treespec
 from profiler.errors import ConfigError, shown
 from profiler.precision import check_precision
+from runtime.by_value import pickler
 from runtime.defaults import TIMEOUT_S
 from runtime.options import OPTIMIZERS, SCHEDULES
 
@@ -148,8 +149,8 @@ class ModelSource:
         for key in _BLOBS:
             if state[key] is not None:
                 buf = io.BytesIO()
-                with quiet_treespec():
-                    torch.save(state[key], buf)
+                with quiet_treespec():  # by value where __main__ has no file (runtime.by_value)
+                    torch.save(state[key], buf, pickle_module=pickler())
                 state[key] = buf.getvalue()
         return state
 

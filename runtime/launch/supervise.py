@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from profiler.errors import HetPipeRuntimeError
+from runtime.by_value import fileless_main_hidden, shipped
 from runtime.config import RunConfig
 from runtime.defaults import neighbour_wait_s
 from runtime.launch.evict import VWEvictor
@@ -115,9 +116,9 @@ def _start_shards(
 ) -> None:
     """Start the shard processes into ``procs`` (rank -> process)."""
     for sh in shards:
-        with ctrl_c_deferred():
+        with ctrl_c_deferred(), fileless_main_hidden():
             channel, writer = events.channel()
-            p = mpc.Process(target=shard_main, args=(sh, channel, os.getpid()),
+            p = mpc.Process(target=shard_main, args=(shipped(sh), channel, os.getpid()),
                             name=f"hetpipe-shard{sh.spec.id}")  # fmt: skip
             p.start()
             events.started(writer)
@@ -155,9 +156,9 @@ def _stage_starter(mpc: Any, events: Reports, procs: dict[int, Any]) -> Callable
     entered in ``procs`` (rank -> process) before Ctrl-C can interrupt."""
 
     def start(job: StageJob, target: Any, *args: Any) -> Any:
-        with ctrl_c_deferred():
+        with ctrl_c_deferred(), fileless_main_hidden():
             channel, writer = events.channel(job.ctx.rank)
-            p = mpc.Process(target=target, args=(job, *args, channel, os.getpid()),
+            p = mpc.Process(target=target, args=(shipped(job), *args, channel, os.getpid()),
                             name=f"hetpipe-vw{job.ctx.vw}-stage{job.ctx.stage}")  # fmt: skip
             p.start()
             events.started(writer)

@@ -74,7 +74,7 @@ class StageWorker:
         self.data = job.minibatches(built) if ctx.stage == 0 or self.last else None
         params = dict(self.module.named_parameters())
         local = {orig: name for name, orig in self.names.items()}
-        self.tied = TiedGrads(ctx.stage, ctx.rank - ctx.stage, built.tied, local)
+        self.tied = TiedGrads(ctx.stage, ctx.rank - ctx.stage, built.tied, local, self._wait_s)
         # a resumed run's lr schedule goes on where it stopped (cosine horizon included)
         device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
         self.weights = VersionedWeights(
