@@ -23,7 +23,11 @@ class StageFault:
     ``repeat``. ``delays`` are injected stragglers: ``(vw, minibatch, seconds)``, stage
     ``stage`` of that VW sleeps that long before the minibatch's first task.
     ``rejoin_delay_s``: every process of a restarted VW sleeps that long before it rejoins (a
-    restart on a loaded host, slower than the timeout)."""
+    restart on a loaded host, slower than the timeout). ``after_s`` (> 0): a loss at start-up
+    instead of at a minibatch: the stage sends itself ``signum`` that many seconds after its
+    process started, and holds its first minibatch until then, so the fault always lands
+    before its first wave, wherever the start-up is (set-up, joining the group, the barrier,
+    a neighbour's first message)."""
 
     stage: int
     at_mb: int
@@ -32,6 +36,15 @@ class StageFault:
     delays: tuple[tuple[int, int, float], ...] = ()
     repeat: bool = False
     rejoin_delay_s: float = 0.0
+    after_s: float = 0.0
+
+    def arm(self, vw: int, stage: int) -> None:
+        """Start the start-up fault's timer in stage ``stage`` of VW ``vw``'s process
+        (nothing without ``after_s``, or for another stage)."""
+        if self.after_s > 0 and stage == self.stage and self.vw in (-1, vw):
+            timer = threading.Timer(self.after_s, os.kill, (os.getpid(), self.signum))
+            timer.daemon = True
+            timer.start()
 
     def hook(self, vw: int, stage: int) -> Callable[[int], None] | None:
         """The stage worker's per-minibatch fault hook for ``(vw, stage)``, or ``None``."""
@@ -46,6 +59,8 @@ class StageFault:
                 time.sleep(sleeps.pop(mb))  # once: a stage runs F and B of a minibatch
             if self.vw not in (-1, vw):
                 return
+            if self.after_s > 0 and mb == 1:
+                threading.Event().wait()  # held until the timer's signal (a start-up loss)
             if mb == self.at_mb and self.signum == 0:
                 raise RuntimeError(f"injected fault at minibatch {mb}")
             if mb == self.at_mb:
