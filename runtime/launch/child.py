@@ -116,6 +116,7 @@ def run_rank(
     body: Callable[[], tuple[str, bytes]],
     backend: str = "gloo",
     join: bool = True,
+    hold: Callable[[], None] | None = None,
 ) -> NoReturn:
     """The life of one spawned rank after :func:`setup_child`, then exit (code 0 or 1).
 
@@ -123,7 +124,9 @@ def run_rank(
     ``body`` and posts its ``(kind, payload)`` as ``(kind, rank, payload)`` on ``events``; if
     anything fails (also ``KeyboardInterrupt``), posts ``("error", rank, "Type: message
     (file:line)")`` instead, for the launcher's :func:`watch`. ``join=False``: ``body`` builds
-    its own groups (a restarted VW's rank, :mod:`runtime.launch.restart_vw`).
+    its own groups (a restarted VW's rank, :mod:`runtime.launch.restart_vw`). ``hold``: a
+    test fault's wait, once the heartbeats run and before the rank joins
+    (:class:`runtime.launch.faults.StageFault` ``after_s``).
     """
     import torch.distributed as dist
 
@@ -132,6 +135,8 @@ def run_rank(
         threading.Thread(target=keep_beating, args=(beat,), daemon=True, name="heartbeat").start()
     code = 0
     try:
+        if hold is not None:
+            hold()
         if join:
             timeout = timedelta(seconds=timeout_s)
             store = _attempt_store(init_method, rank, world_size, timeout)

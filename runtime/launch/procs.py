@@ -176,8 +176,7 @@ def shard_main(job: ShardJob, events: Any, parent: int) -> None:
 def stage_main(job: StageJob, events: Any, parent: int) -> None:
     """Entry point of one stage process (any rule: :mod:`runtime.sync.rule`)."""
     setup_child(job.ctx.where, parent, quiet_threads=True)
-    if job.fault is not None:
-        job.fault.arm(job.ctx.vw, job.ctx.stage)
+    hold = job.fault.start_up(job.ctx.vw, job.ctx.stage) if job.fault is not None else None
 
     def body() -> tuple[str, bytes]:
         worker = StageWorker(job, events)
@@ -190,7 +189,7 @@ def stage_main(job: StageJob, events: Any, parent: int) -> None:
     if backend != GLOO:  # NCCL: one GPU per rank, the plan's
         torch.cuda.set_device(cuda_index(job.ctx.device, torch.cuda.device_count()))
     run_rank(job.ctx.rank, events, job.init_method, job.world_size, job.run.timeout_s, body,
-             backend)  # fmt: skip
+             backend, hold=hold)  # fmt: skip
 
 
 def absent_main(job: StageJob, events: Any, parent: int) -> None:
