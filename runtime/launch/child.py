@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 
 from runtime.launch.liveness import Heartbeats, alive, keep_beating
 
-__all__ = ["run_rank", "setup_child"]
+__all__ = ["die_with_parent", "run_rank", "setup_child"]
 
 
 def _watch_parent(parent: int, ppid: int) -> None:
@@ -34,7 +34,7 @@ def _watch_parent(parent: int, ppid: int) -> None:
             os._exit(3)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Linux: the kernel SIGKILLs this process when its parent exits (even by SIGKILL)."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
@@ -78,7 +78,7 @@ def setup_child(
     """
     import torch
 
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the launcher stops every rank
     torch.set_num_threads(1)
     logging.basicConfig(

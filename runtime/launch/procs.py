@@ -49,6 +49,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 PRELOAD = (  # imported once by the fork server (the slow, lazily imported parts of a stage's start)
+    "runtime.launch.dies_with_launcher",  # first: the fork server dies with the launcher
     "torch",
     "torch.distributed",
     "torch.func",
