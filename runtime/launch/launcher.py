@@ -46,9 +46,10 @@ from runtime.persist.snapshot import committed_clocks
 from runtime.results.metrics import VWResult, warn_overruns
 from runtime.results.metrics_log import reset_history
 from runtime.results.restarts import restart_notes, whole_vws
-from runtime.results.run_result import LostVW, RunResult, evaluate
+from runtime.results.run_result import LostVW, RunResult, evaluate, model_keys
 from runtime.results.timeline import describe_run
 from runtime.stage.model import resolve_source
+from runtime.stage.nonfinite import REMEDY, Diverged, skip_hint
 
 __all__ = ["launch", "prepare"]
 
@@ -87,14 +88,31 @@ def launch(
     optimizer, run, cfg = optimizer or OptimizerConfig(), run or RunConfig(), cfg or WSPConfig()
     rule = effective_rule(plan.sync, len(plan.shards), len(plan.virtual_workers), vw)
     _check_rule(rule, vw, cfg)
+    if rule != "local" and cfg.checkpoint_dir is None and run.out_dir is not None:
+        cfg = dataclasses.replace(cfg, checkpoint_dir=run.out_dir / "checkpoints")
+    try:
+        return _launch(plan, source, optimizer, run, cfg, dataset, vw, rule)
+    except Diverged as exc:  # never restarted: name the snapshot to go on from instead
+        raise _diverged(exc, cfg, rule, run.on_nonfinite) from None
+
+
+def _launch(
+    plan: Plan,
+    source: ModelSource,
+    optimizer: OptimizerConfig,
+    run: RunConfig,
+    cfg: WSPConfig,
+    dataset: Dataset[Any] | RunData | None,
+    vw: int,
+    rule: str,
+) -> RunResult:
+    """:func:`launch` once its arguments are settled (``rule``: the effective one)."""
     if rule == "local":  # no snapshots; the run directory is still this run's
         out = run.out_dir
         claim = RunDirectory(out, resume=False, overwrite=cfg.overwrite) if out else nullcontext()
         with claim:
             reset_history(out)
             return _attempt(plan, source, optimizer, run, cfg, dataset, None, rule, max(vw, 0))
-    if cfg.checkpoint_dir is None and run.out_dir is not None:
-        cfg = dataclasses.replace(cfg, checkpoint_dir=run.out_dir / "checkpoints")
     run_dir = run.out_dir or cfg.checkpoint_dir
     if run_dir is None:
         if cfg.resume:
@@ -161,7 +179,7 @@ def _restarting(
                 cfg = dataclasses.replace(cfg, stage_fault=None, write_fault=None,
                                           shard_fault=None)  # fmt: skip
                 continue
-            if len(restarts) >= budget or isinstance(exc, Interrupted):
+            if len(restarts) >= budget or isinstance(exc, Interrupted | Diverged):
                 raise
             ckpt = cfg.checkpoint_dir
             committed = committed_clocks(ckpt) if ckpt is not None else []
@@ -194,6 +212,23 @@ def _leave_out(
     return True
 
 
+def _diverged(exc: Diverged, cfg: WSPConfig, rule: str, policy: str) -> Diverged:
+    """``exc`` (a run that diverged) with the way on: the newest committed snapshot, which
+    holds only finite updates (none that diverged was applied), resumed with a smaller lr."""
+    what = str(exc).split(REMEDY)[0]
+    ckpt = cfg.checkpoint_dir
+    clocks = committed_clocks(ckpt) if ckpt is not None and rule != "local" else []
+    if ckpt is None or not clocks:
+        how = "no snapshot was committed: start again with a smaller --lr"
+    else:
+        last = max(clocks)
+        how = (
+            f"the last good snapshot is clock {last} in {ckpt}; go on from it with a smaller "
+            f"--lr: {cfg.resume_hint} --resume {ckpt}@{last} --lr LR"
+        )
+    return Diverged(f"{what}; {how}{skip_hint(policy)}")
+
+
 def _attempt(
     plan: Plan,
     source: ModelSource,
@@ -224,11 +259,12 @@ def _attempt(
         )  # fmt: skip
     warn_overruns(stages)
     wall_s = time.time() - t_start
+    keys = model_keys(source, plan.batch_size)  # the user's state_dict names (tied ones too)
     if rule == "local":
-        return _one_vw_result(plan, prep, stages, run, vw, wall_s)
+        return _one_vw_result(plan, prep, stages, run, vw, wall_s, keys)
     result = RunResult.build(plan, prep.nm, prep.D, stages, states,
                              [s.spec for s in prep.shards], wall_s, sync=rule)  # fmt: skip
-    result = dataclasses.replace(result, data=prep.data)
+    result = dataclasses.replace(result, keys=keys, data=prep.data)
     if lost:  # --on-failure continue: what was lost, from the shards' ledgers
         last_wave = prep.first_wave + prep.steps // prep.nm
         gone = LostVW.from_shards(lost, [st for st, _ in states], last_wave)
@@ -282,7 +318,13 @@ def prepare(
 
 
 def _one_vw_result(
-    plan: Plan, prep: Prepared, stages: list[Any], run: RunConfig, vw: int, wall_s: float
+    plan: Plan,
+    prep: Prepared,
+    stages: list[Any],
+    run: RunConfig,
+    vw: int,
+    wall_s: float,
+    keys: tuple[tuple[str, str], ...],
 ) -> RunResult:
     """One VW alone: its result (with the paced pipeline's bound) and, with ``--out``, its
     metrics, timeline, weights and summary."""
@@ -295,7 +337,7 @@ def _one_vw_result(
     devices = tuple(j.ctx.device for j in prep.stages)
     one = VWResult(tuple(stages), plan.batch_size, prep.nm, predicted, wall_s, bound, devices)
     result = RunResult((one,), prep.nm, 0, (), (), (), wall_s, predicted, sync="local",
-                       sync_params=plan.sync_params, data=prep.data)  # fmt: skip
+                       sync_params=plan.sync_params, keys=keys, data=prep.data)  # fmt: skip
     if run.out_dir is not None:
         result.save(run.out_dir, about=describe_run(plan, vw))
     return result

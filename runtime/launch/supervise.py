@@ -22,7 +22,14 @@ from profiler.errors import HetPipeRuntimeError
 from runtime.config import RunConfig
 from runtime.defaults import neighbour_wait_s
 from runtime.launch.evict import VWEvictor
-from runtime.launch.failures import Interrupted, root_cause_rank, stop_all, watch
+from runtime.launch.failures import (
+    Interrupted,
+    diverged,
+    reported,
+    root_cause_rank,
+    stop_all,
+    watch,
+)
 from runtime.launch.liveness import Heartbeats
 from runtime.launch.procs import (
     ShardJob,
@@ -40,6 +47,7 @@ from runtime.ps.outcome import ClockEvent
 from runtime.results.metrics import ProgressBar, StageResult
 from runtime.results.metrics_log import MetricsLog, RankRole, metrics_paths, start_log
 from runtime.stage.job import StageJob
+from runtime.stage.nonfinite import Diverged
 
 __all__ = ["spawn_and_watch"]
 
@@ -108,7 +116,7 @@ def spawn_and_watch(
     except KeyboardInterrupt:
         raise Interrupted(f"interrupted (Ctrl-C): every process stopped{hint}") from None
     except HetPipeRuntimeError as exc:  # the VWs restarted before count as failures survived
-        if restarter is None or not restarter.restarted:
+        if restarter is None or not restarter.restarted or isinstance(exc, Diverged):
             raise
         raise AttemptFailed(str(exc), restarter.notes()) from exc
     finally:
@@ -271,7 +279,10 @@ def _watch(
     def fail(errors: dict[int, str], done: dict[int, bytes]) -> HetPipeRuntimeError:
         stuck = frozen()  # a frozen rank is the cause of its peers' timeouts
         rank = min(stuck) if stuck else root_cause_rank(procs, events, errors, done, grace_s=1.5)
-        cause = f"rank {rank} ({labels[rank]}) failed: {stuck.get(rank) or errors[rank]}"
+        why = stuck.get(rank) or errors[rank]
+        if diverged(why):  # not a crash: the launcher names the snapshot, never restarts
+            return Diverged(reported(why))
+        cause = f"rank {rank} ({labels[rank]}) failed: {why}"
         if not startup.formed and rank in vw_of:
             return StartUpLoss(f"{cause} (before every rank joined){hint}", vw_of[rank], cause)
         return HetPipeRuntimeError(f"{cause}{hint}")
