@@ -48,7 +48,7 @@ from runtime.results.run_result import LostVW, RunResult, evaluate
 from runtime.results.timeline import describe_run
 from runtime.stage.model import resolve_source
 
-__all__ = ["launch", "prepare"]
+__all__ = ["build_result", "complete", "launch", "one_vw_result", "prepare"]
 
 log = logging.getLogger(__name__)
 
@@ -188,10 +188,8 @@ def _attempt(
     warn_overruns(stages)
     wall_s = time.time() - t_start
     if rule == "local":
-        return _one_vw_result(plan, prep, stages, run, vw, wall_s)
-    result = RunResult.build(plan, prep.nm, prep.D, stages, states,
-                             [s.spec for s in prep.shards], wall_s, sync=rule)  # fmt: skip
-    result = dataclasses.replace(result, data=prep.data)
+        return one_vw_result(plan, prep, stages, run, vw, wall_s)
+    result = build_result(plan, prep, stages, states, rule, wall_s)
     if lost:  # --on-failure continue: what was lost, from the shards' ledgers
         last_wave = prep.first_wave + prep.steps // prep.nm
         gone = LostVW.from_shards(lost, [st for st, _ in states], last_wave)
@@ -201,6 +199,29 @@ def _attempt(
         notes = restart_notes(back, [st for st, _ in states])
         vws = whole_vws(result.vws, back, [st for st, _ in states], prep.first_wave)
         result = dataclasses.replace(result, vws=vws, restarts=(*result.restarts, *notes))
+    return complete(result, plan, source, prep, stages, run)
+
+
+def build_result(
+    plan: Plan, prep: Prepared, stages: list[Any], states: list[Any], rule: str, wall_s: float
+) -> RunResult:
+    """The result of a run of several VWs from its processes' reports (one host, or the
+    ``rank<r>.pt`` files of a torchrun run)."""
+    result = RunResult.build(plan, prep.nm, prep.D, stages, states,
+                             [s.spec for s in prep.shards], wall_s, sync=rule)  # fmt: skip
+    return dataclasses.replace(result, data=prep.data)
+
+
+def complete(
+    result: RunResult,
+    plan: Plan,
+    source: ModelSource,
+    prep: Prepared,
+    stages: list[Any],
+    run: RunConfig,
+) -> RunResult:
+    """What every run's result ends with: the time limit's note, the test accuracy and, with
+    ``--out``, the outputs (summary, weights, metrics, timelines)."""
     ran = {st.steps for st in stages}
     if run.time_limit_s > 0 and ran and max(ran) < prep.steps:
         waves = prep.first_wave + max(ran) // prep.nm
@@ -244,7 +265,7 @@ def prepare(
     return dataclasses.replace(prep, data=data.label) if isinstance(prep, Prepared) else prep
 
 
-def _one_vw_result(
+def one_vw_result(
     plan: Plan, prep: Prepared, stages: list[Any], run: RunConfig, vw: int, wall_s: float
 ) -> RunResult:
     """One VW alone: its result (with the paced pipeline's bound) and, with ``--out``, its
