@@ -80,10 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
     try:
         plan = load_plan(a.plan)
-        setup = _prepared(a, plan, rank)
+        store, attempt = _torchrun_store(rank, world, a.timeout)
+        setup = _prepared(a, plan, rank, attempt)
         if setup is None:  # nothing left to train: the outputs were written from the snapshot
             return 0
-        store = _torchrun_store(rank, world, a.timeout)
         role = _role(a, plan, setup.prep, rank, world, store)
         job = _job_of(a, setup.prep, role)
     except HetPipeError as exc:
@@ -108,12 +108,14 @@ class _Setup:
         run: the run settings (the plan's defaults filled in).
         rule: the synchronisation rule.
         vw: the VW trained alone (rule ``local``).
+        attempt: torchrun's worker group (0; 1 after its first restart, ...).
     """
 
     prep: Prepared
     run: RunConfig
     rule: str
     vw: int
+    attempt: int
 
 
 def _run_job(job: Any, out: Path | None, role: int) -> int:
@@ -134,24 +136,24 @@ def _rank_job(a: argparse.Namespace, plan: Plan, rank: int, world: int, store: A
     """This rank's job: the one the one-host launcher would give the role the plan places on
     this rank's host (``None``: nothing left to train, the outputs were written from the
     snapshot)."""
-    setup = _prepared(a, plan, rank)
+    setup = _prepared(a, plan, rank, 0)
     if setup is None:
         return None
     return _job_of(a, setup.prep, _role(a, plan, setup.prep, rank, world, store))
 
 
-def _prepared(a: argparse.Namespace, plan: Plan, rank: int) -> _Setup | None:
-    """Every process's job, as the one-host launcher prepares them (``None``: a resume with
-    nothing left to train; the outputs were written from the snapshot)."""
+def _prepared(a: argparse.Namespace, plan: Plan, rank: int, attempt: int) -> _Setup | None:
+    """Every process's job, as the one-host launcher prepares them, in torchrun's worker group
+    number ``attempt`` (``None``: a resume with nothing left to train; the outputs were
+    written from the snapshot)."""
     from runtime.launch.launcher import prepare
     from runtime.persist.run_dir import SharedRun, elastic_resume, resume_target
     from runtime.persist.snapshot import committed_clocks
     from runtime.run import rule_for, settle
 
     resume = a.resume
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     ckpts = committed_clocks(a.out / "checkpoints") if a.out is not None else []
-    if resume is None and elastic_resume(False, restarted, ckpts):
+    if resume is None and elastic_resume(False, attempt, ckpts):
         resume = str(a.out)  # torchrun restarted the ranks (--max-restarts): the last snapshot
     target = resume_target(resume) if resume is not None else None
     out = a.out or (target[0] if target is not None else None)
@@ -165,13 +167,13 @@ def _prepared(a: argparse.Namespace, plan: Plan, rank: int) -> _Setup | None:
 
         check_alone(cfg, a.every_given)
     run = settle(run, plan, rule)  # the plan's defaults, as hetpipe run fills them
-    attempt = "-".join(os.environ.get(k, "0") for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"))  # fmt: skip
-    owner = SharedRun("" if cfg.resume else attempt, attempt, rank == 0) if out else None
+    tag = f"{os.environ.get('TORCHELASTIC_RUN_ID', '0')}-{attempt}"
+    owner = SharedRun("" if cfg.resume else tag, tag, rank == 0) if out else None
     prep = prepare(plan, ModelSource(ref=plan.model), opt, run, cfg, None, owner, rule,
                    max(a.vw, 0), "env://")  # fmt: skip
     if isinstance(prep, RunResult):
         return None
-    return _Setup(prep, run, rule, max(a.vw, 0))
+    return _Setup(prep, run, rule, max(a.vw, 0), attempt)
 
 
 def _job_of(a: argparse.Namespace, prep: Prepared, role: int) -> Any:
@@ -185,17 +187,27 @@ def _job_of(a: argparse.Namespace, prep: Prepared, role: int) -> Any:
     return job
 
 
-def _torchrun_store(rank: int, world: int, timeout_s: float) -> Any:
-    """torchrun's store, under a prefix of this attempt (``None``: not under torchrun)."""
+def _torchrun_store(rank: int, world: int, timeout_s: float) -> tuple[Any, int]:
+    """torchrun's store under a prefix of this worker group, and the group's number, agreed by
+    every host (``(None, 0)``: not under torchrun).
+
+    ``TORCHELASTIC_RESTART_COUNT`` cannot number the groups: torchrun counts the restarts of
+    each host's agent, and the agent of a host whose workers did not fail restarts them
+    without counting (host A stays at 0 when a rank on host B dies). Every rank adds one to
+    a counter in the store as it starts, so group ``k`` is the ranks that found it at
+    ``k * world .. (k + 1) * world - 1``; the group's number also prefixes its process group's
+    rendezvous (``HETPIPE_ATTEMPT``, :func:`runtime.launch.child.run_rank`).
+    """
     if "TORCHELASTIC_RESTART_COUNT" not in os.environ or world <= 1:
-        return None
+        return None, 0
     from torch._C._distributed_c10d import PrefixStore
     from torch.distributed.rendezvous import rendezvous
 
     wait = timedelta(seconds=max(120.0, 4 * timeout_s))  # for the last rank to finish
     store, _, _ = next(rendezvous("env://", rank, world, timeout=wait))
-    restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
-    return PrefixStore(f"hetpipe/ranks-{restart}/", store)
+    attempt = (int(store.add("hetpipe/started", 1)) - 1) // world
+    os.environ["HETPIPE_ATTEMPT"] = str(attempt)  # for the process group's store prefix
+    return PrefixStore(f"hetpipe/ranks-{attempt}/", store), attempt
 
 
 def _role(
@@ -278,9 +290,8 @@ def collect(plan: Plan, setup: _Setup, wall_s: float) -> RunResult:
     if setup.rule == "local":
         return one_vw_result(plan, prep, stages, setup.run, setup.vw, wall_s)
     result = build_result(plan, prep, stages, states, setup.rule, wall_s)
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if restarted:
-        note = f"torchrun restarted the workers {restarted} time(s), each from the last snapshot"
+    if setup.attempt:
+        note = f"torchrun restarted the workers {setup.attempt} time(s), from the last snapshot"
         result = dataclasses.replace(result, restarts=(*result.restarts, note))
     return complete(result, plan, ModelSource(ref=plan.model), prep, stages, setup.run)
 
