@@ -7,17 +7,20 @@ Usage, on every host (``--nproc-per-node`` = the ranks that host runs)::
 
 The options are ``hetpipe run``'s (:data:`runtime.options.OPTIONS`: the same names, defaults
 and configs), and each rank runs the job the one-host launcher would give it
-(:func:`runtime.launch.launcher.prepare`): with the plan's rule, ``wsp`` has ranks
-``0 .. n_shards-1`` serve the parameter-server shards and the next ranks run the stages VW
-by VW, in pipeline order; ``allreduce`` and ``local`` (one VW alone, ``--vw K``) have only
-stages. torchrun gives each host a contiguous block of ranks, so put the first stages on
-node 0. ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` come from torchrun.
+(:func:`runtime.launch.launcher.prepare`) for a role the plan places on its host (the
+cluster file's ``host:`` fields, :mod:`runtime.launch.hosts`; ``--host`` names it where the
+rank cannot tell): with the plan's rule, ``wsp`` has roles ``0 .. n_shards-1`` serve the
+parameter-server shards and the next ones run the stages VW by VW, in pipeline order;
+``allreduce`` and ``local`` (one VW alone, ``--vw K``) have only stages. ``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` come from torchrun. docs/multihost.md
+has the lines per host.
 
-Every rank writes its result to ``--out/rank<r>.pt`` (a stage's ``StageResult`` or a shard's
-final state and clock trace); :func:`collect_wsp` turns the files into a
-:class:`runtime.results.run_result.RunResult`. Checkpoints and ``--resume DIR`` need ``--out`` on a
-file system every host shares; ranks that torchrun restarts (its own ``--max-restarts``)
-resume from the last snapshot; ``--time-limit`` stops every VW at
+Every rank writes its result to ``--out/rank<role>.pt`` (a stage's ``StageResult`` or a
+shard's final state and clock trace); global rank 0 waits for every rank (through torchrun's
+store) and writes what ``hetpipe run`` writes (:func:`collect`: summary table,
+``summary.json``, ``weights.pt``, the test accuracy). Checkpoints and ``--resume DIR`` need
+``--out`` on a file system every host shares; ranks that torchrun restarts (its own
+``--max-restarts``) resume from the last snapshot; ``--time-limit`` stops every VW at
 one agreed wave (through the process group's store). ``--calibration`` replaces the pacing
 table of emulated devices by one written by a single-host run (``calibration.json``).
 """

@@ -9,8 +9,9 @@
 #                scripts/two_hosts.sh links OUT.yaml   (measure the A-B link:
 #                `hetpipe profile --links --peer`, the inter_node class, into OUT.yaml)
 # Environment:   PYTHON (default python), MAX_RESTARTS (torchrun --max-restarts, default 1),
-#                RDZV_PORT (default 29500), NETEM (e.g. "delay 1ms rate 1gbit": shape the
-#                link both ways with tc netem).
+#                RDZV_PORT (default 29500), TC_QDISC (shape the link both ways: the qdisc
+#                after `tc qdisc add dev VETH root`, e.g. "tbf rate 200mbit burst 32kbit
+#                latency 50ms", or "netem delay 1ms" where the kernel has sch_netem).
 # Exit codes:    0 both hosts succeeded; 77 namespaces cannot be made here (not root, no ip);
 #                otherwise the first failing host's code.
 set -uo pipefail
@@ -52,9 +53,9 @@ for side in "a $ns_a $addr_a" "b $ns_b $addr_b"; do
     ip -n "$ns" addr add "$addr/24" dev "$ns"
     ip -n "$ns" link set "$ns" up
     ip -n "$ns" link set lo up
-    if [[ -n ${NETEM:-} ]]; then
-        # shellcheck disable=SC2086  # NETEM is a list of tc words
-        ip netns exec "$ns" tc qdisc add dev "$ns" root netem $NETEM
+    if [[ -n ${TC_QDISC:-} ]]; then
+        # shellcheck disable=SC2086  # TC_QDISC is a list of tc words
+        ip netns exec "$ns" tc qdisc add dev "$ns" root $TC_QDISC
     fi
 done
 set +e
