@@ -44,6 +44,10 @@ def test_torchrun_entry_trains_every_stage(tmp_path: Path) -> None:
     results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert [r.steps for r in results] == [6, 6]
     assert len(results[1].losses) == 6
+    import json  # one VW alone ends like hetpipe run --vw 0: its summary, by rank 0
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["sync"] == "local" and (out / "weights.pt").exists()
 
 
 @pytest.mark.slow
