@@ -41,12 +41,14 @@ from typing import Any
 import torch
 
 from planner.plan import Plan
+from planner.plan_check import check_nm
 from planner.plan_file import load_plan
 from profiler.errors import ConfigError, HetPipeError, HetPipeRuntimeError
 from profiler.files import atomic_write_bytes
 from runtime.config import ModelSource, RunConfig
+from runtime.launch.admit import check_plan_model
 from runtime.launch.jobs import Prepared
-from runtime.options import add_arguments, configs
+from runtime.options import add_arguments, check_values, configs
 from runtime.results.run_result import RunResult
 
 log = logging.getLogger("runtime")
@@ -82,7 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     t_start = time.time()
     try:
+        check_values(vars(a))  # every number in range before the plan is read
         plan = load_plan(a.plan)
+        check_plan_model(plan, str(a.plan))  # what hetpipe run and simulate refuse
+        check_nm(plan, a.nm, a.vw)
         store, attempt = _torchrun_store(rank, world, a.timeout)
         setup = _prepared(a, plan, rank, attempt)
         if setup is None:  # nothing left to train: the outputs were written from the snapshot
@@ -278,6 +283,7 @@ def collect(plan: Plan, setup: _Setup, wall_s: float) -> RunResult:
     from runtime.launch.launcher import build_result, complete, one_vw_result
     from runtime.launch.procs import loads_result
     from runtime.results.metrics import StageResult
+    from runtime.results.run_result import model_keys
 
     prep, out = setup.prep, setup.run.out_dir
     if out is None:
@@ -290,9 +296,10 @@ def collect(plan: Plan, setup: _Setup, wall_s: float) -> RunResult:
         results.append(loads_result(path.read_bytes()))
     stages = [x for x in results if isinstance(x, StageResult)]
     states = [x for x in results if not isinstance(x, StageResult)]
+    keys = model_keys(ModelSource(ref=plan.model), plan.batch_size)  # every state_dict name
     if setup.rule == "local":
-        return one_vw_result(plan, prep, stages, setup.run, setup.vw, wall_s)
-    result = build_result(plan, prep, stages, states, setup.rule, wall_s)
+        return one_vw_result(plan, prep, stages, setup.run, setup.vw, wall_s, keys)
+    result = build_result(plan, prep, stages, states, setup.rule, wall_s, keys)
     if setup.attempt:
         note = f"torchrun restarted the workers {setup.attempt} time(s), from the last snapshot"
         result = dataclasses.replace(result, restarts=(*result.restarts, note))
@@ -329,6 +336,7 @@ def collect_wsp(plan: Plan, out: Path, nm: int = 0, D: int | None = None) -> Run
     from runtime.launch.procs import loads_result
     from runtime.launch.wsp import shard_specs
     from runtime.results.metrics import StageResult
+    from runtime.results.whole_state import state_keys
     from runtime.stage.model import resolve_source
 
     D = plan.D if D is None else D
@@ -343,7 +351,8 @@ def collect_wsp(plan: Plan, out: Path, nm: int = 0, D: int | None = None) -> Run
         results.append(loads_result(path.read_bytes()))
     stages = [x for x in results if isinstance(x, StageResult)]
     states = [x for x in results if not isinstance(x, StageResult)]
-    return RunResult.build(plan, nm or plan.nm, D, stages, states, specs, 0.0)
+    result = RunResult.build(plan, nm or plan.nm, D, stages, states, specs, 0.0)
+    return dataclasses.replace(result, keys=state_keys(spec.module))  # every state_dict name
 
 
 if __name__ == "__main__":

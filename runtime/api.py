@@ -121,6 +121,7 @@ def train(  # long by its signature and docstring (every option, documented); th
     checkpoint_every: int = 0,
     vw: int = -1,
     precision: str = "",
+    on_nonfinite: str = "stop",
 ) -> RunResult:
     """Train ``model`` with any plan on this host: what ``hetpipe run`` does, through the same
     entry (:func:`runtime.run.run_plan`): several VWs through the WSP parameter servers, one
@@ -144,7 +145,7 @@ def train(  # long by its signature and docstring (every option, documented); th
         seed: weights (for references) and data order.
         out_dir: run directory for metrics, calibration cache and logs.
         progress: show a progress bar.
-        return_state: return the final parameters (``result.state_dict()``).
+        return_state: return the final parameters and buffers (``result.state_dict()``).
         timeout_s: timeout of every process-group operation.
         emulate: pace emulated devices and cap their memory.
         D: WSP clock-distance threshold of a plan with shards (``None`` = the plan's).
@@ -153,6 +154,8 @@ def train(  # long by its signature and docstring (every option, documented); th
         vw: train only this VW of the plan, without parameter servers (-1 = every VW).
         precision: ``fp32`` or ``bf16`` (autocast, fp32 master weights, bfloat16 activations
             across cuts); ``""`` = the plan's (``fp32`` for a plan made here).
+        on_nonfinite: a NaN or infinite loss or gradient: ``stop`` the run (``Diverged``) or
+            ``skip`` that minibatch's update at every stage (``result.skipped_updates``).
 
     Returns:
         The run's :class:`runtime.results.run_result.RunResult`, whatever the rule: ``losses``,
@@ -182,6 +185,7 @@ def train(  # long by its signature and docstring (every option, documented); th
         return_state=return_state,
         progress=progress,
         precision=precision,
+        on_nonfinite=on_nonfinite,
     )
     wsp = WSPConfig(D=D, checkpoint_every=checkpoint_every)
     return run_plan(given, source, optimizer, run, wsp, dataset, vw=vw)

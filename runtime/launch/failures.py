@@ -11,17 +11,21 @@ is :mod:`runtime.launch.child`; heartbeats and rendezvous folders are
 from __future__ import annotations
 
 import queue
+import re
 import signal
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from profiler.errors import HetPipeRuntimeError
+from runtime.stage.nonfinite import Diverged
 
 __all__ = [
     "GRACE_S",
     "SECONDARY",
     "Interrupted",
+    "diverged",
+    "reported",
     "root_cause_rank",
     "stop_all",
     "watch",
@@ -205,6 +209,19 @@ def stop_all(procs: Mapping[int, Any], grace_s: float = GRACE_S) -> None:
         if p.is_alive():
             p.kill()
             p.join(1.0)
+
+
+def diverged(report: str) -> bool:
+    """Whether a rank's error report (``Type: message (file:line)``, from
+    :func:`runtime.launch.child.run_rank`) says the run diverged
+    (:class:`runtime.stage.nonfinite.Diverged`): a cause that a restart would only repeat."""
+    return report.startswith(f"{Diverged.__name__}: ")
+
+
+def reported(report: str) -> str:
+    """The message of a rank's error report, without its type and source location."""
+    text = report.split(": ", 1)[1] if ": " in report else report
+    return re.sub(r" \([\w.]+:\d+\)$", "", text)
 
 
 class Interrupted(HetPipeRuntimeError):

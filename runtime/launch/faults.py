@@ -1,6 +1,6 @@
 """Test hooks that make a process fail on purpose, passed in its frozen job (never a string
-in a production signature): a stage that crashes, freezes, raises or straggles, a shard that
-dies. The snapshot writer's hook is :class:`runtime.persist.snapshot.WriteFault`."""
+in a production signature): a stage that crashes, freezes, raises, straggles or diverges, a
+shard that dies. The snapshot writer's hook is :class:`runtime.persist.snapshot.WriteFault`."""
 
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ class StageFault:
     ``repeat``. ``delays`` are injected stragglers: ``(vw, minibatch, seconds)``, stage
     ``stage`` of that VW sleeps that long before the minibatch's first task.
     ``rejoin_delay_s``: every process of a restarted VW sleeps that long before it rejoins (a
-    restart on a loaded host, slower than the timeout)."""
+    restart on a loaded host, slower than the timeout). ``nonfinite``: no signal, the stage's
+    loss (the last stage) or its weight gradients (another stage) become NaN at ``at_mb``
+    instead (:meth:`nan_at`), a run that diverges there."""
 
     stage: int
     at_mb: int
@@ -32,6 +34,12 @@ class StageFault:
     delays: tuple[tuple[int, int, float], ...] = ()
     repeat: bool = False
     rejoin_delay_s: float = 0.0
+    nonfinite: bool = False
+
+    def nan_at(self, vw: int, stage: int) -> int:
+        """The minibatch whose loss or gradients ``(vw, stage)`` makes NaN (0: none)."""
+        hit = self.nonfinite and stage == self.stage and self.vw in (-1, vw)
+        return self.at_mb if hit else 0
 
     def hook(self, vw: int, stage: int) -> Callable[[int], None] | None:
         """The stage worker's per-minibatch fault hook for ``(vw, stage)``, or ``None``."""
@@ -44,7 +52,7 @@ class StageFault:
         def fire(mb: int) -> None:
             if mb in sleeps:
                 time.sleep(sleeps.pop(mb))  # once: a stage runs F and B of a minibatch
-            if self.vw not in (-1, vw):
+            if self.vw not in (-1, vw) or self.nonfinite:
                 return
             if mb == self.at_mb and self.signum == 0:
                 raise RuntimeError(f"injected fault at minibatch {mb}")

@@ -43,10 +43,12 @@ from runtime.launch.wsp import prepare_wsp
 from runtime.persist.run_dir import RunDirectory, RunOwner
 from runtime.persist.snapshot import committed_clocks
 from runtime.results.metrics import VWResult, warn_overruns
+from runtime.results.metrics_log import reset_history
 from runtime.results.restarts import restart_notes, whole_vws
-from runtime.results.run_result import LostVW, RunResult, evaluate
+from runtime.results.run_result import LostVW, RunResult, evaluate, model_keys
 from runtime.results.timeline import describe_run
 from runtime.stage.model import resolve_source
+from runtime.stage.nonfinite import REMEDY, Diverged, skip_hint
 
 __all__ = ["build_result", "complete", "launch", "one_vw_result", "prepare"]
 
@@ -85,13 +87,31 @@ def launch(
     optimizer, run, cfg = optimizer or OptimizerConfig(), run or RunConfig(), cfg or WSPConfig()
     rule = effective_rule(plan.sync, len(plan.shards), len(plan.virtual_workers), vw)
     _check_rule(rule, vw, cfg)
+    if rule != "local" and cfg.checkpoint_dir is None and run.out_dir is not None:
+        cfg = dataclasses.replace(cfg, checkpoint_dir=run.out_dir / "checkpoints")
+    try:
+        return _launch(plan, source, optimizer, run, cfg, dataset, vw, rule)
+    except Diverged as exc:  # never restarted: name the snapshot to go on from instead
+        raise _diverged(exc, cfg, rule, run.on_nonfinite) from None
+
+
+def _launch(
+    plan: Plan,
+    source: ModelSource,
+    optimizer: OptimizerConfig,
+    run: RunConfig,
+    cfg: WSPConfig,
+    dataset: Dataset[Any] | RunData | None,
+    vw: int,
+    rule: str,
+) -> RunResult:
+    """:func:`launch` once its arguments are settled (``rule``: the effective one)."""
     if rule == "local":  # no snapshots; the run directory is still this run's
         out = run.out_dir
         claim = RunDirectory(out, resume=False, overwrite=cfg.overwrite) if out else nullcontext()
         with claim:
+            reset_history(out)
             return _attempt(plan, source, optimizer, run, cfg, dataset, None, rule, max(vw, 0))
-    if cfg.checkpoint_dir is None and run.out_dir is not None:
-        cfg = dataclasses.replace(cfg, checkpoint_dir=run.out_dir / "checkpoints")
     run_dir = run.out_dir or cfg.checkpoint_dir
     if run_dir is None:
         if cfg.resume:
@@ -102,6 +122,8 @@ def launch(
             )
         return _attempt(plan, source, optimizer, run, cfg, dataset, None, rule)
     with RunDirectory(run_dir, resume=cfg.resume, overwrite=cfg.overwrite) as owner:
+        if not cfg.resume:  # metrics.csv keeps the history of restarts and resumes only
+            reset_history(run.out_dir)
         try:
             return _restarting(
                 lambda c: _attempt(plan, source, optimizer, run, c, dataset, owner, rule), run, cfg
@@ -141,7 +163,7 @@ def _restarting(attempt: Callable[[WSPConfig], Any], run: RunConfig, cfg: WSPCon
         except HetPipeRuntimeError as exc:
             if isinstance(exc, AttemptFailed):  # VWs it restarted alone before it failed
                 restarts.extend(exc.survived)
-            if len(restarts) >= budget or isinstance(exc, Interrupted):
+            if len(restarts) >= budget or isinstance(exc, Interrupted | Diverged):
                 raise
             ckpt = cfg.checkpoint_dir
             committed = committed_clocks(ckpt) if ckpt is not None else []
@@ -157,6 +179,23 @@ def _restarting(attempt: Callable[[WSPConfig], Any], run: RunConfig, cfg: WSPCon
         if run.out_dir is not None:
             result.save(run.out_dir)  # the summary says what was survived
     return result
+
+
+def _diverged(exc: Diverged, cfg: WSPConfig, rule: str, policy: str) -> Diverged:
+    """``exc`` (a run that diverged) with the way on: the newest committed snapshot, which
+    holds only finite updates (none that diverged was applied), resumed with a smaller lr."""
+    what = str(exc).split(REMEDY)[0]
+    ckpt = cfg.checkpoint_dir
+    clocks = committed_clocks(ckpt) if ckpt is not None and rule != "local" else []
+    if ckpt is None or not clocks:
+        how = "no snapshot was committed: start again with a smaller --lr"
+    else:
+        last = max(clocks)
+        how = (
+            f"the last good snapshot is clock {last} in {ckpt}; go on from it with a smaller "
+            f"--lr: {cfg.resume_hint} --resume {ckpt}@{last} --lr LR"
+        )
+    return Diverged(f"{what}; {how}{skip_hint(policy)}")
 
 
 def _attempt(
@@ -187,9 +226,10 @@ def _attempt(
         )  # fmt: skip
     warn_overruns(stages)
     wall_s = time.time() - t_start
+    keys = model_keys(source, plan.batch_size)  # the user's state_dict names (tied ones too)
     if rule == "local":
-        return one_vw_result(plan, prep, stages, run, vw, wall_s)
-    result = build_result(plan, prep, stages, states, rule, wall_s)
+        return one_vw_result(plan, prep, stages, run, vw, wall_s, keys)
+    result = build_result(plan, prep, stages, states, rule, wall_s, keys)
     if lost:  # --on-failure continue: what was lost, from the shards' ledgers
         last_wave = prep.first_wave + prep.steps // prep.nm
         gone = LostVW.from_shards(lost, [st for st, _ in states], last_wave)
@@ -203,13 +243,20 @@ def _attempt(
 
 
 def build_result(
-    plan: Plan, prep: Prepared, stages: list[Any], states: list[Any], rule: str, wall_s: float
+    plan: Plan,
+    prep: Prepared,
+    stages: list[Any],
+    states: list[Any],
+    rule: str,
+    wall_s: float,
+    keys: tuple[tuple[str, str], ...],
 ) -> RunResult:
     """The result of a run of several VWs from its processes' reports (one host, or the
-    ``rank<r>.pt`` files of a torchrun run)."""
+    ``rank<r>.pt`` files of a torchrun run); ``keys``: the user's state_dict names
+    (:func:`runtime.results.run_result.model_keys`)."""
     result = RunResult.build(plan, prep.nm, prep.D, stages, states,
                              [s.spec for s in prep.shards], wall_s, sync=rule)  # fmt: skip
-    return dataclasses.replace(result, data=prep.data)
+    return dataclasses.replace(result, keys=keys, data=prep.data)
 
 
 def complete(
@@ -266,7 +313,13 @@ def prepare(
 
 
 def one_vw_result(
-    plan: Plan, prep: Prepared, stages: list[Any], run: RunConfig, vw: int, wall_s: float
+    plan: Plan,
+    prep: Prepared,
+    stages: list[Any],
+    run: RunConfig,
+    vw: int,
+    wall_s: float,
+    keys: tuple[tuple[str, str], ...],
 ) -> RunResult:
     """One VW alone: its result (with the paced pipeline's bound) and, with ``--out``, its
     metrics, timeline, weights and summary."""
@@ -279,7 +332,7 @@ def one_vw_result(
     devices = tuple(j.ctx.device for j in prep.stages)
     one = VWResult(tuple(stages), plan.batch_size, prep.nm, predicted, wall_s, bound, devices)
     result = RunResult((one,), prep.nm, 0, (), (), (), wall_s, predicted, sync="local",
-                       sync_params=plan.sync_params, data=prep.data)  # fmt: skip
+                       sync_params=plan.sync_params, keys=keys, data=prep.data)  # fmt: skip
     if run.out_dir is not None:
         result.save(run.out_dir, about=describe_run(plan, vw))
     return result

@@ -79,6 +79,7 @@ def rejoin_main(job: StageJob, rejoin: Rejoin, inc: int, events: Any, parent: in
         log.warning("incarnation %d of vw %d starts at wave %d", inc, ctx.vw, wave)
         if ctx.stage == 0:  # the progress bar: the VW's minibatches kept before its cut
             events.put(("rejoined", ctx.rank, (wave - job.sync.first_wave) * ctx.nm))
+        events.put(("incarnation", ctx.rank, inc, wave * ctx.nm))  # metrics.csv: rows number on
         group = rejoin.group(store, ctx.vw, inc, ctx.rank)
         worker = StageWorker(rejoined_job(job, wave), events, group)
         return "result", dumps_result(worker.run())

@@ -22,7 +22,14 @@ from profiler.errors import HetPipeRuntimeError
 from runtime.config import RunConfig
 from runtime.defaults import neighbour_wait_s
 from runtime.launch.evict import VWEvictor
-from runtime.launch.failures import Interrupted, root_cause_rank, stop_all, watch
+from runtime.launch.failures import (
+    Interrupted,
+    diverged,
+    reported,
+    root_cause_rank,
+    stop_all,
+    watch,
+)
 from runtime.launch.liveness import Heartbeats
 from runtime.launch.procs import ShardJob, loads_result, process_context, shard_main, stage_main
 from runtime.launch.reports import Reports
@@ -30,7 +37,9 @@ from runtime.launch.restart_vw import AttemptFailed, Restart, VWRestarter, rejoi
 from runtime.persist.checkpoint import ShardState
 from runtime.ps.outcome import ClockEvent
 from runtime.results.metrics import ProgressBar, StageResult
+from runtime.results.metrics_log import MetricsLog, RankRole, metrics_paths, start_log
 from runtime.stage.job import StageJob
+from runtime.stage.nonfinite import Diverged
 
 __all__ = ["spawn_and_watch"]
 
@@ -70,6 +79,7 @@ def spawn_and_watch(
     events = Reports(mpc)  # one pipe per child: a killed child cannot block the others' reports
     procs: dict[int, Any] = {}
     progress = ProgressBar(run.progress, progress_total, stages[0].ctx.batch_size)
+    metrics = _metrics_log(run, stages)
     labels = {s.rank: s.where for s in shards} | {j.ctx.rank: j.ctx.where for j in stages}
     restarter: VWRestarter | None = None
     try:
@@ -82,11 +92,12 @@ def spawn_and_watch(
         if evict:
             restarter = _restarter(shards, stages, events, start, restarts, procs, rendezvous)
         evictor = _evictor(stages, procs, labels, restarter) if evict else None
-        results = _watch(labels, procs, events, progress, run, beats, hint, evictor)
+        on_event = progress.event if metrics is None else _both(progress.event, metrics.event)
+        results = _watch(labels, procs, events, on_event, run, beats, hint, evictor)
     except KeyboardInterrupt:
         raise Interrupted(f"interrupted (Ctrl-C): every process stopped{hint}") from None
     except HetPipeRuntimeError as exc:  # the VWs restarted before count as failures survived
-        if restarter is None or not restarter.restarted:
+        if restarter is None or not restarter.restarted or isinstance(exc, Diverged):
             raise
         raise AttemptFailed(str(exc), restarter.notes()) from exc
     finally:
@@ -198,11 +209,38 @@ def _evictor(
     return VWEvictor(vw_ranks, procs, labels, restart=restarter)
 
 
+def _metrics_log(run: RunConfig, stages: Sequence[StageJob]) -> MetricsLog | None:
+    """With ``--out``: the attempt's ``metrics.csv`` rows, appended as the stages report
+    (:mod:`runtime.results.metrics_log`)."""
+    if run.out_dir is None or not stages:
+        return None
+    roles = [
+        RankRole(j.ctx.rank, j.ctx.vw, j.ctx.stage == 0, j.ctx.stage == j.ctx.n_stages - 1,
+                 j.first_mb, j.ctx.batch_size)
+        for j in stages
+    ]  # fmt: skip
+    vws = sorted({j.ctx.vw for j in stages})
+    alone = stages[0].sync.rule == "local" and len(vws) == 1
+    return start_log(metrics_paths(run.out_dir, vws, alone), roles)
+
+
+def _both(
+    first: Callable[[tuple[Any, ...]], None], second: Callable[[tuple[Any, ...]], None]
+) -> Callable[[tuple[Any, ...]], None]:
+    """One event hook calling ``first`` then ``second``."""
+
+    def both(msg: tuple[Any, ...]) -> None:
+        first(msg)
+        second(msg)
+
+    return both
+
+
 def _watch(
     labels: dict[int, str],
     procs: dict[int, Any],
     events: Any,
-    progress: ProgressBar,
+    on_event: Callable[[tuple[Any, ...]], None],
     run: RunConfig,
     beats: Heartbeats,
     hint: str,
@@ -217,9 +255,11 @@ def _watch(
         stuck = frozen()  # a frozen rank is the cause of its peers' timeouts
         rank = min(stuck) if stuck else root_cause_rank(procs, events, errors, done, grace_s=1.5)
         why = stuck.get(rank) or errors[rank]
+        if diverged(why):  # not a crash: the launcher names the snapshot, never restarts
+            return Diverged(reported(why))
         return HetPipeRuntimeError(f"rank {rank} ({labels[rank]}) failed: {why}{hint}")
 
     stall_s = max(120.0, neighbour_wait_s(run.timeout_s))  # a VW may wait on another's restart
-    results = watch(procs, events, len(labels), progress.event, fail, stall_s,
+    results = watch(procs, events, len(labels), on_event, fail, stall_s,
                     frozen=frozen, absorb=evictor)  # fmt: skip
     return [loads_result(results[r]) for r in sorted(results)]

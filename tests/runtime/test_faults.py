@@ -7,6 +7,7 @@ outside (signals to a launcher run as a subprocess). Runs are tiny (no pacing, a
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import signal
@@ -191,6 +192,13 @@ def test_on_failure_restart_resumes_the_job_from_its_last_snapshot(tmp_path: Pat
     _ledger_exactly_once(result.states)  # the lost waves 4-5 were recomputed, applied once
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["restarts"] == list(result.restarts)
+    # metrics.csv keeps the first attempt's rows; the restart's are appended, numbered on
+    with (tmp_path / "run" / "vw0" / "metrics.csv").open(newline="", encoding="utf-8") as f:
+        rows = [(int(r["attempt"]), int(r["minibatch"])) for r in csv.DictReader(f)]
+    first = [mb for a, mb in rows if a == 0]
+    assert first == list(range(1, len(first) + 1)) and 0 < len(first) < 6
+    assert [r for r in rows if r[0] != 0] == [(1, mb) for mb in range(5, 9)]
+    assert summary["vws"][0]["metrics_attempts"] == 2
 
 
 def test_frozen_stage_is_named_not_its_peers(tmp_path: Path) -> None:

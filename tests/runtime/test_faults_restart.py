@@ -5,6 +5,7 @@ is spent a lost VW is evicted as with ``continue``."""
 
 from __future__ import annotations
 
+import csv
 import json
 import signal
 from collections import Counter
@@ -59,7 +60,22 @@ def test_a_lost_vw_restarts_alone_and_rejoins_at_the_cut(
     assert result.vws[1].stages[0].steps == 12 - 2 * cut and result.vws[1].earlier == 2 * cut
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["lost"] == [] and "restarted alone" in summary["restarts"][0]
+    # metrics.csv keeps the dead incarnation's rows and numbers the new one on from the cut
+    rows = [_history(tmp_path / "run" / f"vw{k}" / "metrics.csv") for k in (0, 1)]
+    assert rows[0] == [(0, 0, mb) for mb in range(1, 13)]
+    first = [mb for a, inc, mb in rows[1] if (a, inc) == (0, 0)]
+    assert first == list(range(1, len(first) + 1)) and len(first) < at_mb
+    assert [r for r in rows[1] if r[1] != 0] == [(0, 1, mb) for mb in range(2 * cut + 1, 13)]
+    assert summary["vws"][1]["metrics_rows"] == len(rows[1]) == len(first) + 12 - 2 * cut
+    assert summary["vws"][1]["metrics_minibatches"] == 12
     assert not _children()
+
+
+def _history(path: Path) -> list[tuple[int, int, int]]:
+    """``(attempt, incarnation, minibatch)`` of every row of a ``metrics.csv``."""
+    with path.open(newline="", encoding="utf-8") as f:
+        return [(int(r["attempt"]), int(r["incarnation"]), int(r["minibatch"]))
+                for r in csv.DictReader(f)]  # fmt: skip
 
 
 def test_with_the_budget_spent_a_lost_vw_is_evicted(tmp_path: Path) -> None:

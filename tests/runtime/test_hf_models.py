@@ -162,3 +162,51 @@ def test_resnet_with_inplace_relu_equals_one_process(relu_cut: bool) -> None:
     state = result.state_dict()
     for name, p in params.items():
         assert_close(state[name], p, rtol=1e-5, atol=1e-5)
+
+
+def qwen2_tied() -> nn.Module:
+    cfg = transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=SEQ,
+        tie_word_embeddings=True, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.Qwen2ForCausalLM(cfg)
+
+
+def bart() -> nn.Module:
+    cfg = transformers.BartConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_position_embeddings=SEQ, use_cache=False, dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1, bos_token_id=0,
+        eos_token_id=2, decoder_start_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.BartForConditionalGeneration(cfg)
+
+
+@pytest.mark.parametrize(
+    ("make", "aliases"),
+    [
+        (qwen2_tied, ("lm_head.weight", "model.embed_tokens.weight")),
+        (bart, ("lm_head.weight", "model.shared.weight", "model.decoder.embed_tokens.weight")),
+    ],
+    ids=["qwen2-tied", "bart"],
+)
+def test_trained_state_loads_strictly_under_every_tied_name(
+    tmp_path: Any, make: Any, aliases: tuple[str, ...]
+) -> None:
+    """Every key of the module's state_dict (a tied weight under each of its names, BART's
+    ``final_logits_bias`` buffer) is in ``weights.pt``: a strict load works."""
+    model = make()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = train(model, TokenData(), stages=2, batch_size=4, steps=2, out_dir=tmp_path)
+    state = result.state_dict()
+    assert list(state) == list(before)
+    fresh = make()
+    fresh.load_state_dict(torch.load(tmp_path / "weights.pt", weights_only=True), strict=True)
+    trained = fresh.state_dict()
+    assert not torch.equal(trained[aliases[0]], before[aliases[0]])  # it trained
+    for name in aliases[1:]:  # one tensor under every name
+        assert torch.equal(trained[name], trained[aliases[0]]), name

@@ -4,6 +4,8 @@ versions in flight, its optimizer, RNG and buffers (:mod:`runtime.persist.stage_
 
 from __future__ import annotations
 
+import csv
+import json
 from pathlib import Path
 
 import pytest
@@ -69,6 +71,17 @@ def test_resume_after_a_kill_is_bit_identical_at_nm_3(
             loss == tail[mb + 2 * NM] for mb, loss in vw.stages[-1].losses
         )
     assert resumed.test_accuracy == whole.test_accuracy
+    # metrics.csv: the killed attempt's rows stay, the resume's are appended, numbered on
+    for k in range(len(vw_cuts)):
+        with (out / f"vw{k}" / "metrics.csv").open(newline="", encoding="utf-8") as f:
+            rows = [(int(r["attempt"]), int(r["minibatch"]), r["loss"]) for r in csv.DictReader(f)]
+        killed = [mb for a, mb, _ in rows if a == 0]
+        assert killed == list(range(1, len(killed) + 1)) and 0 < len(killed) < 8
+        assert [(a, mb) for a, mb, _ in rows if a != 0] == [(1, mb) for mb in range(7, 16)]
+        whole_loss = {mb: f"{loss:.6f}" for mb, loss in whole.vws[k].stages[-1].losses}
+        assert all(loss == whole_loss[mb] for _, mb, loss in rows)
+    summary = json.loads((out / "summary.json").read_text())
+    assert [v["metrics_minibatches"] for v in summary["vws"]] == [5 * NM] * len(vw_cuts)
 
 
 @pytest.mark.parametrize(
@@ -142,7 +155,15 @@ def test_resume_with_dropout_and_batch_norm_is_bit_identical(tmp_path: Path) -> 
     resumed = launch(plan, source, None, run(out), WSPConfig(checkpoint_every=2, resume=True), data)
     assert isinstance(whole, RunResult) and isinstance(resumed, RunResult)
     ref = whole.state_dict()
+    assert list(ref) == list(model.state_dict())  # the batch-norm statistics included
+    assert list(resumed.state_dict()) == list(ref)
     for name, t in resumed.state_dict().items():
         assert torch.equal(t, ref[name]), name
     tail = dict(whole.vws[0].stages[-1].losses)
     assert all(loss == tail[mb + 2 * NM] for mb, loss in resumed.vws[0].stages[-1].losses)
+    # nothing left to train: the outputs from the last snapshot, buffers included
+    again = launch(plan, source, None, run(out), WSPConfig(checkpoint_every=2, resume=True), data)
+    assert again.exported_from and list(again.state_dict()) == list(ref)
+    for name, t in again.state_dict().items():
+        assert torch.equal(t, ref[name]), name
+    assert again.test_loss == resumed.test_loss == whole.test_loss
