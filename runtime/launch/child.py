@@ -100,8 +100,8 @@ def _attempt_store(init_method: str, rank: int, world_size: int, timeout: timede
     from torch._C._distributed_c10d import PrefixStore
     from torch.distributed.rendezvous import rendezvous
 
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if init_method != "env://" or restart is None:
+    restart = os.environ.get("HETPIPE_ATTEMPT", os.environ.get("TORCHELASTIC_RESTART_COUNT"))
+    if init_method != "env://" or restart is None:  # HETPIPE_ATTEMPT: python -m runtime's count
         return None
     store, _, _ = next(rendezvous(init_method, rank, world_size, timeout=timeout))
     return PrefixStore(f"hetpipe/attempt-{restart}/", store)

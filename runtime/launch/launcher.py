@@ -51,7 +51,7 @@ from runtime.results.timeline import describe_run
 from runtime.stage.model import resolve_source
 from runtime.stage.nonfinite import REMEDY, Diverged, skip_hint
 
-__all__ = ["launch", "prepare"]
+__all__ = ["build_result", "complete", "launch", "one_vw_result", "prepare"]
 
 log = logging.getLogger(__name__)
 
@@ -261,10 +261,8 @@ def _attempt(
     wall_s = time.time() - t_start
     keys = model_keys(source, plan.batch_size)  # the user's state_dict names (tied ones too)
     if rule == "local":
-        return _one_vw_result(plan, prep, stages, run, vw, wall_s, keys)
-    result = RunResult.build(plan, prep.nm, prep.D, stages, states,
-                             [s.spec for s in prep.shards], wall_s, sync=rule)  # fmt: skip
-    result = dataclasses.replace(result, keys=keys, data=prep.data)
+        return one_vw_result(plan, prep, stages, run, vw, wall_s, keys)
+    result = build_result(plan, prep, stages, states, rule, wall_s, keys)
     if lost:  # --on-failure continue: what was lost, from the shards' ledgers
         last_wave = prep.first_wave + prep.steps // prep.nm
         gone = LostVW.from_shards(lost, [st for st, _ in states], last_wave)
@@ -274,6 +272,36 @@ def _attempt(
         notes = restart_notes(back, [st for st, _ in states])
         vws = whole_vws(result.vws, back, [st for st, _ in states], prep.first_wave)
         result = dataclasses.replace(result, vws=vws, restarts=(*result.restarts, *notes))
+    return complete(result, plan, source, prep, stages, run)
+
+
+def build_result(
+    plan: Plan,
+    prep: Prepared,
+    stages: list[Any],
+    states: list[Any],
+    rule: str,
+    wall_s: float,
+    keys: tuple[tuple[str, str], ...],
+) -> RunResult:
+    """The result of a run of several VWs from its processes' reports (one host, or the
+    ``rank<r>.pt`` files of a torchrun run); ``keys``: the user's state_dict names
+    (:func:`runtime.results.run_result.model_keys`)."""
+    result = RunResult.build(plan, prep.nm, prep.D, stages, states,
+                             [s.spec for s in prep.shards], wall_s, sync=rule)  # fmt: skip
+    return dataclasses.replace(result, keys=keys, data=prep.data)
+
+
+def complete(
+    result: RunResult,
+    plan: Plan,
+    source: ModelSource,
+    prep: Prepared,
+    stages: list[Any],
+    run: RunConfig,
+) -> RunResult:
+    """What every run's result ends with: the time limit's note, the test accuracy and, with
+    ``--out``, the outputs (summary, weights, metrics, timelines)."""
     ran = {st.steps for st in stages}
     if run.time_limit_s > 0 and ran and max(ran) < prep.steps:
         waves = prep.first_wave + max(ran) // prep.nm
@@ -317,7 +345,7 @@ def prepare(
     return dataclasses.replace(prep, data=data.label) if isinstance(prep, Prepared) else prep
 
 
-def _one_vw_result(
+def one_vw_result(
     plan: Plan,
     prep: Prepared,
     stages: list[Any],
