@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from profiler.graph import ModelGraph
+from runtime.stage.device import to_host
 
 __all__ = ["TiedGrads", "TiedParam", "tied_params"]
 
@@ -95,6 +96,7 @@ class TiedGrads:
         for name, group in self.items:
             mine = grads.get(name)
             total = torch.zeros_like(like[name]) if mine is None else mine.detach().clone()
-            dist.all_reduce(total, dist.ReduceOp.SUM, group=group)
-            out[name] = total
+            host = to_host(total)  # the tied groups are gloo's: host tensors
+            dist.all_reduce(host, dist.ReduceOp.SUM, group=group)
+            out[name] = host.to(total.device)
         return out
