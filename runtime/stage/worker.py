@@ -21,6 +21,7 @@ from torch.func import functional_call
 from planner.schedule import Kind, StageQueue, Task
 from planner.wsp import wave_of
 from profiler.errors import HetPipeRuntimeError
+from profiler.memory import cuda_peak_bytes
 from profiler.precision import autocast
 from runtime.defaults import neighbour_wait_s
 from runtime.results.metrics import StageResult
@@ -133,6 +134,7 @@ class StageWorker:
                 grad_rx.close()
         self.result.wall_s = time.time() - start_time
         self.result.peak_bytes = self.memory.peak_bytes
+        self.result.cuda_peak_bytes = cuda_peak_bytes(self.device)  # 0 on CPU
         self.result.steps = self._b_done
         if self.run_cfg.return_state or self.run_cfg.out_dir is not None:
             self.result.state = {  # in host memory: the result leaves the process

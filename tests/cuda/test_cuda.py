@@ -103,6 +103,7 @@ def test_offloaded_placements_train_equal_to_all_keep_on_the_gpu() -> None:
 
     base = launch(plan, source, cfg, run)
     assert isinstance(base, RunResult)
+    assert all(st.cuda_peak_bytes > 0 for st in base.stages)  # they computed on the GPU
     for memory in ("OOOO", "activations:offload"):
         got = launch(with_memory(memory), source, cfg, run)  # type: ignore[arg-type]
         assert isinstance(got, RunResult)
