@@ -377,7 +377,8 @@ class WaveSync(StageSync):
         if self.weights is None:
             return
         with torch.no_grad():
-            correction = [g - s for g, s in zip(pulled, self._snapshot, strict=True)]
+            # the pull is in host memory; a GPU stage's snapshot is not
+            correction = [g.to(s.device) - s for g, s in zip(pulled, self._snapshot, strict=True)]
             self._snapshot = [s + c for s, c in zip(self._snapshot, correction, strict=True)]
         names = self.names if self.names is not None else list(self.weights.master)
         named = dict(zip(names, correction, strict=True))

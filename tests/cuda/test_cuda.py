@@ -148,3 +148,24 @@ def test_allreduce_baseline_on_nccl_world_one_equals_sgd() -> None:
     state = result.state_dict()
     for n, t in module.named_parameters():
         assert_close(state[names[n]], t.detach(), rtol=1e-4, atol=1e-5)  # GPU vs CPU sums
+
+
+def test_two_wsp_vws_on_one_gpu_equal_the_cpu_reference() -> None:
+    """Pushes and pulls through the host wire, folded into CUDA weights (Nm = 2, D = 0)."""
+    from planner.manual import multi_vw_plan
+    from runtime.config import WSPConfig
+    from tests.runtime.test_wsp_run import BATCH, LR, SOURCE, wsp_reference
+
+    graph = ModelGraph.from_spec(resolve_source(SOURCE, BATCH, meta=True))
+    plan = multi_vw_plan(graph, [(4,), (6,)], "mlp", BATCH, nm=2, D=0, n_shards=2,
+                         cluster=gpu_cluster(4))  # fmt: skip
+    run = RunConfig(steps=8, timeout_s=60.0, emulate=False)
+    result = launch(plan, SOURCE, OptimizerConfig(lr=LR), run, WSPConfig())
+    assert isinstance(result, RunResult)
+    assert all(st.cuda_peak_bytes > 0 for vw in result.vws for st in vw.stages)
+    ref, losses = wsp_reference(2, 2, 4)
+    state = result.state_dict()
+    for n, t in ref.items():
+        assert_close(state[n], t, rtol=1e-4, atol=1e-5)  # GPU vs CPU arithmetic
+    for k in range(2):
+        assert_close(result.vws[k].losses, losses[k], rtol=1e-4, atol=1e-5)
