@@ -46,10 +46,13 @@ class Sizes:
     train_steps: int  # minibatches per training run
     mlp_batch: int  # the offload check's minibatch
     throughput_steps: int  # minibatches timed for the throughput figure
+    hf_runs: tuple[tuple[int, str], ...]  # (stages, precision) of each GPT-2 training run
 
 
-GPU = Sizes("cuda:0", (("resnet152", 16), ("transformer", 32)), 3, 4, 256, 128, 16, 12, 64, 60)
-DRY = Sizes("cpu", (("mlp", 4),), 1, 2, 32, 8, 4, 4, 8, 4)
+ALL_RUNS = ((2, "fp32"), (2, "bf16"), (3, "fp32"), (3, "bf16"))
+GPU = Sizes("cuda:0", (("resnet152", 16), ("transformer", 32)), 3, 4, 256, 128, 16, 12, 64, 60,
+            ALL_RUNS)  # fmt: skip
+DRY = Sizes("cpu", (("mlp", 4),), 1, 2, 32, 8, 4, 4, 8, 4, ((2, "fp32"), (3, "bf16")))
 
 
 @dataclass
@@ -188,19 +191,18 @@ def step_train_hf(rep: Report) -> None:
     rows: list[dict[str, Any]] = []
     dry = sizes.device == "cpu"
     data = _Tokens(vocab, sizes.hf_seq, 8 * sizes.hf_batch)
-    for stages in (2, 3):
-        for precision in ("fp32", "bf16"):
-            model = _gpt2(sizes, vocab)
-            want = _first_loss(copy.deepcopy(model), data, sizes, precision)
-            res = train(
-                model, data, cluster=_gpu_cluster(stages, dry), stages=stages, nm=1,
-                batch_size=sizes.hf_batch, steps=sizes.train_steps, emulate=False,
-                precision=precision, optimizer=OptimizerConfig(name="adam", lr=1e-3),
-                timeout_s=120,
-            )  # fmt: skip
-            rows.append({"stages": stages, "precision": precision, "first_loss": res.losses[0],
-                         "plain_first_loss": want, "last_loss": res.losses[-1],
-                         "falling": res.losses[-1] < res.losses[0]})  # fmt: skip
+    for stages, precision in sizes.hf_runs:
+        model = _gpt2(sizes, vocab)
+        want = _first_loss(copy.deepcopy(model), data, sizes, precision)
+        res = train(
+            model, data, cluster=_gpu_cluster(stages, dry), stages=stages, nm=1,
+            batch_size=sizes.hf_batch, steps=sizes.train_steps, emulate=False,
+            precision=precision, optimizer=OptimizerConfig(name="adam", lr=1e-3),
+            timeout_s=120,
+        )  # fmt: skip
+        rows.append({"stages": stages, "precision": precision, "first_loss": res.losses[0],
+                     "plain_first_loss": want, "last_loss": res.losses[-1],
+                     "falling": res.losses[-1] < res.losses[0]})  # fmt: skip
     ok = all(r["falling"] for r in rows)
     worst = max(abs(r["first_loss"] - r["plain_first_loss"]) for r in rows)
     rep.add(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -65,3 +66,22 @@ def test_dry_run_report_records_each_step_and_a_failure(
     assert doc["sizes"]["device"] == "cpu"
     summary = (tmp_path / "summary.txt").read_text().splitlines()
     assert summary[0].startswith("env: torch") and "FAILED" in summary[-1]
+
+
+@pytest.mark.slow
+def test_cpu_dry_run_runs_every_step(tmp_path: Path) -> None:
+    """The whole script on CPU with tiny sizes (about a minute): every step passes and the
+    pipeline trains equal to all-keep under every offload placement."""
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--cpu-dry-run"], capture_output=True, text=True,
+        timeout=600, env={**os.environ, "OUT": str(tmp_path)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    doc = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert doc["failed"] == []
+    assert all(r["equal_to_keep"] for r in doc["offload"])
+    assert [(r["stages"], r["precision"]) for r in doc["train_hf"]] == [(2, "fp32"), (3, "bf16")]
+    for r in doc["train_hf"]:
+        tol = 1e-4 if r["precision"] == "fp32" else 5e-2
+        assert r["first_loss"] == pytest.approx(r["plain_first_loss"], abs=tol)
+    assert doc["throughput"]["vw_samples_per_s"] > 0
