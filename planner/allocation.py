@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.cluster import Cluster, Device, Node
 from profiler.catalog import CATALOG
@@ -48,11 +48,14 @@ class Allocation:
         policy: ``np``, ``ed`` or ``hd``.
         groups: one tuple of devices per VW.
         note: how the allocation was chosen (shown to the user).
+        natural: the plain policy's own allocation (its default VW count): ``auto`` plans it
+            whatever its budget, so it is never worse than ``--policy`` alone.
     """
 
     policy: str
     groups: tuple[tuple[Device, ...], ...]
     note: str = ""
+    natural: bool = False
 
     @property
     def signatures(self) -> tuple[str, ...]:
@@ -140,6 +143,46 @@ def _set_partitions(items: list[int]) -> Iterator[list[list[int]]]:
         yield [[first], *part]
 
 
+HD_MAX_NODES = 9
+"""HD enumerates every grouping (Bell(9) = 21,147) of at most this many nodes; larger clusters
+are grouped per copy of their repeating unit (:func:`_node_groupings`)."""
+
+
+def _node_groupings(cluster: Cluster) -> Iterator[list[list[int]]]:
+    """Groupings of the cluster's node indices that HD scores.
+
+    Up to :data:`HD_MAX_NODES` nodes: every set partition. Larger clusters: nodes that differ
+    only by name are interchangeable, so a cluster of ``g`` identical copies of a unit (``g`` =
+    gcd of how many nodes each kind has) is grouped as its unit, every copy alike: the set
+    partitions of one unit's nodes, replicated. A unit above :data:`HD_MAX_NODES` nodes is
+    refused (use np or ed).
+
+    Raises:
+        PlanError: the repeating unit has more than :data:`HD_MAX_NODES` nodes.
+    """
+    n = len(cluster.nodes)
+    if n <= HD_MAX_NODES:
+        yield from _set_partitions(list(range(n)))
+        return
+    kinds: dict[tuple[object, ...], list[int]] = {}
+    for i, nd in enumerate(cluster.nodes):
+        key = (nd.gpu_type, nd.count, nd.memory_bytes, nd.emulation, nd.host_memory_bytes)
+        kinds.setdefault(key, []).append(i)
+    copies = math.gcd(*(len(v) for v in kinds.values()))
+    unit = [(k, j) for k, v in kinds.items() for j in range(len(v) // copies)]
+    if len(unit) > HD_MAX_NODES:
+        raise PlanError(
+            f"policy 'hd' groups at most {HD_MAX_NODES} distinct nodes, but the repeating unit of "
+            f"{cluster.source} has {len(unit)} ({copies} copies of it); use np or ed, or policy auto"
+        )
+    for part in _set_partitions(list(range(len(unit)))):
+        yield [
+            [kinds[unit[u][0]][r * (len(kinds[unit[u][0]]) // copies) + unit[u][1]] for u in block]
+            for r in range(copies)
+            for block in part
+        ]
+
+
 def _imbalance(groups: Sequence[Sequence[Device]], speed: SpeedFn) -> float:
     comp = [sum(speed(d.type) for d in g) for g in groups]
     mem = [sum(d.memory_bytes for d in g) for g in groups]
@@ -155,7 +198,7 @@ def _best_grouping(
     n = len(nodes)
     devs = _node_devices(cluster)
     best: tuple[tuple[float, int], list[tuple[Device, ...]]] | None = None
-    for part in _set_partitions(list(range(n))):
+    for part in _node_groupings(cluster):
         if any(len(b) == n for b in part) or not any(len(b) >= 2 for b in part):
             continue
         if not mixed and any(len(b) < 2 for b in part):
@@ -261,14 +304,38 @@ def allocate(
     raise PlanError(f"unknown allocation policy {policy!r}; use one of {', '.join(POLICIES)}")
 
 
+def _pattern(alloc: Allocation) -> tuple[tuple[tuple[str, int, int], ...], ...]:
+    """A key equal for allocations whose VWs are the same up to node names: each VW's GPU types,
+    memory and node pattern (which GPUs share a node), sorted."""
+    keys = []
+    for group in alloc.groups:
+        ids: dict[str, int] = {}
+        ordered = sorted(group, key=lambda d: (d.type, d.memory_bytes, d.node, d.index))
+        keys.append(
+            tuple((d.type, d.memory_bytes, ids.setdefault(d.node, len(ids))) for d in ordered)
+        )
+    return tuple(sorted(keys))
+
+
+def _natural(cluster: Cluster, num_vws: int | None) -> Iterator[Allocation]:
+    """Each plain policy's own allocation (``num_vws`` or its default VW count), where it applies."""
+    for policy in ("np", "ed", "hd"):
+        try:
+            yield replace(allocate(cluster, policy, num_vws), natural=True)
+        except PlanError:
+            continue
+
+
 def candidate_allocations(
     cluster: Cluster, num_vws: int | None = None, max_vw_gpus: int = 8
 ) -> list[Allocation]:
-    """Every distinct applicable allocation for ``auto``: each policy x each VW count, and HD
+    """Every distinct applicable allocation for ``auto``: each plain policy's own allocation
+    (so ``auto`` is never worse than one of them), then each policy x each VW count, and HD
     with mixed groupings (single-node groups beside multi-node ones).
 
     VW counts range over divisors of the GPU total whose VWs have at most ``max_vw_gpus`` GPUs
-    (or just ``num_vws``). Allocations with the same VW signatures are listed once.
+    (or just ``num_vws``); the plain policies' own allocations are kept whatever their VW size.
+    Allocations whose VWs are the same up to node names are listed once.
     """
     total = sum(nd.count for nd in cluster.nodes)
     counts = (
@@ -276,21 +343,25 @@ def candidate_allocations(
         if num_vws is not None
         else [v for v in range(1, total + 1) if total % v == 0 and total // v <= max_vw_gpus]
     )
-    seen: set[tuple[str, ...]] = set()
+
+    def per_count() -> Iterator[Allocation]:
+        for policy in ("np", "ed", "hd", "hd-mixed"):
+            for v in counts:
+                try:
+                    if policy == "hd-mixed":
+                        yield hybrid_distribution(cluster, v, mixed=True)
+                    else:
+                        yield allocate(cluster, policy, v)
+                except PlanError:
+                    continue
+
+    seen: set[tuple[tuple[tuple[str, int, int], ...], ...]] = set()
     out = []
-    for policy in ("np", "ed", "hd", "hd-mixed"):
-        for v in counts:
-            try:
-                if policy == "hd-mixed":
-                    alloc = hybrid_distribution(cluster, v, mixed=True)
-                else:
-                    alloc = allocate(cluster, policy, v)
-            except PlanError:
-                continue
-            key = tuple(sorted(alloc.signatures))
-            if key not in seen:
-                seen.add(key)
-                out.append(alloc)
+    for alloc in (*_natural(cluster, num_vws), *per_count()):
+        key = _pattern(alloc)
+        if key not in seen:
+            seen.add(key)
+            out.append(alloc)
     if not out:
         raise PlanError(f"no allocation policy applies to {cluster.source} with {num_vws} VWs")
     return out

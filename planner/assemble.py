@@ -19,7 +19,7 @@ from planner.partition.dp import Partition
 from planner.placement import PipelineLayout, cross_node_bytes_per_wave, place_shards
 from planner.plan import GpuSlot, Plan, Prediction, ShardPlan, StagePlan, VirtualWorker
 from planner.predict import allreduce_throughput, cluster_throughput, vw_throughput
-from planner.vw_solver import VWSolver
+from planner.vw_solver import VWSolver, pipeline_key
 from profiler.errors import PlanError
 
 __all__ = ["build_plan"]
@@ -35,6 +35,15 @@ def _slot(d: Device) -> GpuSlot:
 
 
 def _stages(pl: VWSolver, part: Partition, nm: int) -> tuple[StagePlan, ...]:
+    """The stages of ``part``, each with its fastest fitting memory placement (computed once
+    per pipeline that differs only by node names: a 10,240-GPU plan has 1,280 alike VWs)."""
+    key = (pipeline_key(pl.cluster, part.gpus), part.bounds, nm)
+    if key not in pl.stage_cache:
+        pl.stage_cache[key] = _stages_of(pl, part, nm)
+    return pl.stage_cache[key]
+
+
+def _stages_of(pl: VWSolver, part: Partition, nm: int) -> tuple[StagePlan, ...]:
     """The stages of ``part``, each with its fastest fitting memory placement."""
     names = pl.cm.layer_names
     out = []
@@ -96,17 +105,17 @@ def _simulated(plan: Plan, waves: int) -> Prediction | None:
     """The discrete-event simulator's prediction (``None`` when it refuses the plan or waves < 2)."""
     if waves < 2:
         return None
-    from planner.sim.simulator import simulate
+    from planner.symmetry import simulate_distinct
 
     try:
-        res = simulate(plan, waves=waves)
+        throughput, per_vw = simulate_distinct(plan, waves)
     except PlanError as exc:
         log.warning("simulator refused the plan (%s); keeping the analytic prediction", exc)
         return None
     p = plan.predicted
     return Prediction(
-        res.throughput,
-        tuple(res.per_vw_throughput),
+        throughput,
+        per_vw,
         p.allreduce_throughput,
         p.allreduce_gpus,
         "simulated",

@@ -36,7 +36,7 @@ from typing import Any
 from planner.allocation import Allocation, allocate, candidate_allocations, default_policy
 from planner.assemble import build_plan
 from planner.auto_search import Candidate, compare_allocations
-from planner.cluster import Cluster, Link
+from planner.cluster import Cluster, Device, Link
 from planner.costmodel import CostModel, optimizer_factor
 from planner.memory_choice import memory_ladder
 from planner.offload import LADDER
@@ -44,10 +44,10 @@ from planner.partition.memory import check_stage_count, fits_memory
 from planner.partition.search import lower_bound_ms
 from planner.plan import Plan
 from planner.profiles import resolve_profiles
-from planner.vw_solver import VWSolver, letters
+from planner.remedies import Refusal, fit_remedies, refusal_message
+from planner.vw_solver import VWSolver
 from profiler.errors import PlanError
 from profiler.table import Profile
-from profiler.units import format_bytes
 
 __all__ = ["PlanOptions", "make_plan", "plan"]
 
@@ -69,8 +69,8 @@ class PlanOptions:
         time_limit_s: solver time limit per partition; when hit, the best partition found is
             kept and the VW records the proven lower bound (its gap).
         auto_max_vw_gpus: largest VW the ``auto`` policy tries.
-        auto_budget_s: planning-time budget of ``auto``: candidates not reached within it are
-            reported as skipped.
+        auto_budget_s: CPU seconds ``auto`` may spend on its candidates, shared between them
+            (:mod:`planner.auto_search`); candidates not reached within it are reported as cut.
         nm_choice: without a user ``nm``: ``best`` (default) compares Nm = 1..S+2, powers of
             two and the largest feasible Nm by predicted throughput (paper Sec. 8.3: "Nm is set
             such that performance is maximized"; ties go to the smaller Nm, less staleness);
@@ -111,20 +111,7 @@ def _plan_allocation(
     for v, gpus in enumerate(alloc.groups):
         best, short = pl.nm_max(gpus)
         if best == 0:
-            fix = "give it more or larger GPUs (another policy or --vws)"
-            if pl.opts.memory != "auto" and any(fits_memory(pl.cm_for(x), gpus, 1) for x in LADDER):
-                fix = "let the memory manager offload or recompute (--memory auto), or " + fix
-            emulated = {g.node: g.emulation for g in gpus if g.emulation is not None}
-            if emulated:  # every stage fits once each GPU has the smallest shortfall more
-                fix = "raise emulate.memory in the cluster file: " + ", ".join(
-                    f"node {node} {format_bytes(e.memory_bytes)} -> "
-                    f"{format_bytes(e.memory_bytes + int(short) + 1)}"
-                    for node, e in sorted(emulated.items())
-                )
-            raise PlanError(
-                f"VW {v} ({letters(gpus)}) cannot hold {model} even with Nm=1: smallest shortfall "
-                f"{format_bytes(short)} on one stage; {fix}"
-            )
+            raise PlanError(_refusal(pl, alloc, v, gpus, model, short))
         nm_max.append(best)
     plan_nm = min(nm_max)
     args = (model, batch, D, placement, provenance)
@@ -155,6 +142,22 @@ def _plan_allocation(
     elif pl.opts.nm_choice != "max":
         raise PlanError(f"unknown Nm choice {pl.opts.nm_choice!r}; use best or max")
     return build_plan(pl, alloc, plan_nm, nm_max, *args)
+
+
+def _refusal(
+    pl: VWSolver, alloc: Allocation, v: int, gpus: Sequence[Device], model: str, short: int
+) -> str:
+    """The refusal of VW ``v``, which cannot hold the model even with Nm = 1, with every remedy."""
+    offload = None
+    if pl.opts.memory != "auto":
+        offload = any(fits_memory(pl.cm_for(x), gpus, 1) for x in LADDER)
+    refusal = Refusal(v, tuple(gpus), model, short, offload)
+
+    def fits(group: Sequence[Device]) -> bool:
+        return any(fits_memory(pl.cm_for(x), group, 1) for x in pl.ladder)
+
+    remedies = fit_remedies(pl.cluster, alloc, refusal, fits, pl.cm.num_segments)
+    return refusal_message(refusal, remedies)
 
 
 NM_TOLERANCE = 0.03  # Nm within this fraction of the best predicted throughput counts as best
@@ -228,16 +231,26 @@ def _plan_auto(
     """Policy ``auto``: the best predicted plan over the candidate allocations."""
     cm, batch, opts = pl.cm, args[1], pl.opts
 
+    bounds: dict[tuple[object, ...], float] = {}  # alike VWs (thousands at 10,240 GPUs): once
+
+    def vw_bound(gpus: Sequence[Device]) -> float:
+        key, _ = pl.canonical(gpus)
+        if key not in bounds:
+            check_stage_count(cm, len(gpus))
+            bounds[key] = lower_bound_ms(cm, gpus)
+        return bounds[key]
+
     def bound(alloc: Allocation) -> float:
-        worst = max(lower_bound_ms(cm, g) for g in alloc.groups)
-        for g in alloc.groups:
-            check_stage_count(cm, len(g))
+        worst = max(vw_bound(g) for g in alloc.groups)
         return len(alloc.groups) * batch * 1000.0 / worst if worst > 0 else float("inf")
 
     allocs = candidate_allocations(cluster, num_vws, opts.auto_max_vw_gpus)
-    best, rows = compare_allocations(
-        allocs, bound, lambda al: _plan_allocation(pl, al, *args), opts.auto_budget_s
-    )
+
+    def plan_one(alloc: Allocation, share_s: float) -> Plan:
+        limited = replace(opts, time_limit_s=min(opts.time_limit_s, share_s))
+        return _plan_allocation(replace(pl, opts=limited), alloc, *args)
+
+    best, rows = compare_allocations(allocs, bound, plan_one, opts.auto_budget_s)
     if report is not None:
         report.extend(rows)
     if best is None:

@@ -22,12 +22,13 @@ from planner.partition.dp import Partition
 from planner.partition.memory import fits_memory, min_memory_shortfall
 from planner.partition.milp import partition_milp
 from planner.partition.search import lower_bound_ms, partition_exact
+from planner.plan import StagePlan
 from profiler.errors import PlanError
 
 if TYPE_CHECKING:
     from planner.planner import PlanOptions
 
-__all__ = ["VWSolver", "letters"]
+__all__ = ["VWSolver", "letters", "pipeline_key"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class VWSolver:
     )
     nm_cache: dict[tuple[object, ...], tuple[int, int]] = field(default_factory=dict)
     cms: dict[MemoryPlacement, CostModel] = field(default_factory=dict)
+    stage_cache: dict[tuple[object, ...], tuple[StagePlan, ...]] = field(default_factory=dict)
 
     # ------------------------------------------------------------ memory placements
     @property
@@ -160,7 +162,10 @@ class VWSolver:
                 bound = min(bound, lower_bound_ms(self.full, ordered))
             where = {id(d): i for i, d in enumerate(ordered)}
             perm = tuple(where[id(d)] for d in part.gpus)
-            self.cache[ck] = (perm, part.bounds, bound, part.solver)
+            entry = (perm, part.bounds, bound, part.solver)
+            if part.gap > 1e-9:  # stopped by its time limit: a later solve with more time
+                return self._rebuild(cm, ordered, nm, entry)  # may do better: not cached
+            self.cache[ck] = entry
             log.info(
                 "partitioned %s at Nm=%d with %s in %.3f s (gap %.2g)",
                 letters(part.gpus),
@@ -169,7 +174,17 @@ class VWSolver:
                 part.solve_s,
                 part.gap,
             )
-        perm, bounds, bound, solver = self.cache[ck]
+        return self._rebuild(cm, ordered, nm, self.cache[ck])
+
+    @staticmethod
+    def _rebuild(
+        cm: CostModel,
+        ordered: Sequence[Device],
+        nm: int,
+        entry: tuple[tuple[int, ...], tuple[int, ...], float, str],
+    ) -> Partition:
+        """The partition of a solved (perm, bounds, bound, solver) entry for these GPUs."""
+        perm, bounds, bound, solver = entry
         order = tuple(ordered[i] for i in perm)
         stage_ms = tuple(
             cm.stage_cost(order, j, bounds[j], bounds[j + 1], nm).time_ms for j in range(len(order))
@@ -211,6 +226,25 @@ class VWSolver:
             ):
                 return perm, bounds, bound, solver
         return None
+
+
+def pipeline_key(cluster: Cluster, gpus: Sequence[Device]) -> tuple[object, ...]:
+    """A key equal for pipelines (GPUs in stage order) that differ only by node names: each GPU's
+    type and memory, its node's first-appearance number, GPU count and host memory."""
+    ids: dict[str, int] = {}
+    out = []
+    for d in gpus:
+        node = cluster.node(d.node)
+        out.append(
+            (
+                d.type,
+                d.memory_bytes,
+                ids.setdefault(d.node, len(ids)),
+                node.count,
+                node.host_memory_bytes,
+            )
+        )
+    return tuple(out)
 
 
 def letters(gpus: Sequence[Device]) -> str:

@@ -35,11 +35,13 @@ from typing import Any
 import torch
 
 from planner.plan import Plan
+from planner.plan_check import check_nm
 from planner.plan_file import load_plan
 from profiler.errors import ConfigError, HetPipeError, HetPipeRuntimeError
 from profiler.files import atomic_write_bytes
 from runtime.config import ModelSource
-from runtime.options import add_arguments, configs
+from runtime.launch.admit import check_plan_model
+from runtime.options import add_arguments, check_values, configs
 from runtime.results.run_result import RunResult
 
 log = logging.getLogger("runtime")
@@ -69,7 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     torch.set_num_threads(1)
     try:
-        job = _rank_job(a, load_plan(a.plan), rank, world)
+        check_values(vars(a))  # every number in range before the plan is read
+        plan = load_plan(a.plan)
+        check_plan_model(plan, str(a.plan))  # what hetpipe run and simulate refuse
+        check_nm(plan, a.nm, a.vw)
+        job = _rank_job(a, plan, rank, world)
     except HetPipeError as exc:
         log.error("%s", exc)
         return 2
@@ -164,6 +170,7 @@ def collect_wsp(plan: Plan, out: Path, nm: int = 0, D: int | None = None) -> Run
     from runtime.launch.procs import loads_result
     from runtime.launch.wsp import shard_specs
     from runtime.results.metrics import StageResult
+    from runtime.results.whole_state import state_keys
     from runtime.stage.model import resolve_source
 
     D = plan.D if D is None else D
@@ -178,7 +185,8 @@ def collect_wsp(plan: Plan, out: Path, nm: int = 0, D: int | None = None) -> Run
         results.append(loads_result(path.read_bytes()))
     stages = [x for x in results if isinstance(x, StageResult)]
     states = [x for x in results if not isinstance(x, StageResult)]
-    return RunResult.build(plan, nm or plan.nm, D, stages, states, specs, 0.0)
+    result = RunResult.build(plan, nm or plan.nm, D, stages, states, specs, 0.0)
+    return dataclasses.replace(result, keys=state_keys(spec.module))  # every state_dict name
 
 
 if __name__ == "__main__":

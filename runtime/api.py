@@ -33,6 +33,7 @@ from profiler.errors import ConfigError
 from profiler.graph import ModelGraph
 from profiler.models import keyword_spec
 from profiler.precision import check_precision
+from runtime.by_value import check_guarded
 from runtime.config import LossFn, ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.defaults import TIMEOUT_S
 from runtime.run import run_plan
@@ -71,7 +72,8 @@ def _module_source(
     model: nn.Module, dataset: Dataset[Any], loss_fn: LossFn | None, batch_size: int
 ) -> ModelSource:
     """The user's module with its first minibatch as the sample: ``(inputs, target)`` items,
-    or dict items (``{"input_ids", "attention_mask", "labels"}``) passed as keywords."""
+    or dict items (``{"input_ids", "attention_mask", "labels"}``) mapped onto the forward's
+    arguments by name (``labels`` to the loss unless the forward takes it)."""
     batch = default_collate([dataset[i] for i in range(batch_size)])
     if isinstance(batch, Mapping):
         spec = keyword_spec(type(model).__name__, model, batch, loss_fn)
@@ -121,6 +123,7 @@ def train(  # long by its signature and docstring (every option, documented); th
     checkpoint_every: int = 0,
     vw: int = -1,
     precision: str = "",
+    on_nonfinite: str = "stop",
 ) -> RunResult:
     """Train ``model`` with any plan on this host: what ``hetpipe run`` does, through the same
     entry (:func:`runtime.run.run_plan`): several VWs through the WSP parameter servers, one
@@ -129,8 +132,10 @@ def train(  # long by its signature and docstring (every option, documented); th
     Args:
         model: an ``nn.Module`` (captured with ``torch.fx`` or ``torch.export``, e.g. a Hugging
             Face model) or a model reference (``mlp``).
-        dataset: items ``(inputs, target)``, or dicts of tensors passed to the model as
-            keywords (``{"input_ids", "attention_mask", "labels"}``); ``None`` = built-in data.
+        dataset: items ``(inputs, target)``, or dicts of tensors mapped onto the forward's
+            arguments by name (``{"input_ids", "attention_mask", "labels"}``, ``{"x", "mask",
+            "labels"}``; ``labels`` is the loss's target unless the forward takes it);
+            ``None`` = built-in data.
         loss_fn: ``loss(outputs, targets)``; ``None`` = the model spec's (cross-entropy), or
             the model's own ``loss`` output for dict samples.
         plan: a plan (object or file); its batch size and Nm are used.
@@ -144,7 +149,7 @@ def train(  # long by its signature and docstring (every option, documented); th
         seed: weights (for references) and data order.
         out_dir: run directory for metrics, calibration cache and logs.
         progress: show a progress bar.
-        return_state: return the final parameters (``result.state_dict()``).
+        return_state: return the final parameters and buffers (``result.state_dict()``).
         timeout_s: timeout of every process-group operation.
         emulate: pace emulated devices and cap their memory.
         D: WSP clock-distance threshold of a plan with shards (``None`` = the plan's).
@@ -153,14 +158,18 @@ def train(  # long by its signature and docstring (every option, documented); th
         vw: train only this VW of the plan, without parameter servers (-1 = every VW).
         precision: ``fp32`` or ``bf16`` (autocast, fp32 master weights, bfloat16 activations
             across cuts); ``""`` = the plan's (``fp32`` for a plan made here).
+        on_nonfinite: a NaN or infinite loss or gradient: ``stop`` the run (``Diverged``) or
+            ``skip`` that minibatch's update at every stage (``result.skipped_updates``).
 
     Returns:
         The run's :class:`runtime.results.run_result.RunResult`, whatever the rule: ``losses``,
         ``throughput``, ``state_dict()``, ``stages`` and one entry per VW in ``vws``.
 
     Raises:
-        HetPipeError: invalid inputs or a failed run (naming the rank, VW and stage).
+        HetPipeError: invalid inputs or a failed run (naming the rank, VW and stage); a call
+            from a script's top level outside ``if __name__ == "__main__":``.
     """
+    check_guarded()
     given = load_plan(plan) if isinstance(plan, (str, os.PathLike)) else plan
     if given is not None:
         batch_size = given.batch_size  # the plan's minibatch, also for the sample inputs
@@ -182,6 +191,7 @@ def train(  # long by its signature and docstring (every option, documented); th
         return_state=return_state,
         progress=progress,
         precision=precision,
+        on_nonfinite=on_nonfinite,
     )
     wsp = WSPConfig(D=D, checkpoint_every=checkpoint_every)
     return run_plan(given, source, optimizer, run, wsp, dataset, vw=vw)

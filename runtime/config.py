@@ -14,10 +14,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from planner.nonfinite import POLICIES
 from profiler.capture import quiet_treespec
-from profiler.errors import ConfigError
+from profiler.errors import ConfigError, shown
 from profiler.precision import check_precision
+from runtime.by_value import pickler
 from runtime.defaults import TIMEOUT_S
+from runtime.options import OPTIMIZERS, SCHEDULES
 
 if TYPE_CHECKING:
     from runtime.launch.faults import ShardFault, StageFault
@@ -27,8 +30,8 @@ __all__ = ["LossFn", "ModelSource", "OptimizerConfig", "RunConfig", "WSPConfig"]
 
 LossFn = Callable[[Any, Tensor], Tensor]
 
-_OPTIMIZERS = ("sgd", "adam")
-_SCHEDULES = ("constant", "step", "cosine", "warmup")
+_OPTIMIZERS = OPTIMIZERS  # the option table's, so that the CLI checks them without torch
+_SCHEDULES = SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -146,8 +149,8 @@ class ModelSource:
         for key in _BLOBS:
             if state[key] is not None:
                 buf = io.BytesIO()
-                with quiet_treespec():
-                    torch.save(state[key], buf)
+                with quiet_treespec():  # by value where __main__ has no file (runtime.by_value)
+                    torch.save(state[key], buf, pickle_module=pickler())
                 state[key] = buf.getvalue()
         return state
 
@@ -177,13 +180,15 @@ class RunConfig:
         out_dir: run directory (metrics CSV, calibration cache, final weights); ``None`` = none.
         timeout_s: timeout of every process-group operation; a rank stuck this long fails.
         emulate: pace emulated devices and enforce their memory caps.
-        return_state: send every stage's final parameters back to the caller.
+        return_state: send every stage's final parameters and buffers back to the caller.
         progress: show a progress bar.
         log_every: minibatches between metric log lines.
         flush_every_wave: baseline mode for benchmarks: admit the next ``Nm`` minibatches only
             when the whole previous wave finished (a pipeline flush, as GPipe/1F1B schedules do).
         precision: ``fp32`` or ``bf16`` (autocast, fp32 master weights, bfloat16 activations
             across cuts: :mod:`profiler.precision`); ``""`` = the plan's.
+        on_nonfinite: a NaN or infinite loss or gradient: ``stop`` the run, or ``skip`` that
+            minibatch's update at every stage of the VW (:mod:`planner.nonfinite`).
     """
 
     steps: int = 0
@@ -199,10 +204,15 @@ class RunConfig:
     log_every: int = 10
     flush_every_wave: bool = False
     precision: str = ""
+    on_nonfinite: str = "stop"
 
     def __post_init__(self) -> None:
         if self.precision:
             check_precision(self.precision)
+        if self.on_nonfinite not in POLICIES:
+            raise ConfigError(
+                f"--on-nonfinite {shown(self.on_nonfinite)}: use {' or '.join(POLICIES)}"
+            )
         if self.steps < 0 or self.epochs < 0 or self.time_limit_s < 0:
             raise ConfigError(
                 f"--steps/--epochs/--time-limit must be >= 0, got {self.steps}/{self.epochs}/{self.time_limit_s}"

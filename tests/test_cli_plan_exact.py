@@ -24,7 +24,17 @@ def test_auto_prints_the_candidates_it_compared() -> None:
     out = " ".join(res.output.split())
     assert "4xVRGQ" in out and "2xVVQQ 2xRRGG" in out  # ED and HD, Table 3
     assert "infeasible (1)" in out and "(1) np" in out  # NP with 8 VWs: GG cannot hold vgg16
-    assert "proven" in out
+    assert "proven" in out and "chosen (exact)" in out
+    res = runner.invoke(
+        app,
+        ["plan", CLUSTER, "--profiles", VGG, "--policy", "auto", "--auto-max-vw-gpus", "4",
+         "--auto-budget", "0"],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    out = " ".join(res.output.split())
+    # no budget: the plain policies' own allocations are solved, the other candidates are cut
+    assert "budget 0 CPU s" in out and out.count("cut by budget") == 3
+    assert "4xVRGQ" in out and "2xVVQQ 2xRRGG" in out and out.count("exact") == 3
 
 
 def test_max_cuts_plan_states_its_gap(tmp_path: Path) -> None:
@@ -51,4 +61,22 @@ def test_max_cuts_plan_states_its_gap(tmp_path: Path) -> None:
 
 def test_bad_limits_are_one_line() -> None:
     res = runner.invoke(app, ["plan", CLUSTER, "--profiles", VGG, "--time-limit", "0"])
-    assert res.exit_code == 2 and "--time-limit must be > 0" in res.output
+    assert res.exit_code == 2 and "--time-limit 0.0: must be a finite number > 0" in res.output
+
+
+def test_many_vws_print_a_summary_unless_full(tmp_path: Path) -> None:
+    types = ("TITAN V", "TITAN RTX", "GeForce RTX 2060", "Quadro P4000")
+    nodes = "\n".join(f"  - {{name: n{i}, gpu: {types[i % 4]}, count: 4}}" for i in range(12))
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text(f"name: twelve\nnodes:\n{nodes}\n")
+    args = ["plan", str(cluster), "--profiles", VGG, "--policy", "np"]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    out = " ".join(res.output.split())
+    assert "12 VWs of 4 kinds: one of each shown" in out and out.count("(x3)") == 4
+    assert "11 VVVV" not in out.replace("│", " ") and "--full lists every VW" in out
+    full = runner.invoke(app, [*args, "--full"])
+    assert full.exit_code == 0, full.output
+    rows = " ".join(full.output.replace("│", " ").split())
+    assert all(f"{v} {t * 4}" in rows for v, t in zip(range(12), "VRGQ" * 3, strict=True))
+    assert "(x3)" not in rows and "kinds" not in rows

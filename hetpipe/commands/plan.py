@@ -15,8 +15,11 @@ from hetpipe._rules import SYNC_HELP, AlphaOpt, BackupsOpt, TauOpt, apply_rule, 
 from planner.cluster import Cluster, load_cluster
 from planner.plan import Plan, StagePlan, VirtualWorker
 from profiler.errors import ConfigError
+from runtime.options import Range, check_number
 
 if TYPE_CHECKING:  # heavy (torch, pandas, PuLP): imported when a plan is made
+    from rich.console import Console
+
     from planner.auto_search import Candidate
     from profiler.table import Profile
 
@@ -28,8 +31,9 @@ HELP = (
 )
 
 
-def _load_profiles(paths: list[Path], reference_type: str | None) -> list[Profile]:
-    """hetpipe CSV profiles from files/folders, plus PipeDream ``graph.txt`` files or their folders."""
+def load_profiles(paths: list[Path], reference_type: str | None) -> list[Profile]:
+    """hetpipe CSV profiles from files/folders, plus PipeDream ``graph.txt`` files or their
+    folders (``plan --profiles`` and ``simulate --profiles``)."""
     from profiler.pipedream import import_pipedream
     from profiler.table import load_profile_set
 
@@ -88,8 +92,29 @@ def _allreduce_plan(
     return allreduce_plan(cluster, model, batch, profiles=profiles or None, optimizer=opt)
 
 
-def render(plan: Plan) -> None:
-    """Print the VW/stage table and the predictions with rich."""
+SUMMARY_VWS = 8
+"""Above this many VWs the table shows one VW per kind unless ``--full``."""
+
+
+def _kinds(plan: Plan) -> list[tuple[VirtualWorker, int]]:
+    """One VW per kind (same GPU types, layers and stage times), with how many VWs share it."""
+    kinds: dict[tuple[object, ...], list[VirtualWorker]] = {}
+    for vw in plan.virtual_workers:
+        key = tuple(
+            (vw.gpus[s.gpu].type, s.first_index, s.last_index, round(s.time_ms, 6), s.memory)
+            for s in vw.stages
+        )
+        kinds.setdefault(key, []).append(vw)
+    return [(vws[0], len(vws)) for vws in kinds.values()]
+
+
+def render(plan: Plan, full: bool = True) -> None:
+    """Print the VW/stage table and the predictions with rich (``full``: every VW; else, above
+    :data:`SUMMARY_VWS` VWs, one VW of each kind with its count)."""
+    n = len(plan.virtual_workers)
+    shown_vws = [(vw, 1) for vw in plan.virtual_workers]
+    if not full and n > SUMMARY_VWS:
+        shown_vws = _kinds(plan)
     table = Table(
         title=f"{plan.model} (batch {plan.batch_size}) on {plan.cluster.name}: policy {plan.policy}"
     )
@@ -97,11 +122,13 @@ def render(plan: Plan) -> None:
     cols = ("VW", "stage", "GPU", "layers", "time ms", "memory used/cap")
     for col in (*cols, "WAOG host") if managed else cols:
         table.add_column(col, justify="right" if col in ("time ms", "VW", "stage") else "left")
-    for vw in plan.virtual_workers:
+    for vw, alike in shown_vws:
         for s in vw.stages:
             g = vw.gpus[s.gpu]
             table.add_row(
-                f"{vw.id} {vw.signature}" if s.gpu == 0 else "",
+                (f"{vw.id} {vw.signature}" + (f" (x{alike})" if alike > 1 else ""))
+                if s.gpu == 0
+                else "",
                 str(s.gpu),
                 f"{g.node}:{g.index} {g.type}",
                 f"{s.first_layer} .. {s.last_layer} ({s.last_index - s.first_index + 1})",
@@ -119,6 +146,12 @@ def render(plan: Plan) -> None:
             end_section=True,
         )
     console.print(table)
+    if len(shown_vws) < n:
+        console.print(
+            f"{n} VWs of {len(shown_vws)} kind{'s' if len(shown_vws) > 1 else ''}: one of each shown "
+            "(xN: VWs alike); "
+            "--full lists every VW"
+        )
     pr = plan.predicted
     if plan.sync == "allreduce":
         console.print(
@@ -148,27 +181,41 @@ def render(plan: Plan) -> None:
 
 
 def _vw_summary(signatures: tuple[str, ...]) -> str:
-    """``('VVQQ', 'VVQQ', 'RRGG', 'RRGG')`` -> ``2xVVQQ 2xRRGG``."""
-    out: list[tuple[str, int]] = []
+    """``('VVQQ', 'VVQQ', 'RRGG', 'RRGG')`` -> ``2xVVQQ 2xRRGG`` (alike VWs counted together, in
+    order of first appearance)."""
+    counts: dict[str, int] = {}
     for sig in signatures:
-        if out and out[-1][0] == sig:
-            out[-1] = (sig, out[-1][1] + 1)
-        else:
-            out.append((sig, 1))
-    return " ".join(f"{n}x{sig}" if n > 1 else sig for sig, n in out)
+        counts[sig] = counts.get(sig, 0) + 1
+    return " ".join(f"{n}x{_short(sig)}" if n > 1 else _short(sig) for sig, n in counts.items())
+
+
+def _short(sig: str, limit: int = 24) -> str:
+    """A VW's letters, cut to ``limit`` characters with its GPU count (``VRGQVRGQ...(1280)``)."""
+    return sig if len(sig) <= limit else f"{sig[:limit]}...({len(sig)})"
+
+
+def _status(status: str, solve: str) -> str:
+    """A candidate's status cell: solved ``exact`` or with a proven ``gap``, the winner marked."""
+    if status == "planned":
+        return solve
+    return f"{status} ({solve})" if solve else status
 
 
 def render_candidates(rows: list[Candidate], budget_s: float) -> None:
-    """The allocations policy ``auto`` compared (best bound first), then why some were infeasible."""
-    table = Table(title=f"policy auto: candidates compared (budget {budget_s:g} s)")
-    for col in ("policy", "VWs", "bound/s", "predicted/s", "Nm", "s", "status"):
-        table.add_column(col, justify="left" if col in ("policy", "VWs", "status") else "right")
+    """The allocations policy ``auto`` compared (best bound first): solved exactly (or with a
+    proven gap), cut by the budget or unable to win (with their bound), and the winner; then why
+    some were infeasible."""
+    table = Table(title=f"policy auto: candidates compared (budget {budget_s:g} CPU s)")
+    for col in ("policy", "VWs", "bound/s", "pred/s", "Nm", "CPU s", "status"):
+        right = col in ("bound/s", "pred/s", "Nm", "CPU s")
+        table.add_column(col, justify="right" if right else "left", no_wrap=col != "VWs")
     reasons: list[str] = []
     for r in rows:
         vws = _vw_summary(r.signatures)
         status = r.status
         if status.startswith("infeasible: "):
-            reasons.append(f"{r.policy} {vws}: {status[len('infeasible: ') :]}")
+            head = vws if len(vws) <= 60 else vws[:57] + "..."
+            reasons.append(f"{r.policy} {head}: {status[len('infeasible: ') :]}")
             status = f"infeasible ({len(reasons)})"
         table.add_row(
             r.policy,
@@ -177,7 +224,7 @@ def render_candidates(rows: list[Candidate], budget_s: float) -> None:
             f"{r.throughput:.1f}" if r.throughput else "-",
             str(r.nm) if r.nm else "-",
             f"{r.seconds:.2f}",
-            escape(status),
+            escape(_status(status, r.solve)),
             style="bold" if r.status == "chosen" else None,
         )
     console.print(table)
@@ -208,7 +255,10 @@ def plan(  # long only by its typer signature (the command's options); the body 
         typer.Option("--batch-size", "-b", help="minibatch size (default: the profiles', else 32)"),
     ] = None,
     nm: Annotated[
-        int | None, typer.Option("--nm", help="cap on concurrent minibatches per VW")
+        int | None,
+        typer.Option(
+            "--nm", help="cap on concurrent minibatches per VW (at most what memory allows)"
+        ),
     ] = None,
     staleness: Annotated[int, typer.Option("-D", help="WSP clock-distance threshold D")] = 0,
     placement: Annotated[str, typer.Option("--placement", help="default | local")] = "default",
@@ -252,11 +302,21 @@ def plan(  # long only by its typer signature (the command's options); the body 
     ] = 60.0,
     auto_budget: Annotated[
         float,
-        typer.Option("--auto-budget", help="planning seconds policy auto may spend on candidates"),
+        typer.Option(
+            "--auto-budget",
+            help="CPU seconds policy auto may spend solving candidates (shared between them)",
+        ),
     ] = 120.0,
     auto_max_vw_gpus: Annotated[
         int, typer.Option("--auto-max-vw-gpus", help="largest VW policy auto tries")
     ] = 16,
+    full: Annotated[
+        bool,
+        typer.Option(
+            "--full",
+            help=f"list every VW and stage (default above {SUMMARY_VWS} VWs: one VW of each kind)",
+        ),
+    ] = False,
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="write the plan (YAML, or JSON if *.json)")
     ] = None,
@@ -280,13 +340,17 @@ def plan(  # long only by its typer signature (the command's options); the body 
 ) -> None:
     """Plan HetPipe training (see HELP)."""
     from planner.costmodel import load_links
+    from planner.plan_check import check_nm
     from planner.planner import PlanOptions, make_plan
 
-    _check_options(time_limit, auto_budget, auto_max_vw_gpus, max_cuts, sync,
-                   bool(policy or vws or nm or staleness))  # fmt: skip
+    numbers = {"--batch-size": batch_size, "--nm": nm, "-D": staleness, "--vws": vws,
+               "--time-limit": time_limit, "--auto-budget": auto_budget,
+               "--auto-max-vw-gpus": auto_max_vw_gpus, "--max-cuts": max_cuts}  # fmt: skip
+    _check_options(numbers, sync, bool(policy or vws or nm or staleness))
     rule = rule_params(sync, backups, tau, alpha)
     cl = load_cluster(cluster)
-    profs = _load_profiles(profiles, profile_gpu) if profiles else []
+    _pacing_note(cl, err_console if as_json else console)
+    profs = load_profiles(profiles, profile_gpu) if profiles else []
     candidates: list[Candidate] = []
     options = PlanOptions(
         partitioner=partitioner,
@@ -311,33 +375,49 @@ def plan(  # long only by its typer signature (the command's options); the body 
                 links=load_links(links) if links else None, options=options,
                 reference_type=profile_gpu, report=candidates, precision=precision,
             )  # fmt: skip
-    _emit(apply_rule(result, sync, rule), output, as_json, candidates, auto_budget)
+    if nm is not None:
+        check_nm(result, nm)  # the planner caps Nm at what memory allows: say so, do not write
+    _emit(apply_rule(result, sync, rule), output, as_json, candidates, auto_budget, full)
 
 
-def _check_options(
-    time_limit: float,
-    auto_budget: float,
-    auto_max_vw_gpus: int,
-    max_cuts: int | None,
-    sync: str,
-    shapes_hetpipe: bool,
-) -> None:
+_RANGES = {
+    "--batch-size": Range(1), "--nm": Range(1), "-D": Range(0), "--vws": Range(1),
+    "--time-limit": Range(0, open_low=True), "--auto-budget": Range(0),
+    "--auto-max-vw-gpus": Range(1), "--max-cuts": Range(0),
+}  # fmt: skip
+"""The values each numeric option of ``hetpipe plan`` takes (``None``: not given)."""
+
+
+def _check_options(numbers: dict[str, float | None], sync: str, shapes_hetpipe: bool) -> None:
     """Refuse bad option values before any planning (one line each)."""
-    if time_limit <= 0 or auto_budget < 0 or auto_max_vw_gpus < 1:
-        raise ConfigError(
-            f"--time-limit must be > 0, --auto-budget >= 0 and --auto-max-vw-gpus >= 1 (got "
-            f"{time_limit:g}, {auto_budget:g}, {auto_max_vw_gpus})"
-        )
-    if max_cuts is not None and max_cuts < 0:
-        raise ConfigError(f"--max-cuts must be >= 0, got {max_cuts}")
+    for flag, value in numbers.items():
+        check_number(flag, value, _RANGES[flag])
     if sync == "allreduce" and shapes_hetpipe:
         raise ConfigError(
             "--policy, --vws, --nm and -D shape HetPipe plans; drop them with --sync allreduce"
         )
 
 
+def _pacing_note(cl: Cluster, out: Console) -> None:
+    """Warn (a plan may run on another machine) when this machine could not pace the
+    cluster's emulated devices all at once; ``hetpipe run`` refuses it."""
+    import os
+
+    from planner.pacing import pacing_problem
+
+    devices = [(d.label, d.emulation.speed) for d in cl.devices if d.emulation is not None]
+    problem = pacing_problem(devices, os.cpu_count() or 1) if devices else None
+    if problem is not None:
+        out.print(f"[yellow]note:[/] {escape(problem)}; 'hetpipe run' refuses that here")
+
+
 def _emit(
-    result: Plan, output: Path | None, as_json: bool, candidates: list[Candidate], budget: float
+    result: Plan,
+    output: Path | None,
+    as_json: bool,
+    candidates: list[Candidate],
+    budget: float,
+    full: bool,
 ) -> None:
     """Write the plan (``-o``), print it as JSON (``--json``) or render it."""
     if output is not None:
@@ -349,6 +429,6 @@ def _emit(
         return
     if candidates:
         render_candidates(candidates, budget)
-    render(result)
+    render(result, full)
     if output is not None:
         console.print(f"wrote {output}")

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.launch.failures import SECONDARY
+from runtime.launch.failures import SECONDARY, diverged
 
 __all__ = ["VWEvictor"]
 
@@ -50,6 +50,8 @@ class VWEvictor:
         """Stop the VWs of the failed ranks (and restart them when allowed); the ranks the
         run goes on without, or ``None`` when the run must stop (a shard failed, or no VW
         would survive)."""
+        if any(diverged(m) for m in errors.values()):
+            return None  # evicted or restarted, it would diverge again: the run stops
         vw_of = {r: k for k, ranks in self.vw_ranks.items() for r in ranks}
         vws = {vw_of.get(r, -1) for r in errors}
         if -1 not in vws and self._shard_died(vw_of, errors):

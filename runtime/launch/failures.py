@@ -11,17 +11,21 @@ is :mod:`runtime.launch.child`; heartbeats and rendezvous folders are
 from __future__ import annotations
 
 import queue
+import re
 import signal
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from profiler.errors import HetPipeRuntimeError
+from runtime.stage.nonfinite import Diverged
 
 __all__ = [
     "GRACE_S",
     "SECONDARY",
     "Interrupted",
+    "diverged",
+    "reported",
     "root_cause_rank",
     "stop_all",
     "watch",
@@ -41,6 +45,7 @@ SECONDARY = (
     "did not answer",
     "Timed out",
     "timed out",
+    "Wait timeout",  # a store wait for a peer that never came (e.g. lost at start-up)
 )
 
 
@@ -97,6 +102,7 @@ def watch(  # long by its docstring (10 arguments, documented); the body is ~40 
     first_event_s: float = 0.0,
     frozen: Callable[[], dict[int, str]] | None = None,
     absorb: Callable[[dict[int, str]], set[int] | None] | None = None,
+    without: set[int] | None = None,
 ) -> dict[int, bytes]:
     """Watch a launcher's children until ``n_results`` of them delivered their result.
 
@@ -121,6 +127,8 @@ def watch(  # long by its docstring (10 arguments, documented); the body is ~40 
         absorb: given failed ranks (rank -> why), the ranks the run goes on without (it
             stopped them; ``--on-failure continue``; none when it restarted them), or
             ``None``: the run fails.
+        without: ranks the run goes on without from the start (an absent VW's: they send no
+            result, and their errors are nobody's cause).
 
     Returns:
         rank -> result payload (as sent), without the absorbed ranks.
@@ -129,7 +137,7 @@ def watch(  # long by its docstring (10 arguments, documented); the body is ~40 
         HetPipeRuntimeError: no progress for ``stall_s``; whatever ``fail`` builds.
     """
     results: dict[int, bytes] = {}
-    gone: set[int] = set()  # ranks the run goes on without (absorbed failures)
+    gone = set(without or ())  # ranks the run goes on without (absorbed failures)
     first_event = last_event = 0.0  # wall times (0 = training not started)
     started = time.time()
 
@@ -205,6 +213,19 @@ def stop_all(procs: Mapping[int, Any], grace_s: float = GRACE_S) -> None:
         if p.is_alive():
             p.kill()
             p.join(1.0)
+
+
+def diverged(report: str) -> bool:
+    """Whether a rank's error report (``Type: message (file:line)``, from
+    :func:`runtime.launch.child.run_rank`) says the run diverged
+    (:class:`runtime.stage.nonfinite.Diverged`): a cause that a restart would only repeat."""
+    return report.startswith(f"{Diverged.__name__}: ")
+
+
+def reported(report: str) -> str:
+    """The message of a rank's error report, without its type and source location."""
+    text = report.split(": ", 1)[1] if ": " in report else report
+    return re.sub(r" \([\w.]+:\d+\)$", "", text)
 
 
 class Interrupted(HetPipeRuntimeError):

@@ -23,7 +23,14 @@ from torch import Tensor
 
 from runtime.results.metrics_log import HEADER, has_history
 
-__all__ = ["ProgressBar", "StageResult", "VWResult", "stage_table", "write_metrics"]
+__all__ = [
+    "ProgressBar",
+    "StageResult",
+    "VWResult",
+    "skipped_caption",
+    "stage_table",
+    "write_metrics",
+]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +55,7 @@ class StageResult:
         losses: ``(minibatch, loss)`` (last stage only).
         done_times: wall-clock time each backward finished.
         state: final parameters by original name (when requested).
+        buffers: final buffers (batch-norm statistics) by original name (always returned).
         wait_s: time blocked waiting for the parameter servers (WSP pulls and pushes).
         clocks: ``(required global clock, pulled global clock)`` of every WSP pull.
         overrun_s: time paced tasks ran past their target (an emulated device whose real
@@ -56,6 +64,8 @@ class StageResult:
             tasks (``F``, ``B``, ``FB``) and WSP pull waits (``wait``), for the timeline.
         pushes: ``(wave, wall-clock time)`` of every push to the shards (the rule's arrivals).
         dropped: ``(shard, wave)`` of every push a shard dropped (backup workers).
+        skipped: minibatches whose update this stage skipped (``--on-nonfinite skip``: a NaN
+            or infinite loss or gradient; every stage of a VW skips the same ones).
     """
 
     rank: int
@@ -73,12 +83,14 @@ class StageResult:
     losses: list[tuple[int, float]] = field(default_factory=list)
     done_times: list[float] = field(default_factory=list)
     state: dict[str, Tensor] | None = None
+    buffers: dict[str, Tensor] | None = None
     wait_s: float = 0.0
     clocks: list[tuple[int, int]] = field(default_factory=list)
     overrun_s: float = 0.0
     task_log: list[tuple[str, int, float, float]] = field(default_factory=list)
     pushes: list[tuple[int, float]] = field(default_factory=list)
     dropped: list[tuple[int, int]] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
 
     def log_interval(self, kind: str, mb: int, start: float, end: float) -> None:
         """Record a task or wait for the timeline (the first :data:`MAX_TASK_LOG` of a run)."""
@@ -131,6 +143,12 @@ class VWResult:
         return [loss for _, loss in sorted(self.stages[-1].losses)] if self.stages else []
 
     @property
+    def skipped(self) -> list[int]:
+        """Minibatches whose update was skipped (``--on-nonfinite skip``), in order: any
+        stage's (every stage of the VW skips the same ones)."""
+        return sorted({mb for s in self.stages for mb in s.skipped})
+
+    @property
     def throughput(self) -> float:
         """Samples/s with the simulator's definition (``planner.sim.types.measured_throughput``:
         stage-0 backward completions after warm-up wave 0); whole-run average for runs shorter
@@ -153,10 +171,19 @@ class VWResult:
         return len(times) * self.batch_size / span if span > 0 else 0.0
 
     def state_dict(self) -> dict[str, Tensor]:
-        """Final parameters of the whole model by original name (when the run returned them)."""
+        """Final parameters of the whole model by original name (when the run returned them),
+        without its buffers (:meth:`buffers`)."""
         out: dict[str, Tensor] = {}
         for s in self.stages:
             out.update(s.state or {})
+        return out
+
+    def buffers(self) -> dict[str, Tensor]:
+        """Final buffers of the whole model (batch-norm statistics) by original name (when the
+        run returned them); a buffer read on several stages: the first stage's."""
+        out: dict[str, Tensor] = {}
+        for s in reversed(self.stages):
+            out.update(s.buffers or {})
         return out
 
 
@@ -169,12 +196,23 @@ def write_metrics(result: VWResult, out_dir: Path) -> Path:
     done = sorted(result.stages[0].done_times)
     start = result.stages[0].start_time
     if not has_history(path):  # a result saved by hand: its own rows, one attempt
+        skipped = set(result.skipped)
         with path.open("w", newline="", encoding="utf-8") as f:
             w = csv.writer(f)
             w.writerow(HEADER)
             for i, (mb, loss) in enumerate(sorted(result.stages[-1].losses)):
                 t = done[i] - start if i < len(done) else float("nan")
-                w.writerow([0, 0, mb, f"{loss:.6f}", f"{t:.6f}", mb * result.batch_size])
+                w.writerow(
+                    [
+                        0,
+                        0,
+                        mb,
+                        f"{loss:.6f}",
+                        f"{t:.6f}",
+                        mb * result.batch_size,
+                        int(mb in skipped),
+                    ]
+                )
     with (out_dir / "stages.csv").open("w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
         w.writerow(
@@ -244,7 +282,15 @@ def stage_table(result: VWResult) -> Table:
         )
     if result.losses:
         table.caption = f"loss: first {result.losses[0]:.4f}, last {result.losses[-1]:.4f}"
+    if result.skipped:
+        skipped = f"{skipped_caption(len(result.skipped))}"
+        table.caption = f"{table.caption}; {skipped}" if table.caption else skipped
     return table
+
+
+def skipped_caption(n: int) -> str:
+    """What a summary says of ``n`` skipped updates (``--on-nonfinite skip``)."""
+    return f"{n} update{'s' if n != 1 else ''} skipped (non-finite loss or gradients)"
 
 
 class ProgressBar:

@@ -34,7 +34,7 @@ __all__ = [
     "start_log",
 ]
 
-HEADER = ("attempt", "incarnation", "minibatch", "loss", "done_s", "samples")
+HEADER = ("attempt", "incarnation", "minibatch", "loss", "done_s", "samples", "skipped")
 
 
 @dataclass(frozen=True)
@@ -121,6 +121,7 @@ class MetricsLog:
         self.offset = {r.rank: r.first_mb for r in roles}  # a rank's minibatch 0, globally
         self._loss: dict[tuple[int, int, int], float] = {}  # (vw, inc, minibatch) -> loss
         self._done: dict[tuple[int, int, int], float] = {}  # (vw, inc, minibatch) -> time
+        self._skipped: dict[tuple[int, int, int], bool] = {}  # stage 0 skipped its update
         self._written: set[tuple[int, int, int]] = set()
         for p in paths.values():
             if not has_history(p):
@@ -143,8 +144,9 @@ class MetricsLog:
             return
         if kind == "loss" and role.last:
             self._loss[key] = float(msg[3])
-        elif kind == "done" and role.first:
+        elif kind == "done" and role.first:  # stage 0 skips what every stage skips
             self._done[key] = float(msg[3])
+            self._skipped[key] = bool(msg[4]) if len(msg) > 4 else False
         else:
             return
         if key in self._loss and key in self._done:
@@ -154,7 +156,9 @@ class MetricsLog:
         vw, inc, mb = key
         self._written.add(key)
         loss, done = self._loss.pop(key), self._done.pop(key)
-        row = (self.attempt, inc, mb, f"{loss:.6f}", f"{done - self.start:.6f}", mb * batch_size)
+        skipped = int(self._skipped.pop(key, False))
+        t = f"{done - self.start:.6f}"
+        row = (self.attempt, inc, mb, f"{loss:.6f}", t, mb * batch_size, skipped)
         _append(self.paths[vw], row)
 
 

@@ -178,12 +178,14 @@ class VersionedWeights:
                 if self.moves is not None:
                     self.moves.forget(dropped)
 
-    def update(self, mb: int, grads: dict[str, Tensor | None]) -> None:
+    def update(self, mb: int, grads: dict[str, Tensor | None], apply: bool = True) -> None:
         """Release minibatch ``mb``'s version and apply its update ``u_mb`` to the master.
 
         Args:
             mb: the minibatch whose backward pass just finished (in increasing order).
             grads: gradient of the loss with respect to each parameter (``None`` = unused).
+            apply: ``False``: a skipped update (``--on-nonfinite skip``): ``u_mb`` is zero,
+                the optimizer state stays as it was, the versions and the lr schedule move on.
 
         Raises:
             HetPipeRuntimeError: updates out of order.
@@ -207,9 +209,9 @@ class VersionedWeights:
                 self.moves.version_down(self._versions[k])
         if self.moves is not None:
             grads = self.moves.grads_up(grads)
-            if self.optimizer is not None:
+            if self.optimizer is not None and apply:
                 self.moves.state_up(self.optimizer)
-        if self.optimizer is not None:
+        if self.optimizer is not None and apply:
             lr = lr_at(self.cfg, self.first_update + k, self.total_updates)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr

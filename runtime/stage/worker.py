@@ -10,6 +10,7 @@ flight. Weights follow :class:`runtime.stage.weights.VersionedWeights` (exact lo
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import time
 from typing import Any
@@ -18,6 +19,7 @@ import torch
 from torch import Tensor
 from torch.func import functional_call
 
+from planner.nonfinite import Verdict
 from planner.schedule import Kind, StageQueue, Task
 from planner.wsp import wave_of
 from profiler.errors import HetPipeRuntimeError
@@ -32,6 +34,7 @@ from runtime.stage.grads import Held, backward_grads, outputs_backward
 from runtime.stage.job import StageJob
 from runtime.stage.model import build_stage, stage_rng_seed
 from runtime.stage.moves import class_moves
+from runtime.stage.nonfinite import StageJudge, mark
 from runtime.stage.offload import memory_manager, metered_forward
 from runtime.stage.tied import TiedGrads
 from runtime.stage.weights import VersionedWeights
@@ -62,6 +65,12 @@ class StageWorker:
         self.module = built.module.to(self.device).train()
         self.loss_fn = built.loss
         self.names = built.names
+        # local -> original name of every buffer (batch-norm statistics); a graph constant
+        # made when a shipped stage is unpickled (``_tensor_constant0``) keeps its own
+        self.buffer_names = {
+            n: built.buffer_names.get(n, n.removeprefix("inner."))
+            for n, _ in self.module.named_buffers()
+        }
         self.precision = run.precision or "fp32"
         self.device_type = self.device.type
         self.in_specs = wire_specs(built.in_specs, self.precision)
@@ -69,7 +78,7 @@ class StageWorker:
         self.data = job.minibatches(built) if ctx.stage == 0 or self.last else None
         params = dict(self.module.named_parameters())
         local = {orig: name for name, orig in self.names.items()}
-        self.tied = TiedGrads(ctx.stage, ctx.rank - ctx.stage, built.tied, local)
+        self.tied = TiedGrads(ctx.stage, ctx.rank - ctx.stage, built.tied, local, self._wait_s)
         # a resumed run's lr schedule goes on where it stopped (cosine horizon included)
         copy = not run.emulate or ctx.speed <= 0
         self.weights = VersionedWeights(
@@ -87,12 +96,17 @@ class StageWorker:
         self.held: dict[int, Held] = {}
         self.result = StageResult(ctx.rank, ctx.vw, ctx.stage, ctx.device)
         self.fault = job.fault.hook(ctx.vw, ctx.stage) if job.fault is not None else None
+        self._nan_at = job.fault.nan_at(ctx.vw, ctx.stage) if job.fault is not None else 0
+        self.judge = StageJudge(
+            run.on_nonfinite, ctx.vw, ctx.stage, self.last, job.first_mb, ctx.nm
+        )
+        self._loss = 0.0  # the last stage's loss of the minibatch being judged
         self.first_wave = job.sync.first_wave
         view = StageView(
             ctx.rank, ctx.vw, ctx.stage, ctx.nm, f"vw{ctx.vw}-stage{ctx.stage}",
             tuple((self.names[n], p) for n, p in params.items()), self.weights, self.result,
             self.tied if self.tied else None, job.init_method, group,
-            tuple(self.module.named_buffers()),
+            tuple((self.buffer_names[n], b) for n, b in self.module.named_buffers()),
         )  # fmt: skip
         self.sync = stage_sync(job.sync, view)  # the synchronisation rule's hooks
         self._task_mb = 1  # the minibatch of the task being paced (its wave may straggle)
@@ -141,6 +155,10 @@ class StageWorker:
                 self.names[n]: p.detach().to("cpu", copy=True)
                 for n, p in self.module.named_parameters()
             }
+        # always: the run's evaluation needs them, and the shards hold parameters only
+        self.result.buffers = {
+            self.buffer_names[n]: b.detach().clone() for n, b in self.module.named_buffers()
+        }
         self.sync.close()
         return self.result
 
@@ -316,10 +334,11 @@ class StageWorker:
                     to_next.send_activations(mb, out)
                 return
             grads_w, grads_x = self._loss_backward(mb, out)
+        judged = self._judge(mb, grads_w, grads_x)  # before any gradient leaves
         if not self._paced:  # the gradients leave first: the previous stage waits on them
             if to_prev is not None:
                 to_prev.send_grads(grads_x)
-            self._update(mb, grads_w)
+            self._update(mb, grads_w, judged)
             return
         # An emulated device: the optimizer step and the wave's bookkeeping are device work (on
         # a GPU a few passes over the weights at memory bandwidth, ~1 % of a step), so they run
@@ -333,17 +352,36 @@ class StageWorker:
             to_prev.send_grads(grads_x)
             to_prev = None
         waited = self.result.wait_s
-        self._update(mb, grads_w)
+        self._update(mb, grads_w, judged)
         pace_until(deadline + (self.result.wait_s - waited))
         if to_prev is not None:
             to_prev.send_grads(grads_x)
 
-    def _update(self, mb: int, grads_w: dict[str, Tensor | None]) -> None:
-        grads_w = self.sync.reduce_grads(mb, self.weights.park_grads(grads_w))
+    def _judge(
+        self, mb: int, grads_w: dict[str, Tensor | None], grads_x: list[Tensor | None]
+    ) -> Verdict:
+        """The ``--on-nonfinite`` verdict on ``mb`` after its backward (a skip marks the
+        gradients; :class:`runtime.stage.nonfinite.StageJudge`).
+
+        Raises:
+            Diverged: a loss or gradient is not finite and the run must stop.
+        """
+        if mb == self._nan_at and not self.last:  # test hook: this stage's gradients diverge
+            mark(grads_w.values())
+        loss = self._loss if self.last else 0.0
+        return self.judge.local(mb, loss, self.held[mb].grads_in, grads_w.values(), grads_x)
+
+    def _update(self, mb: int, grads_w: dict[str, Tensor | None], judged: Verdict) -> None:
+        parked = self.weights.park_grads(grads_w)
+        grads_w = self.sync.reduce_grads(mb, parked)
         self.sync.before_update(mb)
         if self.tied:  # a parameter held by several stages: every copy takes the summed step
             grads_w = self.tied.exchange(grads_w, self.weights.master)
-        self.weights.update(mb, grads_w)
+        if grads_w is not parked:  # reduced over the VWs or summed with tied copies
+            judged = self.judge.reduced(mb, judged, grads_w.values())
+        if judged is Verdict.SKIP:
+            self.result.skipped.append(mb)
+        self.weights.update(mb, grads_w, apply=judged is Verdict.APPLY)
         self.sync.after_update(mb)
 
     def _load(self, mb: int) -> None:
@@ -395,7 +433,9 @@ class StageWorker:
             targets = self.data.targets(mb).to(self.device)
         with autocast(self.device_type, self.precision):
             loss = self.loss_fn(out, targets)
-        value = float(loss.item())
+        if mb == self._nan_at:  # test hook: the loss diverges here
+            loss = loss * math.nan
+        value = self._loss = float(loss.item())
         self.result.losses.append((mb, value))
         if self.events is not None:
             self.events.put(("loss", self.ctx.rank, mb, value, time.time()))
@@ -408,4 +448,5 @@ class StageWorker:
             self.offload.release(mb, self.memory)
         self.result.done_times.append(time.time())
         if self.ctx.stage == 0 and self.events is not None:
-            self.events.put(("done", self.ctx.rank, mb, time.time()))
+            skipped = mb in self.result.skipped  # every stage skips the same (planner.nonfinite)
+            self.events.put(("done", self.ctx.rank, mb, time.time(), skipped))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import pytest
 
 from planner.allocation import Allocation, candidate_allocations
@@ -96,17 +99,48 @@ def test_max_cuts_is_an_approximation_with_a_bound() -> None:
 
 
 def test_auto_budget_skips_but_reports() -> None:
-    """With the budget spent, later candidates are listed as skipped (fake clock)."""
+    """With the budget spent, later candidates are listed as cut, with their bound (fake clock);
+    each plain policy's own allocation is solved whatever the budget."""
     paper = load_cluster(EXAMPLES / "paper_cluster.yaml")
     profs = synthetic_profiles(30, seed=4)
 
-    def plan_one(alloc: Allocation) -> Plan:
+    def plan_one(alloc: Allocation, share_s: float) -> Plan:
         return make_plan(paper, profs, policy=alloc.policy, num_vws=len(alloc.groups), options=FAST)
 
     allocs = candidate_allocations(paper, None, 4)
+    assert [a.policy for a in allocs if a.natural] == ["np", "ed", "hd"]
     ticks = iter(range(0, 10_000, 100))
     best, rows = compare_allocations(
         allocs, lambda a: 1e9, plan_one, 50.0, clock=lambda: next(ticks)
     )
     assert best is not None and len(rows) == len(allocs)
-    assert [r.status for r in rows].count("skipped (budget)") == len(allocs) - 1
+    cut = [r for r in rows if r.status == "cut by budget"]
+    assert len(cut) == sum(not a.natural for a in allocs) > 0
+    assert all(r.bound == 1e9 and r.solve == "" for r in cut)
+    assert all(r.solve == "exact" for r in rows if r.throughput > 0)
+
+
+def test_auto_shares_the_budget_between_candidates() -> None:
+    """Each solve gets what is left over the candidates left (natural ones: no cap), and the
+    search stops once the best beats every remaining bound."""
+    paper = load_cluster(EXAMPLES / "paper_cluster.yaml")
+    profs = synthetic_profiles(30, seed=4)
+    allocs = [replace(a, natural=False) for a in candidate_allocations(paper, None, 4)]
+    allocs[-1] = replace(allocs[-1], natural=True)
+    shares: list[float] = []
+
+    def plan_one(alloc: Allocation, share_s: float) -> Plan:
+        shares.append(share_s)
+        return make_plan(paper, profs, policy=alloc.policy, num_vws=len(alloc.groups), options=FAST)
+
+    ticks = iter(range(0, 10_000, 10))  # every clock read spends 10 s
+    budget = 10.0 * (3 * len(allocs) + 1)  # enough for every candidate
+    bounds = {a.signatures: 1e9 - i for i, a in enumerate(allocs)}  # visiting order = list order
+    compare_allocations(
+        allocs, lambda a: bounds[a.signatures], plan_one, budget, clock=lambda: next(ticks)
+    )
+    n = len(allocs)
+    expected = [max(1.0, (budget - 10.0 * (1 + 3 * i)) / (n - i)) for i in range(n - 1)]
+    assert shares == [*expected, math.inf]
+    _, rows = compare_allocations(allocs, lambda a: 1e-3, plan_one, budget)
+    assert [r.status for r in rows[1:]] == ["cannot win"] * (n - 1)

@@ -125,3 +125,26 @@ def test_lr_schedules() -> None:
         0.0, abs=1e-12
     )
     assert lr_at(OptimizerConfig(lr=1.0, schedule="cosine"), 5, 10) == pytest.approx(0.5)
+
+
+def test_a_skipped_update_keeps_weights_and_optimizer_state_and_moves_on() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 2)
+    params = dict(lin.named_parameters())
+    w = VersionedWeights(params, 2, OptimizerConfig(lr=0.1, momentum=0.9))
+    grads = {n: torch.ones_like(p) for n, p in params.items()}
+    for mb in (1, 2):
+        w.acquire(mb)
+    w.update(1, grads)
+    before = {n: p.detach().clone() for n, p in params.items()}
+    assert w.optimizer is not None
+    momentum = {n: w.optimizer.state[p]["momentum_buffer"].clone() for n, p in params.items()}
+    w.acquire(3)
+    nan = {n: torch.full_like(p, float("nan")) for n, p in params.items()}
+    w.update(2, nan, apply=False)
+    assert w.version == 2
+    for n, p in params.items():
+        assert_close(p.detach(), before[n], rtol=0, atol=0)
+        assert_close(w.optimizer.state[p]["momentum_buffer"], momentum[n], rtol=0, atol=0)
+    w.update(3, grads)  # the next update goes on from there
+    assert w.version == 3 and all(torch.isfinite(p).all() for p in params.values())

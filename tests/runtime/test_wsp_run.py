@@ -54,12 +54,19 @@ def _sources(n_vws: int, seed: int = 0, rule: str = "wsp") -> list[MinibatchSour
 
 
 def wsp_reference(
-    n_vws: int, nm: int, waves: int, seed: int = 0, momentum: float = 0.0, rule: str = "wsp"
+    n_vws: int,
+    nm: int,
+    waves: int,
+    seed: int = 0,
+    momentum: float = 0.0,
+    rule: str = "wsp",
+    skipped: frozenset[tuple[int, int]] = frozenset(),
 ) -> tuple[dict[str, Tensor], list[list[float]]]:
     """Single-process WSP with D = 0 and each VW's own SGD (with momentum): each VW's minibatch
     p runs on its version p - Nm; at each wave end every VW pushes its wave delta, the global
     weights add them in VW order, and every VW continues from the global weights. Each VW's
-    data follows ``rule``'s data rule."""
+    data follows ``rule``'s data rule; the update of VW ``k``'s minibatch ``p`` is skipped
+    (no step, the optimizer state as it was) for every ``(k, p)`` in ``skipped``."""
     module, names, loss_fn = reference_module(SOURCE, BATCH, seed)
     w0 = {n: p.detach().clone() for n, p in module.named_parameters()}
     data = _sources(n_vws, seed, rule)
@@ -78,11 +85,14 @@ def wsp_reference(
                 loss = loss_fn(functional_call(module, w, tuple(x)), y)
                 grads = torch.autograd.grad(loss, list(w.values()))
                 master, buf = history[k][-1], bufs[k]
+                losses[k].append(float(loss.detach()))
+                if (k, p) in skipped:  # --on-nonfinite skip: the weights stay as they were
+                    history[k].append(dict(master))
+                    continue
                 for n, g in zip(w, grads, strict=True):  # torch.optim.SGD's momentum rule
                     buf[n] = g.clone() if n not in buf else buf[n].mul(momentum).add(g)
                 step = buf if momentum else dict(zip(w, grads, strict=True))
                 history[k].append({n: master[n].add(step[n], alpha=-LR) for n in w})
-                losses[k].append(float(loss.detach()))
             deltas.append({n: history[k][-1][n] - start[n] for n in w0})
         for d in deltas:
             glob = {n: glob[n] + d[n] for n in glob}
