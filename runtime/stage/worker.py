@@ -157,7 +157,8 @@ class StageWorker:
             }
         # always: the run's evaluation needs them, and the shards hold parameters only
         self.result.buffers = {
-            self.buffer_names[n]: b.detach().clone() for n, b in self.module.named_buffers()
+            self.buffer_names[n]: b.detach().to("cpu", copy=True)
+            for n, b in self.module.named_buffers()
         }
         self.sync.close()
         return self.result
