@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from runtime.config import ModelSource
 from runtime.defaults import neighbour_wait_s
-from runtime.launch.backend import GLOO, cuda_index, stage_backend
+from runtime.launch.backend import cuda_index, stage_backend
 from runtime.launch.child import run_rank, setup_child
 from runtime.launch.faults import ShardFault
 from runtime.launch.startup import ABSENT, JOINED
@@ -185,9 +185,8 @@ def stage_main(job: StageJob, events: Any, parent: int) -> None:
         events.put((JOINED, job.ctx.rank, None))
         return "result", dumps_result(worker.run())
 
-    emulated = job.ctx.speed > 0 or job.ctx.cap_bytes > 0
-    backend = stage_backend(job.sync.rule, emulated, torch.cuda.is_available())
-    if backend != GLOO:  # NCCL: one GPU per rank, the plan's
+    backend = stage_backend(job.sync.rule, job.ctx.emulated, torch.cuda.is_available())
+    if job.ctx.torch_device(torch.cuda.device_count()) != "cpu":  # one GPU per rank, the plan's
         torch.cuda.set_device(cuda_index(job.ctx.device, torch.cuda.device_count()))
     run_rank(job.ctx.rank, events, job.init_method, job.world_size, job.run.timeout_s, body,
              backend, hold=hold)  # fmt: skip

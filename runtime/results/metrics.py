@@ -50,6 +50,8 @@ class StageResult:
         steps: minibatches whose backward finished here.
         max_in_flight: most minibatches held at once (forward started, backward not done).
         peak_bytes: peak of the byte accounting.
+        cuda_peak_bytes: ``torch.cuda.max_memory_allocated`` of the stage's process on its
+            GPU (0 on CPU).
         losses: ``(minibatch, loss)`` (last stage only).
         done_times: wall-clock time each backward finished.
         state: final parameters by original name (when requested).
@@ -77,6 +79,7 @@ class StageResult:
     steps: int = 0
     max_in_flight: int = 0
     peak_bytes: int = 0
+    cuda_peak_bytes: int = 0
     losses: list[tuple[int, float]] = field(default_factory=list)
     done_times: list[float] = field(default_factory=list)
     state: dict[str, Tensor] | None = None

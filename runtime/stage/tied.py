@@ -26,6 +26,7 @@ from torch import Tensor
 from profiler.errors import HetPipeRuntimeError
 from profiler.graph import ModelGraph
 from runtime.ps.wire import irecv, isend
+from runtime.stage.device import to_host
 
 __all__ = ["TAG", "TiedGrads", "TiedParam", "tied_params"]
 
@@ -117,10 +118,10 @@ class TiedGrads:
         Raises:
             HetPipeRuntimeError: another holder sent nothing within ``timeout_s``.
         """
-        mine = {}
+        mine = {}  # in host memory: the exchange is gloo's (a GPU stage's come back after)
         for it in self.items:
             g = grads.get(it.local)
-            mine[it.local] = torch.zeros_like(like[it.local]) if g is None else g.detach()
+            mine[it.local] = to_host(torch.zeros_like(like[it.local]) if g is None else g.detach())
         sends = [  # phase 1: every gradient leaves for its owner
             isend(mine[it.local].contiguous(), it.owner, None, it.tag)
             for it in self.items
@@ -131,12 +132,12 @@ class TiedGrads:
             if it.owner == self.rank:
                 total = self._sum(it, mine[it.local])
                 sends += [isend(total, r, None, it.tag) for r in it.others]
-                out[it.local] = total
+                out[it.local] = total.to(like[it.local].device)
         for it in self.items:  # phase 3: every other holder takes the owner's total
             if it.owner != self.rank:
                 total = torch.empty_like(mine[it.local]).contiguous()
                 self._wait(irecv(total, it.owner, None, it.tag), it.owner)
-                out[it.local] = total
+                out[it.local] = total.to(like[it.local].device)
         for work in sends:
             self._wait(work, -1)
         return out

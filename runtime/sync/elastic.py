@@ -217,7 +217,7 @@ class ElasticSync(StageSync):
         self.result.pushes.append((k, t_push))
         with torch.no_grad():
             diffs = [
-                elastic_difference(p.detach(), c, self.alpha)
+                elastic_difference(p.detach(), c.to(p.device), self.alpha)  # pull: host
                 for p, c in zip(self.params, centre, strict=True)
             ]
             for p, d in zip(self.params, diffs, strict=True):
