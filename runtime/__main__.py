@@ -18,8 +18,10 @@ final state and clock trace); :func:`collect_wsp` turns the files into a
 :class:`runtime.results.run_result.RunResult`. Checkpoints and ``--resume DIR`` need ``--out`` on a
 file system every host shares; ranks that torchrun restarts (its own ``--max-restarts``)
 resume from the last snapshot; ``--time-limit`` stops every VW at
-one agreed wave (through the process group's store). ``--calibration`` replaces the pacing
-table of emulated devices by one written by a single-host run (``calibration.json``).
+one agreed wave (through the process group's store). ``--data pkg.mod:factory`` (or
+``synthetic``) is ``hetpipe run``'s: every rank calls the factory with the run's seed.
+``--calibration`` replaces the pacing table of emulated devices by one written by a
+single-host run (``calibration.json``).
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 def _rank_job(a: argparse.Namespace, plan: Plan, rank: int, world: int) -> Any:
     """This rank's job: the one the one-host launcher would give it (``None``: nothing left to
     train, the outputs were written from the snapshot)."""
+    from runtime.data_source import named_data
     from runtime.launch.launcher import prepare
     from runtime.persist.run_dir import SharedRun, elastic_resume, resume_target
     from runtime.persist.snapshot import committed_clocks
@@ -120,7 +123,8 @@ def _rank_job(a: argparse.Namespace, plan: Plan, rank: int, world: int) -> Any:
     run = settle(run, plan, rule)  # the plan's defaults, as hetpipe run fills them
     attempt = "-".join(os.environ.get(k, "0") for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"))  # fmt: skip
     owner = SharedRun("" if cfg.resume else attempt, attempt, rank == 0) if out else None
-    prep = prepare(plan, ModelSource(ref=plan.model), opt, run, cfg, None, owner, rule,
+    data = named_data(a.data, plan.model, plan.batch_size, run.seed)  # as hetpipe run's --data
+    prep = prepare(plan, ModelSource(ref=plan.model), opt, run, cfg, data, owner, rule,
                    max(a.vw, 0), "env://")  # fmt: skip
     if isinstance(prep, RunResult):
         return None
