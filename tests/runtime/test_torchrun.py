@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -243,6 +244,8 @@ def test_torchrun_trains_on_the_data_factory_like_one_host(tmp_path: Path) -> No
     finally:
         sys.path.remove(str(tmp_path))
     assert len(last.losses) == 4
+    summary = json.loads((out / "summary.json").read_text())  # rank 0's, as hetpipe run's
+    assert summary["data"].startswith("tridata:data (train 64")
     torch.testing.assert_close(
         torch.tensor(last.losses), torch.tensor(ref.vws[0].stages[-1].losses), rtol=1e-5, atol=1e-6
     )
