@@ -21,8 +21,10 @@ store) and writes what ``hetpipe run`` writes (:func:`collect`: summary table,
 ``summary.json``, ``weights.pt``, the test accuracy). Checkpoints and ``--resume DIR`` need
 ``--out`` on a file system every host shares; ranks that torchrun restarts (its own
 ``--max-restarts``) resume from the last snapshot; ``--time-limit`` stops every VW at
-one agreed wave (through the process group's store). ``--calibration`` replaces the pacing
-table of emulated devices by one written by a single-host run (``calibration.json``).
+one agreed wave (through the process group's store). ``--data pkg.mod:factory`` (or
+``synthetic``) is ``hetpipe run``'s: every rank calls the factory with the run's seed.
+``--calibration`` replaces the pacing table of emulated devices by one written by a
+single-host run (``calibration.json``).
 """
 
 from __future__ import annotations
@@ -154,6 +156,7 @@ def _prepared(a: argparse.Namespace, plan: Plan, rank: int, attempt: int) -> _Se
     """Every process's job, as the one-host launcher prepares them, in torchrun's worker group
     number ``attempt`` (``None``: a resume with nothing left to train; the outputs were
     written from the snapshot)."""
+    from runtime.data_source import named_data
     from runtime.launch.launcher import prepare
     from runtime.persist.run_dir import SharedRun, elastic_resume, resume_target
     from runtime.persist.snapshot import committed_clocks
@@ -177,7 +180,8 @@ def _prepared(a: argparse.Namespace, plan: Plan, rank: int, attempt: int) -> _Se
     run = settle(run, plan, rule)  # the plan's defaults, as hetpipe run fills them
     tag = f"{os.environ.get('TORCHELASTIC_RUN_ID', '0')}-{attempt}"
     owner = SharedRun("" if cfg.resume else tag, tag, rank == 0) if out else None
-    prep = prepare(plan, ModelSource(ref=plan.model), opt, run, cfg, None, owner, rule,
+    data = named_data(a.data, plan.model, plan.batch_size, run.seed)  # as hetpipe run's --data
+    prep = prepare(plan, ModelSource(ref=plan.model), opt, run, cfg, data, owner, rule,
                    max(a.vw, 0), "env://")  # fmt: skip
     if isinstance(prep, RunResult):
         return None

@@ -35,6 +35,7 @@ __all__ = [
     "check_targets",
     "describe_default",
     "load_data",
+    "named_data",
     "output_classes",
     "run_data",
     "synthetic_data",
@@ -138,6 +139,27 @@ def load_data(ref: str, seed: int = 0) -> RunData:
         f", test {len(test)}" if test is not None else ", test held out"
     )
     return RunData(train, test, f"{ref} ({sizes})", f"--data {ref}")
+
+
+def named_data(ref: str, model: str, batch_size: int, seed: int = 0) -> RunData | None:
+    """What ``--data ref`` names for a run of ``model`` (both entries, ``hetpipe run`` and
+    ``python -m runtime``): the factory's ``(train, test)``, synthetic data shaped for the
+    model, or ``None`` (``ref`` empty) for a built-in model's own data.
+
+    Raises:
+        ConfigError: a factory model without ``--data``, or a bad factory (one line).
+    """
+    if not ref:
+        if ":" in model:  # pkg.mod:factory: no data of its own
+            raise ConfigError(
+                f"model {model!r} has no data of its own: give --data pkg.mod:factory "
+                "(returning (train, test) datasets of (input, target) samples), or --data "
+                f"{SYNTHETIC} to train on random inputs"
+            )
+        return None
+    if ref == SYNTHETIC:
+        return synthetic_data(model, batch_size)
+    return load_data(ref, seed)
 
 
 def _factory(ref: str) -> Callable[..., object]:

@@ -122,6 +122,7 @@ OPTIONS: Mapping[str, Option] = MappingProxyType(
         "emulate": Option("--emulate", True, "pace emulated devices and enforce their memory caps"),
         "on_nonfinite": Option("--on-nonfinite", "stop", "a NaN or infinite loss or gradient (a diverging run): stop (the run ends naming the VW, stage, minibatch and the last snapshot) or skip (that minibatch's update is skipped at every stage of its VW, counted in the summary)", choices=("stop", "skip")),
         "precision": Option("--precision", "", "fp32 or bf16 (autocast, fp32 master weights; default: the plan's)", choices=("", *PRECISIONS)),
+        "data": Option("--data", "", "training and test data: pkg.mod:factory returning (train, test) torch Datasets of (input, target) samples (test may be None: a fifth of train is held out), or 'synthetic' (random inputs, targets below the model's output width); default: a built-in model's own data (digits for mlp, synthetic for the others); a pkg.mod:factory model needs it"),
     }
 )  # fmt: skip
 """Every option both entries take, by parameter name (``hetpipe run`` adds the planning ones,

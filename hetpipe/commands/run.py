@@ -145,17 +145,7 @@ def run(  # long only by its typer signature (the command's options); the body i
         typer.Option("--out", help="run directory (metrics, summary, weights, checkpoints)"),
     ] = None,
     progress: Annotated[bool, typer.Option(help="show a progress bar")] = True,
-    data: Annotated[
-        str | None,
-        typer.Option(
-            "--data",
-            help="training and test data: pkg.mod:factory returning (train, test) torch "
-            "Datasets of (input, target) samples (test may be None: a fifth of train is held "
-            "out), or 'synthetic' (random inputs, targets below the model's output width); "
-            "default: a built-in model's own data (digits for mlp, synthetic for the others); "
-            "a pkg.mod:factory model needs it",
-        ),
-    ] = None,
+    data: Annotated[str, _opt("data")] = OPT["data"].default,
     steps: Annotated[int, _opt("steps")] = OPT["steps"].default,
     epochs: Annotated[float, _opt("epochs")] = OPT["epochs"].default,
     time_limit: Annotated[float, _opt("time_limit")] = OPT["time_limit"].default,
@@ -178,6 +168,7 @@ def run(  # long only by its typer signature (the command's options); the body i
     on_nonfinite: Annotated[str, _opt("on_nonfinite")] = OPT["on_nonfinite"].default,
 ) -> None:
     """Train a plan (all its VWs through WSP, one VW, or the AllReduce baseline); print the summary."""
+    from runtime.data_source import named_data
     from runtime.options import check_values, configs
     from runtime.persist.run_dir import resume_target
 
@@ -199,30 +190,8 @@ def run(  # long only by its typer signature (the command's options); the body i
                  resumed, precision)  # fmt: skip
     if resumed is not None and (resumed / "plan.json").exists():
         _check_resumed(path, apply_rule(plan, sync, rule), resumed, sync, rule)
-    dataset = _data(data, plan, run_cfg.seed)
+    dataset = named_data(data, plan.model, plan.batch_size, run_cfg.seed)
     _train(apply_rule(plan, sync, rule), opt, run_cfg, wsp, vw, given, dataset)
-
-
-def _data(data: str | None, plan: Plan, seed: int) -> RunData | None:
-    """What ``--data`` names: the factory's ``(train, test)``, synthetic data shaped for the
-    plan's model, or ``None`` for a built-in model's own data.
-
-    Raises:
-        ConfigError: a factory model without ``--data``, or a bad factory (one line).
-    """
-    from runtime.data_source import SYNTHETIC, load_data, synthetic_data
-
-    if data is None:
-        if ":" in plan.model:  # pkg.mod:factory: no data of its own
-            raise ConfigError(
-                f"model {plan.model!r} has no data of its own: give --data pkg.mod:factory "
-                "(returning (train, test) datasets of (input, target) samples), or --data "
-                "synthetic to train on random inputs"
-            )
-        return None
-    if data == SYNTHETIC:
-        return synthetic_data(plan.model, plan.batch_size)
-    return load_data(data, seed)
 
 
 def _check_before_planning(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -161,3 +162,90 @@ def test_a_torchrun_rank_gets_the_job_hetpipe_run_would_give_it(tmp_path: Path) 
     run = settle(run, plan, "local")
     prep = prepare(plan, ModelSource(ref="mlp"), opt, run, cfg, None, None, "local", 0, "env://")
     assert job == prep.stages[1] and job.run.precision == "bf16" and job.optimizer.lr == 0.1
+
+
+FACTORY = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+
+def model(batch_size=8):
+    net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3))  # 3 classes
+    return net, (torch.randn(batch_size, 4), torch.randint(0, 3, (batch_size,)))
+
+
+def data():
+    g = torch.Generator().manual_seed(7)
+    y = torch.randint(0, 3, (64,), generator=g)
+    return TensorDataset(torch.eye(3, 4)[y] * 3.0 + torch.randn(64, 4, generator=g), y), None
+"""
+
+
+def _factory_plan(tmp_path: Path) -> Path:
+    """``tridata.py`` (a factory model and its ``data``) in ``tmp_path``, and a 2-stage plan."""
+    import importlib
+
+    (tmp_path / "tridata.py").write_text(FACTORY)
+    sys.path.insert(0, str(tmp_path))
+    importlib.invalidate_caches()
+    try:
+        graph = ModelGraph.from_spec(resolve_source(ModelSource(ref="tridata:model"), 8, meta=True))
+    finally:
+        sys.path.remove(str(tmp_path))
+    plan = manual_plan(graph, balanced_cuts(graph, 2), "tridata:model", 8, 1)
+    return plan.save(tmp_path / "plan.json")
+
+
+def test_torchrun_refuses_a_factory_model_without_data_like_hetpipe_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No --data for a pkg.mod:factory model: hetpipe run's one line, not synthetic data."""
+    from planner.plan_file import load_plan
+    from profiler.errors import ConfigError
+    from runtime.__main__ import _args, _rank_job
+
+    plan_path = _factory_plan(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match="no data of its own: give --data"):
+        _rank_job(_args([str(plan_path)]), load_plan(plan_path), rank=0, world=2)
+
+
+@pytest.mark.slow
+def test_torchrun_trains_on_the_data_factory_like_one_host(tmp_path: Path) -> None:
+    """``python -m runtime plan --data pkg.mod:factory`` trains on the factory's samples: the
+    same losses as the one-host launcher given the same data (the entry used to ignore it)."""
+    import os
+
+    from runtime.config import OptimizerConfig, RunConfig
+    from runtime.data_source import load_data
+    from runtime.launch.launcher import launch
+
+    plan_path = _factory_plan(tmp_path)
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "runtime",
+        str(plan_path), "--data", "tridata:data", "--steps", "4", "--no-emulate",
+        "--timeout", "20", "--out", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, check=False,
+                          cwd=tmp_path, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = torch.load(out / "rank1.pt", weights_only=False)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        from planner.plan_file import load_plan
+
+        ref = launch(load_plan(plan_path), ModelSource(ref="tridata:model"), OptimizerConfig(),
+                     RunConfig(steps=4, emulate=False), dataset=load_data("tridata:data"))  # fmt: skip
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert len(last.losses) == 4
+    summary = json.loads((out / "summary.json").read_text())  # rank 0's, as hetpipe run's
+    assert summary["data"].startswith("tridata:data (train 64")
+    torch.testing.assert_close(
+        torch.tensor(last.losses), torch.tensor(ref.vws[0].stages[-1].losses), rtol=1e-5, atol=1e-6
+    )
