@@ -122,6 +122,7 @@ def train(  # long by its signature and docstring (every option, documented); th
     vw: int = -1,
     precision: str = "",
     on_nonfinite: str = "stop",
+    remedy: str = "",
 ) -> RunResult:
     """Train ``model`` with any plan on this host: what ``hetpipe run`` does, through the same
     entry (:func:`runtime.run.run_plan`): several VWs through the WSP parameter servers, one
@@ -156,6 +157,8 @@ def train(  # long by its signature and docstring (every option, documented); th
             across cuts); ``""`` = the plan's (``fp32`` for a plan made here).
         on_nonfinite: a NaN or infinite loss or gradient: ``stop`` the run (``Diverged``) or
             ``skip`` that minibatch's update at every stage (``result.skipped_updates``).
+        remedy: staleness remedy of every stage's update (``none``, ``predict``, ``pipemare``;
+            :mod:`planner.staleness`), replacing ``optimizer.remedy``; ``""`` = the optimizer's.
 
     Returns:
         The run's :class:`runtime.results.run_result.RunResult`, whatever the rule: ``losses``,
@@ -188,6 +191,8 @@ def train(  # long by its signature and docstring (every option, documented); th
         on_nonfinite=on_nonfinite,
     )
     wsp = WSPConfig(D=D, checkpoint_every=checkpoint_every)
+    if remedy:
+        optimizer = replace(optimizer or OptimizerConfig(), remedy=remedy)
     return run_plan(given, source, optimizer, run, wsp, dataset, vw=vw)
 
 

@@ -56,6 +56,8 @@ OPTIONS: Mapping[str, Option] = MappingProxyType(
         "momentum": Option("--momentum", 0.0, "SGD momentum"),
         "weight_decay": Option("--weight-decay", 0.0, "weight decay"),
         "schedule": Option("--schedule", "constant", "lr schedule: constant, step, cosine, warmup"),
+        "remedy": Option("--remedy", "none", "staleness remedy of each stage's update: none, predict (weight prediction, SGD) or pipemare (per-stage lr warm-up by the delay)"),
+        "remedy_warmup": Option("--remedy-warmup", 100, "updates of PipeMare's lr warm-up (--remedy pipemare)"),
         "timeout": Option("--timeout", TIMEOUT_S, "seconds before a stuck process-group operation fails"),
         "emulate": Option("--emulate", True, "pace emulated devices and enforce their memory caps"),
         "on_nonfinite": Option("--on-nonfinite", "stop", "a NaN or infinite loss or gradient (a diverging run): stop (the run ends naming the VW, stage, minibatch and the last snapshot) or skip (that minibatch's update is skipped at every stage of its VW, counted in the summary)"),
@@ -104,7 +106,8 @@ def configs(
     if v["on_failure"] not in ("stop", "restart", "continue"):
         raise ConfigError(f"--on-failure {v['on_failure']!r}: use stop, restart or continue")
     opt = OptimizerConfig(name=v["optimizer"], lr=v["lr"], momentum=v["momentum"],
-                          weight_decay=v["weight_decay"], schedule=v["schedule"])  # fmt: skip
+                          weight_decay=v["weight_decay"], schedule=v["schedule"],
+                          remedy=v["remedy"], remedy_warmup=v["remedy_warmup"])  # fmt: skip
     run = RunConfig(steps=v["steps"], epochs=v["epochs"], time_limit_s=v["time_limit"],
                     seed=v["seed"], nm=v["nm"], out_dir=out, timeout_s=v["timeout"],
                     emulate=v["emulate"], progress=progress, precision=v["precision"],
