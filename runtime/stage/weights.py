@@ -17,6 +17,7 @@ with respect to the version its forward used (weight stashing).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
@@ -75,7 +76,7 @@ def velocity(
 
 
 def predicted(
-    params: dict[str, nn.Parameter], vel: dict[str, Tensor], scale: float
+    params: Mapping[str, Tensor], vel: Mapping[str, Tensor], scale: float
 ) -> dict[str, Tensor]:
     """New leaf tensors ``w - scale * v`` (``w`` where ``v`` is absent): weight prediction."""
     with torch.no_grad():

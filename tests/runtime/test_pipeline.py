@@ -66,6 +66,20 @@ def test_mlp_four_stages_delayed_updates(nm: int) -> None:
     _run_and_reference("mlp", 8, 4, nm, 10, cfg)
 
 
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        OptimizerConfig(lr=0.1, momentum=0.9, remedy="predict"),
+        OptimizerConfig(lr=0.1, remedy="predict", schedule="cosine"),
+        OptimizerConfig(lr=0.1, momentum=0.9, remedy="pipemare", remedy_warmup=5),
+    ],
+    ids=["predict-momentum", "predict-plain", "pipemare"],
+)
+def test_mlp_three_stages_nm3_with_remedy(cfg: OptimizerConfig) -> None:
+    """A staleness remedy in the stages equals the delayed loop with the same rule."""
+    _run_and_reference("mlp", 8, 3, 3, 9, cfg)
+
+
 def test_residual_cnn_two_stages_nm2() -> None:
     _run_and_reference(
         "resnet", 4, 2, 2, 6, OptimizerConfig(lr=0.05, momentum=0.9, schedule="step", step_size=3)
