@@ -178,11 +178,13 @@ class VersionedWeights:
     def _new_version(self, k: int) -> dict[str, Tensor]:
         """Leaf tensors of version ``k``, made while the master is at version ``k``: its
         storage, or under ``remedy: predict`` the weights predicted for the minibatch that
-        will run on it (``k + Nm``; :func:`planner.staleness.predict_scale`)."""
+        will run on it (``k + Nm``; :func:`planner.staleness.predict_scale`). A resumed run
+        predicts as the run that stopped, except plain SGD's first one (the last gradient is
+        not in the snapshot)."""
         scale = 0.0
         if self.cfg.remedy == "predict":
             lr = lr_at(self.cfg, self.first_update + k, self.total_updates)
-            scale = predict_scale(k + self.nm, self.nm, lr)
+            scale = predict_scale(self.first_update + k + self.nm, self.nm, lr)  # whole-run count
         if scale == 0.0:
             return {n: p.data.requires_grad_() for n, p in self.master.items()}
         return predicted(
