@@ -167,6 +167,8 @@ def train(  # long by its signature and docstring (every option, documented); th
     Raises:
         HetPipeError: invalid inputs or a failed run (naming the rank, VW and stage).
     """
+    if remedy:
+        optimizer = replace(optimizer or OptimizerConfig(), remedy=remedy)
     given = load_plan(plan) if isinstance(plan, (str, os.PathLike)) else plan
     if given is not None:
         batch_size = given.batch_size  # the plan's minibatch, also for the sample inputs
@@ -191,8 +193,6 @@ def train(  # long by its signature and docstring (every option, documented); th
         on_nonfinite=on_nonfinite,
     )
     wsp = WSPConfig(D=D, checkpoint_every=checkpoint_every)
-    if remedy:
-        optimizer = replace(optimizer or OptimizerConfig(), remedy=remedy)
     return run_plan(given, source, optimizer, run, wsp, dataset, vw=vw)
 
 

@@ -106,3 +106,10 @@ def test_bad_remedies_are_one_line_config_errors() -> None:
         OptimizerConfig(remedy="later")
     with pytest.raises(ConfigError, match="--remedy predict follows SGD's update rule, not adam"):
         OptimizerConfig(name="adam", remedy="predict")
+
+
+def test_train_takes_the_remedy() -> None:
+    import hetpipe
+
+    with pytest.raises(ConfigError, match="remedy 'later' is unknown"):
+        hetpipe.train("mlp", steps=1, remedy="later")
