@@ -227,10 +227,10 @@ def _attempt(
     warn_overruns(stages)
     wall_s = time.time() - t_start
     if rule == "local":
-        return _one_vw_result(plan, prep, stages, run, vw, wall_s)
+        return _one_vw_result(plan, prep, stages, run, vw, wall_s, optimizer.remedy)
     result = RunResult.build(plan, prep.nm, prep.D, stages, states,
                              [s.spec for s in prep.shards], wall_s, sync=rule)  # fmt: skip
-    result = dataclasses.replace(result, data=prep.data)
+    result = dataclasses.replace(result, data=prep.data, remedy=optimizer.remedy)
     if lost:  # --on-failure continue: what was lost, from the shards' ledgers
         last_wave = prep.first_wave + prep.steps // prep.nm
         gone = LostVW.from_shards(lost, [st for st, _ in states], last_wave)
@@ -284,7 +284,13 @@ def prepare(
 
 
 def _one_vw_result(
-    plan: Plan, prep: Prepared, stages: list[Any], run: RunConfig, vw: int, wall_s: float
+    plan: Plan,
+    prep: Prepared,
+    stages: list[Any],
+    run: RunConfig,
+    vw: int,
+    wall_s: float,
+    remedy: str = "none",
 ) -> RunResult:
     """One VW alone: its result (with the paced pipeline's bound) and, with ``--out``, its
     metrics, timeline, weights and summary."""
@@ -297,7 +303,7 @@ def _one_vw_result(
     devices = tuple(j.ctx.device for j in prep.stages)
     one = VWResult(tuple(stages), plan.batch_size, prep.nm, predicted, wall_s, bound, devices)
     result = RunResult((one,), prep.nm, 0, (), (), (), wall_s, predicted, sync="local",
-                       sync_params=plan.sync_params, data=prep.data)  # fmt: skip
+                       sync_params=plan.sync_params, data=prep.data, remedy=remedy)  # fmt: skip
     if run.out_dir is not None:
         result.save(run.out_dir, about=describe_run(plan, vw))
     return result

@@ -112,6 +112,7 @@ class RunResult:
         sync, sync_params: the synchronisation rule (``wsp``, ``backup``, ``easgd``,
             ``allreduce``, ``local``) and its parameters (:mod:`runtime.results.sync` summarises what it did).
         lost: the VWs evicted during the run (``--on-failure continue``).
+        remedy: the stages' staleness remedy (``--remedy``, :mod:`planner.staleness`).
         data: what the run trained and tested on (``digits (...)``, ``synthetic (...)``,
             ``mydata:make (train 400, test 100)``; empty: not known).
     """
@@ -134,6 +135,7 @@ class RunResult:
     lost: tuple[LostVW, ...] = ()
     exported_state: dict[str, Tensor] | None = None
     data: str = ""
+    remedy: str = "none"
 
     @staticmethod
     def build(
@@ -254,6 +256,7 @@ class RunResult:
             "predicted_throughput": self.predicted_throughput,
             "nm": self.nm,
             "D": self.D,
+            "remedy": self.remedy,
             "max_clock_distance": self.max_clock_distance,
             "data": self.data,
             "test_accuracy": self.test_accuracy,

@@ -46,6 +46,7 @@ def _run_and_reference(
     else:
         losses, params = delayed_loop(module, data, loss_fn, cfg, steps, nm)
     assert result.steps == steps
+    assert result.remedy == cfg.remedy  # summary.json says which remedy trained
     assert len(result.losses) == steps
     assert_close(torch.tensor(result.losses), torch.tensor(losses), rtol=RTOL, atol=ATOL)
     state = result.state_dict()
