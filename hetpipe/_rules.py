@@ -13,6 +13,7 @@ import typer
 from planner.plan import Plan
 from planner.sync import RULES, with_rule
 from profiler.errors import ConfigError
+from runtime.options import Range, check_number
 
 __all__ = ["SYNC_HELP", "AlphaOpt", "BackupsOpt", "TauOpt", "apply_rule", "rule_params"]
 
@@ -34,6 +35,14 @@ AlphaOpt = Annotated[
     typer.Option("--alpha", help="--sync easgd: moving rate, VWs x alpha <= 1 (default 0.1)"),
 ]
 
+_RANGES = {
+    "backups": Range(0),
+    "tau": Range(1),
+    "alpha": Range(0, 1, open_low=True, open_high=False),
+}
+"""Each rule option's values before the plan is known (``VWs x alpha <= 1`` is checked with
+the plan: :func:`planner.sync.check_rule_values`)."""
+
 
 def rule_params(
     sync: str, backups: int | None, tau: int | None, alpha: float | None
@@ -41,7 +50,7 @@ def rule_params(
     """The rule parameters given on the command line.
 
     Raises:
-        ConfigError: an unknown rule, or a parameter of another rule.
+        ConfigError: an unknown rule, a parameter of another rule, or a value out of range.
     """
     if sync not in RULES or sync == "local":
         raise ConfigError(f"--sync {sync!r}: use one of wsp, backup, easgd, allreduce")
@@ -51,6 +60,8 @@ def rule_params(
         if value is not None and name not in mine:
             owner = next(r for r, info in RULES.items() if name in dict(info.params))
             raise ConfigError(f"--{name} applies to --sync {owner}, not --sync {sync}")
+    for name, value in given.items():
+        check_number(f"--{name}", value, _RANGES[name])
     return {k: float(v) for k, v in given.items() if v is not None}
 
 

@@ -33,7 +33,7 @@ from profiler.units import MAX_BYTES
 if TYPE_CHECKING:
     from planner.plan import Plan, VirtualWorker
 
-__all__ = ["check_plan_document", "check_plan_layers", "validate_plan"]
+__all__ = ["check_nm", "check_plan_document", "check_plan_layers", "validate_plan"]
 
 MAX_TEXT_CHARS = 1000  # longest string field (model reference, layer name, provenance)
 _AT_LEAST_ONE = {"batch_size", "nm", "num_layers", "in_flight"}
@@ -98,6 +98,27 @@ def check_plan_layers(plan: Plan, layers: Sequence[str], source: str, what: str)
                     f"{source}: shards[{k}].layers: {shown(name)} is not a layer of {what}; "
                     "use the profiles or model the plan was made with"
                 )
+
+
+def check_nm(plan: Plan, nm: int, vw: int = -1) -> None:
+    """Refuse an explicit ``--nm`` above what the planner's memory model lets a VW hold
+    (``VirtualWorker.nm_max``): VW ``vw`` alone, else every VW.
+
+    Raises:
+        ConfigError: one line naming the maximum and the VW that sets it.
+    """
+    from profiler.errors import ConfigError
+
+    workers = (
+        [plan.virtual_workers[vw]] if 0 <= vw < len(plan.virtual_workers) else plan.virtual_workers
+    )
+    tight = min(workers, key=lambda w: w.nm_max, default=None)
+    if tight is not None and 0 < tight.nm_max < nm:
+        raise ConfigError(
+            f"--nm {nm}: the planner's memory model fits at most {tight.nm_max} minibatches in "
+            f"flight on VW {tight.id} ({shown(tight.signature, 40)}); give --nm {tight.nm_max} "
+            "or less, or drop --nm"
+        )
 
 
 # ---------------------------------------------------------------- the raw document

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import re
 import traceback
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -148,14 +149,87 @@ def rewrite_tensor_attrs(gm: fx.GraphModule, original: nn.Module | None = None) 
     return renames
 
 
-def keyword_order(module: nn.Module, names: Sequence[str]) -> tuple[str, ...]:
-    """``names`` in the order of ``module.forward``'s signature (unknown names last, sorted)."""
+def _forward_params(module: nn.Module) -> list[inspect.Parameter]:
+    """The parameters of ``module.forward`` (``[]`` when its signature cannot be read)."""
     try:
-        params = list(inspect.signature(module.forward).parameters)
+        return list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):
-        params = []
-    known = [p for p in params if p in names]
-    return (*known, *sorted(n for n in names if n not in known))
+        return []
+
+
+def keyword_order(module: nn.Module, names: Sequence[str]) -> tuple[str, ...]:
+    """The keys of a dict sample that ``module.forward`` takes, in its signature's order.
+
+    ``labels`` is kept only if the forward takes it (or ``**kwargs``): otherwise it is the
+    target of the loss. A forward with ``**kwargs`` takes every key (unknown ones last, sorted).
+
+    Raises:
+        ModelError: a key the forward does not take, or a forward argument without a default
+            that no key gives (naming the argument and the fix).
+    """
+    params = _forward_params(module)
+    known = [p.name for p in params if p.name in names and p.kind not in _VARIADIC]
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params) or not params:
+        return (*known, *sorted(n for n in names if n not in known))
+    model, signature = type(module).__name__, ", ".join(p.name for p in params)
+    extra = [n for n in names if n not in known and n != "labels"]
+    if extra:
+        raise ModelError(
+            f"sample key {extra[0]!r} is not an argument of {model}.forward({signature}): "
+            "rename the key to the argument it is for, or drop it from the samples"
+        )
+    needed = [p.name for p in params if p.default is p.empty and p.kind not in _VARIADIC]
+    lacking = [n for n in needed if n not in names]
+    if lacking:
+        raise ModelError(
+            f"{model}.forward({signature}) needs {lacking[0]!r}, which the samples lack: "
+            f"add a {lacking[0]!r} key to each sample (or give the argument a default)"
+        )
+    return tuple(known)
+
+
+_VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+
+
+def _fx_defaults(module: nn.Module, given: int | None) -> dict[str, Any]:
+    """The defaults of the forward arguments past the ``given`` positional sample inputs,
+    fixed for ``symbolic_trace`` (a ``mask=None`` otherwise becomes a graph input with no
+    value); ``given=None``: every argument that has a default.
+
+    Raises:
+        ModelError: an argument past the sample inputs has no default.
+    """
+    params = [p for p in _forward_params(module) if p.kind not in _VARIADIC]
+    positional = [p for p in params if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+    if given is None:
+        given = sum(1 for p in positional if p.default is p.empty)
+    rest = positional[given:] + [p for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    for p in rest:
+        if p.default is p.empty:
+            raise ModelError(
+                f"{type(module).__name__}.forward takes {p.name!r} (no default) but each "
+                f"sample gives {given} input(s): make samples ((x, {p.name}, ...), y), or "
+                f"dicts with a {p.name!r} key, or give {p.name!r} a default"
+            )
+    return {p.name: p.default for p in rest}
+
+
+def _drop_fixed_inputs(gm: fx.GraphModule, names: Sequence[str]) -> None:
+    """Remove the placeholders ``symbolic_trace`` keeps for the fixed (concrete) arguments
+    ``names`` (fx calls them ``mask_1``) and the guards it puts on them: the graph's inputs
+    are then the sample's."""
+    guards = (torch._assert, fx._symbolic_trace._assert_is_none)
+    for node in reversed(list(gm.graph.nodes)):
+        if node.op == "call_function" and node.target in guards and not node.users:
+            gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
+    for node in list(gm.graph.nodes):
+        target = str(node.target)
+        fixed = any(target == n or re.fullmatch(rf"{re.escape(n)}_\d+", target) for n in names)
+        if node.op == "placeholder" and fixed and not node.users:
+            gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
 
 
 def _clean_exported(gm: fx.GraphModule) -> None:
@@ -172,12 +246,29 @@ def _clean_exported(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
+def _configs(module: nn.Module) -> Iterator[Any]:
+    """Every model config reachable from ``module``: each submodule's ``config`` (T5's decoder
+    stack keeps its own copy) and the sub-configs inside them (``decoder``, ``text_config``)."""
+    seen: set[int] = set()
+    for m in module.modules():
+        todo = [getattr(m, "config", None)]
+        while todo:
+            cfg = todo.pop()
+            if cfg is None or id(cfg) in seen or not hasattr(cfg, "to_dict"):
+                continue
+            seen.add(id(cfg))
+            yield cfg
+            todo += [v for v in vars(cfg).values() if hasattr(v, "to_dict")]
+
+
 def _disable_cache(module: nn.Module) -> None:
-    """Training needs no key/value cache; HF models return one by default (not exportable)."""
-    config = getattr(module, "config", None)
-    if config is not None and getattr(config, "use_cache", False):
-        log.info("%s: config.use_cache set to False for capture", type(module).__name__)
-        config.use_cache = False
+    """Training needs no key/value cache; HF models return one by default (not exportable).
+    Switched off in every config of the model, not only the top one: an encoder-decoder's
+    decoder reads its own copy."""
+    for cfg in _configs(module):
+        if getattr(cfg, "use_cache", False):
+            log.info("%s: use_cache set to False for capture", type(cfg).__name__)
+            cfg.use_cache = False
 
 
 def _where(exc: BaseException) -> str:
@@ -241,8 +332,11 @@ def capture(
     """
     names = tuple(input_names)
     if not names:
+        fixed = _fx_defaults(module, None if inputs is None else len(inputs))
         try:
-            gm = fx.symbolic_trace(module)
+            gm = fx.symbolic_trace(module, concrete_args=fixed or None)
+            if fixed:
+                _drop_fixed_inputs(gm, list(fixed))
         except Exception as exc:  # fx raises many types (TraceError, TypeError, ValueError, ...)
             if inputs is None:
                 raise ModelError(

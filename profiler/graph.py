@@ -23,6 +23,7 @@ import bisect
 import hashlib
 import itertools
 import operator
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -115,6 +116,20 @@ def _op_name(node: fx.Node, gm: fx.GraphModule) -> str:
 
 def _is_holder(node: fx.Node) -> bool:
     return node.op == "call_module" and str(node.target).startswith(HOLDER_PREFIX)
+
+
+def _sample_failure(model: str, exc: BaseException) -> str:
+    """One line for a forward that fails on the sample: the node, the error's first line and
+    what to check (ShapeProp's own text is a multi-line graph dump)."""
+    text = str(exc).strip()
+    lines = text.splitlines()
+    first = lines[0][:200] if lines else type(exc).__name__
+    node = re.search(r"While executing %(\w+)", text)
+    at = f" at node {node.group(1)!r}" if node else ""
+    return (
+        f"running {model} on the sample input failed{at}: {type(exc).__name__}: {first}; "
+        "check the sample's shapes and dtypes against the forward's arguments"
+    )
 
 
 class ModelGraph:
@@ -244,9 +259,7 @@ class ModelGraph:
                 with torch.no_grad():
                     ShapeProp(cap.gm).propagate(*flat)
         except Exception as exc:  # shape errors surface as RuntimeError/TypeError from user code
-            raise ModelError(
-                f"running {type(module).__name__} on the sample input failed: {exc}"
-            ) from exc
+            raise ModelError(_sample_failure(type(module).__name__, exc)) from exc
         return cls(cap.gm, cap.param_renames, cap.out_spec, cap.input_names)
 
     @classmethod
@@ -329,7 +342,7 @@ class ModelGraph:
         stage = self.stage_of_layer(cuts)
         where: dict[str, set[int]] = {}
         for i, node in enumerate(self._nodes):
-            if _is_holder(node):
+            if node.op == "call_module":  # a holder, or a module called more than once (fx)
                 for pname, _ in self.gm.get_submodule(str(node.target)).named_parameters():
                     qual = f"{node.target}.{pname}"
                     where.setdefault(self.param_renames.get(qual, qual), set()).add(stage[i])

@@ -4,8 +4,10 @@ As in the paper, a link class is modelled as ``t(n) = latency_s + n / bandwidth`
 figures come from a linear regression over measured transfers of growing size. Two
 processes are spawned on this machine and play ping-pong through ``torch.distributed``
 (gloo between CPU processes; NCCL between two GPUs when at least two are present); the
-one-way time is half the round trip. One machine can only measure its ``intra_node``
-class; the planner falls back to ``cluster.yaml`` for classes a ``links.yaml`` lacks.
+one-way time is half the round trip. That measures the ``intra_node`` class; the
+``inter_node`` one takes a process on each of two hosts (:func:`measure_link_to`,
+``hetpipe profile --links --peer``). The planner falls back to ``cluster.yaml`` for
+classes a ``links.yaml`` lacks.
 
 ``links.yaml`` (beside the layer profiles) has the shape ``planner.costmodel.load_links``
 reads::
@@ -40,7 +42,7 @@ from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedExc
 from profiler.errors import ConfigError, ProfileError
 from profiler.files import atomic_write_text
 
-__all__ = ["DEFAULT_SIZES", "LinkFit", "fit_link", "measure_links", "save_links"]
+__all__ = ["DEFAULT_SIZES", "LinkFit", "fit_link", "measure_link_to", "measure_links", "save_links"]
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +113,7 @@ def _free_port() -> int:
 
 def _pingpong_worker(
     rank: int,
-    init_file: str,
+    init_method: str,
     out_file: str,
     sizes: Sequence[int],
     repeats: int,
@@ -126,7 +128,7 @@ def _pingpong_worker(
         torch.cuda.set_device(device)
     dist.init_process_group(
         backend,
-        init_method=f"file://{init_file}",
+        init_method=init_method,
         rank=rank,
         world_size=2,
         timeout=timedelta(seconds=timeout_s),
@@ -221,7 +223,7 @@ def measure_links(
     with tempfile.TemporaryDirectory(prefix="hetpipe-links-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         out_file = os.path.join(tmp, "result.json")
-        args = (init_file, out_file, list(sizes), repeats, warmup, backend, timeout_s)
+        args = (f"file://{init_file}", out_file, list(sizes), repeats, warmup, backend, timeout_s)
         _run_pair(args, timeout_s)
         samples = [
             (int(b), float(s)) for b, s in json.loads(Path(out_file).read_text(encoding="utf-8"))
@@ -233,6 +235,45 @@ def measure_links(
         fit.bandwidth_bps / 1e9,
     )
     return fit
+
+
+def measure_link_to(
+    peer: str,
+    rank: int,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    repeats: int = 5,
+    warmup: int = 2,
+    timeout_s: float = 60.0,
+) -> LinkFit | None:
+    """Measure the ``inter_node`` link to another host: this process plays ping-pong (gloo)
+    with the same call on the other host, meeting at ``peer`` (``ADDR:PORT``, which rank 0's
+    host serves; ``GLOO_SOCKET_IFNAME`` picks the interface).
+
+    Returns:
+        Rank 0: the fit; rank 1 (it only echoes): ``None``.
+
+    Raises:
+        ConfigError: ``peer`` is not ``ADDR:PORT``, ``rank`` not 0 or 1, bad sizes/counts.
+        ProfileError: the peer did not come, or the measurement failed.
+    """
+    _checked_backend(sizes, repeats, warmup, "gloo")
+    addr, _, port = peer.rpartition(":")
+    if not addr or not port.isdigit() or rank not in (0, 1):
+        raise ConfigError(
+            f"--peer {peer} --peer-rank {rank}: give ADDR:PORT (served by rank 0's host) "
+            "and rank 0 on one host, 1 on the other"
+        )
+    with tempfile.TemporaryDirectory(prefix="hetpipe-links-") as tmp:
+        out_file = os.path.join(tmp, "result.json")
+        try:
+            _pingpong_worker(rank, f"tcp://{peer}", out_file, list(sizes), repeats, warmup,
+                             "gloo", timeout_s)  # fmt: skip
+        except (RuntimeError, dist.DistError) as exc:
+            raise ProfileError(f"link to {peer} failed: {str(exc).splitlines()[0]}") from exc
+        if rank == 1:
+            return None
+        samples = json.loads(Path(out_file).read_text(encoding="utf-8"))
+    return fit_link([(int(b), float(t)) for b, t in samples], "inter_node", "gloo")
 
 
 def save_links(fits: Sequence[LinkFit], path: str | os.PathLike[str]) -> Path:

@@ -59,16 +59,41 @@ def output_loss(outputs: Any, targets: Tensor) -> Tensor:
     return loss
 
 
+def _raised_at(exc: BaseException) -> str:
+    """``file:line`` of the innermost frame of ``exc``'s traceback."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else "?"
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message, at most 200 characters."""
+    lines = str(exc).strip().splitlines()
+    return lines[0][:200] if lines else "(no message)"
+
+
 def keyword_spec(
     name: str, module: nn.Module, batch: Mapping[str, Tensor], loss: LossFn | None = None
 ) -> ModelSpec:
-    """A spec for a model called as ``module(**batch)``; the loss defaults to :func:`output_loss`.
+    """A spec for a model called as ``module(**batch)`` with the keys its forward takes (by
+    name); the loss defaults to :func:`output_loss`.
 
-    ``batch["labels"]`` (when present) is also the target a user loss receives.
+    ``batch["labels"]`` (when present) is the target a user loss receives; it goes into the
+    forward only if the forward takes it.
+
+    Raises:
+        ModelError: a key the forward does not take, an argument no key gives, or labels the
+            forward does not take with no ``loss`` to receive them.
     """
     from profiler.capture import as_keywords
 
     names, inputs = as_keywords(batch, module)
+    if loss is None and "labels" in batch and "labels" not in names:
+        raise ModelError(
+            f"{type(module).__name__}.forward takes no 'labels', so its output carries no loss: "
+            "give a loss function (loss_fn=...) to receive them as targets"
+        )
     first = next(iter(batch.values()))
     batch_size = int(first.shape[0]) if first.dim() > 0 else 1
     targets = batch["labels"] if "labels" in batch else torch.zeros(batch_size)
@@ -268,5 +293,8 @@ def resolve_model(ref: str, batch_size: int) -> ModelSpec:
         params = inspect.signature(factory).parameters
         result = factory(batch_size=batch_size) if "batch_size" in params else factory()
     except Exception as exc:  # a user factory may raise anything: report it as one line
-        raise ModelError(f"model factory {ref!r} raised {type(exc).__name__}: {exc}") from exc
+        raise ModelError(
+            f"model factory {ref!r} raised {type(exc).__name__} at {_raised_at(exc)}: "
+            f"{_first_line(exc)}; fix the factory (call it alone for the traceback)"
+        ) from exc
     return _as_spec(ref, result, batch_size)

@@ -7,17 +7,20 @@ Usage, on every host (``--nproc-per-node`` = the ranks that host runs)::
 
 The options are ``hetpipe run``'s (:data:`runtime.options.OPTIONS`: the same names, defaults
 and configs), and each rank runs the job the one-host launcher would give it
-(:func:`runtime.launch.launcher.prepare`): with the plan's rule, ``wsp`` has ranks
-``0 .. n_shards-1`` serve the parameter-server shards and the next ranks run the stages VW
-by VW, in pipeline order; ``allreduce`` and ``local`` (one VW alone, ``--vw K``) have only
-stages. torchrun gives each host a contiguous block of ranks, so put the first stages on
-node 0. ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` come from torchrun.
+(:func:`runtime.launch.launcher.prepare`) for a role the plan places on its host (the
+cluster file's ``host:`` fields, :mod:`runtime.launch.hosts`; ``--host`` names it where the
+rank cannot tell): with the plan's rule, ``wsp`` has roles ``0 .. n_shards-1`` serve the
+parameter-server shards and the next ones run the stages VW by VW, in pipeline order;
+``allreduce`` and ``local`` (one VW alone, ``--vw K``) have only stages. ``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` come from torchrun. docs/multihost.md
+has the lines per host.
 
-Every rank writes its result to ``--out/rank<r>.pt`` (a stage's ``StageResult`` or a shard's
-final state and clock trace); :func:`collect_wsp` turns the files into a
-:class:`runtime.results.run_result.RunResult`. Checkpoints and ``--resume DIR`` need ``--out`` on a
-file system every host shares; ranks that torchrun restarts (its own ``--max-restarts``)
-resume from the last snapshot; ``--time-limit`` stops every VW at
+Every rank writes its result to ``--out/rank<role>.pt`` (a stage's ``StageResult`` or a
+shard's final state and clock trace); global rank 0 waits for every rank (through torchrun's
+store) and writes what ``hetpipe run`` writes (:func:`collect`: summary table,
+``summary.json``, ``weights.pt``, the test accuracy). Checkpoints and ``--resume DIR`` need
+``--out`` on a file system every host shares; ranks that torchrun restarts (its own
+``--max-restarts``) resume from the last snapshot; ``--time-limit`` stops every VW at
 one agreed wave (through the process group's store). ``--calibration`` replaces the pacing
 table of emulated devices by one written by a single-host run (``calibration.json``).
 """
@@ -29,17 +32,23 @@ import dataclasses
 import logging
 import os
 import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from planner.plan import Plan
+from planner.plan_check import check_nm
 from planner.plan_file import load_plan
 from profiler.errors import ConfigError, HetPipeError, HetPipeRuntimeError
 from profiler.files import atomic_write_bytes
-from runtime.config import ModelSource
-from runtime.options import add_arguments, configs
+from runtime.config import ModelSource, RunConfig
+from runtime.launch.admit import check_plan_model
+from runtime.launch.jobs import Prepared
+from runtime.options import add_arguments, check_values, configs
 from runtime.results.run_result import RunResult
 
 log = logging.getLogger("runtime")
@@ -53,6 +62,11 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     add_arguments(p)  # hetpipe run's options, defaults and help
     p.add_argument("--out", type=Path, default=None, help="run directory, shared by every host")
     p.add_argument("--resume", default=None, help="continue the run in DIR (its --out)")
+    p.add_argument(
+        "--host",
+        default=None,
+        help="the cluster host (or node) this agent is; default: the one host of the plan that is an address of this machine",
+    )
     p.add_argument("--calibration", type=Path, default=None, help="pacing table to use")
     args = p.parse_args(argv)
     given = sys.argv[1:] if argv is None else argv
@@ -68,16 +82,55 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s"
     )
     torch.set_num_threads(1)
+    t_start = time.time()
     try:
-        job = _rank_job(a, load_plan(a.plan), rank, world)
+        check_values(vars(a))  # every number in range before the plan is read
+        plan = load_plan(a.plan)
+        check_plan_model(plan, str(a.plan))  # what hetpipe run and simulate refuse
+        check_nm(plan, a.nm, a.vw)
+        store, attempt = _torchrun_store(rank, world, a.timeout)
+        setup = _prepared(a, plan, rank, attempt)
+        if setup is None:  # nothing left to train: the outputs were written from the snapshot
+            return 0
+        role = _role(a, plan, setup.prep, rank, world, store)
+        job = _job_of(a, setup.prep, role)
     except HetPipeError as exc:
         log.error("%s", exc)
         return 2
-    if job is None:
-        return 0
+    code = _run_job(job, a.out, role)
+    if code != 0:
+        return code
+    try:
+        return _finish(plan, setup, store, rank, role, time.time() - t_start)
+    except HetPipeError as exc:
+        log.error("%s", exc)
+        return 2
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """What every rank prepares alike: the jobs of every process, and what the result needs.
+
+    Attributes:
+        prep: every process's job (roles in the launcher's rank order).
+        run: the run settings (the plan's defaults filled in).
+        rule: the synchronisation rule.
+        vw: the VW trained alone (rule ``local``).
+        attempt: torchrun's worker group (0; 1 after its first restart, ...).
+    """
+
+    prep: Prepared
+    run: RunConfig
+    rule: str
+    vw: int
+    attempt: int
+
+
+def _run_job(job: Any, out: Path | None, role: int) -> int:
+    """Run ``job`` (a shard's or a stage's) in this process; its exit code."""
     from runtime.launch.procs import ShardJob, shard_main, stage_main
 
-    sink = _RankSink(a.out, rank)
+    sink = _RankSink(out, role)
     try:
         if isinstance(job, ShardJob):
             shard_main(job, sink, os.getppid())
@@ -87,18 +140,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _rank_job(a: argparse.Namespace, plan: Plan, rank: int, world: int) -> Any:
-    """This rank's job: the one the one-host launcher would give it (``None``: nothing left to
-    train, the outputs were written from the snapshot)."""
+def _rank_job(a: argparse.Namespace, plan: Plan, rank: int, world: int, store: Any = None) -> Any:
+    """This rank's job: the one the one-host launcher would give the role the plan places on
+    this rank's host (``None``: nothing left to train, the outputs were written from the
+    snapshot)."""
+    setup = _prepared(a, plan, rank, 0)
+    if setup is None:
+        return None
+    return _job_of(a, setup.prep, _role(a, plan, setup.prep, rank, world, store))
+
+
+def _prepared(a: argparse.Namespace, plan: Plan, rank: int, attempt: int) -> _Setup | None:
+    """Every process's job, as the one-host launcher prepares them, in torchrun's worker group
+    number ``attempt`` (``None``: a resume with nothing left to train; the outputs were
+    written from the snapshot)."""
     from runtime.launch.launcher import prepare
     from runtime.persist.run_dir import SharedRun, elastic_resume, resume_target
     from runtime.persist.snapshot import committed_clocks
     from runtime.run import rule_for, settle
 
     resume = a.resume
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     ckpts = committed_clocks(a.out / "checkpoints") if a.out is not None else []
-    if resume is None and elastic_resume(False, restarted, ckpts):
+    if resume is None and elastic_resume(False, attempt, ckpts):
         resume = str(a.out)  # torchrun restarted the ranks (--max-restarts): the last snapshot
     target = resume_target(resume) if resume is not None else None
     out = a.out or (target[0] if target is not None else None)
@@ -112,26 +175,135 @@ def _rank_job(a: argparse.Namespace, plan: Plan, rank: int, world: int) -> Any:
 
         check_alone(cfg, a.every_given)
     run = settle(run, plan, rule)  # the plan's defaults, as hetpipe run fills them
-    attempt = "-".join(os.environ.get(k, "0") for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"))  # fmt: skip
-    owner = SharedRun("" if cfg.resume else attempt, attempt, rank == 0) if out else None
+    tag = f"{os.environ.get('TORCHELASTIC_RUN_ID', '0')}-{attempt}"
+    owner = SharedRun("" if cfg.resume else tag, tag, rank == 0) if out else None
     prep = prepare(plan, ModelSource(ref=plan.model), opt, run, cfg, None, owner, rule,
                    max(a.vw, 0), "env://")  # fmt: skip
     if isinstance(prep, RunResult):
         return None
-    jobs: dict[int, Any] = {s.rank: s for s in prep.shards}
-    jobs |= {j.ctx.rank: j for j in prep.stages}
-    if world != len(jobs):
-        raise ConfigError(
-            f"WORLD_SIZE={world} but {a.plan} needs {len(prep.shards)} shards and "
-            f"{len(prep.stages)} stages: start {len(jobs)} processes in total "
-            "(--nnodes x --nproc-per-node)"
-        )
-    job = jobs[rank]
-    if a.calibration is not None and rank >= len(prep.shards):  # a stage: this pacing table
+    return _Setup(prep, run, rule, max(a.vw, 0), attempt)
+
+
+def _job_of(a: argparse.Namespace, prep: Prepared, role: int) -> Any:
+    """The job of launcher rank ``role`` (a stage gets ``--calibration``'s pacing table)."""
+    job: Any = prep.shards[role] if role < len(prep.shards) else None
+    job = job or next(j for j in prep.stages if j.ctx.rank == role)
+    if a.calibration is not None and role >= len(prep.shards):  # a stage: this pacing table
         from runtime.stage.emulation import Calibration
 
         job = dataclasses.replace(job, calibration=Calibration.load(a.calibration))
     return job
+
+
+def _torchrun_store(rank: int, world: int, timeout_s: float) -> tuple[Any, int]:
+    """torchrun's store under a prefix of this worker group, and the group's number, agreed by
+    every host (``(None, 0)``: not under torchrun).
+
+    ``TORCHELASTIC_RESTART_COUNT`` cannot number the groups: torchrun counts the restarts of
+    each host's agent, and the agent of a host whose workers did not fail restarts them
+    without counting (host A stays at 0 when a rank on host B dies). Every rank adds one to
+    a counter in the store as it starts, so group ``k`` is the ranks that found it at
+    ``k * world .. (k + 1) * world - 1``; the group's number also prefixes its process group's
+    rendezvous (``HETPIPE_ATTEMPT``, :func:`runtime.launch.child.run_rank`).
+    """
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ or world <= 1:
+        return None, 0
+    from torch._C._distributed_c10d import PrefixStore
+    from torch.distributed.rendezvous import rendezvous
+
+    wait = timedelta(seconds=max(120.0, 4 * timeout_s))  # for the last rank to finish
+    store, _, _ = next(rendezvous("env://", rank, world, timeout=wait))
+    attempt = (int(store.add("hetpipe/started", 1)) - 1) // world
+    os.environ["HETPIPE_ATTEMPT"] = str(attempt)  # for the process group's store prefix
+    return PrefixStore(f"hetpipe/ranks-{attempt}/", store), attempt
+
+
+def _role(
+    a: argparse.Namespace, plan: Plan, prep: Prepared, rank: int, world: int, store: Any
+) -> int:
+    """The role (launcher rank) this rank runs: the plan's placement on this rank's host.
+
+    Raises:
+        ConfigError: ``--host`` names no host of the cluster, the processes per host do not
+            match the plan's (:func:`runtime.launch.hosts.assign_roles`).
+    """
+    from runtime.launch.hosts import assign_roles, host_names, local_host, role_hosts
+
+    nodes = [s.node for s in prep.shards] + [j.ctx.device.split(":")[0] for j in prep.stages]
+    roles = role_hosts(plan, nodes)
+    names = host_names(plan)
+    if a.host is not None and a.host not in names:
+        raise ConfigError(
+            f"--host {a.host}: the cluster of {a.plan} has no such node or host; "
+            f"use one of {', '.join(sorted(set(names.values())))}"
+        )
+    me = names[a.host] if a.host is not None else local_host(sorted(set(roles)))
+    if store is None:
+        ranks: list[str | None] = [me] * world if world == 1 else [None] * world
+    else:
+        store.set(f"host/{rank}", me or "")
+        ranks = [store.get(f"host/{r}").decode() or None for r in range(world)]
+    if len(set(roles)) > 1 and all(h is None for h in ranks):
+        log.warning("no rank knows its host (--host): roles follow torchrun's rank order")
+    role = assign_roles(roles, ranks)[rank]
+    log.info("host %s: rank %d runs role %d", me or "?", rank, role)
+    return role
+
+
+def _finish(plan: Plan, setup: _Setup, store: Any, rank: int, role: int, wall_s: float) -> int:
+    """After this rank's job: say so; rank 0 waits for every rank, then writes what
+    ``hetpipe run`` writes (summary table, ``summary.json``, ``weights.pt``, the test
+    accuracy) from the ``rank<r>.pt`` files."""
+    world = len(setup.prep.shards) + len(setup.prep.stages)
+    if store is not None:
+        store.set(f"done/{role}", "1")
+    if rank != 0 or setup.run.out_dir is None or (store is None and world > 1):
+        return 0
+    if store is not None:
+        store.wait([f"done/{r}" for r in range(world)])
+    result = collect(plan, setup, wall_s)
+    from rich.console import Console
+
+    from runtime.run import outputs
+
+    console = Console()
+    console.print(result.table())
+    out = setup.run.out_dir
+    console.print(f"outputs: {', '.join(str(out / f) for f in outputs(result))}", markup=False)
+    return 0
+
+
+def collect(plan: Plan, setup: _Setup, wall_s: float) -> RunResult:
+    """The :class:`RunResult` of a torchrun run from its ``out/rank<r>.pt`` files, completed
+    and saved as the one-host launcher does (:func:`runtime.launch.launcher.complete`).
+
+    Raises:
+        HetPipeRuntimeError: a rank's file is missing (that rank failed).
+    """
+    from runtime.launch.launcher import build_result, complete, one_vw_result
+    from runtime.launch.procs import loads_result
+    from runtime.results.metrics import StageResult
+    from runtime.results.run_result import model_keys
+
+    prep, out = setup.prep, setup.run.out_dir
+    if out is None:
+        raise ConfigError("collecting a torchrun run's results needs its --out")
+    results = []
+    for r in range(len(prep.shards) + len(prep.stages)):
+        path = out / f"rank{r}.pt"
+        if not path.exists():
+            raise HetPipeRuntimeError(f"{path}: missing; rank {r} did not finish (see its log)")
+        results.append(loads_result(path.read_bytes()))
+    stages = [x for x in results if isinstance(x, StageResult)]
+    states = [x for x in results if not isinstance(x, StageResult)]
+    keys = model_keys(ModelSource(ref=plan.model), plan.batch_size)  # every state_dict name
+    if setup.rule == "local":
+        return one_vw_result(plan, prep, stages, setup.run, setup.vw, wall_s, keys)
+    result = build_result(plan, prep, stages, states, setup.rule, wall_s, keys)
+    if setup.attempt:
+        note = f"torchrun restarted the workers {setup.attempt} time(s), from the last snapshot"
+        result = dataclasses.replace(result, restarts=(*result.restarts, note))
+    return complete(result, plan, ModelSource(ref=plan.model), prep, stages, setup.run)
 
 
 class _RankSink:
@@ -164,6 +336,7 @@ def collect_wsp(plan: Plan, out: Path, nm: int = 0, D: int | None = None) -> Run
     from runtime.launch.procs import loads_result
     from runtime.launch.wsp import shard_specs
     from runtime.results.metrics import StageResult
+    from runtime.results.whole_state import state_keys
     from runtime.stage.model import resolve_source
 
     D = plan.D if D is None else D
@@ -178,7 +351,8 @@ def collect_wsp(plan: Plan, out: Path, nm: int = 0, D: int | None = None) -> Run
         results.append(loads_result(path.read_bytes()))
     stages = [x for x in results if isinstance(x, StageResult)]
     states = [x for x in results if not isinstance(x, StageResult)]
-    return RunResult.build(plan, nm or plan.nm, D, stages, states, specs, 0.0)
+    result = RunResult.build(plan, nm or plan.nm, D, stages, states, specs, 0.0)
+    return dataclasses.replace(result, keys=state_keys(spec.module))  # every state_dict name
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from profiler.errors import ConfigError
 from profiler.graph import ModelGraph
 from profiler.models import keyword_spec
 from profiler.precision import check_precision
+from runtime.by_value import check_guarded
 from runtime.config import LossFn, ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.defaults import TIMEOUT_S
 from runtime.run import run_plan
@@ -71,7 +72,8 @@ def _module_source(
     model: nn.Module, dataset: Dataset[Any], loss_fn: LossFn | None, batch_size: int
 ) -> ModelSource:
     """The user's module with its first minibatch as the sample: ``(inputs, target)`` items,
-    or dict items (``{"input_ids", "attention_mask", "labels"}``) passed as keywords."""
+    or dict items (``{"input_ids", "attention_mask", "labels"}``) mapped onto the forward's
+    arguments by name (``labels`` to the loss unless the forward takes it)."""
     batch = default_collate([dataset[i] for i in range(batch_size)])
     if isinstance(batch, Mapping):
         spec = keyword_spec(type(model).__name__, model, batch, loss_fn)
@@ -131,8 +133,10 @@ def train(  # long by its signature and docstring (every option, documented); th
     Args:
         model: an ``nn.Module`` (captured with ``torch.fx`` or ``torch.export``, e.g. a Hugging
             Face model) or a model reference (``mlp``).
-        dataset: items ``(inputs, target)``, or dicts of tensors passed to the model as
-            keywords (``{"input_ids", "attention_mask", "labels"}``); ``None`` = built-in data.
+        dataset: items ``(inputs, target)``, or dicts of tensors mapped onto the forward's
+            arguments by name (``{"input_ids", "attention_mask", "labels"}``, ``{"x", "mask",
+            "labels"}``; ``labels`` is the loss's target unless the forward takes it);
+            ``None`` = built-in data.
         loss_fn: ``loss(outputs, targets)``; ``None`` = the model spec's (cross-entropy), or
             the model's own ``loss`` output for dict samples.
         plan: a plan (object or file); its batch size and Nm are used.
@@ -146,7 +150,7 @@ def train(  # long by its signature and docstring (every option, documented); th
         seed: weights (for references) and data order.
         out_dir: run directory for metrics, calibration cache and logs.
         progress: show a progress bar.
-        return_state: return the final parameters (``result.state_dict()``).
+        return_state: return the final parameters and buffers (``result.state_dict()``).
         timeout_s: timeout of every process-group operation.
         emulate: pace emulated devices and cap their memory.
         D: WSP clock-distance threshold of a plan with shards (``None`` = the plan's).
@@ -165,8 +169,10 @@ def train(  # long by its signature and docstring (every option, documented); th
         ``throughput``, ``state_dict()``, ``stages`` and one entry per VW in ``vws``.
 
     Raises:
-        HetPipeError: invalid inputs or a failed run (naming the rank, VW and stage).
+        HetPipeError: invalid inputs or a failed run (naming the rank, VW and stage); a call
+            from a script's top level outside ``if __name__ == "__main__":``.
     """
+    check_guarded()
     if remedy:
         optimizer = replace(optimizer or OptimizerConfig(), remedy=remedy)
     given = load_plan(plan) if isinstance(plan, (str, os.PathLike)) else plan

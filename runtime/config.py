@@ -19,7 +19,9 @@ from planner.staleness import check_remedy
 from profiler.capture import quiet_treespec
 from profiler.errors import ConfigError, shown
 from profiler.precision import check_precision
+from runtime.by_value import pickler
 from runtime.defaults import TIMEOUT_S
+from runtime.options import OPTIMIZERS, SCHEDULES
 
 if TYPE_CHECKING:
     from runtime.launch.faults import ShardFault, StageFault
@@ -29,8 +31,8 @@ __all__ = ["LossFn", "ModelSource", "OptimizerConfig", "RunConfig", "WSPConfig"]
 
 LossFn = Callable[[Any, Tensor], Tensor]
 
-_OPTIMIZERS = ("sgd", "adam")
-_SCHEDULES = ("constant", "step", "cosine", "warmup")
+_OPTIMIZERS = OPTIMIZERS  # the option table's, so that the CLI checks them without torch
+_SCHEDULES = SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -165,8 +167,8 @@ class ModelSource:
         for key in _BLOBS:
             if state[key] is not None:
                 buf = io.BytesIO()
-                with quiet_treespec():
-                    torch.save(state[key], buf)
+                with quiet_treespec():  # by value where __main__ has no file (runtime.by_value)
+                    torch.save(state[key], buf, pickle_module=pickler())
                 state[key] = buf.getvalue()
         return state
 
@@ -196,7 +198,7 @@ class RunConfig:
         out_dir: run directory (metrics CSV, calibration cache, final weights); ``None`` = none.
         timeout_s: timeout of every process-group operation; a rank stuck this long fails.
         emulate: pace emulated devices and enforce their memory caps.
-        return_state: send every stage's final parameters back to the caller.
+        return_state: send every stage's final parameters and buffers back to the caller.
         progress: show a progress bar.
         log_every: minibatches between metric log lines.
         flush_every_wave: baseline mode for benchmarks: admit the next ``Nm`` minibatches only

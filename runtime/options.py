@@ -8,11 +8,13 @@ Plain data and no heavy imports: the CLI reads it at start-up without loading to
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from profiler.precision import PRECISIONS
 from runtime.defaults import CHECKPOINT_EVERY, TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -20,7 +22,62 @@ if TYPE_CHECKING:
 
     from runtime.config import OptimizerConfig, RunConfig, WSPConfig
 
-__all__ = ["OPTIONS", "Option", "add_arguments", "configs"]
+OPTIMIZERS = ("sgd", "adam")
+"""The stages' optimizers (:class:`runtime.config.OptimizerConfig`)."""
+SCHEDULES = ("constant", "step", "cosine", "warmup")
+"""The learning-rate schedules (:class:`runtime.config.OptimizerConfig`)."""
+
+__all__ = [
+    "OPTIMIZERS",
+    "OPTIONS",
+    "SCHEDULES",
+    "Option",
+    "Range",
+    "add_arguments",
+    "check_number",
+    "check_values",
+    "configs",
+]
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric option takes: finite, ``low <= v`` (``low < v`` when
+    ``open_low``) and ``v < high`` (``v <= high`` unless ``open_high``).
+
+    >>> Range(0, 1).problem(1.0)
+    'must be a finite number in [0, 1)'
+    >>> Range(0, open_low=True).problem(float("nan"))
+    'must be a finite number > 0'
+    """
+
+    low: float
+    high: float = math.inf
+    open_low: bool = False
+    open_high: bool = True
+
+    def describe(self) -> str:
+        """``> 0``, ``>= 1``, ``in [0, 1)``."""
+        low = _number(self.low)
+        if self.high == math.inf:
+            return f"> {low}" if self.open_low else f">= {low}"
+        left, right = "(" if self.open_low else "[", ")" if self.open_high else "]"
+        return f"in {left}{low}, {_number(self.high)}{right}"
+
+    def problem(self, value: float) -> str | None:
+        """What is wrong with ``value`` (``None``: nothing)."""
+        bad_low = value <= self.low if self.open_low else value < self.low
+        bad_high = value >= self.high if self.open_high else value > self.high
+        if math.isfinite(value) and not bad_low and not bad_high:
+            return None
+        return (
+            f"must be a {'whole' if isinstance(value, int) else 'finite'} number {self.describe()}"
+        )
+
+
+def _number(x: float) -> str:
+    """``1000000`` rather than ``1e+06``: a bound as one would type it."""
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
 @dataclass(frozen=True)
@@ -31,41 +88,82 @@ class Option:
         flag: the command-line flag (``--time-limit``).
         default: its default (its type is the default's, ``None``: an int).
         help: one line for ``--help``.
+        range: the values a numeric option takes (checked by :func:`check_values` before
+            anything is planned or started); ``None`` for text and switches.
+        choices: the values a text option takes (checked likewise); ``()``: any.
     """
 
     flag: str
     default: Any
     help: str
+    range: Range | None = None
+    choices: tuple[str, ...] = ()
 
 
 OPTIONS: Mapping[str, Option] = MappingProxyType(
     {
-        "steps": Option("--steps", 0, "minibatches each VW trains (per VW, not in total; 0 = from --epochs)"),
-        "epochs": Option("--epochs", 0.0, "passes over each VW's share of the data (default: 40 when several VWs train together, else 1; unused with --steps)"),
-        "time_limit": Option("--time-limit", 0.0, "stop admitting minibatches after SECONDS (several VWs: all stop at one agreed wave)"),
-        "seed": Option("--seed", 0, "seed of the initial weights and the data order"),
-        "nm": Option("--nm", 0, "minibatches in flight (0 = the plan's Nm)"),
-        "vw": Option("--vw", -1, "run only this virtual worker of the plan (-1 = all, through its synchronisation rule)"),
-        "staleness": Option("--D", None, "WSP clock-distance threshold D (default: the plan's)"),
-        "checkpoint_every": Option("--checkpoint-every", CHECKPOINT_EVERY, "checkpoint every K global clocks into --out/checkpoints (0 = never)"),
-        "on_failure": Option("--on-failure", "stop", "stop: a failed process ends the run; restart: restart a failed stage's VW alone where the shards cut it (the others wait there) and a failed shard's whole job from its last snapshot, up to --max-restarts times, then evict a failed VW (under torchrun: torchrun's own --max-restarts, whole group); continue: evict a failed VW and go on with the others (a failed shard still stops the run)"),
-        "max_restarts": Option("--max-restarts", 3, "restarts allowed with --on-failure restart"),
+        "steps": Option("--steps", 0, "minibatches each VW trains (per VW, not in total; 0 = from --epochs)", Range(0)),
+        "epochs": Option("--epochs", 0.0, "passes over each VW's share of the data (default: 40 when several VWs train together, else 1; unused with --steps)", Range(0)),
+        "time_limit": Option("--time-limit", 0.0, "stop admitting minibatches after SECONDS (several VWs: all stop at one agreed wave)", Range(0)),
+        "seed": Option("--seed", 0, "seed of the initial weights and the data order", Range(0, 2**63)),
+        "nm": Option("--nm", 0, "minibatches in flight (0 = the plan's Nm)", Range(0)),
+        "vw": Option("--vw", -1, "run only this virtual worker of the plan (-1 = all, through its synchronisation rule)", Range(-1)),
+        "staleness": Option("--D", None, "WSP clock-distance threshold D (default: the plan's)", Range(0)),
+        "checkpoint_every": Option("--checkpoint-every", CHECKPOINT_EVERY, "checkpoint every K global clocks into --out/checkpoints (0 = never)", Range(0)),
+        "on_failure": Option("--on-failure", "stop", "stop: a failed process ends the run; restart: restart a failed stage's VW alone where the shards cut it (the others wait there) and a failed shard's whole job from its last snapshot, up to --max-restarts times, then evict a failed VW (under torchrun: torchrun's own --max-restarts, whole group); continue: evict a failed VW and go on with the others (a failed shard still stops the run)", choices=("stop", "restart", "continue")),
+        "max_restarts": Option("--max-restarts", 3, "restarts allowed with --on-failure restart", Range(0)),
         "overwrite": Option("--overwrite", False, "replace another run's outputs in --out"),
-        "optimizer": Option("--optimizer", "sgd", "sgd or adam"),
-        "lr": Option("--lr", 0.05, "learning rate"),
-        "momentum": Option("--momentum", 0.0, "SGD momentum"),
-        "weight_decay": Option("--weight-decay", 0.0, "weight decay"),
-        "schedule": Option("--schedule", "constant", "lr schedule: constant, step, cosine, warmup"),
-        "remedy": Option("--remedy", "none", "staleness remedy of each stage's update: none, predict (weight prediction, SGD) or pipemare (per-stage lr warm-up by the delay)"),
-        "remedy_warmup": Option("--remedy-warmup", 100, "updates of PipeMare's lr warm-up (--remedy pipemare)"),
-        "timeout": Option("--timeout", TIMEOUT_S, "seconds before a stuck process-group operation fails"),
+        "optimizer": Option("--optimizer", "sgd", "sgd or adam", choices=OPTIMIZERS),
+        "lr": Option("--lr", 0.05, "learning rate", Range(0, open_low=True)),
+        "momentum": Option("--momentum", 0.0, "SGD momentum", Range(0, 1)),
+        "weight_decay": Option("--weight-decay", 0.0, "weight decay", Range(0)),
+        "schedule": Option("--schedule", "constant", "lr schedule: constant, step, cosine, warmup", choices=SCHEDULES),
+        "remedy": Option("--remedy", "none", "staleness remedy of each stage's update: none, predict (weight prediction, SGD) or pipemare (per-stage lr warm-up by the delay)", choices=("none", "predict", "pipemare")),
+        "remedy_warmup": Option("--remedy-warmup", 100, "updates of PipeMare's lr warm-up (--remedy pipemare)", Range(0)),
+        "timeout": Option("--timeout", TIMEOUT_S, "seconds before a stuck process-group operation fails", Range(0, 10**6, open_low=True)),
         "emulate": Option("--emulate", True, "pace emulated devices and enforce their memory caps"),
-        "on_nonfinite": Option("--on-nonfinite", "stop", "a NaN or infinite loss or gradient (a diverging run): stop (the run ends naming the VW, stage, minibatch and the last snapshot) or skip (that minibatch's update is skipped at every stage of its VW, counted in the summary)"),
-        "precision": Option("--precision", "", "fp32 or bf16 (autocast, fp32 master weights; default: the plan's)"),
+        "on_nonfinite": Option("--on-nonfinite", "stop", "a NaN or infinite loss or gradient (a diverging run): stop (the run ends naming the VW, stage, minibatch and the last snapshot) or skip (that minibatch's update is skipped at every stage of its VW, counted in the summary)", choices=("stop", "skip")),
+        "precision": Option("--precision", "", "fp32 or bf16 (autocast, fp32 master weights; default: the plan's)", choices=("", *PRECISIONS)),
     }
 )  # fmt: skip
 """Every option both entries take, by parameter name (``hetpipe run`` adds the planning ones,
 ``--resume``, ``--out`` and ``--progress``; torchrun adds ``--calibration``)."""
+
+
+def check_number(flag: str, value: float | None, allowed: Range, default: object = None) -> None:
+    """Refuse a numeric option's value outside ``allowed`` (``None``: not given, fine).
+
+    Raises:
+        ConfigError: one line naming the flag, the value and the fix.
+    """
+    from profiler.errors import ConfigError
+
+    if value is None or isinstance(value, bool):
+        return
+    problem = allowed.problem(value)
+    if problem is not None:
+        fix = "drop it" if default is None else f"drop it for the default {default}"
+        raise ConfigError(f"{flag} {value}: {problem}; give such a value, or {fix}")
+
+
+def check_values(values: Mapping[str, Any]) -> None:
+    """Check every option of :data:`OPTIONS` in ``values`` against its range or choices (both
+    entries, before any planning or process starts, without importing torch).
+
+    Raises:
+        ConfigError: the first value out of range (as :func:`check_number` words it) or not
+            among its choices.
+    """
+    from profiler.errors import ConfigError, shown
+
+    for name, opt in OPTIONS.items():
+        if name not in values:
+            continue
+        if opt.range is not None:
+            check_number(opt.flag, values[name], opt.range, opt.default)
+        if opt.choices and values[name] not in opt.choices:
+            named = ", ".join(c for c in opt.choices if c)
+            raise ConfigError(f"{opt.flag} {shown(values[name], 40)}: use one of {named}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -97,14 +195,13 @@ def configs(
         resume_hint: the command line a failure message suggests resuming with.
 
     Raises:
-        ConfigError: an unknown ``--on-failure`` or a bad value (names the option).
+        ConfigError: an unknown ``--on-failure`` or a value out of its option's range
+            (names the option).
     """
-    from profiler.errors import ConfigError
     from runtime.config import OptimizerConfig, RunConfig, WSPConfig
 
     v = values
-    if v["on_failure"] not in ("stop", "restart", "continue"):
-        raise ConfigError(f"--on-failure {v['on_failure']!r}: use stop, restart or continue")
+    check_values(v)  # ranges, and --on-failure among stop, restart, continue
     opt = OptimizerConfig(name=v["optimizer"], lr=v["lr"], momentum=v["momentum"],
                           weight_decay=v["weight_decay"], schedule=v["schedule"],
                           remedy=v["remedy"], remedy_warmup=v["remedy_warmup"])  # fmt: skip

@@ -16,6 +16,16 @@ PIPEDREAM = REPO / "tests" / "data" / "pipedream"  # vendored (MIT, LICENSE.txt 
 EXAMPLES = REPO / "examples"
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``cuda`` are skipped, saying so, on a host without a CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _profile_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Measured CPU profiles are cached in a folder of this session, never the user's cache."""

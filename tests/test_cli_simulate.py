@@ -16,10 +16,29 @@ def _plan(tmp_path: Path) -> Path:
     return make_plan([vw, vw], nm=4, D=0, placement="local").save(tmp_path / "plan.yaml")
 
 
+def _profile(tmp_path: Path) -> Path:
+    """A profile of the synthetic plan's model (hetpipe cannot build it: simulate, like run,
+    then needs the layers and bytes from somewhere)."""
+    import pandas as pd
+
+    from profiler.table import Profile, ProfileMeta
+
+    rows = [
+        {"layer": f"layer{j}", "op": "Linear", "inputs": f"layer{j - 1}" if j else "",
+         "fwd_ms": 2.0, "bwd_ms": 4.0, "act_bytes": 1_000_000, "saved_bytes": 1_000_000,
+         "param_bytes": 4_000_000, "buffer_bytes": 0, "mem_per_mb_bytes": 5_000_000,
+         "peak_bytes": 0, "flops": 0.0}
+        for j in range(4)
+    ]  # fmt: skip
+    meta = ProfileMeta("synthetic", "TITAN V", 32)
+    return Profile(pd.DataFrame(rows), meta).save(tmp_path / "synthetic.csv")
+
+
 def test_simulate_writes_table_gantt_and_trace(tmp_path: Path) -> None:
     plan = _plan(tmp_path)
     png, svg, trace = tmp_path / "g.png", tmp_path / "g.svg", tmp_path / "t.json"
     args = ["simulate", str(plan), "--waves", "5", "--baseline", "allreduce"]
+    args += ["--profiles", str(_profile(tmp_path))]
     res = CliRunner().invoke(app, [*args, "--gantt", str(png), "--trace", str(trace)])
     assert res.exit_code == 0, res.output
     assert "samples/s" in res.output and "AllReduce" in res.output
@@ -28,7 +47,7 @@ def test_simulate_writes_table_gantt_and_trace(tmp_path: Path) -> None:
     cats = {e.get("cat") for e in doc["traceEvents"] if e["ph"] == "X"}
     assert {"F", "B", "FB", "recv"} <= cats
     assert all(e["dur"] >= 0 for e in doc["traceEvents"] if e["ph"] == "X")
-    res = CliRunner().invoke(app, ["simulate", str(plan), "--waves", "3", "--gantt", str(svg)])
+    res = CliRunner().invoke(app, [*args[:4], *args[6:], "--gantt", str(svg)])
     assert res.exit_code == 0, res.output
     assert "<svg" in svg.read_text()[:2000]
 
@@ -39,6 +58,7 @@ def test_simulate_errors_are_one_line(tmp_path: Path) -> None:
         ["simulate", str(plan), "--baseline", "horovod"],
         ["simulate", str(plan), "--gantt", str(tmp_path / "g.jpg")],
         ["simulate", str(tmp_path / "missing.yaml")],
+        ["simulate", str(plan)],  # hetpipe cannot build its model, and no --profiles
     ):
         res = CliRunner().invoke(app, args)
         assert res.exit_code == 2, (args, res.output)

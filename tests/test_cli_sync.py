@@ -24,13 +24,13 @@ def test_plan_with_a_rule_then_simulate_it(tmp_path: Path) -> None:
     plan = load_plan(out)
     assert plan.sync == "backup" and dict(plan.sync_params) == {"backups": 1.0} and plan.D == 0
     assert "synchronisation: backup (backups 1)" in res.output
-    res = runner.invoke(app, ["simulate", str(out)])
+    res = runner.invoke(app, ["simulate", str(out), "--profiles", VGG])
     assert res.exit_code == 0, res.output
     assert "backup b=1" in res.output and "WSP D=0" in res.output
     doc = yaml.safe_load(out.read_text())
     doc["sync"], doc["sync_params"] = "easgd", {"tau": 2, "alpha": 0.2}
     out.write_text(yaml.safe_dump(doc))
-    res = runner.invoke(app, ["simulate", str(out)])
+    res = runner.invoke(app, ["simulate", str(out), "--profiles", VGG])
     assert res.exit_code == 0, res.output
     assert "EASGD tau=2" in res.output and "alpha=0.2" in res.output  # the cell may wrap
 

@@ -15,8 +15,11 @@ from hetpipe._rules import SYNC_HELP, AlphaOpt, BackupsOpt, TauOpt, apply_rule, 
 from planner.cluster import Cluster, load_cluster
 from planner.plan import Plan, StagePlan, VirtualWorker
 from profiler.errors import ConfigError
+from runtime.options import Range, check_number
 
 if TYPE_CHECKING:  # heavy (torch, pandas, PuLP): imported when a plan is made
+    from rich.console import Console
+
     from planner.auto_search import Candidate
     from profiler.table import Profile
 
@@ -28,8 +31,9 @@ HELP = (
 )
 
 
-def _load_profiles(paths: list[Path], reference_type: str | None) -> list[Profile]:
-    """hetpipe CSV profiles from files/folders, plus PipeDream ``graph.txt`` files or their folders."""
+def load_profiles(paths: list[Path], reference_type: str | None) -> list[Profile]:
+    """hetpipe CSV profiles from files/folders, plus PipeDream ``graph.txt`` files or their
+    folders (``plan --profiles`` and ``simulate --profiles``)."""
     from profiler.pipedream import import_pipedream
     from profiler.table import load_profile_set
 
@@ -251,7 +255,10 @@ def plan(  # long only by its typer signature (the command's options); the body 
         typer.Option("--batch-size", "-b", help="minibatch size (default: the profiles', else 32)"),
     ] = None,
     nm: Annotated[
-        int | None, typer.Option("--nm", help="cap on concurrent minibatches per VW")
+        int | None,
+        typer.Option(
+            "--nm", help="cap on concurrent minibatches per VW (at most what memory allows)"
+        ),
     ] = None,
     staleness: Annotated[int, typer.Option("-D", help="WSP clock-distance threshold D")] = 0,
     placement: Annotated[str, typer.Option("--placement", help="default | local")] = "default",
@@ -333,13 +340,17 @@ def plan(  # long only by its typer signature (the command's options); the body 
 ) -> None:
     """Plan HetPipe training (see HELP)."""
     from planner.costmodel import load_links
+    from planner.plan_check import check_nm
     from planner.planner import PlanOptions, make_plan
 
-    _check_options(time_limit, auto_budget, auto_max_vw_gpus, max_cuts, sync,
-                   bool(policy or vws or nm or staleness))  # fmt: skip
+    numbers = {"--batch-size": batch_size, "--nm": nm, "-D": staleness, "--vws": vws,
+               "--time-limit": time_limit, "--auto-budget": auto_budget,
+               "--auto-max-vw-gpus": auto_max_vw_gpus, "--max-cuts": max_cuts}  # fmt: skip
+    _check_options(numbers, sync, bool(policy or vws or nm or staleness))
     rule = rule_params(sync, backups, tau, alpha)
     cl = load_cluster(cluster)
-    profs = _load_profiles(profiles, profile_gpu) if profiles else []
+    _pacing_note(cl, err_console if as_json else console)
+    profs = load_profiles(profiles, profile_gpu) if profiles else []
     candidates: list[Candidate] = []
     options = PlanOptions(
         partitioner=partitioner,
@@ -364,29 +375,40 @@ def plan(  # long only by its typer signature (the command's options); the body 
                 links=load_links(links) if links else None, options=options,
                 reference_type=profile_gpu, report=candidates, precision=precision,
             )  # fmt: skip
+    if nm is not None:
+        check_nm(result, nm)  # the planner caps Nm at what memory allows: say so, do not write
     _emit(apply_rule(result, sync, rule), output, as_json, candidates, auto_budget, full)
 
 
-def _check_options(
-    time_limit: float,
-    auto_budget: float,
-    auto_max_vw_gpus: int,
-    max_cuts: int | None,
-    sync: str,
-    shapes_hetpipe: bool,
-) -> None:
+_RANGES = {
+    "--batch-size": Range(1), "--nm": Range(1), "-D": Range(0), "--vws": Range(1),
+    "--time-limit": Range(0, open_low=True), "--auto-budget": Range(0),
+    "--auto-max-vw-gpus": Range(1), "--max-cuts": Range(0),
+}  # fmt: skip
+"""The values each numeric option of ``hetpipe plan`` takes (``None``: not given)."""
+
+
+def _check_options(numbers: dict[str, float | None], sync: str, shapes_hetpipe: bool) -> None:
     """Refuse bad option values before any planning (one line each)."""
-    if time_limit <= 0 or auto_budget < 0 or auto_max_vw_gpus < 1:
-        raise ConfigError(
-            f"--time-limit must be > 0, --auto-budget >= 0 and --auto-max-vw-gpus >= 1 (got "
-            f"{time_limit:g}, {auto_budget:g}, {auto_max_vw_gpus})"
-        )
-    if max_cuts is not None and max_cuts < 0:
-        raise ConfigError(f"--max-cuts must be >= 0, got {max_cuts}")
+    for flag, value in numbers.items():
+        check_number(flag, value, _RANGES[flag])
     if sync == "allreduce" and shapes_hetpipe:
         raise ConfigError(
             "--policy, --vws, --nm and -D shape HetPipe plans; drop them with --sync allreduce"
         )
+
+
+def _pacing_note(cl: Cluster, out: Console) -> None:
+    """Warn (a plan may run on another machine) when this machine could not pace the
+    cluster's emulated devices all at once; ``hetpipe run`` refuses it."""
+    import os
+
+    from planner.pacing import pacing_problem
+
+    devices = [(d.label, d.emulation.speed) for d in cl.devices if d.emulation is not None]
+    problem = pacing_problem(devices, os.cpu_count() or 1) if devices else None
+    if problem is not None:
+        out.print(f"[yellow]note:[/] {escape(problem)}; 'hetpipe run' refuses that here")
 
 
 def _emit(

@@ -150,6 +150,17 @@ def profile(  # long only by its typer signature (the command's options); the bo
     precision: Annotated[
         str, typer.Option(help="fp32 | bf16: measure under bfloat16 autocast")
     ] = "fp32",
+    peer: Annotated[
+        str | None,
+        typer.Option(
+            "--peer",
+            help="--links between two hosts: ADDR:PORT that --peer-rank 0's host serves "
+            "(docs/multihost.md)",
+        ),
+    ] = None,
+    peer_rank: Annotated[
+        int, typer.Option("--peer-rank", help="with --peer: 0 on one host (writes), 1 on the other")
+    ] = 0,
 ) -> None:
     """Write per-layer profiles (or links.yaml) to ``-o``."""
     mode = _one_mode(
@@ -166,7 +177,7 @@ def profile(  # long only by its typer signature (the command's options); the bo
         torch.set_num_threads(threads)
     types = device_type or []
     if mode == "links":
-        _links(output, repeats, warmup)
+        _links(output, repeats, warmup, peer, peer_rank)
     elif mode == "import-pipedream":
         _import(import_pipedream_path or Path(), output, batch_size, types)
     elif mode == "scale":
@@ -179,16 +190,27 @@ def profile(  # long only by its typer signature (the command's options); the bo
         _measure(model, output, batch_size, types, device, repeats, warmup, clock, precision)
 
 
-def _links(output: Path, repeats: int, warmup: int) -> None:
-    """``--links``: measure this host's point-to-point latency and bandwidth."""
-    from profiler.links import DEFAULT_SIZES, measure_links, save_links
+def _links(output: Path, repeats: int, warmup: int, peer: str | None, peer_rank: int) -> None:
+    """``--links``: measure this host's point-to-point latency and bandwidth (``peer``: the
+    link to another host, ``inter_node``)."""
+    from rich.markup import escape
+
+    from profiler.links import DEFAULT_SIZES, measure_link_to, measure_links, save_links
 
     target = output if output.suffix.lower() in (".yaml", ".yml") else output / "links.yaml"
-    with console.status("measuring links (2 processes, ping-pong)"):
-        fit = measure_links(DEFAULT_SIZES, repeats=max(repeats, 1), warmup=warmup)
+    if peer is not None:
+        with console.status(f"measuring the link to {escape(peer)} (ping-pong, rank {peer_rank})"):
+            got = measure_link_to(peer, peer_rank, DEFAULT_SIZES, max(repeats, 1), warmup)
+        if got is None:
+            console.print(f"echoed for rank 0 at {peer}; its host writes links.yaml", markup=False)
+            return
+        fit = got
+    else:
+        with console.status("measuring links (2 processes, ping-pong)"):
+            fit = measure_links(DEFAULT_SIZES, repeats=max(repeats, 1), warmup=warmup)
     save_links([fit], target)
     console.print(
-        f"intra_node ({fit.backend}): latency {fit.latency_s * 1e6:.1f} us, bandwidth "
+        f"{fit.link_class} ({fit.backend}): latency {fit.latency_s * 1e6:.1f} us, bandwidth "
         f"{fit.bandwidth_bps / 1e9:.3f} GB/s (r2 {fit.r2:.3f}) -> {target}"
     )
 

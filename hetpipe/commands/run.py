@@ -3,6 +3,7 @@ alone, or the DDP AllReduce baseline (``--sync allreduce``)."""
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from dataclasses import replace
@@ -14,10 +15,9 @@ import typer
 from hetpipe._common import console, handle_errors
 from hetpipe._rules import SYNC_HELP, AlphaOpt, BackupsOpt, TauOpt, apply_rule, rule_params
 from planner.plan import Plan
-from planner.plan_check import check_plan_layers
 from planner.plan_file import load_plan, load_plan_or_cluster
-from profiler.errors import ConfigError
-from runtime.options import OPTIONS
+from profiler.errors import ConfigError, shown
+from runtime.options import OPTIONS, Range, check_number
 
 if TYPE_CHECKING:
     from runtime.config import OptimizerConfig, RunConfig, WSPConfig
@@ -79,15 +79,11 @@ def _load(
 
 
 def _check_against_model(plan: Plan, path: Path) -> None:
-    """Refuse, before any process starts, a plan whose stage boundaries or shard layers are not
-    its model's (a plan made for another model, or edited by hand)."""
-    from profiler.graph import ModelGraph
-    from runtime.config import ModelSource
-    from runtime.stage.model import resolve_source
+    """Refuse, before any process starts, a plan its model does not fit (the same checks as
+    ``hetpipe simulate``: :func:`runtime.launch.admit.check_plan_model`)."""
+    from runtime.launch.admit import check_plan_model
 
-    spec = resolve_source(ModelSource(ref=plan.model), plan.batch_size, meta=True)
-    names = [layer.name for layer in ModelGraph.from_spec(spec).layers]
-    check_plan_layers(plan, names, str(path), f"model {plan.model!r}")
+    check_plan_model(plan, str(path))
 
 
 def _opt(name: str) -> typer.models.OptionInfo:
@@ -97,6 +93,9 @@ def _opt(name: str) -> typer.models.OptionInfo:
     flag = f"{o.flag}/--no-{o.flag[2:]}" if isinstance(o.default, bool) and o.default else o.flag
     return typer.Option(flag, help=o.help)  # type: ignore[no-any-return]
 
+
+_PLANNING = {"--batch-size": Range(1), "--stages": Range(0), "--vws": Range(0)}
+"""The ranges of the options only ``hetpipe run`` takes (planning on the fly)."""
 
 OPT = OPTIONS  # the defaults below are the table's: one source for hetpipe run and torchrun
 
@@ -181,20 +180,27 @@ def run(  # long only by its typer signature (the command's options); the body i
     on_nonfinite: Annotated[str, _opt("on_nonfinite")] = OPT["on_nonfinite"].default,
 ) -> None:
     """Train a plan (all its VWs through WSP, one VW, or the AllReduce baseline); print the summary."""
-    from runtime.options import configs
+    from runtime.options import check_values, configs
     from runtime.persist.run_dir import resume_target
 
     values = {name: value for name, value in locals().items() if name in OPTIONS}
+    check_values(values)  # every number in range before anything is read, planned or started
+    for flag, value in (("--batch-size", batch_size), ("--stages", stages), ("--vws", vws)):
+        check_number(flag, value, _PLANNING[flag])
     rule = rule_params(sync, backups, tau, alpha)
     if sync == "allreduce":
         _refuse_pipeline_options(nm, staleness, vw, vws, stages, policy)
     target = resume_target(resume) if resume is not None else None
     opt, run_cfg, wsp = configs(values, out or (target[0] if target else None), progress, target,
                                 _resume_hint(path))  # fmt: skip
-    plan = _plan(path, model, batch_size, nm, stages, vws, staleness, policy, sync, opt,
-                 run_cfg.out_dir if resume is not None else None, precision)  # fmt: skip
     every = ctx.get_parameter_source("checkpoint_every")  # given, or its default
     given = every is not None and every.name != "DEFAULT"
+    _check_before_planning(sync, vw, vws, wsp, given, run_cfg.time_limit_s)
+    resumed = run_cfg.out_dir if resume is not None else None
+    plan = _plan(path, model, batch_size, nm, stages, vws, staleness, policy, sync, opt,
+                 resumed, precision)  # fmt: skip
+    if resumed is not None and (resumed / "plan.json").exists():
+        _check_resumed(path, apply_rule(plan, sync, rule), resumed, sync, rule)
     dataset = _data(data, plan, run_cfg.seed)
     _train(apply_rule(plan, sync, rule), opt, run_cfg, wsp, vw, given, dataset)
 
@@ -219,6 +225,22 @@ def _data(data: str | None, plan: Plan, seed: int) -> RunData | None:
     if data == SYNTHETIC:
         return synthetic_data(plan.model, plan.batch_size)
     return load_data(data, seed)
+
+
+def _check_before_planning(
+    sync: str, vw: int, vws: int, wsp: WSPConfig, every: bool, time_limit_s: float
+) -> None:
+    """The checks of :func:`_train` that the options decide without a plan, made before a
+    cluster file is planned (12-40 s): one VW alone (``--vw K``) writes no snapshots, backup
+    workers take no time limit, ``--vw`` names one of ``--vws``."""
+    from planner.sync import check_time_limit
+    from runtime.launch.jobs import check_alone
+
+    if vw >= 0 and sync != "allreduce":
+        check_alone(wsp, every)
+    check_time_limit(sync, time_limit_s)
+    if vws and vw >= vws:
+        raise ConfigError(f"--vw {vw}: --vws {vws} makes VWs 0..{vws - 1}; give one of them")
 
 
 def _plan(
@@ -257,6 +279,29 @@ def _plan(
     return plan
 
 
+def _check_resumed(path: Path, saved: Plan, out: Path, sync: str, rule: dict[str, float]) -> None:
+    """Refuse ``--resume`` with a plan or cluster file other than the resumed run's (its
+    ``plan.json``), naming the first field that differs; nothing is planned."""
+    from runtime.persist.run_dir import first_difference
+
+    doc = load_plan_or_cluster(path)
+    if isinstance(doc, Plan):
+        what, then, now = "plan", saved.to_dict(), apply_rule(doc, sync, rule).to_dict()
+        for key in ("predicted", "profiles"):  # how it was made, not what trains
+            then.pop(key, None)
+            now.pop(key, None)
+    else:
+        what, then, now = "cluster", saved.cluster.to_dict(), doc.to_dict()
+    found = first_difference(then, now)
+    if found is not None:
+        field, was, given = found
+        raise ConfigError(
+            f"--resume {out}: {path} is not the {what} of the run being resumed: {field} is "
+            f"{shown(given, 60)} but the run's ({out / 'plan.json'}) is {shown(was, 60)}; resume "
+            "with the run's own file, or start a new run in another --out"
+        )
+
+
 def _train(
     plan: Plan,
     opt: OptimizerConfig,
@@ -269,6 +314,7 @@ def _train(
     """Say what trains, train it (:func:`runtime.run.run_plan`) on ``dataset`` (``None``: the
     model's own), print the summary (``every``: ``--checkpoint-every`` was given, which one
     VW alone refuses)."""
+    from planner.plan_check import check_nm
     from planner.sync import check_time_limit
     from runtime.config import ModelSource
     from runtime.launch.jobs import check_alone
@@ -277,6 +323,9 @@ def _train(
     if rule_for(plan, vw) == "local":
         check_alone(wsp, every)
     check_time_limit(rule_for(plan, vw), run_cfg.time_limit_s)  # before the header prints
+    if run_cfg.emulate:
+        _check_pacing(plan, vw, os.cpu_count() or 1)
+    check_nm(plan, run_cfg.nm, vw)
 
     nm = run_cfg.nm or plan.nm
     console.print(describe_training(plan, vw, nm, wsp.D))
@@ -289,6 +338,31 @@ def _train(
     out = run_cfg.out_dir
     if out is not None:
         console.print(f"outputs: {', '.join(str(out / f) for f in outputs(result))}")
+
+
+def _check_pacing(plan: Plan, vw: int, cores: int) -> None:
+    """Refuse emulated devices that cannot be paced on ``cores`` cores when they run at once
+    (:func:`planner.pacing.pacing_problem`): VW ``vw`` alone, else every VW of the plan."""
+    from planner.pacing import pacing_problem
+    from runtime.launch.roles import emulation
+
+    workers = (
+        [plan.virtual_workers[vw]] if 0 <= vw < len(plan.virtual_workers) else plan.virtual_workers
+    )
+    devices = []
+    for worker in workers:
+        for st in worker.stages:
+            g = worker.gpus[st.gpu]
+            speed, _ = emulation(plan, g.node, g.speed, g.memory_bytes)
+            if speed > 0:
+                devices.append((f"{g.node}:{g.index}", speed))
+    problem = pacing_problem(devices, cores)
+    if problem is not None:
+        raise ConfigError(
+            f"{problem}: lower the cluster's emulate.speed values (sum at most {cores}, each at "
+            "most 1; well under for accurate pacing), use a machine with more cores, or pass "
+            "--no-emulate"
+        )
 
 
 def _resume_hint(path: Path) -> str:

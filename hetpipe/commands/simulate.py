@@ -14,6 +14,7 @@ from planner.plan import Plan
 from planner.plan_check import check_plan_layers
 from planner.plan_file import load_plan
 from profiler.errors import ConfigError, HetPipeError
+from runtime.options import Range, check_number
 
 if TYPE_CHECKING:
     from planner.sim.types import SimResult
@@ -31,7 +32,7 @@ _GANTT_WAVES = 6  # the chart shows the first waves only, to stay legible
 @handle_errors
 def simulate(
     plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="plan.yaml or plan.json")],
-    waves: Annotated[int, typer.Option("--waves", min=2, help="waves per virtual worker")] = 20,
+    waves: Annotated[int, typer.Option("--waves", help="waves per virtual worker (>= 2)")] = 20,
     baseline: Annotated[
         str | None, typer.Option("--baseline", help="also predict a baseline: 'allreduce'")
     ] = None,
@@ -43,26 +44,27 @@ def simulate(
     ] = None,
     profiles: Annotated[
         list[Path] | None,
-        typer.Option("--profiles", help="profile CSVs/folders: exact shard traffic and baseline"),
+        typer.Option(
+            "--profiles",
+            help="profile CSVs/folders or PipeDream graph.txt: exact shard traffic and "
+            "baseline; needed for a plan whose model hetpipe cannot build (imported profiles)",
+        ),
     ] = None,
 ) -> None:
     """Simulate ``PLAN`` and print the prediction."""
     from planner.sim.simulator import simulate as run_simulation
-    from profiler.table import load_profile_set
 
+    check_number("--waves", waves, Range(2), 20)
     if baseline not in (None, "allreduce"):
         raise ConfigError(f"--baseline {baseline!r}: the only baseline is 'allreduce'")
     if gantt is not None and gantt.suffix.lower() not in (".png", ".svg"):
         raise ConfigError(f"--gantt {gantt}: use a .png or .svg file name")
     plan = load_plan(plan_path)  # validated: coverage, GPUs, memory, Nm, batch, finite times
+    by_type = _checked_profiles(plan, plan_path, profiles or [])
+    _refuse_timeless(plan, plan_path)
     if plan.sync == "allreduce":
         _show_allreduce(plan)
         return
-    by_type: dict[str, Profile] = {}
-    for prof in load_profile_set(profiles or []):
-        what = f"the --profiles profile of {prof.meta.model!r} on {prof.meta.device_type!r}"
-        check_plan_layers(plan, prof.layers, str(plan_path), what)
-        by_type.setdefault(prof.meta.device_type, prof)
     source = "--profiles" if by_type else ""
     if not by_type:
         by_type = _analytic_profiles(plan)
@@ -79,6 +81,39 @@ def simulate(
     if baseline == "allreduce":
         _show_baseline(plan, res, by_type, waves, source)
     _pictures(plan, res, title, waves, gantt, trace)
+
+
+def _checked_profiles(plan: Plan, path: Path, paths: list[Path]) -> dict[str, Profile]:
+    """The ``--profiles`` by GPU type, after the checks ``hetpipe run`` makes on the plan and
+    its model (:func:`runtime.launch.admit.check_plan_model`): with profiles, their layers and
+    bytes stand in for the model (a plan of imported profiles, whose model hetpipe cannot
+    build, can be simulated); without, the model must build as it must to run."""
+    from hetpipe.commands.plan import load_profiles
+    from runtime.launch.admit import check_plan_model, check_static_memory
+
+    by_type: dict[str, Profile] = {}
+    for prof in load_profiles(paths, None) if paths else []:
+        what = f"the --profiles profile of {prof.meta.model!r} on {prof.meta.device_type!r}"
+        check_plan_layers(plan, prof.layers, str(path), what)
+        by_type.setdefault(prof.meta.device_type, prof)
+    if not by_type:
+        check_plan_model(plan, str(path))
+        return by_type
+    table = next(iter(by_type.values())).table
+    sizes = list(zip(table["param_bytes"].tolist(), table["buffer_bytes"].tolist(), strict=True))
+    check_static_memory(plan, sizes, str(path))
+    return by_type
+
+
+def _refuse_timeless(plan: Plan, path: Path) -> None:
+    """Refuse a VW whose every stage takes 0 ms (a plan made by hand without stage times, as the
+    Python API's: ``run`` measures them, the simulator has nothing to play)."""
+    for i, vw in enumerate(plan.virtual_workers):
+        if all(st.fwd_ms + st.bwd_ms + st.recv_fwd_ms + st.recv_bwd_ms == 0 for st in vw.stages):
+            raise ConfigError(
+                f"{path}: virtual_workers[{i}].stages: every stage takes 0 ms (a plan made "
+                "without stage times); simulate a plan made by 'hetpipe plan'"
+            )
 
 
 def _show(plan: Plan, res: SimResult, title: str) -> None:

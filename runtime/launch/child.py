@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 
 from runtime.launch.liveness import Heartbeats, alive, keep_beating
 
-__all__ = ["run_rank", "setup_child"]
+__all__ = ["die_with_parent", "run_rank", "setup_child"]
 
 
 def _watch_parent(parent: int, ppid: int) -> None:
@@ -34,7 +34,7 @@ def _watch_parent(parent: int, ppid: int) -> None:
             os._exit(3)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Linux: the kernel SIGKILLs this process when its parent exits (even by SIGKILL)."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
@@ -78,7 +78,7 @@ def setup_child(
     """
     import torch
 
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the launcher stops every rank
     torch.set_num_threads(1)
     logging.basicConfig(
@@ -100,8 +100,8 @@ def _attempt_store(init_method: str, rank: int, world_size: int, timeout: timede
     from torch._C._distributed_c10d import PrefixStore
     from torch.distributed.rendezvous import rendezvous
 
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if init_method != "env://" or restart is None:
+    restart = os.environ.get("HETPIPE_ATTEMPT", os.environ.get("TORCHELASTIC_RESTART_COUNT"))
+    if init_method != "env://" or restart is None:  # HETPIPE_ATTEMPT: python -m runtime's count
         return None
     store, _, _ = next(rendezvous(init_method, rank, world_size, timeout=timeout))
     return PrefixStore(f"hetpipe/attempt-{restart}/", store)
@@ -116,6 +116,7 @@ def run_rank(
     body: Callable[[], tuple[str, bytes]],
     backend: str = "gloo",
     join: bool = True,
+    hold: Callable[[], None] | None = None,
 ) -> NoReturn:
     """The life of one spawned rank after :func:`setup_child`, then exit (code 0 or 1).
 
@@ -123,7 +124,9 @@ def run_rank(
     ``body`` and posts its ``(kind, payload)`` as ``(kind, rank, payload)`` on ``events``; if
     anything fails (also ``KeyboardInterrupt``), posts ``("error", rank, "Type: message
     (file:line)")`` instead, for the launcher's :func:`watch`. ``join=False``: ``body`` builds
-    its own groups (a restarted VW's rank, :mod:`runtime.launch.restart_vw`).
+    its own groups (a restarted VW's rank, :mod:`runtime.launch.restart_vw`). ``hold``: a
+    test fault's wait, once the heartbeats run and before the rank joins
+    (:class:`runtime.launch.faults.StageFault` ``after_s``).
     """
     import torch.distributed as dist
 
@@ -132,6 +135,8 @@ def run_rank(
         threading.Thread(target=keep_beating, args=(beat,), daemon=True, name="heartbeat").start()
     code = 0
     try:
+        if hold is not None:
+            hold()
         if join:
             timeout = timedelta(seconds=timeout_s)
             store = _attempt_store(init_method, rank, world_size, timeout)

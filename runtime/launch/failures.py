@@ -45,6 +45,7 @@ SECONDARY = (
     "did not answer",
     "Timed out",
     "timed out",
+    "Wait timeout",  # a store wait for a peer that never came (e.g. lost at start-up)
 )
 
 
@@ -101,6 +102,7 @@ def watch(  # long by its docstring (10 arguments, documented); the body is ~40 
     first_event_s: float = 0.0,
     frozen: Callable[[], dict[int, str]] | None = None,
     absorb: Callable[[dict[int, str]], set[int] | None] | None = None,
+    without: set[int] | None = None,
 ) -> dict[int, bytes]:
     """Watch a launcher's children until ``n_results`` of them delivered their result.
 
@@ -125,6 +127,8 @@ def watch(  # long by its docstring (10 arguments, documented); the body is ~40 
         absorb: given failed ranks (rank -> why), the ranks the run goes on without (it
             stopped them; ``--on-failure continue``; none when it restarted them), or
             ``None``: the run fails.
+        without: ranks the run goes on without from the start (an absent VW's: they send no
+            result, and their errors are nobody's cause).
 
     Returns:
         rank -> result payload (as sent), without the absorbed ranks.
@@ -133,7 +137,7 @@ def watch(  # long by its docstring (10 arguments, documented); the body is ~40 
         HetPipeRuntimeError: no progress for ``stall_s``; whatever ``fail`` builds.
     """
     results: dict[int, bytes] = {}
-    gone: set[int] = set()  # ranks the run goes on without (absorbed failures)
+    gone = set(without or ())  # ranks the run goes on without (absorbed failures)
     first_event = last_event = 0.0  # wall times (0 = training not started)
     started = time.time()
 

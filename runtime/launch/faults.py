@@ -25,7 +25,11 @@ class StageFault:
     ``rejoin_delay_s``: every process of a restarted VW sleeps that long before it rejoins (a
     restart on a loaded host, slower than the timeout). ``nonfinite``: no signal, the stage's
     loss (the last stage) or its weight gradients (another stage) become NaN at ``at_mb``
-    instead (:meth:`nan_at`), a run that diverges there."""
+    instead (:meth:`nan_at`), a run that diverges there. ``after_s`` (> 0): a loss at
+    start-up instead of at a minibatch: the stage sends itself ``signum`` that many seconds
+    after its process started, and waits for it before joining the process group (the others
+    wait in the rendezvous), or with ``joined`` at its first minibatch (the group formed, no
+    wave pushed), so the fault lands in that phase whatever the load."""
 
     stage: int
     at_mb: int
@@ -35,11 +39,23 @@ class StageFault:
     repeat: bool = False
     rejoin_delay_s: float = 0.0
     nonfinite: bool = False
+    after_s: float = 0.0
+    joined: bool = False
 
     def nan_at(self, vw: int, stage: int) -> int:
         """The minibatch whose loss or gradients ``(vw, stage)`` makes NaN (0: none)."""
         hit = self.nonfinite and stage == self.stage and self.vw in (-1, vw)
         return self.at_mb if hit else 0
+
+    def start_up(self, vw: int, stage: int) -> Callable[[], None] | None:
+        """Start the start-up fault's timer in stage ``stage`` of VW ``vw``'s process; the
+        hold to run before it joins the group (``None``: none, or another stage)."""
+        if self.after_s <= 0 or stage != self.stage or self.vw not in (-1, vw):
+            return None
+        timer = threading.Timer(self.after_s, os.kill, (os.getpid(), self.signum))
+        timer.daemon = True
+        timer.start()
+        return None if self.joined else _held
 
     def hook(self, vw: int, stage: int) -> Callable[[int], None] | None:
         """The stage worker's per-minibatch fault hook for ``(vw, stage)``, or ``None``."""
@@ -54,12 +70,19 @@ class StageFault:
                 time.sleep(sleeps.pop(mb))  # once: a stage runs F and B of a minibatch
             if self.vw not in (-1, vw) or self.nonfinite:
                 return
+            if self.after_s > 0 and self.joined and mb == 1:
+                _held()
             if mb == self.at_mb and self.signum == 0:
                 raise RuntimeError(f"injected fault at minibatch {mb}")
             if mb == self.at_mb:
                 os.kill(os.getpid(), self.signum)
 
         return fire
+
+
+def _held() -> None:
+    """Wait for the start-up fault's signal (it never returns)."""
+    threading.Event().wait()
 
 
 @dataclass(frozen=True)

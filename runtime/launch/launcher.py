@@ -38,6 +38,7 @@ from runtime.launch.failures import Interrupted
 from runtime.launch.jobs import Prepared, check_alone, prepare_local
 from runtime.launch.liveness import rendezvous_dir
 from runtime.launch.restart_vw import AttemptFailed
+from runtime.launch.startup import StartUpLoss
 from runtime.launch.supervise import spawn_and_watch
 from runtime.launch.wsp import prepare_wsp
 from runtime.persist.run_dir import RunDirectory, RunOwner
@@ -45,12 +46,12 @@ from runtime.persist.snapshot import committed_clocks
 from runtime.results.metrics import VWResult, warn_overruns
 from runtime.results.metrics_log import reset_history
 from runtime.results.restarts import restart_notes, whole_vws
-from runtime.results.run_result import LostVW, RunResult, evaluate
+from runtime.results.run_result import LostVW, RunResult, evaluate, model_keys
 from runtime.results.timeline import describe_run
 from runtime.stage.model import resolve_source
 from runtime.stage.nonfinite import REMEDY, Diverged, skip_hint
 
-__all__ = ["launch", "prepare"]
+__all__ = ["build_result", "complete", "launch", "one_vw_result", "prepare"]
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ def _launch(
     optimizer: OptimizerConfig,
     run: RunConfig,
     cfg: WSPConfig,
-    dataset: Dataset[Any] | None,
+    dataset: Dataset[Any] | RunData | None,
     vw: int,
     rule: str,
 ) -> RunResult:
@@ -118,16 +119,18 @@ def _launch(
             raise ConfigError("--resume needs the run's directory (--out or a checkpoint folder)")
         if not RULES[rule].uses_shards:  # AllReduce: a restart starts again from the beginning
             return _restarting(
-                lambda c: _attempt(plan, source, optimizer, run, c, dataset, None, rule), run, cfg
-            )
+                lambda c, a: _attempt(plan, source, optimizer, run, c, dataset, None, rule, 0, a),
+                run, cfg, len(plan.virtual_workers),
+            )  # fmt: skip
         return _attempt(plan, source, optimizer, run, cfg, dataset, None, rule)
     with RunDirectory(run_dir, resume=cfg.resume, overwrite=cfg.overwrite) as owner:
         if not cfg.resume:  # metrics.csv keeps the history of restarts and resumes only
             reset_history(run.out_dir)
         try:
             return _restarting(
-                lambda c: _attempt(plan, source, optimizer, run, c, dataset, owner, rule), run, cfg
-            )
+                lambda c, a: _attempt(plan, source, optimizer, run, c, dataset, owner, rule, 0, a),
+                run, cfg, len(plan.virtual_workers),
+            )  # fmt: skip
         except KeyboardInterrupt:  # after training (evaluation, outputs): the snapshot stays
             raise HetPipeRuntimeError(
                 f"interrupted (Ctrl-C); write the outputs from the last snapshot with: "
@@ -148,21 +151,34 @@ def _check_rule(rule: str, vw: int, cfg: WSPConfig) -> None:
         check_alone(cfg)
 
 
-def _restarting(attempt: Callable[[WSPConfig], Any], run: RunConfig, cfg: WSPConfig) -> RunResult:
+def _restarting(
+    attempt: Callable[[WSPConfig, dict[int, str]], Any],
+    run: RunConfig,
+    cfg: WSPConfig,
+    n_vws: int,
+) -> RunResult:
     """``--on-failure restart``: after a process failure the attempt did not absorb (a shard;
     a VW restarted alone does not end the attempt), start the whole job again from its last
     committed snapshot (none: from the beginning), up to ``cfg.max_restarts`` times in all
     (each attempt may restart single VWs with what is left; test faults fire in the first
-    attempt only); the result lists the failures survived."""
+    attempt only); the result lists the failures survived. A stage lost before the group
+    formed (:class:`StartUpLoss`) restarts the job the same way while the budget lasts; under
+    ``continue``, or with the budget spent, the job starts again at once without its VW
+    (evicted at wave 0, ``attempt``'s second argument: VW -> cause)."""
     restarts: list[str] = []
+    absent: dict[int, str] = {}
     budget = cfg.max_restarts  # an attempt may restart single VWs with what is left of it
     while True:
         try:
-            result: RunResult = attempt(cfg)
+            result: RunResult = attempt(cfg, absent)
             break
         except HetPipeRuntimeError as exc:
             if isinstance(exc, AttemptFailed):  # VWs it restarted alone before it failed
                 restarts.extend(exc.survived)
+            if isinstance(exc, StartUpLoss) and _leave_out(exc, cfg, absent, n_vws, restarts):
+                cfg = dataclasses.replace(cfg, stage_fault=None, write_fault=None,
+                                          shard_fault=None)  # fmt: skip
+                continue
             if len(restarts) >= budget or isinstance(exc, Interrupted | Diverged):
                 raise
             ckpt = cfg.checkpoint_dir
@@ -179,6 +195,21 @@ def _restarting(attempt: Callable[[WSPConfig], Any], run: RunConfig, cfg: WSPCon
         if run.out_dir is not None:
             result.save(run.out_dir)  # the summary says what was survived
     return result
+
+
+def _leave_out(
+    exc: StartUpLoss, cfg: WSPConfig, absent: dict[int, str], n_vws: int, restarts: list[str]
+) -> bool:
+    """Whether a VW lost at start-up is left out of the next attempt (entered in ``absent``):
+    under ``continue``, or ``restart`` with its budget spent (a restart is made instead while
+    it lasts), unless no VW would be left."""
+    spent = len(restarts) >= cfg.max_restarts
+    if not (cfg.evict or (cfg.restart_vw and spent)) or len(absent | {exc.vw: ""}) >= n_vws:
+        return False
+    absent[exc.vw] = exc.cause
+    log.warning("vw %d lost before the group formed, starting again without it: %s",
+                exc.vw, exc.cause)  # fmt: skip
+    return True
 
 
 def _diverged(exc: Diverged, cfg: WSPConfig, rule: str, policy: str) -> Diverged:
@@ -208,8 +239,10 @@ def _attempt(
     owner: RunDirectory | None,
     rule: str,
     vw: int = 0,
+    absent: dict[int, str] | None = None,
 ) -> Any:
-    """One attempt: prepare every process's job, run them, assemble the result."""
+    """One attempt: prepare every process's job, run them, assemble the result (the VWs
+    ``absent`` lost at start-up by an earlier attempt: VW -> cause)."""
     t_start = time.time()
     if run.out_dir is not None:
         run.out_dir.mkdir(parents=True, exist_ok=True)
@@ -222,15 +255,14 @@ def _attempt(
         restart_vw = bool(prep.shards) and prep.shards[0].rejoin is not None
         stages, states, lost, restarted = spawn_and_watch(
             prep.shards, prep.stages, run, prep.steps * n_vws, prep.hint,
-            evict=cfg.evict or restart_vw, restarts=cfg.max_restarts,
+            evict=cfg.evict or restart_vw, restarts=cfg.max_restarts, absent=absent,
         )  # fmt: skip
     warn_overruns(stages)
     wall_s = time.time() - t_start
+    keys = model_keys(source, plan.batch_size)  # the user's state_dict names (tied ones too)
     if rule == "local":
-        return _one_vw_result(plan, prep, stages, run, vw, wall_s, optimizer.remedy)
-    result = RunResult.build(plan, prep.nm, prep.D, stages, states,
-                             [s.spec for s in prep.shards], wall_s, sync=rule)  # fmt: skip
-    result = dataclasses.replace(result, data=prep.data, remedy=optimizer.remedy)
+        return one_vw_result(plan, prep, stages, run, vw, wall_s, keys)
+    result = build_result(plan, prep, stages, states, rule, wall_s, keys)
     if lost:  # --on-failure continue: what was lost, from the shards' ledgers
         last_wave = prep.first_wave + prep.steps // prep.nm
         gone = LostVW.from_shards(lost, [st for st, _ in states], last_wave)
@@ -240,6 +272,41 @@ def _attempt(
         notes = restart_notes(back, [st for st, _ in states])
         vws = whole_vws(result.vws, back, [st for st, _ in states], prep.first_wave)
         result = dataclasses.replace(result, vws=vws, restarts=(*result.restarts, *notes))
+    return complete(result, plan, source, prep, stages, run)
+
+
+def build_result(
+    plan: Plan,
+    prep: Prepared,
+    stages: list[Any],
+    states: list[Any],
+    rule: str,
+    wall_s: float,
+    keys: tuple[tuple[str, str], ...],
+) -> RunResult:
+    """The result of a run of several VWs from its processes' reports (one host, or the
+    ``rank<r>.pt`` files of a torchrun run); ``keys``: the user's state_dict names
+    (:func:`runtime.results.run_result.model_keys`)."""
+    result = RunResult.build(plan, prep.nm, prep.D, stages, states,
+                             [s.spec for s in prep.shards], wall_s, sync=rule)  # fmt: skip
+    return dataclasses.replace(result, keys=keys, data=prep.data, remedy=_remedy(prep))
+
+
+def _remedy(prep: Prepared) -> str:
+    """The staleness remedy the stages ran with (``--remedy``; every stage takes the same)."""
+    return prep.stages[0].optimizer.remedy if prep.stages else "none"
+
+
+def complete(
+    result: RunResult,
+    plan: Plan,
+    source: ModelSource,
+    prep: Prepared,
+    stages: list[Any],
+    run: RunConfig,
+) -> RunResult:
+    """What every run's result ends with: the time limit's note, the test accuracy and, with
+    ``--out``, the outputs (summary, weights, metrics, timelines)."""
     ran = {st.steps for st in stages}
     if run.time_limit_s > 0 and ran and max(ran) < prep.steps:
         waves = prep.first_wave + max(ran) // prep.nm
@@ -283,14 +350,14 @@ def prepare(
     return dataclasses.replace(prep, data=data.label) if isinstance(prep, Prepared) else prep
 
 
-def _one_vw_result(
+def one_vw_result(
     plan: Plan,
     prep: Prepared,
     stages: list[Any],
     run: RunConfig,
     vw: int,
     wall_s: float,
-    remedy: str = "none",
+    keys: tuple[tuple[str, str], ...],
 ) -> RunResult:
     """One VW alone: its result (with the paced pipeline's bound) and, with ``--out``, its
     metrics, timeline, weights and summary."""
@@ -303,7 +370,8 @@ def _one_vw_result(
     devices = tuple(j.ctx.device for j in prep.stages)
     one = VWResult(tuple(stages), plan.batch_size, prep.nm, predicted, wall_s, bound, devices)
     result = RunResult((one,), prep.nm, 0, (), (), (), wall_s, predicted, sync="local",
-                       sync_params=plan.sync_params, data=prep.data, remedy=remedy)  # fmt: skip
+                       sync_params=plan.sync_params, keys=keys, data=prep.data,
+                       remedy=_remedy(prep))  # fmt: skip
     if run.out_dir is not None:
         result.save(run.out_dir, about=describe_run(plan, vw))
     return result

@@ -18,9 +18,10 @@ import torch.distributed as dist
 
 from runtime.config import ModelSource
 from runtime.defaults import neighbour_wait_s
-from runtime.launch.backend import GLOO, cuda_index, stage_backend
+from runtime.launch.backend import cuda_index, stage_backend
 from runtime.launch.child import run_rank, setup_child
 from runtime.launch.faults import ShardFault
+from runtime.launch.startup import ABSENT, JOINED
 from runtime.persist.checkpoint import shard_from_payload
 from runtime.persist.snapshot import load_part, read_manifest, snapshot_dir
 from runtime.ps.core import ShardCore
@@ -37,6 +38,7 @@ from runtime.sync.rule import SyncSpec
 __all__ = [
     "PRELOAD",
     "ShardJob",
+    "absent_main",
     "dumps_result",
     "loads_result",
     "process_context",
@@ -47,6 +49,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 PRELOAD = (  # imported once by the fork server (the slow, lazily imported parts of a stage's start)
+    "runtime.launch.dies_with_launcher",  # first: the fork server dies with the launcher
     "torch",
     "torch.distributed",
     "torch.func",
@@ -164,6 +167,7 @@ def shard_main(job: ShardJob, events: Any, parent: int) -> None:
             lag_s=job.fault.lag(job.spec.id) if job.fault is not None else 0.0,
         )
         dist.barrier()
+        events.put((JOINED, job.rank, None))
         state = server.serve()
         return "shard", dumps_result((state, list(core.trace)))
 
@@ -173,18 +177,33 @@ def shard_main(job: ShardJob, events: Any, parent: int) -> None:
 def stage_main(job: StageJob, events: Any, parent: int) -> None:
     """Entry point of one stage process (any rule: :mod:`runtime.sync.rule`)."""
     setup_child(job.ctx.where, parent, quiet_threads=True)
+    hold = job.fault.start_up(job.ctx.vw, job.ctx.stage) if job.fault is not None else None
 
     def body() -> tuple[str, bytes]:
         worker = StageWorker(job, events)
         dist.barrier()
+        events.put((JOINED, job.ctx.rank, None))
         return "result", dumps_result(worker.run())
 
-    emulated = job.ctx.speed > 0 or job.ctx.cap_bytes > 0
-    backend = stage_backend(job.sync.rule, emulated, torch.cuda.is_available())
-    if backend != GLOO:  # NCCL: one GPU per rank, the plan's
+    backend = stage_backend(job.sync.rule, job.ctx.emulated, torch.cuda.is_available())
+    if job.ctx.torch_device(torch.cuda.device_count()) != "cpu":  # one GPU per rank, the plan's
         torch.cuda.set_device(cuda_index(job.ctx.device, torch.cuda.device_count()))
     run_rank(job.ctx.rank, events, job.init_method, job.world_size, job.run.timeout_s, body,
-             backend)  # fmt: skip
+             backend, hold=hold)  # fmt: skip
+
+
+def absent_main(job: StageJob, events: Any, parent: int) -> None:
+    """Entry point of a stage of a VW lost at start-up (:mod:`runtime.launch.startup`): it
+    holds its rank while the group forms, then leaves without training; the shards see its
+    connections close and evict the VW at wave 0 (its one line: the launcher's)."""
+    setup_child(job.ctx.where, parent, quiet_threads=True)
+
+    def body() -> tuple[str, bytes]:
+        dist.barrier()
+        events.put((JOINED, job.ctx.rank, None))
+        return ABSENT, b""
+
+    run_rank(job.ctx.rank, events, job.init_method, job.world_size, job.run.timeout_s, body)
 
 
 def process_context() -> Any:

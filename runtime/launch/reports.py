@@ -15,6 +15,7 @@ the stage worker write to).
 
 from __future__ import annotations
 
+import os
 import queue
 import time
 from collections import deque
@@ -31,8 +32,13 @@ class Channel:
         self._conn = conn
 
     def put(self, msg: Any) -> None:
-        """Send ``msg`` (picklable) to the launcher."""
-        self._conn.send(msg)
+        """Send ``msg`` (picklable) to the launcher; if the launcher is gone (the pipe is
+        broken: it was killed, or it stopped reading this child), exit at once, quietly: a
+        traceback would only say that the launcher is gone, once per rank and thread."""
+        try:
+            self._conn.send(msg)
+        except BrokenPipeError:
+            os._exit(3)  # as a rank does when it finds its launcher dead (runtime.launch.child)
 
     def close(self) -> None:
         """Close this end (the launcher sees the end of this child's reports)."""

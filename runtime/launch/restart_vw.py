@@ -136,6 +136,14 @@ class VWRestarter:
                     vw, inc, len(self.restarted), self.budget, cause)  # fmt: skip
         return True
 
+    def release(self, vw: int) -> None:
+        """VW ``vw`` was lost at start-up (:mod:`runtime.launch.startup`): tell the shards,
+        before they reopen it at wave 0, that it is not restarted (it stays evicted)."""
+        inc = self._incs[vw] = self._incs.get(vw, 0) + 1
+        if self._store is None:
+            self._store = self.rejoin.store()
+        self._store.set(Rejoin.decision_key(vw, inc), RELEASE)
+
     def notes(self) -> list[str]:
         """One line per restart made, with the wave the shards published for it (``?``: not
         yet), for an attempt that failed later (its shards' states are lost)."""

@@ -19,7 +19,7 @@ from runtime.stage.emulation import Calibration, calibrate
 from runtime.stage.job import StageContext
 from runtime.stage.model import resolve_source, sample_batch
 
-__all__ = ["pacing_table", "require_devices", "stage_contexts", "total_steps"]
+__all__ = ["emulation", "pacing_table", "require_devices", "stage_contexts", "total_steps"]
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def stage_contexts(
     out = []
     for s, st in enumerate(worker.stages):
         gpu = worker.gpus[st.gpu]
-        speed, cap = _emulation(plan, gpu.node, gpu.speed, gpu.memory_bytes)
+        speed, cap = emulation(plan, gpu.node, gpu.speed, gpu.memory_bytes)
         out.append(
             StageContext(
                 rank=first_rank + s,
@@ -63,6 +63,7 @@ def stage_contexts(
                 memory=st.memory,
                 host_cap_bytes=plan.cluster.host_memory_bytes(gpu.node),
                 straggle=_straggle(plan, gpu.node) if speed > 0 else NO_STRAGGLE,
+                gpu_type=gpu.type,
             )
         )
     return out
@@ -81,7 +82,7 @@ def require_devices(plan: Plan, vw: int, cuda_devices: int | None = None) -> Non
     real = [
         g
         for g in worker.gpus
-        if _emulation(plan, g.node, g.speed, g.memory_bytes)[0] == 0 and g.type.upper() != "CPU"
+        if emulation(plan, g.node, g.speed, g.memory_bytes)[0] == 0 and g.type.upper() != "CPU"
     ]
     if real and have == 0:
         names = ", ".join(f"{g.node}:{g.index} ({g.type})" for g in real[:4])
@@ -102,7 +103,7 @@ def _straggle(plan: Plan, node: str) -> Straggle:
     return emu.straggle if emu is not None else NO_STRAGGLE
 
 
-def _emulation(plan: Plan, node: str, speed: float, memory_bytes: int) -> tuple[float, int]:
+def emulation(plan: Plan, node: str, speed: float, memory_bytes: int) -> tuple[float, int]:
     """Speed and memory cap of an emulated device: the cluster's ``emulate:`` entry (the
     source of truth), else the plan's GPU slot; ``(0, 0)`` for a real GPU."""
     try:

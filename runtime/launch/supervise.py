@@ -14,11 +14,12 @@ import contextlib
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from profiler.errors import HetPipeRuntimeError
+from runtime.by_value import fileless_main_hidden, shipped
 from runtime.config import RunConfig
 from runtime.defaults import neighbour_wait_s
 from runtime.launch.evict import VWEvictor
@@ -31,9 +32,17 @@ from runtime.launch.failures import (
     watch,
 )
 from runtime.launch.liveness import Heartbeats
-from runtime.launch.procs import ShardJob, loads_result, process_context, shard_main, stage_main
+from runtime.launch.procs import (
+    ShardJob,
+    absent_main,
+    loads_result,
+    process_context,
+    shard_main,
+    stage_main,
+)
 from runtime.launch.reports import Reports
 from runtime.launch.restart_vw import AttemptFailed, Restart, VWRestarter, rejoin_main
+from runtime.launch.startup import ABSENT, JOINED, StartUp, StartUpLoss
 from runtime.persist.checkpoint import ShardState
 from runtime.ps.outcome import ClockEvent
 from runtime.results.metrics import ProgressBar, StageResult
@@ -54,6 +63,7 @@ def spawn_and_watch(
     hint: str = "",
     evict: bool = False,
     restarts: int = 0,
+    absent: Mapping[int, str] | None = None,
 ) -> tuple[list[StageResult], list[ShardOutcome], dict[int, str], list[Restart]]:
     """Start every process, watch them, return the stage results, the shards' final states,
     the VWs lost (``--on-failure continue``: VW -> cause; empty otherwise) and the VWs
@@ -70,9 +80,14 @@ def spawn_and_watch(
         restarts: with ``evict`` and shards that readmit VWs (``ShardJob.rejoin``): a failed
             VW's stages are started again, at most this many times in all
             (:class:`runtime.launch.restart_vw.VWRestarter`); then failed VWs are evicted.
+        absent: with ``evict``: VWs lost at start-up by an earlier attempt (VW -> cause):
+            their stages only hold their ranks while the group forms
+            (:func:`runtime.launch.procs.absent_main`), the shards evict them at wave 0.
 
     Raises:
         HetPipeRuntimeError: a process failed, died, froze or stalled (names it).
+        StartUpLoss: with ``evict``, a stage was lost before the group formed
+            (:mod:`runtime.launch.startup`).
         Interrupted: Ctrl-C (every process is stopped).
     """
     mpc = process_context()
@@ -84,16 +99,21 @@ def spawn_and_watch(
     restarter: VWRestarter | None = None
     try:
         _start_shards(mpc, events, shards, procs)
+        absent = dict(absent or {}) if evict else {}
         start = _stage_starter(mpc, events, procs)
         for job in stages:
-            start(job, stage_main)
+            start(job, absent_main if job.ctx.vw in absent else stage_main)
         rendezvous = Path(stages[0].init_method.removeprefix("file://")).parent
         beats = Heartbeats(rendezvous, max(5.0, run.timeout_s / 2), labels)
         if evict:
             restarter = _restarter(shards, stages, events, start, restarts, procs, rendezvous)
-        evictor = _evictor(stages, procs, labels, restarter) if evict else None
+            for k in absent:  # the shards reopen nothing for it: it stays out
+                if restarter is not None:
+                    restarter.release(k)
+        evictor = _evictor(stages, procs, labels, restarter, absent) if evict else None
+        without = {j.ctx.rank for j in stages if j.ctx.vw in absent}
         on_event = progress.event if metrics is None else _both(progress.event, metrics.event)
-        results = _watch(labels, procs, events, on_event, run, beats, hint, evictor)
+        results = _watch(labels, procs, events, on_event, run, beats, hint, evictor, without)
     except KeyboardInterrupt:
         raise Interrupted(f"interrupted (Ctrl-C): every process stopped{hint}") from None
     except HetPipeRuntimeError as exc:  # the VWs restarted before count as failures survived
@@ -115,9 +135,9 @@ def _start_shards(
 ) -> None:
     """Start the shard processes into ``procs`` (rank -> process)."""
     for sh in shards:
-        with ctrl_c_deferred():
+        with ctrl_c_deferred(), fileless_main_hidden():
             channel, writer = events.channel()
-            p = mpc.Process(target=shard_main, args=(sh, channel, os.getpid()),
+            p = mpc.Process(target=shard_main, args=(shipped(sh), channel, os.getpid()),
                             name=f"hetpipe-shard{sh.spec.id}")  # fmt: skip
             p.start()
             events.started(writer)
@@ -155,9 +175,9 @@ def _stage_starter(mpc: Any, events: Reports, procs: dict[int, Any]) -> Callable
     entered in ``procs`` (rank -> process) before Ctrl-C can interrupt."""
 
     def start(job: StageJob, target: Any, *args: Any) -> Any:
-        with ctrl_c_deferred():
+        with ctrl_c_deferred(), fileless_main_hidden():
             channel, writer = events.channel(job.ctx.rank)
-            p = mpc.Process(target=target, args=(job, *args, channel, os.getpid()),
+            p = mpc.Process(target=target, args=(shipped(job), *args, channel, os.getpid()),
                             name=f"hetpipe-vw{job.ctx.vw}-stage{job.ctx.stage}")  # fmt: skip
             p.start()
             events.started(writer)
@@ -202,11 +222,12 @@ def _evictor(
     procs: dict[int, Any],
     labels: dict[int, str],
     restarter: VWRestarter | None = None,
+    absent: Mapping[int, str] | None = None,
 ) -> VWEvictor:
     """The ``--on-failure continue`` policy over the VWs of ``stages`` (restarting them
-    while the budget lasts with ``restarter``)."""
+    while the budget lasts with ``restarter``; the ``absent`` ones lost already)."""
     vw_ranks = {k: tuple(j.ctx.rank for j in jobs) for k, jobs in _by_vw(stages).items()}
-    return VWEvictor(vw_ranks, procs, labels, restart=restarter)
+    return VWEvictor(vw_ranks, procs, labels, dict(absent or {}), restart=restarter)
 
 
 def _metrics_log(run: RunConfig, stages: Sequence[StageJob]) -> MetricsLog | None:
@@ -245,8 +266,13 @@ def _watch(
     beats: Heartbeats,
     hint: str,
     evictor: VWEvictor | None = None,
+    without: set[int] | None = None,
 ) -> list[Any]:
-    """Every process's result, in rank order."""
+    """Every process's result, in rank order (none from the ranks ``without``: an absent
+    VW's). Before every rank joined the group, a failure is never absorbed: with an
+    ``evictor`` a lost stage raises :class:`StartUpLoss` (:mod:`runtime.launch.startup`)."""
+    startup = StartUp.of(labels)
+    vw_of = {r: k for k, ranks in (evictor.vw_ranks if evictor else {}).items() for r in ranks}
 
     def frozen() -> dict[int, str]:  # an exited rank's beat file is stale, it is not frozen
         return {r: m for r, m in beats.frozen().items() if procs[r].exitcode is None}
@@ -257,9 +283,21 @@ def _watch(
         why = stuck.get(rank) or errors[rank]
         if diverged(why):  # not a crash: the launcher names the snapshot, never restarts
             return Diverged(reported(why))
-        return HetPipeRuntimeError(f"rank {rank} ({labels[rank]}) failed: {why}{hint}")
+        cause = f"rank {rank} ({labels[rank]}) failed: {why}"
+        if not startup.formed and rank in vw_of:
+            return StartUpLoss(f"{cause} (before every rank joined){hint}", vw_of[rank], cause)
+        return HetPipeRuntimeError(f"{cause}{hint}")
+
+    def event(msg: tuple[Any, ...]) -> None:
+        if msg[0] == JOINED:
+            startup.joined(int(msg[1]))
+        elif msg[0] != ABSENT:  # an absent VW's stage leaving: nothing to count
+            on_event(msg)
+
+    def absorb(errors: dict[int, str]) -> set[int] | None:
+        return evictor(errors) if evictor is not None and startup.formed else None
 
     stall_s = max(120.0, neighbour_wait_s(run.timeout_s))  # a VW may wait on another's restart
-    results = watch(procs, events, len(labels), on_event, fail, stall_s,
-                    frozen=frozen, absorb=evictor)  # fmt: skip
+    results = watch(procs, events, len(labels), event, fail, stall_s, frozen=frozen,
+                    absorb=absorb, without=without)  # fmt: skip
     return [loads_result(results[r]) for r in sorted(results)]

@@ -184,8 +184,8 @@ def _snapshots(
 def _restart_scope(plan: Plan, graph: ModelGraph, cfg: WSPConfig) -> WSPConfig:
     """``cfg`` without VW restarts when a VW holds tied parameters on several stages."""
     if cfg.restart_vw and any(graph.shared_params(c) for c in _vw_cuts(plan)):
-        log.warning("a VW holds tied parameters on several stages (all-reduced in a subgroup "
-                    "of the first process group): a failure restarts the whole job")  # fmt: skip
+        log.warning("a VW holds tied parameters on several stages (summed point-to-point in "
+                    "the first process group): a failure restarts the whole job")  # fmt: skip
         return dataclasses.replace(cfg, restart_vw=False)
     return cfg
 

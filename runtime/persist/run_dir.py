@@ -38,6 +38,7 @@ __all__ = [
     "SharedRun",
     "check_settings",
     "elastic_resume",
+    "first_difference",
     "job_settings",
     "resume_target",
 ]
@@ -251,6 +252,28 @@ def check_settings(where: str, snapshot: dict[str, str], now: tuple[tuple[str, s
     missing = sorted(set(snapshot) - {n for n, _ in now})
     if missing:
         raise ConfigError(f"{where}: the snapshot records {missing[0]}, which this run lacks")
+
+
+def first_difference(then: object, now: object, at: str = "") -> tuple[str, object, object] | None:
+    """The first field where two plain documents (a plan's or a cluster's ``to_dict()``) differ:
+    ``(path, then, now)``, or ``None`` when they are equal.
+
+    >>> first_difference({"nodes": [{"speed": 0.2}]}, {"nodes": [{"speed": 0.5}]})
+    ('nodes[0].speed', 0.2, 0.5)
+    """
+    if isinstance(then, dict) and isinstance(now, dict):
+        for key in [*then, *(k for k in now if k not in then)]:
+            found = first_difference(then.get(key), now.get(key), f"{at}.{key}" if at else str(key))
+            if found is not None:
+                return found
+        return None
+    if isinstance(then, list) and isinstance(now, list) and len(then) == len(now):
+        for i, (a, b) in enumerate(zip(then, now, strict=True)):
+            found = first_difference(a, b, f"{at}[{i}]")
+            if found is not None:
+                return found
+        return None
+    return None if then == now else (at, then, now)
 
 
 def resume_target(arg: str | os.PathLike[str]) -> tuple[Path, Path, int | None]:

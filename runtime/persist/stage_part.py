@@ -34,7 +34,14 @@ from torch import Tensor
 from profiler.errors import HetPipeRuntimeError
 from runtime.stage.weights import VersionedWeights
 
-__all__ = ["KIND", "ForwardState", "StagePart", "stage_from_payload", "stage_payload"]
+__all__ = [
+    "KIND",
+    "ForwardState",
+    "StagePart",
+    "restore_buffers",
+    "stage_from_payload",
+    "stage_payload",
+]
 
 KIND = "hetpipe-stage"
 
@@ -45,7 +52,7 @@ class ForwardState:
 
     Attributes:
         rng: ``torch.get_rng_state()``.
-        buffers: the stage module's buffers by local name (copies).
+        buffers: the stage module's buffers by original name (copies).
     """
 
     rng: Tensor
@@ -63,14 +70,26 @@ class ForwardState:
             HetPipeRuntimeError: a buffer missing or misshapen (a snapshot of another model).
         """
         torch.set_rng_state(self.rng)
-        for name, b in buffers.items():
-            saved = self.buffers.get(name)
-            if saved is None or saved.shape != b.shape:
-                raise HetPipeRuntimeError(
-                    f"{where}: buffer {name!r} missing or misshapen (a snapshot of another model)"
-                )
-            with torch.no_grad():
-                b.copy_(saved)
+        restore_buffers(buffers, self.buffers, where)
+
+
+def restore_buffers(
+    buffers: dict[str, Tensor], saved: dict[str, Tensor], where: str | os.PathLike[str]
+) -> None:
+    """Copy ``saved`` into the stage's ``buffers`` (both by original name), in place.
+
+    Raises:
+        HetPipeRuntimeError: a buffer missing or misshapen (a snapshot of another model).
+    """
+    for name, b in buffers.items():
+        value = saved.get(name)
+        if value is None or value.shape != b.shape:
+            raise HetPipeRuntimeError(
+                f"{where}: buffer {name!r} missing or misshapen (a snapshot of another model, "
+                "or of a hetpipe that named buffers by stage)"
+            )
+        with torch.no_grad():
+            b.copy_(value)
 
 
 @dataclass(frozen=True)

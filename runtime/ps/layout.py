@@ -301,8 +301,8 @@ def export_state_dict(
         weights: each shard's flat global weights (``ShardState.weights``), same order.
 
     Returns:
-        parameter name -> tensor, for ``module.load_state_dict(..., strict=False)`` (buffers
-        such as batch-norm statistics live on the stages, not on the shards).
+        parameter name -> tensor (buffers such as batch-norm statistics live on the stages,
+        not on the shards: :meth:`runtime.results.run_result.RunResult.state_dict` adds them).
     """
     out: dict[str, torch.Tensor] = {}
     for spec, flat in zip(specs, weights, strict=True):

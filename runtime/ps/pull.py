@@ -53,8 +53,11 @@ class Posted:
 
 def flat_alias(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """One flat float32 tensor aliasing ``tensors`` when they lie back to back in one storage
-    in this order (a single contiguous parameter, or views of one flat buffer); else ``None``."""
-    if not tensors or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+    in this order (a single contiguous parameter, or views of one flat buffer) in host memory
+    (the wire's); else ``None``."""
+    if not tensors or any(
+        t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in tensors
+    ):
         return None
     first = tensors[0]
     storage, ptr = first.untyped_storage(), first.data_ptr()

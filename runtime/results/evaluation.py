@@ -67,11 +67,14 @@ def evaluate_module(
         xs, y = (
             (batch, batch.get("labels", torch.zeros(0))) if isinstance(batch, Mapping) else batch
         )
-        if isinstance(xs, Mapping):  # keyword inputs, in the order the (stage) module takes them
-            inputs = tuple(xs[n] for n in getattr(module, "input_names", xs))
+        if isinstance(xs, Mapping) and not hasattr(module, "input_names"):
+            out = module(**xs)  # the user's own module: keyword inputs by name
         else:
-            inputs = tuple(xs) if isinstance(xs, (tuple, list)) else (xs,)
-        out = module(*inputs)
+            if isinstance(xs, Mapping):  # keyword inputs, in the order the stage module takes them
+                inputs = tuple(xs[n] for n in getattr(module, "input_names", xs))
+            else:
+                inputs = tuple(xs) if isinstance(xs, (tuple, list)) else (xs,)
+            out = module(*inputs)
         logits = isinstance(out, Tensor) and out.dim() == 2
         if loss_fn is not None:
             try:

@@ -2,7 +2,9 @@
 a run with nothing left to train, e.g. after a failure during evaluation): the model, the test
 accuracy, and ``weights.pt`` / ``summary.json``. Every rule with snapshots: the shards'
 global weights (``wsp``, ``backup``), or VW 0's copy of every stage (``allreduce``: each VW
-holds the same model, :mod:`runtime.sync.allreduce_snapshot`)."""
+holds the same model, :mod:`runtime.sync.allreduce_snapshot`), and every rule's buffers
+(batch-norm statistics) from every stage part, merged over the VWs as a run that trained
+merges them (:func:`runtime.results.whole_state.merge_buffers`)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from runtime.config import ModelSource, RunConfig
 from runtime.persist.checkpoint import shard_from_payload
 from runtime.persist.snapshot import Manifest, load_part
 from runtime.ps.layout import ShardSpec
-from runtime.results.run_result import RunResult, evaluate
+from runtime.results.run_result import RunResult, evaluate, model_keys
+from runtime.results.whole_state import merge_buffers
 
 __all__ = ["export_snapshot"]
 
@@ -52,7 +55,8 @@ def export_snapshot(
     result = RunResult((), nm, D, states, tuple(() for _ in specs), tuple(specs), 0.0,
                        plan.predicted.throughput, exported_from=str(manifest.path),
                        sync=plan.sync, sync_params=plan.sync_params,
-                       exported_state=replicas)  # fmt: skip
+                       exported_state=replicas, keys=model_keys(source, plan.batch_size),
+                       exported_buffers=_snapshot_buffers(manifest, plan))  # fmt: skip
     acc, loss = evaluate(source, plan.batch_size, run.seed, result.state_dict(), test)
     result = dataclasses.replace(result, test_accuracy=acc, test_loss=loss)
     if run.out_dir is not None:
@@ -75,3 +79,20 @@ def _replica_state(manifest: Manifest, plan: Plan) -> dict[str, Tensor]:
             )
         state.update(weights)
     return state
+
+
+def _snapshot_buffers(manifest: Manifest, plan: Plan) -> dict[str, Tensor]:
+    """The buffers of every VW's stage parts (by original name; a VW left out of the
+    snapshot has none), merged over the VWs."""
+    per_vw: list[dict[str, Tensor]] = []
+    for k, vw in enumerate(plan.virtual_workers):
+        mine: dict[str, Tensor] = {}
+        for s in reversed(range(len(vw.stages))):  # a buffer on several stages: the first's
+            name = f"vw{k}-stage{s}"
+            part = load_part(manifest, name) if name in manifest.parts else None
+            buffers = part.get("buffers") if isinstance(part, dict) else None
+            if isinstance(buffers, dict):
+                mine.update(buffers)
+        if mine:
+            per_vw.append(mine)
+    return merge_buffers(per_vw)

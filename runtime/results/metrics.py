@@ -50,9 +50,12 @@ class StageResult:
         steps: minibatches whose backward finished here.
         max_in_flight: most minibatches held at once (forward started, backward not done).
         peak_bytes: peak of the byte accounting.
+        cuda_peak_bytes: ``torch.cuda.max_memory_allocated`` of the stage's process on its
+            GPU (0 on CPU).
         losses: ``(minibatch, loss)`` (last stage only).
         done_times: wall-clock time each backward finished.
         state: final parameters by original name (when requested).
+        buffers: final buffers (batch-norm statistics) by original name (always returned).
         wait_s: time blocked waiting for the parameter servers (WSP pulls and pushes).
         clocks: ``(required global clock, pulled global clock)`` of every WSP pull.
         overrun_s: time paced tasks ran past their target (an emulated device whose real
@@ -76,9 +79,11 @@ class StageResult:
     steps: int = 0
     max_in_flight: int = 0
     peak_bytes: int = 0
+    cuda_peak_bytes: int = 0
     losses: list[tuple[int, float]] = field(default_factory=list)
     done_times: list[float] = field(default_factory=list)
     state: dict[str, Tensor] | None = None
+    buffers: dict[str, Tensor] | None = None
     wait_s: float = 0.0
     clocks: list[tuple[int, int]] = field(default_factory=list)
     overrun_s: float = 0.0
@@ -166,10 +171,19 @@ class VWResult:
         return len(times) * self.batch_size / span if span > 0 else 0.0
 
     def state_dict(self) -> dict[str, Tensor]:
-        """Final parameters of the whole model by original name (when the run returned them)."""
+        """Final parameters of the whole model by original name (when the run returned them),
+        without its buffers (:meth:`buffers`)."""
         out: dict[str, Tensor] = {}
         for s in self.stages:
             out.update(s.state or {})
+        return out
+
+    def buffers(self) -> dict[str, Tensor]:
+        """Final buffers of the whole model (batch-norm statistics) by original name (when the
+        run returned them); a buffer read on several stages: the first stage's."""
+        out: dict[str, Tensor] = {}
+        for s in reversed(self.stages):
+            out.update(s.buffers or {})
         return out
 
 

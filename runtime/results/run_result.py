@@ -48,9 +48,10 @@ from runtime.results.metrics_log import history, metrics_paths
 from runtime.results.restarts import restart_caption
 from runtime.results.sync import arrival_table, describe_rule, dropped_vw_waves, kth_push_s
 from runtime.results.timeline import write_timeline
-from runtime.stage.model import reference_module
+from runtime.results.whole_state import merge_buffers, state_keys, user_state
+from runtime.stage.model import build_stage, resolve_source
 
-__all__ = ["LostVW", "RunResult", "evaluate"]
+__all__ = ["LostVW", "RunResult", "evaluate", "model_keys"]
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,10 @@ class RunResult:
         sync, sync_params: the synchronisation rule (``wsp``, ``backup``, ``easgd``,
             ``allreduce``, ``local``) and its parameters (:mod:`runtime.results.sync` summarises what it did).
         lost: the VWs evicted during the run (``--on-failure continue``).
+        keys: every key of the user's ``module.state_dict()`` with the canonical name of its
+            tensor (:func:`runtime.results.whole_state.state_keys`; ``()``: canonical names).
+        exported_buffers: the buffers those outputs hold, from the snapshot's stage parts
+            (``None``: the stages' own at the end of the run).
         remedy: the stages' staleness remedy (``--remedy``, :mod:`planner.staleness`).
         data: what the run trained and tested on (``digits (...)``, ``synthetic (...)``,
             ``mydata:make (train 400, test 100)``; empty: not known).
@@ -134,6 +139,8 @@ class RunResult:
     sync_params: SyncParams = ()
     lost: tuple[LostVW, ...] = ()
     exported_state: dict[str, Tensor] | None = None
+    keys: tuple[tuple[str, str], ...] = ()
+    exported_buffers: dict[str, Tensor] | None = None
     data: str = ""
     remedy: str = "none"
 
@@ -216,13 +223,23 @@ class RunResult:
         return sum(max(0.0, s.wall_s - s.busy_s - s.wait_s) for s in self.vws[vw].stages)
 
     def state_dict(self) -> dict[str, Tensor]:
-        """The trained model's parameters by original name: the shards' global weights; without
-        shards (AllReduce: every VW holds the same model) VW 0's, or the snapshot's."""
+        """The trained model's whole state under every name of the user's ``state_dict``
+        (:attr:`keys`), for ``module.load_state_dict(..., strict=True)``.
+
+        Parameters: the shards' global weights; without shards (AllReduce: every VW holds the
+        same model) VW 0's, or the snapshot's. Buffers (batch-norm statistics): the stages',
+        merged over the VWs (:func:`runtime.results.whole_state.merge_buffers`: the mean of
+        floating-point ones, the largest integer), or the snapshot's."""
         if self.exported_state is not None:
-            return dict(self.exported_state)
-        if not self.specs and self.vws:
-            return self.vws[0].state_dict()
-        return export_state_dict(self.specs, [s.weights for s in self.states])
+            params = dict(self.exported_state)
+        elif not self.specs and self.vws:
+            params = self.vws[0].state_dict()
+        else:
+            params = export_state_dict(self.specs, [s.weights for s in self.states])
+        buffers = self.exported_buffers
+        if buffers is None:
+            buffers = merge_buffers([v.buffers() for v in self.vws if v.stages])
+        return user_state({**buffers, **params}, self.keys)
 
     def save(self, out_dir: Path, about: str = "") -> None:
         """``vw<k>/metrics.csv``, ``summary.json``, ``weights.pt`` (one ordinary state_dict) and
@@ -371,6 +388,14 @@ class RunResult:
         return caption
 
 
+def model_keys(source: ModelSource, batch_size: int) -> tuple[tuple[str, str], ...]:
+    """The keys of the model's ``state_dict`` with their tensors' canonical names
+    (:func:`runtime.results.whole_state.state_keys`; a model reference is built on ``meta``)."""
+    if source.module is None and source.ref is None:
+        return ()
+    return state_keys(resolve_source(source, batch_size, meta=source.module is None).module)
+
+
 def evaluate(
     source: ModelSource,
     batch_size: int,
@@ -378,15 +403,28 @@ def evaluate(
     state: dict[str, Tensor],
     test: Dataset[Any],
 ) -> tuple[float, float]:
-    """Test accuracy and mean loss of ``state`` loaded into the model (NaN accuracy if not a
-    classifier). A user's module is left as it was (the state goes into a copy: its stage
-    shares the module's parameters, and a second run would start from the trained weights)."""
+    """Test accuracy and mean loss, in eval mode, of the whole ``state`` (parameters and
+    buffers, :meth:`RunResult.state_dict`) loaded into the model (NaN accuracy if not a
+    classifier). A user's module is left as it was: the state goes into a copy of it, by its
+    own names, as a user would load it (its own ``forward``, so dropout and batch norm follow
+    ``eval()`` even where the captured graph fixed their mode); a model reference is rebuilt
+    whole and the state loaded by the stage's names."""
     if len(test) == 0:  # type: ignore[arg-type]
         return float("nan"), float("nan")
-    module, names, loss_fn = reference_module(source, batch_size, seed)
     if source.module is not None:
-        with quiet_treespec():  # an exported module carries torch's pytree specs
-            module = copy.deepcopy(module)
+        with quiet_treespec():
+            module = copy.deepcopy(source.module)
+        missing = module.load_state_dict(state, strict=False).missing_keys
+        if missing:  # tensors the forward never reads: their initial values
+            log.warning("evaluated with the initial values of %s (never trained)", missing[:5])
+        loss_fn = source.loss if source.loss is not None else resolve_source(
+            source, batch_size, meta=False
+        ).loss  # fmt: skip
+        return evaluate_module(module, test, batch_size, loss_fn)
+    built = build_stage(source, batch_size, (), 0, seed)
+    names = {**built.names, **built.buffer_names}
     by_orig = {orig: n for n, orig in names.items()}
-    module.load_state_dict({by_orig[k]: v for k, v in state.items() if k in by_orig}, strict=False)
-    return evaluate_module(module, test, batch_size, loss_fn)
+    built.module.load_state_dict(
+        {by_orig[k]: v for k, v in state.items() if k in by_orig}, strict=False
+    )
+    return evaluate_module(built.module, test, batch_size, built.loss)

@@ -28,6 +28,7 @@ from torch import Tensor
 from profiler.errors import ModelError
 from profiler.graph import ModelGraph
 from profiler.precision import wire_dtype
+from runtime.stage.device import to_host
 
 __all__ = [
     "Channel",
@@ -128,7 +129,7 @@ class Channel:
         self._pending: deque[tuple[Any, Tensor]] = deque()
 
     def _isend(self, t: Tensor, tag: int) -> None:
-        t = t.detach().contiguous()
+        t = to_host(t.detach()).contiguous()  # gloo's point-to-point takes host tensors
         work = _post(dist.isend, t, self.peer, self.group, tag)
         self._pending.append((work, t))  # keep the buffer alive until the send completes
 

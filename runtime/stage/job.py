@@ -43,6 +43,8 @@ class StageContext:
         host_cap_bytes: host memory the stage may offload to (0 = unbounded).
         straggle: the emulated device's straggler model: a paced task of wave ``c`` takes
             ``straggle.slowdown(vw, c)`` times longer (:mod:`planner.straggle`).
+        gpu_type: the cluster's type of the device (``V100``; ``CPU``: computes on the host;
+            ``""``: unknown), for :meth:`torch_device`.
     """
 
     rank: int
@@ -62,6 +64,19 @@ class StageContext:
     memory: str = "keep"
     host_cap_bytes: int = 0
     straggle: Straggle = NO_STRAGGLE
+    gpu_type: str = ""
+
+    @property
+    def emulated(self) -> bool:
+        """Whether the stage emulates its device on CPU (paced or memory-capped)."""
+        return self.speed > 0 or self.cap_bytes > 0
+
+    def torch_device(self, cuda_devices: int) -> str:
+        """The torch device the stage computes on, given this process's CUDA device count
+        (:func:`runtime.stage.device.stage_device`)."""
+        from runtime.stage.device import stage_device
+
+        return stage_device(self.device, self.gpu_type, self.emulated, cuda_devices)
 
     @property
     def where(self) -> str:

@@ -59,6 +59,7 @@ class BuiltStage:
         module: the stage module (only this stage's parameters exist).
         loss: the loss function.
         names: stage parameter name -> original model parameter name.
+        buffer_names: stage buffer name -> original model buffer name (batch-norm statistics).
         meta_built: whether the model was built on the meta device.
         cuts, stage: which stage of which split this is.
         in_specs, out_specs: the tensors crossing its first and last cut (the graph's dtypes).
@@ -83,6 +84,7 @@ class BuiltStage:
     targets: Tensor
     model_name: str
     graph: ModelGraph | None = None
+    buffer_names: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _built(
@@ -101,6 +103,7 @@ def _built(
         cut_specs(graph, bounds[stage]) if stage > 0 else (),
         () if last else cut_specs(graph, bounds[stage + 1]),
         tied_params(graph, cuts), graph.input_names, spec.inputs, spec.targets, spec.name, graph,
+        original_names(graph, module, buffers=True),
     )  # fmt: skip
 
 
@@ -160,15 +163,17 @@ def resolve_source(source: ModelSource, batch_size: int, meta: bool) -> ModelSpe
     return resolve_model(source.ref, batch_size)
 
 
-def original_names(graph: ModelGraph, stage: nn.Module) -> dict[str, str]:
-    """Map each stage parameter name (``inner.layers_1_conv1.weight``) to the model's (``layers.1.conv1.weight``)."""
+def original_names(graph: ModelGraph, stage: nn.Module, buffers: bool = False) -> dict[str, str]:
+    """Map each stage parameter name (``inner.layers_1_conv1.weight``) to the model's
+    (``layers.1.conv1.weight``); with ``buffers``, each buffer name (``running_mean``)."""
     flat = {
         str(n.target).replace(".", "_"): str(n.target)
         for n in graph.gm.graph.nodes
         if n.op == "call_module"
     }
     out = {}
-    for name, _ in stage.named_parameters():
+    named = stage.named_buffers() if buffers else stage.named_parameters()
+    for name, _ in named:
         mod, _, pname = name.removeprefix("inner.").rpartition(".")
         full = f"{flat.get(mod, mod)}.{pname}"
         out[name] = graph.param_renames.get(full, full)
@@ -272,7 +277,8 @@ def reference_module(
     """The whole model as one module with the same initial weights every pipeline gets.
 
     Returns:
-        The module (its parameters named like the stages'), the map to original names, the loss.
+        The module (its parameters named like the stages'), the map to original names, the loss
+        (:func:`build_stage` with no cuts has the buffers' map too).
     """
     built = build_stage(source, batch_size, (), 0, seed)
     return built.module, built.names, built.loss

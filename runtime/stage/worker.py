@@ -23,10 +23,12 @@ from planner.nonfinite import Verdict
 from planner.schedule import Kind, StageQueue, Task
 from planner.wsp import wave_of
 from profiler.errors import HetPipeRuntimeError
+from profiler.memory import cuda_peak_bytes
 from profiler.precision import autocast
 from runtime.defaults import neighbour_wait_s
 from runtime.results.metrics import StageResult
 from runtime.stage.comm import Channel, Event, GradReceiver, start_activation_receiver, wire_specs
+from runtime.stage.device import on_device
 from runtime.stage.emulation import pace_until
 from runtime.stage.grads import Held, backward_grads, outputs_backward
 from runtime.stage.job import StageJob
@@ -58,22 +60,30 @@ class StageWorker:
         self.events = events
         self.calibration = job.calibration if ctx.speed > 0 else None
         built = build_stage(job.source, ctx.batch_size, ctx.cuts, ctx.stage, run.seed)
-        self.module = built.module.train()
+        # one device per stage, chosen once: on CPU nothing moves (runtime.stage.device)
+        self.device = torch.device(ctx.torch_device(torch.cuda.device_count()))
+        self.module = built.module.to(self.device).train()
         self.loss_fn = built.loss
         self.names = built.names
+        # local -> original name of every buffer (batch-norm statistics); a graph constant
+        # made when a shipped stage is unpickled (``_tensor_constant0``) keeps its own
+        self.buffer_names = {
+            n: built.buffer_names.get(n, n.removeprefix("inner."))
+            for n, _ in self.module.named_buffers()
+        }
         self.precision = run.precision or "fp32"
-        self.device_type = next((p.device.type for p in self.module.parameters()), "cpu")
+        self.device_type = self.device.type
         self.in_specs = wire_specs(built.in_specs, self.precision)
         self.out_specs = wire_specs(built.out_specs, self.precision)
         self.data = job.minibatches(built) if ctx.stage == 0 or self.last else None
         params = dict(self.module.named_parameters())
         local = {orig: name for name, orig in self.names.items()}
-        self.tied = TiedGrads(ctx.stage, ctx.rank - ctx.stage, built.tied, local)
+        self.tied = TiedGrads(ctx.stage, ctx.rank - ctx.stage, built.tied, local, self._wait_s)
         # a resumed run's lr schedule goes on where it stopped (cosine horizon included)
-        device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
+        copy = not run.emulate or ctx.speed <= 0
         self.weights = VersionedWeights(
             params, ctx.nm, job.optimizer, job.first_mb + ctx.total_steps, job.first_mb,
-            class_moves(ctx.memory, ctx.where, device, copy=not run.emulate or ctx.speed <= 0),
+            class_moves(ctx.memory, ctx.where, self.device, copy=copy),
         )  # fmt: skip
         buffer_bytes = sum(b.numel() * b.element_size() for b in self.module.buffers())
         factor = ctx.optimizer_state_factor
@@ -96,7 +106,7 @@ class StageWorker:
             ctx.rank, ctx.vw, ctx.stage, ctx.nm, f"vw{ctx.vw}-stage{ctx.stage}",
             tuple((self.names[n], p) for n, p in params.items()), self.weights, self.result,
             self.tied if self.tied else None, job.init_method, group,
-            tuple(self.module.named_buffers()),
+            tuple((self.buffer_names[n], b) for n, b in self.module.named_buffers()),
         )  # fmt: skip
         self.sync = stage_sync(job.sync, view)  # the synchronisation rule's hooks
         self._task_mb = 1  # the minibatch of the task being paced (its wave may straggle)
@@ -138,11 +148,18 @@ class StageWorker:
                 grad_rx.close()
         self.result.wall_s = time.time() - start_time
         self.result.peak_bytes = self.memory.peak_bytes
+        self.result.cuda_peak_bytes = cuda_peak_bytes(self.device)  # 0 on CPU
         self.result.steps = self._b_done
         if self.run_cfg.return_state or self.run_cfg.out_dir is not None:
-            self.result.state = {
-                self.names[n]: p.detach().clone() for n, p in self.module.named_parameters()
+            self.result.state = {  # in host memory: the result leaves the process
+                self.names[n]: p.detach().to("cpu", copy=True)
+                for n, p in self.module.named_parameters()
             }
+        # always: the run's evaluation needs them, and the shards hold parameters only
+        self.result.buffers = {
+            self.buffer_names[n]: b.detach().to("cpu", copy=True)
+            for n, b in self.module.named_buffers()
+        }
         self.sync.close()
         return self.result
 
@@ -260,10 +277,10 @@ class StageWorker:
             ) from ev.error
         if ev.kind == "act":
             self._received += 1
-            self.held[ev.mb] = Held(ev.tensors)
+            self.held[ev.mb] = Held(on_device(ev.tensors, self.device))
             self.queue.ready(Task(self.ctx.stage, self.queue.forward_kind, ev.mb))
         elif ev.kind == "grad":
-            self.held[ev.mb].grads_in = ev.tensors
+            self.held[ev.mb].grads_in = on_device(ev.tensors, self.device)
             self.queue.ready(Task(self.ctx.stage, Kind.B, ev.mb))
         elif ev.kind == "stop":
             self._stop_in = True
@@ -373,7 +390,8 @@ class StageWorker:
         if self.data is None:
             raise HetPipeRuntimeError(f"[{self.ctx.where}] stage 0 has no data")
         inputs, targets = self.data.batch(mb)
-        self.held[mb] = Held(inputs, targets=targets)
+        dev = self.device
+        self.held[mb] = Held(on_device(inputs, dev), targets=on_device((targets,), dev)[0])
 
     def _forward(self, mb: int) -> Any:
         held = self.held[mb]
@@ -410,7 +428,10 @@ class StageWorker:
         if self.data is None:
             raise HetPipeRuntimeError(f"[{self.ctx.where}] last stage has no data")
         held = self.held[mb]
-        targets = held.targets if held.targets is not None else self.data.targets(mb)
+        if held.targets is not None:
+            targets = held.targets
+        else:
+            targets = self.data.targets(mb).to(self.device)
         with autocast(self.device_type, self.precision):
             loss = self.loss_fn(out, targets)
         if mb == self._nan_at:  # test hook: the loss diverges here

@@ -53,7 +53,7 @@ class AllReduceSync(StageSync):
         part = None
         if spec.snapshots is not None:
             part = StagePart(spec.snapshots, view.vw, view.stage, view.params,
-                             view.weights.optimizer, spec.first_wave)  # fmt: skip
+                             view.weights.optimizer, spec.first_wave, view.buffers)  # fmt: skip
         groups = spec.groups
         if len(groups) <= 1:
             size = len(groups[0]) if groups else dist.get_world_size()

@@ -6,8 +6,9 @@ gradients). A snapshot at clock ``c`` (``c`` steps done; ``Nm = 1``, so a wave i
 has one part per stage process, written with the run's snapshot machinery
 (:func:`runtime.persist.snapshot.write_part`, committed by the manifest once every part is
 in): VW 0's parts carry the stage's weights and optimizer state, every part its process's
-RNG state and data position. A resumed copy loads the weights and optimizer state from VW 0's
-part of its stage and its RNG state from its own.
+RNG state, data position and buffers (each copy's batch norm sees its own slice of the data).
+A resumed copy loads the weights and optimizer state from VW 0's part of its stage, its RNG
+state and buffers from its own.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from profiler.errors import HetPipeRuntimeError
 from runtime.persist.snapshot import (
@@ -26,6 +27,7 @@ from runtime.persist.snapshot import (
     snapshot_dir,
     write_part,
 )
+from runtime.persist.stage_part import restore_buffers
 
 __all__ = ["KIND", "StagePart"]
 
@@ -41,6 +43,7 @@ class StagePart:
         params: ``(global name, master parameter)`` of the stage.
         optimizer: the stage's local optimizer (``None``: a stage without parameters).
         first_clock: the clock this run starts at (a resumed run's snapshot clock).
+        buffers: ``(global name, buffer)`` of the stage (batch-norm statistics).
     """
 
     def __init__(
@@ -51,9 +54,11 @@ class StagePart:
         params: Sequence[tuple[str, nn.Parameter]],
         optimizer: torch.optim.Optimizer | None,
         first_clock: int = 0,
+        buffers: Sequence[tuple[str, Tensor]] = (),
     ) -> None:
         self.snapshots, self.vw, self.stage = snapshots, vw, stage
         self.params, self.optimizer = list(params), optimizer
+        self.buffers = dict(buffers)
         self.written = first_clock  # the clock of the last part written (or resumed from)
 
     @property
@@ -78,6 +83,8 @@ class StagePart:
         if self.optimizer is not None:
             self.optimizer.load_state_dict(model["optimizer"])
         torch.set_rng_state(own["rng"])
+        if "buffers" in own:  # a part written before buffers were: the initial ones
+            restore_buffers(self.buffers, own["buffers"], manifest.path / f"{self.name}.pt")
 
     def _checked(self, part: Any, folder: Any, clock: int) -> dict[str, Any]:
         where = f"{folder}/{self.name}.pt"
@@ -100,6 +107,7 @@ class StagePart:
             "clock": clock,
             "data_position": clock,  # global minibatches consumed (Nm = 1)
             "rng": torch.get_rng_state(),
+            "buffers": {n: b.detach().clone() for n, b in self.buffers.items()},
         }
         if self.vw == 0:  # every copy holds the same model: VW 0's part carries it
             payload["weights"] = {n: p.detach().clone() for n, p in self.params}

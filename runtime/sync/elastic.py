@@ -18,7 +18,7 @@ same minibatch.
 
 Snapshots: the shards' clock counts exchanges, so a snapshot at clock ``k`` holds the centre
 ``c_k`` (the shards' parts) and, from every stage, its own weights right after its elastic
-update of exchange ``k - 1``, its optimizer and RNG state and its data position
+update of exchange ``k - 1``, its optimizer and RNG state, buffers and data position
 (:func:`planner.easgd.waves_at` ``(k, tau)`` waves). A resumed run starts at that wave from
 those weights. With ``Nm = 1`` it equals the uninterrupted run; with ``Nm > 1`` the stashed
 weight versions of the minibatches in flight are not in the part (as with WSP,
@@ -53,6 +53,7 @@ from runtime.persist.snapshot import (
     snapshot_dir,
     write_part,
 )
+from runtime.persist.stage_part import restore_buffers
 from runtime.ps.client import PSClient
 from runtime.results.metrics import StageResult
 from runtime.sync.rule import Grads, StageSync, StageView, SyncSpec
@@ -81,6 +82,7 @@ class ElasticSync(StageSync):
             optimizer state, data position and RNG state.
         where: ``vw<k>-stage<s>``, the stage's part name.
         optimizer: the stage's local optimizer (its state is in the part).
+        buffers: the stage's buffers by original name (in the part too).
     """
 
     def __init__(
@@ -96,8 +98,10 @@ class ElasticSync(StageSync):
         snapshots: SnapshotSpec | None = None,
         where: str = "stage",
         optimizer: torch.optim.Optimizer | None = None,
+        buffers: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.client, self.params = client, list(params)
+        self.buffers = buffers or {}
         self._stop = stop
         self.nm, self.tau, self.alpha = nm, tau, alpha
         self.result = result
@@ -130,7 +134,8 @@ class ElasticSync(StageSync):
         stop = LazyStop(view.init_method, nm, 0, waves=lambda a: stop_waves(a, nm, tau))
         params = [p for _, p in view.params]
         return cls(client, params, view.nm, tau, alpha, view.result, stop, spec.first_wave,
-                   spec.snapshots, view.where, view.weights.optimizer)  # fmt: skip
+                   spec.snapshots, view.where, view.weights.optimizer,
+                   dict(view.buffers))  # fmt: skip
 
     def agreed_total(self, admitted: int, time_up: bool) -> int | None:
         """Every VW runs the same waves (the centre waits for every VW's exchange)."""
@@ -165,6 +170,8 @@ class ElasticSync(StageSync):
         if self.optimizer is not None:
             self.optimizer.load_state_dict(part["optimizer"])
         torch.set_rng_state(part["rng"])
+        if "buffers" in part:  # a part written before buffers were: the initial ones
+            restore_buffers(self.buffers, part["buffers"], where)
 
     def _checkpoint(self, clock: int) -> None:
         """Write this stage's part of the snapshot at centre clock ``clock`` (its state now:
@@ -179,6 +186,7 @@ class ElasticSync(StageSync):
             "weights": [p.detach().clone() for p in self.params],
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else {},
             "rng": torch.get_rng_state(),
+            "buffers": {n: b.detach().clone() for n, b in self.buffers.items()},
         }
         write_part(snaps, clock, self.where, payload)
         self._written = clock
@@ -209,7 +217,7 @@ class ElasticSync(StageSync):
         self.result.pushes.append((k, t_push))
         with torch.no_grad():
             diffs = [
-                elastic_difference(p.detach(), c, self.alpha)
+                elastic_difference(p.detach(), c.to(p.device), self.alpha)  # pull: host
                 for p, c in zip(self.params, centre, strict=True)
             ]
             for p, d in zip(self.params, diffs, strict=True):

@@ -122,7 +122,7 @@ class StageView:
             :func:`runtime.launch.stop.stop_store`).
         group: the group of the stage's parameter-server and pipeline messages, numbered
             like the world (a restarted VW's, :mod:`runtime.ps.rejoin`; ``None``: default).
-        buffers: ``(local name, buffer)`` of the stage's module (a snapshot holds them).
+        buffers: ``(original name, buffer)`` of the stage's module (a snapshot holds them).
     """
 
     rank: int

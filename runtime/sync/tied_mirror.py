@@ -80,7 +80,7 @@ class TiedMirror:
             if values is None:
                 continue
             for i, n in enumerate(names):
-                payload = values[n].detach().contiguous().clone()
+                payload = values[n].detach().to("cpu", copy=True).contiguous()  # gloo: host
                 self._works.append(isend(payload, rank, None, TAG + 1 + i))
 
     def announce(self, pending_version: int | None) -> None:
@@ -111,7 +111,7 @@ class TiedMirror:
         if mode in (SET, ADD):
             master = self.weights.master
             names = self.owners[rank]
-            bufs = [torch.empty_like(master[n]) for n in names]
+            bufs = [torch.empty_like(master[n], device="cpu") for n in names]
             works = [irecv(b, rank, None, TAG + 1 + i) for i, b in enumerate(bufs)]
             for w in works:
                 self._wait(w, rank)

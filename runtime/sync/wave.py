@@ -300,7 +300,10 @@ class WaveSync(StageSync):
         delta = self.client.update_buffers()
         with torch.no_grad():
             for d, p, s in zip(delta, self.params, self._snapshot, strict=True):
-                torch.sub(p.detach(), s, out=d)
+                if d.device == p.device:
+                    torch.sub(p.detach(), s, out=d)
+                else:  # a GPU stage: the message is in host memory
+                    d.copy_(p.detach() - s)
         self._checkpoint(wave + 1)  # before the push: a wave the shards hold has its file
         self.last_clock = wave + 1
         need = required_global_clock((wave + 2) * self.nm, self.nm, self.D)
@@ -374,7 +377,8 @@ class WaveSync(StageSync):
         if self.weights is None:
             return
         with torch.no_grad():
-            correction = [g - s for g, s in zip(pulled, self._snapshot, strict=True)]
+            # the pull is in host memory; a GPU stage's snapshot is not
+            correction = [g.to(s.device) - s for g, s in zip(pulled, self._snapshot, strict=True)]
             self._snapshot = [s + c for s, c in zip(self._snapshot, correction, strict=True)]
         names = self.names if self.names is not None else list(self.weights.master)
         named = dict(zip(names, correction, strict=True))

@@ -121,6 +121,7 @@ def _bad_cases(tmp_path: Path, mod: str) -> list[tuple[list[str], str]]:
             "half.csv",
         ),
         (["--model", "mlp", "--analytic", "--links"], "choose one"),
+        (["--links", "--peer", "no-port"], "give ADDR:PORT"),
     ]
 
 

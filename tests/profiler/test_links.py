@@ -8,7 +8,7 @@ import pytest
 
 from planner.costmodel import load_links
 from profiler.errors import ConfigError, ProfileError
-from profiler.links import LinkFit, fit_link, measure_links, save_links
+from profiler.links import LinkFit, fit_link, measure_link_to, measure_links, save_links
 
 
 def test_fit_recovers_latency_and_bandwidth() -> None:
@@ -56,3 +56,27 @@ def test_gloo_ping_pong_between_two_processes() -> None:
     assert [s for s, _ in fit.samples] == list(sizes)
     assert all(t > 0 for _, t in fit.samples)
     assert fit.bandwidth_bps > 1e6 and fit.latency_s >= 0
+
+
+def _peer(rank: int, peer: str, out: str) -> None:
+    """One host of :func:`test_two_hosts_measure_the_inter_node_link` (module-level for spawn)."""
+    # sizes far apart: on a loaded machine close ones can time in the wrong order
+    fit = measure_link_to(peer, rank, (1024, 32 << 20), repeats=3, warmup=1, timeout_s=60)
+    Path(out, f"rank{rank}").write_text("none" if fit is None else fit.link_class)
+
+
+def test_two_hosts_measure_the_inter_node_link(tmp_path: Path) -> None:
+    """``--links --peer``: one process per host, meeting at rank 0's ADDR:PORT (here two
+    processes on loopback); rank 0 gets the ``inter_node`` fit, rank 1 only echoes."""
+    import socket
+
+    from torch.multiprocessing import spawn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spawn(_peer, args=(f"127.0.0.1:{port}", str(tmp_path)), nprocs=2, join=True)
+    assert (tmp_path / "rank0").read_text() == "inter_node"
+    assert (tmp_path / "rank1").read_text() == "none"
+    with pytest.raises(ConfigError, match="give ADDR:PORT"):
+        measure_link_to("127.0.0.1", 0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -28,3 +30,18 @@ def test_sized_mlp_reference_builds_that_size() -> None:
 def test_sized_reference_errors_name_the_argument(ref: str, needle: str) -> None:
     with pytest.raises(ModelError, match=needle):
         resolve_model(ref, 4)
+
+
+def test_factory_that_raises_is_one_line_naming_where(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "badfactory.py").write_text(
+        "def build(batch_size=32):\n    raise ValueError('vocab file missing\\nsecond line')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModelError) as err:
+        resolve_model("badfactory:build", 4)
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert "raised ValueError at " in msg and "badfactory.py:2" in msg
+    assert "vocab file missing" in msg and "fix the factory" in msg

@@ -7,6 +7,7 @@ outside (signals to a launcher run as a subprocess). Runs are tiny (no pacing, a
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -212,10 +213,11 @@ def test_frozen_stage_is_named_not_its_peers(tmp_path: Path) -> None:
 
 
 def _start_cli(
-    tmp_path: Path, until_clock: bool, *extra: str
+    tmp_path: Path, until_clock: bool, *extra: str, session: bool = False
 ) -> tuple[subprocess.Popen[str], Path]:
     """``hetpipe run`` in a subprocess, returned once every rank beats (and, with
-    ``until_clock``, once snapshot 1 is committed)."""
+    ``until_clock``, once snapshot 1 is committed); with ``session``, in a process group of
+    its own (every process it starts shares the group, whoever becomes its parent)."""
     plan = _plan().save(tmp_path / "plan.yaml")
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "hetpipe", "run", str(plan), "--steps", "100000", "--out",
@@ -223,7 +225,8 @@ def _start_cli(
     # a shell's background job ignores SIGINT and so would the run: give it Python's default
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=session)  # fmt: skip
     finally:
         signal.signal(signal.SIGINT, previous)
     tmp = Path(tempfile.gettempdir())
@@ -284,6 +287,39 @@ def test_sigkilled_unreaped_launcher_leaves_no_orphans_and_no_temp(tmp_path: Pat
         assert not [d for d in tmp.glob("pymp-*") if _dead_forkserver_dir(d)]
     assert committed_clocks(out / "checkpoints")  # what was committed stays usable
     select(out / "checkpoints")
+
+
+def _group(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid`` (zombies are gone already)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2 :].split()
+        if fields[0] not in ("Z", "X") and int(fields[2]) == pgid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_a_killed_launcher_takes_every_process_with_it_quietly(tmp_path: Path) -> None:
+    # the forkserver (it outlived the launcher by up to 5.5 s) and the resource tracker too,
+    # and no rank prints a traceback on its way out (BrokenPipeError on its report pipe)
+    proc, _ = _start_cli(tmp_path, True, session=True)  # after the first wave
+    try:
+        assert len(_group(proc.pid)) >= 8  # launcher, forkserver, 2 shards, 4 stages
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()  # reaped: only its descendants are left in its group
+        deadline = time.monotonic() + 5.0
+        while _group(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)  # polls the process group until the deadline
+        assert _group(proc.pid) == [], "processes outlived their launcher"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # never leave a 100,000-step run behind
+        _, err = proc.communicate()
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err[-3000:]
 
 
 def test_ctrl_c_stops_cleanly_with_one_line_and_the_resume_command(tmp_path: Path) -> None:

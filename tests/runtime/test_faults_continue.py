@@ -67,7 +67,7 @@ def test_cli_continue_without_a_failure_loses_nothing(tmp_path: Path) -> None:
 
     plan = _plan(D=1, nm=2).save(tmp_path / "plan.yaml")
     code, output = _cli(str(plan), "--on-failure", "sometimes")
-    assert code == 2 and "use stop, restart or continue" in output
+    assert code == 2 and "--on-failure 'sometimes': use one of stop, restart, continue" in output
     out = tmp_path / "run"
     code, output = _cli(str(plan), "--steps", "8", "--out", str(out), "--on-failure", "continue")
     assert code == 0, output

@@ -1,5 +1,5 @@
-"""Real models end to end: Hugging Face GPT-2 and BERT (torch.export path) and a
-torchvision-style ResNet (torch.fx path) split into 2 and 3 stages equal one process."""
+"""Real models end to end: Hugging Face GPT-2, BERT and ALBERT (torch.export path) and a
+torchvision-style ResNet (torch.fx path) split into 2 to 4 stages equal one process."""
 
 from __future__ import annotations
 
@@ -60,6 +60,29 @@ def bert() -> nn.Module:
     return transformers.BertForMaskedLM(cfg)
 
 
+def albert() -> nn.Module:
+    """ALBERT: one encoder layer shared by all 4 blocks, so its weights sit on every stage
+    that runs a block (several tied groups per stage)."""
+    cfg = transformers.AlbertConfig(
+        vocab_size=VOCAB, embedding_size=16, hidden_size=32, num_hidden_layers=4,
+        num_attention_heads=2, intermediate_size=64, max_position_embeddings=SEQ,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0,
+        pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.AlbertForMaskedLM(cfg)
+
+
+def t5() -> nn.Module:
+    """T5 with its default config (``use_cache=True``, which its decoder's copy keeps too)."""
+    cfg = transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=2,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.T5ForConditionalGeneration(cfg)
+
+
 def plain_loop(
     model: nn.Module, data: MinibatchSource, names: tuple[str, ...], lr: float, steps: int
 ) -> tuple[list[float], dict[str, Tensor]]:
@@ -105,6 +128,33 @@ def test_gpt2_pipeline_equals_one_process_with_tied_embedding(stages: int) -> No
 @pytest.mark.parametrize("stages", [2, 3])
 def test_bert_pipeline_equals_one_process(stages: int) -> None:
     _check_against_reference(bert(), stages)
+
+
+@pytest.mark.parametrize("stages", [3, 4])
+def test_albert_shared_layer_over_many_stages_equals_one_process(stages: int) -> None:
+    result = _check_against_reference(albert(), stages, steps=3)
+    name = "albert.encoder.albert_layer_groups.0.albert_layers.0.ffn.weight"
+    copies = [st.state[name] for st in result.stages if name in st.state]
+    assert len(copies) >= 2
+    assert all(torch.equal(copies[0], c) for c in copies[1:])  # every copy bit-equal
+
+
+def test_albert_four_stages_two_in_flight_trains() -> None:
+    cfg = OptimizerConfig(lr=0.1)
+    result = train(
+        albert(), TokenData(), stages=4, nm=2, batch_size=4, steps=4, optimizer=cfg,
+        timeout_s=30.0,
+    )  # fmt: skip
+    assert len(result.losses) == 4
+    assert result.losses[-1] < result.losses[0]
+    state = [st.state for st in result.stages]
+    for name in {n for s in state for n in s}:
+        copies = [s[name] for s in state if name in s]
+        assert all(torch.equal(copies[0], c) for c in copies[1:])
+
+
+def test_t5_default_config_equals_one_process() -> None:
+    _check_against_reference(t5(), 2, steps=3)
 
 
 class Block(nn.Module):
@@ -162,3 +212,51 @@ def test_resnet_with_inplace_relu_equals_one_process(relu_cut: bool) -> None:
     state = result.state_dict()
     for name, p in params.items():
         assert_close(state[name], p, rtol=1e-5, atol=1e-5)
+
+
+def qwen2_tied() -> nn.Module:
+    cfg = transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=SEQ,
+        tie_word_embeddings=True, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.Qwen2ForCausalLM(cfg)
+
+
+def bart() -> nn.Module:
+    cfg = transformers.BartConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_position_embeddings=SEQ, use_cache=False, dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1, bos_token_id=0,
+        eos_token_id=2, decoder_start_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.BartForConditionalGeneration(cfg)
+
+
+@pytest.mark.parametrize(
+    ("make", "aliases"),
+    [
+        (qwen2_tied, ("lm_head.weight", "model.embed_tokens.weight")),
+        (bart, ("lm_head.weight", "model.shared.weight", "model.decoder.embed_tokens.weight")),
+    ],
+    ids=["qwen2-tied", "bart"],
+)
+def test_trained_state_loads_strictly_under_every_tied_name(
+    tmp_path: Any, make: Any, aliases: tuple[str, ...]
+) -> None:
+    """Every key of the module's state_dict (a tied weight under each of its names, BART's
+    ``final_logits_bias`` buffer) is in ``weights.pt``: a strict load works."""
+    model = make()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = train(model, TokenData(), stages=2, batch_size=4, steps=2, out_dir=tmp_path)
+    state = result.state_dict()
+    assert list(state) == list(before)
+    fresh = make()
+    fresh.load_state_dict(torch.load(tmp_path / "weights.pt", weights_only=True), strict=True)
+    trained = fresh.state_dict()
+    assert not torch.equal(trained[aliases[0]], before[aliases[0]])  # it trained
+    for name in aliases[1:]:  # one tensor under every name
+        assert torch.equal(trained[name], trained[aliases[0]]), name

@@ -15,7 +15,7 @@ from profiler.graph import ModelGraph
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.data import MinibatchSource, default_dataset
 from runtime.launch.launcher import launch
-from runtime.stage.model import reference_module, resolve_source
+from runtime.stage.model import original_names, reference_module, resolve_source
 from tests.runtime.reference import delayed_loop, plain_loop
 
 RTOL = ATOL = 1e-5
@@ -50,9 +50,13 @@ def _run_and_reference(
     assert len(result.losses) == steps
     assert_close(torch.tensor(result.losses), torch.tensor(losses), rtol=RTOL, atol=ATOL)
     state = result.state_dict()
-    assert set(state) == {names[n] for n in params}
-    for n, p in params.items():
-        assert_close(state[names[n]], p, rtol=RTOL, atol=ATOL, msg=f"parameter {n} differs")
+    # the buffers too (batch-norm statistics: the reference's forwards ran in the same order)
+    buffers = original_names(graph, module, buffers=True)
+    expected = {names[n]: p for n, p in params.items()}
+    expected |= {buffers[n]: b for n, b in module.named_buffers()}
+    assert set(state) == set(expected)
+    for n, p in expected.items():
+        assert_close(state[n], p, rtol=RTOL, atol=ATOL, msg=f"{n} differs")
     assert max(s.max_in_flight for s in result.stages) <= nm
     assert result.stages[-1].max_in_flight == 1
 

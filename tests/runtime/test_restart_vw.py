@@ -7,6 +7,8 @@ import queue
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 from profiler.errors import HetPipeRuntimeError
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.launch.evict import VWEvictor
@@ -14,6 +16,7 @@ from runtime.launch.failures import watch
 from runtime.launch.faults import StageFault
 from runtime.launch.launcher import _restarting
 from runtime.launch.restart_vw import AttemptFailed, VWRestarter, rejoined_job
+from runtime.launch.startup import StartUpLoss
 from runtime.ps.rejoin import RELEASE, RESTART, Rejoin
 from runtime.stage.job import StageContext, StageJob
 from runtime.sync.rule import SyncSpec
@@ -103,16 +106,49 @@ class _Result:
 def test_vw_restarts_of_a_failed_attempt_are_listed_and_spend_the_budget() -> None:
     budgets: list[int] = []
 
-    def attempt(cfg: WSPConfig) -> _Result:
+    def attempt(cfg: WSPConfig, absent: dict[int, str]) -> _Result:
         budgets.append(cfg.max_restarts)
         if len(budgets) == 1:  # restarted VW 1 alone, then a shard died
             raise AttemptFailed("rank 0 (shard 0) failed: boom", ["vw 1 note"])
         return _Result(("vw 0 note",))
 
-    result = _restarting(attempt, RunConfig(), WSPConfig(max_restarts=3))  # type: ignore[arg-type]
+    result = _restarting(attempt, RunConfig(), WSPConfig(max_restarts=3), 2)  # type: ignore[arg-type]
     assert result.restarts == ("vw 1 note", "rank 0 (shard 0) failed: boom (restarted from "
                                "clock 0)", "vw 0 note")  # fmt: skip
     assert budgets == [3, 1]  # the second attempt may restart one VW more
+
+
+def _lost_at_start(cfg: WSPConfig, losses: int, n_vws: int = 2) -> list[dict[int, str]]:
+    """The VWs left out of each attempt of ``_restarting`` when the first ``losses`` attempts
+    each lose a stage of VW 1, then VW 0, before the group formed."""
+    seen: list[dict[int, str]] = []
+
+    def attempt(cfg: WSPConfig, absent: dict[int, str]) -> _Result:
+        seen.append(dict(absent))
+        if len(seen) <= losses:
+            vw = 1 if len(seen) == 1 else 0
+            cause = f"rank {2 + 2 * vw} (vw {vw} | stage 0) failed: killed by signal SIGKILL"
+            raise StartUpLoss(f"{cause} (before every rank joined)", vw, cause)
+        return _Result(())
+
+    _restarting(attempt, RunConfig(), cfg, n_vws)  # type: ignore[arg-type]
+    return seen
+
+
+def test_a_vw_lost_at_start_up_is_left_out_under_continue() -> None:
+    cause = "rank 4 (vw 1 | stage 0) failed: killed by signal SIGKILL"
+    assert _lost_at_start(WSPConfig(evict=True), 1) == [{}, {1: cause}]
+    with pytest.raises(StartUpLoss, match="rank 2"):  # no VW would be left
+        _lost_at_start(WSPConfig(evict=True), 2)
+    with pytest.raises(StartUpLoss):  # --on-failure stop: the run stops, naming the rank
+        _lost_at_start(WSPConfig(), 1)
+
+
+def test_a_vw_lost_at_start_up_restarts_the_job_while_the_budget_lasts() -> None:
+    cfg = WSPConfig(restart_vw=True, max_restarts=1)
+    assert _lost_at_start(cfg, 1, n_vws=3) == [{}, {}]  # restarted whole, not left out
+    cause = "rank 2 (vw 0 | stage 0) failed: killed by signal SIGKILL"
+    assert _lost_at_start(cfg, 2, n_vws=3) == [{}, {}, {0: cause}]  # then evicted
 
 
 def test_stages_that_only_lost_their_shard_are_not_restarted(tmp_path: Path) -> None:

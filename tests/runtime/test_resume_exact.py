@@ -155,7 +155,15 @@ def test_resume_with_dropout_and_batch_norm_is_bit_identical(tmp_path: Path) -> 
     resumed = launch(plan, source, None, run(out), WSPConfig(checkpoint_every=2, resume=True), data)
     assert isinstance(whole, RunResult) and isinstance(resumed, RunResult)
     ref = whole.state_dict()
+    assert list(ref) == list(model.state_dict())  # the batch-norm statistics included
+    assert list(resumed.state_dict()) == list(ref)
     for name, t in resumed.state_dict().items():
         assert torch.equal(t, ref[name]), name
     tail = dict(whole.vws[0].stages[-1].losses)
     assert all(loss == tail[mb + 2 * NM] for mb, loss in resumed.vws[0].stages[-1].losses)
+    # nothing left to train: the outputs from the last snapshot, buffers included
+    again = launch(plan, source, None, run(out), WSPConfig(checkpoint_every=2, resume=True), data)
+    assert again.exported_from and list(again.state_dict()) == list(ref)
+    for name, t in again.state_dict().items():
+        assert torch.equal(t, ref[name]), name
+    assert again.test_loss == resumed.test_loss == whole.test_loss
