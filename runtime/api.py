@@ -124,6 +124,7 @@ def train(  # long by its signature and docstring (every option, documented); th
     vw: int = -1,
     precision: str = "",
     on_nonfinite: str = "stop",
+    remedy: str = "",
 ) -> RunResult:
     """Train ``model`` with any plan on this host: what ``hetpipe run`` does, through the same
     entry (:func:`runtime.run.run_plan`): several VWs through the WSP parameter servers, one
@@ -160,6 +161,8 @@ def train(  # long by its signature and docstring (every option, documented); th
             across cuts); ``""`` = the plan's (``fp32`` for a plan made here).
         on_nonfinite: a NaN or infinite loss or gradient: ``stop`` the run (``Diverged``) or
             ``skip`` that minibatch's update at every stage (``result.skipped_updates``).
+        remedy: staleness remedy of every stage's update (``none``, ``predict``, ``pipemare``;
+            :mod:`planner.staleness`), replacing ``optimizer.remedy``; ``""`` = the optimizer's.
 
     Returns:
         The run's :class:`runtime.results.run_result.RunResult`, whatever the rule: ``losses``,
@@ -170,6 +173,8 @@ def train(  # long by its signature and docstring (every option, documented); th
             from a script's top level outside ``if __name__ == "__main__":``.
     """
     check_guarded()
+    if remedy:
+        optimizer = replace(optimizer or OptimizerConfig(), remedy=remedy)
     given = load_plan(plan) if isinstance(plan, (str, os.PathLike)) else plan
     if given is not None:
         batch_size = given.batch_size  # the plan's minibatch, also for the sample inputs

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from planner.nonfinite import POLICIES
+from planner.staleness import check_remedy
 from profiler.capture import quiet_treespec
 from profiler.errors import ConfigError, shown
 from profiler.precision import check_precision
@@ -52,6 +53,9 @@ class OptimizerConfig:
         step_size: updates between decays of the ``step`` schedule.
         warmup: updates of linear warm-up.
         total_updates: horizon of the ``cosine`` schedule (0 = the run's step count).
+        remedy: staleness remedy of every stage's update (:mod:`planner.staleness`):
+            ``none``, ``predict`` (weight prediction, SGD only) or ``pipemare``.
+        remedy_warmup: updates of PipeMare's step-size warm-up (``K``).
     """
 
     name: str = "sgd"
@@ -65,6 +69,8 @@ class OptimizerConfig:
     step_size: int = 100
     warmup: int = 0
     total_updates: int = 0
+    remedy: str = "none"
+    remedy_warmup: int = 100
 
     def __post_init__(self) -> None:
         if self.name not in _OPTIMIZERS:
@@ -75,6 +81,17 @@ class OptimizerConfig:
             )
         if self.lr <= 0:
             raise ConfigError(f"learning rate must be positive, got {self.lr}")
+        try:
+            check_remedy(self.remedy)
+        except ValueError as e:
+            raise ConfigError(f"--remedy: {e}") from None
+        if self.remedy == "predict" and self.name != "sgd":
+            raise ConfigError(
+                f"--remedy predict follows SGD's update rule, not {self.name}'s: "
+                "use --optimizer sgd, or --remedy pipemare"
+            )
+        if self.remedy_warmup < 0:
+            raise ConfigError(f"--remedy-warmup must be >= 0, got {self.remedy_warmup}")
 
     @property
     def memory_class(self) -> str:
@@ -82,7 +99,8 @@ class OptimizerConfig:
         parameter-sized buffers the optimizer keeps (0, 1 or 2)."""
         if self.name == "adam":
             return "adam"
-        return "momentum" if self.momentum else "sgd"
+        # weight prediction with plain SGD keeps the last gradient as its velocity
+        return "momentum" if self.momentum or self.remedy == "predict" else "sgd"
 
 
 @dataclass(frozen=True)

@@ -118,6 +118,8 @@ OPTIONS: Mapping[str, Option] = MappingProxyType(
         "momentum": Option("--momentum", 0.0, "SGD momentum", Range(0, 1)),
         "weight_decay": Option("--weight-decay", 0.0, "weight decay", Range(0)),
         "schedule": Option("--schedule", "constant", "lr schedule: constant, step, cosine, warmup", choices=SCHEDULES),
+        "remedy": Option("--remedy", "none", "staleness remedy of each stage's update: none, predict (weight prediction, SGD) or pipemare (per-stage lr warm-up by the delay)", choices=("none", "predict", "pipemare")),
+        "remedy_warmup": Option("--remedy-warmup", 100, "updates of PipeMare's lr warm-up (--remedy pipemare)", Range(0)),
         "timeout": Option("--timeout", TIMEOUT_S, "seconds before a stuck process-group operation fails", Range(0, 10**6, open_low=True)),
         "emulate": Option("--emulate", True, "pace emulated devices and enforce their memory caps"),
         "on_nonfinite": Option("--on-nonfinite", "stop", "a NaN or infinite loss or gradient (a diverging run): stop (the run ends naming the VW, stage, minibatch and the last snapshot) or skip (that minibatch's update is skipped at every stage of its VW, counted in the summary)", choices=("stop", "skip")),
@@ -202,7 +204,8 @@ def configs(
     v = values
     check_values(v)  # ranges, and --on-failure among stop, restart, continue
     opt = OptimizerConfig(name=v["optimizer"], lr=v["lr"], momentum=v["momentum"],
-                          weight_decay=v["weight_decay"], schedule=v["schedule"])  # fmt: skip
+                          weight_decay=v["weight_decay"], schedule=v["schedule"],
+                          remedy=v["remedy"], remedy_warmup=v["remedy_warmup"])  # fmt: skip
     run = RunConfig(steps=v["steps"], epochs=v["epochs"], time_limit_s=v["time_limit"],
                     seed=v["seed"], nm=v["nm"], out_dir=out, timeout_s=v["timeout"],
                     emulate=v["emulate"], progress=progress, precision=v["precision"],

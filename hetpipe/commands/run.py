@@ -162,6 +162,8 @@ def run(  # long only by its typer signature (the command's options); the body i
     momentum: Annotated[float, _opt("momentum")] = OPT["momentum"].default,
     weight_decay: Annotated[float, _opt("weight_decay")] = OPT["weight_decay"].default,
     schedule: Annotated[str, _opt("schedule")] = OPT["schedule"].default,
+    remedy: Annotated[str, _opt("remedy")] = OPT["remedy"].default,
+    remedy_warmup: Annotated[int, _opt("remedy_warmup")] = OPT["remedy_warmup"].default,
     timeout: Annotated[float, _opt("timeout")] = OPT["timeout"].default,
     emulate: Annotated[bool, _opt("emulate")] = OPT["emulate"].default,
     precision: Annotated[str, _opt("precision")] = OPT["precision"].default,

@@ -289,7 +289,12 @@ def build_result(
     (:func:`runtime.results.run_result.model_keys`)."""
     result = RunResult.build(plan, prep.nm, prep.D, stages, states,
                              [s.spec for s in prep.shards], wall_s, sync=rule)  # fmt: skip
-    return dataclasses.replace(result, keys=keys, data=prep.data)
+    return dataclasses.replace(result, keys=keys, data=prep.data, remedy=_remedy(prep))
+
+
+def _remedy(prep: Prepared) -> str:
+    """The staleness remedy the stages ran with (``--remedy``; every stage takes the same)."""
+    return prep.stages[0].optimizer.remedy if prep.stages else "none"
 
 
 def complete(
@@ -365,7 +370,8 @@ def one_vw_result(
     devices = tuple(j.ctx.device for j in prep.stages)
     one = VWResult(tuple(stages), plan.batch_size, prep.nm, predicted, wall_s, bound, devices)
     result = RunResult((one,), prep.nm, 0, (), (), (), wall_s, predicted, sync="local",
-                       sync_params=plan.sync_params, keys=keys, data=prep.data)  # fmt: skip
+                       sync_params=plan.sync_params, keys=keys, data=prep.data,
+                       remedy=_remedy(prep))  # fmt: skip
     if run.out_dir is not None:
         result.save(run.out_dir, about=describe_run(plan, vw))
     return result

@@ -52,6 +52,7 @@ _FLAGS = {
     "nm": "--nm", "D": "--D", "seed": "--seed", "model": "--model", "plan": "the plan file",
     "optimizer.name": "--optimizer", "optimizer.lr": "--lr", "optimizer.momentum": "--momentum",
     "optimizer.weight_decay": "--weight-decay", "optimizer.schedule": "--schedule",
+    "optimizer.remedy": "--remedy", "optimizer.remedy_warmup": "--remedy-warmup",
     "schedule_horizon": "--steps/--epochs (the cosine schedule's horizon)",
     "precision": "--precision",
 }  # fmt: skip

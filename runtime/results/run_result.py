@@ -117,6 +117,7 @@ class RunResult:
             tensor (:func:`runtime.results.whole_state.state_keys`; ``()``: canonical names).
         exported_buffers: the buffers those outputs hold, from the snapshot's stage parts
             (``None``: the stages' own at the end of the run).
+        remedy: the stages' staleness remedy (``--remedy``, :mod:`planner.staleness`).
         data: what the run trained and tested on (``digits (...)``, ``synthetic (...)``,
             ``mydata:make (train 400, test 100)``; empty: not known).
     """
@@ -141,6 +142,7 @@ class RunResult:
     keys: tuple[tuple[str, str], ...] = ()
     exported_buffers: dict[str, Tensor] | None = None
     data: str = ""
+    remedy: str = "none"
 
     @staticmethod
     def build(
@@ -271,6 +273,7 @@ class RunResult:
             "predicted_throughput": self.predicted_throughput,
             "nm": self.nm,
             "D": self.D,
+            "remedy": self.remedy,
             "max_clock_distance": self.max_clock_distance,
             "data": self.data,
             "test_accuracy": self.test_accuracy,

@@ -17,16 +17,18 @@ with respect to the version its forward used (weight stashing).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
 
+from planner.staleness import pipemare_lr, predict_scale, stage_delay
 from planner.wsp import local_version
 from profiler.errors import HetPipeRuntimeError
 from runtime.config import OptimizerConfig
 from runtime.stage.moves import ClassMoves
 
-__all__ = ["VersionedWeights", "build_optimizer", "lr_at"]
+__all__ = ["VersionedWeights", "build_optimizer", "lr_at", "predicted", "stage_lr", "velocity"]
 
 
 def lr_at(cfg: OptimizerConfig, update: int, total_updates: int = 0) -> float:
@@ -45,6 +47,44 @@ def lr_at(cfg: OptimizerConfig, update: int, total_updates: int = 0) -> float:
     if cfg.schedule == "warmup" and update < cfg.warmup:
         return cfg.lr * (update + 1) / cfg.warmup
     return cfg.lr
+
+
+def stage_lr(cfg: OptimizerConfig, update: int, total_updates: int, nm: int) -> float:
+    """Learning rate of a stage's ``update``-th update: :func:`lr_at`, rescheduled by
+    PipeMare (:func:`planner.staleness.pipemare_lr`) under ``cfg.remedy == "pipemare"``."""
+    lr = lr_at(cfg, update, total_updates)
+    if cfg.remedy != "pipemare":
+        return lr
+    return pipemare_lr(lr, update, stage_delay(nm), cfg.remedy_warmup)
+
+
+def velocity(
+    optimizer: torch.optim.Optimizer | None,
+    params: dict[str, nn.Parameter],
+    last_grads: dict[str, Tensor],
+) -> dict[str, Tensor]:
+    """Each parameter's velocity ``v`` of the prediction ``w - s * lr * v``: SGD's momentum
+    buffer, else the last applied gradient (``last_grads``); absent: nothing to predict."""
+    out: dict[str, Tensor] = {}
+    for name, p in params.items():
+        state = optimizer.state.get(p, {}) if optimizer is not None else {}
+        buf = state.get("momentum_buffer")
+        v = buf if isinstance(buf, Tensor) else last_grads.get(name)
+        if v is not None:
+            out[name] = v
+    return out
+
+
+def predicted(
+    params: Mapping[str, Tensor], vel: Mapping[str, Tensor], scale: float
+) -> dict[str, Tensor]:
+    """New leaf tensors ``w - scale * v`` (``w`` where ``v`` is absent): weight prediction."""
+    with torch.no_grad():
+        out = {
+            n: (p.detach() - scale * vel[n].to(p.device)) if n in vel else p.detach().clone()
+            for n, p in params.items()
+        }
+    return {n: t.requires_grad_() for n, t in out.items()}
 
 
 def build_optimizer(params: list[nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -100,6 +140,7 @@ class VersionedWeights:
         self._resumed = False  # versions -(nm-1)..-1 restored: the first minibatches use them
         self.param_bytes = sum(p.numel() * p.element_size() for p in params.values())
         self.moves = moves
+        self._last_grads: dict[str, Tensor] = {}  # plain SGD's velocity under ``predict``
 
     # ------------------------------------------------------------ versions
 
@@ -126,13 +167,34 @@ class VersionedWeights:
                     f"minibatch {mb} needs weight version {v} but the stage is at {self.version} "
                     "and did not keep it (scheduler violated the Nm bound)"
                 )
-            self._versions[v] = {n: p.data.requires_grad_() for n, p in self.master.items()}
+            self._versions[v] = self._new_version(v)
         self._users[v] = self._users.get(v, 0) + 1
         self._mb_version[mb] = v
         self._last_acquired = mb
         if self.moves is not None:
             self.moves.version_up(self._versions[v])
         return self._versions[v]
+
+    def _new_version(self, k: int) -> dict[str, Tensor]:
+        """Leaf tensors of version ``k``, made while the master is at version ``k``: its
+        storage, or under ``remedy: predict`` the weights predicted for the minibatch that
+        will run on it (``k + Nm``; :func:`planner.staleness.predict_scale`). A resumed run
+        predicts as the run that stopped, except plain SGD's first one (the last gradient is
+        not in the snapshot)."""
+        scale = 0.0
+        if self.cfg.remedy == "predict":
+            lr = lr_at(self.cfg, self.first_update + k, self.total_updates)
+            scale = predict_scale(self.first_update + k + self.nm, self.nm, lr)  # whole-run count
+        if scale == 0.0:
+            return {n: p.data.requires_grad_() for n, p in self.master.items()}
+        return predicted(
+            self.master, velocity(self.optimizer, self.master, self._last_grads), scale
+        )
+
+    def _aliases_master(self, k: int) -> bool:
+        """Whether version ``k``'s leaves share the master's storage."""
+        leaves = self._versions[k]
+        return any(leaves[n].data_ptr() == p.data_ptr() for n, p in self.master.items())
 
     def leaves(self, mb: int) -> dict[str, Tensor]:
         """The leaf tensors minibatch ``mb``'s forward used (on the device)."""
@@ -200,11 +262,11 @@ class VersionedWeights:
             self.moves.version_down(self._versions[v])
         k = self.version
         if self._last_user(k) > mb:  # version k is still needed: keep its storage, move the master
-            self._versions.setdefault(
-                k, {n: p.data.requires_grad_() for n, p in self.master.items()}
-            )
-            for p in self.master.values():
-                p.data = p.data.clone()
+            if k not in self._versions:
+                self._versions[k] = self._new_version(k)
+            if self._aliases_master(k):
+                for p in self.master.values():
+                    p.data = p.data.clone()
             if self.moves is not None:  # version k is stashed from now on
                 self.moves.version_down(self._versions[k])
         if self.moves is not None:
@@ -212,7 +274,7 @@ class VersionedWeights:
             if self.optimizer is not None and apply:
                 self.moves.state_up(self.optimizer)
         if self.optimizer is not None and apply:
-            lr = lr_at(self.cfg, self.first_update + k, self.total_updates)
+            lr = stage_lr(self.cfg, self.first_update + k, self.total_updates, self.nm)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             for name, p in self.master.items():
@@ -220,6 +282,10 @@ class VersionedWeights:
             self.optimizer.step()
             for p in self.master.values():
                 p.grad = None
+            if self.cfg.remedy == "predict" and not self.cfg.momentum:
+                self._last_grads = {
+                    n: g.detach().clone() for n, g in grads.items() if g is not None
+                }
             if self.moves is not None:
                 self.moves.state_down(self.optimizer)
         self.version += 1

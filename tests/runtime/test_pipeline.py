@@ -46,6 +46,7 @@ def _run_and_reference(
     else:
         losses, params = delayed_loop(module, data, loss_fn, cfg, steps, nm)
     assert result.steps == steps
+    assert result.remedy == cfg.remedy  # summary.json says which remedy trained
     assert len(result.losses) == steps
     assert_close(torch.tensor(result.losses), torch.tensor(losses), rtol=RTOL, atol=ATOL)
     state = result.state_dict()
@@ -68,6 +69,20 @@ def test_mlp_three_stages_nm1_equals_plain_loop() -> None:
 def test_mlp_four_stages_delayed_updates(nm: int) -> None:
     cfg = OptimizerConfig(name="adam", lr=1e-3, schedule="cosine")
     _run_and_reference("mlp", 8, 4, nm, 10, cfg)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        OptimizerConfig(lr=0.1, momentum=0.9, remedy="predict"),
+        OptimizerConfig(lr=0.1, remedy="predict", schedule="cosine"),
+        OptimizerConfig(lr=0.1, momentum=0.9, remedy="pipemare", remedy_warmup=5),
+    ],
+    ids=["predict-momentum", "predict-plain", "pipemare"],
+)
+def test_mlp_three_stages_nm3_with_remedy(cfg: OptimizerConfig) -> None:
+    """A staleness remedy in the stages equals the delayed loop with the same rule."""
+    _run_and_reference("mlp", 8, 3, 3, 9, cfg)
 
 
 def test_residual_cnn_two_stages_nm2() -> None:

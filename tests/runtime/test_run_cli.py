@@ -115,3 +115,16 @@ def test_run_sync_allreduce_resumes_from_its_out_directory(tmp_path: Path) -> No
     figures = json.loads((out / "summary.json").read_text())
     assert {vw["steps"] for vw in figures["vws"]} == {2}  # steps 5-6 only
     assert figures["final_loss"] is not None
+
+
+def test_run_with_a_bad_remedy_is_one_red_line(tmp_path: Path) -> None:
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text("nodes:\n  - {name: A, gpu: TITAN V, count: 1}\n")
+    res = CliRunner().invoke(app, ["run", str(cluster), "--remedy", "later"])
+    assert res.exit_code == 2
+    assert "--remedy 'later': use one of none, predict, pipemare" in res.output
+    res = CliRunner().invoke(
+        app, ["run", str(cluster), "--remedy", "predict", "--optimizer", "adam"]
+    )
+    assert res.exit_code == 2
+    assert "--remedy predict follows SGD's update rule" in res.output

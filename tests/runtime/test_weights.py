@@ -71,10 +71,12 @@ def _drive(vw: VersionedWeights, first: int, last: int, nm: int, rng: random.Ran
 
 @pytest.mark.parametrize("nm", [1, 2, 3, 5])
 @pytest.mark.parametrize("order_seed", [0, 1])
-def test_resumed_versions_go_on_exactly(nm: int, order_seed: int) -> None:
+@pytest.mark.parametrize("remedy", ["none", "predict", "pipemare"])
+def test_resumed_versions_go_on_exactly(nm: int, order_seed: int, remedy: str) -> None:
     """A stage stopped at a wave end and rebuilt from its master, its versions in flight and
-    its optimizer state ends bit-equal to one that never stopped, whatever the task order."""
-    cfg = OptimizerConfig(lr=0.1, momentum=0.9)
+    its optimizer state ends bit-equal to one that never stopped, whatever the task order
+    (and whatever the staleness remedy, :mod:`planner.staleness`)."""
+    cfg = OptimizerConfig(lr=0.1, momentum=0.9, remedy=remedy, remedy_warmup=3 * nm)
     w0 = torch.linspace(-1, 1, 5)
     whole = VersionedWeights({"w": nn.Parameter(w0.clone())}, nm, cfg)
     _drive(whole, 1, 4 * nm, nm, random.Random(order_seed))

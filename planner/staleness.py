@@ -1,0 +1,106 @@
+"""Staleness remedies: how a stage's update compensates for delayed gradients, as pure rules.
+
+With ``Nm`` minibatches in flight, minibatch ``p`` runs on every stage with the weights
+``w0 + u1 + ... + u(p-Nm)`` (:func:`planner.wsp.local_version`, weight stashing) and its own
+update lands on the master after ``u(p-1)``: its gradient misses :func:`staleness` updates.
+Each remedy is chosen per run (``hetpipe run --remedy``) and is exactly a no-op at ``Nm = 1``:
+
+- ``none``: the delayed gradient is applied as it is (PipeDream, HetPipe);
+- ``predict``: weight prediction (SpecTrain, Chen et al. 2018; XPipe, Guan et al. 2019;
+  PipeOptim): the forward of minibatch ``p`` runs on the weights predicted ``s`` updates
+  ahead by the optimizer's own rule, ``w_hat = w - s * lr * v`` (``v``: SGD's momentum
+  buffer, the last gradient for plain SGD), and its backward on the same ``w_hat`` (stashed);
+  :func:`predict_steps` is ``s``, :func:`predict_scale` the factor ``s * lr``;
+- ``pipemare``: PipeMare's learning-rate rescheduling (Yang et al., MLSys 2021, T1): each
+  stage's step size is ``lr * tau ** -(1 - min(1, k / K))`` at update ``k``, i.e. divided by
+  the stage's delay ``tau`` at the start and back to ``lr`` after ``K`` warm-up updates
+  (:func:`pipemare_lr`). Its discrepancy correction (T2) has nothing to correct here: weight
+  stashing already gives the backward the forward's weights.
+
+Example:
+    >>> [staleness(p, 3) for p in range(1, 6)]
+    [0, 1, 2, 2, 2]
+    >>> [predict_steps(p, 3) for p in range(1, 6)]
+    [0, 0, 0, 2, 2]
+    >>> pipemare_lr(0.1, 0, delay=4, warmup=8), pipemare_lr(0.1, 8, delay=4, warmup=8)
+    (0.025, 0.1)
+"""
+
+from __future__ import annotations
+
+from planner.wsp import local_version
+
+__all__ = [
+    "REMEDIES",
+    "check_remedy",
+    "pipemare_lr",
+    "predict_scale",
+    "predict_steps",
+    "stage_delay",
+    "staleness",
+]
+
+REMEDIES = ("none", "predict", "pipemare")
+"""Every remedy a run may choose (``none``: the default, no compensation)."""
+
+
+def check_remedy(name: str) -> str:
+    """``name`` if it is a remedy of :data:`REMEDIES`.
+
+    Raises:
+        ValueError: an unknown remedy (the message lists the known ones).
+    """
+    if name not in REMEDIES:
+        raise ValueError(f"remedy {name!r} is unknown: use one of {', '.join(REMEDIES)}")
+    return name
+
+
+def staleness(mb: int, nm: int) -> int:
+    """Updates applied between the forward of minibatch ``mb`` and its own update.
+
+    Its weights hold ``local_version(mb, nm)`` updates and its update follows ``mb - 1``:
+    ``min(mb - 1, nm - 1)``, the same on every stage (weight stashing, 1F1B admission).
+    """
+    return mb - 1 - local_version(mb, nm)
+
+
+def stage_delay(nm: int) -> int:
+    """The steady-state delay ``tau`` of every stage (PipeMare's ``tau_i``): ``nm - 1``."""
+    return staleness(nm, nm)
+
+
+def predict_steps(mb: int, nm: int) -> int:
+    """Updates ahead the forward of minibatch ``mb`` predicts its weights (``predict``).
+
+    :func:`staleness`, except on the initial weights (version 0), which have no velocity to
+    extrapolate with: ``0`` there (the first ``nm`` minibatches run on ``w0`` as without
+    remedy).
+    """
+    return staleness(mb, nm) if local_version(mb, nm) >= 1 else 0
+
+
+def predict_scale(mb: int, nm: int, lr: float) -> float:
+    """The factor ``s * lr`` of the prediction ``w_hat = w - s * lr * v`` for minibatch ``mb``.
+
+    Example:
+        >>> predict_scale(5, 3, 0.5), predict_scale(5, 1, 0.5)
+        (1.0, 0.0)
+    """
+    return predict_steps(mb, nm) * lr
+
+
+def pipemare_lr(lr: float, update: int, delay: int, warmup: int) -> float:
+    """PipeMare's step size of a stage with delay ``delay`` at its ``update``-th update (0-based).
+
+    ``lr * delay ** -(1 - min(1, update / warmup))``: ``lr / delay`` at the first update,
+    ``lr`` from update ``warmup`` on; ``lr`` itself when ``delay <= 1`` (``Nm <= 2``) or
+    ``warmup <= 0``.
+
+    Example:
+        >>> pipemare_lr(0.1, 4, delay=4, warmup=8)
+        0.05
+    """
+    if delay <= 1 or warmup <= 0:
+        return lr
+    power = 1.0 - min(1.0, update / warmup)
+    return lr * float(delay) ** -power
