@@ -37,6 +37,7 @@ RUN_BAD = [
     ("--time-limit", "-inf", ">= 0"),
     ("--checkpoint-every", "-1", "whole number >= 0"),
     ("--max-restarts", "-1", "whole number >= 0"),
+    ("--remedy-warmup", "-5", "whole number >= 0"),
     ("--steps", "-1", "whole number >= 0"),
     ("--D", "-1", "whole number >= 0"),
     ("--nm", "-1", "whole number >= 0"),
@@ -125,6 +126,7 @@ CHOICES_BAD = [
     ("--optimizer", "lamb", "use one of sgd, adam"),
     ("--schedule", "linear", "use one of constant, step, cosine, warmup"),
     ("--on-failure", "retry", "use one of stop, restart, continue"),
+    ("--remedy", "spectrain", "use one of none, predict, pipemare"),
     ("--precision", "fp16", "use one of fp32, bf16"),
     ("--on-nonfinite", "ignore", "use one of stop, skip"),
 ]
