@@ -17,7 +17,7 @@ import pytest
 
 from runtime.launch import child
 from runtime.launch.child import proc_name
-from runtime.ps import outcome
+from runtime.ps import outcome, peers
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_soak.py"
 
@@ -63,3 +63,35 @@ def test_soak_flags_a_role_that_grew_past_ten_percent() -> None:
     assert out["rss_grew"] == ["hp shard0"]
     assert out["rss_by_role"]["hp shard0"]["first_minute_mb"] == 306.0
     assert out["rss_by_role"]["hp vw0 s0"]["ratio"] <= 1.01
+
+
+class _GlooLikeSend:
+    """A gloo send: ``is_completed()`` stays ``False`` until ``wait()`` is called."""
+
+    def __init__(self) -> None:
+        self.waited = False
+
+    def is_completed(self) -> bool:
+        return self.waited
+
+    def wait(self, timeout: object = None) -> bool:
+        self.waited = True
+        return True
+
+
+def test_a_shards_peer_reports_do_not_pile_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    # restart/continue mode: a shard tells its peers its clocks after every change (every
+    # wave); it kept every send's Work and tensor for the run (~1 MB/s in the soak)
+    sent: list[_GlooLikeSend] = []
+
+    def isend(*_args: object, **_kwargs: object) -> _GlooLikeSend:
+        sent.append(_GlooLikeSend())
+        return sent[-1]
+
+    monkeypatch.setattr(peers.dist, "isend", isend)
+    link = peers.PeerLink({1: 1, 2: 2, 3: 3}, 2, None, lambda *_: None)
+    for clock in range(5_000):
+        link.tell(((clock, clock + 1), (False, False), (0, 0)))
+    assert len(sent) == 15_000
+    assert len(link.link._sends) <= 16  # a few in flight, not the run's 15,000
+    assert all(s.waited for s in sent[:-16])
