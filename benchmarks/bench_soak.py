@@ -21,6 +21,15 @@ cut wave and waves never trained (``summary.json`` ``lost``), the time from the 
 the eviction at the last shard (the shards' log lines). The ledger is not re-read here
 (``tests/runtime/test_faults_continue.py`` checks it exactly).
 
+Memory under churn: every second the resident memory (``VmRSS`` of ``/proc/<pid>/status``) of
+every process of the disturbed run is sampled, keyed by role (``launcher``, ``forkserver``,
+``hp shard0``, ``hp vw1 s2``: a rank names itself by role, so a restarted rank's new pid keeps
+its series). The JSON gets the series and, per role, the RSS after the first minute, at the
+end and their ratio; a role whose end exceeds 1.10x its first-minute level is flagged
+(``rss_grew``); ``--rss-plot`` draws them. ``--duration S``: kill every ``--every`` to
+``--every-max`` seconds until ``S`` seconds have passed, then stop the job (Ctrl-C; pass
+``--steps`` large enough to last); ``--no-reference`` skips the undisturbed run.
+
 Run: ``python benchmarks/bench_soak.py --steps 900 --checkpoint-every 5 --kills 4 --every 5``
 (about 2-3 minutes; it prints the JSON it writes; the disturbed run's log goes to
 ``$TMPDIR/hetpipe-soak.log``). Writes
@@ -48,6 +57,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "soak.json"
 TMP = Path(tempfile.gettempdir())
+GROWTH_LIMIT = 1.10  # end RSS over first-minute RSS above which a role is flagged
 
 
 def _ranks(root: int) -> list[int]:
@@ -79,16 +89,126 @@ def run(args: argparse.Namespace, out: Path, kill: bool) -> dict[str, Any]:
         cmd += ["--on-failure", "restart", "--max-restarts", str(args.kills + 5)]
     elif kill:
         cmd += ["--on-failure", "continue"]
-    t0 = time.time()
+    t0 = args.t0 = time.time()
+    args.t_end = t0 + (args.duration or 0)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     kills: list[dict[str, Any]] = []
+    rss: dict[str, list[tuple[float, float]]] = {}
     if kill:
         threading.Thread(target=_killer, args=(proc, out, args, kills), daemon=True).start()
+        threading.Thread(target=_sample_rss, args=(proc, t0, rss), daemon=True).start()
+    if kill and args.duration:
+        threading.Thread(target=_stop_after, args=(proc, t0 + args.duration), daemon=True).start()
     _, stderr = proc.communicate()
-    if proc.returncode != 0:
+    if args.duration and kill:
+        summary = {}  # stopped at the deadline: no accuracy
+    elif proc.returncode != 0:
         raise SystemExit(f"run failed ({proc.returncode}): {stderr[-2000:]}")
-    summary = json.loads((out / "summary.json").read_text())
-    return {"wall_s": time.time() - t0, "summary": summary, "kills": kills, "stderr": stderr}
+    else:
+        summary = json.loads((out / "summary.json").read_text())
+    return {"wall_s": time.time() - t0, "summary": summary, "kills": kills, "stderr": stderr,
+            "rss": rss}  # fmt: skip
+
+
+def _stop_after(proc: subprocess.Popen[str], deadline: float) -> None:
+    """``--duration``: Ctrl-C the launcher (it stops every rank) once ``deadline`` has passed."""
+    while proc.poll() is None and time.time() < deadline:
+        time.sleep(0.5)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+
+
+def _role(pid: int, root: int) -> str | None:
+    """The role of a process of the job: ``launcher``, ``forkserver``, a rank's own name
+    (``hp shard0``, ``hp vw1 s2``) or ``None`` (a helper, or a rank not yet named)."""
+    if pid == root:
+        return "launcher"
+    try:
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    if comm.startswith("hp "):
+        return comm
+    return "forkserver" if b"forkserver" in cmdline else None
+
+
+def _rss_mb(pid: int) -> float | None:
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    m = re.search(r"^VmRSS:\s+(\d+) kB", text, re.M)
+    return int(m.group(1)) / 1024 if m else None
+
+
+def _descendants(root: int) -> list[int]:
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(text[text.rindex(")") + 2 :].split()[1])
+    family, grew = {root}, True
+    while grew:
+        new = {p for p, pp in parents.items() if pp in family} - family
+        family |= new
+        grew = bool(new)
+    return sorted(family)
+
+
+def _sample_rss(proc: subprocess.Popen[str], t0: float,
+                rss: dict[str, list[tuple[float, float]]]) -> None:  # fmt: skip
+    """Once a second: (seconds since start, MB) per role; of two live processes with one role
+    (an old incarnation dying), the newest (highest pid)."""
+    while proc.poll() is None:
+        t = time.time() - t0
+        now: dict[str, tuple[int, float]] = {}
+        for pid in _descendants(proc.pid):
+            role, mb = _role(pid, proc.pid), _rss_mb(pid)
+            if role is not None and mb is not None and pid >= now.get(role, (0, 0.0))[0]:
+                now[role] = (pid, mb)
+        for role, (_, mb) in now.items():
+            rss.setdefault(role, []).append((round(t, 1), round(mb, 2)))
+        time.sleep(max(0.0, 1.0 - (time.time() - t0 - t)))
+
+
+def rss_figures(rss: dict[str, list[tuple[float, float]]], first_s: float = 60.0) -> dict[str, Any]:
+    """Per role: MB at the first sample after ``first_s``, at the last sample, their ratio;
+    ``rss_grew``: the roles whose ratio exceeds :data:`GROWTH_LIMIT`."""
+    roles = {}
+    for role, series in sorted(rss.items()):
+        after = [mb for t, mb in series if t >= first_s]
+        if len(after) < 2:
+            continue
+        roles[role] = {"first_minute_mb": after[0], "end_mb": after[-1],
+                       "ratio": round(after[-1] / after[0], 3)}  # fmt: skip
+    grew = [r for r, v in roles.items() if v["ratio"] > GROWTH_LIMIT]
+    return {"rss_by_role": roles, "rss_grew": grew}
+
+
+def plot_rss(rss: dict[str, list[tuple[float, float]]], kills: list[dict[str, Any]], t0: float,
+             path: Path) -> None:  # fmt: skip
+    """RSS (MB) over time per role, the kills as vertical lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for role, series in sorted(rss.items()):
+        ax.plot([t for t, _ in series], [mb for _, mb in series], label=role, lw=1)
+    for k in kills:
+        ax.axvline(
+            k["t_kill"] - t0, color="red" if k["kind"] == "shard" else "grey", lw=0.5, ls=":"
+        )
+    ax.set_xlabel("seconds since start (dotted: kills, red = a shard)")
+    ax.set_ylabel("resident memory (MB)")
+    ax.set_title("bench_soak: RSS per role under --on-failure restart")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def _killer(proc: subprocess.Popen[str], out: Path, args: argparse.Namespace,
@@ -96,7 +216,9 @@ def _killer(proc: subprocess.Popen[str], out: Path, args: argparse.Namespace,
     rng = random.Random(args.seed)
     n_ranks = 0
     while proc.poll() is None and len(kills) < args.kills:
-        time.sleep(args.every)
+        time.sleep(rng.uniform(args.every, max(args.every, args.every_max or args.every)))
+        if args.duration and proc.poll() is None and time.time() > args.t_end - args.every:
+            return  # --duration: no kill whose recovery would outlast the deadline
         ranks = _ranks(proc.pid)
         n_ranks = max(n_ranks, len(ranks))
         if not ranks or not _all_beating(proc.pid, n_ranks):
@@ -122,7 +244,8 @@ def _killer(proc: subprocess.Popen[str], out: Path, args: argparse.Namespace,
             if new and len(list(new[0].glob("beat-*"))) >= n_ranks:
                 break
             time.sleep(0.05)
-        kills.append({"kind": "shard", "at_clock": started, "recover_s": time.time() - t_kill})
+        kills.append({"kind": "shard", "at_clock": started, "recover_s": time.time() - t_kill,
+                      "t_kill": t_kill})  # fmt: skip
 
 
 def _kill_stage(
@@ -204,19 +327,15 @@ def check_ledger(ckpt: Path) -> int:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--cluster", type=Path, default=REPO / "examples" / "emulated_cluster.yaml")
-    p.add_argument("--steps", type=int, default=900)
-    p.add_argument("--checkpoint-every", type=int, default=5)
-    p.add_argument("--every", type=float, default=5.0, help="seconds between kills")
-    p.add_argument("--kills", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--mode", choices=("restart", "continue"), default="restart")
-    args = p.parse_args()
+    args = _parse()
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # not inherited as ignored (a `&` job)
     with tempfile.TemporaryDirectory(prefix="hetpipe-soak-") as tmp:
-        calm = run(args, Path(tmp) / "calm", kill=False)
+        calm = None if args.no_reference else run(args, Path(tmp) / "calm", kill=False)
         soak = run(args, Path(tmp) / "soak", kill=True)
-        if args.mode == "continue":
+        if args.duration:
+            figures = {"kills": [k["kind"] for k in soak["kills"]],
+                       "restarts_logged": soak["stderr"].count("restarted alone")}  # fmt: skip
+        elif args.mode == "continue":
             figures = {**continue_figures(soak), "final_clock": soak["summary"]["global_clock"]}
         else:
             figures = restart_figures(soak, check_ledger(Path(tmp) / "soak" / "checkpoints"))
@@ -224,16 +343,43 @@ def main() -> None:
         "command": " ".join(sys.argv),
         "load_average": os.getloadavg(),
         "steps": args.steps,
-        "accuracy_undisturbed": calm["summary"]["test_accuracy"],
-        "accuracy_soak": soak["summary"]["test_accuracy"],
+        "accuracy_undisturbed": calm["summary"]["test_accuracy"] if calm else None,
+        "accuracy_soak": soak["summary"].get("test_accuracy"),
         **figures,
-        "wall_s": {"undisturbed": calm["wall_s"], "soak": soak["wall_s"]},
+        **rss_figures(soak["rss"]),
+        "wall_s": {"undisturbed": calm["wall_s"] if calm else None, "soak": soak["wall_s"]},
+        "rss_series_mb": soak["rss"],
     }
-    path = RESULTS if args.mode == "restart" else RESULTS.with_name("soak_continue.json")
+    path = args.out or (
+        RESULTS if args.mode == "restart" else RESULTS.with_name("soak_continue.json")
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
+    if args.rss_plot:
+        plot_rss(soak["rss"], soak["kills"], args.t0, args.rss_plot)
     (TMP / "hetpipe-soak.log").write_text(soak["stderr"])  # the disturbed run's log
-    print(json.dumps({k: v for k, v in result.items() if k != "restarts"}, indent=2))
+    hidden = ("restarts", "rss_series_mb")
+    print(json.dumps({k: v for k, v in result.items() if k not in hidden}, indent=2))
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cluster", type=Path, default=REPO / "examples" / "emulated_cluster.yaml")
+    p.add_argument("--steps", type=int, default=900)
+    p.add_argument("--checkpoint-every", type=int, default=5)
+    p.add_argument("--every", type=float, default=5.0, help="seconds between kills (at least)")
+    p.add_argument("--every-max", type=float, default=None, help="at most (uniform draw)")
+    p.add_argument("--kills", type=int, default=4, help="at most (ignored with --duration)")
+    p.add_argument("--duration", type=float, default=None, help="seconds, then stop the job")
+    p.add_argument("--no-reference", action="store_true", help="skip the undisturbed run")
+    p.add_argument("--out", type=Path, default=None, help="results JSON (default soak.json)")
+    p.add_argument("--rss-plot", type=Path, default=None, help="PNG of RSS per role")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mode", choices=("restart", "continue"), default="restart")
+    args = p.parse_args()
+    if args.duration:
+        args.kills = 10**6
+    return args
 
 
 def restart_figures(soak: dict[str, Any], clock: int) -> dict[str, Any]:

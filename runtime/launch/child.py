@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 
 from runtime.launch.liveness import Heartbeats, alive, keep_beating
 
-__all__ = ["die_with_parent", "run_rank", "setup_child"]
+__all__ = ["die_with_parent", "proc_name", "run_rank", "setup_child"]
 
 
 def _watch_parent(parent: int, ppid: int) -> None:
@@ -39,6 +39,29 @@ def die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+
+
+def proc_name(where: str) -> str:
+    """The rank's short process name (``/proc/<pid>/comm``, 15 bytes): its role, so that ``ps``
+    and the soak's memory sampler (``benchmarks/bench_soak.py``) tell a restarted rank's new pid
+    by role.
+
+    >>> proc_name("vw 1 | stage 2 | rank 5")
+    'hp vw1 s2'
+    >>> proc_name("shard 0 | rank 0 | node A")
+    'hp shard0'
+    """
+    fields = dict(part.strip().split(" ", 1) for part in where.split("|") if " " in part.strip())
+    if "shard" in fields:
+        return f"hp shard{fields['shard']}"[:15]
+    return f"hp vw{fields.get('vw', '?')} s{fields.get('stage', '?')}"[:15]
+
+
+def _set_proc_name(name: str) -> None:
+    """Linux: set ``/proc/self/comm`` (``PR_SET_NAME``); elsewhere nothing."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(15, name.encode()[:15])  # PR_SET_NAME
 
 
 def _quiet_thread_error(args: threading.ExceptHookArgs) -> None:
@@ -79,6 +102,7 @@ def setup_child(
     import torch
 
     die_with_parent()
+    _set_proc_name(proc_name(where))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the launcher stops every rank
     torch.set_num_threads(1)
     logging.basicConfig(

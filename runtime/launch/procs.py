@@ -169,7 +169,7 @@ def shard_main(job: ShardJob, events: Any, parent: int) -> None:
         dist.barrier()
         events.put((JOINED, job.rank, None))
         state = server.serve()
-        return "shard", dumps_result((state, list(core.trace)))
+        return "shard", dumps_result((state, core.trace.kept()))
 
     run_rank(job.rank, events, job.init_method, job.world_size, job.sync.timeout_s, body)
 

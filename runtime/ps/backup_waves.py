@@ -22,7 +22,7 @@ from planner.backup import Arrival
 from profiler.errors import ConfigError
 from runtime.persist.checkpoint import LedgerEntry
 from runtime.ps.layout import ShardSpec
-from runtime.ps.outcome import ClockEvent, PushResult, Status
+from runtime.ps.outcome import ClockEvent, ClockTrace, PushResult, Status
 from runtime.ps.quorum import WaveQuorum
 
 __all__ = ["BackupWaves"]
@@ -45,7 +45,7 @@ class BackupWaves:
     dropped: list[LedgerEntry]  # every dropped push, once
     _dropped_tags: set[tuple[int, int, int]]
     _seen: list[int]  # the waves each VW pushed, counted or dropped (highest + 1)
-    trace: list[ClockEvent]
+    trace: ClockTrace
 
     def local_clocks(self) -> tuple[int, ...]:
         """Each VW's clock at this shard (:meth:`runtime.ps.core.ShardCore.local_clocks`)."""

@@ -26,7 +26,8 @@ Eviction (``--on-failure continue``, GaDei Sec. 4.3) and the restart of an evict
 The global clock is the minimum of the VW clocks (:class:`planner.wsp.GlobalClock`). With
 clients that admit minibatch ``p`` only when :func:`planner.wsp.required_global_clock` holds,
 a push of wave ``c`` happens at global clock ``>= c - D``, so the clock distance never
-exceeds ``D + 1``; every accepted push is recorded in :attr:`ShardCore.trace`.
+exceeds ``D + 1``; every accepted push is recorded in :attr:`ShardCore.trace` (the newest
+:data:`runtime.ps.outcome.TRACE_EVENTS` and the largest distance: memory stays flat).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from runtime.persist.checkpoint import LedgerEntry, ShardState
 from runtime.ps.backup_waves import BackupWaves
 from runtime.ps.eviction import PeerEviction
 from runtime.ps.layout import ShardSpec
-from runtime.ps.outcome import ClockEvent, Eviction, PushResult, Status
+from runtime.ps.outcome import ClockEvent, ClockTrace, Eviction, PushResult, Status
 from runtime.ps.quorum import WaveQuorum
 
 if TYPE_CHECKING:
@@ -111,7 +112,7 @@ class ShardCore(PeerEviction, BackupWaves):
                 self._gclock.push(i, self._gclock.local(i))
         self._pending: dict[int, dict[tuple[int, int], tuple[torch.Tensor, int]]] = {}
         self._seq = max((e.seq for e in self._ledger), default=-1) + 1
-        self.trace: list[ClockEvent] = []
+        self.trace = ClockTrace()
         self.rejected: list[tuple[int, int, int, Status]] = []
         self._quorum = (
             WaveQuorum(len(self._vw_keys), backups, self._clock, decides) if backups > 0 else None

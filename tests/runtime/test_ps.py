@@ -33,7 +33,7 @@ from runtime.ps.layout import (
     round_robin_assignment,
     shard_specs_for_layout,
 )
-from runtime.ps.outcome import Status
+from runtime.ps.outcome import TRACE_EVENTS, Status
 from tests.runtime._ps_procs import (
     RunConfig,
     param_update,
@@ -302,6 +302,27 @@ def test_bounded_ledger_keeps_recent_waves_and_still_rejects_old_duplicates() ->
     resumed = ShardCore(spec, state=core.state(), max_ledger_waves=2)
     resumed.push(0, 0, 5, update(0, 0, 5, n))
     assert resumed.trace[-1].seq > max(e.seq for e in core.ledger)  # arrival order continues
+
+
+def test_trace_stays_bounded_over_a_long_run_and_keeps_its_largest_distance() -> None:
+    # a soak of hours pushes millions of times: the shard keeps the newest TRACE_EVENTS
+    # clock events (its memory grew ~1 KB per wave before), and the event of the largest
+    # clock distance, which an early lopsided start reached, still counts
+    spec = specs(D=2, partitions={0: [["a", "b", "c", "d"]], 1: [["a", "b", "c", "d"]]})[0]
+    core = ShardCore(spec, init_weights(spec))
+    zeros = {c: torch.zeros(spec.client_numel(c)) for c in spec.clients}
+    by_vw = {vw: [c for c in spec.clients if c.vw == vw] for vw in spec.vws}
+    for wave in range(3):  # VW 0 runs D + 1 waves ahead first: distance 3
+        for c in by_vw[0]:
+            core.push(c.vw, c.stage, wave, zeros[c])
+    waves = TRACE_EVENTS // len(spec.clients) + 10
+    for wave in range(waves):
+        for c in by_vw[1] + (by_vw[0] if wave + 3 < waves else []):
+            core.push(c.vw, c.stage, wave if c.vw == 1 else wave + 3, zeros[c])
+    assert core.clock == waves and len(core.trace) == TRACE_EVENTS
+    kept = core.trace.kept()
+    assert len(kept) == TRACE_EVENTS + 1 and max(e.distance for e in kept) == 3
+    assert [e.seq for e in kept] == sorted(e.seq for e in kept)  # oldest first
 
 
 def test_rejects_wrong_initial_weights() -> None:
