@@ -27,11 +27,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from profiler.builtin_models import BasicBlock, Bottleneck, ResNet, TinyTransformer, mlp, vgg19
-from profiler.errors import ModelError
+from profiler.errors import HetPipeError, ModelError
 
 __all__ = [
     "BUILTIN_MODELS",
     "ModelSpec",
+    "import_factory",
     "keyword_spec",
     "output_loss",
     "resolve_model",
@@ -209,25 +210,46 @@ BUILTIN_MODELS: dict[str, Callable[[int], ModelSpec]] = {
 
 
 def _load_factory(ref: str) -> Callable[..., object]:
+    return import_factory(
+        ref,
+        f"model {ref!r}",
+        f"unknown model {ref!r}: use a built-in name ({', '.join(BUILTIN_MODELS)}) "
+        "or 'package.module:factory'",
+        ModelError,
+    )
+
+
+def import_factory(
+    ref: str, what: str, bad_form: str, error: type[HetPipeError]
+) -> Callable[..., object]:
+    """The callable ``ref`` (``package.module:factory``) names, imported the way ``python -m``
+    does: the current directory first on the import path.
+
+    Args:
+        ref: the reference.
+        what: how messages name it (``"model 'x:y'"``, ``"--data x:y"``).
+        bad_form: the whole message when ``ref`` is not ``module:attribute``.
+        error: the :class:`HetPipeError` subclass to raise.
+
+    Raises:
+        error: a malformed reference, a module that cannot be imported, no such callable.
+    """
     module_name, _, attr = ref.partition(":")
     if not module_name or not attr:
-        raise ModelError(
-            f"unknown model {ref!r}: use a built-in name ({', '.join(BUILTIN_MODELS)}) "
-            "or 'package.module:factory'"
-        )
+        raise error(bad_form)
     cwd = os.getcwd()
     if cwd not in sys.path and "" not in sys.path:  # like `python -m`: the current directory
         sys.path.insert(0, cwd)
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ModelError(
-            f"model {ref!r}: cannot import module {module_name!r} ({exc}); run from the directory "
+        raise error(
+            f"{what}: cannot import module {module_name!r} ({exc}); run from the directory "
             "that holds it or add that directory to PYTHONPATH"
         ) from exc
     factory = getattr(module, attr, None)
     if not callable(factory):
-        raise ModelError(f"model {ref!r}: {module_name!r} has no callable {attr!r}")
+        raise error(f"{what}: {module_name!r} has no callable {attr!r}")
     return factory  # type: ignore[no-any-return]
 
 

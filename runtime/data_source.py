@@ -11,10 +11,7 @@ processes, so their classes must be importable there (the factory's module is).
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import os
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +22,7 @@ from torch import Tensor
 from torch.utils.data import Dataset, Subset, TensorDataset
 
 from profiler.errors import ConfigError, HetPipeError, shown
-from profiler.models import ModelSpec
+from profiler.models import ModelSpec, import_factory
 from runtime.data import DigitsDataset, SyntheticDataset, default_dataset
 from runtime.results.evaluation import split_dataset
 
@@ -163,28 +160,12 @@ def named_data(ref: str, model: str, batch_size: int, seed: int = 0) -> RunData 
 
 
 def _factory(ref: str) -> Callable[..., object]:
-    """The callable ``ref`` names, imported the way ``python -m`` does (the current directory
-    first on the import path, as model factories are)."""
-    module_name, _, attr = ref.partition(":")
-    if not module_name or not attr:
-        raise ConfigError(
-            f"--data {shown(ref)}: use 'package.module:factory' (returning (train, test) "
-            f"datasets) or '{SYNTHETIC}'"
-        )
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.insert(0, cwd)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(
-            f"--data {ref}: cannot import module {module_name!r} ({exc}); run from the directory "
-            "that holds it or add that directory to PYTHONPATH"
-        ) from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ConfigError(f"--data {ref}: {module_name!r} has no callable {attr!r}")
-    return factory  # type: ignore[no-any-return]
+    """The callable ``ref`` names (:func:`profiler.models.import_factory`)."""
+    bad_form = (
+        f"--data {shown(ref)}: use 'package.module:factory' (returning (train, test) "
+        f"datasets) or '{SYNTHETIC}'"
+    )
+    return import_factory(ref, f"--data {ref}", bad_form, ConfigError)
 
 
 def _check_set(ref: str, which: str, dataset: object) -> None:
