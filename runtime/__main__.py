@@ -285,21 +285,12 @@ def collect(plan: Plan, setup: _Setup, wall_s: float) -> RunResult:
         HetPipeRuntimeError: a rank's file is missing (that rank failed).
     """
     from runtime.launch.launcher import build_result, complete, one_vw_result
-    from runtime.launch.procs import loads_result
-    from runtime.results.metrics import StageResult
     from runtime.results.run_result import model_keys
 
     prep, out = setup.prep, setup.run.out_dir
     if out is None:
         raise ConfigError("collecting a torchrun run's results needs its --out")
-    results = []
-    for r in range(len(prep.shards) + len(prep.stages)):
-        path = out / f"rank{r}.pt"
-        if not path.exists():
-            raise HetPipeRuntimeError(f"{path}: missing; rank {r} did not finish (see its log)")
-        results.append(loads_result(path.read_bytes()))
-    stages = [x for x in results if isinstance(x, StageResult)]
-    states = [x for x in results if not isinstance(x, StageResult)]
+    stages, states = _rank_parts(out, len(prep.shards) + len(prep.stages))
     keys = model_keys(ModelSource(ref=plan.model), plan.batch_size)  # every state_dict name
     if setup.rule == "local":
         return one_vw_result(plan, prep, stages, setup.run, setup.vw, wall_s, keys)
@@ -308,6 +299,25 @@ def collect(plan: Plan, setup: _Setup, wall_s: float) -> RunResult:
         note = f"torchrun restarted the workers {setup.attempt} time(s), from the last snapshot"
         result = dataclasses.replace(result, restarts=(*result.restarts, note))
     return complete(result, plan, ModelSource(ref=plan.model), prep, stages, setup.run)
+
+
+def _rank_parts(out: Path, ranks: int) -> tuple[list[Any], list[Any]]:
+    """The stage results and shard states the ``ranks`` ranks wrote to ``out/rank<r>.pt``.
+
+    Raises:
+        HetPipeRuntimeError: a rank's file is missing (that rank failed).
+    """
+    from runtime.launch.procs import loads_result
+    from runtime.results.metrics import StageResult
+
+    results = []
+    for r in range(ranks):
+        path = out / f"rank{r}.pt"
+        if not path.exists():
+            raise HetPipeRuntimeError(f"{path}: missing; rank {r} did not finish (see its log)")
+        results.append(loads_result(path.read_bytes()))
+    stages = [x for x in results if isinstance(x, StageResult)]
+    return stages, [x for x in results if not isinstance(x, StageResult)]
 
 
 class _RankSink:
@@ -337,9 +347,7 @@ def collect_wsp(plan: Plan, out: Path, nm: int = 0, D: int | None = None) -> Run
         HetPipeRuntimeError: a rank's file is missing (that rank failed).
     """
     from profiler.graph import ModelGraph
-    from runtime.launch.procs import loads_result
     from runtime.launch.wsp import shard_specs
-    from runtime.results.metrics import StageResult
     from runtime.results.whole_state import state_keys
     from runtime.stage.model import resolve_source
 
@@ -347,14 +355,7 @@ def collect_wsp(plan: Plan, out: Path, nm: int = 0, D: int | None = None) -> Run
     spec = resolve_source(ModelSource(ref=plan.model), plan.batch_size, meta=True)
     shapes = {n: tuple(p.shape) for n, p in spec.module.named_parameters()}
     specs, ranks = shard_specs(plan, ModelGraph.from_spec(spec), shapes, D)
-    results = []
-    for r in range(len(specs) + sum(len(x) for x in ranks)):
-        path = out / f"rank{r}.pt"
-        if not path.exists():
-            raise HetPipeRuntimeError(f"{path}: missing; rank {r} did not finish (see its log)")
-        results.append(loads_result(path.read_bytes()))
-    stages = [x for x in results if isinstance(x, StageResult)]
-    states = [x for x in results if not isinstance(x, StageResult)]
+    stages, states = _rank_parts(out, len(specs) + sum(len(x) for x in ranks))
     result = RunResult.build(plan, nm or plan.nm, D, stages, states, specs, 0.0)
     return dataclasses.replace(result, keys=state_keys(spec.module))  # every state_dict name
 
