@@ -50,10 +50,10 @@ def gpt2() -> nn.Module:
     return transformers.GPT2LMHeadModel(cfg)
 
 
-def bert() -> nn.Module:
+def bert(vocab: int = VOCAB) -> nn.Module:
     cfg = transformers.BertConfig(
         num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
-        vocab_size=VOCAB, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+        vocab_size=vocab, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0, pad_token_id=0,
     )  # fmt: skip
     torch.manual_seed(0)
@@ -214,9 +214,9 @@ def test_resnet_with_inplace_relu_equals_one_process(relu_cut: bool) -> None:
         assert_close(state[name], p, rtol=1e-5, atol=1e-5)
 
 
-def qwen2_tied() -> nn.Module:
+def qwen2_tied(vocab: int = VOCAB) -> nn.Module:
     cfg = transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=SEQ,
         tie_word_embeddings=True, use_cache=False,
     )  # fmt: skip
@@ -224,9 +224,9 @@ def qwen2_tied() -> nn.Module:
     return transformers.Qwen2ForCausalLM(cfg)
 
 
-def bart() -> nn.Module:
+def bart(vocab: int = VOCAB) -> nn.Module:
     cfg = transformers.BartConfig(
-        vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1,
+        vocab_size=vocab, d_model=32, encoder_layers=1, decoder_layers=1,
         encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
         decoder_ffn_dim=64, max_position_embeddings=SEQ, use_cache=False, dropout=0.0,
         attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1, bos_token_id=0,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ import hetpipe
 from runtime.config import OptimizerConfig
 from runtime.data import MinibatchSource
 from runtime.stage.model import stage_rng_seed
+from tests.runtime import test_hf_models as hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -88,28 +90,6 @@ def pictures(n: int = 32) -> TensorDataset:
                          torch.randint(0, 4, (n,), generator=gen))  # fmt: skip
 
 
-def bert() -> nn.Module:
-    cfg = transformers.BertConfig(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
-        vocab_size=VOCAB, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, pad_token_id=0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.BertForMaskedLM(cfg)
-
-
-def bart() -> nn.Module:
-    cfg = transformers.BartConfig(
-        vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1,
-        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
-        decoder_ffn_dim=64, max_position_embeddings=SEQ, use_cache=False, dropout=0.0,
-        attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1, bos_token_id=0,
-        eos_token_id=2, decoder_start_token_id=2,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.BartForConditionalGeneration(cfg)
-
-
 def t5() -> nn.Module:
     """T5's default config (``use_cache=True``) at tiny dims, dropout off."""
     cfg = transformers.T5Config(
@@ -118,16 +98,6 @@ def t5() -> nn.Module:
     )  # fmt: skip
     torch.manual_seed(0)
     return transformers.T5ForConditionalGeneration(cfg)
-
-
-def qwen2_tied() -> nn.Module:
-    cfg = transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=SEQ,
-        tie_word_embeddings=True, use_cache=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.Qwen2ForCausalLM(cfg)
 
 
 def albert() -> nn.Module:
@@ -205,10 +175,10 @@ class Case:
 
 LM = ("input_ids", "attention_mask", "labels")
 CASES = {
-    "bert-mask": Case(bert, tokens, names=LM),
-    "bart": Case(bart, tokens, names=LM),
+    "bert-mask": Case(partial(hf.bert, VOCAB), tokens, names=LM),
+    "bart": Case(partial(hf.bart, VOCAB), tokens, names=LM),
     "t5-default": Case(t5, tokens, names=LM),
-    "qwen2-tied": Case(qwen2_tied, tokens, names=LM),
+    "qwen2-tied": Case(partial(hf.qwen2_tied, VOCAB), tokens, names=LM),
     "albert-3-stages": Case(albert, tokens, stages=3, names=LM),
     "vit": Case(vit, images, names=("pixel_values", "labels")),
     "cnn-bn-dropout": Case(bn_dropout_cnn, pictures, loss=F.cross_entropy, cuts=(4,)),
