@@ -112,7 +112,9 @@ def _emulated(
     else:
         try:
             base, src = _cpu_profile(model, batch, precision)
-        except (ModelError, ConfigError) as exc:
+        except ModelError:  # the model itself cannot be built: profiling would not help
+            raise
+        except ConfigError as exc:
             raise ProfileError(
                 f"emulated cluster needs a cpu profile of {model!r} ({exc}); run 'hetpipe profile'"
             ) from None
