@@ -44,12 +44,12 @@ from collections.abc import Sequence
 from itertools import count
 from typing import Any
 
+from planner.draw import TraceEvent
 from planner.schedule import Kind, Task
 from planner.sim.state import NO_LINK, Links, VWState
 from planner.sim.types import (
     PipelineSpec,
     SimResult,
-    TraceEvent,
     busy_ms,
     idle_ms,
     measured_throughput,

@@ -1,4 +1,5 @@
-"""Data of the simulator: what it simulates (:class:`PipelineSpec`) and what it records.
+"""Data of the simulator: what it simulates (:class:`PipelineSpec`) and what it records
+(:class:`SimResult`, its intervals :class:`planner.draw.TraceEvent`).
 
 Split from :mod:`planner.sim.engine` (the event loop), which re-exports the data classes; the
 result statistics (:func:`busy_ms`, :func:`idle_ms`) visit only the intervals a window touches.
@@ -12,12 +13,12 @@ from dataclasses import dataclass
 from itertools import chain
 from operator import sub
 
+from planner.draw import TraceEvent
 from profiler.errors import PlanError
 
 __all__ = [
     "PipelineSpec",
     "SimResult",
-    "TraceEvent",
     "busy_ms",
     "idle_ms",
     "measured_throughput",
@@ -140,25 +141,6 @@ class PipelineSpec:
                 if not v >= 0.0:
                     raise PlanError(f"PipelineSpec.{name}[{s}] = {v}: times must be >= 0 ms")
         return self
-
-
-@dataclass(frozen=True)
-class TraceEvent:
-    """One interval of the simulated timeline.
-
-    Attributes:
-        vw, stage: where it happened (``stage`` -1 for a VW-wide interval such as ``wait``).
-        cat: ``F``, ``B``, ``FB`` (compute), ``recv`` (receiving), ``push``, ``wait`` (WSP).
-        mb: minibatch (for compute/recv) or wave (for push/wait).
-        start_ms, end_ms: simulated times in milliseconds.
-    """
-
-    vw: int
-    stage: int
-    cat: str
-    mb: int
-    start_ms: float
-    end_ms: float
 
 
 @dataclass(frozen=True)

@@ -120,7 +120,7 @@ def test_cluster_host_link_and_host_memory() -> None:
 
 
 def test_simulator_draws_the_host_transfers(tmp_path: Path) -> None:
-    from planner.sim.gantt import write_gantt
+    from planner.draw import write_gantt
     from planner.sim.simulator import simulate
 
     cluster = load_cluster(CLUSTER)
