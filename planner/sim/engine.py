@@ -52,9 +52,8 @@ from planner.sim.types import (
     SimResult,
     busy_ms,
     idle_ms,
-    measured_throughput,
-    own_rate,
 )
+from planner.throughput import measured_throughput, own_rate
 from planner.wsp import GlobalClock, required_global_clock
 from profiler.errors import PlanError
 
