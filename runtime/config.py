@@ -24,7 +24,7 @@ from runtime.defaults import TIMEOUT_S
 from runtime.options import OPTIMIZERS, SCHEDULES
 
 if TYPE_CHECKING:
-    from runtime.launch.faults import ShardFault, StageFault
+    from runtime.faults import ShardFault, StageFault
     from runtime.persist.snapshot import WriteFault
 
 __all__ = ["LossFn", "ModelSource", "OptimizerConfig", "RunConfig", "WSPConfig"]

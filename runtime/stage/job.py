@@ -16,7 +16,7 @@ from runtime.data import MinibatchSource, default_dataset
 from runtime.sync.rule import SyncSpec
 
 if TYPE_CHECKING:
-    from runtime.launch.faults import StageFault
+    from runtime.faults import StageFault
     from runtime.stage.emulation import Calibration
     from runtime.stage.model import BuiltStage
 

@@ -16,7 +16,7 @@ from planner.plan import Plan
 from profiler.errors import ConfigError, HetPipeRuntimeError
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.data import DigitsDataset, MinibatchSource
-from runtime.launch.faults import StageFault
+from runtime.faults import StageFault
 from runtime.launch.launcher import launch
 from runtime.persist.snapshot import committed_clocks, load_part, read_manifest, snapshot_dir
 from runtime.results.evaluation import accuracy, split_dataset
@@ -160,7 +160,7 @@ def test_the_backend_is_nccl_for_cuda_tensors_only_under_allreduce_on_real_gpus(
 
 
 def test_an_nccl_rank_takes_its_plan_gpu_as_cuda_device() -> None:
-    from runtime.launch.backend import cuda_index
+    from runtime.stage.device import cuda_index
 
     assert [cuda_index(d, 2) for d in ("N0:0", "N0:1", "N1:0", "my:node:3")] == [0, 1, 0, 1]
 
