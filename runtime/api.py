@@ -29,6 +29,7 @@ from planner.manual import hand_cut_plan
 from planner.plan import Plan
 from planner.plan_file import load_plan
 from planner.planner import make_plan
+from profiler.cpu_profile import emulation_profiles
 from profiler.errors import ConfigError
 from profiler.graph import ModelGraph
 from profiler.models import keyword_spec
@@ -54,12 +55,14 @@ def make_single_vw_plan(
     cuts: tuple[int, ...] | None = None,
     precision: str = "fp32",
 ) -> Plan:
-    """A one-VW plan, made by the planner: ``planner.planner.make_plan`` (policy ``ed``, one VW)
-    for a named model on a cluster when no cuts are forced, else a hand cut
+    """A one-VW plan, made by the planner: ``planner.planner.make_plan`` (policy ``ed``, one VW;
+    an emulated cluster on the profiler's CPU profile) for a named model on a cluster when no
+    cuts are forced, else a hand cut
     (:func:`planner.manual.hand_cut_plan`) splitting the parameters evenly over ``stages``."""
     if cluster is not None and cuts is None and not stages and source.ref is not None:
+        cpu = emulation_profiles([], source.ref, batch_size, precision) if cluster.emulated else []
         return make_plan(
-            cluster, model=source.ref, batch_size=batch_size, nm=nm or None, num_vws=1,
+            cluster, cpu, model=source.ref, batch_size=batch_size, nm=nm or None, num_vws=1,
             policy="ed", precision=precision,
         )  # fmt: skip
     spec = resolve_source(source, batch_size, meta=source.module is None)

@@ -29,6 +29,10 @@ RUNTIME_LAYERS = (
 )
 
 
+# Modules that run a model to measure it: the profiler's, called by the front ends only.
+MEASURING = ("profiler.measure", "profiler.timing", "profiler.cpu_profile")
+
+
 def _module(path: Path, root: Path) -> str:
     parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -93,6 +97,15 @@ def test_runtime_never_reads_the_simulator() -> None:
         f"{mod}:{line} imports {target}"
         for mod, target, line in imports(REPO, "runtime")
         if _within(target, "planner.sim")
+    ]
+    assert found == []
+
+
+def test_planner_never_measures() -> None:
+    found = [
+        f"{mod}:{line} imports {target}"
+        for mod, target, line in imports(REPO, "planner")
+        if any(_within(target, m) for m in MEASURING)
     ]
     assert found == []
 

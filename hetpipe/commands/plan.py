@@ -339,6 +339,7 @@ def plan(  # long only by its typer signature (the command's options); the body 
     ] = "fp32",
 ) -> None:
     """Plan HetPipe training (see HELP)."""
+    from hetpipe.planning import profiles_for
     from planner.costmodel import load_links
     from planner.plan_check import check_nm
     from planner.planner import PlanOptions, make_plan
@@ -366,6 +367,8 @@ def plan(  # long only by its typer signature (the command's options); the body 
         f"planning {model or 'the profiled model'} on {cl.name} (profiles, allocation, "
         "partition, Nm, placement, simulation)"
     ):
+        measured_at = "fp32" if sync == "allreduce" else precision  # what the planner prices
+        profs = profiles_for(cl, profs, model, batch_size, measured_at)
         if sync == "allreduce":
             result = _allreduce_plan(cl, profs, model, batch_size, optimizer)
         else:

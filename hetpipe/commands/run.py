@@ -64,10 +64,12 @@ def _load(
 
         hand = make_single_vw_plan(ModelSource(ref=model or "mlp"), batch_size, nm, cluster, stages)
         return replace(hand, precision=precision)
+    from hetpipe.planning import profiles_for
     from planner.planner import make_plan
 
     return make_plan(
         cluster,
+        profiles_for(cluster, [], model or "mlp", batch_size, precision),
         model=model or "mlp",
         batch_size=batch_size,
         nm=nm or None,
@@ -378,6 +380,7 @@ def _refuse_pipeline_options(
 def _load_allreduce(path: Path, model: str | None, batch_size: int, cfg: OptimizerConfig) -> Plan:
     """The AllReduce plan of ``path``: the plan itself if it is one, else the planner's
     :func:`planner.baseline.allreduce_plan` on its cluster (a plan file's model and batch)."""
+    from hetpipe.planning import profiles_for
     from planner.baseline import allreduce_plan
 
     doc = load_plan_or_cluster(path)
@@ -388,4 +391,7 @@ def _load_allreduce(path: Path, model: str | None, batch_size: int, cfg: Optimiz
         cluster, model, batch_size = doc.cluster, doc.model, doc.batch_size
     else:
         cluster = doc
-    return allreduce_plan(cluster, model or "mlp", batch_size, optimizer=cfg.memory_class)
+    profiles = profiles_for(cluster, [], model or "mlp", batch_size)
+    return allreduce_plan(
+        cluster, model or "mlp", batch_size, profiles=profiles, optimizer=cfg.memory_class
+    )

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hetpipe.planning import profiles_for
 from planner.baseline import allreduce_plan, device_capacity_bytes, eligible_devices
 from planner.cluster import Cluster, parse_cluster
 from planner.plan import Plan
@@ -39,6 +40,12 @@ def _cluster(caps_mib: list[float], speed: float = 0.5) -> Cluster:
     return parse_cluster({"name": "t", "nodes": nodes})
 
 
+def _ar_plan(cluster: Cluster, memory_bytes: int) -> Plan:
+    """The AllReduce plan of ``mlp`` at batch 8 on the CPU profile a front end measures."""
+    cpu = profiles_for(cluster, [], "mlp", 8)
+    return allreduce_plan(cluster, "mlp", 8, profiles=cpu, memory_bytes=memory_bytes)
+
+
 def test_eligible_devices_filters_by_emulated_cap() -> None:
     cluster = _cluster([1, 8, 2, 16])
     devices = eligible_devices(cluster, 3 * MiB)
@@ -49,11 +56,11 @@ def test_eligible_devices_filters_by_emulated_cap() -> None:
 
 def test_no_device_holds_the_model_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="no device can hold mlp"):
-        allreduce_plan(_cluster([1, 1]), "mlp", 8, memory_bytes=2 * MiB)
+        _ar_plan(_cluster([1, 1]), memory_bytes=2 * MiB)
 
 
 def test_the_plan_has_one_whole_model_vw_per_device_that_holds_it() -> None:
-    plan = allreduce_plan(_cluster([1, 8, 2, 16]), "mlp", 8, memory_bytes=3 * MiB)
+    plan = _ar_plan(_cluster([1, 8, 2, 16]), memory_bytes=3 * MiB)
     assert plan.sync == "allreduce" and plan.shards == () and plan.nm == 1
     assert [(g.node, g.index) for v in plan.virtual_workers for g in v.gpus] == [
         ("N1", 0),
@@ -69,7 +76,7 @@ def test_the_plan_has_one_whole_model_vw_per_device_that_holds_it() -> None:
 
 
 def _plan(caps: list[float]) -> Plan:
-    return allreduce_plan(_cluster(caps), "mlp", 8, memory_bytes=MiB)
+    return _ar_plan(_cluster(caps), memory_bytes=MiB)
 
 
 def test_split_is_disjoint_and_seeded() -> None:
