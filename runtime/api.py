@@ -31,14 +31,13 @@ from planner.plan_file import load_plan
 from planner.planner import make_plan
 from profiler.cpu_profile import emulation_profiles
 from profiler.errors import ConfigError
-from profiler.graph import ModelGraph
 from profiler.models import keyword_spec
 from profiler.precision import check_precision
 from runtime.by_value import check_guarded
 from runtime.config import LossFn, ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.defaults import TIMEOUT_S
 from runtime.run import run_plan
-from runtime.stage.model import resolve_source
+from runtime.stage.model import model_graph, resolve_source
 
 if TYPE_CHECKING:
     from runtime.results.run_result import RunResult
@@ -66,7 +65,7 @@ def make_single_vw_plan(
             policy="ed", precision=precision,
         )  # fmt: skip
     spec = resolve_source(source, batch_size, meta=source.module is None)
-    graph = ModelGraph.from_spec(spec)
+    graph = model_graph(source, spec)  # the run's one capture of a user's module
     hand = hand_cut_plan(graph, source.name, batch_size, nm, cluster, stages, cuts)
     return replace(hand, precision=precision)
 

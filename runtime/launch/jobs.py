@@ -23,6 +23,7 @@ from runtime.launch.procs import ShardJob
 from runtime.launch.roles import pacing_table, stage_contexts, total_steps
 from runtime.stage.emulation import Calibration
 from runtime.stage.job import StageJob
+from runtime.stage.model import ship_stage
 from runtime.sync.rule import SyncSpec
 
 __all__ = ["Prepared", "check_alone", "prepare_local", "vw_stage_jobs", "with_world"]
@@ -69,7 +70,8 @@ def vw_stage_jobs(
     first_rank: int = 0,
     vws: list[int] | None = None,
 ) -> list[StageJob]:
-    """Every stage's job, VW by VW from ``first_rank`` (``world_size`` left to the caller).
+    """Every stage's job, VW by VW from ``first_rank`` (``world_size`` left to the caller);
+    of a user's module each job carries its stage alone (:func:`runtime.stage.model.ship_stage`).
 
     ``data[i]`` is VW ``vws[i]``'s training set; a rule whose data is ``global``
     (``allreduce``, ``backup``) gives every VW the same set and its slice of each global
@@ -84,12 +86,11 @@ def vw_stage_jobs(
             vw_run = dataclasses.replace(run, out_dir=run.out_dir / f"vw{k}")
         cal: Calibration | None = pacing_table(plan, source, ctxs, vw_run)
         part = data_slice(sync.rule, i, len(vws))
-        jobs += [
-            StageJob(
-                ctx, source, optimizer, run, sync, data[i], part, cal, cfg.stage_fault, init_method
-            )
-            for ctx in ctxs
-        ]
+        for ctx in ctxs:
+            shipped = ship_stage(source, ctx.batch_size, ctx.cuts, ctx.stage)
+            job = StageJob(ctx, shipped, optimizer, run, sync, data[i], part, cal,
+                           cfg.stage_fault, init_method)  # fmt: skip
+            jobs.append(job)
     return jobs
 
 

@@ -48,7 +48,7 @@ from runtime.results.metrics_log import reset_history
 from runtime.results.restarts import restart_notes, whole_vws
 from runtime.results.run_result import LostVW, RunResult, evaluate, model_keys
 from runtime.results.timeline import describe_run
-from runtime.stage.model import resolve_source
+from runtime.stage.model import model_graph, resolve_source
 from runtime.stage.nonfinite import REMEDY, Diverged, skip_hint
 
 __all__ = ["build_result", "complete", "launch", "one_vw_result", "prepare"]
@@ -336,7 +336,8 @@ def prepare(
     with nothing left to train returns the result written from the snapshot instead."""
     spec = resolve_source(source, plan.batch_size, meta=source.module is None)
     loss = source.loss if source.loss is not None else spec.loss
-    data = run_data(dataset, source.name, spec, plan.batch_size, loss)
+    graph = model_graph(source, spec) if source.module is not None else None  # captured once
+    data = run_data(dataset, source.name, spec, plan.batch_size, loss, graph)
     if rule == "local":  # no dataset given: each stage builds the built-in one itself
         mine = data.train if dataset is not None else None
         n = len(data.train)  # type: ignore[arg-type]

@@ -36,7 +36,7 @@ from runtime.results.evaluation import shard_dataset
 from runtime.results.export import export_snapshot
 from runtime.results.run_result import RunResult
 from runtime.stage.job import StageJob
-from runtime.stage.model import resolve_source
+from runtime.stage.model import model_graph, resolve_source
 from runtime.sync.rule import SyncSpec
 
 __all__ = [
@@ -132,7 +132,7 @@ def prepare_wsp(
     shards_data, test, vw_samples = vw_training_data(
         rule, dataset, len(plan.virtual_workers), cfg.test_fraction, run.seed
     )
-    graph = ModelGraph.from_spec(spec)
+    graph = model_graph(source, spec)
     shapes = {n: tuple(p.shape) for n, p in spec.module.named_parameters()}
     specs, _ = shard_specs(plan, graph, shapes, D)
     horizon = wsp_steps(run, nm, 0, vw_samples, plan.batch_size)

@@ -90,7 +90,8 @@ class StageJob:
 
     Attributes:
         ctx: its place in the plan.
-        source: the model.
+        source: the model; of a user's module, this stage alone (the launcher ships it:
+            :func:`runtime.stage.model.ship_stage`).
         optimizer: the local optimizer and schedule.
         run: run settings.
         sync: the synchronisation rule's part (:mod:`runtime.sync.rule`).
@@ -115,17 +116,6 @@ class StageJob:
     fault: StageFault | None = None
     init_method: str = "env://"
     world_size: int = 1
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickled for the stage's process: of a user's module, only this stage
-        (:func:`runtime.stage.model.ship_stage`, split once per cut list in the launcher)."""
-        from runtime.stage.model import ship_stage
-
-        state = dict(self.__dict__)
-        state["source"] = ship_stage(
-            self.source, self.ctx.batch_size, self.ctx.cuts, self.ctx.stage
-        )
-        return state
 
     def _classes(self) -> int | None:
         """The model's output width (its classes: the range of synthetic targets), from its
