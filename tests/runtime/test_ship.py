@@ -82,6 +82,36 @@ def test_the_parent_captures_a_users_module_once_per_run(monkeypatch: pytest.Mon
     assert len(captures) == 2
 
 
+def test_a_wsp_run_of_a_users_module_is_captured_once_and_shipped_by_the_launcher(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The launcher's whole preparation (data, shards' layout, pacing, every stage's job) reads
+    the capture planning made, and each stage's job already holds its stage alone."""
+    import profiler.graph
+    from planner.manual import cpu_cluster, multi_vw_plan
+    from runtime.config import OptimizerConfig, RunConfig, WSPConfig
+    from runtime.launch.jobs import Prepared
+    from runtime.launch.launcher import prepare
+
+    captures: list[int] = []
+    real = profiler.graph.capture
+
+    def counting(module: nn.Module, *args: object, **kwargs: object) -> object:
+        captures.append(id(module))
+        return real(module, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(profiler.graph, "capture", counting)
+    model, source = _source()
+    graph = model_graph(source, resolve_source(source, 4, meta=False))
+    plan = multi_vw_plan(graph, [[2], [2]], "Sequential", 4, 1, cluster=cpu_cluster(4))
+    prep = prepare(plan, source, OptimizerConfig(), RunConfig(steps=2), WSPConfig(), None, None,
+                   "wsp", 0, "file:///nonexistent")  # fmt: skip
+    assert isinstance(prep, Prepared) and prep.shards and len(prep.stages) == 4
+    assert captures == [id(model)]
+    assert all(j.source.stage is not None and j.source.module is None for j in prep.stages)
+    assert [j.source.stage.stage for j in prep.stages] == [0, 1, 0, 1]  # type: ignore[union-attr]
+
+
 def test_a_shard_receives_only_its_initial_weights() -> None:
     model, source = _source()
     shipped = pickle.loads(pickle.dumps(ship_shard(source, ["4.weight", "4.bias"])))
