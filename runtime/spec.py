@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from profiler.errors import ConfigError, shown
 from runtime.config import OptimizerConfig, RunConfig
@@ -197,13 +197,13 @@ class RunSpec:
     vw: int = -1
     faults: TestHooks = field(default_factory=TestHooks)
 
-    def with_run(self, **changes: object) -> RunSpec:
+    def with_run(self, **changes: Any) -> RunSpec:
         """This spec with ``changes`` made to its :attr:`run` section."""
-        return replace(self, run=replace(self.run, **changes))  # type: ignore[arg-type]
+        return replace(self, run=replace(self.run, **changes))
 
-    def with_checkpoints(self, **changes: object) -> RunSpec:
+    def with_checkpoints(self, **changes: Any) -> RunSpec:
         """This spec with ``changes`` made to its :attr:`checkpoints` section."""
-        return replace(self, checkpoints=replace(self.checkpoints, **changes))  # type: ignore[arg-type]
+        return replace(self, checkpoints=replace(self.checkpoints, **changes))
 
     def without_faults(self) -> RunSpec:
         """This spec for a later attempt: test faults fire in the first attempt only."""
