@@ -114,14 +114,14 @@ def _launch(job: _Job, spec: RunSpec) -> RunResult:
         claim = RunDirectory(out, resume=False, overwrite=ck.overwrite) if out else nullcontext()
         with claim:
             reset_history(out)
-            return _attempt(job, spec)  # type: ignore[no-any-return]
+            return _attempt(job, spec)
     run_dir = spec.run.out_dir or ck.dir
     if run_dir is None:
         if ck.resume:
             raise ConfigError("--resume needs the run's directory (--out or a checkpoint folder)")
         if not RULES[job.rule].uses_shards:  # AllReduce: a restart starts again from the beginning
             return _restarting(lambda s, a: _attempt(job, s, a), spec, n_vws)
-        return _attempt(job, spec)  # type: ignore[no-any-return]
+        return _attempt(job, spec)
     with RunDirectory(run_dir, resume=ck.resume, overwrite=ck.overwrite) as owner:
         if not ck.resume:  # metrics.csv keeps the history of restarts and resumes only
             reset_history(spec.run.out_dir)
@@ -224,7 +224,7 @@ def _diverged(exc: Diverged, spec: RunSpec, rule: str) -> Diverged:
     return Diverged(f"{what}; {how}{skip_hint(spec.run.on_nonfinite)}")
 
 
-def _attempt(job: _Job, spec: RunSpec, absent: dict[int, str] | None = None) -> Any:
+def _attempt(job: _Job, spec: RunSpec, absent: dict[int, str] | None = None) -> RunResult:
     """One attempt: prepare every process's job, run them, assemble the result (the VWs
     ``absent`` lost at start-up by an earlier attempt: VW -> cause)."""
     t_start = time.time()
