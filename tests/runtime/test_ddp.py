@@ -127,7 +127,7 @@ def test_two_ranks_equal_single_process_sgd_on_the_combined_batch() -> None:
 
 
 def test_a_killed_rank_ends_the_run_naming_it() -> None:
-    cfg = dict(stage_fault=StageFault(0, 3, vw=1))
+    cfg: dict[str, Any] = dict(stage_fault=StageFault(0, 3, vw=1))
     with pytest.raises(HetPipeRuntimeError, match=r"rank 1 \(vw 1 \| stage 0 .*N1:0\).*SIGKILL"):
         _allreduce(_plan([8, 8]), RunConfig(steps=50, emulate=False, timeout_s=10), **cfg)
 

@@ -26,8 +26,8 @@ def _run_and_reference(
     ref: str, batch_size: int, n_stages: int, nm: int, steps: int, cfg: OptimizerConfig
 ) -> None:
     source = ModelSource(ref=ref)
-    spec = resolve_source(source, batch_size, meta=True)
-    graph = ModelGraph.from_spec(spec)
+    model = resolve_source(source, batch_size, meta=True)
+    graph = ModelGraph.from_spec(model)
     cuts = balanced_cuts(graph, n_stages)
     plan = manual_plan(graph, cuts, ref, batch_size, nm)
     result = launch(
@@ -40,7 +40,7 @@ def _run_and_reference(
         default_dataset(ref, real.inputs, real.targets, batch_size),
         batch_size,
         3,
-        tuple(spec.targets.shape),
+        tuple(model.targets.shape),
     )
     if nm == 1:
         losses, params = plain_loop(module, data, loss_fn, cfg, steps)
@@ -99,8 +99,8 @@ def test_transformer_two_stages_nm1_equals_plain_loop() -> None:
 def test_pipeline_fills_nm_in_flight() -> None:
     """With Nm = 3 and 3 stages the first stage really holds 3 minibatches at some point."""
     source = ModelSource(ref="mlp")
-    spec = resolve_source(source, 8, meta=True)
-    graph = ModelGraph.from_spec(spec)
+    model = resolve_source(source, 8, meta=True)
+    graph = ModelGraph.from_spec(model)
     plan = manual_plan(graph, balanced_cuts(graph, 3), "mlp", 8, 3)
     result = launch(plan, source, spec(None, RunConfig(steps=12, timeout_s=30)))
     assert result.stages[0].max_in_flight == 3

@@ -130,7 +130,7 @@ def test_train_takes_the_old_names_for_one_release_with_a_warning(
 
     seen: list[RunSpec] = []
     monkeypatch.setattr("hetpipe.api.run_plan", lambda plan, src, spec, data: seen.append(spec))
-    old = {"time_limit_s": 4.0, "out_dir": tmp_path / "o", "timeout_s": 9.0, "D": 2}
+    old: dict[str, Any] = {"time_limit_s": 4.0, "out_dir": tmp_path / "o", "timeout_s": 9.0, "D": 2}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         hetpipe.train("mlp", plan=_plan_file(tmp_path), **old)

@@ -44,10 +44,10 @@ def _graph() -> ModelGraph:
 
 def _sources(n_vws: int, seed: int = 0, rule: str = "wsp") -> list[MinibatchSource]:
     """Each VW's minibatches under ``rule``'s data rule (its shard, or its global slices)."""
-    spec = resolve_source(SOURCE, BATCH, meta=True)
-    ds = default_dataset("mlp", spec.inputs, spec.targets, BATCH)
+    model = resolve_source(SOURCE, BATCH, meta=True)
+    ds = default_dataset("mlp", model.inputs, model.targets, BATCH)
     sets, _, _ = vw_training_data(rule, ds, n_vws, DataConfig().test_fraction, seed)
-    shape = tuple(spec.targets.shape)
+    shape = tuple(model.targets.shape)
     return [
         MinibatchSource(s, BATCH, seed, shape, slice_of=data_slice(rule, k, n_vws))
         for k, s in enumerate(sets)
