@@ -35,3 +35,24 @@ def test_with_world_counts_the_shards_before_the_stages() -> None:
     assert with_world(stages)[0] == len(stages) == 2
     world, jobs = with_world(stages, n_shards=3)
     assert world == 5 and {j.world_size for j in jobs} == {5}
+
+
+def test_a_stage_job_carries_only_its_sections_of_the_spec() -> None:
+    import pickle
+
+    from runtime.launch.faults import StageFault
+    from runtime.spec import CheckpointConfig, TestHooks
+
+    source = ModelSource(ref="mlp")
+    graph = ModelGraph.from_spec(resolve_source(source, 8, meta=True))
+    plan = multi_vw_plan(graph, [[2], [2]], "mlp", 8, 1, cluster=cpu_cluster(4))
+    fault = StageFault(stage=1, at_mb=3)
+    spec = RunSpec(RunConfig(steps=2), checkpoints=CheckpointConfig(every=3),
+                   faults=TestHooks(stage_fault=fault))  # fmt: skip
+    prep = prepare(plan, source, spec, None, Attempt("file:///nonexistent"))
+    assert isinstance(prep, Prepared)
+    job = prep.stages[0]
+    assert (job.run, job.optimizer, job.fault) == (spec.run, spec.optimizer, fault)
+    shipped = pickle.dumps(job)
+    for other in (b"RunSpec", b"CheckpointConfig", b"FailurePolicy", b"TestHooks"):
+        assert other not in shipped
