@@ -1,6 +1,7 @@
-"""Run settings shared by the launcher, the stage workers and the Python API.
+"""Run settings each stage process receives: its model source, optimizer and run settings.
 
-Everything here is a frozen dataclass that pickles cleanly into spawned processes.
+Everything here is a frozen dataclass that pickles cleanly into spawned processes; the whole
+run's description, these among its sections, is :class:`runtime.spec.RunSpec`.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import io
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -23,11 +24,7 @@ from runtime.by_value import pickler
 from runtime.defaults import TIMEOUT_S
 from runtime.options import OPTIMIZERS, SCHEDULES
 
-if TYPE_CHECKING:
-    from runtime.launch.faults import ShardFault, StageFault
-    from runtime.persist.snapshot import WriteFault
-
-__all__ = ["LossFn", "ModelSource", "OptimizerConfig", "RunConfig", "WSPConfig"]
+__all__ = ["LossFn", "ModelSource", "OptimizerConfig", "RunConfig"]
 
 LossFn = Callable[[Any, Tensor], Tensor]
 
@@ -239,52 +236,3 @@ class RunConfig:
             raise ConfigError(f"--nm must be >= 1 (or 0 for the plan's), got {self.nm}")
         if self.timeout_s <= 0:
             raise ConfigError(f"timeout must be positive, got {self.timeout_s}")
-
-
-@dataclass(frozen=True)
-class WSPConfig:
-    """Settings of a multi-VW run.
-
-    Attributes:
-        D: clock-distance threshold (``None`` = the plan's).
-        test_fraction: share of the data held out for the final test accuracy.
-        checkpoint_dir: where shards write checkpoints (``None`` = the run's ``out_dir/checkpoints``
-            when ``out_dir`` is set, else none).
-        checkpoint_every: snapshot each time the global clock reaches a multiple of this, and at
-            the end (0 = never).
-        resume: continue from the newest snapshot of ``checkpoint_dir`` that verifies.
-        resume_clock: with ``resume``: this clock's snapshot instead (``--resume DIR@CLOCK``).
-        overwrite: a fresh run may replace another run's outputs in its directory.
-        keep: committed snapshots kept.
-        write_fault: test hook: a snapshot write that fails as on a full disk.
-        stage_fault: test hook: a stage that kills or freezes itself.
-        shard_fault: test hook: a shard that kills itself.
-        max_restarts: ``--on-failure restart``: after a process failure, restart the whole job
-            from its last committed snapshot, at most this many times (0: stop at the first).
-        evict: ``--on-failure continue``: a VW whose process fails is evicted from the global
-            clock (its unfinished wave discarded at every shard) and the others go on; a
-            shard failure still ends the run (see ``docs/fault_tolerance.md``).
-        restart_vw: with ``max_restarts`` (``--on-failure restart``, one host, the ``wsp``
-            rule): a VW whose process fails is restarted alone at its cut while the others
-            wait there (:mod:`runtime.launch.restart_vw`); a shard failure restarts the job.
-        resume_hint: the command line to print when the run fails (``--resume DIR`` is appended).
-        overlap_pulls: stages keep running tasks while a pull is in flight (``False``: the
-            stage blocks in the pull at the wave end; a benchmark baseline).
-    """
-
-    D: int | None = None
-    test_fraction: float = 0.2
-    checkpoint_dir: Path | None = None
-    checkpoint_every: int = 0
-    resume: bool = False
-    resume_hint: str = "hetpipe run ..."
-    overlap_pulls: bool = True
-    resume_clock: int | None = None
-    overwrite: bool = False
-    keep: int = 2
-    write_fault: WriteFault | None = None
-    stage_fault: StageFault | None = None
-    shard_fault: ShardFault | None = None
-    max_restarts: int = 0
-    evict: bool = False
-    restart_vw: bool = False

@@ -1,6 +1,6 @@
 """The run options, one table for every way to start a run: ``hetpipe run`` (typer) and
 ``python -m runtime`` under torchrun (argparse) take the same names, types, defaults and help
-from here, and turn the values into the same configs (:func:`configs`).
+from here, and turn the values into the same :class:`runtime.spec.RunSpec` (:func:`run_spec`).
 
 Plain data and no heavy imports: the CLI reads it at start-up without loading torch.
 """
@@ -20,7 +20,7 @@ from runtime.defaults import CHECKPOINT_EVERY, TIMEOUT_S
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from runtime.config import OptimizerConfig, RunConfig, WSPConfig
+    from runtime.spec import RunSpec
 
 OPTIMIZERS = ("sgd", "adam")
 """The stages' optimizers (:class:`runtime.config.OptimizerConfig`)."""
@@ -36,7 +36,7 @@ __all__ = [
     "add_arguments",
     "check_number",
     "check_values",
-    "configs",
+    "run_spec",
 ]
 
 
@@ -178,28 +178,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(opt.flag, dest=name, type=kind, default=opt.default, help=opt.help)
 
 
-def configs(
+def run_spec(
     values: Mapping[str, Any],
     out: Path | None = None,
     progress: bool = False,
     resume: tuple[Path, Path, int | None] | None = None,
     resume_hint: str = "hetpipe run ...",
-) -> tuple[OptimizerConfig, RunConfig, WSPConfig]:
-    """The configs of a run from the options' values (both entries call this).
+) -> RunSpec:
+    """The :class:`runtime.spec.RunSpec` of a run from the options' values (every entry calls
+    this: ``hetpipe run``, torchrun's ``python -m runtime`` and ``hetpipe.train``).
 
     Args:
         values: every option of :data:`OPTIONS` by name.
-        out: the run directory.
+        out: the run directory (its snapshots go to ``out/checkpoints``).
         progress: show a progress bar.
         resume: ``(run dir, checkpoint dir, clock or None)`` to resume from
             (:func:`runtime.persist.run_dir.resume_target`).
         resume_hint: the command line a failure message suggests resuming with.
 
     Raises:
-        ConfigError: an unknown ``--on-failure`` or a value out of its option's range
-            (names the option).
+        ConfigError: a value out of its option's range or not among its choices (names the
+            option).
     """
-    from runtime.config import OptimizerConfig, RunConfig, WSPConfig
+    from runtime.config import OptimizerConfig, RunConfig
+    from runtime.spec import CheckpointConfig, DataConfig, FailurePolicy, RunSpec, SyncConfig
 
     v = values
     check_values(v)  # ranges, and --on-failure among stop, restart, continue
@@ -210,16 +212,13 @@ def configs(
                     seed=v["seed"], nm=v["nm"], out_dir=out, timeout_s=v["timeout"],
                     emulate=v["emulate"], progress=progress, precision=v["precision"],
                     on_nonfinite=v["on_nonfinite"])  # fmt: skip
-    wsp = WSPConfig(
-        D=v["staleness"],
-        checkpoint_dir=resume[1] if resume is not None else None,
-        checkpoint_every=v["checkpoint_every"],
+    checkpoints = CheckpointConfig(
+        dir=resume[1] if resume is not None else (out / "checkpoints" if out else None),
+        every=v["checkpoint_every"],
         resume=resume is not None,
         resume_clock=resume[2] if resume is not None else None,
-        resume_hint=resume_hint,
         overwrite=v["overwrite"],
-        max_restarts=v["max_restarts"] if v["on_failure"] == "restart" else 0,
-        evict=v["on_failure"] == "continue",
-        restart_vw=v["on_failure"] == "restart",
+        resume_hint=resume_hint,
     )
-    return opt, run, wsp
+    return RunSpec(run, opt, DataConfig(ref=v["data"]), SyncConfig(D=v["staleness"]), checkpoints,
+                   FailurePolicy(v["on_failure"], v["max_restarts"]), vw=v["vw"])  # fmt: skip

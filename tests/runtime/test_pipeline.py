@@ -16,6 +16,7 @@ from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.data import MinibatchSource, default_dataset
 from runtime.launch.launcher import launch
 from runtime.stage.model import original_names, reference_module, resolve_source
+from tests.runtime._spec import spec
 from tests.runtime.reference import delayed_loop, plain_loop
 
 RTOL = ATOL = 1e-5
@@ -25,12 +26,12 @@ def _run_and_reference(
     ref: str, batch_size: int, n_stages: int, nm: int, steps: int, cfg: OptimizerConfig
 ) -> None:
     source = ModelSource(ref=ref)
-    spec = resolve_source(source, batch_size, meta=True)
-    graph = ModelGraph.from_spec(spec)
+    model = resolve_source(source, batch_size, meta=True)
+    graph = ModelGraph.from_spec(model)
     cuts = balanced_cuts(graph, n_stages)
     plan = manual_plan(graph, cuts, ref, batch_size, nm)
     result = launch(
-        plan, source, cfg, RunConfig(steps=steps, seed=3, return_state=True, timeout_s=30)
+        plan, source, spec(cfg, RunConfig(steps=steps, seed=3, return_state=True, timeout_s=30))
     )
 
     module, names, loss_fn = reference_module(source, batch_size, seed=3)
@@ -39,7 +40,7 @@ def _run_and_reference(
         default_dataset(ref, real.inputs, real.targets, batch_size),
         batch_size,
         3,
-        tuple(spec.targets.shape),
+        tuple(model.targets.shape),
     )
     if nm == 1:
         losses, params = plain_loop(module, data, loss_fn, cfg, steps)
@@ -98,10 +99,10 @@ def test_transformer_two_stages_nm1_equals_plain_loop() -> None:
 def test_pipeline_fills_nm_in_flight() -> None:
     """With Nm = 3 and 3 stages the first stage really holds 3 minibatches at some point."""
     source = ModelSource(ref="mlp")
-    spec = resolve_source(source, 8, meta=True)
-    graph = ModelGraph.from_spec(spec)
+    model = resolve_source(source, 8, meta=True)
+    graph = ModelGraph.from_spec(model)
     plan = manual_plan(graph, balanced_cuts(graph, 3), "mlp", 8, 3)
-    result = launch(plan, source, None, RunConfig(steps=12, timeout_s=30))
+    result = launch(plan, source, spec(None, RunConfig(steps=12, timeout_s=30)))
     assert result.stages[0].max_in_flight == 3
     assert [s.steps for s in result.stages] == [12, 12, 12]
 
@@ -114,7 +115,7 @@ def test_time_limit_stops_every_stage_at_the_same_minibatch() -> None:
     source = ModelSource(ref="mlp")
     graph = ModelGraph.from_spec(resolve_source(source, 8, meta=True))
     plan = manual_plan(graph, balanced_cuts(graph, 2), "mlp", 8, 2)
-    result = launch(plan, source, None, RunConfig(time_limit_s=1.0, timeout_s=30))
+    result = launch(plan, source, spec(None, RunConfig(time_limit_s=1.0, timeout_s=30)))
     steps = [s.steps for s in result.stages]
     assert steps[0] >= 1 and len(set(steps)) == 1
     assert len(result.losses) == steps[0]

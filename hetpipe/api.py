@@ -1,4 +1,5 @@
-"""Python API: everything ``hetpipe run`` does, with the user's own model, data and loss.
+"""The public Python API: ``hetpipe.train``, everything ``hetpipe run`` does, with the user's
+own model, data and loss.
 
 Example::
 
@@ -16,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -25,47 +27,23 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from planner.cluster import Cluster, load_cluster
-from planner.manual import hand_cut_plan
+from planner.on_the_fly import PlanRequest, plan_for_run
 from planner.plan import Plan
 from planner.plan_file import load_plan
-from planner.planner import make_plan
-from profiler.errors import ConfigError
+from profiler.errors import ConfigError, shown
 from profiler.graph import ModelGraph
 from profiler.models import keyword_spec
 from profiler.precision import check_precision
 from runtime.by_value import check_guarded
-from runtime.config import LossFn, ModelSource, OptimizerConfig, RunConfig, WSPConfig
-from runtime.defaults import TIMEOUT_S
+from runtime.config import LossFn, ModelSource, OptimizerConfig
+from runtime.options import OPTIONS, run_spec
 from runtime.run import run_plan
 from runtime.stage.model import resolve_source
 
 if TYPE_CHECKING:
     from runtime.results.run_result import RunResult
 
-__all__ = ["make_single_vw_plan", "train"]
-
-
-def make_single_vw_plan(
-    source: ModelSource,
-    batch_size: int,
-    nm: int,
-    cluster: Cluster | None = None,
-    stages: int = 0,
-    cuts: tuple[int, ...] | None = None,
-    precision: str = "fp32",
-) -> Plan:
-    """A one-VW plan, made by the planner: ``planner.planner.make_plan`` (policy ``ed``, one VW)
-    for a named model on a cluster when no cuts are forced, else a hand cut
-    (:func:`planner.manual.hand_cut_plan`) splitting the parameters evenly over ``stages``."""
-    if cluster is not None and cuts is None and not stages and source.ref is not None:
-        return make_plan(
-            cluster, model=source.ref, batch_size=batch_size, nm=nm or None, num_vws=1,
-            policy="ed", precision=precision,
-        )  # fmt: skip
-    spec = resolve_source(source, batch_size, meta=source.module is None)
-    graph = ModelGraph.from_spec(spec)
-    hand = hand_cut_plan(graph, source.name, batch_size, nm, cluster, stages, cuts)
-    return replace(hand, precision=precision)
+__all__ = ["train"]
 
 
 def _module_source(
@@ -98,6 +76,17 @@ def _module_source(
     return ModelSource(module=model, sample_inputs=inputs, sample_targets=y, loss=loss_fn)
 
 
+_OPT = OPTIONS  # the defaults below are the options table's, as hetpipe run's and torchrun's
+
+_RENAMED = {
+    "time_limit_s": "time_limit",
+    "out_dir": "out",
+    "timeout_s": "timeout",
+    "D": "staleness",
+}
+"""Keyword names of earlier releases -> the options table's (accepted, with a warning)."""
+
+
 def train(  # long by its signature and docstring (every option, documented); the body is ~30 lines
     model: nn.Module | str,
     dataset: Dataset[Any] | None = None,
@@ -108,27 +97,39 @@ def train(  # long by its signature and docstring (every option, documented); th
     stages: int = 0,
     cuts: tuple[int, ...] | None = None,
     batch_size: int = 32,
-    nm: int = 0,
-    optimizer: OptimizerConfig | None = None,
-    steps: int = 0,
-    epochs: float = 0.0,
-    time_limit_s: float = 0.0,
-    seed: int = 0,
-    out_dir: str | os.PathLike[str] | None = None,
+    out: str | os.PathLike[str] | None = None,
     progress: bool = False,
     return_state: bool = True,
-    timeout_s: float = TIMEOUT_S,
-    emulate: bool = True,
-    D: int | None = None,
-    checkpoint_every: int = 0,
-    vw: int = -1,
-    precision: str = "",
-    on_nonfinite: str = "stop",
-    remedy: str = "",
+    optimizer: OptimizerConfig | str = _OPT["optimizer"].default,
+    steps: int = _OPT["steps"].default,
+    epochs: float = _OPT["epochs"].default,
+    time_limit: float = _OPT["time_limit"].default,
+    seed: int = _OPT["seed"].default,
+    nm: int = _OPT["nm"].default,
+    vw: int = _OPT["vw"].default,
+    staleness: int | None = _OPT["staleness"].default,
+    checkpoint_every: int = _OPT["checkpoint_every"].default,
+    on_failure: str = _OPT["on_failure"].default,
+    max_restarts: int = _OPT["max_restarts"].default,
+    overwrite: bool = _OPT["overwrite"].default,
+    lr: float = _OPT["lr"].default,
+    momentum: float = _OPT["momentum"].default,
+    weight_decay: float = _OPT["weight_decay"].default,
+    schedule: str = _OPT["schedule"].default,
+    remedy: str = _OPT["remedy"].default,
+    remedy_warmup: int = _OPT["remedy_warmup"].default,
+    timeout: float = _OPT["timeout"].default,
+    emulate: bool = _OPT["emulate"].default,
+    precision: str = _OPT["precision"].default,
+    on_nonfinite: str = _OPT["on_nonfinite"].default,
+    **renamed: Any,
 ) -> RunResult:
     """Train ``model`` with any plan on this host: what ``hetpipe run`` does, through the same
-    entry (:func:`runtime.run.run_plan`): several VWs through the WSP parameter servers, one
-    VW, or the AllReduce baseline, by the plan (default: one VW cut by hand or planned).
+    entry (:func:`runtime.run.run_plan`) and the same :class:`runtime.spec.RunSpec`, built
+    from the same options table (:data:`runtime.options.OPTIONS`: ``time_limit`` is
+    ``--time-limit``, ``staleness`` is ``--D``, ...): several VWs through the WSP parameter
+    servers, one VW, or the AllReduce baseline, by the plan (default: one VW cut by hand or
+    planned, :func:`planner.on_the_fly.plan_for_run`).
 
     Args:
         model: an ``nn.Module`` (captured with ``torch.fx`` or ``torch.export``, e.g. a Hugging
@@ -144,25 +145,19 @@ def train(  # long by its signature and docstring (every option, documented); th
         stages: number of stages when no plan is given (default: one per cluster device).
         cuts: force these cut points (layer indices) when no plan is given.
         batch_size: samples per minibatch when no plan is given.
-        nm: minibatches in flight (0 = the plan's, or 1).
-        optimizer: optimizer and schedule (default SGD, lr 0.05).
-        steps, epochs, time_limit_s: run length (see :class:`RunConfig`).
-        seed: weights (for references) and data order.
-        out_dir: run directory for metrics, calibration cache and logs.
+        out: run directory (``--out``): metrics, summary, weights, checkpoints.
         progress: show a progress bar.
         return_state: return the final parameters and buffers (``result.state_dict()``).
-        timeout_s: timeout of every process-group operation.
-        emulate: pace emulated devices and cap their memory.
-        D: WSP clock-distance threshold of a plan with shards (``None`` = the plan's).
-        checkpoint_every: with ``out_dir``, snapshot every K global clocks (AllReduce: steps;
-            one VW alone writes none).
-        vw: train only this VW of the plan, without parameter servers (-1 = every VW).
-        precision: ``fp32`` or ``bf16`` (autocast, fp32 master weights, bfloat16 activations
-            across cuts); ``""`` = the plan's (``fp32`` for a plan made here).
-        on_nonfinite: a NaN or infinite loss or gradient: ``stop`` the run (``Diverged``) or
-            ``skip`` that minibatch's update at every stage (``result.skipped_updates``).
-        remedy: staleness remedy of every stage's update (``none``, ``predict``, ``pipemare``;
-            :mod:`planner.staleness`), replacing ``optimizer.remedy``; ``""`` = the optimizer's.
+        optimizer: ``sgd`` or ``adam`` with ``lr``, ``momentum``, ``weight_decay``,
+            ``schedule``; or a whole :class:`OptimizerConfig` (then leave those four out).
+        steps, epochs, time_limit, seed, nm, vw, staleness, checkpoint_every, on_failure,
+            max_restarts, overwrite, lr, momentum, weight_decay, schedule, remedy,
+            remedy_warmup, timeout, emulate, precision, on_nonfinite: the run options, as
+            ``hetpipe run --help`` describes them (``precision`` ``""``: the plan's, ``fp32``
+            for a plan made here; ``remedy`` replaces an ``OptimizerConfig``'s unless
+            ``none``).
+        renamed: the names of earlier releases (``time_limit_s``, ``out_dir``, ``timeout_s``,
+            ``D``), accepted with a ``DeprecationWarning`` for one release.
 
     Returns:
         The run's :class:`runtime.results.run_result.RunResult`, whatever the rule: ``losses``,
@@ -173,33 +168,67 @@ def train(  # long by its signature and docstring (every option, documented); th
             from a script's top level outside ``if __name__ == "__main__":``.
     """
     check_guarded()
-    if remedy:
-        optimizer = replace(optimizer or OptimizerConfig(), remedy=remedy)
+    values = {k: v for k, v in locals().items() if k in OPTIONS} | {"data": ""}
+    values["optimizer"] = optimizer if isinstance(optimizer, str) else optimizer.name
+    values |= _renamed(renamed)
+    out = values.pop("out", out)
+    spec = run_spec(values, Path(out) if out is not None else None, progress)
+    spec = replace(spec, optimizer=_optimizer(optimizer, spec.optimizer, values),
+                   run=replace(spec.run, return_state=return_state))  # fmt: skip
     given = load_plan(plan) if isinstance(plan, (str, os.PathLike)) else plan
     if given is not None:
         batch_size = given.batch_size  # the plan's minibatch, also for the sample inputs
     source = _source(model, dataset, loss_fn, batch_size)
     if given is None:
         cl = load_cluster(cluster) if isinstance(cluster, (str, os.PathLike)) else cluster
-        given = make_single_vw_plan(
-            source, batch_size, nm, cl, stages, cuts, check_precision(precision or "fp32")
-        )
-    run = RunConfig(
-        steps=steps,
-        epochs=epochs,
-        time_limit_s=time_limit_s,
-        seed=seed,
-        nm=nm,
-        out_dir=Path(out_dir) if out_dir is not None else None,
-        timeout_s=timeout_s,
-        emulate=emulate,
-        return_state=return_state,
-        progress=progress,
-        precision=precision,
-        on_nonfinite=on_nonfinite,
-    )
-    wsp = WSPConfig(D=D, checkpoint_every=checkpoint_every)
-    return run_plan(given, source, optimizer, run, wsp, dataset, vw=vw)
+        graph = None
+        if source.module is not None:  # the user's module: cut by hand
+            graph = ModelGraph.from_spec(resolve_source(source, batch_size, meta=False))
+        request = PlanRequest(source.name, batch_size, nm, stages, cuts, vws=1, policy="ed",
+                              precision=check_precision(precision or "fp32"))  # fmt: skip
+        given = plan_for_run(cl, request, graph)
+    return run_plan(given, source, spec, dataset)
+
+
+def _renamed(renamed: dict[str, Any]) -> dict[str, Any]:
+    """The options given under an earlier release's name, by their table name, each with a
+    ``DeprecationWarning``.
+
+    Raises:
+        ConfigError: a keyword that is no option (names it).
+    """
+    values: dict[str, Any] = {}
+    for old, value in renamed.items():
+        new = _RENAMED.get(old)
+        if new is None:
+            raise ConfigError(
+                f"hetpipe.train: no option {shown(old, 40)}; use one of {', '.join(OPTIONS)}, out"
+            )
+        warnings.warn(f"hetpipe.train({old}=...) is now {new}=...; {old} goes in the next "
+                      "release", DeprecationWarning, stacklevel=3)  # fmt: skip
+        values[new] = value
+    return values
+
+
+def _optimizer(
+    given: OptimizerConfig | str, table: OptimizerConfig, values: dict[str, Any]
+) -> OptimizerConfig:
+    """The stages' optimizer: the table's, or a whole ``OptimizerConfig`` given (with
+    ``remedy`` applied unless ``none``).
+
+    Raises:
+        ConfigError: an ``OptimizerConfig`` and one of ``lr``, ``momentum``,
+            ``weight_decay``, ``schedule`` both given.
+    """
+    if isinstance(given, str):
+        return table
+    for name in ("lr", "momentum", "weight_decay", "schedule"):
+        if values[name] != OPTIONS[name].default:
+            raise ConfigError(
+                f"hetpipe.train: {name}={shown(values[name], 40)} and optimizer=OptimizerConfig"
+                f"(...) both given; put {name} in the OptimizerConfig, or give optimizer='sgd'"
+            )
+    return given if table.remedy == "none" else replace(given, remedy=table.remedy)
 
 
 def _source(
