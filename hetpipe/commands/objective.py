@@ -1,0 +1,110 @@
+"""``hetpipe plan --objective time``: plan the candidates, rank them, show the table."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from rich.markup import escape
+from rich.table import Table
+
+from hetpipe._common import console
+from planner.plan import Plan
+
+if TYPE_CHECKING:
+    from planner.efficiency import EfficiencyInputs
+    from planner.objective import Ranked
+    from planner.planner import PlanOptions
+
+__all__ = ["NM_CANDIDATES", "choose_for_time", "nm_values", "render_objective", "with_objective"]
+
+NM_CANDIDATES = 8
+"""Largest Nm ``--objective time`` compares (beyond it the staleness cost only grows)."""
+
+
+def nm_values(plan: Plan) -> list[int]:
+    """``1 .. min(smallest nm_max, NM_CANDIDATES)``, and the throughput plan's own Nm."""
+    top = min((vw.nm_max for vw in plan.virtual_workers), default=1)
+    return sorted({*range(1, max(1, min(top, NM_CANDIDATES)) + 1), plan.nm})
+
+
+def choose_for_time(
+    fastest: Plan,
+    make: Callable[..., Plan],
+    options: PlanOptions,
+    rule: Callable[[Plan], Plan],
+    allreduce: Callable[[], Plan],
+    optimizer: str,
+    target_samples: float,
+) -> tuple[Plan, list[Ranked], EfficiencyInputs]:
+    """The plan ``--objective time`` picks (:func:`planner.objective.plan_for_time`) among
+    ``fastest``'s allocation at every Nm of :func:`nm_values` and remedy, and AllReduce.
+
+    Args:
+        fastest: the throughput plan (its policy and VW count are kept).
+        make: :func:`planner.planner.make_plan` with the cluster, profiles and the user's
+            options bound; called with ``policy``, ``nm``, ``num_vws`` and ``options``.
+        options: the user's planner options (Nm is then exact and the remedy's memory counted).
+        rule: applies the user's synchronisation rule to a plan.
+        allreduce: the AllReduce baseline's plan.
+        optimizer: ``sgd``, ``momentum`` or ``adam`` (the efficiency defaults).
+        target_samples: samples sequential SGD needs to the target (0: relative times).
+    """
+    from planner.efficiency import default_inputs
+    from planner.objective import plan_for_time
+
+    policy, vws = fastest.policy.removeprefix("auto:"), len(fastest.virtual_workers)
+
+    def replan(nm: int, memory: str) -> Plan:  # the same allocation at exactly Nm nm
+        opts = replace(options, nm_choice="max", remedy=memory)
+        return rule(make(policy=policy, nm=nm, num_vws=vws, options=opts))
+
+    inputs = default_inputs(optimizer)
+    best, ranked = plan_for_time(replan, nm_values(fastest), allreduce, inputs, target_samples)
+    return best, ranked, inputs
+
+
+def _time(r: Ranked) -> str:
+    return "-" if math.isinf(r.relative_time) else f"x{r.relative_time:.2f}"
+
+
+def render_objective(ranked: list[Ranked], inputs: EfficiencyInputs, target: float) -> None:
+    """The candidates by predicted time to target (both factors shown), the pick marked; the
+    efficiency inputs' source; AllReduce's win or the remedy to run with, in one line."""
+    title = "objective time: candidates by predicted time to target (throughput x efficiency)"
+    table = Table(title=title)
+    cols = ["candidate", "samples/s", "efficiency", "goodput/s", "time vs best"]
+    for col in [*cols, *(["seconds"] if target > 0 else []), ""]:
+        table.add_column(col, justify="left" if col == "candidate" else "right", no_wrap=True)
+    for k, r in enumerate(ranked):
+        table.add_row(
+            escape(r.choice.label),
+            f"{r.choice.throughput:.1f}",
+            f"{r.efficiency:.3f}",
+            f"{r.goodput:.1f}",
+            _time(r),
+            *([f"{r.seconds:.1f}" if r.seconds else "-"] if target > 0 else []),
+            "chosen" if k == 0 else "",
+            style="bold" if k == 0 else None,
+        )
+    console.print(table)
+    costs = ", ".join(f"{k} {v:g}" for k, v in inputs.delay_cost.items())
+    console.print(
+        f"[dim]efficiency inputs: noise scale {inputs.noise_scale:g} samples, delay cost per "
+        f"update {costs}; {escape(inputs.source)}[/]"
+    )
+    best = ranked[0].choice
+    if best.sync == "allreduce":
+        console.print(
+            f"AllReduce on {best.vws} devices is predicted faster to the target than every "
+            "HetPipe plan: the plan is the AllReduce plan"
+        )
+    elif best.remedy != "none":
+        console.print(f"run it with --remedy {best.remedy} (recorded in the plan)")
+
+
+def with_objective(plan: Plan, objective: str, remedy: str) -> Plan:
+    """The throughput plan with its objective recorded (``--objective throughput``)."""
+    return replace(plan, objective={"objective": objective}, remedy=remedy)
