@@ -57,13 +57,15 @@ __all__ = [
     "efficiency",
     "fit_delay_cost",
     "mean_delay",
+    "simple_noise_scale",
 ]
 
-DEFAULT_NOISE_SCALE = 8.0
+DEFAULT_NOISE_SCALE = 218.0
 """Gradient noise scale ``phi`` (samples) when no data is given: the built-in ``mlp`` on
-scikit-learn's digits, measured by :func:`planner.calibrate.noise_scale` (two batch sizes,
-32 and 128, at the initial weights; seed 0). Another model's is likely larger (McCandlish et
-al. report hundreds to millions): calibrate on your data (``--calibrate-efficiency``)."""
+scikit-learn's digits at its initial weights (``hetpipe plan --model mlp --objective time
+--calibrate-efficiency builtin``, batch 32 and 128: 217 with ``--optimizer momentum``, 220
+with ``sgd``; 2026-11-27). Another model's differs (McCandlish et al. report tens to millions,
+growing as training goes on): calibrate on your data (``--calibrate-efficiency``)."""
 
 MEASURED_TO_TARGET: Mapping[str, Mapping[str, Sequence[tuple[int, int]]]] = {
     "momentum": {
@@ -210,3 +212,20 @@ def default_inputs(optimizer: str) -> EfficiencyInputs:
         costs,
         f"default (no data): phi of mlp/digits, delay costs of docs/convergence.md ({label})",
     )
+
+
+def simple_noise_scale(small: int, big: int, sq_small: float, sq_big: float) -> float:
+    """McCandlish et al.'s ``B_simple = tr(Sigma) / |G|^2`` from the mean squared norms of
+    minibatch gradients at two batch sizes (their Appendix A.1): ``E|g_B|^2 = |G|^2 +
+    tr(Sigma) / B``, solved for both unknowns. ``inf`` when the estimate of ``|G|^2`` is not
+    positive (noise dominates at these sizes), ``0`` when the noise estimate is not.
+
+    Example:
+        >>> round(simple_noise_scale(10, 40, sq_small=1.0 + 50 / 10, sq_big=1.0 + 50 / 40), 6)
+        50.0
+    """
+    grad_sq = (big * sq_big - small * sq_small) / (big - small)
+    trace = (sq_small - sq_big) / (1.0 / small - 1.0 / big)
+    if grad_sq <= 0:
+        return float("inf")
+    return max(0.0, trace / grad_sq)

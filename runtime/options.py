@@ -136,6 +136,7 @@ PLAN_OPTIONS: Mapping[str, Option] = MappingProxyType(
         "objective": Option("--objective", "throughput", "what the plan is chosen for: throughput (fastest samples/s) or time (fastest predicted time to target: throughput x statistical efficiency, AllReduce and each Nm and remedy compared; docs/planner.md)", choices=("throughput", "time")),
         "target_samples": Option("--target-samples", 0.0, "--objective time: samples sequential SGD needs to the target (0: relative times only)", Range(0)),
         "remedy": Option("--remedy", "none", "the run's staleness remedy, for the memory model (predict keeps more weight copies) and --objective time", choices=("none", "predict", "pipemare")),
+        "calibrate": Option("--calibrate-efficiency", "", "--objective time: measure the efficiency model's inputs (gradient noise scale, delay cost per remedy) in seconds of single-process SGD on DATA: builtin (the model's own data), synthetic or pkg.mod:factory (default: the defaults, said in the table)"),
     }
 )  # fmt: skip
 """The planning options of ``hetpipe plan`` that are data too: plain values, checked by

@@ -12,13 +12,21 @@ from rich.table import Table
 
 from hetpipe._common import console
 from planner.plan import Plan
+from profiler.errors import ConfigError
 
 if TYPE_CHECKING:
     from planner.efficiency import EfficiencyInputs
     from planner.objective import Ranked
     from planner.planner import PlanOptions
 
-__all__ = ["NM_CANDIDATES", "choose_for_time", "nm_values", "render_objective", "with_objective"]
+__all__ = [
+    "NM_CANDIDATES",
+    "choose_for_time",
+    "efficiency_inputs",
+    "nm_values",
+    "render_objective",
+    "with_objective",
+]
 
 NM_CANDIDATES = 8
 """Largest Nm ``--objective time`` compares (beyond it the staleness cost only grows)."""
@@ -30,15 +38,42 @@ def nm_values(plan: Plan) -> list[int]:
     return sorted({*range(1, max(1, min(top, NM_CANDIDATES)) + 1), plan.nm})
 
 
+def efficiency_inputs(
+    data: str | None, model: str | None, batch: int, optimizer: str
+) -> EfficiencyInputs:
+    """The efficiency model's inputs: measured on ``--calibrate-efficiency DATA`` (``builtin``:
+    the model's own data, ``synthetic`` or ``pkg.mod:factory``; :mod:`hetpipe.calibrate`),
+    else the defaults for ``optimizer`` (:func:`planner.efficiency.default_inputs`).
+
+    Raises:
+        ConfigError: calibration without ``--model``, or data it cannot use (one line).
+    """
+    from planner.efficiency import default_inputs
+
+    if not data:
+        return default_inputs(optimizer)
+    if model is None:  # hetpipe plan refuses it before planning
+        raise ConfigError("--calibrate-efficiency needs --model; give it")
+    from hetpipe.calibrate import calibrate
+    from profiler.models import resolve_model
+    from runtime.data_source import named_data, run_data
+    from runtime.options import OPTIONS
+
+    spec = resolve_model(model, batch)
+    given = named_data("" if data == "builtin" else data, model, batch)
+    train = run_data(given, model, spec, batch, spec.loss).train
+    return calibrate(train, spec.module, spec.loss, batch, optimizer, OPTIONS["lr"].default)
+
+
 def choose_for_time(
     fastest: Plan,
     make: Callable[..., Plan],
     options: PlanOptions,
     rule: Callable[[Plan], Plan],
     allreduce: Callable[[], Plan],
-    optimizer: str,
+    inputs: EfficiencyInputs,
     target_samples: float,
-) -> tuple[Plan, list[Ranked], EfficiencyInputs]:
+) -> tuple[Plan, list[Ranked]]:
     """The plan ``--objective time`` picks (:func:`planner.objective.plan_for_time`) among
     ``fastest``'s allocation at every Nm of :func:`nm_values` and remedy, and AllReduce.
 
@@ -49,10 +84,9 @@ def choose_for_time(
         options: the user's planner options (Nm is then exact and the remedy's memory counted).
         rule: applies the user's synchronisation rule to a plan.
         allreduce: the AllReduce baseline's plan.
-        optimizer: ``sgd``, ``momentum`` or ``adam`` (the efficiency defaults).
+        inputs: the efficiency model's inputs (:func:`efficiency_inputs`).
         target_samples: samples sequential SGD needs to the target (0: relative times).
     """
-    from planner.efficiency import default_inputs
     from planner.objective import plan_for_time
 
     policy, vws = fastest.policy.removeprefix("auto:"), len(fastest.virtual_workers)
@@ -61,9 +95,7 @@ def choose_for_time(
         opts = replace(options, nm_choice="max", remedy=memory)
         return rule(make(policy=policy, nm=nm, num_vws=vws, options=opts))
 
-    inputs = default_inputs(optimizer)
-    best, ranked = plan_for_time(replan, nm_values(fastest), allreduce, inputs, target_samples)
-    return best, ranked, inputs
+    return plan_for_time(replan, nm_values(fastest), allreduce, inputs, target_samples)
 
 
 def _time(r: Ranked) -> str:

@@ -13,10 +13,15 @@ from rich.table import Table
 
 from hetpipe._common import console, err_console, handle_errors
 from hetpipe._rules import SYNC_HELP, AlphaOpt, BackupsOpt, TauOpt, apply_rule, rule_params
-from hetpipe.commands.objective import choose_for_time, render_objective, with_objective
+from hetpipe.commands.objective import (
+    choose_for_time,
+    efficiency_inputs,
+    render_objective,
+    with_objective,
+)
 from planner.cluster import Cluster, load_cluster
 from planner.plan import Plan, StagePlan, VirtualWorker
-from profiler.errors import ConfigError
+from profiler.errors import ConfigError, shown
 from runtime.options import PLAN_OPTIONS, Range, check_number, check_values
 
 if TYPE_CHECKING:  # heavy (torch, pandas, PuLP): imported when a plan is made
@@ -350,6 +355,7 @@ def plan(  # long only by its typer signature (the command's options); the body 
         "target_samples"
     ].default,
     remedy: Annotated[str, _opt("remedy")] = PLAN_OPTIONS["remedy"].default,
+    calibrate: Annotated[str | None, _opt("calibrate")] = None,
 ) -> None:
     """Plan HetPipe training (see HELP)."""
     from planner.costmodel import load_links
@@ -364,11 +370,7 @@ def plan(  # long only by its typer signature (the command's options); the body 
         {"objective": objective, "target_samples": target_samples, "remedy": remedy},
         PLAN_OPTIONS,
     )
-    if objective == "time" and sync in ("allreduce", "easgd"):
-        raise ConfigError(
-            f"--objective time compares HetPipe plans under --sync wsp or backup with "
-            f"AllReduce; drop --sync {sync}, or use --objective throughput"
-        )
+    _check_objective(objective, sync, calibrate, model)
     rule = rule_params(sync, backups, tau, alpha)
     cl = load_cluster(cluster)
     _pacing_note(cl, err_console if as_json else console)
@@ -404,13 +406,14 @@ def plan(  # long only by its typer signature (the command's options); the body 
         _emit(result, output, as_json, candidates, auto_budget, full)
         return
     with (console if not as_json else err_console).status("ranking plans by time to target"):
-        result, ranked, inputs = choose_for_time(
+        inputs = efficiency_inputs(calibrate, model, result.batch_size, optimizer)
+        result, ranked = choose_for_time(
             result,
             partial(make_plan, cl, profs, **kwargs),  # type: ignore[arg-type]
             options,
             partial(apply_rule, sync=sync, params=rule),
             partial(_allreduce_plan, cl, profs, model, result.batch_size, optimizer),
-            optimizer,
+            inputs,
             target_samples,
         )
     _emit(result, output, as_json, candidates, auto_budget, full)
@@ -433,6 +436,25 @@ def _check_options(numbers: dict[str, float | None], sync: str, shapes_hetpipe: 
     if sync == "allreduce" and shapes_hetpipe:
         raise ConfigError(
             "--policy, --vws, --nm and -D shape HetPipe plans; drop them with --sync allreduce"
+        )
+
+
+def _check_objective(objective: str, sync: str, calibrate: str | None, model: str | None) -> None:
+    """Refuse ``--objective time`` where it cannot rank, and calibration it cannot run."""
+    if objective == "time" and sync in ("allreduce", "easgd"):
+        raise ConfigError(
+            f"--objective time compares HetPipe plans under --sync wsp or backup with "
+            f"AllReduce; drop --sync {sync}, or use --objective throughput"
+        )
+    if calibrate and objective != "time":
+        raise ConfigError(
+            f"--calibrate-efficiency {shown(calibrate, 40)} feeds --objective time; add it, "
+            "or drop --calibrate-efficiency"
+        )
+    if calibrate and model is None:
+        raise ConfigError(
+            f"--calibrate-efficiency {shown(calibrate, 40)} trains the model, so needs --model; "
+            "give it, or drop --calibrate-efficiency for the defaults"
         )
 
 
