@@ -4,9 +4,10 @@
 ``--objective time`` ranks candidates by predicted *time to target*: the samples sequential
 SGD needs (``--target-samples``; relative times need none) divided by the plan's goodput,
 ``throughput x efficiency`` (:mod:`planner.efficiency`, Pollux's goodput). The candidates:
-the throughput plan's allocation at each Nm in turn, under each remedy that acts there
-(``predict`` from Nm 2, ``pipemare`` from Nm 3; a remedy whose memory does not fit is left
-out), and the AllReduce baseline on the devices that hold the model. The ranking is pure:
+the throughput plan's allocation (and, when the user chose no VW count, one VW of every
+device) at each Nm in turn, under each remedy that acts there (``predict`` from Nm 2,
+``pipemare`` from Nm 3; a remedy whose memory does not fit is left out), and the AllReduce
+baseline on the devices that hold the model. The ranking is pure:
 :func:`rank` over :class:`Choice` rows, tested on hand-built candidates; :func:`plan_for_time`
 builds the rows from plans made by injected functions.
 
@@ -153,8 +154,7 @@ def remedies_at(nm: int, inputs: EfficiencyInputs) -> list[str]:
 
 
 def plan_for_time(
-    replan: Callable[[int, str], Plan],
-    nm_values: Sequence[int],
+    allocations: Sequence[tuple[Callable[[int, str], Plan], Sequence[int]]],
     allreduce: Callable[[], Plan] | None,
     inputs: EfficiencyInputs,
     target_samples: float = 0.0,
@@ -162,9 +162,9 @@ def plan_for_time(
     """The plan of the fastest predicted time to target and every candidate ranked.
 
     Args:
-        replan: the plan of the user's allocation at exactly this Nm with this remedy's memory
-            (may raise :class:`PlanError`, or come back with a smaller Nm: not a candidate).
-        nm_values: the Nm values to compare.
+        allocations: per allocation, ``replan`` (its plan at exactly this Nm with this
+            remedy's memory; may raise :class:`PlanError` or :class:`ConfigError`, or come
+            back with a smaller Nm: not a candidate) and the Nm values to compare.
         allreduce: the AllReduce baseline's plan (may raise :class:`ConfigError`: no device
             holds the model), or ``None``.
         inputs: the efficiency model's inputs.
@@ -175,18 +175,19 @@ def plan_for_time(
     """
     plans: dict[str, Plan] = {}
     choices: list[Choice] = []
-    for nm in nm_values:
-        for remedy in remedies_at(nm, inputs):
-            memory = "predict" if remedy == "predict" else "none"  # pipemare keeps no more
-            try:
-                plan = replan(nm, memory)
-            except PlanError:
-                continue
-            if plan.nm != nm:
-                continue
-            c = choice_of(plan, remedy)
-            plans[c.label] = replace(plan, remedy=remedy)
-            choices.append(c)
+    for replan, nm_values in allocations:
+        for nm in nm_values:
+            for remedy in remedies_at(nm, inputs):
+                memory = "predict" if remedy == "predict" else "none"  # pipemare keeps no more
+                try:
+                    plan = replan(nm, memory)
+                except (PlanError, ConfigError):
+                    continue
+                c = choice_of(plan, remedy)
+                if plan.nm != nm or c.label in plans:
+                    continue
+                plans[c.label] = replace(plan, remedy=remedy)
+                choices.append(c)
     if allreduce is not None:
         try:
             ar = allreduce()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING
 
 from rich.markup import escape
@@ -73,6 +74,7 @@ def choose_for_time(
     allreduce: Callable[[], Plan],
     inputs: EfficiencyInputs,
     target_samples: float,
+    one_vw: bool = False,
 ) -> tuple[Plan, list[Ranked]]:
     """The plan ``--objective time`` picks (:func:`planner.objective.plan_for_time`) among
     ``fastest``'s allocation at every Nm of :func:`nm_values` and remedy, and AllReduce.
@@ -86,16 +88,21 @@ def choose_for_time(
         allreduce: the AllReduce baseline's plan.
         inputs: the efficiency model's inputs (:func:`efficiency_inputs`).
         target_samples: samples sequential SGD needs to the target (0: relative times).
+        one_vw: also compare one VW of every device (``--vws 1 --policy ed``: no foreign
+            delay), when the user chose no VW count and ``fastest`` has several.
     """
     from planner.objective import plan_for_time
 
     policy, vws = fastest.policy.removeprefix("auto:"), len(fastest.virtual_workers)
 
-    def replan(nm: int, memory: str) -> Plan:  # the same allocation at exactly Nm nm
+    def replan(policy: str, vws: int, nm: int, memory: str) -> Plan:  # at exactly Nm nm
         opts = replace(options, nm_choice="max", remedy=memory)
         return rule(make(policy=policy, nm=nm, num_vws=vws, options=opts))
 
-    return plan_for_time(replan, nm_values(fastest), allreduce, inputs, target_samples)
+    allocations = [(partial(replan, policy, vws), nm_values(fastest))]
+    if one_vw and vws > 1:
+        allocations.append((partial(replan, "ed", 1), list(range(1, NM_CANDIDATES + 1))))
+    return plan_for_time(allocations, allreduce, inputs, target_samples)
 
 
 def _time(r: Ranked) -> str:

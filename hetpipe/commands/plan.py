@@ -415,6 +415,7 @@ def plan(  # long only by its typer signature (the command's options); the body 
             partial(_allreduce_plan, cl, profs, model, result.batch_size, optimizer),
             inputs,
             target_samples,
+            one_vw=vws is None,
         )
     _emit(result, output, as_json, candidates, auto_budget, full)
     if not as_json:

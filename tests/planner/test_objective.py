@@ -172,7 +172,7 @@ def test_plan_for_time_picks_allreduce_and_records_why() -> None:
         return _at(min(nm, 3), 100.0 * nm)
 
     allreduce = _at(1, 250.0, sync="allreduce", policy="allreduce")
-    plan, ranked = plan_for_time(replan, [1, 2, 3, 4], lambda: allreduce, _inputs(1e6), 1000.0)
+    plan, ranked = plan_for_time([(replan, [1, 2, 3, 4])], lambda: allreduce, _inputs(1e6), 1000.0)
     assert plan.sync == "allreduce" and plan.objective["objective"] == "time"
     assert plan.objective["noise_scale"] == 1e6 and plan.objective["source"] == "test"
     assert plan.objective["seconds_to_target"] == pytest.approx(4.0)
@@ -183,7 +183,13 @@ def test_plan_for_time_picks_allreduce_and_records_why() -> None:
 
 
 def test_plan_for_time_keeps_the_winning_remedy() -> None:
-    plan, ranked = plan_for_time(lambda nm, _: _at(nm, 100.0 * nm), [1, 2, 3], None, _inputs(0))
+    def two_vws(nm: int, memory: str) -> Plan:
+        base = _at(nm, 150.0 * nm)
+        return replace(base, virtual_workers=base.virtual_workers * 2)
+
+    allocations = [(lambda nm, _: _at(nm, 100.0 * nm), [1, 2, 3]), (two_vws, [1, 2, 3])]
+    plan, ranked = plan_for_time(allocations, None, _inputs(0))
+    assert len(ranked) == 12 and any(r.choice.vws == 2 for r in ranked)  # 6 per allocation
     assert ranked[0].choice.label == "wsp 1 VW Nm 3 predict"
     assert (plan.nm, plan.remedy) == (3, "predict")
 
@@ -193,6 +199,6 @@ def test_no_candidate_and_easgd_are_one_line_errors() -> None:
         raise PlanError("no")
 
     with pytest.raises(PlanError, match="no candidate plan fits"):
-        plan_for_time(never, [1, 2], None, _inputs(1.0))
+        plan_for_time([(never, [1, 2])], None, _inputs(1.0))
     with pytest.raises(ConfigError, match="--sync easgd"):
         choice_of(_at(2, 1.0, sync="easgd"))
