@@ -131,5 +131,5 @@ def test_predict_adds_the_copies_the_stage_keeps(optimizer: str, extra_at_nm: li
             == a.memory_bytes + extra * a.param_bytes
             == 3000 * extra + a.memory_bytes
         )
-        grown = predict.memory_matrix(2, 0, nm) - none.memory_matrix(2, 0, nm)
-        assert grown[0, 3] == extra * 3000
+        grown = predict.memory_matrix(2, 0, nm)[0, 3] - none.memory_matrix(2, 0, nm)[0, 3]
+        assert grown == extra * 3000
