@@ -63,3 +63,12 @@ def test_calibration_options_are_checked_before_planning(args: list[str], fragme
     res = CliRunner().invoke(app, ["plan", str(EXAMPLES / "emulated_cluster.yaml"), *args])
     assert res.exit_code == 2 and fragment in res.output, res.output
     assert len(res.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("module", ["hetpipe.calibrate", "hetpipe.commands.objective"])
+def test_doctests(module: str) -> None:
+    import doctest
+    import importlib
+
+    res = doctest.testmod(importlib.import_module(module))
+    assert res.attempted > 0 and res.failed == 0

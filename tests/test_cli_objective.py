@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -47,3 +48,14 @@ def test_time_objective_refuses_rules_it_does_not_model() -> None:
         "--objective time compares HetPipe plans" in res.output
         and "drop --sync easgd" in res.output
     )
+
+
+def test_json_gets_the_plan_on_stdout_and_the_table_on_stderr() -> None:
+    args = ["plan", CLUSTER, "--model", "mlp", "--vws", "1", "--policy", "ed", "--objective",
+            "time", "--nm", "2", "--json"]  # fmt: skip
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["objective"]["objective"] == "time" and doc["objective"]["candidates"] >= 2
+    assert doc["nm"] <= 2 and "Nm 3" not in res.stderr  # --nm caps every candidate
+    assert "objective time: candidates" in res.stderr

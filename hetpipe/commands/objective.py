@@ -16,6 +16,8 @@ from planner.plan import Plan
 from profiler.errors import ConfigError
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from planner.efficiency import EfficiencyInputs
     from planner.objective import Ranked
     from planner.planner import PlanOptions
@@ -33,10 +35,19 @@ NM_CANDIDATES = 8
 """Largest Nm ``--objective time`` compares (beyond it the staleness cost only grows)."""
 
 
-def nm_values(plan: Plan) -> list[int]:
-    """``1 .. min(smallest nm_max, NM_CANDIDATES)``, and the throughput plan's own Nm."""
+def nm_values(plan: Plan, cap: int | None = None) -> list[int]:
+    """``1 .. min(smallest nm_max, NM_CANDIDATES, cap)``, and the throughput plan's own Nm
+    (``cap``: the user's ``--nm``).
+
+    Example:
+        >>> from types import SimpleNamespace as NS
+        >>> plan = NS(nm=3, virtual_workers=[NS(nm_max=12), NS(nm_max=5)])
+        >>> nm_values(plan), nm_values(plan, cap=2)
+        ([1, 2, 3, 4, 5], [1, 2])
+    """
     top = min((vw.nm_max for vw in plan.virtual_workers), default=1)
-    return sorted({*range(1, max(1, min(top, NM_CANDIDATES)) + 1), plan.nm})
+    top = min(top, NM_CANDIDATES, cap or NM_CANDIDATES)
+    return sorted({*range(1, max(1, top) + 1), min(plan.nm, cap or plan.nm)})
 
 
 def efficiency_inputs(
@@ -75,6 +86,7 @@ def choose_for_time(
     inputs: EfficiencyInputs,
     target_samples: float,
     one_vw: bool = False,
+    nm_cap: int | None = None,
 ) -> tuple[Plan, list[Ranked]]:
     """The plan ``--objective time`` picks (:func:`planner.objective.plan_for_time`) among
     ``fastest``'s allocation at every Nm of :func:`nm_values` and remedy, and AllReduce.
@@ -90,6 +102,7 @@ def choose_for_time(
         target_samples: samples sequential SGD needs to the target (0: relative times).
         one_vw: also compare one VW of every device (``--vws 1 --policy ed``: no foreign
             delay), when the user chose no VW count and ``fastest`` has several.
+        nm_cap: the user's ``--nm``: no candidate has more in flight.
     """
     from planner.objective import plan_for_time
 
@@ -99,9 +112,10 @@ def choose_for_time(
         opts = replace(options, nm_choice="max", remedy=memory)
         return rule(make(policy=policy, nm=nm, num_vws=vws, options=opts))
 
-    allocations = [(partial(replan, policy, vws), nm_values(fastest))]
+    allocations = [(partial(replan, policy, vws), nm_values(fastest, nm_cap))]
     if one_vw and vws > 1:
-        allocations.append((partial(replan, "ed", 1), list(range(1, NM_CANDIDATES + 1))))
+        top = min(NM_CANDIDATES, nm_cap or NM_CANDIDATES)
+        allocations.append((partial(replan, "ed", 1), list(range(1, top + 1))))
     return plan_for_time(allocations, allreduce, inputs, target_samples)
 
 
@@ -109,9 +123,12 @@ def _time(r: Ranked) -> str:
     return "-" if math.isinf(r.relative_time) else f"x{r.relative_time:.2f}"
 
 
-def render_objective(ranked: list[Ranked], inputs: EfficiencyInputs, target: float) -> None:
+def render_objective(
+    ranked: list[Ranked], inputs: EfficiencyInputs, target: float, out: Console = console
+) -> None:
     """The candidates by predicted time to target (both factors shown), the pick marked; the
-    efficiency inputs' source; AllReduce's win or the remedy to run with, in one line."""
+    efficiency inputs' source; AllReduce's win or the remedy to run with, in one line (on
+    ``out``: stderr under ``--json``)."""
     title = "objective time: candidates by predicted time to target (throughput x efficiency)"
     table = Table(title=title)
     cols = ["candidate", "samples/s", "efficiency", "goodput/s", "time vs best"]
@@ -128,20 +145,20 @@ def render_objective(ranked: list[Ranked], inputs: EfficiencyInputs, target: flo
             "chosen" if k == 0 else "",
             style="bold" if k == 0 else None,
         )
-    console.print(table)
+    out.print(table)
     costs = ", ".join(f"{k} {v:g}" for k, v in inputs.delay_cost.items())
-    console.print(
+    out.print(
         f"[dim]efficiency inputs: noise scale {inputs.noise_scale:g} samples, delay cost per "
         f"update {costs}; {escape(inputs.source)}[/]"
     )
     best = ranked[0].choice
     if best.sync == "allreduce":
-        console.print(
+        out.print(
             f"AllReduce on {best.vws} devices is predicted faster to the target than every "
             "HetPipe plan: the plan is the AllReduce plan"
         )
     elif best.remedy != "none":
-        console.print(f"run it with --remedy {best.remedy} (recorded in the plan)")
+        out.print(f"run it with --remedy {best.remedy} (recorded in the plan)")
 
 
 def with_objective(plan: Plan, objective: str, remedy: str) -> Plan:

@@ -416,10 +416,10 @@ def plan(  # long only by its typer signature (the command's options); the body 
             inputs,
             target_samples,
             one_vw=vws is None,
+            nm_cap=nm,
         )
     _emit(result, output, as_json, candidates, auto_budget, full)
-    if not as_json:
-        render_objective(ranked, inputs, target_samples)
+    render_objective(ranked, inputs, target_samples, err_console if as_json else console)
 
 
 _RANGES = {

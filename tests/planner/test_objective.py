@@ -202,3 +202,12 @@ def test_no_candidate_and_easgd_are_one_line_errors() -> None:
         plan_for_time([(never, [1, 2])], None, _inputs(1.0))
     with pytest.raises(ConfigError, match="--sync easgd"):
         choice_of(_at(2, 1.0, sync="easgd"))
+
+
+@pytest.mark.parametrize("module", ["planner.efficiency", "planner.objective"])
+def test_doctests(module: str) -> None:
+    import doctest
+    import importlib
+
+    res = doctest.testmod(importlib.import_module(module))
+    assert res.attempted > 0 and res.failed == 0
