@@ -246,7 +246,7 @@ def render_candidates(rows: list[Candidate], budget_s: float) -> None:
 
 
 @handle_errors
-def plan(  # long only by its typer signature (the command's options); the body is ~35 lines
+def plan(  # long by its typer signature (the command's options); the body is ~60 lines
     cluster: Annotated[Path, typer.Argument(help="cluster.yaml")],
     model: Annotated[
         str | None, typer.Option("--model", "-m", help="built-in model or package.module:factory")
@@ -366,14 +366,13 @@ def plan(  # long only by its typer signature (the command's options); the body 
                "--time-limit": time_limit, "--auto-budget": auto_budget,
                "--auto-max-vw-gpus": auto_max_vw_gpus, "--max-cuts": max_cuts}  # fmt: skip
     _check_options(numbers, sync, bool(policy or vws or nm or staleness))
-    check_values(
-        {"objective": objective, "target_samples": target_samples, "remedy": remedy},
-        PLAN_OPTIONS,
-    )
+    check_values({"objective": objective, "target_samples": target_samples, "remedy": remedy},
+                 PLAN_OPTIONS)  # fmt: skip
     _check_objective(objective, sync, calibrate, model)
     rule = rule_params(sync, backups, tau, alpha)
     cl = load_cluster(cluster)
-    _pacing_note(cl, err_console if as_json else console)
+    out = err_console if as_json else console  # what is not the plan itself
+    _pacing_note(cl, out)
     profs = load_profiles(profiles, profile_gpu) if profiles else []
     candidates: list[Candidate] = []
     options = PlanOptions(
@@ -387,7 +386,7 @@ def plan(  # long only by its typer signature (the command's options); the body 
         auto_budget_s=auto_budget,
         remedy=remedy,
     )
-    with (console if not as_json else err_console).status(
+    with out.status(
         f"planning {model or 'the profiled model'} on {cl.name} (profiles, allocation, "
         "partition, Nm, placement, simulation)"
     ):
@@ -405,7 +404,7 @@ def plan(  # long only by its typer signature (the command's options); the body 
     if objective != "time":
         _emit(result, output, as_json, candidates, auto_budget, full)
         return
-    with (console if not as_json else err_console).status("ranking plans by time to target"):
+    with out.status("ranking plans by time to target"):
         inputs = efficiency_inputs(calibrate, model, result.batch_size, optimizer)
         result, ranked = choose_for_time(
             result,
@@ -419,7 +418,7 @@ def plan(  # long only by its typer signature (the command's options); the body 
             nm_cap=nm,
         )
     _emit(result, output, as_json, candidates, auto_budget, full)
-    render_objective(ranked, inputs, target_samples, err_console if as_json else console)
+    render_objective(ranked, inputs, target_samples, out)
 
 
 _RANGES = {
