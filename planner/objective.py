@@ -4,8 +4,8 @@
 ``--objective time`` ranks candidates by predicted *time to target*: the samples sequential
 SGD needs (``--target-samples``; relative times need none) divided by the plan's goodput,
 ``throughput x efficiency`` (:mod:`planner.efficiency`, Pollux's goodput). The candidates:
-the throughput plan's allocation (and, when the user chose no VW count, one VW of every
-device) at each Nm in turn, under each remedy that acts there (``predict`` from Nm 2,
+the throughput plan's allocation (and others given: ``hetpipe plan`` adds ``auto``'s best
+and, when the user chose no VW count, one VW of every device) at each Nm in turn, under each remedy that acts there (``predict`` from Nm 2,
 ``pipemare`` from Nm 3; a remedy whose memory does not fit is left out), and the AllReduce
 baseline on the devices that hold the model. The ranking is pure:
 :func:`rank` over :class:`Choice` rows, tested on hand-built candidates; :func:`plan_for_time`
@@ -50,7 +50,7 @@ class Choice:
     """One candidate plan as the objective sees it.
 
     Attributes:
-        label: how the table names it (``wsp 2 VWs Nm 3 predict``, ``allreduce 4 devices``).
+        label: how the table names it (``wsp hd 2 VWs Nm 3 predict``, ``allreduce 4 devices``).
         sync: its synchronisation rule (``wsp``, ``backup``, ``allreduce``).
         vws: virtual workers (AllReduce: devices).
         nm: minibatches in flight per VW.
@@ -133,7 +133,8 @@ def choice_of(plan: Plan, remedy: str = "none") -> Choice:
     if plan.sync == "backup":  # a wave sums the first n - backups VWs' updates, D = 0
         syncing, D = n - int(dict(plan.sync_params).get("backups", 0)), 0
     local, foreign = mean_delay(plan.nm, syncing, D)
-    label = f"{plan.sync} {n} VW{'s' if n > 1 else ''} Nm {plan.nm}" + (
+    policy = plan.policy.removeprefix("auto:")
+    label = f"{plan.sync} {policy} {n} VW{'s' if n > 1 else ''} Nm {plan.nm}" + (
         f" {remedy}" if remedy != "none" else ""
     )
     setting = Setting(b, b, local, foreign, remedy)

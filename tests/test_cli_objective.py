@@ -21,7 +21,7 @@ def test_time_objective_ranks_candidates_and_records_the_pick(tmp_path: Path) ->
     res = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.output
     assert "objective time: candidates by predicted time to target" in res.output
-    assert "allreduce" in res.output and "wsp 1 VW Nm 1 " in res.output
+    assert "allreduce" in res.output and "wsp ed 1 VW Nm 1 " in res.output
     assert "default (no data)" in res.output  # no --calibrate-efficiency: says so
     chosen = [line for line in res.output.splitlines() if "chosen" in line]
     assert len(chosen) == 1 and "x1.00" in chosen[0]

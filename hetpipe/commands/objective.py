@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING
@@ -18,6 +18,7 @@ from profiler.errors import ConfigError
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from planner.auto_search import Candidate
     from planner.efficiency import EfficiencyInputs
     from planner.objective import Ranked
     from planner.planner import PlanOptions
@@ -27,12 +28,16 @@ __all__ = [
     "choose_for_time",
     "efficiency_inputs",
     "nm_values",
+    "other_allocations",
     "render_objective",
     "with_objective",
 ]
 
 NM_CANDIDATES = 8
 """Largest Nm ``--objective time`` compares (beyond it the staleness cost only grows)."""
+
+AUTO_ALLOCATIONS = 3
+"""Most allocations of policy ``auto``'s table that ``--objective time`` compares."""
 
 
 def nm_values(plan: Plan, cap: int | None = None) -> list[int]:
@@ -85,7 +90,7 @@ def choose_for_time(
     allreduce: Callable[[], Plan],
     inputs: EfficiencyInputs,
     target_samples: float,
-    one_vw: bool = False,
+    others: Sequence[tuple[str, int]] = (),
     nm_cap: int | None = None,
 ) -> tuple[Plan, list[Ranked]]:
     """The plan ``--objective time`` picks (:func:`planner.objective.plan_for_time`) among
@@ -100,8 +105,7 @@ def choose_for_time(
         allreduce: the AllReduce baseline's plan.
         inputs: the efficiency model's inputs (:func:`efficiency_inputs`).
         target_samples: samples sequential SGD needs to the target (0: relative times).
-        one_vw: also compare one VW of every device (``--vws 1 --policy ed``: no foreign
-            delay), when the user chose no VW count and ``fastest`` has several.
+        others: more allocations to compare, ``(policy, VW count)`` (:func:`other_allocations`).
         nm_cap: the user's ``--nm``: no candidate has more in flight.
     """
     from planner.objective import plan_for_time
@@ -113,10 +117,38 @@ def choose_for_time(
         return rule(make(policy=policy, nm=nm, num_vws=vws, options=opts))
 
     allocations = [(partial(replan, policy, vws), nm_values(fastest, nm_cap))]
-    if one_vw and vws > 1:
-        top = min(NM_CANDIDATES, nm_cap or NM_CANDIDATES)
-        allocations.append((partial(replan, "ed", 1), list(range(1, top + 1))))
+    top = min(NM_CANDIDATES, nm_cap or NM_CANDIDATES)
+    for other in others:
+        if other != (policy, vws):
+            allocations.append((partial(replan, *other), list(range(1, top + 1))))
     return plan_for_time(allocations, allreduce, inputs, target_samples)
+
+
+def other_allocations(
+    rows: Sequence[Candidate], vws_given: bool, limit: int = AUTO_ALLOCATIONS
+) -> list[tuple[str, int]]:
+    """The allocations ``--objective time`` compares beside the throughput plan's: those
+    policy ``auto`` solved (``rows``, best prediction first, as ``(policy, VW count)``, at most
+    ``limit``) and, unless the user gave ``--vws``, one VW of every device (``ed``, 1: no other
+    VW's updates to miss).
+
+    Example:
+        >>> from planner.auto_search import Candidate
+        >>> rows = [Candidate("np", ("VV", "RR"), 9.0, 5.0, 2, 0.1, "planned"),
+        ...         Candidate("hd", ("VR",) * 2, 9.0, 7.0, 2, 0.1, "chosen"),
+        ...         Candidate("ed", ("V", "R", "G", "Q"), 9.0, 0.0, 0, 0.0, "cannot win")]
+        >>> other_allocations(rows, vws_given=False)
+        [('hd', 2), ('np', 2), ('ed', 1)]
+        >>> other_allocations(rows, vws_given=True, limit=1)
+        [('hd', 2)]
+    """
+    solved = sorted(
+        (r for r in rows if r.status in ("planned", "chosen")), key=lambda r: -r.throughput
+    )
+    out = list(dict.fromkeys((r.policy, len(r.signatures)) for r in solved))[:limit]
+    if not vws_given and ("ed", 1) not in out:
+        out.append(("ed", 1))
+    return out
 
 
 def _time(r: Ranked) -> str:

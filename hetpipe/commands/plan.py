@@ -16,6 +16,7 @@ from hetpipe._rules import SYNC_HELP, AlphaOpt, BackupsOpt, TauOpt, apply_rule, 
 from hetpipe.commands.objective import (
     choose_for_time,
     efficiency_inputs,
+    other_allocations,
     render_objective,
     with_objective,
 )
@@ -414,7 +415,7 @@ def plan(  # long by its typer signature (the command's options); the body is ~6
             partial(_allreduce_plan, cl, profs, model, result.batch_size, optimizer),
             inputs,
             target_samples,
-            one_vw=vws is None,
+            others=other_allocations(candidates, vws_given=vws is not None),
             nm_cap=nm,
         )
     _emit(result, output, as_json, candidates, auto_budget, full)

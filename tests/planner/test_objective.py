@@ -178,8 +178,8 @@ def test_plan_for_time_picks_allreduce_and_records_why() -> None:
     assert plan.objective["seconds_to_target"] == pytest.approx(4.0)
     assert (3, "predict") in calls and (4, "none") in calls
     labels = {r.choice.label for r in ranked}  # Nm 4 came back at 3: not a candidate
-    assert "wsp 1 VW Nm 3 pipemare" in labels and not any("Nm 4" in x for x in labels)
-    assert "wsp 1 VW Nm 3 predict" not in labels
+    assert "wsp manual 1 VW Nm 3 pipemare" in labels and not any("Nm 4" in x for x in labels)
+    assert "wsp manual 1 VW Nm 3 predict" not in labels
 
 
 def test_plan_for_time_keeps_the_winning_remedy() -> None:
@@ -190,7 +190,7 @@ def test_plan_for_time_keeps_the_winning_remedy() -> None:
     allocations = [(lambda nm, _: _at(nm, 100.0 * nm), [1, 2, 3]), (two_vws, [1, 2, 3])]
     plan, ranked = plan_for_time(allocations, None, _inputs(0))
     assert len(ranked) == 12 and any(r.choice.vws == 2 for r in ranked)  # 6 per allocation
-    assert ranked[0].choice.label == "wsp 1 VW Nm 3 predict"
+    assert ranked[0].choice.label == "wsp manual 1 VW Nm 3 predict"
     assert (plan.nm, plan.remedy) == (3, "predict")
 
 
