@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from hetpipe.cli import app
@@ -59,3 +60,30 @@ def test_json_gets_the_plan_on_stdout_and_the_table_on_stderr() -> None:
     assert doc["objective"]["objective"] == "time" and doc["objective"]["candidates"] >= 2
     assert doc["nm"] <= 2 and "Nm 3" not in res.stderr  # --nm caps every candidate
     assert "objective time: candidates" in res.stderr
+
+
+def test_calibrated_inputs_reach_the_table_and_the_plan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--calibrate-efficiency builtin`` calibrates on the model's own data (digits for mlp);
+    the measurement itself is tests/test_calibrate.py's, replaced here by a stand-in."""
+    from planner.efficiency import EfficiencyInputs
+
+    seen: dict[str, object] = {}
+
+    def fake(dataset: object, model: object, loss: object, batch: int, optimizer: str,
+             lr: float) -> EfficiencyInputs:  # fmt: skip
+        seen.update(n=len(dataset), batch=batch, optimizer=optimizer)  # type: ignore[arg-type]
+        return EfficiencyInputs(1e9, {"none": 5.0, "predict": 5.0}, "calibrated (stand-in)")
+
+    monkeypatch.setattr("hetpipe.calibrate.calibrate", fake)
+    out = tmp_path / "plan.yaml"
+    args = ["plan", CLUSTER, "--model", "mlp", "--vws", "1", "--policy", "ed", "--nm", "2",
+            "--objective", "time", "--calibrate-efficiency", "builtin", "-o", str(out)]  # fmt: skip
+    res = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert seen == {"n": 1797, "batch": 32, "optimizer": "momentum"}
+    assert "calibrated (stand-in)" in res.output and "default (no data)" not in res.output
+    plan = load_plan(out)  # phi 1e9: big batches are free, delay costs 5 per update
+    assert plan.sync == "allreduce" and plan.objective["source"] == "calibrated (stand-in)"
+    assert "AllReduce on" in res.output
