@@ -13,12 +13,14 @@ it would under sequential SGD at the plan's minibatch ``b``. Two effects, multip
 - **Delay.** A gradient computed on weights that miss ``tau`` updates (HetPipe: ``Nm - 1``
   of its own VW, plus the other VWs' updates its wave has not pulled) moves the model as if
   its step were smaller: a delay of ``tau`` divides the stable step size by about
-  ``1 + tau`` for a quadratic (the classic bound ``lr < 1 / (L (1 + tau))`` of delayed SGD),
-  so progress per sample falls as ``1 / (1 + c tau)`` (:func:`delay_efficiency`), where
-  ``c`` in ``[0, 1]`` says how close to that bound the user's step size runs. ``c`` is
-  measured, per remedy (a remedy that removes most of the delay has a small ``c``): either
-  from the user's own data (:mod:`planner.calibrate`, sequential vs delayed SGD) or from the
-  defaults below, fitted to the figures of ``docs/convergence.md``.
+  ``1 + tau`` (gradient descent ``w' = w - lr L w_{-tau}`` on a quadratic of curvature ``L``
+  is stable for ``lr L`` below 2 at ``tau = 0``, 1 at ``tau = 1``, 0.62 at ``tau = 2`` and
+  about ``pi / (2 tau + 1)`` for large ``tau``), so progress per sample falls as
+  ``1 / (1 + c tau)`` (:func:`delay_efficiency`), where ``c`` (about 1 near that bound, small
+  far below it) says how close to it the user's step size runs. ``c`` is measured, per remedy
+  (a remedy that removes most of the delay has a small ``c``): either on the user's own data
+  (``--calibrate-efficiency``, :mod:`hetpipe.calibrate`: sequential vs delayed SGD) or from
+  the defaults below, fitted to the figures of ``docs/convergence.md``.
 
 The delay of a candidate (:func:`mean_delay`): ``Nm - 1`` local updates, plus, with ``n`` VWs
 under WSP (threshold ``D``), the other VWs' updates of the wave in progress and, on average,
