@@ -11,6 +11,7 @@ where ``cut_bytes[k]`` counts every tensor crossing cut ``k`` (skip connections 
 Its memory with ``Nm`` minibatches in flight (the shared memory model of the project)::
 
     static = param_bytes * (2 + optimizer_state_factor) + buffer_bytes + (Nm - 1) * param_bytes
+             + remedy_copies * param_bytes      (--remedy predict: planner.staleness)
     memory = static + in_flight_bound(j, K, Nm) * (saved_bytes + cut_bytes[a])
 
 That is the all-keep case of :mod:`planner.offload`: a cost model carries one uniform memory
@@ -56,6 +57,7 @@ from planner.offload import (
 )
 from planner.schedule import in_flight_bound
 from planner.stagecost import StageCosts
+from planner.staleness import check_remedy
 from profiler.crossing import crossing_sets
 from profiler.errors import ConfigError, ProfileError
 from profiler.inputs import load_document
@@ -143,6 +145,8 @@ class CostModel(StageCosts):
         host_link: the GPU <-> host-memory link of a node (offloaded bytes cross it).
         hosts: each node's :class:`~planner.offload.HostShare` (GPUs sharing the host link,
             host memory per GPU), by node name; a node not listed: one GPU, unbounded memory.
+        remedy: the run's staleness remedy (:data:`planner.staleness.REMEDIES`): ``predict``
+            keeps more weight copies (:func:`planner.staleness.remedy_weight_copies`).
 
     Raises:
         ProfileError: profiles disagree on the layers.
@@ -157,6 +161,7 @@ class CostModel(StageCosts):
         memory_type: str | None = None,
         host_link: Link = PCIE,
         hosts: Mapping[str, HostShare] | None = None,
+        remedy: str = "none",
     ) -> None:
         if not profiles:
             raise ProfileError("no profiles given to the cost model")
@@ -172,6 +177,7 @@ class CostModel(StageCosts):
         self.layer_names: tuple[str, ...] = tuple(names)
         self.link = link
         self.optimizer_state_factor = float(optimizer_state_factor)
+        self.remedy = check_remedy(remedy)
         self.host_link = host_link
         self.hosts: dict[str, HostShare] = dict(hosts or {})
         self.placement: MemoryPlacement = KEEP_ALL
@@ -245,7 +251,9 @@ class CostModel(StageCosts):
 
     def coefficients(self, in_flight: int, nm: int) -> Coefficients:
         """Device-memory multipliers of params, saved and cut bytes (:mod:`planner.offload`)."""
-        return coefficients(self.placement, nm, in_flight, self.optimizer_state_factor)
+        return coefficients(
+            self.placement, nm, in_flight, self.optimizer_state_factor, self.remedy_copies(nm)
+        )
 
     def static_factor(self, nm: int) -> float:
         """Param-byte multiplier of the static memory: weights, grads, optimizer, ``Nm-1`` versions

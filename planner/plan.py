@@ -232,6 +232,8 @@ class Plan:
     # "allreduce" or "local"
     sync_params: SyncParams = ()  # the rule's parameters (planner.sync.check_sync_params)
     precision: str = "fp32"  # "fp32" or "bf16" (autocast, fp32 master weights; profiler.precision)
+    remedy: str = "none"  # staleness remedy the memory model counted (planner.staleness.REMEDIES)
+    objective: dict[str, Any] = field(default_factory=dict)  # how it was chosen: planner.objective
     version: int = PLAN_VERSION
 
     @property
@@ -304,6 +306,8 @@ class Plan:
                     d.get("sync", "wsp"), d.get("sync_params") or {}, source
                 ),
                 precision=check_precision(str(d.get("precision", "fp32")), f"{source}: precision"),
+                remedy=_remedy(d.get("remedy", "none"), source),
+                objective=dict(d.get("objective") or {}),
             )
         except KeyError as exc:
             raise PlanError(
@@ -344,6 +348,21 @@ def _virtual_worker(v: dict[str, Any]) -> VirtualWorker:
         partitioner=str(v.get("partitioner", "")),
         bound_ms=float(v.get("bound_ms", 0.0)),
     )
+
+
+def _remedy(value: object, source: str) -> str:
+    """A plan file's ``remedy`` (:data:`planner.staleness.REMEDIES`).
+
+    Raises:
+        PlanError: another value (names it and the remedies).
+    """
+    from planner.staleness import REMEDIES
+
+    if value not in REMEDIES:
+        raise PlanError(
+            f"{source}: remedy {shown(value, 40)} is unknown: use one of {', '.join(REMEDIES)}"
+        )
+    return str(value)
 
 
 def _prediction(pred: dict[str, Any]) -> Prediction:

@@ -29,6 +29,7 @@ from planner.offload import (
 )
 from planner.plan import StageCost
 from planner.schedule import in_flight_bound
+from planner.staleness import remedy_weight_copies
 
 __all__ = ["StageCosts", "StageMemory"]
 
@@ -59,6 +60,7 @@ class StageCosts:
 
     link: Callable[[Device, Device], Link]
     optimizer_state_factor: float
+    remedy: str
     host_link: Link
     hosts: dict[str, HostShare]
     placement: MemoryPlacement
@@ -72,6 +74,11 @@ class StageCosts:
     def host_share(self, gpu: Device) -> HostShare:
         """``gpu``'s share of its node's host link and host memory."""
         return self.hosts.get(gpu.node, HostShare())
+
+    def remedy_copies(self, nm: int) -> int:
+        """Parameter-sized copies the staleness remedy adds on the device at ``nm``
+        (:func:`planner.staleness.remedy_weight_copies`)."""
+        return remedy_weight_copies(self.remedy, nm, self.optimizer_state_factor)
 
     def stage_bytes(self, p: int, q: int) -> StageBytes:
         """The sizes of a stage over positions ``[p, q)`` (:class:`planner.offload.StageBytes`)."""
@@ -102,7 +109,7 @@ class StageCosts:
         compute = fwd + float(self.bwd_prefix[t][q] - self.bwd_prefix[t][p]) + extra
         return StageMemory(
             placement=pl,
-            device_bytes=device_bytes(b, pl, nm, k, o),
+            device_bytes=device_bytes(b, pl, nm, k, o, self.remedy_copies(nm)),
             host_bytes=host_bytes(b, pl, nm, k, o),
             transfer_bytes=moved,
             recompute_ms=extra,

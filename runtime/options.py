@@ -30,6 +30,7 @@ SCHEDULES = ("constant", "step", "cosine", "warmup")
 __all__ = [
     "OPTIMIZERS",
     "OPTIONS",
+    "PLAN_OPTIONS",
     "SCHEDULES",
     "Option",
     "Range",
@@ -130,6 +131,18 @@ OPTIONS: Mapping[str, Option] = MappingProxyType(
 """Every option both entries take, by parameter name (``hetpipe run`` adds the planning ones,
 ``--resume``, ``--out`` and ``--progress``; torchrun adds ``--calibration``)."""
 
+PLAN_OPTIONS: Mapping[str, Option] = MappingProxyType(
+    {
+        "objective": Option("--objective", "throughput", "what the plan is chosen for: throughput (fastest samples/s) or time (fastest predicted time to target: throughput x statistical efficiency, AllReduce and each Nm and remedy compared; docs/planner.md)", choices=("throughput", "time")),
+        "target_samples": Option("--target-samples", 0.0, "--objective time: samples sequential SGD needs to the target (0: relative times only)", Range(0)),
+        "remedy": Option("--remedy", "none", "the run's staleness remedy, for the memory model (predict keeps more weight copies) and --objective time", choices=("none", "predict", "pipemare")),
+        "calibrate": Option("--calibrate-efficiency", "", "--objective time: measure the efficiency model's inputs (gradient noise scale, delay cost per remedy) in seconds of single-process SGD on DATA: builtin (the model's own data), synthetic or pkg.mod:factory (default: the defaults, said in the table)"),
+    }
+)  # fmt: skip
+"""The planning options of ``hetpipe plan`` that are data too: plain values, checked by
+:func:`check_values` with the table given, before anything is planned. They are not run
+options (torchrun runs a plan, it does not choose one), so not in :data:`OPTIONS`."""
+
 
 def check_number(flag: str, value: float | None, allowed: Range, default: object = None) -> None:
     """Refuse a numeric option's value outside ``allowed`` (``None``: not given, fine).
@@ -147,9 +160,10 @@ def check_number(flag: str, value: float | None, allowed: Range, default: object
         raise ConfigError(f"{flag} {value}: {problem}; give such a value, or {fix}")
 
 
-def check_values(values: Mapping[str, Any]) -> None:
-    """Check every option of :data:`OPTIONS` in ``values`` against its range or choices (both
-    entries, before any planning or process starts, without importing torch).
+def check_values(values: Mapping[str, Any], table: Mapping[str, Option] = OPTIONS) -> None:
+    """Check every option of ``table`` (:data:`OPTIONS`, or :data:`PLAN_OPTIONS`) in ``values``
+    against its range or choices (before any planning or process starts, without importing
+    torch).
 
     Raises:
         ConfigError: the first value out of range (as :func:`check_number` words it) or not
@@ -157,7 +171,7 @@ def check_values(values: Mapping[str, Any]) -> None:
     """
     from profiler.errors import ConfigError, shown
 
-    for name, opt in OPTIONS.items():
+    for name, opt in table.items():
         if name not in values:
             continue
         if opt.range is not None:

@@ -65,6 +65,7 @@ PLANNING_BAD = [
     ("plan", "--auto-max-vw-gpus", "0", ">= 1"),
     ("plan", "--max-cuts", "-1", ">= 0"),
     ("plan", "--tau", "0", ">= 1"),
+    ("plan", "--target-samples", "-1", ">= 0"),
     ("simulate", "--waves", "1", ">= 2"),
     ("simulate", "--waves", "-5", ">= 2"),
 ]
@@ -146,6 +147,18 @@ def test_run_and_torchrun_refuse_an_unknown_choice(
     assert main([CLUSTER, flag, value]) == 2
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert errors == [f"{flag} {value!r}: {fix}"]
+
+
+@pytest.mark.usefixtures("nothing_read")
+@pytest.mark.parametrize(
+    ("flag", "value", "fix"),
+    [("--objective", "speed", "use one of throughput, time"),
+     ("--remedy", "spectrain", "use one of none, predict, pipemare")],
+)  # fmt: skip
+def test_plan_refuses_an_unknown_choice(flag: str, value: str, fix: str) -> None:
+    res = CliRunner().invoke(app, ["plan", CLUSTER, flag, value])
+    assert res.exit_code == 2, res.output
+    assert res.output.strip() == f"error: {flag} {value!r}: {fix}", res.output
 
 
 @pytest.mark.usefixtures("nothing_read")
