@@ -21,7 +21,7 @@ from profiler.errors import ConfigError, shown
 from profiler.precision import check_precision
 from runtime.by_value import pickler
 from runtime.defaults import TIMEOUT_S
-from runtime.options import OPTIMIZERS, SCHEDULES
+from runtime.options import LR_SCHEDULES, OPTIMIZERS
 
 if TYPE_CHECKING:
     from runtime.launch.faults import ShardFault, StageFault
@@ -32,7 +32,7 @@ __all__ = ["LossFn", "ModelSource", "OptimizerConfig", "RunConfig", "WSPConfig"]
 LossFn = Callable[[Any, Tensor], Tensor]
 
 _OPTIMIZERS = OPTIMIZERS  # the option table's, so that the CLI checks them without torch
-_SCHEDULES = SCHEDULES
+_SCHEDULES = LR_SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class OptimizerConfig:
         weight_decay: L2 weight decay (both optimizers).
         betas: Adam betas.
         eps: Adam epsilon.
-        schedule: ``constant``; ``step`` (multiply by ``gamma`` every ``step_size`` updates);
+        lr_schedule: ``constant``; ``step`` (multiply by ``gamma`` every ``step_size`` updates);
             ``cosine`` (to 0 over ``total_updates``); ``warmup`` (linear from 0 over
             ``warmup`` updates, then constant).
         gamma: decay factor of the ``step`` schedule.
@@ -64,7 +64,7 @@ class OptimizerConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
-    schedule: str = "constant"
+    lr_schedule: str = "constant"
     gamma: float = 0.1
     step_size: int = 100
     warmup: int = 0
@@ -75,9 +75,9 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         if self.name not in _OPTIMIZERS:
             raise ConfigError(f"optimizer {self.name!r} is not supported: use one of {_OPTIMIZERS}")
-        if self.schedule not in _SCHEDULES:
+        if self.lr_schedule not in _SCHEDULES:
             raise ConfigError(
-                f"lr schedule {self.schedule!r} is not supported: use one of {_SCHEDULES}"
+                f"lr schedule {self.lr_schedule!r} is not supported: use one of {_SCHEDULES}"
             )
         if self.lr <= 0:
             raise ConfigError(f"learning rate must be positive, got {self.lr}")

@@ -67,7 +67,7 @@ def test_mlp_three_stages_nm1_equals_plain_loop() -> None:
 
 @pytest.mark.parametrize("nm", [2, 4])
 def test_mlp_four_stages_delayed_updates(nm: int) -> None:
-    cfg = OptimizerConfig(name="adam", lr=1e-3, schedule="cosine")
+    cfg = OptimizerConfig(name="adam", lr=1e-3, lr_schedule="cosine")
     _run_and_reference("mlp", 8, 4, nm, 10, cfg)
 
 
@@ -75,7 +75,7 @@ def test_mlp_four_stages_delayed_updates(nm: int) -> None:
     "cfg",
     [
         OptimizerConfig(lr=0.1, momentum=0.9, remedy="predict"),
-        OptimizerConfig(lr=0.1, remedy="predict", schedule="cosine"),
+        OptimizerConfig(lr=0.1, remedy="predict", lr_schedule="cosine"),
         OptimizerConfig(lr=0.1, momentum=0.9, remedy="pipemare", remedy_warmup=5),
     ],
     ids=["predict-momentum", "predict-plain", "pipemare"],
@@ -87,7 +87,12 @@ def test_mlp_three_stages_nm3_with_remedy(cfg: OptimizerConfig) -> None:
 
 def test_residual_cnn_two_stages_nm2() -> None:
     _run_and_reference(
-        "resnet", 4, 2, 2, 6, OptimizerConfig(lr=0.05, momentum=0.9, schedule="step", step_size=3)
+        "resnet",
+        4,
+        2,
+        2,
+        6,
+        OptimizerConfig(lr=0.05, momentum=0.9, lr_schedule="step", step_size=3),
     )
 
 
