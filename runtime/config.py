@@ -201,8 +201,6 @@ class RunConfig:
         return_state: send every stage's final parameters and buffers back to the caller.
         progress: show a progress bar.
         log_every: minibatches between metric log lines.
-        flush_every_wave: baseline mode for benchmarks: admit the next ``Nm`` minibatches only
-            when the whole previous wave finished (a pipeline flush, as GPipe/1F1B schedules do).
         precision: ``fp32`` or ``bf16`` (autocast, fp32 master weights, bfloat16 activations
             across cuts: :mod:`profiler.precision`); ``""`` = the plan's.
         on_nonfinite: a NaN or infinite loss or gradient: ``stop`` the run, or ``skip`` that
@@ -220,7 +218,6 @@ class RunConfig:
     return_state: bool = False
     progress: bool = False
     log_every: int = 10
-    flush_every_wave: bool = False
     precision: str = ""
     on_nonfinite: str = "stop"
 
