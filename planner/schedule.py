@@ -5,10 +5,17 @@ planner's memory model (which sizes stages). A :class:`Schedule` is a named obje
 :data:`SCHEDULES` by the name a plan records (``schedule: hetpipe``); it owns the task order
 (:meth:`Schedule.queue`), the admission of minibatches into a VW's pipeline
 (:meth:`Schedule.admissible`) and the in-flight memory bound (:meth:`Schedule.in_flight_bound`).
-:func:`actions` runs a schedule alone into a printable action list per stage.
+:func:`actions` runs a schedule alone into a printable action list per stage. The schedules:
 
-Task order. Every GPU of a virtual worker (VW) owns one :class:`StageQueue`. The caller tells it which
-tasks have their inputs (:meth:`StageQueue.ready`), asks for the task to run now
+- ``hetpipe`` (the default): minibatch ``p`` enters once ``p - Nm`` completed its first-stage
+  backward: ``Nm`` in flight, one in as one completes;
+- ``flush`` (the GPipe / 1F1B baseline): a wave of ``Nm`` enters once every admitted
+  minibatch completed, so the pipeline drains between waves.
+
+Both hold at most ``Nm`` minibatches on a stage, one on the last.
+
+Task order. Every GPU of a virtual worker (VW) owns one :class:`StageQueue`. The caller tells
+it which tasks have their inputs (:meth:`StageQueue.ready`), asks for the task to run now
 (:meth:`StageQueue.next`) and reports completion (:meth:`StageQueue.done`). The rules:
 
 1. a forward task ``F(p)`` runs only after ``F(p-1)`` is done on this stage;
@@ -204,15 +211,14 @@ class StageQueue:
 
 @dataclass(frozen=True, slots=True)
 class Schedule:
-    """HetPipe's schedule: keep ``Nm`` minibatches in flight, admitting one as one completes.
+    """A pipeline schedule; this class is HetPipe's (``Nm`` in flight, one in as one completes),
+    and a schedule that admits, orders or bounds otherwise overrides that method.
 
     Attributes:
         name: the name a plan records (``schedule:``) and :data:`SCHEDULES` is keyed by.
-        summary: one line for ``--help`` and the docs.
     """
 
     name: str
-    summary: str
 
     def queue(self, stage: int, n_stages: int) -> StageQueue:
         """The task order of stage ``stage`` of ``n_stages`` (rules 1-4 of the module docstring)."""
@@ -279,8 +285,8 @@ def _check_counts(admitted: int, completed: int, nm: int) -> None:
         raise ValueError(f"nm must be >= 1, got {nm}")
 
 
-HETPIPE = Schedule("hetpipe", "Nm minibatches in flight, one admitted as one completes")
-FLUSH = FlushSchedule("flush", "a wave of Nm admitted once the previous wave drained")
+HETPIPE = Schedule("hetpipe")
+FLUSH = FlushSchedule("flush")
 SCHEDULES: Mapping[str, Schedule] = MappingProxyType({s.name: s for s in (HETPIPE, FLUSH)})
 """Every pipeline schedule by name."""
 DEFAULT_SCHEDULE = HETPIPE.name

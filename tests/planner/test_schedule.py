@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import doctest
 import heapq
 import random
 
 import pytest
 
+import planner.schedule
 from planner.schedule import (
     FLUSH,
     HETPIPE,
@@ -308,3 +310,8 @@ def test_schedule_registry() -> None:
         match=r"^plan.yaml: schedule: unknown pipeline schedule 'gpipe'; choose one of hetpipe, flush$",
     ):
         schedule_named("gpipe", "plan.yaml: schedule")
+
+
+def test_doctests() -> None:
+    res = doctest.testmod(planner.schedule)
+    assert res.attempted >= 4 and res.failed == 0
