@@ -223,25 +223,28 @@ def test_rules_hold_under_random_timings() -> None:
 #   S4. flush: no stage starts a minibatch of wave k + 1 before its backward of wave k's last.
 
 
-def _cases() -> list[tuple[int, int, int, float, float]]:
+def _cases() -> list[tuple[int, int, int, float]]:
+    """``(stages, Nm, minibatches, forward time)``; a backward takes twice the forward."""
     rng = random.Random(3)
     return [
-        (rng.randint(1, 5), rng.randint(1, 5), rng.randint(1, 14), rng.uniform(0.2, 2), 0.0)
+        (rng.randint(1, 5), rng.randint(1, 5), rng.randint(1, 14), rng.uniform(0.2, 2))
         for _ in range(60)
     ]
 
 
 def _held(tasks: tuple[Task, ...]) -> list[int]:
+    """Minibatches the stage holds while running each task (an ``FB`` holds its own one)."""
     held, out = 0, []
     for t in tasks:
-        held += 1 if t.kind is Kind.F else -1 if t.kind is Kind.B else 0
-        out.append(max(held, 1 if t.kind is Kind.FB else held))
+        held += {Kind.F: 1, Kind.B: 0, Kind.FB: 0}[t.kind]
+        out.append(held if t.kind is not Kind.FB else 1)
+        held -= t.kind is Kind.B
     return out
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES.values()), ids=list(SCHEDULES))
 def test_action_lists_obey_rules_s1_s2(schedule: Schedule) -> None:
-    for n, nm, total, fwd, _ in _cases():
+    for n, nm, total, fwd in _cases():
         bwd = 2 * fwd
         per_stage = actions(schedule, n, nm, total, fwd, bwd)
         for s, tasks in enumerate(per_stage):
@@ -254,7 +257,7 @@ def test_action_lists_obey_rules_s1_s2(schedule: Schedule) -> None:
 
 
 def test_hetpipe_admits_one_per_completion_after_warm_up_s3() -> None:
-    for n, nm, total, fwd, _ in _cases():
+    for n, nm, total, fwd in _cases():
         if n == 1:
             continue  # one stage: FB tasks only
         first = actions(HETPIPE, n, nm, total, fwd, 2 * fwd)[0]
@@ -267,7 +270,7 @@ def test_hetpipe_admits_one_per_completion_after_warm_up_s3() -> None:
 
 
 def test_flush_waits_for_the_wave_s4() -> None:
-    for n, nm, total, fwd, _ in _cases():
+    for n, nm, total, fwd in _cases():
         for tasks in actions(FLUSH, n, nm, total, fwd, 2 * fwd):
             seen_done = 0  # backwards (or FB) done on this stage so far
             for t in tasks:
