@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import doctest
 import heapq
+import itertools
 import random
 
 import pytest
@@ -218,8 +219,9 @@ def test_rules_hold_under_random_timings() -> None:
 # Rules checked on the action lists of :func:`actions`, one process, no clocks:
 #   S1. every stage runs every minibatch once: forwards in order, backwards in order;
 #   S2. a stage never holds more than its schedule's in-flight bound (at most Nm);
-#   S3. hetpipe: stage 0 runs min(Nm, total) forwards, then its first backward; after that
-#       forward p enters once backward p - Nm completed (one in as one completes: 1F1B);
+#   S3. hetpipe, equal stages, Nm <= stages: stage 0 runs min(Nm, total) forwards, then a
+#       backward and a forward in turn (1F1B: one in as one completes), then the last backwards
+#       (flush does not, once a second wave has to wait);
 #   S4. flush: no stage starts a minibatch of wave k + 1 before its backward of wave k's last.
 
 
@@ -256,17 +258,17 @@ def test_action_lists_obey_rules_s1_s2(schedule: Schedule) -> None:
             assert max(_held(tasks)) <= schedule.in_flight_bound(s, n, nm) <= nm  # S2
 
 
-def test_hetpipe_admits_one_per_completion_after_warm_up_s3() -> None:
-    for n, nm, total, fwd in _cases():
-        if n == 1:
-            continue  # one stage: FB tasks only
-        first = actions(HETPIPE, n, nm, total, fwd, 2 * fwd)[0]
+@pytest.mark.parametrize("schedule", list(SCHEDULES.values()), ids=list(SCHEDULES))
+def test_hetpipe_is_1f1b_after_warm_up_s3(schedule: Schedule) -> None:
+    for n, nm, total in itertools.product(range(2, 6), range(1, 6), range(1, 15)):
+        if nm > n:
+            continue  # more in flight than stages: FIFO may run two backwards in a row
+        first = [f"{t.kind.value}{t.mb}" for t in actions(schedule, n, nm, total)[0]]
         warm = min(nm, total)
-        assert [t.kind for t in first[: warm + 1]] == [Kind.F] * warm + [Kind.B]
-        at = {(t.kind, t.mb): i for i, t in enumerate(first)}
-        for p in range(warm + 1, total + 1):
-            assert at[Kind.F, p] > at[Kind.B, p - warm]
-            assert p == warm + 1 or at[Kind.F, p] > at[Kind.F, p - 1]
+        steady = [x for p in range(1, total - warm + 1) for x in (f"B{p}", f"F{p + warm}")]
+        tail = [f"B{p}" for p in range(total - warm + 1, total + 1)]
+        one_f_one_b = first == [f"F{p}" for p in range(1, warm + 1)] + steady + tail
+        assert one_f_one_b == (schedule is HETPIPE or nm == 1 or total <= nm), (n, nm, first)
 
 
 def test_flush_waits_for_the_wave_s4() -> None:
