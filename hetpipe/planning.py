@@ -2,23 +2,26 @@
 
 The planner never measures a model (``tests/test_layers.py``); an emulated cluster is planned
 on this machine's CPU profile, so every front end gets that table from the profiler first
-(:func:`profiles_for`): ``hetpipe plan``, ``hetpipe run CLUSTER.yaml``, :func:`plan`
-(``hetpipe.plan``) and, through :func:`profiler.cpu_profile.emulation_profiles` directly,
-``hetpipe.train``.
+(:func:`profiles_for`): ``hetpipe plan``, :func:`plan` (``hetpipe.plan``) and, through
+:func:`plan_on_the_fly`, ``hetpipe run CLUSTER.yaml`` and ``hetpipe.train``.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from planner.cluster import Cluster, load_cluster
 from planner.plan import Plan
 from profiler.cpu_profile import emulation_profiles
 from profiler.table import Profile, load_profile_set
 
-__all__ = ["plan", "profiles_for"]
+if TYPE_CHECKING:
+    from planner.on_the_fly import PlanRequest
+    from profiler.graph import ModelGraph
+
+__all__ = ["plan", "plan_on_the_fly", "profiles_for"]
 
 
 def profiles_for(
@@ -37,6 +40,27 @@ def profiles_for(
     """
     given = list(profiles)
     return emulation_profiles(given, model, batch_size, precision) if cluster.emulated else given
+
+
+def plan_on_the_fly(
+    cluster: Cluster | None, request: PlanRequest, graph: ModelGraph | None = None
+) -> Plan:
+    """:func:`planner.on_the_fly.plan_for_run` on the profiles it needs: an emulated
+    cluster's CPU profile (:func:`profiles_for`) when the planner partitions, none for a hand
+    cut (``request.stages``/``cuts``, or a user's module given as ``graph``).
+
+    Raises:
+        ConfigError, PlanError, ProfileError, ModelError: as the profiler and the planner.
+    """
+    from planner.on_the_fly import plan_for_run
+
+    allreduce = request.sync == "allreduce"
+    partitions = allreduce or not (request.hand_cut or graph is not None)
+    profiles: list[Profile] = []
+    if cluster is not None and partitions:
+        precision = "fp32" if allreduce else request.precision  # what the planner prices
+        profiles = profiles_for(cluster, [], request.model, request.batch_size, precision)
+    return plan_for_run(cluster, request, graph, profiles)
 
 
 def plan(

@@ -4,7 +4,8 @@ Packages: ``profiler`` <- ``planner`` <- ``runtime`` <- ``hetpipe``, never back.
 runtime the entry points sit above the launcher and the launcher above everything else
 (stages, shards, rules, results, ...), so no lower layer imports a higher one: a module that
 imports from a layer which imports it "climbs back up". The runtime reads the plan and the
-shared rules, never the simulator (``planner.sim``); the planner never measures a model.
+shared rules, never what plans or the simulator (``planner.sim``); the planner never
+measures a model.
 Every import counts: at the top, inside a function, or under ``TYPE_CHECKING``.
 """
 
@@ -23,11 +24,30 @@ PACKAGES = ("profiler", "planner", "runtime", "hetpipe")  # lowest first
 # Runtime layers, highest first: a module may import its own layer or a later one only.
 RUNTIME_LAYERS = (
     ("runtime.__main__",),
-    ("runtime.api",),
     ("runtime.run",),
     ("runtime.launch",),
 )
 
+
+# What the runtime may read of the planner: the plan (the contract) and the pure parts both
+# sides share (docs/architecture.md's table); nothing that plans, nothing of the simulator.
+PLANNER_FOR_RUNTIME = (
+    "planner.plan",
+    "planner.plan_file",
+    "planner.plan_check",
+    "planner.schedule",
+    "planner.wsp",
+    "planner.sync",
+    "planner.backup",
+    "planner.easgd",
+    "planner.staleness",
+    "planner.nonfinite",
+    "planner.straggle",
+    "planner.pacing",
+    "planner.offload",
+    "planner.throughput",
+    "planner.draw",
+)
 
 # Modules that run a model to measure it: the profiler's, called by the front ends only.
 MEASURING = ("profiler.measure", "profiler.timing", "profiler.cpu_profile")
@@ -97,6 +117,16 @@ def test_runtime_never_reads_the_simulator() -> None:
         f"{mod}:{line} imports {target}"
         for mod, target, line in imports(REPO, "runtime")
         if _within(target, "planner.sim")
+    ]
+    assert found == []
+
+
+def test_the_runtime_reads_the_plan_and_shared_rules_only() -> None:
+    """The runtime never plans: of the planner it imports the plan and the shared pure parts."""
+    found = [
+        f"{mod}:{line} imports {target}"
+        for mod, target, line in imports(REPO, "runtime")
+        if _within(target, "planner") and not any(_within(target, m) for m in PLANNER_FOR_RUNTIME)
     ]
     assert found == []
 

@@ -79,13 +79,13 @@ def test_emulated_planned_run_is_paced_by_the_plans_stage_times(tmp_path: Path) 
 
 def test_run_sync_allreduce_takes_the_run_options_and_prints_the_summary(tmp_path: Path) -> None:
     """The AllReduce baseline runs a plan made by the planner, with the same options as the
-    pipelines (here --time-limit, --schedule, --out), and prints a summary table."""
+    pipelines (here --time-limit, --lr-schedule, --out), and prints a summary table."""
     examples = Path(__file__).resolve().parents[2] / "examples"
     out = tmp_path / "ddp"
     res = CliRunner().invoke(
         app,
         ["run", str(examples / "emulated_cluster.yaml"), "--sync", "allreduce", "--time-limit",
-         "1", "--schedule", "cosine", "--out", str(out), "--no-progress"],
+         "1", "--lr-schedule", "cosine", "--out", str(out), "--no-progress"],
     )  # fmt: skip
     assert res.exit_code == 0, res.output
     assert "allreduce (BSP)" in res.output and "predicted" in res.output  # the summary table

@@ -57,7 +57,8 @@ def test_a_stage_process_receives_its_stage_alone_with_the_users_weights() -> No
 def test_the_parent_captures_a_users_module_once_per_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """Planning, the run's data, shipping every stage and the reference model read one capture."""
     import profiler.graph
-    from runtime.api import make_single_vw_plan
+    from hetpipe.planning import plan_on_the_fly
+    from planner.on_the_fly import PlanRequest
     from runtime.data_source import output_classes
 
     captures: list[int] = []
@@ -69,8 +70,9 @@ def test_the_parent_captures_a_users_module_once_per_run(monkeypatch: pytest.Mon
 
     monkeypatch.setattr(profiler.graph, "capture", counting)
     model, source = _source()
-    plan = make_single_vw_plan(source, 4, 2, stages=2)  # planning
     spec = resolve_source(source, 4, meta=False)
+    request = PlanRequest(source.name, 4, nm=2, stages=2)
+    plan = plan_on_the_fly(None, request, model_graph(source, spec))  # planning (hetpipe.train)
     assert output_classes(spec, model_graph(source, spec)) == 10  # the run's data
     cuts = tuple(st.last_index + 1 for st in plan.virtual_workers[0].stages[:-1])
     shipped = [ship_stage(source, 4, cuts, s) for s in range(2)]  # each stage's job
@@ -89,9 +91,10 @@ def test_a_wsp_run_of_a_users_module_is_captured_once_and_shipped_by_the_launche
     the capture planning made, and each stage's job already holds its stage alone."""
     import profiler.graph
     from planner.manual import cpu_cluster, multi_vw_plan
-    from runtime.config import OptimizerConfig, RunConfig, WSPConfig
-    from runtime.launch.jobs import Prepared
+    from runtime.config import RunConfig
+    from runtime.launch.jobs import Attempt, Prepared
     from runtime.launch.launcher import prepare
+    from runtime.spec import RunSpec
 
     captures: list[int] = []
     real = profiler.graph.capture
@@ -104,8 +107,7 @@ def test_a_wsp_run_of_a_users_module_is_captured_once_and_shipped_by_the_launche
     model, source = _source()
     graph = model_graph(source, resolve_source(source, 4, meta=False))
     plan = multi_vw_plan(graph, [[2], [2]], "Sequential", 4, 1, cluster=cpu_cluster(4))
-    prep = prepare(plan, source, OptimizerConfig(), RunConfig(steps=2), WSPConfig(), None, None,
-                   "wsp", 0, "file:///nonexistent")  # fmt: skip
+    prep = prepare(plan, source, RunSpec(RunConfig(steps=2)), None, Attempt("file:///nonexistent"))
     assert isinstance(prep, Prepared) and prep.shards and len(prep.stages) == 4
     assert captures == [id(model)]
     assert all(j.source.stage is not None and j.source.module is None for j in prep.stages)
