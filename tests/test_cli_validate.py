@@ -177,6 +177,15 @@ def test_the_old_schedule_flag_names_lr_schedule(caplog: pytest.LogCaptureFixtur
     assert errors == [fix]
 
 
+def test_train_refuses_the_old_schedule_keyword() -> None:
+    """``hetpipe.train(schedule=...)`` is refused like ``--schedule``, naming ``--lr-schedule``."""
+    import hetpipe
+    from profiler.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="is now --lr-schedule"):
+        hetpipe.train("mlp", schedule="cosine")
+
+
 @pytest.mark.usefixtures("nothing_read")
 @pytest.mark.parametrize(("command", "flag", "value", "fragment"), PLANNING_BAD)
 def test_planning_options_out_of_range(command: str, flag: str, value: str, fragment: str) -> None:
