@@ -49,7 +49,7 @@ def digits_cnn(batch_size: int = 32) -> tuple[nn.Module, tuple[Tensor, Tensor]]:
     return DigitsResNet(), (x, y)
 
 
-def digits_images(seed: int = 0) -> tuple[Dataset[tuple[Tensor, Tensor]], Dataset[object]]:
+def digits_images(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
     """scikit-learn's digits as ``(1, 8, 8)`` images scaled to ``[0, 1]``, split into a training
     and a test set (a fifth, the same for every ``seed``: the systems and seeds are compared
     on one test set)."""
