@@ -69,6 +69,8 @@ class Workload:
         momentum: SGD momentum.
         lr_grid: HetPipe's learning rates to try (the baseline's: these x its world size).
         quick_lr: HetPipe's lr in ``--quick`` (no grid; the baseline at the linear rule).
+        quick_target: the target in ``--quick``, one a few seconds reach (so the smoke check
+            exercises the times to target and their ratio; not a figure).
         overhead_s: a run's seconds beyond its training time on a quiet machine (an
             estimate): CLI and process start-up, the run's own final test and outputs, the
             offline evaluation. Each run records its own (``process_s`` - ``wall_s``,
@@ -87,16 +89,17 @@ class Workload:
     momentum: float
     lr_grid: tuple[float, ...]
     quick_lr: float
+    quick_target: float
     overhead_s: float
 
 
 WORKLOADS = {
     "cnn": Workload("cnn", "ResNet (batch norm) on digits images", "benchmarks.tta_tasks:digits_cnn",
                     "benchmarks.tta_tasks:digits_images", REPO / "benchmarks/tta_cluster_cnn.yaml",
-                    32, "accuracy", 0.97, 0.9, (0.0025, 0.005, 0.01), 0.005, 35.0),
+                    32, "accuracy", 0.97, 0.9, (0.0025, 0.005, 0.01), 0.005, 0.5, 35.0),
     "lm": Workload("lm", "tiny GPT-2 on Markov tokens", "examples.gpt2_lm:tiny",
                    "benchmarks.tta_tasks:lm_data", REPO / "benchmarks/tta_cluster_lm.yaml",
-                   16, "loss", 1.6, 0.9, (0.005, 0.01, 0.02), 0.01, 60.0),
+                   16, "loss", 1.6, 0.9, (0.005, 0.01, 0.02), 0.01, 4.5, 60.0),
 }  # fmt: skip
 
 
@@ -411,6 +414,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         budget, seeds=args.seeds or budget.seeds, train_s=args.train_s or budget.train_s
     )
     workloads = [WORKLOADS[n] for n in args.workloads]
+    if args.quick:
+        workloads = [replace(w, target=w.quick_target) for w in workloads]
     runs, secs = expected(budget, workloads)
     print(f"{runs} runs, expected about {secs / 60:.0f} min "
           f"({'quick' if args.quick else 'full'} mode; more on a loaded machine)", flush=True)  # fmt: skip
