@@ -140,6 +140,7 @@ class Run:
     process_s: float = 0.0  # the whole ``hetpipe run`` command, start to exit
     eval_s: float = 0.0  # evaluating its snapshots here, afterwards
     skipped_updates: int = 0  # non-finite updates skipped (``--on-nonfinite skip``)
+    samples_to_target: float | None = None  # training samples when it reached the target
 
     def final(self, metric: str) -> float:
         """The metric at the last snapshot (NaN: none)."""
@@ -218,7 +219,8 @@ def run_one(
         t2 = time.perf_counter()
     return Run(system, seed, lr, startup_s, summary["wall_s"], summary["throughput"],
                tuple(points), time_to_target(points, w.target, w.metric), t1 - t0, t2 - t1,
-               int(summary.get("skipped_updates") or 0))  # fmt: skip
+               int(summary.get("skipped_updates") or 0),
+               time_to_target(points, w.target, w.metric, "samples"))  # fmt: skip
 
 
 def choose_lr(runs: Sequence[Run], metric: str) -> Run:
@@ -347,6 +349,8 @@ def bench_workload(
         "grid": grid,
         "runs": {k: [_record(r) for r in v] for k, v in runs.items()},
         "time_to_target_s": {k: spread([r.time_to_target_s for r in v]) for k, v in runs.items()},
+        "samples_to_target": {k: spread([r.samples_to_target for r in v]) for k, v in runs.items()},
+        "throughput": {k: spread([r.throughput for r in v]) for k, v in runs.items()},
         "startup_s": {k: spread([r.startup_s for r in v]) for k, v in runs.items()},
         "final": {k: spread([r.final(w.metric) for r in v]) for k, v in runs.items()},
         "ratio_ddp_over_hetpipe": {"per_seed": per_seed, **spread(per_seed)},

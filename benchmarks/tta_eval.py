@@ -102,28 +102,29 @@ def timing_of(per_vw: Iterable[Sequence[dict[str, str]]]) -> Timing:
     return Timing(min(firsts), done)
 
 
-def time_to_target(points: Sequence[Point], target: float, metric: str) -> float | None:
-    """Training time at which the curve first reaches ``target`` (``metric``: ``accuracy``,
-    higher is better, or ``loss``, lower is better), interpolated linearly between the
-    snapshot before and the first one that reaches it (``None``: never reached).
+def time_to_target(
+    points: Sequence[Point], target: float, metric: str, axis: str = "train_s"
+) -> float | None:
+    """Training time (``axis="samples"``: training samples) at which the curve first reaches
+    ``target`` (``metric``: ``accuracy``, higher is better, or ``loss``, lower is better),
+    interpolated linearly between the snapshot before and the first one that reaches it (the
+    first snapshot's own when that one does; ``None``: never reached).
 
     >>> pts = [Point(1, 10, 1.0, 0.5, 2.0), Point(2, 20, 3.0, 1.0, 1.0)]
-    >>> time_to_target(pts, 0.75, "accuracy"), time_to_target(pts, 1.5, "loss")
-    (2.0, 2.0)
+    >>> time_to_target(pts, 0.75, "accuracy"), time_to_target(pts, 1.5, "loss", "samples")
+    (2.0, 15.0)
     >>> time_to_target(pts, 1.01, "accuracy") is None
     True
     """
     sign = 1.0 if metric == "accuracy" else -1.0
     prev: Point | None = None
-    for p in sorted(points, key=lambda q: q.train_s):
-        value = sign * getattr(p, metric)
+    for p in sorted(points, key=lambda q: q.clock):
+        value, x = sign * getattr(p, metric), float(getattr(p, axis))
         if value >= sign * target:
             if prev is None:
-                return p.train_s
-            v0 = sign * getattr(prev, metric)
-            if value == v0:
-                return p.train_s
-            return prev.train_s + (p.train_s - prev.train_s) * (sign * target - v0) / (value - v0)
+                return x
+            v0, x0 = sign * getattr(prev, metric), float(getattr(prev, axis))
+            return x if value == v0 else x0 + (x - x0) * (sign * target - v0) / (value - v0)
         prev = p
     return None
 

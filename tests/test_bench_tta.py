@@ -39,6 +39,7 @@ def test_time_to_target_interpolates_and_reads_loss_downwards() -> None:
     assert time_to_target(pts, 0.75, "accuracy") == pytest.approx(2.5)
     assert time_to_target(pts, 0.1, "accuracy") == 1.0  # reached at the first snapshot
     assert time_to_target(pts, 0.5, "loss") == pytest.approx(2.5)
+    assert time_to_target(pts, 0.75, "accuracy", "samples") == pytest.approx(250.0)
     assert time_to_target(pts, 0.95, "accuracy") is None
     assert time_to_target(pts[::-1], 0.75, "accuracy") == pytest.approx(2.5)  # any order
 
