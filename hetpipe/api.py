@@ -109,6 +109,7 @@ def train(  # long by its signature and docstring (every option, documented); th
     vw: int = _OPT["vw"].default,
     staleness: int | None = _OPT["staleness"].default,
     checkpoint_every: int = _OPT["checkpoint_every"].default,
+    keep: int = _OPT["keep"].default,
     on_failure: str = _OPT["on_failure"].default,
     max_restarts: int = _OPT["max_restarts"].default,
     overwrite: bool = _OPT["overwrite"].default,
@@ -150,7 +151,7 @@ def train(  # long by its signature and docstring (every option, documented); th
         return_state: return the final parameters and buffers (``result.state_dict()``).
         optimizer: ``sgd`` or ``adam`` with ``lr``, ``momentum``, ``weight_decay``,
             ``lr_schedule``; or a whole :class:`OptimizerConfig` (then leave those four out).
-        steps, epochs, time_limit, seed, nm, vw, staleness, checkpoint_every, on_failure,
+        steps, epochs, time_limit, seed, nm, vw, staleness, checkpoint_every, keep, on_failure,
             max_restarts, overwrite, lr, momentum, weight_decay, lr_schedule, remedy,
             remedy_warmup, timeout, emulate, precision, on_nonfinite: the run options, as
             ``hetpipe run --help`` describes them (``precision`` ``""``: the plan's, ``fp32``

@@ -36,6 +36,7 @@ RUN_BAD = [
     ("--time-limit", "nan", ">= 0"),
     ("--time-limit", "-inf", ">= 0"),
     ("--checkpoint-every", "-1", "whole number >= 0"),
+    ("--keep", "-1", "whole number >= 0"),
     ("--max-restarts", "-1", "whole number >= 0"),
     ("--remedy-warmup", "-5", "whole number >= 0"),
     ("--steps", "-1", "whole number >= 0"),
