@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from profiler.errors import ConfigError, HetPipeRuntimeError
+from runtime.link_pacing import NO_LINKS, REAL_PACE, Pace, StageLinks
 from runtime.ps.layout import ShardSpec
 from runtime.ps.outcome import Status
 from runtime.ps.wire import irecv, isend, push_message
@@ -52,6 +53,8 @@ class Push:
     ack: torch.Tensor
     send: dist.Work
     msg: Message
+    start_s: float = 0.0  # when it was posted (clock seconds)
+    charge_s: float = 0.0  # its emulated link's charge (0: not paced)
 
 
 class ShardLinks:
@@ -66,8 +69,11 @@ class ShardLinks:
         group: dist.ProcessGroup | None = None,
         timeout_s: float = 60.0,
         pull_timeout_s: float | None = None,
+        paced: StageLinks = NO_LINKS,
+        pace: Pace = REAL_PACE,
     ) -> None:
         self.vw, self.stage, self.group = vw, stage, group
+        self._paced, self._pace = paced, pace  # emulated links (runtime.link_pacing)
         self.timeout_s = timeout_s
         self.pull_timeout_s = timeout_s if pull_timeout_s is None else pull_timeout_s
         self._shapes = [tuple(int(d) for d in shape) for _, shape in params]
@@ -143,6 +149,11 @@ class ShardLinks:
         except RuntimeError as exc:
             raise self._fail(link, what, exc) from None
 
+    def _charge_s(self, k: int, nbytes: int) -> float:
+        """Seconds the emulated link to shard ``k`` is charged for ``nbytes`` (0: not paced)."""
+        link = self._paced.shard(self._links[k].spec.id)
+        return 0.0 if link is None else link.time_s(nbytes)
+
     def _take_message(self, k: int) -> Message:
         """A push message for shard ``k``: a recycled one, else a fresh one."""
         spare = self._spare[k]
@@ -164,6 +175,7 @@ class ShardLinks:
             self._wait(link, push.send, what, self.timeout_s)
             self._wait(link, push.ack_work, f"{what} (acknowledgement)", self.timeout_s)
             self._inflight.pop(0)
+            self._pace.since(push.start_s, push.charge_s)  # an emulated link
             status = Status(int(push.ack[0]))
             if status == Status.DROPPED:  # backup workers: the wave closed without this VW
                 self.dropped.append((link.spec.id, push.wave))

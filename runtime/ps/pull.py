@@ -49,6 +49,8 @@ class Posted:
     data: torch.Tensor
     direct: bool  # ``data`` aliases the caller's ``out`` tensors (no copy when it arrives)
     seq: int
+    start_s: float = 0.0  # when it was posted (clock seconds)
+    charge_s: float = 0.0  # its emulated link's charge, the push it rides on included
 
 
 def flat_alias(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -100,8 +102,11 @@ class PullingClient(ShardLinks):
                 f"{self._prefix} pull(out=...) needs tensors of shapes {self._shapes}, got {[tuple(t.shape) for t in out]}"
             )
 
-    def _post_pull(self, k: int, min_clock: int, out: Sequence[torch.Tensor] | None) -> Posted:
-        """Post the receives of shard ``k``'s reply to this client's next pull."""
+    def _post_pull(
+        self, k: int, min_clock: int, out: Sequence[torch.Tensor] | None, push_bytes: int = 0
+    ) -> Posted:
+        """Post the receives of shard ``k``'s reply to this client's next pull (riding on a
+        push of ``push_bytes``, charged before the reply on an emulated link)."""
         link, what = self._links[k], f"pull of clock {min_clock}"
         direct = flat_alias([out[i] for i in link.order]) if out is not None else None
         if direct is not None:
@@ -114,7 +119,10 @@ class PullingClient(ShardLinks):
         w_data = self._irecv(link, data, TAG_PULL_DATA, what)
         seq = self._seq[k]
         self._seq[k] += 1
-        return Posted(w_hdr, w_data, hdr, data, direct is not None, seq)
+        charge = self._charge_s(k, push_bytes) + self._charge_s(
+            k, data.numel() * data.element_size()
+        )
+        return Posted(w_hdr, w_data, hdr, data, direct is not None, seq, self._pace.clock(), charge)
 
     def pull_async(
         self, min_clock: int, include_own: bool = True, out: Sequence[torch.Tensor] | None = None
@@ -195,5 +203,8 @@ class PullingClient(ShardLinks):
                 pos += n
             if out is not None and not post.direct and len(self._recv_spare[k]) < 2:
                 self._recv_spare[k].append(data)
+        if posted:  # an emulated link: the shards' transfers one after another, as simulated
+            start = min(p.start_s for p in posted)
+            self._pace.since(start, sum(p.charge_s for p in posted))
         tensors = tuple(t if t is not None else torch.zeros(0) for t in result)
         return PullResult(min(clocks) if clocks else min_clock, tuple(clocks), tensors)

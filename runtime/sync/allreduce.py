@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from runtime.link_pacing import NO_LINKS, REAL_PACE, Pace, StageLinks
 from runtime.sync.allreduce_snapshot import StagePart
 from runtime.sync.rule import Grads, StageSync, StageView, SyncSpec
 
@@ -31,6 +32,10 @@ class AllReduceSync(StageSync):
         size: ranks in that group.
         part: the stage's part of the run's snapshots (``None``: no snapshots).
         first_clock: the step this run starts after (a resumed run's snapshot clock).
+        links: the emulated ring (:mod:`runtime.link_pacing`): each collective, which blocks
+            in the real runtime too, lasts at least the ring all-reduce the prediction
+            charges (:func:`planner.cluster.allreduce_s`); none by default.
+        pace: the pacing's clock and wait (tests inject them).
     """
 
     def __init__(
@@ -39,8 +44,11 @@ class AllReduceSync(StageSync):
         size: int,
         part: StagePart | None = None,
         first_clock: int = 0,
+        links: StageLinks = NO_LINKS,
+        pace: Pace = REAL_PACE,
     ) -> None:
         self.group, self.size = group, size
+        self.links, self.pace = links, pace  # an emulated ring: paced to its charge
         self._up = False  # this copy's own time is up (stage 0 says so in agreed_total)
         self._last: int | None = None  # the agreed last minibatch, once a flag came back
         self.part, self.first_clock = part, first_clock
@@ -57,9 +65,10 @@ class AllReduceSync(StageSync):
         groups = spec.groups
         if len(groups) <= 1:
             size = len(groups[0]) if groups else dist.get_world_size()
-            return cls(None, size, part, spec.first_wave)
+            return cls(None, size, part, spec.first_wave, view.links)
         handles = [dist.new_group(list(g)) for g in groups]
-        return cls(handles[view.stage], len(groups[view.stage]), part, spec.first_wave)
+        group = handles[view.stage]
+        return cls(group, len(groups[view.stage]), part, spec.first_wave, view.links)
 
     def start(self, first_wave: int) -> None:
         """A resumed run: every copy loads its stage from the snapshot at ``first_wave``."""
@@ -73,7 +82,10 @@ class AllReduceSync(StageSync):
         device = present[0][1].device if present else None  # CUDA grads: NCCL (launch.backend)
         flag = torch.tensor([1.0 if self._up else 0.0], device=device)
         flat = torch.cat([*(g.reshape(-1) for _, g in present), flag])  # (sum of numels + 1,)
+        start = self.pace.clock()
         dist.all_reduce(flat, group=self.group)
+        nbytes = sum(g.numel() * g.element_size() for _, g in present)  # the gradients
+        self.pace.since(start, self.links.allreduce_charge_s(nbytes))  # an emulated ring
         if flat[-1] > 0 and self._last is None:
             self._last = mb
         flat /= self.size
