@@ -83,21 +83,16 @@ class Link:
     bandwidth_bps: float
     latency_s: float
 
-    def time_s(self, nbytes: float, sharers: int = 1) -> float:
-        """Seconds to move ``nbytes`` over this link (0 bytes cost nothing) when ``sharers``
-        transfers share its bandwidth (each gets ``bandwidth / sharers``; the latency stays).
+    def time_s(self, nbytes: float) -> float:
+        """Seconds to move ``nbytes`` over this link (0 bytes cost nothing).
 
-        The one formula every charge uses: the cost model, the simulator, the AllReduce
+        The one formula every link charge uses: the cost model, the simulator, the AllReduce
         prediction and the runtime's emulated-link pacing (:mod:`runtime.link_pacing`).
 
         >>> Link(1e9, 1e-5).time_s(1e6)
         0.00101
-        >>> Link(1e9, 1e-5).time_s(1e6, sharers=2)
-        0.00201
         """
-        if nbytes <= 0:
-            return 0.0
-        return self.latency_s + nbytes / (self.bandwidth_bps / max(1, sharers))
+        return 0.0 if nbytes <= 0 else self.latency_s + nbytes / self.bandwidth_bps
 
     def scaled(self, factor: float) -> Link:
         """This link with every transfer ``factor`` times longer (latency times ``factor``,

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import doctest
 import json
 from pathlib import Path
 
 import pytest
 import yaml
 
+import planner.cluster
 from planner.cluster import Cluster, Link, allreduce_s, load_cluster, parse_cluster
 from planner.costmodel import CostModel
 from planner.plan import Plan
@@ -108,3 +110,8 @@ def test_allreduce_prediction_charges_the_scaled_ring() -> None:
     r = simulate_allreduce([10.0, 10.0], 8_000_000, ring, 32, ["V", "R"])
     assert r.allreduce_ms == pytest.approx(allreduce_s(ring, 8_000_000, 2) * 1e3)
     assert ring_link(paper_cluster(), ["V"]) == paper_cluster().intra_node  # real: unscaled
+
+
+def test_doctests() -> None:
+    res = doctest.testmod(planner.cluster)
+    assert res.attempted >= 3 and res.failed == 0
