@@ -131,6 +131,12 @@ class LinkTable:
     intra_node: Link
     inter_node: Link
     scale: float = 1.0
+    host_link: Link = PCIE
+
+    @property
+    def host(self) -> Link:
+        """The charged GPU <-> host-memory link (offloaded bytes cross it; scaled)."""
+        return self.host_link.scaled(self.scale)
 
     def describe(self, paced: bool) -> str:
         """One line for printouts: the written links, and how the runtime charges them.
@@ -238,7 +244,7 @@ class Cluster:
     @property
     def links(self) -> LinkTable:
         """The links between nodes, as charged (:attr:`link_scale` applied)."""
-        return LinkTable(self.intra_node, self.inter_node, self.link_scale)
+        return LinkTable(self.intra_node, self.inter_node, self.link_scale, self.host_link)
 
     def link(self, a: Device, b: Device) -> Link:
         """The charged link between two devices: intra-node when they share a node."""

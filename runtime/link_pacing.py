@@ -109,7 +109,6 @@ class LinkPacer:
     def __init__(self, link: Link | None, pace: Pace = REAL_PACE) -> None:
         self.link, self.pace = link, pace
         self._free_s = float("-inf")  # when the previous transfer's charge ended
-        self.waited_s = 0.0  # total pacing wait (for the record)
 
     def charge_s(self, nbytes: float) -> float:
         """Seconds a transfer of ``nbytes`` is charged (0 when not paced)."""
@@ -131,9 +130,7 @@ class LinkPacer:
         begin = max(begin, self._free_s)  # the link carries one transfer at a time
         charge = self.charge_s(nbytes)
         self._free_s = begin + charge
-        waited = self.pace.since(begin, charge)
-        self.waited_s += waited
-        return waited
+        return self.pace.since(begin, charge)
 
 
 @dataclass(frozen=True)

@@ -128,7 +128,7 @@ def pipeline_specs(plan: Plan, profile: Profile | None = None) -> list[PipelineS
                 host_ms=tuple(
                     host_link_ms(
                         float(s.transfer_bytes),
-                        plan.cluster.host_link,
+                        plan.cluster.links.host,
                         plan.cluster.host_share(vw.gpus[s.gpu].node).sharers,
                     )
                     for s in vw.stages

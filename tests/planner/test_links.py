@@ -42,6 +42,7 @@ def test_scaled_link_charges_factor_times_the_written_link() -> None:
     assert cl.links.between("V", "V").time_s(1e6) == pytest.approx(
         SCALE * cl.intra_node.time_s(1e6)
     )
+    assert cl.links.host.time_s(1e6) == pytest.approx(SCALE * cl.host_link.time_s(1e6))
 
 
 def test_cost_model_charges_the_scaled_links() -> None:
