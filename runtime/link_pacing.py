@@ -39,6 +39,7 @@ __all__ = [
     "Pace",
     "StageLinks",
     "Waiter",
+    "active_links",
     "links_statement",
     "pace_since",
 ]
@@ -173,3 +174,9 @@ def links_statement(cluster: Cluster, emulate: bool) -> str:
     """The run summary's line on links: the plan's link table, and whether (and by what
     factor) the run paced them (an emulated cluster run with ``emulate=True``)."""
     return cluster.links.describe(cluster.emulated and emulate)
+
+
+def active_links(links: StageLinks, emulate: bool) -> StageLinks:
+    """The links a stage paces to: its plan's, unless the run turned emulation off
+    (``emulate=False``, ``--no-emulate``: nothing is paced)."""
+    return links if emulate else NO_LINKS

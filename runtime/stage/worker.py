@@ -26,7 +26,7 @@ from profiler.errors import HetPipeRuntimeError
 from profiler.memory import cuda_peak_bytes
 from profiler.precision import autocast
 from runtime.defaults import neighbour_wait_s
-from runtime.link_pacing import NO_LINKS, LinkPacer, StageLinks
+from runtime.link_pacing import LinkPacer, StageLinks, active_links
 from runtime.results.metrics import StageResult
 from runtime.stage.comm import Channel, Event, GradReceiver, start_activation_receiver, wire_specs
 from runtime.stage.device import on_device
@@ -117,7 +117,7 @@ class StageWorker:
     @property
     def links(self) -> StageLinks:
         """The emulated links this stage's transfers are paced to (none with ``emulate=False``)."""
-        return self.ctx.links if self.run_cfg.emulate else NO_LINKS
+        return active_links(self.ctx.links, self.run_cfg.emulate)
 
     @property
     def last(self) -> bool:

@@ -18,7 +18,14 @@ from planner.cluster import Cluster, Link, load_cluster
 from planner.predict import ring_link, simulate_allreduce
 from planner.sim.simulator import pipeline_specs, stage_shard_bytes
 from runtime.launch.roles import stage_links
-from runtime.link_pacing import NO_LINKS, LinkPacer, Pace, StageLinks, links_statement
+from runtime.link_pacing import (
+    NO_LINKS,
+    LinkPacer,
+    Pace,
+    StageLinks,
+    active_links,
+    links_statement,
+)
 from runtime.ps.client import PSClient
 from runtime.ps.layout import make_shard_specs
 from runtime.ps.wire import TAG_PULL_HEADER
@@ -91,7 +98,11 @@ def test_a_real_cluster_is_not_paced() -> None:
     assert LinkPacer(None, clock.pace).arrived(1e9) == 0.0
     assert clock.waits == [] and not NO_LINKS.paced
     assert "real, not paced" in links_statement(plan.cluster, emulate=True)
-    emu = make_plan([[("V", 1.0, 2.0)]], nm=1, cluster=emulated()).cluster
+    emulated_plan = make_plan([[("V", 1.0, 2.0), ("R", 1.0, 2.0)]], nm=2, cluster=emulated())
+    paced = stage_links(emulated_plan, 0, 1)
+    assert paced.paced and active_links(paced, emulate=True) == paced
+    assert active_links(paced, emulate=False) == NO_LINKS  # --no-emulate
+    emu = emulated_plan.cluster
     assert "real, not paced" in links_statement(emu, emulate=False)
     assert f"paced x{SCALE:g}" in links_statement(emu, emulate=True)
 
