@@ -14,8 +14,10 @@ Where the runtime overlaps communication with compute the pacing overlaps too: a
 and gradients are paced on the receiving stage's receive threads (the sender's ``isend``
 returns at once, and the receiver computes other tasks meanwhile), a pull in
 :meth:`runtime.ps.pull.PullHandle.wait` (a stage that computes while its pull is in flight
-keeps computing), a push when its acknowledgement is retired; only the AllReduce's
-collective, which blocks in the real runtime too, blocks for its charge.
+keeps computing); a push is posted by a :class:`DelayLine` thread when its charge has
+passed, so the shard applies it when the emulated link would deliver it and the stage goes
+on meanwhile; only the AllReduce's collective, which blocks in the real runtime too, blocks
+for its charge.
 
 A stage's receive thread cannot see when its peer posted a send (another process), so a
 message's transfer is taken to begin when it arrived, or when the previous message on the
@@ -26,15 +28,21 @@ slow by the real loopback time (tens of microseconds), never fast. Real clusters
 
 from __future__ import annotations
 
+import datetime
+import queue
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from planner.cluster import Cluster, Link, allreduce_s
 
 __all__ = [
     "NO_LINKS",
     "REAL_PACE",
+    "DelayLine",
+    "DelayedWork",
     "LinkPacer",
     "Pace",
     "StageLinks",
@@ -132,6 +140,72 @@ class LinkPacer:
         charge = self.charge_s(nbytes)
         self._free_s = begin + charge
         return self.pace.since(begin, charge)
+
+
+class DelayedWork:
+    """A send a :class:`DelayLine` posts at its deadline; waited on like a ``dist.Work``."""
+
+    def __init__(self) -> None:
+        self._posted = threading.Event()
+        self._work: Any = None
+        self._error: BaseException | None = None
+
+    def _set(self, work: Any, error: BaseException | None) -> None:
+        self._work, self._error = work, error
+        self._posted.set()
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        """Wait until the send was posted, then for the send itself.
+
+        Raises:
+            RuntimeError: not posted within ``timeout`` (the transport's own timeout error).
+            BaseException: what posting the send raised.
+        """
+        if not self._posted.wait(None if timeout is None else timeout.total_seconds()):
+            raise RuntimeError(f"a paced send was not posted within {timeout}")
+        if self._error is not None:
+            raise self._error
+        return bool(self._work.wait() if timeout is None else self._work.wait(timeout))
+
+
+class DelayLine:
+    """Posts sends at their deadlines, in order, on one thread: a paced message lands when
+    its emulated link would deliver it, while its sender goes on computing.
+
+    Args:
+        pace: the clock and the wait (tests inject them).
+    """
+
+    def __init__(self, pace: Pace = REAL_PACE) -> None:
+        self.pace = pace
+        self._queue: queue.SimpleQueue[tuple[float, Callable[[], Any], DelayedWork] | None]
+        self._queue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def post(self, deadline_s: float, send: Callable[[], Any]) -> DelayedWork:
+        """Call ``send`` (which posts the send and returns its work) at ``deadline_s``."""
+        work = DelayedWork()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="paced-sends", daemon=True)
+            self._thread.start()
+        self._queue.put((deadline_s, send, work))
+        return work
+
+    def close(self) -> None:
+        """End the thread after the sends already queued."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            deadline, send, work = item
+            if self.pace.clock() < deadline:
+                self.pace.wait(deadline, self.pace.clock)
+            try:
+                work._set(send(), None)
+            except BaseException as exc:  # handed to whoever waits for the send
+                work._set(None, exc)
 
 
 @dataclass(frozen=True)

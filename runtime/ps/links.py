@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 
 from profiler.errors import ConfigError, HetPipeRuntimeError
-from runtime.link_pacing import NO_LINKS, REAL_PACE, Pace, StageLinks
+from runtime.link_pacing import NO_LINKS, REAL_PACE, DelayedWork, DelayLine, Pace, StageLinks
 from runtime.ps.layout import ShardSpec
 from runtime.ps.outcome import Status
-from runtime.ps.wire import irecv, isend, push_message
+from runtime.ps.wire import TAG_PUSH, irecv, isend, push_message
 
 __all__ = ["Link", "Message", "Push", "ShardLinks"]
 
@@ -51,10 +51,8 @@ class Push:
     wave: int
     ack_work: dist.Work
     ack: torch.Tensor
-    send: dist.Work
+    send: dist.Work | DelayedWork  # delayed: posted when its emulated link delivers it
     msg: Message
-    start_s: float = 0.0  # when it was posted (clock seconds)
-    charge_s: float = 0.0  # its emulated link's charge (0: not paced)
 
 
 class ShardLinks:
@@ -74,6 +72,8 @@ class ShardLinks:
     ) -> None:
         self.vw, self.stage, self.group = vw, stage, group
         self._paced, self._pace = paced, pace  # emulated links (runtime.link_pacing)
+        self._delay = DelayLine(pace)  # posts paced pushes when their link delivers them
+        self._push_free_s = float("-inf")  # when the stage's previous paced push lands
         self.timeout_s = timeout_s
         self.pull_timeout_s = timeout_s if pull_timeout_s is None else pull_timeout_s
         self._shapes = [tuple(int(d) for d in shape) for _, shape in params]
@@ -143,7 +143,7 @@ class ShardLinks:
         except RuntimeError as exc:
             raise self._fail(link, what, exc) from None
 
-    def _wait(self, link: Link, work: dist.Work, what: str, timeout_s: float) -> None:
+    def _wait(self, link: Link, work: dist.Work | DelayedWork, what: str, timeout_s: float) -> None:
         try:
             work.wait(datetime.timedelta(seconds=timeout_s))
         except RuntimeError as exc:
@@ -153,6 +153,18 @@ class ShardLinks:
         """Seconds the emulated link to shard ``k`` is charged for ``nbytes`` (0: not paced)."""
         link = self._paced.shard(self._links[k].spec.id)
         return 0.0 if link is None else link.time_s(nbytes)
+
+    def _send_paced(self, k: int, msg: Message, what: str) -> dist.Work | DelayedWork:
+        """Send push ``msg`` to shard ``k``: at once, or on an emulated link when its charge
+        has passed since the stage's previous push landed (one push at a time, as simulated)."""
+        link = self._links[k]
+        charge = self._charge_s(k, msg.payload.numel() * msg.payload.element_size())
+        if charge <= 0:
+            return self._isend(link, msg.message, TAG_PUSH, what)
+        self._push_free_s = max(self._pace.clock(), self._push_free_s) + charge
+        return self._delay.post(
+            self._push_free_s, lambda: self._isend(link, msg.message, TAG_PUSH, what)
+        )
 
     def _take_message(self, k: int) -> Message:
         """A push message for shard ``k``: a recycled one, else a fresh one."""
@@ -175,7 +187,6 @@ class ShardLinks:
             self._wait(link, push.send, what, self.timeout_s)
             self._wait(link, push.ack_work, f"{what} (acknowledgement)", self.timeout_s)
             self._inflight.pop(0)
-            self._pace.since(push.start_s, push.charge_s)  # an emulated link
             status = Status(int(push.ack[0]))
             if status == Status.DROPPED:  # backup workers: the wave closed without this VW
                 self.dropped.append((link.spec.id, push.wave))

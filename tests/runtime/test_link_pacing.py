@@ -28,7 +28,7 @@ from runtime.link_pacing import (
 )
 from runtime.ps.client import PSClient
 from runtime.ps.layout import make_shard_specs
-from runtime.ps.wire import TAG_PULL_HEADER
+from runtime.ps.wire import TAG_PULL_HEADER, TAG_PUSH
 from runtime.sync.allreduce import AllReduceSync
 from tests.conftest import EXAMPLES
 from tests.planner.simplan import make_plan, paper_cluster
@@ -114,8 +114,9 @@ class _Done:
         return True
 
 
-def _client(plan_links: StageLinks, numel: int, clock: FakeClock) -> PSClient:
-    """A PS client of one parameter on shard 0 whose transport completes at once."""
+def _client(plan_links: StageLinks, numel: int, clock: FakeClock, pushed: list[float]) -> PSClient:
+    """A PS client of one parameter on shard 0 whose transport completes at once; the clock
+    at each push message sent goes to ``pushed``."""
     specs = make_shard_specs({"w": (numel,)}, {"w": 0}, [1], [(0, 0, 0, ["w"])])
     client = PSClient(0, 0, [("w", (numel,))], specs, paced=plan_links, pace=clock.pace)
 
@@ -125,7 +126,13 @@ def _client(plan_links: StageLinks, numel: int, clock: FakeClock) -> PSClient:
         return _Done()
 
     client._irecv = irecv  # type: ignore[method-assign]
-    client._isend = lambda *args: _Done()  # type: ignore[method-assign]
+
+    def isend(link: Any, tensor: torch.Tensor, tag: int, what: str) -> _Done:
+        if tag == TAG_PUSH:
+            pushed.append(clock.now)
+        return _Done()
+
+    client._isend = isend  # type: ignore[method-assign]
     return client
 
 
@@ -144,16 +151,18 @@ def test_push_and_pull_are_paced_to_the_simulators_charge() -> None:
     charge_ms = 1e3 * link.time_s(nbytes)
     assert charge_ms == pytest.approx(spec.push_inter_ms[0])  # the simulator's push to it
     clock = FakeClock()
-    client = _client(one, nbytes // 4, clock)
+    pushed: list[float] = []
+    client = _client(one, nbytes // 4, clock, pushed)
     client.pull(0)
     assert (clock.now - 3.0) * 1e3 == pytest.approx(charge_ms)
     start = clock.now
     client.push_pull(0, [torch.zeros(nbytes // 4)], 0).wait()  # push, then the pull it carries
     assert (clock.now - start) * 1e3 == pytest.approx(2 * charge_ms)
     start = clock.now
-    client.push(1, [torch.zeros(nbytes // 4)])
+    client.push(1, [torch.zeros(nbytes // 4)])  # returns at once: the stage goes on
     client.flush()
     assert (clock.now - start) * 1e3 == pytest.approx(charge_ms)
+    assert (pushed[-1] - start) * 1e3 == pytest.approx(charge_ms)  # the shard gets it then
 
 
 def test_allreduce_is_paced_to_the_predicted_ring(tmp_path: Path) -> None:
