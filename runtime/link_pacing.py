@@ -14,7 +14,8 @@ Where the runtime overlaps communication with compute the pacing overlaps too: a
 and gradients are paced on the receiving stage's receive threads (the sender's ``isend``
 returns at once, and the receiver computes other tasks meanwhile), a pull in
 :meth:`runtime.ps.pull.PullHandle.wait` (a stage that computes while its pull is in flight
-keeps computing); a push is posted by a :class:`DelayLine` thread when its charge has
+keeps computing; a reply held back until the global clock allows it is charged from when
+it arrived, as the simulator pulls after the clock); a push is posted by a :class:`DelayLine` thread when its charge has
 passed, so the shard applies it when the emulated link would deliver it and the stage goes
 on meanwhile; only the AllReduce's collective, which blocks in the real runtime too, blocks
 for its charge.
@@ -41,6 +42,7 @@ from planner.cluster import Cluster, Link, allreduce_s
 __all__ = [
     "NO_LINKS",
     "REAL_PACE",
+    "Arrival",
     "DelayLine",
     "DelayedWork",
     "LinkPacer",
@@ -166,6 +168,45 @@ class DelayedWork:
         if self._error is not None:
             raise self._error
         return bool(self._work.wait() if timeout is None else self._work.wait(timeout))
+
+
+class Arrival:
+    """Waits for a receive on a thread and records when it completed (:attr:`arrived_s`),
+    so a caller that comes late still knows when its reply arrived; waited on like a
+    ``dist.Work``.
+
+    Args:
+        work: the receive's work.
+        pace: whose clock stamps the arrival.
+    """
+
+    def __init__(self, work: Any, pace: Pace = REAL_PACE) -> None:
+        self.arrived_s = float("inf")
+        self._done = DelayedWork()
+        self._work, self._pace = work, pace
+        threading.Thread(target=self._watch, name="paced-arrival", daemon=True).start()
+
+    def _watch(self) -> None:
+        try:
+            self._work.wait()
+            self.arrived_s = self._pace.clock()
+            self._done._set(_DONE, None)
+        except BaseException as exc:  # handed to whoever waits for the receive
+            self._done._set(None, exc)
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        """Wait until the receive completed (:meth:`DelayedWork.wait`)."""
+        return self._done.wait(timeout)
+
+
+class _Done:
+    """A work that is complete."""
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        return True
+
+
+_DONE = _Done()
 
 
 class DelayLine:

@@ -17,7 +17,15 @@ import torch
 import torch.distributed as dist
 
 from profiler.errors import ConfigError, HetPipeRuntimeError
-from runtime.link_pacing import NO_LINKS, REAL_PACE, DelayedWork, DelayLine, Pace, StageLinks
+from runtime.link_pacing import (
+    NO_LINKS,
+    REAL_PACE,
+    Arrival,
+    DelayedWork,
+    DelayLine,
+    Pace,
+    StageLinks,
+)
 from runtime.ps.layout import ShardSpec
 from runtime.ps.outcome import Status
 from runtime.ps.wire import TAG_PUSH, irecv, isend, push_message
@@ -53,6 +61,10 @@ class Push:
     ack: torch.Tensor
     send: dist.Work | DelayedWork  # delayed: posted when its emulated link delivers it
     msg: Message
+
+
+Waitable = dist.Work | DelayedWork | Arrival
+"""What a transport wait takes: a ``dist.Work`` or a paced stand-in for one."""
 
 
 class ShardLinks:
@@ -143,7 +155,7 @@ class ShardLinks:
         except RuntimeError as exc:
             raise self._fail(link, what, exc) from None
 
-    def _wait(self, link: Link, work: dist.Work | DelayedWork, what: str, timeout_s: float) -> None:
+    def _wait(self, link: Link, work: Waitable, what: str, timeout_s: float) -> None:
         try:
             work.wait(datetime.timedelta(seconds=timeout_s))
         except RuntimeError as exc:

@@ -108,31 +108,44 @@ def test_a_real_cluster_is_not_paced() -> None:
 
 
 class _Done:
-    """A completed transport request (the shard answered at once)."""
+    """A transport request that completes after ``held_s`` of the clock (0: at once)."""
+
+    def __init__(self, clock: FakeClock | None = None, held_s: float = 0.0) -> None:
+        self.clock, self.held_s = clock, held_s
 
     def wait(self, timeout: Any = None) -> bool:
+        if self.clock is not None:
+            self.clock.now += self.held_s  # e.g. the shard held the reply for the global clock
+            self.held_s = 0.0
         return True
 
 
-def _client(plan_links: StageLinks, numel: int, clock: FakeClock, pushed: list[float]) -> PSClient:
-    """A PS client of one parameter on shard 0 whose transport completes at once; the clock
-    at each push message sent goes to ``pushed``."""
+def _client(
+    plan_links: StageLinks,
+    numel: int,
+    clock: FakeClock,
+    pushed: list[float],
+    held_s: float = 0.0,
+) -> PSClient:
+    """A PS client of one parameter on shard 0 whose transport completes at once, but for
+    pull replies, ``held_s`` late; the clock at each push message sent goes to ``pushed``."""
     specs = make_shard_specs({"w": (numel,)}, {"w": 0}, [1], [(0, 0, 0, ["w"])])
     client = PSClient(0, 0, [("w", (numel,))], specs, paced=plan_links, pace=clock.pace)
 
     def irecv(link: Any, tensor: torch.Tensor, tag: int, what: str) -> _Done:
         if tag == TAG_PULL_HEADER:  # [status OK, global clock, min clock, seq]
             tensor.copy_(torch.tensor([0, 1_000, 0, client._seq[0]]))
+            return _Done(clock, held_s)
         return _Done()
 
-    client._irecv = irecv  # type: ignore[method-assign]
+    client._irecv = irecv  # type: ignore[method-assign,assignment]
 
     def isend(link: Any, tensor: torch.Tensor, tag: int, what: str) -> _Done:
         if tag == TAG_PUSH:
             pushed.append(clock.now)
         return _Done()
 
-    client._isend = isend  # type: ignore[method-assign]
+    client._isend = isend  # type: ignore[method-assign,assignment]
     return client
 
 
@@ -180,3 +193,11 @@ def test_allreduce_is_paced_to_the_predicted_ring(tmp_path: Path) -> None:
         dist.destroy_process_group()
     torch.testing.assert_close(out["w"], grads["w"], rtol=0, atol=0)
     assert (clock.now - 3.0) * 1e3 == pytest.approx(want)
+
+
+def test_a_reply_held_for_the_global_clock_is_charged_from_its_arrival() -> None:
+    link = Link(1e9, 1e-4)
+    clock = FakeClock()
+    client = _client(StageLinks(shards=((0, link),)), 250_000, clock, [], held_s=5.0)
+    client.pull(0)  # the shard answered 5 s later (slower VWs), then the reply crossed the link
+    assert clock.now == pytest.approx(3.0 + 5.0 + link.time_s(1e6))
