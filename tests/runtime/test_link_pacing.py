@@ -29,6 +29,7 @@ from runtime.link_pacing import (
 from runtime.ps.client import PSClient
 from runtime.ps.layout import make_shard_specs
 from runtime.ps.wire import TAG_PULL_HEADER, TAG_PUSH
+from runtime.results.metrics import StageResult
 from runtime.sync.allreduce import AllReduceSync
 from tests.conftest import EXAMPLES
 from tests.planner.simplan import make_plan, paper_cluster
@@ -185,7 +186,9 @@ def test_allreduce_is_paced_to_the_predicted_ring(tmp_path: Path) -> None:
     nbytes = sum(g.numel() * 4 for g in grads.values())
     want = simulate_allreduce([1.0] * 4, nbytes, ring, 32, ["V", "R", "G", "Q"]).allreduce_ms
     clock = FakeClock()
-    sync = AllReduceSync(None, 1, links=StageLinks(ring=ring, ring_size=4), pace=clock.pace)
+    result = StageResult(0, 0, 0, "V:0")
+    links = StageLinks(ring=ring, ring_size=4)
+    sync = AllReduceSync(None, 1, links=links, pace=clock.pace, result=result)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
         out = sync.reduce_grads(1, dict(grads))  # (a group of one: the mean is the gradient)
@@ -193,6 +196,7 @@ def test_allreduce_is_paced_to_the_predicted_ring(tmp_path: Path) -> None:
         dist.destroy_process_group()
     torch.testing.assert_close(out["w"], grads["w"], rtol=0, atol=0)
     assert (clock.now - 3.0) * 1e3 == pytest.approx(want)
+    assert result.wait_s * 1e3 == pytest.approx(want)  # not device time: the window grows
 
 
 def test_a_reply_held_for_the_global_clock_is_charged_from_its_arrival() -> None:

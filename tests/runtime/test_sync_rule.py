@@ -90,7 +90,7 @@ def _rank(rank: int, world: int, init: str, out: str) -> None:
                             timeout=timedelta(seconds=20))  # fmt: skip
     try:
         spec = SyncSpec("allreduce", groups=(tuple(range(world)),))
-        view = SimpleNamespace(links=NO_LINKS)  # one group: only the (unpaced) links are read
+        view = SimpleNamespace(links=NO_LINKS, result=None)  # one group, not paced: no more read
         rule = AllReduceSync.create(spec, view)  # type: ignore[arg-type]
         grads = {
             "w": torch.full((2, 2), float(rank + 1)),
