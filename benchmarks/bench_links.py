@@ -119,7 +119,23 @@ def main() -> None:
     low = [r["policy"] for r in rows if r["comm_share"] < 0.2]
     if low:
         print(f"  note: links are under a fifth of a step for {', '.join(low)}; raise --scale")
-    doc = {"model": MODEL, "scale": args.scale, "steps": args.steps, "rows": rows}
+    by = {r["policy"]: r for r in rows}
+    base = by["AllReduce"]
+    vs = {
+        p: {k: by[p][k] / base[k] if base[k] else None for k in ("measured", "predicted")}
+        for p in ("ED", "HD")
+    }
+    for p, r in vs.items():
+        print(
+            f"  {p}/AllReduce: {r['measured'] or 0:.2f} measured, {r['predicted'] or 0:.2f} predicted"
+        )
+    doc = {
+        "model": MODEL,
+        "scale": args.scale,
+        "steps": args.steps,
+        "rows": rows,
+        "vs_allreduce": vs,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2), encoding="utf-8")
     print(f"wrote {args.out}")
