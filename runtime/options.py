@@ -112,6 +112,7 @@ OPTIONS: Mapping[str, Option] = MappingProxyType(
         "vw": Option("--vw", -1, "run only this virtual worker of the plan (-1 = all, through its synchronisation rule)", Range(-1)),
         "staleness": Option("--D", None, "WSP clock-distance threshold D (default: the plan's)", Range(0)),
         "checkpoint_every": Option("--checkpoint-every", CHECKPOINT_EVERY, "checkpoint every K global clocks into --out/checkpoints (0 = never)", Range(0)),
+        "keep": Option("--keep", 2, "committed snapshots kept in --out/checkpoints (0 = every one: weights at fixed clocks to evaluate after the run)", Range(0)),
         "on_failure": Option("--on-failure", "stop", "stop: a failed process ends the run; restart: restart a failed stage's VW alone where the shards cut it (the others wait there) and a failed shard's whole job from its last snapshot, up to --max-restarts times, then evict a failed VW (under torchrun: torchrun's own --max-restarts, whole group); continue: evict a failed VW and go on with the others (a failed shard still stops the run)", choices=("stop", "restart", "continue")),
         "max_restarts": Option("--max-restarts", 3, "restarts allowed with --on-failure restart", Range(0)),
         "overwrite": Option("--overwrite", False, "replace another run's outputs in --out"),
@@ -248,6 +249,7 @@ def run_spec(
         resume_clock=resume[2] if resume is not None else None,
         overwrite=v["overwrite"],
         resume_hint=resume_hint,
+        keep=v["keep"],
     )
     return RunSpec(run, opt, DataConfig(ref=v["data"]), SyncConfig(D=v["staleness"]), checkpoints,
                    FailurePolicy(v["on_failure"], v["max_restarts"]), vw=v["vw"])  # fmt: skip

@@ -36,6 +36,7 @@ RUN_BAD = [
     ("--time-limit", "nan", ">= 0"),
     ("--time-limit", "-inf", ">= 0"),
     ("--checkpoint-every", "-1", "whole number >= 0"),
+    ("--keep", "-1", "whole number >= 0"),
     ("--max-restarts", "-1", "whole number >= 0"),
     ("--remedy-warmup", "-5", "whole number >= 0"),
     ("--steps", "-1", "whole number >= 0"),
@@ -175,6 +176,15 @@ def test_the_old_schedule_flag_names_lr_schedule(caplog: pytest.LogCaptureFixtur
     assert main([CLUSTER, "--schedule", "cosine"]) == 2
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert errors == [fix]
+
+
+def test_train_refuses_the_old_schedule_keyword() -> None:
+    """``hetpipe.train(schedule=...)`` is refused like ``--schedule``, naming ``--lr-schedule``."""
+    import hetpipe
+    from profiler.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="is now --lr-schedule"):
+        hetpipe.train("mlp", schedule="cosine")
 
 
 @pytest.mark.usefixtures("nothing_read")

@@ -132,6 +132,7 @@ def run(  # long only by its typer signature (the command's options); the body i
     vw: Annotated[int, _opt("vw")] = OPT["vw"].default,
     staleness: Annotated[int | None, _opt("staleness")] = OPT["staleness"].default,
     checkpoint_every: Annotated[int, _opt("checkpoint_every")] = OPT["checkpoint_every"].default,
+    keep: Annotated[int, _opt("keep")] = OPT["keep"].default,
     on_failure: Annotated[str, _opt("on_failure")] = OPT["on_failure"].default,
     max_restarts: Annotated[int, _opt("max_restarts")] = OPT["max_restarts"].default,
     overwrite: Annotated[bool, _opt("overwrite")] = OPT["overwrite"].default,
