@@ -35,6 +35,8 @@ PLANNER_FOR_RUNTIME = (
     "planner.plan",
     "planner.plan_file",
     "planner.plan_check",
+    "planner.cluster",  # the plan embeds its cluster: links and their time formula
+    "planner.predict",  # ring_link: the link a ring all-reduce crosses, priced alike
     "planner.schedule",
     "planner.wsp",
     "planner.sync",
