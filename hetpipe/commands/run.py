@@ -168,6 +168,7 @@ def run(  # long only by its typer signature (the command's options); the body i
     emulate: Annotated[bool, _opt("emulate")] = OPT["emulate"].default,
     precision: Annotated[str, _opt("precision")] = OPT["precision"].default,
     on_nonfinite: Annotated[str, _opt("on_nonfinite")] = OPT["on_nonfinite"].default,
+    profile_runtime: Annotated[bool, _opt("profile_runtime")] = OPT["profile_runtime"].default,
 ) -> None:
     """Train a plan (all its VWs through WSP, one VW, or the AllReduce baseline); print the summary."""
     from runtime.data_source import named_data
@@ -304,6 +305,8 @@ def _train(
     source = ModelSource(ref=plan.model)
     result = run_plan(plan, source, opt, run_cfg, wsp, dataset, vw=vw)
     console.print(result.table())
+    if (breakdown := result.breakdown_table()) is not None:
+        console.print(breakdown)
     out = run_cfg.out_dir
     if out is not None:
         console.print(f"outputs: {', '.join(str(out / f) for f in outputs(result))}")
