@@ -26,6 +26,7 @@ from profiler.errors import HetPipeRuntimeError
 from profiler.memory import cuda_peak_bytes
 from profiler.precision import autocast
 from runtime.defaults import neighbour_wait_s
+from runtime.launch.reports import REPORTS
 from runtime.results.metrics import StageResult
 from runtime.stage.comm import Channel, Event, GradReceiver, start_activation_receiver, wire_specs
 from runtime.stage.device import on_device
@@ -112,6 +113,7 @@ class StageWorker:
         self.sync = stage_sync(job.sync, view)  # the synchronisation rule's hooks
         self._task_mb = 1  # the minibatch of the task being paced (its wave may straggle)
         self._task_wall0 = 0.0  # wall-clock start of the task being executed (the timeline)
+        self._reports: list[tuple[Any, ...]] = []  # progress reports of the wave in progress
         self.timer = lap_timer(False)  # --profile-runtime: started with the run
 
     @property
@@ -143,6 +145,7 @@ class StageWorker:
         self._f_done = self._b_done = 0  # forwards / backwards done here
         try:
             self._loop(start_time, to_next, to_prev, grad_rx)
+            self._send_reports()
             for ch in (to_next, to_prev):
                 if ch is not None:
                     ch.flush()
@@ -476,8 +479,7 @@ class StageWorker:
         value = self._loss = float(loss.item())
         self.timer.lap("real_compute")
         self.result.losses.append((mb, value))
-        if self.events is not None:
-            self.events.put(("loss", self.ctx.rank, mb, value, time.time()))
+        self._report(("loss", self.ctx.rank, mb, value, time.time()))
         self.timer.lap("bookkeeping")
         return backward_grads(held, self.weights.leaves(mb), [loss], None)
 
@@ -487,6 +489,21 @@ class StageWorker:
         if self.offload is not None:
             self.offload.release(mb, self.memory)
         self.result.done_times.append(time.time())
-        if self.ctx.stage == 0 and self.events is not None:
+        if self.ctx.stage == 0:
             skipped = mb in self.result.skipped  # every stage skips the same (planner.nonfinite)
-            self.events.put(("done", self.ctx.rank, mb, time.time(), skipped))
+            self._report(("done", self.ctx.rank, mb, time.time(), skipped))
+        if mb % self.ctx.nm == 0:  # a wave ends (its update pushed, with a rule that pushes)
+            self._send_reports()
+
+    def _report(self, msg: tuple[Any, ...]) -> None:
+        """Queue a progress report for the launcher (sent with its wave: :meth:`_send_reports`)."""
+        if self.events is not None:
+            self._reports.append(msg)
+
+    def _send_reports(self) -> None:
+        """Send the queued reports as one message (:data:`runtime.launch.reports.REPORTS`): one
+        write, and one wake-up of the launcher, per wave instead of one per report. A stage
+        lost mid-wave loses its wave's reports; its VW recomputes that wave anyway."""
+        if self._reports and self.events is not None:
+            self.events.put((REPORTS, self.ctx.rank, tuple(self._reports)))
+            self._reports.clear()
