@@ -3,6 +3,7 @@ alone, or the DDP AllReduce baseline (``--sync allreduce``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import sys
@@ -288,6 +289,7 @@ def _train(
     from planner.sync import check_time_limit
     from runtime.config import ModelSource
     from runtime.launch.jobs import check_alone
+    from runtime.results.breakdown import overhead_note
     from runtime.run import describe_training, outputs, rule_for, run_plan, steps_note
 
     if rule_for(plan, vw) == "local":
@@ -307,6 +309,9 @@ def _train(
     console.print(result.table())
     if (breakdown := result.breakdown_table()) is not None:
         console.print(breakdown)
+        if vw < 0 and rule_for(plan, vw) in ("wsp", "local"):  # what simulate() plays
+            ran = dataclasses.replace(plan, nm=nm, D=plan.D if wsp.D is None else wsp.D)
+            console.print(overhead_note(ran, result.stages, result.throughput), markup=False)
     out = run_cfg.out_dir
     if out is not None:
         console.print(f"outputs: {', '.join(str(out / f) for f in outputs(result))}")

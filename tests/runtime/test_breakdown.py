@@ -6,7 +6,14 @@ from collections.abc import Iterator
 
 from rich.console import Console
 
-from runtime.results.breakdown import CATEGORIES, Breakdown, breakdown_json, breakdown_table
+from runtime.results.breakdown import (
+    CATEGORIES,
+    Breakdown,
+    breakdown_json,
+    breakdown_table,
+    mean_overhead_ms_per_task,
+    overhead_note,
+)
 from runtime.results.metrics import StageResult
 from runtime.stage.timers import LapTimer, lap_timer
 
@@ -71,3 +78,24 @@ def test_summary_and_table_show_each_category_per_task() -> None:
     text = console.export_text()
     assert "vw0 s1" in text and "1.000 (40%)" in text  # real compute: 4 ms / 4 tasks, 40 %
     assert breakdown_table([unprofiled]) is None
+
+
+def test_the_note_predicts_the_plan_again_with_the_measured_overhead() -> None:
+    import re
+
+    from planner.sim.simulator import simulate
+    from tests.planner.simplan import make_plan
+
+    plan = make_plan([[("V", 2.0, 4.0), ("R", 2.5, 5.0)]], nm=2, D=0)
+    stages = [StageResult(rank=s, vw=0, stage=s, device=f"G:{s}") for s in range(2)]
+    for s, other_ms in zip(stages, (1.0, 3.0), strict=True):  # 1 and 3 ms per task
+        s.breakdown = Breakdown(int(other_ms * 1e6), (("FB", "other", int(other_ms * 1e6)),),
+                                (("FB", 1),))  # fmt: skip
+    assert mean_overhead_ms_per_task(stages) == 2.0
+    note = overhead_note(plan, stages, measured=10.0)
+    found = re.search(r"\(2\.000 ms per task, mean of the stages\): ([\d.]+) samples/s", note)
+    assert found is not None, note
+    predicted = float(found.group(1))
+    assert predicted == round(simulate(plan, overhead_ms_per_task=2.0).throughput, 1)
+    assert predicted < simulate(plan).throughput
+    assert mean_overhead_ms_per_task([StageResult(rank=0, vw=0, stage=0, device="G:0")]) == 0.0
