@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -29,6 +30,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER = "examples/emulated_cluster.yaml"
 _TITLE = re.compile(r"([\d.]+) samples/s \(predicted ([\d.]+), ratio ([\d.]+)\)")
+
+
+def _cpu_s() -> float:
+    """CPU seconds (user + system) of every finished child process so far."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
 
 
 def _hetpipe(tree: Path, *args: str) -> str:
@@ -42,22 +49,24 @@ def _hetpipe(tree: Path, *args: str) -> str:
 
 
 def _run(tree: Path, *extra: str) -> dict[str, Any]:
-    """One README main job from ``tree``: throughput, prediction, ratio, load before/after."""
-    load0 = os.getloadavg()[0]
+    """One README main job from ``tree``: throughput, prediction, ratio, load before/after and
+    the CPU seconds of the whole job (every process: less sensitive to the load than wall time)."""
+    load0, cpu0 = os.getloadavg()[0], _cpu_s()
     out = _hetpipe(tree, "run", CLUSTER, "--no-progress", *extra)
+    cpu_s = _cpu_s() - cpu0
     found = _TITLE.search(out)
     if found is None:
         raise SystemExit(f"no throughput line in the output of {tree}:\n{out}")
     thr, pred, ratio = (float(x) for x in found.groups())
     return {"tree": str(tree), "throughput": thr, "predicted": pred, "ratio": ratio,
-            "load_before": load0, "load_after": os.getloadavg()[0]}  # fmt: skip
+            "cpu_s": cpu_s, "load_before": load0, "load_after": os.getloadavg()[0]}  # fmt: skip
 
 
-def _profiled(tree: Path, work: Path) -> dict[str, Any]:
+def _profiled(tree: Path, work: Path, steps: tuple[str, ...]) -> dict[str, Any]:
     """One profiled run: its breakdown, the mean overhead per task over the stages, and the
     simulator's prediction of the same plan with that overhead."""
     out = work / "profiled"
-    row = _run(tree, "--profile-runtime", "--out", str(out), "--checkpoint-every", "0")
+    row = _run(tree, "--profile-runtime", "--out", str(out), "--checkpoint-every", "0", *steps)
     stages = json.loads((out / "summary.json").read_text())["runtime_breakdown"]
     overhead = statistics.mean(s["overhead_ms_per_task"] for s in stages)
     sim = _hetpipe(tree, "simulate", str(out / "plan.json"), "--overhead-ms-per-task",
@@ -74,24 +83,32 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trees", nargs=2, type=Path, default=[REPO, REPO], metavar=("OLD", "NEW"))
     p.add_argument("--pairs", type=int, default=3)
+    p.add_argument("--steps", type=int, default=0, help="minibatches per VW (0: the README's)")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "overhead.json")
     a = p.parse_args()
     trees = [t.resolve() for t in a.trees]
+    steps = ("--steps", str(a.steps)) if a.steps else ()
     runs = []
     for k in range(a.pairs):
         for tree in trees if k % 2 == 0 else trees[::-1]:  # who goes first alternates too
-            runs.append(_run(tree))
-            print(f"{tree}: ratio {runs[-1]['ratio']:.2f} (load {runs[-1]['load_before']:.1f})")
+            runs.append(_run(tree, *steps))
+            r = runs[-1]
+            print(f"{tree}: ratio {r['ratio']:.2f}, {r['cpu_s']:.1f} CPU s "
+                  f"(load {r['load_before']:.1f})")  # fmt: skip
     with tempfile.TemporaryDirectory() as work:
-        profiled = _profiled(trees[1], Path(work))
+        profiled = _profiled(trees[1], Path(work), steps)
     medians = {
-        str(t): statistics.median(r["ratio"] for r in runs if r["tree"] == str(t)) for t in trees
+        str(t): {
+            key: statistics.median(r[key] for r in runs if r["tree"] == str(t))
+            for key in ("ratio", "cpu_s")
+        }
+        for t in trees
     }
-    print("median ratio measured/predicted:", medians)
+    print("medians (ratio measured/predicted, CPU s):", medians)
     print(f"overhead {profiled['overhead_ms_per_task']:.3f} ms/task; predicted with it "
           f"{profiled['predicted_with_overhead']:.0f} samples/s, measured "
           f"{profiled['throughput']:.0f} (ratio {profiled['ratio_with_overhead']:.2f})")  # fmt: skip
-    result = {"runs": runs, "median_ratio": medians, "profiled": profiled,
+    result = {"runs": runs, "medians": medians, "steps": a.steps, "profiled": profiled,
               "cpu_count": os.cpu_count()}  # fmt: skip
     a.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {a.out}")
