@@ -322,7 +322,6 @@ class StageWorker:
 
     def _pace(self, t0: float, kind: Kind) -> None:
         if self._paced:
-            self.timer.lap("real_compute")
             self.result.overrun_s += pace_until(self._deadline(t0, kind))
             self.timer.lap("paced")
 
@@ -356,6 +355,7 @@ class StageWorker:
         else:
             out = self._forward(mb)
             if task.kind is Kind.F:
+                timer.lap("real_compute")
                 self._pace(t0, task.kind)
                 if to_next is not None and grad_rx is not None:
                     grad_rx.expect(mb)
