@@ -21,13 +21,14 @@ class LapTimer:
     """Accumulates nanoseconds per ``(task kind, category)`` from one lap to the next
     (``clock``: nanoseconds, injectable for tests)."""
 
-    __slots__ = ("_clock", "_last", "_ns", "_start", "_tasks", "kind")
+    __slots__ = ("_clock", "_last", "_ns", "_planned", "_start", "_tasks", "kind")
 
     def __init__(self, clock: Callable[[], int] = time.perf_counter_ns) -> None:
         self._clock = clock
         self._start = self._last = clock()
         self._ns: dict[tuple[str, str], int] = {}
         self._tasks: dict[str, int] = {}
+        self._planned = 0
         self.kind = LOOP
 
     def lap(self, category: str, waited_s: float = 0.0) -> None:
@@ -41,6 +42,11 @@ class LapTimer:
         if waited > 0:
             key = (self.kind, "wsp_wait")
             self._ns[key] = self._ns.get(key, 0) + waited
+
+    def planned(self, seconds: float) -> None:
+        """An emulated device's task is planned to take ``seconds`` (what pacing stretches it
+        to; not a lap)."""
+        self._planned += int(seconds * 1e9)
 
     def task(self, kind: str) -> None:
         """A task of ``kind`` starts (what came before it is the loop's ``other``)."""
@@ -61,6 +67,7 @@ class LapTimer:
             self._last - self._start,
             tuple((k, c, ns) for (k, c), ns in sorted(self._ns.items())),
             tuple(sorted(self._tasks.items())),
+            self._planned,
         )
 
 
@@ -70,6 +77,9 @@ class NullTimer(LapTimer):
     __slots__ = ()
 
     def lap(self, category: str, waited_s: float = 0.0) -> None:
+        """Nothing."""
+
+    def planned(self, seconds: float) -> None:
         """Nothing."""
 
     def task(self, kind: str) -> None:

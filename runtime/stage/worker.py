@@ -322,7 +322,9 @@ class StageWorker:
 
     def _pace(self, t0: float, kind: Kind) -> None:
         if self._paced:
-            self.result.overrun_s += pace_until(self._deadline(t0, kind))
+            deadline = self._deadline(t0, kind)
+            self.timer.planned(deadline - t0)
+            self.result.overrun_s += pace_until(deadline)
             self.timer.lap("paced")
 
     def _execute(
@@ -377,6 +379,7 @@ class StageWorker:
         # inside the task's paced window, not on top of it at CPU speed; a WSP pull the update
         # blocks on is not device time. The gradients leave when the emulated backward ends.
         deadline = self._deadline(t0, task.kind)
+        timer.planned(deadline - t0)
         # only the computation can make the device late: the update's CPU time past the
         # deadline is the runtime's cost (on a GPU it is microseconds), not a slow device
         self.result.overrun_s += max(0.0, time.perf_counter() - deadline)

@@ -99,3 +99,22 @@ def test_the_note_predicts_the_plan_again_with_the_measured_overhead() -> None:
     assert predicted == round(simulate(plan, overhead_ms_per_task=2.0).throughput, 1)
     assert predicted < simulate(plan).throughput
     assert mean_overhead_ms_per_task([StageResult(rank=0, vw=0, stage=0, device="G:0")]) == 0.0
+
+
+def test_on_an_emulated_device_work_inside_the_planned_window_is_not_overhead() -> None:
+    """The optimizer step runs inside an emulated task's planned window (device work): only
+    the time outside it (a send here) and any lateness count as the runtime's overhead."""
+    ticks = _clock(0, 0, 10_000_000)
+    timer = LapTimer(lambda: next(ticks))
+    timer.task("FB")
+    timer.planned(0.006)  # 6 ms planned
+    b = timer.result()
+    assert b is not None and b.planned_ns == 6_000_000
+    ms = {"real_compute": 2, "optimizer": 1, "paced": 3, "wsp_wait": 2, "send_recv": 2}
+    ns = tuple(("FB", c, v * 1_000_000) for c, v in ms.items())
+    paced = Breakdown(10_000_000, ns, (("FB", 1),), planned_ns=6_000_000)
+    assert paced.overhead_ms_per_task() == 2.0  # 10 - 2 waiting - 6 planned: the send
+    late = Breakdown(10_000_000, ns, (("FB", 1),), planned_ns=2_000_000)
+    assert late.overhead_ms_per_task() == 6.0  # the task ran 4 ms past its plan, +2 send
+    unpaced = Breakdown(10_000_000, ns, (("FB", 1),))
+    assert unpaced.overhead_ms_per_task() == 6.0  # 10 - 2 waiting - 2 real compute

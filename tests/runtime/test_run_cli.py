@@ -91,6 +91,7 @@ def _check_breakdown(out: Path, output: str, n_stages: int) -> None:
         assert abs(sum(s["ms"].values()) - s["wall_ms"]) < 0.01 * s["wall_ms"] + 1.0
         assert abs(s["wall_ms"] - s["stage_wall_ms"]) < 0.1 * s["stage_wall_ms"] + 50.0
         assert s["ms"]["real_compute"] > 0 and s["ms"]["paced"] > 0  # emulated: both timed
+        assert s["planned_ms"] > 0 and s["overhead_ms_per_task"] >= 0
         assert sum(s["tasks"].values()) == (8 if s["stage"] < n_stages - 1 else 4)
 
 
