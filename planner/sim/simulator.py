@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from planner.offload import host_link_ms
 from planner.plan import Plan, StagePlan, VirtualWorker
 from planner.predict import AllReduceResult, ring_link, simulate_allreduce
+from planner.schedule import schedule_named
 from planner.sim.engine import simulate_pipelines
 from planner.sim.types import PipelineSpec, SimResult
 from profiler.errors import PlanError
@@ -145,7 +146,7 @@ def simulate(
     """Simulate ``plan`` for ``waves`` waves per virtual worker.
 
     Args:
-        plan: the plan (its Nm, D, stages, shards and cluster are used as they are).
+        plan: the plan (its Nm, D, schedule, stages, shards and cluster are used as they are).
         waves: waves per VW (>= 2; wave 0 is warm-up and not measured).
         profile: optional profile of the model (any GPU type) for exact shard traffic.
         record_trace: keep every interval for Gantt charts and Chrome traces.
@@ -156,7 +157,10 @@ def simulate(
         PlanError: invalid plan, ``waves < 2`` or a negative or non-finite overhead.
     """
     specs = pipeline_specs(plan, profile, overhead_ms_per_task)
-    return simulate_pipelines(specs, plan.nm, plan.D, waves, plan.batch_size, record_trace)
+    schedule = schedule_named(plan.schedule)
+    return simulate_pipelines(
+        specs, plan.nm, plan.D, waves, plan.batch_size, record_trace, schedule
+    )
 
 
 def best_by_simulation(
