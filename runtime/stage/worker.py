@@ -27,6 +27,7 @@ from profiler.memory import cuda_peak_bytes
 from profiler.precision import autocast
 from runtime.defaults import neighbour_wait_s
 from runtime.launch.reports import REPORTS
+from runtime.link_pacing import LinkPacer, StageLinks, active_links
 from runtime.results.metrics import StageResult
 from runtime.stage.comm import Channel, Event, GradReceiver, start_activation_receiver, wire_specs
 from runtime.stage.device import on_device
@@ -110,12 +111,18 @@ class StageWorker:
             tuple((self.names[n], p) for n, p in params.items()), self.weights, self.result,
             self.tied if self.tied else None, job.init_method, group,
             tuple((self.buffer_names[n], b) for n, b in self.module.named_buffers()),
+            self.links,
         )  # fmt: skip
         self.sync = stage_sync(job.sync, view)  # the synchronisation rule's hooks
         self._task_mb = 1  # the minibatch of the task being paced (its wave may straggle)
         self._task_wall0 = 0.0  # wall-clock start of the task being executed (the timeline)
         self._reports: list[tuple[Any, ...]] = []  # progress reports of the wave in progress
         self.timer = lap_timer(False)  # --profile-runtime: started with the run
+
+    @property
+    def links(self) -> StageLinks:
+        """The emulated links this stage's transfers are paced to (none with ``emulate=False``)."""
+        return active_links(self.ctx.links, self.run_cfg.emulate)
 
     @property
     def last(self) -> bool:
@@ -137,10 +144,13 @@ class StageWorker:
         to_next = Channel(nxt, self.out_specs, group) if nxt is not None else None
         to_prev = Channel(prev, self.in_specs, group) if prev is not None else None
         grad_rx = None
+        links = self.links  # emulated links: receives held back to their charge
         if nxt is not None:
-            grad_rx = GradReceiver(nxt, self.out_specs, self.inbox, group, self._wait_s)
+            pace = LinkPacer(links.next)
+            grad_rx = GradReceiver(nxt, self.out_specs, self.inbox, group, self._wait_s, pace)
         if prev is not None:
-            start_activation_receiver(prev, self.in_specs, self.inbox, group, self._wait_s)
+            pace = LinkPacer(links.prev)
+            start_activation_receiver(prev, self.in_specs, self.inbox, group, self._wait_s, pace)
         self._received = 0  # forward messages received (stage 0: minibatches admitted)
         self._stop_in = ctx.stage == 0  # whether the number of minibatches is final
         self._f_done = self._b_done = 0  # forwards / backwards done here
