@@ -205,7 +205,7 @@ class Prediction:
 
 
 def _sync(value: Any, source: str) -> str:
-    check_sync_params(value, {}, source)  # the rule exists (planner.sync.RULES)
+    check_sync_params(value, {}, source)  # the rule exists (planner.rules)
     return str(value)
 
 
@@ -226,9 +226,7 @@ class Plan:
     num_layers: int
     profiles: dict[str, str] = field(default_factory=dict)  # GPU type -> provenance
     optimizer_state_factor: float = 1.0
-    sync: str = (
-        "wsp"  # the synchronisation rule across VWs (planner.sync.RULES): "wsp" (shards, D),
-    )
+    sync: str = "wsp"  # the synchronisation rule across VWs (planner.rules): "wsp" (shards, D),
     # "allreduce" or "local"
     sync_params: SyncParams = ()  # the rule's parameters (planner.sync.check_sync_params)
     precision: str = "fp32"  # "fp32" or "bf16" (autocast, fp32 master weights; profiler.precision)

@@ -138,11 +138,11 @@ def steps_note(plan: Plan, vw: int, steps: int, nm: int) -> str:
     (:func:`planner.wsp.whole_waves`: under a rule through the parameter-server shards every
     VW pushes the same waves); ``""`` when ``steps`` is trained exactly (one VW alone and
     AllReduce train any number, ``--epochs`` and ``--time-limit`` say their own length)."""
-    from planner.sync import RULES
+    from planner.rules import get_rule
     from planner.wsp import whole_waves
 
     how = rule_for(plan, vw)
-    if steps <= 0 or how == "local" or not RULES[how].uses_shards:
+    if steps <= 0 or how == "local" or not get_rule(how).uses_shards:
         return ""
     rounded = whole_waves(steps, nm)
     if rounded == steps:

@@ -11,9 +11,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from hetpipe._common import console, err_console, handle_errors
-from hetpipe._rules import SYNC_HELP, AlphaOpt, BackupsOpt, TauOpt, apply_rule, rule_params
+from hetpipe._rules import RuleValues, apply_rule, rule_params, sync_help, with_rule_options
 from planner.cluster import Cluster, load_cluster
 from planner.plan import Plan, StagePlan, VirtualWorker
+from planner.rules import get_rule
 from profiler.errors import ConfigError
 from runtime.options import Range, check_number
 
@@ -153,7 +154,7 @@ def render(plan: Plan, full: bool = True) -> None:
             "--full lists every VW"
         )
     pr = plan.predicted
-    if plan.sync == "allreduce":
+    if get_rule(plan.sync).layout == "ddp":
         console.print(
             f"AllReduce (DDP, BSP) on {len(plan.virtual_workers)} devices that hold the whole "
             f"model: predicted [bold]{pr.throughput:.1f}[/] samples/s ({pr.method})"
@@ -163,7 +164,7 @@ def render(plan: Plan, full: bool = True) -> None:
         f"Nm = {plan.nm}, D = {plan.D}: local staleness {plan.local_staleness}, global staleness bound "
         f"{plan.global_staleness}; placement {plan.placement}"
     )
-    if plan.sync in ("backup", "easgd"):
+    if plan.sync_params:  # a rule with parameters (backup, easgd)
         params = ", ".join(f"{k} {v:g}" for k, v in plan.sync_params)
         console.print(f"synchronisation: {plan.sync} ({params}); see docs/sync.md")
     console.print(
@@ -232,6 +233,7 @@ def render_candidates(rows: list[Candidate], budget_s: float) -> None:
         console.print(f"[dim]({n}) {escape(reason[:300])}[/]")
 
 
+@with_rule_options
 @handle_errors
 def plan(  # long only by its typer signature (the command's options); the body is ~35 lines
     cluster: Annotated[Path, typer.Argument(help="cluster.yaml")],
@@ -327,18 +329,17 @@ def plan(  # long only by its typer signature (the command's options); the body 
         str,
         typer.Option(
             "--sync",
-            help=SYNC_HELP + " (allreduce: every device that holds the whole model)",
+            help=sync_help() + " (allreduce: every device that holds the whole model)",
         ),
     ] = "wsp",
-    backups: BackupsOpt = None,
-    tau: TauOpt = None,
-    alpha: AlphaOpt = None,
     precision: Annotated[
         str,
         typer.Option(help="fp32 | bf16: the memory model's bytes (autocast, fp32 master weights)"),
     ] = "fp32",
+    rule_values: RuleValues | None = None,
 ) -> None:
-    """Plan HetPipe training (see HELP)."""
+    """Plan HetPipe training (see HELP); ``rule_values``: the rule options
+    (:class:`hetpipe._rules.with_rule_options`)."""
     from planner.costmodel import load_links
     from planner.plan_check import check_nm
     from planner.planner import PlanOptions, make_plan
@@ -346,8 +347,8 @@ def plan(  # long only by its typer signature (the command's options); the body 
     numbers = {"--batch-size": batch_size, "--nm": nm, "-D": staleness, "--vws": vws,
                "--time-limit": time_limit, "--auto-budget": auto_budget,
                "--auto-max-vw-gpus": auto_max_vw_gpus, "--max-cuts": max_cuts}  # fmt: skip
+    rule = rule_params(sync, rule_values or {})
     _check_options(numbers, sync, bool(policy or vws or nm or staleness))
-    rule = rule_params(sync, backups, tau, alpha)
     cl = load_cluster(cluster)
     _pacing_note(cl, err_console if as_json else console)
     profs = load_profiles(profiles, profile_gpu) if profiles else []
@@ -366,7 +367,7 @@ def plan(  # long only by its typer signature (the command's options); the body 
         f"planning {model or 'the profiled model'} on {cl.name} (profiles, allocation, "
         "partition, Nm, placement, simulation)"
     ):
-        if sync == "allreduce":
+        if get_rule(sync).layout == "ddp":
             result = _allreduce_plan(cl, profs, model, batch_size, optimizer)
         else:
             result = make_plan(
@@ -392,9 +393,9 @@ def _check_options(numbers: dict[str, float | None], sync: str, shapes_hetpipe: 
     """Refuse bad option values before any planning (one line each)."""
     for flag, value in numbers.items():
         check_number(flag, value, _RANGES[flag])
-    if sync == "allreduce" and shapes_hetpipe:
+    if get_rule(sync).layout == "ddp" and shapes_hetpipe:
         raise ConfigError(
-            "--policy, --vws, --nm and -D shape HetPipe plans; drop them with --sync allreduce"
+            f"--policy, --vws, --nm and -D shape HetPipe plans; drop them with --sync {sync}"
         )
 
 

@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from hetpipe._common import console, handle_errors
-from hetpipe._rules import SYNC_HELP, AlphaOpt, BackupsOpt, TauOpt, apply_rule, rule_params
+from hetpipe._rules import RuleValues, apply_rule, rule_params, sync_help, with_rule_options
 from planner.plan import Plan
 from planner.plan_file import load_plan, load_plan_or_cluster
+from planner.rules import get_rule
 from profiler.errors import ConfigError, shown
 from runtime.options import OPTIONS, Range, check_number
 
@@ -100,6 +101,7 @@ _PLANNING = {"--batch-size": Range(1), "--stages": Range(0), "--vws": Range(0)}
 OPT = OPTIONS  # the defaults below are the table's: one source for hetpipe run and torchrun
 
 
+@with_rule_options
 @handle_errors
 def run(  # long only by its typer signature (the command's options); the body is ~15 lines
     ctx: typer.Context,
@@ -127,10 +129,9 @@ def run(  # long only by its typer signature (the command's options); the body i
             "where it applies, else ed; the same as 'hetpipe plan')",
         ),
     ] = None,
-    sync: Annotated[str, typer.Option(help=SYNC_HELP + "; default: the plan's rule")] = "wsp",
-    backups: BackupsOpt = None,
-    tau: TauOpt = None,
-    alpha: AlphaOpt = None,
+    sync: Annotated[
+        str | None, typer.Option(help=sync_help() + "; default: the plan's rule (wsp planning)")
+    ] = None,
     resume: Annotated[
         str | None,
         typer.Option(
@@ -168,8 +169,10 @@ def run(  # long only by its typer signature (the command's options); the body i
     emulate: Annotated[bool, _opt("emulate")] = OPT["emulate"].default,
     precision: Annotated[str, _opt("precision")] = OPT["precision"].default,
     on_nonfinite: Annotated[str, _opt("on_nonfinite")] = OPT["on_nonfinite"].default,
+    rule_values: RuleValues | None = None,
 ) -> None:
-    """Train a plan (all its VWs through WSP, one VW, or the AllReduce baseline); print the summary."""
+    """Train a plan (all its VWs through WSP, one VW, or the AllReduce baseline); print the
+    summary. ``rule_values``: the rule options (:class:`hetpipe._rules.with_rule_options`)."""
     from runtime.data_source import named_data
     from runtime.options import check_values, configs
     from runtime.persist.run_dir import resume_target
@@ -178,8 +181,9 @@ def run(  # long only by its typer signature (the command's options); the body i
     check_values(values)  # every number in range before anything is read, planned or started
     for flag, value in (("--batch-size", batch_size), ("--stages", stages), ("--vws", vws)):
         check_number(flag, value, _PLANNING[flag])
-    rule = rule_params(sync, backups, tau, alpha)
-    if sync == "allreduce":
+    given_sync, sync = sync, sync or "wsp"  # None: the plan's rule (wsp when planning)
+    rule = rule_params(sync, rule_values or {})
+    if get_rule(sync).layout == "ddp":
         _refuse_pipeline_options(nm, staleness, vw, vws, stages, policy)
     target = resume_target(resume) if resume is not None else None
     opt, run_cfg, wsp = configs(values, out or (target[0] if target else None), progress, target,
@@ -191,9 +195,9 @@ def run(  # long only by its typer signature (the command's options); the body i
     plan = _plan(path, model, batch_size, nm, stages, vws, staleness, policy, sync, opt,
                  resumed, precision)  # fmt: skip
     if resumed is not None and (resumed / "plan.json").exists():
-        _check_resumed(path, apply_rule(plan, sync, rule), resumed, sync, rule)
+        _check_resumed(path, apply_rule(plan, given_sync, rule), resumed, given_sync, rule)
     dataset = named_data(data, plan.model, plan.batch_size, run_cfg.seed)
-    _train(apply_rule(plan, sync, rule), opt, run_cfg, wsp, vw, given, dataset)
+    _train(apply_rule(plan, given_sync, rule), opt, run_cfg, wsp, vw, given, dataset)
 
 
 def _check_before_planning(
@@ -205,7 +209,7 @@ def _check_before_planning(
     from planner.sync import check_time_limit
     from runtime.launch.jobs import check_alone
 
-    if vw >= 0 and sync != "allreduce":
+    if vw >= 0 and get_rule(sync).layout != "ddp":
         check_alone(wsp, every)
     check_time_limit(sync, time_limit_s)
     if vws and vw >= vws:
@@ -236,7 +240,7 @@ def _plan(
             f"reading {path.name}; planning on the fly if it is a cluster file (a new model's "
             "CPU profile is measured once, then cached)"
         ):
-            if sync == "allreduce":
+            if get_rule(sync).layout == "ddp":
                 plan = _load_allreduce(path, model, batch_size, opt)
             else:
                 plan = _load(path, model, batch_size, nm, stages, vws, staleness or 0, policy,
@@ -248,7 +252,9 @@ def _plan(
     return plan
 
 
-def _check_resumed(path: Path, saved: Plan, out: Path, sync: str, rule: dict[str, float]) -> None:
+def _check_resumed(
+    path: Path, saved: Plan, out: Path, sync: str | None, rule: dict[str, float]
+) -> None:
     """Refuse ``--resume`` with a plan or cluster file other than the resumed run's (its
     ``plan.json``), naming the first field that differs; nothing is planned."""
     from runtime.persist.run_dir import first_difference
@@ -289,7 +295,7 @@ def _train(
     from runtime.launch.jobs import check_alone
     from runtime.run import describe_training, outputs, rule_for, run_plan, steps_note
 
-    if rule_for(plan, vw) == "local":
+    if get_rule(rule_for(plan, vw)).layout == "alone":
         check_alone(wsp, every)
     check_time_limit(rule_for(plan, vw), run_cfg.time_limit_s)  # before the header prints
     if run_cfg.emulate:
@@ -382,7 +388,7 @@ def _load_allreduce(path: Path, model: str | None, batch_size: int, cfg: Optimiz
 
     doc = load_plan_or_cluster(path)
     if isinstance(doc, Plan):
-        if doc.sync == "allreduce":
+        if get_rule(doc.sync).layout == "ddp":
             _check_against_model(doc, path)
             return doc
         cluster, model, batch_size = doc.cluster, doc.model, doc.batch_size

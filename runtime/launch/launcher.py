@@ -29,7 +29,8 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from planner.plan import Plan
-from planner.sync import RULES, effective_rule
+from planner.rules import get_rule
+from planner.sync import effective_rule
 from profiler.errors import ConfigError, HetPipeRuntimeError
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
 from runtime.data_source import RunData, run_data
@@ -117,7 +118,7 @@ def _launch(
     if run_dir is None:
         if cfg.resume:
             raise ConfigError("--resume needs the run's directory (--out or a checkpoint folder)")
-        if not RULES[rule].uses_shards:  # AllReduce: a restart starts again from the beginning
+        if not get_rule(rule).uses_shards:  # AllReduce: a restart starts again from the beginning
             return _restarting(
                 lambda c, a: _attempt(plan, source, optimizer, run, c, dataset, None, rule, 0, a),
                 run, cfg, len(plan.virtual_workers),
@@ -337,13 +338,14 @@ def prepare(
     spec = resolve_source(source, plan.batch_size, meta=source.module is None)
     loss = source.loss if source.loss is not None else spec.loss
     data = run_data(dataset, source.name, spec, plan.batch_size, loss)
-    if rule == "local":  # no dataset given: each stage builds the built-in one itself
+    layout = get_rule(rule).layout
+    if layout == "alone":  # no dataset given: each stage builds the built-in one itself
         mine = data.train if dataset is not None else None
         n = len(data.train)  # type: ignore[arg-type]
         prep: Prepared | RunResult = prepare_local(
             plan, source, optimizer, run, cfg, mine, n, vw, init_method
         )
-    elif rule == "allreduce":
+    elif layout == "ddp":
         prep = prepare_allreduce(plan, source, optimizer, run, cfg, data, owner, init_method)
     else:
         prep = prepare_wsp(plan, source, optimizer, run, cfg, data, owner, init_method)
