@@ -43,6 +43,7 @@ __all__ = [
     "SyncParams",
     "SyncRule",
     "get_rule",
+    "layout",
     "plugin_modules",
     "rules",
 ]
@@ -107,6 +108,8 @@ class SyncRule:
         no_time_limit: why ``--time-limit`` is refused (empty: VWs agree on a stop wave).
         selectable: ``--sync`` takes it (``local`` is what one VW alone trains by).
         layout: how the launcher lays it out (:data:`Layout`).
+        drops: some VWs' pushes of a wave can be dropped (a summary counts them and shows
+            the k-th push delays).
         check: ``(params, n_vws)``: raise ``ValueError`` when the plan cannot take them.
         play: its wave player for the simulator (``None``: not played on waves).
         waves_per_clock: ``(params) -> waves`` one tick of the shards' clock covers.
@@ -124,6 +127,7 @@ class SyncRule:
     no_time_limit: str = ""
     selectable: bool = True
     layout: Layout = "shards"
+    drops: bool = False
     check: Callable[[Mapping[str, float], int], None] = _no_check
     play: Player | None = None
     waves_per_clock: Callable[[Mapping[str, float]], int] = _one_wave
@@ -162,6 +166,7 @@ BUILTIN: Mapping[str, SyncRule] = MappingProxyType(
             data="global",  # the dropped pushes are a different random sample every epoch
             keeps_D=False,
             no_time_limit="a VW that skipped waves cannot agree on a stop wave yet",
+            drops=True,
             check=check_backups,
             play=play_backup,
         ),
@@ -262,3 +267,12 @@ def get_rule(name: str, extra: tuple[str, ...] = ()) -> SyncRule:
             f"synchronisation rule {str(name)[:40]!r} is unknown; use one of {', '.join(known)}"
         )
     return known[name]
+
+
+def layout(name: str) -> Layout:
+    """How the launcher lays rule ``name`` out (:attr:`SyncRule.layout`).
+
+    Raises:
+        ConfigError: no rule has that name.
+    """
+    return get_rule(name).layout

@@ -45,6 +45,7 @@ import torch
 from planner.plan import Plan
 from planner.plan_check import check_nm
 from planner.plan_file import load_plan
+from planner.rules import layout
 from profiler.errors import ConfigError, HetPipeError, HetPipeRuntimeError
 from profiler.files import atomic_write_bytes
 from runtime.config import ModelSource, RunConfig
@@ -173,7 +174,9 @@ def _prepared(a: argparse.Namespace, plan: Plan, rank: int, attempt: int) -> _Se
     if cfg.checkpoint_dir is None and out is not None:
         cfg = dataclasses.replace(cfg, checkpoint_dir=out / "checkpoints")
     rule = rule_for(plan, a.vw)
-    if rule == "local":  # one VW alone writes no snapshots (an explicit --checkpoint-every: no)
+    if (
+        layout(rule) == "alone"
+    ):  # one VW alone writes no snapshots (an explicit --checkpoint-every: no)
         from runtime.launch.jobs import check_alone
 
         check_alone(cfg, a.every_given)
@@ -292,7 +295,7 @@ def collect(plan: Plan, setup: _Setup, wall_s: float) -> RunResult:
         raise ConfigError("collecting a torchrun run's results needs its --out")
     stages, states = _rank_parts(out, len(prep.shards) + len(prep.stages))
     keys = model_keys(ModelSource(ref=plan.model), plan.batch_size)  # every state_dict name
-    if setup.rule == "local":
+    if layout(setup.rule) == "alone":
         return one_vw_result(plan, prep, stages, setup.run, setup.vw, wall_s, keys)
     result = build_result(plan, prep, stages, states, setup.rule, wall_s, keys)
     if setup.attempt:

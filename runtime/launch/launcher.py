@@ -29,7 +29,7 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from planner.plan import Plan
-from planner.rules import get_rule
+from planner.rules import layout
 from planner.sync import effective_rule
 from profiler.errors import ConfigError, HetPipeRuntimeError
 from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
@@ -89,7 +89,7 @@ def launch(
     optimizer, run, cfg = optimizer or OptimizerConfig(), run or RunConfig(), cfg or WSPConfig()
     rule = effective_rule(plan.sync, len(plan.shards), len(plan.virtual_workers), vw)
     _check_rule(rule, vw, cfg)
-    if rule != "local" and cfg.checkpoint_dir is None and run.out_dir is not None:
+    if layout(rule) != "alone" and cfg.checkpoint_dir is None and run.out_dir is not None:
         cfg = dataclasses.replace(cfg, checkpoint_dir=run.out_dir / "checkpoints")
     try:
         return _launch(plan, source, optimizer, run, cfg, dataset, vw, rule)
@@ -108,7 +108,7 @@ def _launch(
     rule: str,
 ) -> RunResult:
     """:func:`launch` once its arguments are settled (``rule``: the effective one)."""
-    if rule == "local":  # no snapshots; the run directory is still this run's
+    if layout(rule) == "alone":  # no snapshots; the run directory is still this run's
         out = run.out_dir
         claim = RunDirectory(out, resume=False, overwrite=cfg.overwrite) if out else nullcontext()
         with claim:
@@ -118,7 +118,7 @@ def _launch(
     if run_dir is None:
         if cfg.resume:
             raise ConfigError("--resume needs the run's directory (--out or a checkpoint folder)")
-        if not get_rule(rule).uses_shards:  # AllReduce: a restart starts again from the beginning
+        if layout(rule) != "shards":  # AllReduce: a restart starts again from the beginning
             return _restarting(
                 lambda c, a: _attempt(plan, source, optimizer, run, c, dataset, None, rule, 0, a),
                 run, cfg, len(plan.virtual_workers),
@@ -146,9 +146,9 @@ def _check_rule(rule: str, vw: int, cfg: WSPConfig) -> None:
     Raises:
         ConfigError: says why and what to change.
     """
-    if rule == "allreduce" and vw >= 0:
+    if layout(rule) == "ddp" and vw >= 0:
         raise ConfigError("an AllReduce plan trains every device together; drop --vw")
-    if rule == "local":
+    if layout(rule) == "alone":
         check_alone(cfg)
 
 
@@ -218,7 +218,7 @@ def _diverged(exc: Diverged, cfg: WSPConfig, rule: str, policy: str) -> Diverged
     holds only finite updates (none that diverged was applied), resumed with a smaller lr."""
     what = str(exc).split(REMEDY)[0]
     ckpt = cfg.checkpoint_dir
-    clocks = committed_clocks(ckpt) if ckpt is not None and rule != "local" else []
+    clocks = committed_clocks(ckpt) if ckpt is not None and layout(rule) != "alone" else []
     if ckpt is None or not clocks:
         how = "no snapshot was committed: start again with a smaller --lr"
     else:
@@ -261,7 +261,7 @@ def _attempt(
     warn_overruns(stages)
     wall_s = time.time() - t_start
     keys = model_keys(source, plan.batch_size)  # the user's state_dict names (tied ones too)
-    if rule == "local":
+    if layout(rule) == "alone":
         return one_vw_result(plan, prep, stages, run, vw, wall_s, keys)
     result = build_result(plan, prep, stages, states, rule, wall_s, keys)
     if lost:  # --on-failure continue: what was lost, from the shards' ledgers
@@ -338,14 +338,14 @@ def prepare(
     spec = resolve_source(source, plan.batch_size, meta=source.module is None)
     loss = source.loss if source.loss is not None else spec.loss
     data = run_data(dataset, source.name, spec, plan.batch_size, loss)
-    layout = get_rule(rule).layout
-    if layout == "alone":  # no dataset given: each stage builds the built-in one itself
+    how = layout(rule)
+    if how == "alone":  # no dataset given: each stage builds the built-in one itself
         mine = data.train if dataset is not None else None
         n = len(data.train)  # type: ignore[arg-type]
         prep: Prepared | RunResult = prepare_local(
             plan, source, optimizer, run, cfg, mine, n, vw, init_method
         )
-    elif layout == "ddp":
+    elif how == "ddp":
         prep = prepare_allreduce(plan, source, optimizer, run, cfg, data, owner, init_method)
     else:
         prep = prepare_wsp(plan, source, optimizer, run, cfg, data, owner, init_method)

@@ -50,7 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from planner.rules import get_rule, plugin_modules
+from planner.rules import Layout, get_rule, plugin_modules
 from planner.sync import SyncParams
 from runtime.defaults import TIMEOUT_S
 
@@ -104,6 +104,11 @@ class SyncSpec:
     rejoined: bool = False
     last_wave: int = 0
     plugins: tuple[str, ...] = field(default_factory=plugin_modules)
+
+    @property
+    def layout(self) -> Layout:
+        """How the launcher lays the rule out (:attr:`planner.rules.SyncRule.layout`)."""
+        return get_rule(self.rule, self.plugins).layout
 
     @property
     def first_clock(self) -> int:
