@@ -37,6 +37,7 @@ from profiler.errors import ConfigError
 
 __all__ = [
     "BUILTIN",
+    "DEFAULT_RULE",
     "PLUGINS_ENV",
     "Layout",
     "RuleParam",
@@ -54,6 +55,10 @@ SyncParams = tuple[tuple[str, float], ...]
 Layout = Literal["shards", "ddp", "alone"]
 """How the launcher lays a rule out: VW pipelines and parameter-server shards, one rank per
 device of the AllReduce baseline, or one VW alone."""
+
+DEFAULT_RULE = "wsp"
+"""The rule of a plan that names none, and of ``hetpipe plan`` and ``run`` planning on the fly:
+HetPipe's own (the rule every other is compared with on whole waves)."""
 
 PLUGINS_ENV = "HETPIPE_RULES"
 """The environment variable naming the modules of rules from outside the registry."""

@@ -14,7 +14,7 @@ from hetpipe._common import console, err_console, handle_errors
 from hetpipe._rules import RuleValues, apply_rule, rule_params, sync_help, with_rule_options
 from planner.cluster import Cluster, load_cluster
 from planner.plan import Plan, StagePlan, VirtualWorker
-from planner.rules import get_rule
+from planner.rules import DEFAULT_RULE, get_rule
 from profiler.errors import ConfigError
 from runtime.options import Range, check_number
 
@@ -331,7 +331,7 @@ def plan(  # long only by its typer signature (the command's options); the body 
             "--sync",
             help=sync_help() + " (allreduce: every device that holds the whole model)",
         ),
-    ] = "wsp",
+    ] = DEFAULT_RULE,
     precision: Annotated[
         str,
         typer.Option(help="fp32 | bf16: the memory model's bytes (autocast, fp32 master weights)"),

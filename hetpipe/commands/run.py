@@ -16,7 +16,7 @@ from hetpipe._common import console, handle_errors
 from hetpipe._rules import RuleValues, apply_rule, rule_params, sync_help, with_rule_options
 from planner.plan import Plan
 from planner.plan_file import load_plan, load_plan_or_cluster
-from planner.rules import get_rule
+from planner.rules import DEFAULT_RULE, get_rule
 from profiler.errors import ConfigError, shown
 from runtime.options import OPTIONS, Range, check_number
 
@@ -181,7 +181,7 @@ def run(  # long only by its typer signature (the command's options); the body i
     check_values(values)  # every number in range before anything is read, planned or started
     for flag, value in (("--batch-size", batch_size), ("--stages", stages), ("--vws", vws)):
         check_number(flag, value, _PLANNING[flag])
-    given_sync, sync = sync, sync or "wsp"  # None: the plan's rule (wsp when planning)
+    given_sync, sync = sync, sync or DEFAULT_RULE  # None: the plan's rule
     rule = rule_params(sync, rule_values or {})
     if get_rule(sync).layout == "ddp":
         _refuse_pipeline_options(nm, staleness, vw, vws, stages, policy)

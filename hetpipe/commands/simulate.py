@@ -14,6 +14,7 @@ from hetpipe._rules import RuleValues, apply_rule, rule_params, sync_help, with_
 from planner.plan import Plan
 from planner.plan_check import check_plan_layers
 from planner.plan_file import load_plan
+from planner.rules import DEFAULT_RULE as REFERENCE
 from planner.rules import get_rule
 from profiler.errors import ConfigError, HetPipeError
 from runtime.options import Range, check_number
@@ -219,10 +220,6 @@ def _with_rule(plan: Plan, sync: str | None, given: RuleValues) -> Plan:
     if rule == plan.sync:
         params = {**dict(plan.sync_params), **params}
     return apply_rule(plan, rule, params)
-
-
-REFERENCE = "wsp"
-"""The rule every rule is compared with on whole waves: HetPipe's own (at D = 0 and the plan's D)."""
 
 
 def _show_rules(plan: Plan, waves: int, profile: Profile | None) -> None:

@@ -73,7 +73,7 @@ class WavePlay:
     """The waves of one rule, played.
 
     Attributes:
-        rule: ``wsp``, ``backup`` or ``easgd``.
+        rule: the rule played (:func:`play_waves` names it).
         arrivals_ms: per wave, the push times of the VWs that pushed it, sorted (k-th = the
             time to collect k pushes); dropped pushes included.
         closed_ms: per wave, when it reached the weights (the global clock passed it).
@@ -177,7 +177,7 @@ def _play_clocked(
         else:
             schedule(v)
     return WavePlay(
-        "backup" if backups else "wsp",
+        "",  # named by play_waves
         tuple(tuple(sorted(a)) for a in arrivals),
         tuple(closed),
         tuple(quorum.counted(c) for c in range(len(closed))),
@@ -210,7 +210,7 @@ def _play_easgd(
         free = ends
     everyone = tuple(range(n))
     return WavePlay(
-        "easgd", tuple(arrivals), tuple(closed), (everyone,) * waves, 0, n * waves, max(free), nm
+        "", tuple(arrivals), tuple(closed), (everyone,) * waves, 0, n * waves, max(free), nm
     )
 
 

@@ -28,7 +28,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from planner.plan import Plan
-from planner.rules import get_rule, layout
+from planner.rules import DEFAULT_RULE, get_rule, layout
 from planner.sync import SyncParams
 from profiler.capture import quiet_treespec
 from profiler.errors import HetPipeRuntimeError
@@ -136,7 +136,7 @@ class RunResult:
     stopped_by: str = ""
     exported_from: str = ""
     restarts: tuple[str, ...] = ()
-    sync: str = "wsp"
+    sync: str = DEFAULT_RULE
     sync_params: SyncParams = ()
     lost: tuple[LostVW, ...] = ()
     exported_state: dict[str, Tensor] | None = None
