@@ -16,7 +16,7 @@ from typing import Annotated, Any
 import typer
 
 from planner.plan import Plan
-from planner.rules import RuleParam, get_rule, rules
+from planner.rules import BUILTIN, RuleParam, get_rule, rules
 from planner.sync import with_rule
 from profiler.errors import ConfigError
 from runtime.options import check_number
@@ -31,14 +31,22 @@ _PREFIX = "rule_"
 
 
 def sync_help() -> str:
-    """``--sync``'s help: every rule ``--sync`` takes, as its registry entry summarises it."""
-    return " | ".join(r.summary for r in rules().values() if r.selectable)
+    """``--sync``'s help: every built-in rule ``--sync`` takes, as its registry entry summarises
+    it (read when the command module is imported, so without ``$HETPIPE_RULES`` plug-ins: an
+    unknown ``--sync`` names every rule)."""
+    return " | ".join(r.summary for r in BUILTIN.values() if r.selectable)
 
 
 def _params() -> dict[str, tuple[RuleParam, tuple[str, ...]]]:
-    """Every rule parameter by name (the first rule's declaration), with the rules taking it."""
+    """Every rule parameter by name (the first rule's declaration), with the rules taking it.
+    A broken ``$HETPIPE_RULES`` gives the built-in ones here: typer asks before the command
+    runs, and the command says what is wrong in one line (:func:`rule_params`)."""
+    try:
+        known = rules()
+    except ConfigError:
+        known = BUILTIN
     out: dict[str, tuple[RuleParam, tuple[str, ...]]] = {}
-    for rule in rules().values():
+    for rule in known.values():
         for p in rule.params:
             first, owners = out.get(p.name, (p, ()))
             out[p.name] = (first, (*owners, rule.name))

@@ -79,3 +79,13 @@ def test_run_a_toy_rule_on_two_vws(toy: None, tmp_path: Path) -> None:
     summary = json.loads((out / "summary.json").read_text())
     assert summary["sync"] == "toy" and summary["sync_params"] == {"beta": 0.5}
     assert all(vw["steps"] == 4 for vw in summary["vws"])
+
+
+def test_a_broken_plug_in_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PLUGINS_ENV, "tests.no_such_rule")
+    res = runner.invoke(app, ["plan", CLUSTER, "--profiles", VGG])
+    assert res.exit_code == 2, res.output
+    assert "HETPIPE_RULES: cannot import rule module 'tests.no_such_rule'" in _said(res)
+    monkeypatch.setenv(PLUGINS_ENV, "tests.conftest")  # a module, but not a rule's
+    res = runner.invoke(app, ["plan", CLUSTER, "--profiles", VGG])
+    assert res.exit_code == 2 and "rule module 'tests.conftest' defines no RULE" in _said(res)
