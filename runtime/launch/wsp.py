@@ -121,7 +121,7 @@ def prepare_wsp(
         ConfigError: bad settings, a mismatched resume, nothing to train.
     """
     nm = run.nm or plan.nm
-    info = get_rule(plan.sync if get_rule(plan.sync).uses_shards else "wsp")  # a shard rule
+    info = get_rule(plan.sync)  # a rule through the shards (runtime.run.rule_for)
     rule = info.name
     D = (plan.D if cfg.D is None else cfg.D) if info.keeps_D else 0  # the others: D = 0
     if cfg.evict and not info.evicts:
