@@ -103,7 +103,6 @@ class SyncRule:
         summary: its ``--sync`` help (``backup (synchronous SGD with --backups backup VWs)``).
         title: how a summary or a table names a run of it (``{D}`` and each parameter are
             filled in: ``backup b={backups}``).
-        uses_shards: the VWs synchronise through parameter-server shards.
         params: the parameters it takes.
         data: what each VW trains on: ``"shard"``, its own disjoint shard of the training
             split; ``"global"``, its slice of every global minibatch of the whole split
@@ -112,7 +111,8 @@ class SyncRule:
         evicts: a failed VW can leave its clock (``--on-failure continue`` / ``restart``).
         no_time_limit: why ``--time-limit`` is refused (empty: VWs agree on a stop wave).
         selectable: ``--sync`` takes it (``local`` is what one VW alone trains by).
-        layout: how the launcher lays it out (:data:`Layout`).
+        layout: how the launcher lays it out (:data:`Layout`; ``shards``: the VWs
+            synchronise through parameter-server shards, :attr:`uses_shards`).
         drops: some VWs' pushes of a wave can be dropped (a summary counts them and shows
             the k-th push delays).
         check: ``(params, n_vws)``: raise ``ValueError`` when the plan cannot take them.
@@ -124,7 +124,6 @@ class SyncRule:
     doc: str
     summary: str
     title: str
-    uses_shards: bool
     params: tuple[RuleParam, ...] = ()
     data: Literal["shard", "global"] = "shard"
     keeps_D: bool = True
@@ -136,6 +135,12 @@ class SyncRule:
     check: Callable[[Mapping[str, float], int], None] = _no_check
     play: Player | None = None
     waves_per_clock: Callable[[Mapping[str, float]], int] = _one_wave
+
+    @property
+    def uses_shards(self) -> bool:
+        """The VWs synchronise through parameter-server shards (the launcher starts them; the
+        plan must place some)."""
+        return self.layout == "shards"
 
     @property
     def defaults(self) -> SyncParams:
@@ -156,7 +161,6 @@ BUILTIN: Mapping[str, SyncRule] = MappingProxyType(
             "Wave Synchronous Parallel through the shards (paper Sec. 5; threshold Plan.D)",
             "wsp (parameter servers, threshold D)",
             "WSP D={D}",
-            uses_shards=True,
             evicts=True,
             play=play_wsp,
         ),
@@ -166,7 +170,6 @@ BUILTIN: Mapping[str, SyncRule] = MappingProxyType(
             "pushes, the rest are dropped (planner.backup)",
             "backup (synchronous SGD with --backups backup VWs)",
             "backup b={backups}",
-            uses_shards=True,
             params=(RuleParam("backups", 1.0, "VWs a wave does not wait for", Range(0), True),),
             data="global",  # the dropped pushes are a different random sample every epoch
             keeps_D=False,
@@ -181,7 +184,6 @@ BUILTIN: Mapping[str, SyncRule] = MappingProxyType(
             "waves with moving rate alpha (planner.easgd)",
             "easgd (elastic averaging every --tau waves, rate --alpha)",
             "EASGD tau={tau} alpha={alpha}",
-            uses_shards=True,
             params=(
                 RuleParam(
                     "alpha",
@@ -201,7 +203,6 @@ BUILTIN: Mapping[str, SyncRule] = MappingProxyType(
             "BSP data parallelism: gradients averaged over every VW after every minibatch",
             "allreduce (the DDP baseline)",
             "allreduce (BSP)",
-            uses_shards=False,
             data="global",
             layout="ddp",
         ),
@@ -210,7 +211,6 @@ BUILTIN: Mapping[str, SyncRule] = MappingProxyType(
             "one VW alone: nothing to synchronise",
             "local (one VW alone)",
             "WSP D={D}",  # a summary of VWs trained one by one reads like WSP
-            uses_shards=False,
             selectable=False,
             layout="alone",
         ),

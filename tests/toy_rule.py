@@ -34,7 +34,6 @@ RULE = SyncRule(
     "WSP's averaging with a toy knob (tests only)",
     "toy (WSP with a --beta knob)",
     "toy beta={beta}",
-    uses_shards=True,
     params=(
         RuleParam(
             "beta", 0.5, "a knob the plan records", Range(0, 1, open_low=True, open_high=False)
