@@ -64,3 +64,15 @@ def test_backup_with_a_time_limit_is_refused_before_training_starts(tmp_path: Pa
     assert "--time-limit with --sync backup" in " ".join(res.output.split())
     assert "training" not in res.output.lower()  # refused before the header, nothing started
     assert not (tmp_path / "r").exists()
+
+
+def test_every_command_takes_each_declared_rule_parameter() -> None:
+    from planner.rules import BUILTIN
+
+    declared = [(r.name, p) for r in BUILTIN.values() for p in r.params]
+    assert {p.name for _, p in declared} == {"backups", "tau", "alpha"}
+    for command in ("plan", "simulate", "run"):
+        res = runner.invoke(app, [command, "--help"], env={"COLUMNS": "400"})
+        assert res.exit_code == 0, res.output
+        for rule, p in declared:
+            assert f"--{p.name}" in res.output and f"--sync {rule}: {p.help}" in res.output
