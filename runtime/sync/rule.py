@@ -1,11 +1,13 @@
 """The synchronisation rule across virtual workers: one plug-in, the same launcher for every rule.
 
 Today's rules: ``wsp`` (Wave Synchronous Parallel through parameter-server shards, with D;
-:class:`runtime.sync.wave.WaveSync`), ``allreduce`` (BSP data parallelism: gradients
+:class:`runtime.sync.wave.WaveSync`), ``backup`` (synchronous SGD with backup VWs;
+:mod:`runtime.sync.backup`), ``easgd`` (elastic averaging;
+:class:`runtime.sync.elastic.ElasticSync`), ``allreduce`` (BSP data parallelism: gradients
 averaged over the VWs every minibatch; :class:`runtime.sync.allreduce.AllReduceSync`) and
 ``local`` (one VW alone; :class:`LocalSync`).
 
-How to add a rule (e.g. backup workers, elastic averaging): one vertical slice.
+How to add a rule: one vertical slice, no edit anywhere else.
 
 1. **Pure logic** -- a module of plain functions over plain data in ``planner/`` (like
    :mod:`planner.wsp`, :mod:`planner.backup`), unit-tested without processes, imported by the
