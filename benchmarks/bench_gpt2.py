@@ -80,7 +80,7 @@ def hetpipe_run(m: nn.Module, batch: int, steps: int, stages: int) -> float:
     import hetpipe
 
     res = hetpipe.train(m, Tokens(), stages=stages, nm=2, batch_size=batch, steps=steps,
-                        emulate=False, return_state=False, timeout_s=120)  # fmt: skip
+                        emulate=False, return_state=False, timeout=120)  # fmt: skip
     return float(res.throughput) * SEQ
 
 

@@ -7,7 +7,7 @@
 2. **vs a pipeline that flushes every Nm minibatches** (what torch.distributed.pipelining's
    Schedule1F1B/GPipe do: our minibatch = their microbatch, Nm = their microbatch count), on
    the same partition, devices and pacing, run by hetpipe's runtime with
-   ``RunConfig(flush_every_wave=True)``. Target ratio >= 1.1. ``--try-1f1b`` also runs the
+   the plan's ``schedule: flush``. Target ratio >= 1.1. ``--try-1f1b`` also runs the
    real ``Schedule1F1B`` (same partition, same pacing through autograd hooks), but in torch
    2.13 on gloo/CPU both Schedule1F1B and ScheduleGPipe deadlocked in our hands (with runtime
    shape inference and with explicit stage metadata): the last stage waits forever on its
@@ -49,6 +49,7 @@ from profiler.graph import ModelGraph  # noqa: E402
 from runtime.config import ModelSource, OptimizerConfig, RunConfig  # noqa: E402
 from runtime.data import MinibatchSource, default_dataset  # noqa: E402
 from runtime.launch.launcher import launch  # noqa: E402
+from runtime.spec import RunSpec  # noqa: E402
 from runtime.stage.emulation import Calibration, pace_until  # noqa: E402
 from runtime.stage.model import build_stage, reference_module, resolve_source  # noqa: E402
 
@@ -121,7 +122,9 @@ def emulated_vw(model: str, batch: int, nm: int, steps: int, out: Path) -> dict[
     )
     plan = manual_plan(graph, cuts, model, batch, nm, cluster)
     result = launch(
-        plan, source, OptimizerConfig(lr=0.01), RunConfig(steps=steps, out_dir=out, timeout_s=120)
+        plan,
+        source,
+        RunSpec(RunConfig(steps=steps, out_dir=out, timeout_s=120), OptimizerConfig(lr=0.01)),
     )
     cal = Calibration.load(out / "calibration.json")
     speeds = [g.speed for g in plan.virtual_workers[0].gpus]
@@ -317,12 +320,12 @@ def flushed_baseline(
     source = ModelSource(ref=model)
     graph = ModelGraph.from_spec(resolve_source(source, batch, meta=True))
     cluster = _bench_cluster()
-    plan = manual_plan(graph, cuts, model, batch, nm, cluster)
+    plan = replace(manual_plan(graph, cuts, model, batch, nm, cluster), schedule="flush")
     out = cal_dir / "flushed"
     out.mkdir()
     shutil.copy(cal_dir / "calibration.json", out / "calibration.json")
-    run = RunConfig(steps=steps, out_dir=out, timeout_s=120, flush_every_wave=True)
-    return launch(plan, source, OptimizerConfig(lr=0.01), run).throughput
+    run = RunConfig(steps=steps, out_dir=out, timeout_s=120)
+    return launch(plan, source, RunSpec(run, OptimizerConfig(lr=0.01))).throughput
 
 
 # ---------------------------------------------------------------- 3. one stage vs plain loop
@@ -357,7 +360,7 @@ def one_stage_vs_plain(model: str, batch: int, steps: int) -> dict[str, float]:
     for _ in range(2):
         plain.append(_plain_loop(model, batch, steps))
         run = RunConfig(steps=steps, timeout_s=120)
-        ours.append(launch(plan, source, OptimizerConfig(lr=0.01), run).throughput)
+        ours.append(launch(plan, source, RunSpec(run, OptimizerConfig(lr=0.01))).throughput)
     o, p = sum(ours) / len(ours), sum(plain) / len(plain)
     return {"hetpipe": o, "plain": p, "ratio": o / p}
 

@@ -33,7 +33,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import runtime.stage.model as stage_model
-from runtime.api import _module_source, make_single_vw_plan, train
+from hetpipe.api import _module_source, train
+from planner.on_the_fly import PlanRequest, plan_for_run
+from profiler.graph import ModelGraph
 from runtime.config import OptimizerConfig
 
 RESULTS = Path(__file__).resolve().parent / "results" / "ship.json"
@@ -53,7 +55,9 @@ def shipped_bytes(module: nn.Module, data: TensorDataset, stages: int) -> dict[s
     """Bytes each stage process receives in either mode (the pickled model source)."""
     source = _module_source(module, data, None, BATCH)
     whole = len(pickle.dumps(source))
-    plan = make_single_vw_plan(source, BATCH, 1, stages=stages)  # the cuts train() makes
+    graph = ModelGraph.from_spec(stage_model.resolve_source(source, BATCH, meta=False))
+    request = PlanRequest(source.name, BATCH, 1, stages, vws=1, policy="ed")
+    plan = plan_for_run(None, request, graph)  # the cuts train() makes
     cuts = tuple(st.first_index for st in plan.virtual_workers[0].stages[1:])
     per_stage = [
         len(pickle.dumps(stage_model.ship_stage(source, BATCH, cuts, s))) for s in range(stages)

@@ -38,10 +38,11 @@ from planner.cluster import parse_cluster
 from planner.planner import make_plan
 from planner.sim.waves import predict_rule
 from planner.sync import with_rule
-from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
+from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.results.run_result import RunResult
 from runtime.results.sync import dropped_vw_waves, kth_push_s
 from runtime.run import run_plan
+from runtime.spec import RunSpec
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -143,14 +144,14 @@ def main() -> None:
             pred = predict_rule(plan, rule, args.steps // plan.nm, backups=int(params.get("backups", 0)),
                                 tau=int(params.get("tau", 1)))  # fmt: skip
         run = RunConfig(steps=args.steps, seed=args.seed, progress=False)
-        res = run_plan(plan, source, OptimizerConfig(lr=lr), run, WSPConfig())
+        res = run_plan(plan, source, RunSpec(run, OptimizerConfig(lr=lr)))
         assert isinstance(res, RunResult)
         rows[label] = wsp_row(res, args, pred.throughput(plan.batch_size))
         _print(label, rows[label])
     ddp_plan = allreduce_plan(cl, args.model, args.batch)
     world = len(ddp_plan.virtual_workers)
     run = RunConfig(steps=args.steps * args.vws // world, seed=args.seed, progress=False)
-    ddp = run_plan(ddp_plan, source, OptimizerConfig(lr=args.lr * world), run)
+    ddp = run_plan(ddp_plan, source, RunSpec(run, OptimizerConfig(lr=args.lr * world)))
     assert isinstance(ddp, RunResult)  # the allreduce rule under the same launcher
     rows[f"DDP ({world} devices)"] = wsp_row(ddp, args, ddp.predicted_throughput)
     _print(f"DDP ({world} devices)", rows[f"DDP ({world} devices)"])

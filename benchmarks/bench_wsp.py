@@ -27,9 +27,10 @@ from pathlib import Path
 from planner.baseline import allreduce_plan
 from planner.cluster import load_cluster
 from planner.planner import make_plan
-from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
+from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.launch.launcher import launch
 from runtime.results.run_result import RunResult
+from runtime.spec import RunSpec, SyncConfig
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -45,9 +46,8 @@ def _run_policy(
     )  # fmt: skip
     rows = []
     for d in args.ds:
-        res = launch(
-            plan, ModelSource(ref=args.model), opt, RunConfig(steps=args.steps), WSPConfig(D=d)
-        )
+        spec = RunSpec(RunConfig(steps=args.steps), opt, sync=SyncConfig(D=d))
+        res = launch(plan, ModelSource(ref=args.model), spec)
         row = {
             "policy": policy,
             "vws": [v.signature for v in plan.virtual_workers],
@@ -94,10 +94,8 @@ def main() -> None:
     ddp_plan = allreduce_plan(cluster, args.model, args.batch, optimizer=opt.memory_class)
     world = len(ddp_plan.virtual_workers)
     steps = max(2, round(ddp_samples / (args.batch * world)))
-    ddp = launch(
-        ddp_plan, ModelSource(ref=args.model), OptimizerConfig(lr=args.lr * world),
-        RunConfig(steps=steps),
-    )  # fmt: skip
+    ddp_spec = RunSpec(RunConfig(steps=steps), OptimizerConfig(lr=args.lr * world))
+    ddp = launch(ddp_plan, ModelSource(ref=args.model), ddp_spec)
     assert isinstance(ddp, RunResult)
     devices = [vw.stages[0].device for vw in ddp.vws]
     print(

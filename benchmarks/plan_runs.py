@@ -17,11 +17,11 @@ __all__ = ["run_row", "train_plan"]
 def train_plan(plan: Plan, steps: int) -> tuple[Any, float]:
     """Train ``plan`` for ``steps`` minibatches per VW (paced, byte accounting on); the
     result and its wall-clock seconds."""
-    from runtime.api import train
+    from hetpipe.api import train
 
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        result = train(plan.model, plan=plan, steps=steps, out_dir=tmp, return_state=False)
+        result = train(plan.model, plan=plan, steps=steps, out=tmp, return_state=False)
         return result, time.perf_counter() - t0
 
 

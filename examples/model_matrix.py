@@ -248,7 +248,7 @@ def run_row(row: Row, out_dir: Path) -> dict[str, str]:
     stages = 0 if row.cuts else row.stages  # cuts: the dropout on the last stage, as the loop
     result = hetpipe.train(model, data, row.loss, stages=stages, cuts=row.cuts, nm=1, batch_size=BATCH,
                            steps=STEPS, seed=SEED, optimizer=OptimizerConfig(lr=LR),
-                           out_dir=out_dir, emulate=False)  # fmt: skip
+                           out=out_dir, emulate=False)  # fmt: skip
     seconds = time.perf_counter() - t0
     stages = len(result.vws[0].stages)
     # a dropout draws from its stage's RNG: the loop uses the last stage's (where the CNN's is)

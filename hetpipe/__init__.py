@@ -15,6 +15,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from hetpipe.api import train
     from planner.cluster import Cluster, load_cluster, parse_cluster
     from planner.plan import Plan
     from planner.plan_file import load_plan
@@ -31,7 +32,6 @@ if TYPE_CHECKING:
     from profiler.models import ModelSpec, resolve_model
     from profiler.stages import StageModule
     from profiler.table import Profile, load_profile
-    from runtime.api import train
     from runtime.config import ModelSource, OptimizerConfig, RunConfig
     from runtime.results.run_result import RunResult
 
@@ -59,7 +59,7 @@ _WHERE = {
     "resolve_model": "profiler.models",
     "Profile": "profiler.table",
     "load_profile": "profiler.table",
-    "train": "runtime.api",
+    "train": "hetpipe.api",
     "ModelSource": "runtime.config",
     "OptimizerConfig": "runtime.config",
     "RunConfig": "runtime.config",

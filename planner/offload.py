@@ -17,7 +17,7 @@ class                     bytes                                   places
 
 The master weights (``P``) and buffers always stay on the device: every task reads them.
 With ``P`` parameter bytes, ``S`` saved bytes, ``C`` bytes received at the stage's first cut,
-``k`` minibatches in flight (:func:`planner.schedule.in_flight_bound`) and ``v = Nm - 1``
+``k`` minibatches in flight (:meth:`planner.schedule.Schedule.in_flight_bound`) and ``v = Nm - 1``
 stashed versions, the device holds::
 
     device = P + buffers + g * P + o_dev * P + min(v, V_dev) * P + acts
@@ -249,13 +249,19 @@ class Coefficients:
 
 
 def coefficients(
-    pl: MemoryPlacement, nm: int, in_flight: int, optimizer_factor: float
+    pl: MemoryPlacement,
+    nm: int,
+    in_flight: int,
+    optimizer_factor: float,
+    extra_copies: float = 0.0,
 ) -> Coefficients:
-    """The multipliers of :func:`device_bytes` for a stage holding ``in_flight`` minibatches."""
+    """The multipliers of :func:`device_bytes` for a stage holding ``in_flight`` minibatches
+    (``extra_copies``: parameter-sized copies a staleness remedy keeps on the device,
+    :func:`planner.staleness.remedy_weight_copies`)."""
     versions = nm - 1
     if pl.weights is Place.OFFLOAD:
         versions = min(versions, VERSION_BUFFERS)
-    param = 1.0 + versions
+    param = 1.0 + versions + extra_copies
     param += 0.0 if pl.gradients is Place.OFFLOAD else 1.0
     param += 0.0 if pl.optimizer is Place.OFFLOAD else optimizer_factor
     k = in_flight
@@ -268,10 +274,16 @@ def coefficients(
 
 
 def device_bytes(
-    b: StageBytes, pl: MemoryPlacement, nm: int, in_flight: int, optimizer_factor: float
+    b: StageBytes,
+    pl: MemoryPlacement,
+    nm: int,
+    in_flight: int,
+    optimizer_factor: float,
+    extra_copies: float = 0.0,
 ) -> int:
-    """Peak device bytes of a stage (the module docstring's formula)."""
-    c = coefficients(pl, nm, in_flight, optimizer_factor)
+    """Peak device bytes of a stage (the module docstring's formula; ``extra_copies`` as for
+    :func:`coefficients`)."""
+    c = coefficients(pl, nm, in_flight, optimizer_factor, extra_copies)
     return round(c.param * b.param + b.buffer + c.saved * b.saved + c.cut * b.cut)
 
 

@@ -2,7 +2,8 @@
 
 A plan is versioned and self-contained: it embeds the cluster, the model reference and
 batch size, each virtual worker's GPUs in pipeline order with its stages (layer ranges by
-name and index, per-stage times, transfer times and memory), Nm, D, the parameter-server
+name and index, per-stage times, transfer times and memory), Nm, D, the pipeline schedule by
+name (``schedule: hetpipe``; a file without it has HetPipe's), the parameter-server
 shard placement and the predictions. It is stored as YAML (``plan.yaml``) or JSON; both
 hold the same document, whose shape is what :meth:`Plan.to_dict` returns. Reading plan
 files: :mod:`planner.plan_file`.
@@ -21,6 +22,7 @@ import yaml
 from planner.cluster import Cluster, parse_cluster
 from planner.plan_check import check_plan_document, validate_plan
 from planner.rules import DEFAULT_RULE
+from planner.schedule import DEFAULT_SCHEDULE, schedule_named
 from planner.sync import SyncParams, check_sync_params
 from planner.wsp import s_global, s_local
 from profiler.errors import PlanError, shown
@@ -230,6 +232,9 @@ class Plan:
     sync: str = DEFAULT_RULE  # the synchronisation rule across VWs (planner.rules.rules)
     sync_params: SyncParams = ()  # the rule's parameters (planner.sync.check_sync_params)
     precision: str = "fp32"  # "fp32" or "bf16" (autocast, fp32 master weights; profiler.precision)
+    remedy: str = "none"  # staleness remedy the memory model counted (planner.staleness.REMEDIES)
+    objective: dict[str, Any] = field(default_factory=dict)  # how it was chosen: planner.objective
+    schedule: str = DEFAULT_SCHEDULE  # the pipeline schedule (planner.schedule.SCHEDULES)
     version: int = PLAN_VERSION
 
     @property
@@ -302,6 +307,11 @@ class Plan:
                     d.get("sync", DEFAULT_RULE), d.get("sync_params") or {}, source
                 ),
                 precision=check_precision(str(d.get("precision", "fp32")), f"{source}: precision"),
+                remedy=_remedy(d.get("remedy", "none"), source),
+                objective=dict(d.get("objective") or {}),
+                schedule=schedule_named(
+                    d.get("schedule", DEFAULT_SCHEDULE), f"{source}: schedule"
+                ).name,
             )
         except KeyError as exc:
             raise PlanError(
@@ -342,6 +352,21 @@ def _virtual_worker(v: dict[str, Any]) -> VirtualWorker:
         partitioner=str(v.get("partitioner", "")),
         bound_ms=float(v.get("bound_ms", 0.0)),
     )
+
+
+def _remedy(value: object, source: str) -> str:
+    """A plan file's ``remedy`` (:data:`planner.staleness.REMEDIES`).
+
+    Raises:
+        PlanError: another value (names it and the remedies).
+    """
+    from planner.staleness import REMEDIES
+
+    if value not in REMEDIES:
+        raise PlanError(
+            f"{source}: remedy {shown(value, 40)} is unknown: use one of {', '.join(REMEDIES)}"
+        )
+    return str(value)
 
 
 def _prediction(pred: dict[str, Any]) -> Prediction:

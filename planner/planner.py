@@ -83,6 +83,9 @@ class PlanOptions:
             :data:`planner.offload.LADDER` that fits, each stage then takes its fastest fitting
             placement, and the fastest result wins) or one placement for every stage
             (``activations:recompute``).
+        remedy: the run's staleness remedy (:data:`planner.staleness.REMEDIES`): the memory
+            model counts the weight copies it keeps (``predict``:
+            :func:`planner.staleness.remedy_weight_copies`); the plan records it.
     """
 
     partitioner: str = "dp"
@@ -95,6 +98,7 @@ class PlanOptions:
     nm_choice: str = "best"
     simulate_waves: int = 8
     memory: str = "keep"
+    remedy: str = "none"
 
 
 def _plan_allocation(
@@ -197,6 +201,7 @@ def _cost_models(
     optimizer: str,
     max_cuts: int | None,
     first_measured: str | None,
+    remedy: str = "none",
 ) -> tuple[CostModel, CostModel | None]:
     """The cost model (coarsened by ``max_cuts``), and the uncoarsened one when it was."""
     cm = CostModel(
@@ -205,12 +210,16 @@ def _cost_models(
         optimizer_factor(optimizer),
         max_cuts,
         first_measured,
-        cluster.host_link,
+        cluster.links.host,  # as charged (an emulated cluster's links.scale)
         cluster.host_shares(),
+        remedy,
     )
     full = None
     if cm.num_segments < cm.num_layers:  # --max-cuts coarsened the graph: bound the exact optimum
-        full = CostModel(by_type, cluster.link, optimizer_factor(optimizer), None, first_measured)
+        full = CostModel(
+            by_type, cluster.link, optimizer_factor(optimizer), None, first_measured,
+            remedy=remedy,
+        )  # fmt: skip
         log.warning(
             "--max-cuts %s: %d of %d candidate cuts kept; each VW records a proven lower bound "
             "on the exact optimum",
@@ -322,7 +331,7 @@ def make_plan(  # long by its signature and docstring (15 options, documented); 
         (t for t, p in provenance.items() if not p.startswith(("analytic", "scaled"))), None
     )
     memory_ladder(opts.memory)  # a bad --memory fails before any work
-    cm, full = _cost_models(by_type, cluster, optimizer, opts.max_cuts, first_measured)
+    cm, full = _cost_models(by_type, cluster, optimizer, opts.max_cuts, first_measured, opts.remedy)
     pl = VWSolver(cluster, cm, opts, original, full)
     args = (model_name, batch, nm, D, placement, provenance)
     if policy is None:
@@ -330,11 +339,11 @@ def make_plan(  # long by its signature and docstring (15 options, documented); 
     if policy != "auto":
         plan = _plan_allocation(pl, allocate(cluster, policy, num_vws), *args)
         log.info("planned %s on %s in %.2f s", model_name, cluster.name, time.perf_counter() - t0)
-        return replace(plan, precision=precision)
+        return replace(plan, precision=precision, remedy=opts.remedy)
 
     best = _plan_auto(pl, cluster, num_vws, args, report)
     log.info("planned %s on %s in %.2f s", model_name, cluster.name, time.perf_counter() - t0)
-    return replace(best, policy=f"auto:{best.policy}", precision=precision)
+    return replace(best, policy=f"auto:{best.policy}", precision=precision, remedy=opts.remedy)
 
 
 def plan(

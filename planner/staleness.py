@@ -36,6 +36,7 @@ __all__ = [
     "pipemare_lr",
     "predict_scale",
     "predict_steps",
+    "remedy_weight_copies",
     "stage_delay",
     "staleness",
 ]
@@ -104,3 +105,27 @@ def pipemare_lr(lr: float, update: int, delay: int, warmup: int) -> float:
         return lr
     power = 1.0 - min(1.0, update / warmup)
     return lr * float(delay) ** -power
+
+
+def remedy_weight_copies(remedy: str, nm: int, optimizer_factor: float) -> int:
+    """Parameter-sized copies a stage keeps under ``remedy`` beyond the master, its gradient,
+    the optimizer state and the ``Nm - 1`` stashed versions (what the planner's memory model
+    must add).
+
+    ``predict`` (:class:`runtime.stage.weights.VersionedWeights`): at ``Nm >= 2`` the version
+    the newest minibatch runs on is a predicted copy instead of the master's storage (``Nm``
+    versions beside the master, not ``Nm - 1``); without a momentum buffer (plain SGD,
+    ``optimizer_factor != 1``) the last applied gradient is kept as the velocity, at every Nm.
+    ``none`` and ``pipemare`` keep nothing more.
+
+    Example:
+        >>> [remedy_weight_copies("predict", nm, 1.0) for nm in (1, 2, 4)]
+        [0, 1, 1]
+        >>> remedy_weight_copies("predict", 1, 0.0), remedy_weight_copies("predict", 3, 0.0)
+        (1, 2)
+        >>> remedy_weight_copies("pipemare", 4, 1.0)
+        0
+    """
+    if check_remedy(remedy) != "predict":
+        return 0
+    return int(nm >= 2) + int(optimizer_factor != 1.0)

@@ -50,9 +50,10 @@ from profiler.errors import ConfigError, HetPipeError, HetPipeRuntimeError
 from profiler.files import atomic_write_bytes
 from runtime.config import ModelSource, RunConfig
 from runtime.launch.admit import check_plan_model
-from runtime.launch.jobs import Prepared
-from runtime.options import add_arguments, check_values, configs
+from runtime.launch.jobs import Attempt, Prepared
+from runtime.options import add_arguments, check_values, run_spec
 from runtime.results.run_result import RunResult
+from runtime.spec import RunSpec
 
 log = logging.getLogger("runtime")
 
@@ -159,7 +160,7 @@ def _prepared(a: argparse.Namespace, plan: Plan, rank: int, attempt: int) -> _Se
     written from the snapshot)."""
     from runtime.data_source import named_data
     from runtime.launch.launcher import prepare
-    from runtime.persist.run_dir import SharedRun, elastic_resume, resume_target
+    from runtime.persist.run_dir import SharedRun, elastic_resume
     from runtime.persist.snapshot import committed_clocks
     from runtime.run import rule_for, settle
 
@@ -167,28 +168,32 @@ def _prepared(a: argparse.Namespace, plan: Plan, rank: int, attempt: int) -> _Se
     ckpts = committed_clocks(a.out / "checkpoints") if a.out is not None else []
     if resume is None and elastic_resume(False, attempt, ckpts):
         resume = str(a.out)  # torchrun restarted the ranks (--max-restarts): the last snapshot
-    target = resume_target(resume) if resume is not None else None
-    out = a.out or (target[0] if target is not None else None)
-    hint = f"torchrun ... -m runtime {a.plan}"
-    opt, run, cfg = configs(vars(a), out, False, target, hint)
-    if cfg.checkpoint_dir is None and out is not None:
-        cfg = dataclasses.replace(cfg, checkpoint_dir=out / "checkpoints")
-    rule = rule_for(plan, a.vw)
+    spec = torchrun_spec(a, resume)
+    rule = rule_for(plan, spec.vw)
     if (
         layout(rule) == "alone"
     ):  # one VW alone writes no snapshots (an explicit --checkpoint-every: no)
         from runtime.launch.jobs import check_alone
 
-        check_alone(cfg, a.every_given)
-    run = settle(run, plan, rule)  # the plan's defaults, as hetpipe run fills them
-    tag = f"{os.environ.get('TORCHELASTIC_RUN_ID', '0')}-{attempt}"
-    owner = SharedRun("" if cfg.resume else tag, tag, rank == 0) if out else None
-    data = named_data(a.data, plan.model, plan.batch_size, run.seed)  # as hetpipe run's --data
-    prep = prepare(plan, ModelSource(ref=plan.model), opt, run, cfg, data, owner, rule,
-                   max(a.vw, 0), "env://")  # fmt: skip
+        check_alone(spec, a.every_given)
+    spec = settle(spec, plan)  # the plan's defaults, as hetpipe run fills them
+    out, tag = spec.run.out_dir, f"{os.environ.get('TORCHELASTIC_RUN_ID', '0')}-{attempt}"
+    owner = SharedRun("" if spec.checkpoints.resume else tag, tag, rank == 0) if out else None
+    data = named_data(a.data, plan.model, plan.batch_size, spec.run.seed)  # as hetpipe run's
+    prep = prepare(plan, ModelSource(ref=plan.model), spec, data, Attempt("env://", owner))
     if isinstance(prep, RunResult):
         return None
-    return _Setup(prep, run, rule, max(a.vw, 0), attempt)
+    return _Setup(prep, spec.run, rule, max(spec.vw, 0), attempt)
+
+
+def torchrun_spec(a: argparse.Namespace, resume: str | None) -> RunSpec:
+    """The :class:`runtime.spec.RunSpec` of torchrun's options (``resume``: the ``--resume``
+    to use), as ``hetpipe run`` builds it from the same options table."""
+    from runtime.persist.run_dir import resume_target
+
+    target = resume_target(resume) if resume is not None else None
+    out = a.out or (target[0] if target is not None else None)
+    return run_spec(vars(a), out, False, target, f"torchrun ... -m runtime {a.plan}")
 
 
 def _job_of(a: argparse.Namespace, prep: Prepared, role: int) -> Any:

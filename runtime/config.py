@@ -1,6 +1,7 @@
-"""Run settings shared by the launcher, the stage workers and the Python API.
+"""Run settings each stage process receives: its model source, optimizer and run settings.
 
-Everything here is a frozen dataclass that pickles cleanly into spawned processes.
+Everything here is a frozen dataclass that pickles cleanly into spawned processes; the whole
+run's description, these among its sections, is :class:`runtime.spec.RunSpec`.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import io
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -21,18 +22,14 @@ from profiler.errors import ConfigError, shown
 from profiler.precision import check_precision
 from runtime.by_value import pickler
 from runtime.defaults import TIMEOUT_S
-from runtime.options import OPTIMIZERS, SCHEDULES
+from runtime.options import LR_SCHEDULES, OPTIMIZERS
 
-if TYPE_CHECKING:
-    from runtime.launch.faults import ShardFault, StageFault
-    from runtime.persist.snapshot import WriteFault
-
-__all__ = ["LossFn", "ModelSource", "OptimizerConfig", "RunConfig", "WSPConfig"]
+__all__ = ["LossFn", "ModelSource", "OptimizerConfig", "RunConfig"]
 
 LossFn = Callable[[Any, Tensor], Tensor]
 
 _OPTIMIZERS = OPTIMIZERS  # the option table's, so that the CLI checks them without torch
-_SCHEDULES = SCHEDULES
+_SCHEDULES = LR_SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -46,7 +43,7 @@ class OptimizerConfig:
         weight_decay: L2 weight decay (both optimizers).
         betas: Adam betas.
         eps: Adam epsilon.
-        schedule: ``constant``; ``step`` (multiply by ``gamma`` every ``step_size`` updates);
+        lr_schedule: ``constant``; ``step`` (multiply by ``gamma`` every ``step_size`` updates);
             ``cosine`` (to 0 over ``total_updates``); ``warmup`` (linear from 0 over
             ``warmup`` updates, then constant).
         gamma: decay factor of the ``step`` schedule.
@@ -64,7 +61,7 @@ class OptimizerConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
-    schedule: str = "constant"
+    lr_schedule: str = "constant"
     gamma: float = 0.1
     step_size: int = 100
     warmup: int = 0
@@ -75,9 +72,9 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         if self.name not in _OPTIMIZERS:
             raise ConfigError(f"optimizer {self.name!r} is not supported: use one of {_OPTIMIZERS}")
-        if self.schedule not in _SCHEDULES:
+        if self.lr_schedule not in _SCHEDULES:
             raise ConfigError(
-                f"lr schedule {self.schedule!r} is not supported: use one of {_SCHEDULES}"
+                f"lr schedule {self.lr_schedule!r} is not supported: use one of {_SCHEDULES}"
             )
         if self.lr <= 0:
             raise ConfigError(f"learning rate must be positive, got {self.lr}")
@@ -201,8 +198,6 @@ class RunConfig:
         return_state: send every stage's final parameters and buffers back to the caller.
         progress: show a progress bar.
         log_every: minibatches between metric log lines.
-        flush_every_wave: baseline mode for benchmarks: admit the next ``Nm`` minibatches only
-            when the whole previous wave finished (a pipeline flush, as GPipe/1F1B schedules do).
         precision: ``fp32`` or ``bf16`` (autocast, fp32 master weights, bfloat16 activations
             across cuts: :mod:`profiler.precision`); ``""`` = the plan's.
         on_nonfinite: a NaN or infinite loss or gradient: ``stop`` the run, or ``skip`` that
@@ -220,7 +215,6 @@ class RunConfig:
     return_state: bool = False
     progress: bool = False
     log_every: int = 10
-    flush_every_wave: bool = False
     precision: str = ""
     on_nonfinite: str = "stop"
 
@@ -239,52 +233,3 @@ class RunConfig:
             raise ConfigError(f"--nm must be >= 1 (or 0 for the plan's), got {self.nm}")
         if self.timeout_s <= 0:
             raise ConfigError(f"timeout must be positive, got {self.timeout_s}")
-
-
-@dataclass(frozen=True)
-class WSPConfig:
-    """Settings of a multi-VW run.
-
-    Attributes:
-        D: clock-distance threshold (``None`` = the plan's).
-        test_fraction: share of the data held out for the final test accuracy.
-        checkpoint_dir: where shards write checkpoints (``None`` = the run's ``out_dir/checkpoints``
-            when ``out_dir`` is set, else none).
-        checkpoint_every: snapshot each time the global clock reaches a multiple of this, and at
-            the end (0 = never).
-        resume: continue from the newest snapshot of ``checkpoint_dir`` that verifies.
-        resume_clock: with ``resume``: this clock's snapshot instead (``--resume DIR@CLOCK``).
-        overwrite: a fresh run may replace another run's outputs in its directory.
-        keep: committed snapshots kept.
-        write_fault: test hook: a snapshot write that fails as on a full disk.
-        stage_fault: test hook: a stage that kills or freezes itself.
-        shard_fault: test hook: a shard that kills itself.
-        max_restarts: ``--on-failure restart``: after a process failure, restart the whole job
-            from its last committed snapshot, at most this many times (0: stop at the first).
-        evict: ``--on-failure continue``: a VW whose process fails is evicted from the global
-            clock (its unfinished wave discarded at every shard) and the others go on; a
-            shard failure still ends the run (see ``docs/fault_tolerance.md``).
-        restart_vw: with ``max_restarts`` (``--on-failure restart``, one host, the ``wsp``
-            rule): a VW whose process fails is restarted alone at its cut while the others
-            wait there (:mod:`runtime.launch.restart_vw`); a shard failure restarts the job.
-        resume_hint: the command line to print when the run fails (``--resume DIR`` is appended).
-        overlap_pulls: stages keep running tasks while a pull is in flight (``False``: the
-            stage blocks in the pull at the wave end; a benchmark baseline).
-    """
-
-    D: int | None = None
-    test_fraction: float = 0.2
-    checkpoint_dir: Path | None = None
-    checkpoint_every: int = 0
-    resume: bool = False
-    resume_hint: str = "hetpipe run ..."
-    overlap_pulls: bool = True
-    resume_clock: int | None = None
-    overwrite: bool = False
-    keep: int = 2
-    write_fault: WriteFault | None = None
-    stage_fault: StageFault | None = None
-    shard_fault: ShardFault | None = None
-    max_restarts: int = 0
-    evict: bool = False
-    restart_vw: bool = False

@@ -1,6 +1,6 @@
 """The run options, one table for every way to start a run: ``hetpipe run`` (typer) and
 ``python -m runtime`` under torchrun (argparse) take the same names, types, defaults and help
-from here, and turn the values into the same configs (:func:`configs`).
+from here, and turn the values into the same :class:`runtime.spec.RunSpec` (:func:`run_spec`).
 
 Plain data and no heavy imports: the CLI reads it at start-up without loading torch.
 """
@@ -20,23 +20,25 @@ from runtime.defaults import CHECKPOINT_EVERY, TIMEOUT_S
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from runtime.config import OptimizerConfig, RunConfig, WSPConfig
+    from runtime.spec import RunSpec
 
 OPTIMIZERS = ("sgd", "adam")
 """The stages' optimizers (:class:`runtime.config.OptimizerConfig`)."""
-SCHEDULES = ("constant", "step", "cosine", "warmup")
+LR_SCHEDULES = ("constant", "step", "cosine", "warmup")
 """The learning-rate schedules (:class:`runtime.config.OptimizerConfig`)."""
 
 __all__ = [
+    "LR_SCHEDULES",
     "OPTIMIZERS",
     "OPTIONS",
-    "SCHEDULES",
+    "PLAN_OPTIONS",
+    "RENAMED",
     "Option",
     "Range",
     "add_arguments",
     "check_number",
     "check_values",
-    "configs",
+    "run_spec",
 ]
 
 
@@ -70,6 +72,7 @@ OPTIONS: Mapping[str, Option] = MappingProxyType(
         "vw": Option("--vw", -1, "run only this virtual worker of the plan (-1 = all, through its synchronisation rule)", Range(-1)),
         "staleness": Option("--D", None, "WSP clock-distance threshold D (default: the plan's)", Range(0)),
         "checkpoint_every": Option("--checkpoint-every", CHECKPOINT_EVERY, "checkpoint every K global clocks into --out/checkpoints (0 = never)", Range(0)),
+        "keep": Option("--keep", 2, "committed snapshots kept in --out/checkpoints (0 = every one: weights at fixed clocks to evaluate after the run)", Range(0)),
         "on_failure": Option("--on-failure", "stop", "stop: a failed process ends the run; restart: restart a failed stage's VW alone where the shards cut it (the others wait there) and a failed shard's whole job from its last snapshot, up to --max-restarts times, then evict a failed VW (under torchrun: torchrun's own --max-restarts, whole group); continue: evict a failed VW and go on with the others (a failed shard still stops the run)", choices=("stop", "restart", "continue")),
         "max_restarts": Option("--max-restarts", 3, "restarts allowed with --on-failure restart", Range(0)),
         "overwrite": Option("--overwrite", False, "replace another run's outputs in --out"),
@@ -77,7 +80,7 @@ OPTIONS: Mapping[str, Option] = MappingProxyType(
         "lr": Option("--lr", 0.05, "learning rate", Range(0, open_low=True)),
         "momentum": Option("--momentum", 0.0, "SGD momentum", Range(0, 1)),
         "weight_decay": Option("--weight-decay", 0.0, "weight decay", Range(0)),
-        "schedule": Option("--schedule", "constant", "lr schedule: constant, step, cosine, warmup", choices=SCHEDULES),
+        "lr_schedule": Option("--lr-schedule", "constant", "learning-rate schedule: constant, step, cosine, warmup", choices=LR_SCHEDULES),
         "remedy": Option("--remedy", "none", "staleness remedy of each stage's update: none, predict (weight prediction, SGD) or pipemare (per-stage lr warm-up by the delay)", choices=("none", "predict", "pipemare")),
         "remedy_warmup": Option("--remedy-warmup", 100, "updates of PipeMare's lr warm-up (--remedy pipemare)", Range(0)),
         "timeout": Option("--timeout", TIMEOUT_S, "seconds before a stuck process-group operation fails", Range(0, 10**6, open_low=True)),
@@ -89,6 +92,22 @@ OPTIONS: Mapping[str, Option] = MappingProxyType(
 )  # fmt: skip
 """Every option both entries take, by parameter name (``hetpipe run`` adds the planning ones,
 ``--resume``, ``--out`` and ``--progress``; torchrun adds ``--calibration``)."""
+
+PLAN_OPTIONS: Mapping[str, Option] = MappingProxyType(
+    {
+        "objective": Option("--objective", "throughput", "what the plan is chosen for: throughput (fastest samples/s) or time (fastest predicted time to target: throughput x statistical efficiency, AllReduce and each Nm and remedy compared; docs/planner.md)", choices=("throughput", "time")),
+        "target_samples": Option("--target-samples", 0.0, "--objective time: samples sequential SGD needs to the target (0: relative times only)", Range(0)),
+        "remedy": Option("--remedy", "none", "the run's staleness remedy, for the memory model (predict keeps more weight copies) and --objective time", choices=("none", "predict", "pipemare")),
+        "calibrate": Option("--calibrate-efficiency", "", "--objective time: measure the efficiency model's inputs (gradient noise scale, delay cost per remedy) in seconds of single-process SGD on DATA: builtin (the model's own data), synthetic or pkg.mod:factory (default: the defaults, said in the table)"),
+    }
+)  # fmt: skip
+"""The planning options of ``hetpipe plan`` that are data too: plain values, checked by
+:func:`check_values` with the table given, before anything is planned. They are not run
+options (torchrun runs a plan, it does not choose one), so not in :data:`OPTIONS`."""
+RENAMED: Mapping[str, str] = MappingProxyType({"schedule": "lr_schedule"})
+"""Old parameter name -> its option's name now: both entries still parse the old flag
+(``--schedule``, hidden) and :func:`check_values` refuses it naming the new one (``--schedule``
+would now read as the pipeline schedule, the plan's ``schedule``)."""
 
 
 def check_number(flag: str, value: float | None, allowed: Range, default: object = None) -> None:
@@ -107,9 +126,10 @@ def check_number(flag: str, value: float | None, allowed: Range, default: object
         raise ConfigError(f"{flag} {value}: {problem}; give such a value, or {fix}")
 
 
-def check_values(values: Mapping[str, Any]) -> None:
-    """Check every option of :data:`OPTIONS` in ``values`` against its range or choices (both
-    entries, before any planning or process starts, without importing torch).
+def check_values(values: Mapping[str, Any], table: Mapping[str, Option] = OPTIONS) -> None:
+    """Check every option of ``table`` (:data:`OPTIONS`, or :data:`PLAN_OPTIONS`) in ``values``
+    against its range or choices (before any planning or process starts, without importing
+    torch).
 
     Raises:
         ConfigError: the first value out of range (as :func:`check_number` words it) or not
@@ -117,7 +137,15 @@ def check_values(values: Mapping[str, Any]) -> None:
     """
     from profiler.errors import ConfigError, shown
 
-    for name, opt in OPTIONS.items():
+    for old, new in RENAMED.items():
+        if values.get(old) is not None:
+            flag = OPTIONS[new].flag
+            raise ConfigError(
+                f"--{old.replace('_', '-')} {shown(values[old], 40)}: the learning-rate schedule "
+                f"is now {flag} (a plan's schedule is its pipeline schedule); give "
+                f"{flag} {shown(values[old], 40)}"
+            )
+    for name, opt in table.items():
         if name not in values:
             continue
         if opt.range is not None:
@@ -136,50 +164,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             kind = int if opt.default is None else type(opt.default)
             parser.add_argument(opt.flag, dest=name, type=kind, default=opt.default, help=opt.help)
+    for old in RENAMED:  # refused by check_values, naming the new flag
+        parser.add_argument(f"--{old.replace('_', '-')}", dest=old, help=argparse.SUPPRESS)
 
 
-def configs(
+def run_spec(
     values: Mapping[str, Any],
     out: Path | None = None,
     progress: bool = False,
     resume: tuple[Path, Path, int | None] | None = None,
     resume_hint: str = "hetpipe run ...",
-) -> tuple[OptimizerConfig, RunConfig, WSPConfig]:
-    """The configs of a run from the options' values (both entries call this).
+) -> RunSpec:
+    """The :class:`runtime.spec.RunSpec` of a run from the options' values (every entry calls
+    this: ``hetpipe run``, torchrun's ``python -m runtime`` and ``hetpipe.train``).
 
     Args:
         values: every option of :data:`OPTIONS` by name.
-        out: the run directory.
+        out: the run directory (its snapshots go to ``out/checkpoints``).
         progress: show a progress bar.
         resume: ``(run dir, checkpoint dir, clock or None)`` to resume from
             (:func:`runtime.persist.run_dir.resume_target`).
         resume_hint: the command line a failure message suggests resuming with.
 
     Raises:
-        ConfigError: an unknown ``--on-failure`` or a value out of its option's range
-            (names the option).
+        ConfigError: a value out of its option's range or not among its choices (names the
+            option).
     """
-    from runtime.config import OptimizerConfig, RunConfig, WSPConfig
+    from runtime.config import OptimizerConfig, RunConfig
+    from runtime.spec import CheckpointConfig, DataConfig, FailurePolicy, RunSpec, SyncConfig
 
     v = values
     check_values(v)  # ranges, and --on-failure among stop, restart, continue
     opt = OptimizerConfig(name=v["optimizer"], lr=v["lr"], momentum=v["momentum"],
-                          weight_decay=v["weight_decay"], schedule=v["schedule"],
+                          weight_decay=v["weight_decay"], lr_schedule=v["lr_schedule"],
                           remedy=v["remedy"], remedy_warmup=v["remedy_warmup"])  # fmt: skip
     run = RunConfig(steps=v["steps"], epochs=v["epochs"], time_limit_s=v["time_limit"],
                     seed=v["seed"], nm=v["nm"], out_dir=out, timeout_s=v["timeout"],
                     emulate=v["emulate"], progress=progress, precision=v["precision"],
                     on_nonfinite=v["on_nonfinite"])  # fmt: skip
-    wsp = WSPConfig(
-        D=v["staleness"],
-        checkpoint_dir=resume[1] if resume is not None else None,
-        checkpoint_every=v["checkpoint_every"],
+    checkpoints = CheckpointConfig(
+        dir=resume[1] if resume is not None else (out / "checkpoints" if out else None),
+        every=v["checkpoint_every"],
         resume=resume is not None,
         resume_clock=resume[2] if resume is not None else None,
-        resume_hint=resume_hint,
         overwrite=v["overwrite"],
-        max_restarts=v["max_restarts"] if v["on_failure"] == "restart" else 0,
-        evict=v["on_failure"] == "continue",
-        restart_vw=v["on_failure"] == "restart",
+        resume_hint=resume_hint,
+        keep=v["keep"],
     )
-    return opt, run, wsp
+    return RunSpec(run, opt, DataConfig(ref=v["data"]), SyncConfig(D=v["staleness"]), checkpoints,
+                   FailurePolicy(v["on_failure"], v["max_restarts"]), vw=v["vw"])  # fmt: skip

@@ -18,7 +18,8 @@ from planner.plan import Plan
 from planner.rules import layout
 from planner.sync import effective_rule
 from profiler.errors import ConfigError
-from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
+from runtime.config import ModelSource, RunConfig
+from runtime.spec import RunSpec
 
 if TYPE_CHECKING:
     from runtime.results.run_result import RunResult
@@ -36,24 +37,16 @@ __all__ = [
 
 
 def run_plan(
-    plan: Plan,
-    source: ModelSource,
-    optimizer: OptimizerConfig | None = None,
-    run: RunConfig | None = None,
-    wsp: WSPConfig | None = None,
-    dataset: Any = None,
-    vw: int = -1,
+    plan: Plan, source: ModelSource, spec: RunSpec | None = None, dataset: Any = None
 ) -> RunResult:
     """Train ``plan`` with its synchronisation rule (see the module doc).
 
     Args:
         plan: the plan.
         source: the model.
-        optimizer: each worker's optimizer and schedule.
-        run: run length, seed, out dir, timeout, emulation, progress.
-        wsp: settings of several VWs (D, checkpoints, resume, restarts).
+        spec: how to run it (:class:`runtime.spec.RunSpec`, built by every entry from the
+            options table: :func:`runtime.options.run_spec`); ``None``: the defaults.
         dataset: the user's data set (``None`` = the model's built-in one).
-        vw: train only this VW, alone (``-1`` = every VW).
 
     Raises:
         ConfigError: the plan cannot be run as asked (says why and what to change).
@@ -61,23 +54,24 @@ def run_plan(
     """
     from runtime.launch.launcher import launch
 
-    run = settle(run or RunConfig(), plan, rule_for(plan, vw))
-    return launch(plan, source, optimizer, run, wsp, dataset, vw)
+    return launch(plan, source, settle(spec or RunSpec(), plan), dataset)
 
 
-def settle(run: RunConfig, plan: Plan, rule: str) -> RunConfig:
-    """``run`` with the plan's defaults filled in (one host and every torchrun rank alike):
+def settle(spec: RunSpec, plan: Plan) -> RunSpec:
+    """``spec`` with the plan's defaults filled in (one host and every torchrun rank alike):
     its length (:func:`default_length`) and the plan's precision.
 
     Raises:
-        ConfigError: bf16 asked of the AllReduce baseline.
+        ConfigError: bf16 asked of the AllReduce baseline; several VWs without shards, or one
+            VW of an AllReduce plan (:func:`rule_for`).
     """
-    run = default_length(run, plan, rule)
+    rule = rule_for(plan, spec.vw)
+    run = default_length(spec.run, plan, rule)
     if not run.precision:
         run = replace(run, precision=plan.precision)
     if run.precision != "fp32" and layout(rule) == "ddp":
         raise ConfigError("--precision bf16 is for pipelines (hetpipe plans); AllReduce runs fp32")
-    return run
+    return replace(spec, run=run)
 
 
 MAIN_JOB_EPOCHS = 40.0

@@ -184,7 +184,7 @@ def _first_loss(model: torch.nn.Module, data: Any, sizes: Sizes, precision: str)
 
 def step_train_hf(rep: Report) -> None:
     """A GPT-2 in 2 and 3 stages on the one GPU, fp32 and bf16: first loss vs a plain loop."""
-    from runtime.api import train
+    from hetpipe.api import train
     from runtime.config import OptimizerConfig
 
     sizes, vocab = rep.sizes, 512
@@ -198,7 +198,7 @@ def step_train_hf(rep: Report) -> None:
             model, data, cluster=_gpu_cluster(stages, dry), stages=stages, nm=1,
             batch_size=sizes.hf_batch, steps=sizes.train_steps, emulate=False,
             precision=precision, optimizer=OptimizerConfig(name="adam", lr=1e-3),
-            timeout_s=120,
+            timeout=120,
         )  # fmt: skip
         rows.append({"stages": stages, "precision": precision, "first_loss": res.losses[0],
                      "plain_first_loss": want, "last_loss": res.losses[-1],
@@ -229,6 +229,7 @@ def step_offload(rep: Report) -> None:
     from profiler.graph import ModelGraph
     from runtime.config import ModelSource, OptimizerConfig, RunConfig
     from runtime.launch.launcher import launch
+    from runtime.spec import RunSpec
     from runtime.stage.model import resolve_source
 
     sizes, source = rep.sizes, ModelSource(ref="mlp")
@@ -241,7 +242,7 @@ def step_offload(rep: Report) -> None:
     )
     rows, base = [], None
     for memory in PLACEMENTS:
-        res: Any = launch(_with_memory(plan, memory), source, cfg, run)
+        res: Any = launch(_with_memory(plan, memory), source, RunSpec(run, cfg))
         state = res.state_dict()
         base = state if base is None else base
         equal = all(torch.equal(state[k], v) for k, v in base.items())
@@ -264,7 +265,7 @@ def _timed(fn: Callable[[], Any], device: str) -> float:
 
 def step_throughput(rep: Report) -> None:
     """One VW (one stage) on the GPU vs a plain single-process loop, samples per second."""
-    from runtime.api import train
+    from hetpipe.api import train
     from runtime.config import OptimizerConfig
 
     sizes, vocab, dry = rep.sizes, 512, rep.sizes.device == "cpu"
@@ -272,7 +273,7 @@ def step_throughput(rep: Report) -> None:
     res = train(
         _gpt2(sizes, vocab), data, cluster=_gpu_cluster(1, dry), stages=1, nm=1,
         batch_size=sizes.hf_batch, steps=sizes.throughput_steps, emulate=False,
-        optimizer=OptimizerConfig(lr=0.05), timeout_s=120,
+        optimizer=OptimizerConfig(lr=0.05), timeout=120,
     )  # fmt: skip
     model = _gpt2(sizes, vocab).to(sizes.device).train()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)

@@ -15,12 +15,13 @@ from hetpipe.cli import app
 from planner.manual import cpu_cluster, multi_vw_plan
 from planner.plan import Plan
 from profiler.graph import ModelGraph
-from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
+from runtime.config import ModelSource, RunConfig
 from runtime.data_source import RunData, output_classes, synthetic_data
-from runtime.launch.jobs import Prepared
+from runtime.launch.jobs import Attempt, Prepared
 from runtime.launch.launcher import prepare
 from runtime.results.evaluation import evaluate_module
 from runtime.run import steps_note
+from runtime.spec import RunSpec
 from runtime.stage.model import resolve_source
 
 BATCH = 16
@@ -156,14 +157,13 @@ def test_the_given_test_set_is_the_one_measured_and_vw_alone_trains_on_train(
     train, test = factory.data()
     data = RunData(train, test, "mine")
     source, plan = ModelSource(ref="fivedata:model"), _plan()
-    prep = prepare(plan, source, OptimizerConfig(), RunConfig(steps=2), WSPConfig(), data, None,
-                   "wsp", 0, "file:///nonexistent")  # fmt: skip
+    where = Attempt("file:///nonexistent")
+    prep = prepare(plan, source, RunSpec(RunConfig(steps=2)), data, where)
     assert isinstance(prep, Prepared) and prep.test is not None and prep.data == "mine"
     assert [prep.test[i][1] for i in range(len(test))] == [test[i][1] for i in range(len(test))]  # type: ignore[arg-type]
     shards = [j.dataset for j in prep.stages]
     assert sorted(i for s in shards for i in s.indices) == list(range(len(train)))
-    alone = prepare(plan, source, OptimizerConfig(), RunConfig(steps=2), WSPConfig(), data, None,
-                    "local", 0, "file:///nonexistent")  # fmt: skip
+    alone = prepare(plan, source, RunSpec(RunConfig(steps=2), vw=0), data, where)
     assert isinstance(alone, Prepared) and alone.stages[0].dataset is train
 
 

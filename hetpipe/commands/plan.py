@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -12,11 +13,18 @@ from rich.table import Table
 
 from hetpipe._common import console, err_console, handle_errors
 from hetpipe._rules import RuleValues, apply_rule, rule_params, sync_help, with_rule_options
+from hetpipe.commands.objective import (
+    choose_for_time,
+    efficiency_inputs,
+    other_allocations,
+    render_objective,
+    with_objective,
+)
 from planner.cluster import Cluster, load_cluster
 from planner.plan import Plan, StagePlan, VirtualWorker
 from planner.rules import DEFAULT_RULE, get_rule
-from profiler.errors import ConfigError
-from runtime.options import Range, check_number
+from profiler.errors import ConfigError, shown
+from runtime.options import PLAN_OPTIONS, Range, check_number, check_values
 
 if TYPE_CHECKING:  # heavy (torch, pandas, PuLP): imported when a plan is made
     from rich.console import Console
@@ -93,6 +101,12 @@ def _allreduce_plan(
     return allreduce_plan(cluster, model, batch, profiles=profiles or None, optimizer=opt)
 
 
+def _opt(name: str) -> typer.models.OptionInfo:
+    """The typer option of planning option ``name`` (:data:`runtime.options.PLAN_OPTIONS`)."""
+    o = PLAN_OPTIONS[name]
+    return typer.Option(o.flag, help=o.help)
+
+
 SUMMARY_VWS = 8
 """Above this many VWs the table shows one VW per kind unless ``--full``."""
 
@@ -153,6 +167,8 @@ def render(plan: Plan, full: bool = True) -> None:
             "(xN: VWs alike); "
             "--full lists every VW"
         )
+    cl = plan.cluster
+    console.print(escape(cl.links.describe(cl.emulated)))  # what the runtime paces transfers to
     pr = plan.predicted
     if get_rule(plan.sync).layout == "ddp":
         console.print(
@@ -235,7 +251,7 @@ def render_candidates(rows: list[Candidate], budget_s: float) -> None:
 
 @with_rule_options
 @handle_errors
-def plan(  # long only by its typer signature (the command's options); the body is ~35 lines
+def plan(  # long by its typer signature (the command's options); the body is ~60 lines
     cluster: Annotated[Path, typer.Argument(help="cluster.yaml")],
     model: Annotated[
         str | None, typer.Option("--model", "-m", help="built-in model or package.module:factory")
@@ -336,6 +352,12 @@ def plan(  # long only by its typer signature (the command's options); the body 
         str,
         typer.Option(help="fp32 | bf16: the memory model's bytes (autocast, fp32 master weights)"),
     ] = "fp32",
+    objective: Annotated[str, _opt("objective")] = PLAN_OPTIONS["objective"].default,
+    target_samples: Annotated[float, _opt("target_samples")] = PLAN_OPTIONS[
+        "target_samples"
+    ].default,
+    remedy: Annotated[str, _opt("remedy")] = PLAN_OPTIONS["remedy"].default,
+    calibrate: Annotated[str | None, _opt("calibrate")] = None,
     rule_values: RuleValues | None = None,
 ) -> None:
     """Plan HetPipe training (see HELP); ``rule_values``: the rule options
@@ -349,8 +371,12 @@ def plan(  # long only by its typer signature (the command's options); the body 
                "--auto-max-vw-gpus": auto_max_vw_gpus, "--max-cuts": max_cuts}  # fmt: skip
     rule = rule_params(sync, rule_values or {})
     _check_options(numbers, sync, bool(policy or vws or nm or staleness))
+    check_values({"objective": objective, "target_samples": target_samples, "remedy": remedy},
+                 PLAN_OPTIONS)  # fmt: skip
+    _check_objective(objective, sync, calibrate, model)
     cl = load_cluster(cluster)
-    _pacing_note(cl, err_console if as_json else console)
+    out = err_console if as_json else console  # what is not the plan itself
+    _pacing_note(cl, out)
     profs = load_profiles(profiles, profile_gpu) if profiles else []
     candidates: list[Candidate] = []
     options = PlanOptions(
@@ -362,23 +388,41 @@ def plan(  # long only by its typer signature (the command's options); the body 
         time_limit_s=time_limit,
         auto_max_vw_gpus=auto_max_vw_gpus,
         auto_budget_s=auto_budget,
+        remedy=remedy,
     )
-    with (console if not as_json else err_console).status(
+    with out.status(
         f"planning {model or 'the profiled model'} on {cl.name} (profiles, allocation, "
         "partition, Nm, placement, simulation)"
     ):
+        kwargs = dict(model=model, batch_size=batch_size, D=staleness, placement=placement,
+                      optimizer=optimizer, links=load_links(links) if links else None,
+                      reference_type=profile_gpu, precision=precision)  # fmt: skip
         if get_rule(sync).layout == "ddp":
             result = _allreduce_plan(cl, profs, model, batch_size, optimizer)
         else:
-            result = make_plan(
-                cl, profs, model=model, batch_size=batch_size, policy=policy, nm=nm,
-                D=staleness, placement=placement, num_vws=vws, optimizer=optimizer,
-                links=load_links(links) if links else None, options=options,
-                reference_type=profile_gpu, report=candidates, precision=precision,
-            )  # fmt: skip
+            result = make_plan(cl, profs, policy=policy, nm=nm, num_vws=vws, options=options,
+                               report=candidates, **kwargs)  # type: ignore[arg-type]  # fmt: skip
     if nm is not None:
         check_nm(result, nm)  # the planner caps Nm at what memory allows: say so, do not write
-    _emit(apply_rule(result, sync, rule), output, as_json, candidates, auto_budget, full)
+    result = with_objective(apply_rule(result, sync, rule), objective, remedy)
+    if objective != "time":
+        _emit(result, output, as_json, candidates, auto_budget, full)
+        return
+    with out.status("ranking plans by time to target"):
+        inputs = efficiency_inputs(calibrate, model, result.batch_size, optimizer)
+        result, ranked = choose_for_time(
+            result,
+            partial(make_plan, cl, profs, **kwargs),  # type: ignore[arg-type]
+            options,
+            partial(apply_rule, sync=sync, params=rule),
+            partial(_allreduce_plan, cl, profs, model, result.batch_size, optimizer),
+            inputs,
+            target_samples,
+            others=other_allocations(candidates, vws_given=vws is not None),
+            nm_cap=nm,
+        )
+    _emit(result, output, as_json, candidates, auto_budget, full)
+    render_objective(ranked, inputs, target_samples, out)
 
 
 _RANGES = {
@@ -396,6 +440,25 @@ def _check_options(numbers: dict[str, float | None], sync: str, shapes_hetpipe: 
     if get_rule(sync).layout == "ddp" and shapes_hetpipe:
         raise ConfigError(
             f"--policy, --vws, --nm and -D shape HetPipe plans; drop them with --sync {sync}"
+        )
+
+
+def _check_objective(objective: str, sync: str, calibrate: str | None, model: str | None) -> None:
+    """Refuse ``--objective time`` where it cannot rank, and calibration it cannot run."""
+    if objective == "time" and sync in ("allreduce", "easgd"):
+        raise ConfigError(
+            f"--objective time compares HetPipe plans under --sync wsp or backup with "
+            f"AllReduce; drop --sync {sync}, or use --objective throughput"
+        )
+    if calibrate and objective != "time":
+        raise ConfigError(
+            f"--calibrate-efficiency {shown(calibrate, 40)} feeds --objective time; add it, "
+            "or drop --calibrate-efficiency"
+        )
+    if calibrate and model is None:
+        raise ConfigError(
+            f"--calibrate-efficiency {shown(calibrate, 40)} trains the model, so needs --model; "
+            "give it, or drop --calibrate-efficiency for the defaults"
         )
 
 

@@ -14,15 +14,16 @@ import typer
 
 from hetpipe._common import console, handle_errors
 from hetpipe._rules import RuleValues, apply_rule, rule_params, sync_help, with_rule_options
+from planner.on_the_fly import PlanRequest
 from planner.plan import Plan
 from planner.plan_file import load_plan, load_plan_or_cluster
-from planner.rules import DEFAULT_RULE, get_rule
+from planner.rules import DEFAULT_RULE, layout
 from profiler.errors import ConfigError, shown
-from runtime.options import OPTIONS, Range, check_number
+from runtime.options import OPTIONS, RENAMED, Range, check_number
 
 if TYPE_CHECKING:
-    from runtime.config import OptimizerConfig, RunConfig, WSPConfig
     from runtime.data_source import RunData
+    from runtime.spec import RunSpec
 
 HELP = (
     "Train with a plan: PLAN.yaml (from 'hetpipe plan'), or CLUSTER.yaml (planned on the fly; "
@@ -38,45 +39,21 @@ HELP = (
 )
 
 
-def _load(
-    path: Path,
-    model: str | None,
-    batch_size: int,
-    nm: int,
-    stages: int,
-    vws: int,
-    D: int,
-    policy: str | None = None,
-    precision: str = "fp32",
-) -> Plan:
-    """The plan in ``path`` (checked against its model), or a plan made on the fly for the
-    cluster in ``path`` with the planner's defaults (the same as ``hetpipe plan``), or a hand
-    cut into ``--stages``."""
+def _load(path: Path, request: PlanRequest) -> Plan:
+    """The plan in ``path`` (checked against its model), or the planner's plan for the
+    cluster in ``path`` (:func:`planner.on_the_fly.plan_for_run`, the same defaults as
+    ``hetpipe plan``); with ``--sync allreduce`` a pipeline plan file gives its cluster, model
+    and batch to the AllReduce baseline's plan."""
+    from planner.on_the_fly import plan_for_run
+
     doc = load_plan_or_cluster(path)
-    if isinstance(doc, Plan):
-        _check_against_model(doc, path)
-        return doc
-    cluster = doc
-    if stages:
-        if vws > 1 or policy is not None:
-            raise ConfigError("--stages hand-cuts one VW; drop --stages, or drop --vws/--policy")
-        from runtime.api import make_single_vw_plan
-        from runtime.config import ModelSource
-
-        hand = make_single_vw_plan(ModelSource(ref=model or "mlp"), batch_size, nm, cluster, stages)
-        return replace(hand, precision=precision)
-    from planner.planner import make_plan
-
-    return make_plan(
-        cluster,
-        model=model or "mlp",
-        batch_size=batch_size,
-        nm=nm or None,
-        num_vws=vws or None,
-        policy=policy,
-        D=D,
-        precision=precision,
-    )
+    if not isinstance(doc, Plan):
+        return plan_for_run(doc, request)
+    if layout(request.sync) == "ddp" and layout(doc.sync) != "ddp":
+        asked = replace(request, model=doc.model, batch_size=doc.batch_size)
+        return plan_for_run(doc.cluster, asked)
+    _check_against_model(doc, path)
+    return doc
 
 
 def _check_against_model(plan: Plan, path: Path) -> None:
@@ -155,6 +132,7 @@ def run(  # long only by its typer signature (the command's options); the body i
     vw: Annotated[int, _opt("vw")] = OPT["vw"].default,
     staleness: Annotated[int | None, _opt("staleness")] = OPT["staleness"].default,
     checkpoint_every: Annotated[int, _opt("checkpoint_every")] = OPT["checkpoint_every"].default,
+    keep: Annotated[int, _opt("keep")] = OPT["keep"].default,
     on_failure: Annotated[str, _opt("on_failure")] = OPT["on_failure"].default,
     max_restarts: Annotated[int, _opt("max_restarts")] = OPT["max_restarts"].default,
     overwrite: Annotated[bool, _opt("overwrite")] = OPT["overwrite"].default,
@@ -162,7 +140,8 @@ def run(  # long only by its typer signature (the command's options); the body i
     lr: Annotated[float, _opt("lr")] = OPT["lr"].default,
     momentum: Annotated[float, _opt("momentum")] = OPT["momentum"].default,
     weight_decay: Annotated[float, _opt("weight_decay")] = OPT["weight_decay"].default,
-    schedule: Annotated[str, _opt("schedule")] = OPT["schedule"].default,
+    lr_schedule: Annotated[str, _opt("lr_schedule")] = OPT["lr_schedule"].default,
+    schedule: Annotated[str | None, typer.Option("--schedule", hidden=True)] = None,
     remedy: Annotated[str, _opt("remedy")] = OPT["remedy"].default,
     remedy_warmup: Annotated[int, _opt("remedy_warmup")] = OPT["remedy_warmup"].default,
     timeout: Annotated[float, _opt("timeout")] = OPT["timeout"].default,
@@ -174,64 +153,54 @@ def run(  # long only by its typer signature (the command's options); the body i
     """Train a plan (all its VWs through WSP, one VW, or the AllReduce baseline); print the
     summary. ``rule_values``: the rule options (:class:`hetpipe._rules.with_rule_options`)."""
     from runtime.data_source import named_data
-    from runtime.options import check_values, configs
+    from runtime.options import check_values, run_spec
     from runtime.persist.run_dir import resume_target
 
-    values = {name: value for name, value in locals().items() if name in OPTIONS}
+    values = {name: value for name, value in locals().items() if name in OPTIONS or name in RENAMED}
     check_values(values)  # every number in range before anything is read, planned or started
     for flag, value in (("--batch-size", batch_size), ("--stages", stages), ("--vws", vws)):
         check_number(flag, value, _PLANNING[flag])
     given_sync, sync = sync, sync or DEFAULT_RULE  # None: the plan's rule
     rule = rule_params(sync, rule_values or {})
-    if get_rule(sync).layout == "ddp":
+    if layout(sync) == "ddp":
         _refuse_pipeline_options(nm, staleness, vw, vws, stages, policy)
     target = resume_target(resume) if resume is not None else None
-    opt, run_cfg, wsp = configs(values, out or (target[0] if target else None), progress, target,
-                                _resume_hint(path))  # fmt: skip
+    spec = run_spec(values, out or (target[0] if target else None), progress, target,
+                    _resume_hint(path))  # fmt: skip
     every = ctx.get_parameter_source("checkpoint_every")  # given, or its default
     given = every is not None and every.name != "DEFAULT"
-    _check_before_planning(sync, vw, vws, wsp, given, run_cfg.time_limit_s)
-    resumed = run_cfg.out_dir if resume is not None else None
-    plan = _plan(path, model, batch_size, nm, stages, vws, staleness, policy, sync, opt,
-                 resumed, precision)  # fmt: skip
+    _check_before_planning(sync, vws, spec, given)
+    request = PlanRequest(model or "mlp", batch_size, nm, stages, None, vws, policy,
+                          staleness or 0, precision or "fp32", sync)  # fmt: skip
+    if layout(sync) == "ddp":  # the baseline's memory is this run's optimizer state
+        request = replace(request, optimizer=spec.optimizer.memory_class)
+    resumed = spec.run.out_dir if resume is not None else None
+    plan = _plan(path, request, model, resumed)
     if resumed is not None and (resumed / "plan.json").exists():
         _check_resumed(path, apply_rule(plan, given_sync, rule), resumed, given_sync, rule)
-    dataset = named_data(data, plan.model, plan.batch_size, run_cfg.seed)
-    _train(apply_rule(plan, given_sync, rule), opt, run_cfg, wsp, vw, given, dataset)
+    dataset = named_data(data, plan.model, plan.batch_size, spec.run.seed)
+    _train(apply_rule(plan, given_sync, rule), spec, given, dataset)
 
 
-def _check_before_planning(
-    sync: str, vw: int, vws: int, wsp: WSPConfig, every: bool, time_limit_s: float
-) -> None:
+def _check_before_planning(sync: str, vws: int, spec: RunSpec, every: bool) -> None:
     """The checks of :func:`_train` that the options decide without a plan, made before a
     cluster file is planned (12-40 s): one VW alone (``--vw K``) writes no snapshots, backup
     workers take no time limit, ``--vw`` names one of ``--vws``."""
     from planner.sync import check_time_limit
     from runtime.launch.jobs import check_alone
 
-    if vw >= 0 and get_rule(sync).layout != "ddp":
-        check_alone(wsp, every)
-    check_time_limit(sync, time_limit_s)
+    vw = spec.vw
+    if vw >= 0 and layout(sync) != "ddp":
+        check_alone(spec, every)
+    check_time_limit(sync, spec.run.time_limit_s)
     if vws and vw >= vws:
         raise ConfigError(f"--vw {vw}: --vws {vws} makes VWs 0..{vws - 1}; give one of them")
 
 
-def _plan(
-    path: Path,
-    model: str | None,
-    batch_size: int,
-    nm: int,
-    stages: int,
-    vws: int,
-    staleness: int | None,
-    policy: str | None,
-    sync: str,
-    opt: OptimizerConfig,
-    resumed: Path | None,
-    precision: str,
-) -> Plan:
+def _plan(path: Path, request: PlanRequest, model: str | None, resumed: Path | None) -> Plan:
     """The plan to train: a resumed run's own ``plan.json``, the plan file, or one made on the
-    fly for a cluster file (the AllReduce baseline's with ``--sync allreduce``)."""
+    fly for a cluster file (the AllReduce baseline's with ``--sync allreduce``); ``model``:
+    the ``--model`` given, checked against the plan's."""
     saved = resumed / "plan.json" if resumed is not None else None
     if saved is not None and saved.exists():
         plan = load_plan(saved)  # the plan the interrupted run used
@@ -240,11 +209,7 @@ def _plan(
             f"reading {path.name}; planning on the fly if it is a cluster file (a new model's "
             "CPU profile is measured once, then cached)"
         ):
-            if get_rule(sync).layout == "ddp":
-                plan = _load_allreduce(path, model, batch_size, opt)
-            else:
-                plan = _load(path, model, batch_size, nm, stages, vws, staleness or 0, policy,
-                             precision or "fp32")  # fmt: skip
+            plan = _load(path, request)
     if model is not None and model != plan.model:
         raise ConfigError(
             f"--model {model} does not match the plan's model {plan.model!r}; drop --model"
@@ -277,15 +242,7 @@ def _check_resumed(
         )
 
 
-def _train(
-    plan: Plan,
-    opt: OptimizerConfig,
-    run_cfg: RunConfig,
-    wsp: WSPConfig,
-    vw: int,
-    every: bool,
-    dataset: RunData | None = None,
-) -> None:
+def _train(plan: Plan, spec: RunSpec, every: bool, dataset: RunData | None = None) -> None:
     """Say what trains, train it (:func:`runtime.run.run_plan`) on ``dataset`` (``None``: the
     model's own), print the summary (``every``: ``--checkpoint-every`` was given, which one
     VW alone refuses)."""
@@ -295,24 +252,23 @@ def _train(
     from runtime.launch.jobs import check_alone
     from runtime.run import describe_training, outputs, rule_for, run_plan, steps_note
 
-    if get_rule(rule_for(plan, vw)).layout == "alone":
-        check_alone(wsp, every)
-    check_time_limit(rule_for(plan, vw), run_cfg.time_limit_s)  # before the header prints
-    if run_cfg.emulate:
+    run, vw = spec.run, spec.vw
+    if layout(rule_for(plan, vw)) == "alone":
+        check_alone(spec, every)
+    check_time_limit(rule_for(plan, vw), run.time_limit_s)  # before the header prints
+    if run.emulate:
         _check_pacing(plan, vw, os.cpu_count() or 1)
-    check_nm(plan, run_cfg.nm, vw)
+    check_nm(plan, run.nm, vw)
 
-    nm = run_cfg.nm or plan.nm
-    console.print(describe_training(plan, vw, nm, wsp.D))
-    note = steps_note(plan, vw, run_cfg.steps, nm)
+    nm = run.nm or plan.nm
+    console.print(describe_training(plan, vw, nm, spec.sync.D))
+    note = steps_note(plan, vw, run.steps, nm)
     if note:
         console.print(note, markup=False)
-    source = ModelSource(ref=plan.model)
-    result = run_plan(plan, source, opt, run_cfg, wsp, dataset, vw=vw)
+    result = run_plan(plan, ModelSource(ref=plan.model), spec, dataset)
     console.print(result.table())
-    out = run_cfg.out_dir
-    if out is not None:
-        console.print(f"outputs: {', '.join(str(out / f) for f in outputs(result))}")
+    if run.out_dir is not None:
+        console.print(f"outputs: {', '.join(str(run.out_dir / f) for f in outputs(result))}")
 
 
 def _check_pacing(plan: Plan, vw: int, cores: int) -> None:
@@ -379,19 +335,3 @@ def _refuse_pipeline_options(
                 f"{flag} does not apply to --sync allreduce (whole-model data parallelism on "
                 "every device that holds the model: no pipeline, no parameter servers); drop it"
             )
-
-
-def _load_allreduce(path: Path, model: str | None, batch_size: int, cfg: OptimizerConfig) -> Plan:
-    """The AllReduce plan of ``path``: the plan itself if it is one, else the planner's
-    :func:`planner.baseline.allreduce_plan` on its cluster (a plan file's model and batch)."""
-    from planner.baseline import allreduce_plan
-
-    doc = load_plan_or_cluster(path)
-    if isinstance(doc, Plan):
-        if get_rule(doc.sync).layout == "ddp":
-            _check_against_model(doc, path)
-            return doc
-        cluster, model, batch_size = doc.cluster, doc.model, doc.batch_size
-    else:
-        cluster = doc
-    return allreduce_plan(cluster, model or "mlp", batch_size, optimizer=cfg.memory_class)

@@ -10,45 +10,37 @@ so ``--resume`` and ``--on-failure restart`` go on from the newest committed sna
 
 from __future__ import annotations
 
-import dataclasses
-
 from planner.plan import Plan
 from profiler.errors import ConfigError
-from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
+from runtime.config import ModelSource
 from runtime.data_source import RunData
-from runtime.launch.jobs import Prepared, vw_stage_jobs, with_world
+from runtime.launch.jobs import Attempt, Prepared, Work, vw_stage_jobs, with_world
 from runtime.launch.roles import total_steps
 from runtime.launch.wsp import resume_from, snapshot_parts
 from runtime.persist.run_dir import RunOwner, job_settings
 from runtime.persist.snapshot import SnapshotSpec, clean, read_manifest, snapshot_dir
 from runtime.results.export import export_snapshot
 from runtime.results.run_result import RunResult
+from runtime.spec import RunSpec
 from runtime.sync.rule import SyncSpec
 
 __all__ = ["prepare_allreduce"]
 
 
 def prepare_allreduce(
-    plan: Plan,
-    source: ModelSource,
-    optimizer: OptimizerConfig,
-    run: RunConfig,
-    cfg: WSPConfig,
-    dataset: RunData,
-    owner: RunOwner | None,
-    init_method: str,
+    plan: Plan, source: ModelSource, spec: RunSpec, dataset: RunData, where: Attempt
 ) -> Prepared | RunResult:
     """The ``allreduce`` rule's processes: every VW's stages, each rank on its slice of every
-    global minibatch; with a run directory (``owner``) they write snapshots, and a resumed run
-    starts after its snapshot's step. A resume with nothing left to train writes the outputs
-    from the snapshot and returns that result instead
+    global minibatch; with a run directory (``where.owner``) they write snapshots, and a
+    resumed run starts after its snapshot's step. A resume with nothing left to train writes
+    the outputs from the snapshot and returns that result instead
     (:func:`runtime.results.export.export_snapshot`).
 
     Raises:
         ConfigError: VWs of different depths, less than one global minibatch of data, a
             mismatched resume, or nothing to train.
     """
-    vws = plan.virtual_workers
+    vws, run, ck = plan.virtual_workers, spec.run, spec.checkpoints
     depth = {len(w.stages) for w in vws}
     if len(depth) != 1:
         raise ConfigError(
@@ -57,7 +49,7 @@ def prepare_allreduce(
         )
     (n_stages,) = depth
     world, batch = len(vws), plan.batch_size
-    train, test = dataset.split(cfg.test_fraction, run.seed)
+    train, test = dataset.split(spec.data.test_fraction, run.seed)
     per_epoch = len(train) // (batch * world)
     if per_epoch < 1:
         raise ConfigError(
@@ -65,9 +57,11 @@ def prepare_allreduce(
             f"{world} x {batch}; use a smaller --batch-size or more data"
         )
     horizon = total_steps(run, per_epoch)
-    snaps, first = _snapshots(plan, source, optimizer, run, cfg, dataset, owner, horizon)
+    settings = job_settings(source.name, plan.to_json(), 1, 0, run.seed, spec.data.test_fraction,
+                            dataset.settings, spec.optimizer, horizon, run.precision)  # fmt: skip
+    snaps, first = _snapshots(plan, spec, where.owner, settings)
     steps = max(0, horizon - first)
-    if steps == 0 and snaps is not None and cfg.resume:  # the outputs, from the snapshot
+    if steps == 0 and snaps is not None and ck.resume:  # the outputs, from the snapshot
         manifest = read_manifest(snapshot_dir(snaps.directory, first))
         return export_snapshot(manifest, plan, source, run, (), test, 1, 0)
     if steps == 0:
@@ -75,37 +69,29 @@ def prepare_allreduce(
     groups = tuple(tuple(k * n_stages + s for k in range(world)) for s in range(n_stages))
     sync = SyncSpec("allreduce", plan.sync_params, timeout_s=run.timeout_s, groups=groups,
                     snapshots=snaps, first_wave=first)  # fmt: skip
-    keep = dataclasses.replace(run, return_state=True)  # the final model comes from VW 0
-    jobs = vw_stage_jobs(plan, source, optimizer, keep, cfg, sync, [train] * world, steps,
-                         init_method, nm=1)  # fmt: skip
+    keep = spec.with_run(return_state=True)  # the final model comes from VW 0
+    work = Work((train,) * world, steps, 1, where.init_method)
+    jobs = vw_stage_jobs(plan, source, keep, sync, work)
     hint = ""
-    if snaps is not None and cfg.checkpoint_every > 0:
-        hint = f"; resume with: {cfg.resume_hint} --resume {cfg.checkpoint_dir}"
+    if snaps is not None and ck.every > 0:
+        hint = f"; resume with: {ck.resume_hint} --resume {ck.dir}"
     return Prepared((), with_world(jobs)[1], steps, first, 1, 0, test, hint)
 
 
 def _snapshots(
-    plan: Plan,
-    source: ModelSource,
-    optimizer: OptimizerConfig,
-    run: RunConfig,
-    cfg: WSPConfig,
-    dataset: RunData,
-    owner: RunOwner | None,
-    horizon: int,
+    plan: Plan, spec: RunSpec, owner: RunOwner | None, settings: tuple[tuple[str, str], ...]
 ) -> tuple[SnapshotSpec | None, int]:
     """The run's snapshots (``None`` without a run directory) and the step it starts at (a
-    resumed run's snapshot clock, checked against this run's settings)."""
-    if cfg.checkpoint_dir is None or owner is None:
+    resumed run's snapshot clock, checked against this run's ``settings``)."""
+    ck = spec.checkpoints
+    if ck.dir is None or owner is None:
         return None, 0
-    settings = job_settings(source.name, plan.to_json(), 1, 0, run.seed, cfg.test_fraction,
-                            dataset.settings, optimizer, horizon, run.precision)  # fmt: skip
-    manifest = resume_from(cfg, owner, settings)
+    manifest = resume_from(spec, owner, settings)
     first = manifest.clock if manifest is not None else 0
     if owner.tidies:  # one process of the job tidies the folder and keeps the plan
-        clean(cfg.checkpoint_dir, first if cfg.resume else None)
-        if run.out_dir is not None and not cfg.resume:
-            plan.save(run.out_dir / "plan.json")  # --resume reuses it
-    snaps = SnapshotSpec(cfg.checkpoint_dir, owner.run_id, owner.attempt, snapshot_parts(plan),
-                         settings, cfg.checkpoint_every, cfg.keep, cfg.write_fault)  # fmt: skip
+        clean(ck.dir, first if ck.resume else None)
+        if spec.run.out_dir is not None and not ck.resume:
+            plan.save(spec.run.out_dir / "plan.json")  # --resume reuses it
+    snaps = SnapshotSpec(ck.dir, owner.run_id, owner.attempt, snapshot_parts(plan), settings,
+                         ck.every, ck.keep, spec.faults.write_fault)  # fmt: skip
     return snaps, first

@@ -18,14 +18,24 @@ from torch.utils.data import Dataset
 from planner.plan import Plan
 from planner.sync import data_slice
 from profiler.errors import ConfigError
-from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
+from runtime.config import ModelSource
 from runtime.launch.procs import ShardJob
 from runtime.launch.roles import pacing_table, stage_contexts, total_steps
+from runtime.persist.run_dir import RunOwner
+from runtime.spec import RunSpec
 from runtime.stage.emulation import Calibration
 from runtime.stage.job import StageJob
 from runtime.sync.rule import SyncSpec
 
-__all__ = ["Prepared", "check_alone", "prepare_local", "vw_stage_jobs", "with_world"]
+__all__ = [
+    "Attempt",
+    "Prepared",
+    "Work",
+    "check_alone",
+    "prepare_local",
+    "vw_stage_jobs",
+    "with_world",
+]
 
 
 @dataclass(frozen=True)
@@ -55,30 +65,50 @@ class Prepared:
     data: str = ""
 
 
-def vw_stage_jobs(
-    plan: Plan,
-    source: ModelSource,
-    optimizer: OptimizerConfig,
-    run: RunConfig,
-    cfg: WSPConfig,
-    sync: SyncSpec,
-    data: list[Any],
-    steps: int,
-    init_method: str,
-    nm: int,
-    first_rank: int = 0,
-    vws: list[int] | None = None,
-) -> list[StageJob]:
-    """Every stage's job, VW by VW from ``first_rank`` (``world_size`` left to the caller).
+@dataclass(frozen=True)
+class Attempt:
+    """Where one attempt's processes meet: the process group's ``init_method`` and the claimed
+    run directory (``None``: none, or not this process's to tidy)."""
 
-    ``data[i]`` is VW ``vws[i]``'s training set; a rule whose data is ``global``
+    init_method: str
+    owner: RunOwner | None = None
+
+
+@dataclass(frozen=True)
+class Work:
+    """What the stages of one attempt train.
+
+    Attributes:
+        data: each VW's training set (``None``: the model's built-in one), in ``vws`` order.
+        steps: minibatches each VW trains.
+        nm: minibatches in flight per VW.
+        init_method: the process group's rendezvous.
+        first_rank: the first stage's rank (the shards take the ranks before).
+        vws: the VWs that train (``()``: every VW of the plan).
+    """
+
+    data: tuple[Any, ...]
+    steps: int
+    nm: int
+    init_method: str
+    first_rank: int = 0
+    vws: tuple[int, ...] = ()
+
+
+def vw_stage_jobs(
+    plan: Plan, source: ModelSource, spec: RunSpec, sync: SyncSpec, work: Work
+) -> list[StageJob]:
+    """Every stage's job, VW by VW from ``work.first_rank`` (``world_size`` left to the caller);
+    each takes only its sections of ``spec`` (run, optimizer, its test fault).
+
+    ``work.data[i]`` is VW ``work.vws[i]``'s training set; a rule whose data is ``global``
     (``allreduce``, ``backup``) gives every VW the same set and its slice of each global
     minibatch (:func:`planner.sync.data_slice`).
     """
-    vws = list(range(len(plan.virtual_workers))) if vws is None else vws
-    jobs: list[StageJob] = []
+    vws = work.vws or tuple(range(len(plan.virtual_workers)))
+    run, jobs = spec.run, list[StageJob]()
     for i, k in enumerate(vws):
-        ctxs = stage_contexts(plan, k, nm, steps, first_rank + len(jobs))
+        ctxs = stage_contexts(plan, k, work.nm, work.steps, work.first_rank + len(jobs))
         vw_run = run
         if run.out_dir is not None and sync.layout != "alone":
             vw_run = dataclasses.replace(run, out_dir=run.out_dir / f"vw{k}")
@@ -86,7 +116,16 @@ def vw_stage_jobs(
         part = data_slice(sync.rule, i, len(vws))
         jobs += [
             StageJob(
-                ctx, source, optimizer, run, sync, data[i], part, cal, cfg.stage_fault, init_method
+                ctx,
+                source,
+                spec.optimizer,
+                run,
+                sync,
+                work.data[i],
+                part,
+                cal,
+                spec.faults.stage_fault,
+                work.init_method,
             )
             for ctx in ctxs
         ]
@@ -100,7 +139,7 @@ def with_world(jobs: list[StageJob], n_shards: int = 0) -> tuple[int, tuple[Stag
     return world, tuple(dataclasses.replace(j, world_size=world) for j in jobs)
 
 
-def check_alone(cfg: WSPConfig, every_given: bool = False) -> None:
+def check_alone(spec: RunSpec, every_given: bool = False) -> None:
     """Refuse what a run of one VW alone (the ``local`` rule: ``--vw K``, or a plan without
     shards) cannot do: such a run measures that VW's pipeline (its throughput against the
     plan's prediction, its losses) and its weights never reach the parameter servers, so it
@@ -110,8 +149,9 @@ def check_alone(cfg: WSPConfig, every_given: bool = False) -> None:
     Raises:
         ConfigError: one line naming the flag and the way out.
     """
-    asked = [("--resume", cfg.resume), ("--checkpoint-every", every_given),
-             ("--on-failure restart", cfg.max_restarts > 0), ("--on-failure continue", cfg.evict)]  # fmt: skip
+    asked = [("--resume", spec.checkpoints.resume), ("--checkpoint-every", every_given),
+             ("--on-failure restart", spec.failure.budget > 0),
+             ("--on-failure continue", spec.failure.evict)]  # fmt: skip
     for flag, given in asked:
         if given:
             raise ConfigError(
@@ -124,23 +164,20 @@ def check_alone(cfg: WSPConfig, every_given: bool = False) -> None:
 def prepare_local(
     plan: Plan,
     source: ModelSource,
-    optimizer: OptimizerConfig,
-    run: RunConfig,
-    cfg: WSPConfig,
+    spec: RunSpec,
     dataset: Dataset[Any] | None,
     samples: int,
-    vw: int,
     init_method: str,
 ) -> Prepared:
-    """The ``local`` rule: VW ``vw`` alone on the whole data set (``dataset`` ``None``: each
-    stage builds the model's built-in one), no shards, no test split."""
+    """The ``local`` rule: VW ``max(spec.vw, 0)`` alone on the whole data set (``dataset``
+    ``None``: each stage builds the model's built-in one), no shards, no test split."""
     if samples < plan.batch_size:
         raise ConfigError(
             f"the data set has {samples} samples, fewer than one minibatch of {plan.batch_size}"
         )
-    nm = run.nm or plan.nm
-    steps = total_steps(run, samples // plan.batch_size)
-    sync = SyncSpec("local", plan.sync_params, timeout_s=run.timeout_s)
-    jobs = vw_stage_jobs(plan, source, optimizer, run, cfg, sync, [dataset], steps, init_method,
-                         nm, vws=[vw])  # fmt: skip
+    nm = spec.run.nm or plan.nm
+    steps = total_steps(spec.run, samples // plan.batch_size)
+    sync = SyncSpec("local", plan.sync_params, timeout_s=spec.run.timeout_s)
+    work = Work((dataset,), steps, nm, init_method, vws=(max(spec.vw, 0),))
+    jobs = vw_stage_jobs(plan, source, spec, sync, work)
     return Prepared((), with_world(jobs)[1], steps, 0, nm, 0)

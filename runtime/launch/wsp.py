@@ -11,7 +11,6 @@ exported model at the end. :mod:`runtime.launch.launcher` starts and watches the
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -24,9 +23,9 @@ from planner.sync import check_time_limit
 from planner.wsp import whole_waves
 from profiler.errors import ConfigError
 from profiler.graph import ModelGraph
-from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
+from runtime.config import ModelSource, RunConfig
 from runtime.data_source import RunData
-from runtime.launch.jobs import Prepared, vw_stage_jobs, with_world
+from runtime.launch.jobs import Attempt, Prepared, Work, vw_stage_jobs, with_world
 from runtime.launch.procs import ShardJob
 from runtime.persist.run_dir import RunOwner, check_settings, job_settings
 from runtime.persist.snapshot import Manifest, SnapshotSpec, clean, select
@@ -35,6 +34,7 @@ from runtime.ps.rejoin import Rejoin
 from runtime.results.evaluation import shard_dataset
 from runtime.results.export import export_snapshot
 from runtime.results.run_result import RunResult
+from runtime.spec import RunSpec
 from runtime.stage.job import StageJob
 from runtime.stage.model import resolve_source
 from runtime.sync.rule import SyncSpec
@@ -103,14 +103,7 @@ def shard_specs(
 
 
 def prepare_wsp(
-    plan: Plan,
-    source: ModelSource,
-    optimizer: OptimizerConfig,
-    run: RunConfig,
-    cfg: WSPConfig,
-    dataset: RunData,
-    owner: RunOwner | None,
-    init_method: str,
+    plan: Plan, source: ModelSource, spec: RunSpec, dataset: RunData, where: Attempt
 ) -> Prepared | RunResult:
     """The ``wsp`` rule's processes: the shards (ranks ``0..n-1``) and every VW's stages, each
     VW on its own shard of the training split; a resumed run starts at its snapshot's wave.
@@ -120,92 +113,91 @@ def prepare_wsp(
     Raises:
         ConfigError: bad settings, a mismatched resume, nothing to train.
     """
+    run, ck = spec.run, spec.checkpoints
     nm = run.nm or plan.nm
     info = get_rule(plan.sync)  # a rule through the shards (runtime.run.rule_for)
     rule = info.name
-    D = (plan.D if cfg.D is None else cfg.D) if info.keeps_D else 0  # the others: D = 0
-    if cfg.evict and not info.evicts:
+    D = (plan.D if spec.sync.D is None else spec.sync.D) if info.keeps_D else 0  # others: 0
+    if spec.failure.evict and not info.evicts:
         raise ConfigError(
             f"--on-failure continue evicts a VW from the WSP clock; the {rule} rule has no such "
             "clock: use --sync wsp, or --on-failure stop|restart"
         )
-    spec = resolve_source(source, plan.batch_size, meta=source.module is None)
+    model = resolve_source(source, plan.batch_size, meta=source.module is None)
+    test_fraction = spec.data.test_fraction
     shards_data, test, vw_samples = vw_training_data(
-        rule, dataset, len(plan.virtual_workers), cfg.test_fraction, run.seed
+        rule, dataset, len(plan.virtual_workers), test_fraction, run.seed
     )
-    graph = ModelGraph.from_spec(spec)
-    shapes = {n: tuple(p.shape) for n, p in spec.module.named_parameters()}
+    graph = ModelGraph.from_spec(model)
+    shapes = {n: tuple(p.shape) for n, p in model.module.named_parameters()}
     specs, _ = shard_specs(plan, graph, shapes, D)
     horizon = wsp_steps(run, nm, 0, vw_samples, plan.batch_size)
-    settings = job_settings(source.name, plan.to_json(), nm, D, run.seed, cfg.test_fraction,
-                            dataset.settings, optimizer, horizon, run.precision)  # fmt: skip
-    manifest = resume_from(cfg, owner, settings)
+    settings = job_settings(source.name, plan.to_json(), nm, D, run.seed, test_fraction,
+                            dataset.settings, spec.optimizer, horizon, run.precision)  # fmt: skip
+    manifest = resume_from(spec, where.owner, settings)
     clock = manifest.clock if manifest is not None else 0
     first_wave = clock * info.waves_per_clock(dict(plan.sync_params))  # easgd: tau per tick
-    _tidy(plan, run, cfg, owner, clock)
+    _tidy(plan, spec, where.owner, clock)
     steps = wsp_steps(run, nm, first_wave, vw_samples, plan.batch_size)
     if steps == 0 and manifest is not None:
         return export_snapshot(manifest, plan, source, run, specs, test, nm, D)
     if steps == 0:
         raise ConfigError("nothing to train: raise --steps or --epochs")
-    snaps = _snapshots(plan, cfg, owner, settings)
+    snaps = _snapshots(plan, spec, where.owner, settings)
     check_time_limit(rule, run.time_limit_s)
-    sync = SyncSpec(rule, plan.sync_params, D, specs, snaps, first_wave, cfg.overlap_pulls,
+    sync = SyncSpec(rule, plan.sync_params, D, specs, snaps, first_wave, spec.sync.overlap_pulls,
                     run.timeout_s, last_wave=first_wave + steps // nm)  # fmt: skip
-    cfg = _restart_scope(plan, graph, cfg)
-    shards, stages = _jobs(plan, source, optimizer, run, cfg, sync, shards_data, steps, init_method)
+    work = Work(tuple(shards_data), steps, nm, where.init_method, first_rank=len(specs))
+    shards, stages = _jobs(plan, source, spec, sync, work, _alone(plan, graph, spec))
     hint = ""
-    if snaps is not None and cfg.checkpoint_every > 0:
-        hint = f"; resume with: {cfg.resume_hint} --resume {cfg.checkpoint_dir}"
+    if snaps is not None and ck.every > 0:
+        hint = f"; resume with: {ck.resume_hint} --resume {ck.dir}"
     return Prepared(shards, stages, steps, first_wave, nm, D, test, hint)
 
 
-def _tidy(plan: Plan, run: RunConfig, cfg: WSPConfig, owner: RunOwner | None, clock: int) -> None:
+def _tidy(plan: Plan, spec: RunSpec, owner: RunOwner | None, clock: int) -> None:
     """Clean the checkpoint folder past the resume ``clock`` and save the plan beside the
     outputs (one process of the job tidies; ``--resume`` reuses the saved plan)."""
+    ck, out = spec.checkpoints, spec.run.out_dir
     tidies = owner is None or owner.tidies
-    if cfg.checkpoint_dir is not None and tidies:
-        clean(cfg.checkpoint_dir, clock if cfg.resume else None)
-    if owner is not None and owner.tidies and run.out_dir is not None and not cfg.resume:
-        plan.save(run.out_dir / "plan.json")
+    if ck.dir is not None and tidies:
+        clean(ck.dir, clock if ck.resume else None)
+    if owner is not None and owner.tidies and out is not None and not ck.resume:
+        plan.save(out / "plan.json")
 
 
 def _snapshots(
-    plan: Plan, cfg: WSPConfig, owner: RunOwner | None, settings: tuple[tuple[str, str], ...]
+    plan: Plan, spec: RunSpec, owner: RunOwner | None, settings: tuple[tuple[str, str], ...]
 ) -> SnapshotSpec | None:
     """The run's snapshots (``None``: no checkpoint folder or no owner to name the run)."""
-    if cfg.checkpoint_dir is None or owner is None:
+    ck = spec.checkpoints
+    if ck.dir is None or owner is None:
         return None
-    return SnapshotSpec(cfg.checkpoint_dir, owner.run_id, owner.attempt, snapshot_parts(plan),
-                        settings, cfg.checkpoint_every, cfg.keep, cfg.write_fault)  # fmt: skip
+    return SnapshotSpec(ck.dir, owner.run_id, owner.attempt, snapshot_parts(plan), settings,
+                        ck.every, ck.keep, spec.faults.write_fault)  # fmt: skip
 
 
-def _restart_scope(plan: Plan, graph: ModelGraph, cfg: WSPConfig) -> WSPConfig:
-    """``cfg`` without VW restarts when a VW holds tied parameters on several stages."""
-    if cfg.restart_vw and any(graph.shared_params(c) for c in _vw_cuts(plan)):
+def _alone(plan: Plan, graph: ModelGraph, spec: RunSpec) -> bool:
+    """Whether ``--on-failure restart`` may restart a failed stage's VW alone: not when a VW
+    holds tied parameters on several stages (nor when a test asks for whole-job restarts)."""
+    if not spec.failure.restart_vw or spec.faults.whole_job_restarts:
+        return False
+    if any(graph.shared_params(c) for c in _vw_cuts(plan)):
         log.warning("a VW holds tied parameters on several stages (summed point-to-point in "
                     "the first process group): a failure restarts the whole job")  # fmt: skip
-        return dataclasses.replace(cfg, restart_vw=False)
-    return cfg
+        return False
+    return True
 
 
 def _jobs(
-    plan: Plan,
-    source: ModelSource,
-    optimizer: OptimizerConfig,
-    run: RunConfig,
-    cfg: WSPConfig,
-    sync: SyncSpec,
-    data: list[Subset[Any]],
-    steps: int,
-    init_method: str,
+    plan: Plan, source: ModelSource, spec: RunSpec, sync: SyncSpec, work: Work, alone: bool
 ) -> tuple[tuple[ShardJob, ...], tuple[StageJob, ...]]:
-    """The shards' jobs (ranks ``0..n-1``) and every VW's stages' (the next ranks)."""
-    nm, specs = run.nm or plan.nm, sync.shards
-    jobs = vw_stage_jobs(plan, source, optimizer, run, cfg, sync, list(data), steps,
-                         init_method, nm, first_rank=len(specs))  # fmt: skip
-    world, stages = with_world(jobs, len(specs))
-    rejoin = _rejoin(cfg, sync, init_method, world)
+    """The shards' jobs (ranks ``0..n-1``) and every VW's stages' (the next ranks); ``alone``:
+    a failed VW may restart alone (:func:`_alone`)."""
+    specs = sync.shards
+    world, stages = with_world(vw_stage_jobs(plan, source, spec, sync, work), len(specs))
+    rejoin = _rejoin(sync, work.init_method, world) if alone else None
+    evict = spec.failure.evict or rejoin is not None
     shards = tuple(
         ShardJob(
             k,
@@ -213,30 +205,27 @@ def _jobs(
             plan.shards[k].node,
             source,
             plan.batch_size,
-            run.seed,
+            spec.run.seed,
             sync,
-            cfg.resume,
-            init_method,
+            spec.checkpoints.resume,
+            work.init_method,
             world,
-            cfg.shard_fault,
-            _peers(s, specs, cfg, rejoin),
+            spec.faults.shard_fault,
+            _peers(s, specs) if evict else None,
             rejoin,
         )
         for k, s in enumerate(specs)
     )
     log.info("%d VWs x %s stages, %d shards, Nm %d, D %d, %d minibatches per VW",
              len(plan.virtual_workers), [len(v.stages) for v in plan.virtual_workers],
-             len(shards), nm, sync.D, steps)  # fmt: skip
+             len(shards), work.nm, sync.D, work.steps)  # fmt: skip
     return shards, stages
 
 
-def _peers(
-    spec: ShardSpec, specs: tuple[ShardSpec, ...], cfg: WSPConfig, rejoin: Rejoin | None
-) -> tuple[tuple[int, int], ...] | None:
+def _peers(spec: ShardSpec, specs: tuple[ShardSpec, ...]) -> tuple[tuple[int, int], ...]:
     """``--on-failure continue`` (or a VW restart): (id, rank) of the other shards, which
     gate each wave."""
-    evict = cfg.evict or rejoin is not None
-    return tuple((s.id, s.rank) for s in specs if s.id != spec.id) if evict else None
+    return tuple((s.id, s.rank) for s in specs if s.id != spec.id)
 
 
 def _vw_cuts(plan: Plan) -> list[list[int]]:
@@ -244,12 +233,10 @@ def _vw_cuts(plan: Plan) -> list[list[int]]:
     return [[st.first_index for st in vw.stages[1:]] for vw in plan.virtual_workers]
 
 
-def _rejoin(cfg: WSPConfig, sync: SyncSpec, init_method: str, world: int) -> Rejoin | None:
+def _rejoin(sync: SyncSpec, init_method: str, world: int) -> Rejoin | None:
     """``--on-failure restart`` on one host under WSP: where a restarted VW meets the shards
     (beside the rendezvous file); ``None`` otherwise (torchrun restarts the whole group)."""
-    if not (cfg.restart_vw and get_rule(sync.rule).evicts):
-        return None
-    if not init_method.startswith("file://"):
+    if not get_rule(sync.rule).evicts or not init_method.startswith("file://"):
         return None
     folder = Path(init_method.removeprefix("file://")).parent
     return Rejoin(str(folder / "rejoin"), world, 4 * sync.timeout_s)
@@ -263,12 +250,13 @@ def snapshot_parts(plan: Plan) -> tuple[str, ...]:
 
 
 def resume_from(
-    cfg: WSPConfig, owner: RunOwner | None, settings: tuple[tuple[str, str], ...]
+    spec: RunSpec, owner: RunOwner | None, settings: tuple[tuple[str, str], ...]
 ) -> Manifest | None:
     """The snapshot a resume starts from (verified, of this run, with the same settings)."""
-    if not cfg.resume or cfg.checkpoint_dir is None:
+    ck = spec.checkpoints
+    if not ck.resume or ck.dir is None:
         return None
-    manifest, skipped = select(cfg.checkpoint_dir, cfg.resume_clock)
+    manifest, skipped = select(ck.dir, ck.resume_clock)
     for s in skipped:
         log.warning("resume: skipped %s; using clock %d", s, manifest.clock)
     where = f"--resume {manifest.path}"

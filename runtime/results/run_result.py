@@ -121,6 +121,8 @@ class RunResult:
         remedy: the stages' staleness remedy (``--remedy``, :mod:`planner.staleness`).
         data: what the run trained and tested on (``digits (...)``, ``synthetic (...)``,
             ``mydata:make (train 400, test 100)``; empty: not known).
+        links: the plan's links and whether the run paced them, with the factor
+            (:func:`runtime.link_pacing.links_statement`; empty: not known).
     """
 
     vws: tuple[VWResult, ...]
@@ -144,6 +146,7 @@ class RunResult:
     exported_buffers: dict[str, Tensor] | None = None
     data: str = ""
     remedy: str = "none"
+    links: str = ""
 
     @staticmethod
     def build(
@@ -277,6 +280,7 @@ class RunResult:
             "remedy": self.remedy,
             "max_clock_distance": self.max_clock_distance,
             "data": self.data,
+            "links": self.links,
             "test_accuracy": self.test_accuracy,
             "test_loss": self.test_loss,
             "final_loss": self.losses[-1] if self.losses else None,
@@ -314,9 +318,10 @@ class RunResult:
         alone: its stages, :func:`runtime.results.metrics.stage_table`)."""
         if self.alone:
             alone = stage_table(self.vws[0])
-            if self.data:
+            if self.data or self.links:
+                data = f"data: {escape(self.data)}" if self.data else ""
                 alone.caption = "; ".join(
-                    filter(None, [f"data: {escape(self.data)}", str(alone.caption or "")])
+                    filter(None, [data, str(alone.caption or ""), escape(self.links)])
                 )
             return alone
         rule = describe_rule(self.sync, self.sync_params, self.D)
@@ -367,6 +372,8 @@ class RunResult:
         caption = f"{tested}; {clocks}; wall {self.wall_s:.1f} s"
         if self.data:
             caption = f"data: {escape(self.data)}; {caption}"
+        if self.links:
+            caption += f"; {escape(self.links)}"
         if get_rule(self.sync).drops:
             kth = " ".join(f"{t:.2f}" for t in kth_push_s(self.vws))
             caption += (

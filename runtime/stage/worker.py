@@ -1,10 +1,10 @@
 """The stage worker: one process running one pipeline stage of one virtual worker.
 
 It builds only its stage (:func:`runtime.stage.model.build_stage`), then executes the tasks in the
-order :class:`planner.schedule.StageQueue` gives (paper Sec. 4): ``F(p)`` after ``F(p-1)``,
-``B(p)`` after ``B(p-1)``, FIFO among ready tasks, the last stage runs ``FB(p)``. Stage 0
-admits a new minibatch each time one completes its backward pass, so at most ``Nm`` are in
-flight. Weights follow :class:`runtime.stage.weights.VersionedWeights` (exact local staleness).
+order the plan's :class:`planner.schedule.Schedule` gives (paper Sec. 4): ``F(p)`` after
+``F(p-1)``, ``B(p)`` after ``B(p-1)``, FIFO among ready tasks, the last stage runs ``FB(p)``.
+Stage 0 admits minibatches as the schedule says (``hetpipe``: one each time one completes its
+backward pass, so at most ``Nm`` are in flight). Weights follow :class:`runtime.stage.weights.VersionedWeights` (exact local staleness).
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ from torch import Tensor
 from torch.func import functional_call
 
 from planner.nonfinite import Verdict
-from planner.schedule import Kind, StageQueue, Task
+from planner.schedule import Kind, Task, schedule_named
 from planner.wsp import wave_of
 from profiler.errors import HetPipeRuntimeError
 from profiler.memory import cuda_peak_bytes
 from profiler.precision import autocast
 from runtime.defaults import neighbour_wait_s
+from runtime.link_pacing import LinkPacer, StageLinks, active_links
 from runtime.results.metrics import StageResult
 from runtime.stage.comm import Channel, Event, GradReceiver, start_activation_receiver, wire_specs
 from runtime.stage.device import on_device
@@ -91,7 +92,8 @@ class StageWorker:
             ctx.memory, ctx.where, ctx.cap_bytes, ctx.host_cap_bytes,
             self.weights.param_bytes, buffer_bytes, factor, list(self.module.buffers()),
         )  # fmt: skip
-        self.queue = StageQueue(ctx.stage, ctx.n_stages)
+        self.schedule = schedule_named(ctx.schedule)  # checked with the plan
+        self.queue = self.schedule.queue(ctx.stage, ctx.n_stages)
         self.inbox: queue.Queue[Event] = queue.Queue()
         self.held: dict[int, Held] = {}
         self.result = StageResult(ctx.rank, ctx.vw, ctx.stage, ctx.device)
@@ -107,10 +109,16 @@ class StageWorker:
             tuple((self.names[n], p) for n, p in params.items()), self.weights, self.result,
             self.tied if self.tied else None, job.init_method, group,
             tuple((self.buffer_names[n], b) for n, b in self.module.named_buffers()),
+            self.links,
         )  # fmt: skip
         self.sync = stage_sync(job.sync, view)  # the synchronisation rule's hooks
         self._task_mb = 1  # the minibatch of the task being paced (its wave may straggle)
         self._task_wall0 = 0.0  # wall-clock start of the task being executed (the timeline)
+
+    @property
+    def links(self) -> StageLinks:
+        """The emulated links this stage's transfers are paced to (none with ``emulate=False``)."""
+        return active_links(self.ctx.links, self.run_cfg.emulate)
 
     @property
     def last(self) -> bool:
@@ -131,10 +139,13 @@ class StageWorker:
         to_next = Channel(nxt, self.out_specs, group) if nxt is not None else None
         to_prev = Channel(prev, self.in_specs, group) if prev is not None else None
         grad_rx = None
+        links = self.links  # emulated links: receives held back to their charge
         if nxt is not None:
-            grad_rx = GradReceiver(nxt, self.out_specs, self.inbox, group, self._wait_s)
+            pace = LinkPacer(links.next)
+            grad_rx = GradReceiver(nxt, self.out_specs, self.inbox, group, self._wait_s, pace)
         if prev is not None:
-            start_activation_receiver(prev, self.in_specs, self.inbox, group, self._wait_s)
+            pace = LinkPacer(links.prev)
+            start_activation_receiver(prev, self.in_specs, self.inbox, group, self._wait_s, pace)
         self._received = 0  # forward messages received (stage 0: minibatches admitted)
         self._stop_in = ctx.stage == 0  # whether the number of minibatches is final
         self._f_done = self._b_done = 0  # forwards / backwards done here
@@ -176,7 +187,7 @@ class StageWorker:
         total = self.ctx.total_steps
         stop_sent = False
         if first:
-            self._admit(min(self.ctx.nm, total))
+            self._admit_more(total)
         while True:
             self._drain(block=False)
             if first:
@@ -220,17 +231,8 @@ class StageWorker:
             self._completed(task.mb)
 
     def _admit_more(self, total: int) -> None:
-        """Stage 0 after a backward: admit the next minibatch (the flushing baseline: the
-        next wave once the whole previous one drained)."""
-        if self._received >= total:
-            return
-        if not self.run_cfg.flush_every_wave:
-            self._admit(1)
-        elif self._b_done == self._received:
-            self._admit(min(self.ctx.nm, total - self._received))
-
-    def _admit(self, n: int) -> None:
-        """Stage 0: let ``n`` more minibatches into the pipeline."""
+        """Stage 0: let in the minibatches the schedule admits now (of ``total`` in all)."""
+        n = self.schedule.admissible(self._received, self._b_done, self.ctx.nm, total)
         for _ in range(n):
             self._received += 1
             self.queue.ready(Task(0, self.queue.forward_kind, self._received))

@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from planner.rules import Layout, get_rule, plugin_modules
 from planner.sync import SyncParams
 from runtime.defaults import TIMEOUT_S
+from runtime.link_pacing import NO_LINKS, StageLinks
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
@@ -139,6 +140,7 @@ class StageView:
         group: the group of the stage's parameter-server and pipeline messages, numbered
             like the world (a restarted VW's, :mod:`runtime.ps.rejoin`; ``None``: default).
         buffers: ``(original name, buffer)`` of the stage's module (a snapshot holds them).
+        links: the emulated links the rule's transfers are paced to (:mod:`runtime.link_pacing`).
     """
 
     rank: int
@@ -153,6 +155,7 @@ class StageView:
     init_method: str = "env://"
     group: Any = None
     buffers: tuple[tuple[str, Tensor], ...] = ()
+    links: StageLinks = NO_LINKS
 
 
 class StageSync:

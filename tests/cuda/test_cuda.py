@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from torch.testing import assert_close
 from torch.utils.data import TensorDataset
 
+from hetpipe.api import train
 from planner.baseline import allreduce_plan
 from planner.cluster import Cluster, parse_cluster
 from planner.manual import balanced_cuts, manual_plan
@@ -21,7 +22,6 @@ from profiler.graph import ModelGraph
 from profiler.memory import cuda_peak_bytes, reset_cuda_peak
 from profiler.precision import autocast
 from profiler.timing import timed_ms
-from runtime.api import train
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.data import DigitsDataset, MinibatchSource
 from runtime.launch.launcher import launch
@@ -29,6 +29,7 @@ from runtime.results.evaluation import split_dataset
 from runtime.results.run_result import RunResult
 from runtime.stage.model import reference_module, resolve_source
 from runtime.stage.moves import HostCopies
+from tests.runtime._spec import spec
 
 pytestmark = pytest.mark.cuda
 
@@ -101,11 +102,11 @@ def test_offloaded_placements_train_equal_to_all_keep_on_the_gpu() -> None:
         stages = tuple(replace(s, memory=memory) for s in vw.stages)
         return replace(plan, virtual_workers=(replace(vw, stages=stages),))
 
-    base = launch(plan, source, cfg, run)
+    base = launch(plan, source, spec(cfg, run))
     assert isinstance(base, RunResult)
     assert all(st.cuda_peak_bytes > 0 for st in base.stages)  # they computed on the GPU
     for memory in ("OOOO", "activations:offload"):
-        got = launch(with_memory(memory), source, cfg, run)  # type: ignore[arg-type]
+        got = launch(with_memory(memory), source, spec(cfg, run))  # type: ignore[arg-type]
         assert isinstance(got, RunResult)
         assert got.losses == base.losses
         for name, p in base.state_dict().items():
@@ -119,7 +120,7 @@ def test_two_stages_on_one_gpu_match_a_plain_loop(precision: str) -> None:
     ref = copy.deepcopy(model).to(CUDA)
     result = train(
         model, data, F.cross_entropy, cluster=gpu_cluster(2), stages=2, nm=1, batch_size=16,
-        steps=8, seed=1, emulate=False, precision=precision, timeout_s=60,
+        steps=8, seed=1, emulate=False, precision=precision, timeout=60,
     )  # fmt: skip
     xs, y = MinibatchSource(data, 16, 1).batch(1)
     with torch.no_grad(), autocast("cuda", precision):
@@ -133,7 +134,7 @@ def test_allreduce_baseline_on_nccl_world_one_equals_sgd() -> None:
     plan = allreduce_plan(gpu_cluster(1), "mlp", 8)
     cfg = OptimizerConfig(lr=0.2, momentum=0.5)
     result = launch(
-        plan, ModelSource(ref="mlp"), cfg, RunConfig(steps=4, emulate=False, timeout_s=60)
+        plan, ModelSource(ref="mlp"), spec(cfg, RunConfig(steps=4, emulate=False, timeout_s=60))
     )
     assert isinstance(result, RunResult)
     train_split, _ = split_dataset(DigitsDataset(), 0.2, seed=0)
@@ -153,14 +154,13 @@ def test_allreduce_baseline_on_nccl_world_one_equals_sgd() -> None:
 def test_two_wsp_vws_on_one_gpu_equal_the_cpu_reference() -> None:
     """Pushes and pulls through the host wire, folded into CUDA weights (Nm = 2, D = 0)."""
     from planner.manual import multi_vw_plan
-    from runtime.config import WSPConfig
     from tests.runtime.test_wsp_run import BATCH, LR, SOURCE, wsp_reference
 
     graph = ModelGraph.from_spec(resolve_source(SOURCE, BATCH, meta=True))
     plan = multi_vw_plan(graph, [(4,), (6,)], "mlp", BATCH, nm=2, D=0, n_shards=2,
                          cluster=gpu_cluster(4))  # fmt: skip
     run = RunConfig(steps=8, timeout_s=60.0, emulate=False)
-    result = launch(plan, SOURCE, OptimizerConfig(lr=LR), run, WSPConfig())
+    result = launch(plan, SOURCE, spec(OptimizerConfig(lr=LR), run))
     assert isinstance(result, RunResult)
     assert all(st.cuda_peak_bytes > 0 for vw in result.vws for st in vw.stages)
     ref, losses = wsp_reference(2, 2, 4)

@@ -110,3 +110,26 @@ def test_coarsening_ignores_tensors_that_cross_most_cuts() -> None:
     assert len(every) == 9
     # labels cross cuts 2..8 with one block output each: every cut stays (not only 1 and 9)
     assert candidate_cuts(prof, 3) == every
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "extra_at_nm"), [("momentum", [0, 1, 1]), ("sgd", [1, 2, 2])]
+)
+def test_predict_adds_the_copies_the_stage_keeps(optimizer: str, extra_at_nm: list[int]) -> None:
+    """Every memory path (stage cost, memory matrix) counts predict's weight copies
+    (planner.staleness.remedy_weight_copies; tests/runtime/test_remedy_memory.py checks the
+    stage keeps exactly those)."""
+    cl = load_cluster(EXAMPLES / "paper_cluster.yaml")
+    gpus = [cl.devices[0], cl.devices[12]]
+    profs = {"TITAN V": _profile("TITAN V", 1.0), "Quadro P4000": _profile("Quadro P4000", 3.0)}
+    f = optimizer_factor(optimizer)
+    none, predict = CostModel(profs, cl.link, f), CostModel(profs, cl.link, f, remedy="predict")
+    for nm, extra in zip([1, 2, 3], extra_at_nm, strict=True):
+        a, b = none.stage_cost(gpus, 0, 0, 3, nm), predict.stage_cost(gpus, 0, 0, 3, nm)
+        assert (
+            b.memory_bytes
+            == a.memory_bytes + extra * a.param_bytes
+            == 3000 * extra + a.memory_bytes
+        )
+        grown = predict.memory_matrix(2, 0, nm)[0, 3] - none.memory_matrix(2, 0, nm)[0, 3]
+        assert grown == extra * 3000

@@ -143,3 +143,13 @@ def test_small_host_memory_falls_back_to_a_smaller_nm() -> None:
     plan = _plan("auto", replace(cluster, nodes=nodes), options=opts)
     assert plan.nm == _plan("keep").nm  # nothing can be offloaded: the all-keep Nm
     assert all(s.host_bytes == 0 for s in plan.virtual_workers[0].stages)
+
+
+def test_predict_plans_within_its_extra_weight_copies(tmp_path: Path) -> None:
+    """``--remedy predict`` keeps a predicted copy per stage from Nm 2 on and, with plain SGD,
+    the last gradient (planner.staleness.remedy_weight_copies): MODEL fits Nm 2 on CLUSTER
+    without it, only Nm 1 with it (counting Nm - 1 copies, the plan ran out of memory)."""
+    predicting = PlanOptions(memory="keep", simulate_waves=0, nm_choice="max", remedy="predict")
+    none, predict = _plan("keep"), _plan("keep", options=predicting)
+    assert (none.nm, none.remedy, predict.nm, predict.remedy) == (2, "none", 1, "predict")
+    assert load_plan(predict.save(tmp_path / "p.json")).remedy == "predict"

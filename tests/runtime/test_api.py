@@ -11,8 +11,8 @@ from torch import Tensor, nn
 from torch.testing import assert_close
 from torch.utils.data import TensorDataset
 
+from hetpipe.api import train
 from profiler.graph import ModelGraph
-from runtime.api import train
 from runtime.config import OptimizerConfig
 from runtime.data import MinibatchSource
 from runtime.stage.tied import tied_params
@@ -94,7 +94,7 @@ def test_parameter_on_every_stage_matches_reference(stages: int, nm: int) -> Non
     cfg = OptimizerConfig(lr=0.1)
     result = train(
         model, data, F.cross_entropy, cuts=cuts, nm=nm, batch_size=8, steps=5, optimizer=cfg,
-        timeout_s=30.0,
+        timeout=30.0,
     )  # fmt: skip
     losses, params = delayed_loop(
         reference, MinibatchSource(data, 8, 0), F.cross_entropy, cfg, 5, nm
@@ -146,7 +146,7 @@ def test_dict_samples_map_onto_forward_arguments_labels_to_the_loss() -> None:
     cfg = OptimizerConfig(lr=0.1)
     result = train(
         model, data, F.cross_entropy, stages=2, nm=1, batch_size=8, steps=4, optimizer=cfg,
-        timeout_s=30.0,
+        timeout=30.0,
     )  # fmt: skip
     source = MinibatchSource(data, 8, 0, (), input_names=("x", "mask"))
     losses, params = plain_loop(reference, source, F.cross_entropy, cfg, 4)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from planner.baseline import allreduce_plan, device_capacity_bytes, eligible_dev
 from planner.cluster import Cluster, parse_cluster
 from planner.plan import Plan
 from profiler.errors import ConfigError, HetPipeRuntimeError
-from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
+from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.data import DigitsDataset, MinibatchSource
 from runtime.launch.faults import StageFault
 from runtime.launch.launcher import launch
@@ -22,6 +23,7 @@ from runtime.persist.snapshot import committed_clocks, load_part, read_manifest,
 from runtime.results.evaluation import accuracy, split_dataset
 from runtime.results.run_result import RunResult
 from runtime.stage.model import reference_module
+from tests.runtime._spec import spec
 
 MiB = 2**20
 
@@ -95,8 +97,10 @@ def _single_process_sgd(
     return {names[n]: t.detach() for n, t in module.named_parameters()}
 
 
-def _allreduce(plan: Plan, run: RunConfig, **kw: object) -> RunResult:
-    result = launch(plan, ModelSource(ref=plan.model), run=run, **kw)  # type: ignore[arg-type]
+def _allreduce(
+    plan: Plan, run: RunConfig, optimizer: OptimizerConfig | None = None, **cfg: Any
+) -> RunResult:
+    result = launch(plan, ModelSource(ref=plan.model), spec(optimizer, run, **cfg))
     assert isinstance(result, RunResult)
     return result
 
@@ -123,9 +127,9 @@ def test_two_ranks_equal_single_process_sgd_on_the_combined_batch() -> None:
 
 
 def test_a_killed_rank_ends_the_run_naming_it() -> None:
-    cfg = WSPConfig(stage_fault=StageFault(0, 3, vw=1))
+    cfg: dict[str, Any] = dict(stage_fault=StageFault(0, 3, vw=1))
     with pytest.raises(HetPipeRuntimeError, match=r"rank 1 \(vw 1 \| stage 0 .*N1:0\).*SIGKILL"):
-        _allreduce(_plan([8, 8]), RunConfig(steps=50, emulate=False, timeout_s=10), cfg=cfg)
+        _allreduce(_plan([8, 8]), RunConfig(steps=50, emulate=False, timeout_s=10), **cfg)
 
 
 def test_a_time_limit_stops_every_rank_after_the_same_step() -> None:
@@ -180,8 +184,8 @@ def test_restart_and_resume_go_on_from_the_last_allreduce_snapshot(tmp_path: Pat
     out = tmp_path / "run"
     run = RunConfig(steps=6, emulate=False, timeout_s=20, out_dir=out)
     kill = StageFault(0, at_mb=5, vw=1)  # fires in the first attempt only
-    cfg = WSPConfig(checkpoint_every=2, stage_fault=kill, max_restarts=1)
-    result = _allreduce(_plan([8, 8]), run, optimizer=opt, cfg=cfg)
+    cfg = dict(checkpoint_every=2, stage_fault=kill, on_failure="restart", max_restarts=1)
+    result = _allreduce(_plan([8, 8]), run, optimizer=opt, **cfg)
     assert len(result.restarts) == 1 and "SIGKILL" in result.restarts[0]
     clock = int(result.restarts[0].rsplit("restarted from clock ", 1)[1].rstrip(")"))
     assert clock in (2, 4) and [vw.steps for vw in result.vws] == [6 - clock] * 2
@@ -189,14 +193,12 @@ def test_restart_and_resume_go_on_from_the_last_allreduce_snapshot(tmp_path: Pat
     train, _ = split_dataset(DigitsDataset(), 0.2, seed=0)
     _assert_equal(result.state_dict(), _single_process_sgd(train, 16, 6, opt))
     more = dataclasses.replace(run, steps=8)
-    resumed = _allreduce(
-        _plan([8, 8]), more, optimizer=opt, cfg=WSPConfig(checkpoint_every=2, resume=True)
-    )
+    resumed = _allreduce(_plan([8, 8]), more, optimizer=opt, checkpoint_every=2, resume=True)
     assert [vw.steps for vw in resumed.vws] == [2, 2]
     _assert_equal(resumed.state_dict(), _single_process_sgd(train, 16, 8, opt))
     (out / "weights.pt").unlink()  # e.g. lost to a failure during evaluation
     again = _allreduce(  # nothing left to train: the outputs come from the snapshot
-        _plan([8, 8]), more, optimizer=opt, cfg=WSPConfig(checkpoint_every=2, resume=True)
+        _plan([8, 8]), more, optimizer=opt, checkpoint_every=2, resume=True
     )
     assert again.exported_from and not again.vws
     _assert_equal(torch.load(out / "weights.pt"), resumed.state_dict())

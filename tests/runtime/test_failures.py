@@ -9,10 +9,11 @@ import pytest
 from planner.manual import balanced_cuts, manual_plan
 from profiler.errors import HetPipeRuntimeError
 from profiler.graph import ModelGraph
-from runtime.config import ModelSource, RunConfig, WSPConfig
+from runtime.config import ModelSource, RunConfig
 from runtime.launch.faults import StageFault
 from runtime.launch.launcher import launch
 from runtime.stage.model import resolve_source
+from tests.runtime._spec import spec
 
 
 def _plan() -> tuple[ModelSource, object]:
@@ -32,7 +33,7 @@ def test_failing_stage_ends_run_naming_it(fault: StageFault, expected: str) -> N
     source, plan = _plan()
     t0 = time.monotonic()
     with pytest.raises(HetPipeRuntimeError) as info:
-        launch(plan, source, None, RunConfig(steps=50, timeout_s=20), WSPConfig(stage_fault=fault))
+        launch(plan, source, spec(None, RunConfig(steps=50, timeout_s=20), stage_fault=fault))
     elapsed = time.monotonic() - t0
     message = str(info.value)
     assert "rank 1 (vw 0 | stage 1 |" in message
@@ -49,4 +50,4 @@ def test_out_of_memory_is_a_clear_error() -> None:
     cluster = cpu_cluster(2, speed=1.0, memory_bytes=200_000)
     plan = manual_plan(graph, balanced_cuts(graph, 2), "mlp", 8, 2, cluster)
     with pytest.raises(HetPipeRuntimeError, match="out of memory on vw 0 \\| stage"):
-        launch(plan, source, None, RunConfig(steps=4, timeout_s=20, emulate=True))
+        launch(plan, source, spec(None, RunConfig(steps=4, timeout_s=20, emulate=True)))

@@ -1,7 +1,7 @@
 """Fault injection: every fault ends with the right exit code, names its culprit, leaves no
 process or temp folder behind, and loses nothing a committed snapshot holds.
 
-Faults come in through the job description (``WSPConfig.write_fault``/``stage_fault``) or from
+Faults come in through the job description (``RunSpec.faults``: ``write_fault``/``stage_fault``) or from
 outside (signals to a launcher run as a subprocess). Runs are tiny (no pacing, a few waves).
 """
 
@@ -26,13 +26,14 @@ from hetpipe.cli import app
 from planner.manual import multi_vw_plan
 from profiler.errors import ConfigError, HetPipeRuntimeError
 from profiler.graph import ModelGraph
-from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
+from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.launch.faults import StageFault
 from runtime.launch.launcher import launch
 from runtime.launch.liveness import _dead_forkserver_dir, rendezvous_dir
 from runtime.persist.run_dir import RunDirectory
 from runtime.persist.snapshot import WriteFault, committed_clocks, select
 from runtime.stage.model import resolve_source
+from tests.runtime._spec import spec
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -161,7 +162,7 @@ def test_snapshot_write_fault_names_the_writer_and_resume_recovers(
     run = RunConfig(steps=6, timeout_s=15.0, emulate=False, out_dir=tmp_path / "run")
     fault = WriteFault(clock=3, part="vw1-stage0", kill=kill)
     with pytest.raises(HetPipeRuntimeError) as info:
-        launch(plan, SOURCE, opt, run, WSPConfig(checkpoint_every=1, write_fault=fault))
+        launch(plan, SOURCE, spec(opt, run, checkpoint_every=1, write_fault=fault))
     message = str(info.value)
     assert "(vw 1 | stage 0 |" in message and "\n" not in message, message
     assert ("SIGKILL" if kill else "No space left on device") in message, message
@@ -175,7 +176,7 @@ def test_snapshot_write_fault_names_the_writer_and_resume_recovers(
     if kill or not clocks:
         return
     last = max(clocks)
-    resumed = launch(plan, SOURCE, opt, run, WSPConfig(checkpoint_every=1, resume=True))
+    resumed = launch(plan, SOURCE, spec(opt, run, checkpoint_every=1, resume=True))
     assert [vw.steps for vw in resumed.vws] == [6 - last, 6 - last]
     _ledger_exactly_once(resumed.states)
     assert select(ckpt)[0].clock == 6
@@ -185,8 +186,14 @@ def test_on_failure_restart_resumes_the_job_from_its_last_snapshot(tmp_path: Pat
     plan = _plan(D=0, nm=1)
     run = RunConfig(steps=8, timeout_s=15.0, emulate=False, out_dir=tmp_path / "run")
     kill = StageFault(stage=1, at_mb=6, vw=0)  # fires in the first attempt only
-    cfg = WSPConfig(checkpoint_every=2, stage_fault=kill, max_restarts=1)
-    result = launch(plan, SOURCE, None, run, cfg)
+    cfg = dict(
+        checkpoint_every=2,
+        stage_fault=kill,
+        on_failure="restart",
+        max_restarts=1,
+        whole_job_restarts=True,
+    )  # the whole job, as under torchrun (not its VW alone)
+    result = launch(plan, SOURCE, spec(None, run, **cfg))
     assert len(result.restarts) == 1 and "(vw 0 | stage 1 |" in result.restarts[0]
     assert "SIGKILL" in result.restarts[0] and "restarted from clock 4" in result.restarts[0]
     assert {s.clock for s in result.states} == {8} and not _children()
@@ -206,7 +213,7 @@ def test_frozen_stage_is_named_not_its_peers(tmp_path: Path) -> None:
     run = RunConfig(steps=400, timeout_s=8.0, emulate=False)
     freeze = StageFault(stage=1, at_mb=3, vw=1, signum=int(signal.SIGSTOP))
     with pytest.raises(HetPipeRuntimeError) as info:
-        launch(_plan(), SOURCE, None, run, WSPConfig(stage_fault=freeze))
+        launch(_plan(), SOURCE, spec(None, run, stage_fault=freeze))
     message = str(info.value)
     assert "(vw 1 | stage 1 |" in message and "frozen: no heartbeat" in message, message
     assert not _children()
@@ -344,9 +351,9 @@ def test_one_vw_run_claims_its_directory(tmp_path: Path) -> None:
     from runtime.launch.launcher import launch
 
     run = RunConfig(steps=2, timeout_s=15.0, emulate=False, out_dir=tmp_path / "one")
-    launch(_plan(), SOURCE, None, run, vw=1)
+    launch(_plan(), SOURCE, spec(None, run, vw=1))
     assert (tmp_path / "one" / "RUN.json").is_file() and (tmp_path / "one" / "weights.pt").is_file()
     with pytest.raises(ConfigError, match="--overwrite"):
-        launch(_plan(), SOURCE, None, run, vw=1)  # a second run is refused, never mixed
-    launch(_plan(), SOURCE, None, run, WSPConfig(overwrite=True), vw=1)
+        launch(_plan(), SOURCE, spec(None, run, vw=1))  # a second run is refused, never mixed
+    launch(_plan(), SOURCE, spec(None, run, overwrite=True, vw=1))
     assert not _children()

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 
 from profiler.errors import HetPipeRuntimeError
-from runtime.config import RunConfig, WSPConfig
+from runtime.config import RunConfig
 from runtime.launch.faults import ShardFault, StageFault
 from runtime.launch.launcher import launch
 from runtime.persist.checkpoint import ShardState
+from tests.runtime._spec import spec
 from tests.runtime.test_faults import SOURCE, _children, _plan
 
 pytestmark = pytest.mark.timeout(300)
@@ -40,7 +41,9 @@ def test_a_lost_vw_is_evicted_and_the_survivor_finishes(
 ) -> None:
     run = RunConfig(steps=12, timeout_s=8.0, emulate=False, out_dir=tmp_path / "run")
     fault = StageFault(stage=1, at_mb=at_mb, vw=1, signum=int(signum))
-    result = launch(_plan(D=0, nm=2), SOURCE, None, run, WSPConfig(stage_fault=fault, evict=True))
+    result = launch(
+        _plan(D=0, nm=2), SOURCE, spec(None, run, stage_fault=fault, on_failure="continue")
+    )
     (lost,) = result.lost
     why = "SIGKILL" if signum == signal.SIGKILL else "frozen: no heartbeat"
     assert lost.vw == 1 and "(vw 1 | stage 1 |" in lost.cause and why in lost.cause, lost
@@ -58,7 +61,9 @@ def test_a_lost_shard_still_stops_the_run(tmp_path: Path) -> None:
     # long enough that shard 1's 4 s timer always fires first, however fast the machine
     run = RunConfig(steps=100_000, timeout_s=8.0, emulate=False)
     with pytest.raises(HetPipeRuntimeError, match=r"\(shard 1 \|.*SIGKILL"):
-        launch(_plan(), SOURCE, None, run, WSPConfig(evict=True, shard_fault=ShardFault(1, 4.0)))
+        launch(
+            _plan(), SOURCE, spec(None, run, on_failure="continue", shard_fault=ShardFault(1, 4.0))
+        )
     assert not _children()
 
 

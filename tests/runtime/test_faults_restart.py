@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from runtime.config import RunConfig, WSPConfig
+from runtime.config import RunConfig
 from runtime.launch.faults import StageFault
 from runtime.launch.launcher import launch
 from runtime.persist.checkpoint import ShardState
 from runtime.persist.snapshot import committed_clocks, select
+from tests.runtime._spec import spec
 from tests.runtime.test_faults import SOURCE, _children, _plan
 
 pytestmark = pytest.mark.timeout(300)
@@ -40,8 +41,8 @@ def test_a_lost_vw_restarts_alone_and_rejoins_at_the_cut(
 ) -> None:
     run = RunConfig(steps=12, timeout_s=8.0, emulate=False, out_dir=tmp_path / "run")
     fault = StageFault(stage=1, at_mb=at_mb, vw=1, signum=int(signum))
-    cfg = WSPConfig(stage_fault=fault, restart_vw=True, max_restarts=2, checkpoint_every=2)
-    result = launch(_plan(D=0, nm=2), SOURCE, None, run, cfg)
+    cfg = dict(stage_fault=fault, on_failure="restart", max_restarts=2, checkpoint_every=2)
+    result = launch(_plan(D=0, nm=2), SOURCE, spec(None, run, **cfg))
     assert result.lost == ()
     # snapshots go on with the restarted VW's parts (written by its new incarnation)
     assert committed_clocks(tmp_path / "run" / "checkpoints") == [4, 6]
@@ -81,8 +82,8 @@ def _history(path: Path) -> list[tuple[int, int, int]]:
 def test_with_the_budget_spent_a_lost_vw_is_evicted(tmp_path: Path) -> None:
     run = RunConfig(steps=12, timeout_s=8.0, emulate=False, out_dir=tmp_path / "run")
     fault = StageFault(stage=1, at_mb=3, vw=1, signum=int(signal.SIGKILL), repeat=True)
-    cfg = WSPConfig(stage_fault=fault, restart_vw=True, max_restarts=1)
-    result = launch(_plan(D=0, nm=2), SOURCE, None, run, cfg)
+    cfg = dict(stage_fault=fault, on_failure="restart", max_restarts=1)
+    result = launch(_plan(D=0, nm=2), SOURCE, spec(None, run, **cfg))
     (lost,) = result.lost  # killed again after its one restart: evicted, the culprit named
     assert lost.vw == 1 and "(vw 1 | stage 1 |" in lost.cause and "SIGKILL" in lost.cause
     (note,) = result.restarts
@@ -101,8 +102,8 @@ def test_a_restart_slower_than_the_timeout_does_not_fail_the_waiting_vw(tmp_path
     # start: waiting on another VW is not a hang (a CI run lost VW 0 here on a loaded host)
     run = RunConfig(steps=8, timeout_s=3.0, emulate=False, out_dir=tmp_path / "run")
     fault = StageFault(stage=1, at_mb=3, vw=1, rejoin_delay_s=3 * run.timeout_s)
-    cfg = WSPConfig(stage_fault=fault, restart_vw=True, max_restarts=1)
-    result = launch(_plan(D=0, nm=2), SOURCE, None, run, cfg)
+    cfg = dict(stage_fault=fault, on_failure="restart", max_restarts=1)
+    result = launch(_plan(D=0, nm=2), SOURCE, spec(None, run, **cfg))
     assert result.lost == () and len(result.restarts) == 1
     assert result.vws[0].steps == 8 and result.vws[1].steps == 8
     _every_update_once(result.states, 4)
@@ -115,13 +116,15 @@ def test_snapshots_go_on_after_an_eviction_and_a_resume_brings_the_vw_back(
     out = tmp_path / "run"
     run = RunConfig(steps=12, timeout_s=8.0, emulate=False, out_dir=out)
     fault = StageFault(stage=1, at_mb=5, vw=1, signum=int(signal.SIGKILL))
-    cfg = WSPConfig(stage_fault=fault, evict=True, checkpoint_every=2)
-    (lost,) = launch(_plan(D=0, nm=2), SOURCE, None, run, cfg).lost
+    cfg = dict(stage_fault=fault, on_failure="continue", checkpoint_every=2)
+    (lost,) = launch(_plan(D=0, nm=2), SOURCE, spec(None, run, **cfg)).lost
     assert committed_clocks(out / "checkpoints") == [4, 6]  # after the cut: without VW 1
     final = select(out / "checkpoints")[0]
     assert not any(p.startswith("vw1-") for p in final.parts) and "vw0-stage0" in final.parts
     longer = RunConfig(steps=16, timeout_s=8.0, emulate=False, out_dir=out)
-    result = launch(_plan(D=0, nm=2), SOURCE, None, longer, WSPConfig(resume=True, evict=True))
+    result = launch(
+        _plan(D=0, nm=2), SOURCE, spec(None, longer, resume=True, on_failure="continue")
+    )
     assert {s.clock for s in result.states} == {8} and result.lost == ()
     assert result.vws[1].steps == 4  # back from clock 6, fresh optimizer state
     for state in result.states:  # the resumed ledger: VW 1 below its cut, then from clock 6

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from runtime.config import RunConfig, WSPConfig
+from runtime.config import RunConfig
 from runtime.launch.faults import StageFault
 from runtime.launch.launcher import launch
+from tests.runtime._spec import spec
 from tests.runtime.test_faults import SOURCE, _children, _plan
 
 pytestmark = pytest.mark.timeout(300)
@@ -36,10 +37,10 @@ def test_a_stage_killed_at_start_up_is_restarted_or_evicted(
     run = RunConfig(steps=STEPS, timeout_s=8.0, emulate=False, out_dir=out)
     fault = StageFault(stage=1, at_mb=0, vw=1, after_s=after_s, joined=joined)  # SIGKILL
     if mode == "restart":
-        cfg = WSPConfig(stage_fault=fault, restart_vw=True, max_restarts=1)
+        cfg = dict(stage_fault=fault, on_failure="restart", max_restarts=1)
     else:
-        cfg = WSPConfig(stage_fault=fault, evict=True)
-    result = launch(_plan(D=0, nm=2), SOURCE, None, run, cfg)
+        cfg = dict(stage_fault=fault, on_failure="continue")
+    result = launch(_plan(D=0, nm=2), SOURCE, spec(None, run, **cfg))
     summary = json.loads((out / "summary.json").read_text())
     culprit = "rank 5 (vw 1 | stage 1 |"  # ranks 0-1 shards, 2-3 VW 0, 4-5 VW 1
     if mode == "restart":

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.testing import assert_close
 from torch.utils.data import Dataset
 
-from runtime.api import train
+from hetpipe.api import train
 from runtime.config import OptimizerConfig
 from runtime.data import MinibatchSource
 
@@ -143,7 +143,7 @@ def test_albert_four_stages_two_in_flight_trains() -> None:
     cfg = OptimizerConfig(lr=0.1)
     result = train(
         albert(), TokenData(), stages=4, nm=2, batch_size=4, steps=4, optimizer=cfg,
-        timeout_s=30.0,
+        timeout=30.0,
     )  # fmt: skip
     assert len(result.losses) == 4
     assert result.losses[-1] < result.losses[0]
@@ -251,7 +251,7 @@ def test_trained_state_loads_strictly_under_every_tied_name(
     ``final_logits_bias`` buffer) is in ``weights.pt``: a strict load works."""
     model = make()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    result = train(model, TokenData(), stages=2, batch_size=4, steps=2, out_dir=tmp_path)
+    result = train(model, TokenData(), stages=2, batch_size=4, steps=2, out=tmp_path)
     state = result.state_dict()
     assert list(state) == list(before)
     fresh = make()

@@ -51,7 +51,7 @@ SCRIPT = textwrap.dedent(
 
 
     result = hetpipe.train(Net(), Data(), my_loss, stages=2, nm=1, batch_size=8, steps=2,
-                           timeout_s=30.0)
+                           timeout=30.0)
     print("LOSSES", len(result.losses), all(l == l for l in result.losses))
     """
 )

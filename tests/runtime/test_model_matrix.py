@@ -241,7 +241,7 @@ def test_trained_model_loads_strictly_and_evaluates_like_a_plain_loop(
     result = hetpipe.train(
         model, data, case.loss, stages=0 if case.cuts else case.stages, cuts=case.cuts,
         nm=1, batch_size=BATCH, steps=STEPS, seed=SEED, optimizer=OptimizerConfig(lr=LR),
-        out_dir=tmp_path, emulate=False, timeout_s=60.0,
+        out=tmp_path, emulate=False, timeout=60.0,
     )  # fmt: skip
     assert len(result.vws[0].stages) == (len(case.cuts) + 1 if case.cuts else case.stages)
     losses = plain_loop(reference, case, data)

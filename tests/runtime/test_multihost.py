@@ -19,6 +19,7 @@ import torch
 
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.persist.snapshot import committed_clocks
+from tests.runtime._spec import spec
 from tests.runtime._two_hosts import two_host_plan
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "two_hosts.sh"
@@ -92,6 +93,6 @@ def test_two_namespaces_train_the_plan_and_survive_a_lost_rank(tmp_path: Path) -
     assert any("torchrun restarted" in r for r in summary["restarts"]), summary["restarts"]
     weights = torch.load(out / "weights.pt", weights_only=True)
     run = RunConfig(steps=NM * WAVES, timeout_s=30.0, emulate=False)
-    ref = launch(plan, ModelSource(ref="mlp"), OptimizerConfig(lr=0.05), run).state_dict()
+    ref = launch(plan, ModelSource(ref="mlp"), spec(OptimizerConfig(lr=0.05), run)).state_dict()
     for name, t in weights.items():  # D = 0: the hosts and the restart changed no bit
         assert torch.equal(t, ref[name]), name

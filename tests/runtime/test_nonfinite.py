@@ -19,17 +19,18 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from hetpipe.api import train
 from hetpipe.cli import app
 from planner.manual import multi_vw_plan
 from planner.nonfinite import Verdict
 from profiler.errors import ConfigError
-from runtime.api import train
-from runtime.config import OptimizerConfig, RunConfig, WSPConfig
+from runtime.config import OptimizerConfig, RunConfig
 from runtime.launch.faults import StageFault
 from runtime.launch.launcher import launch
 from runtime.persist.snapshot import committed_clocks
 from runtime.results.run_result import RunResult
 from runtime.stage.nonfinite import Diverged, StageJudge, all_finite
+from tests.runtime._spec import spec
 from tests.runtime.test_wsp_run import BATCH, LR, SOURCE, _graph, wsp_reference
 
 pytestmark = pytest.mark.timeout(180)
@@ -52,16 +53,16 @@ def _plan(rule: str = "wsp", nm: int = 2) -> Any:
     )
 
 
-def _launch(plan: Any, steps: int, policy: str, cfg: WSPConfig, out: Path | None) -> RunResult:
+def _launch(plan: Any, steps: int, policy: str, cfg: dict[str, Any], out: Path | None) -> RunResult:
     run = RunConfig(steps=steps, timeout_s=15.0, emulate=False, out_dir=out,
                     on_nonfinite=policy, return_state=True)  # fmt: skip
-    return launch(plan, SOURCE, OptimizerConfig(lr=LR), run, cfg)
+    return launch(plan, SOURCE, spec(OptimizerConfig(lr=LR), run, **cfg))
 
 
 @pytest.mark.parametrize("rule", list(RULES))
 def test_stop_names_vw_stage_minibatch_and_the_last_snapshot(rule: str, tmp_path: Path) -> None:
     nan = StageFault(stage=1, at_mb=5, vw=1, nonfinite=True)  # VW 1's loss, minibatch 5
-    cfg = WSPConfig(checkpoint_every=1, stage_fault=nan)
+    cfg = dict(checkpoint_every=1, stage_fault=nan)
     with pytest.raises(Diverged) as info:
         _launch(_plan(rule), 8, "stop", cfg, tmp_path / "run")
     message = str(info.value)
@@ -82,16 +83,14 @@ def test_a_diverged_vw_is_neither_restarted_nor_evicted(
 ) -> None:
     # a restart drops the test hook: a restarted run would finish without diverging
     nan = StageFault(stage=1, at_mb=3, vw=0, nonfinite=True)
-    restart = on_failure == "restart"
-    cfg = WSPConfig(checkpoint_every=1, stage_fault=nan, max_restarts=2 if restart else 0,
-                    restart_vw=restart, evict=not restart)  # fmt: skip
+    cfg = dict(checkpoint_every=1, stage_fault=nan, on_failure=on_failure, max_restarts=2)
     with pytest.raises(Diverged, match=r"at vw 0, stage 1, minibatch 3 \("):
         _launch(_plan(rule), 6, "stop", cfg, tmp_path / "run")
 
 
 def test_skip_skips_the_update_at_every_stage_as_the_reference(tmp_path: Path) -> None:
     nan = StageFault(stage=1, at_mb=3, vw=0, nonfinite=True)
-    result = _launch(_plan(), 8, "skip", WSPConfig(stage_fault=nan), tmp_path / "run")
+    result = _launch(_plan(), 8, "skip", dict(stage_fault=nan), tmp_path / "run")
     assert [v.skipped for v in result.vws] == [[3], []] and result.skipped_updates == 1
     assert all(s.skipped == [3] for s in result.vws[0].stages)  # every stage of VW 0
     ref, losses = wsp_reference(2, 2, 4, skipped=frozenset({(0, 3)}))
@@ -112,14 +111,14 @@ def test_skip_skips_the_update_at_every_stage_as_the_reference(tmp_path: Path) -
 @pytest.mark.parametrize("rule", ["backup", "easgd"])
 def test_skip_under_the_other_shard_rules_goes_on(rule: str) -> None:
     nan = StageFault(stage=1, at_mb=3, vw=0, nonfinite=True)
-    result = _launch(_plan(rule), 8, "skip", WSPConfig(stage_fault=nan), None)
+    result = _launch(_plan(rule), 8, "skip", dict(stage_fault=nan), None)
     assert [v.skipped for v in result.vws] == [[3], []] and result.skipped_updates == 1
     assert all(torch.isfinite(t).all() for t in result.state_dict().values())
 
 
 def test_skip_under_allreduce_skips_the_step_on_every_copy(tmp_path: Path) -> None:
     nan = StageFault(stage=1, at_mb=3, vw=1, nonfinite=True)  # only VW 1's loss is NaN
-    result = _launch(_plan("allreduce"), 6, "skip", WSPConfig(stage_fault=nan), None)
+    result = _launch(_plan("allreduce"), 6, "skip", dict(stage_fault=nan), None)
     assert [v.skipped for v in result.vws] == [[3], [3]]  # VW 0 met VW 1's marked gradients
     one, two = result.vws[0].state_dict(), result.vws[1].state_dict()
     for n, t in one.items():  # the copies stayed equal: every stage of both skipped step 3
@@ -130,7 +129,7 @@ def test_skip_under_allreduce_skips_the_step_on_every_copy(tmp_path: Path) -> No
 def test_skip_cannot_skip_what_later_stages_applied(tmp_path: Path) -> None:
     nan = StageFault(stage=0, at_mb=3, vw=0, nonfinite=True)  # stage 0's gradients only
     with pytest.raises(Diverged, match=r"cannot be skipped"):
-        _launch(_plan(), 8, "skip", WSPConfig(stage_fault=nan), None)
+        _launch(_plan(), 8, "skip", dict(stage_fault=nan), None)
 
 
 def test_cli_huge_lr_one_red_line_exit_2_and_skip_counts(tmp_path: Path) -> None:

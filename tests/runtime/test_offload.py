@@ -18,6 +18,7 @@ from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.launch.launcher import launch
 from runtime.stage.model import resolve_source
 from runtime.stage.offload import OffloadManager, ResidencyMeter, memory_manager
+from tests.runtime._spec import spec
 
 EXACT = {"rtol": 0.0, "atol": 0.0}
 
@@ -109,13 +110,13 @@ def test_pipeline_runs_equal_the_all_keep_run() -> None:
         stages = tuple(replace(s, memory=memory) for s in vw.stages)
         return replace(plan, virtual_workers=(replace(vw, stages=stages),))
 
-    base = launch(plan, source, cfg, run)
+    base = launch(plan, source, spec(cfg, run))
     for memory in ("activations:recompute", "ORKO", "OOOO"):  # O: moved to host memory
-        got = launch(with_memory(memory), source, cfg, run)  # type: ignore[arg-type]
+        got = launch(with_memory(memory), source, spec(cfg, run))  # type: ignore[arg-type]
         assert got.losses == base.losses
         for name, p in base.state_dict().items():
             assert_close(got.state_dict()[name], p, **EXACT)
-    off = launch(with_memory("activations:offload"), source, cfg, run)  # type: ignore[arg-type]
+    off = launch(with_memory("activations:offload"), source, spec(cfg, run))  # type: ignore[arg-type]
     assert off.losses == base.losses
     for name, p in base.state_dict().items():
         assert_close(off.state_dict()[name], p, **EXACT)

@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from hetpipe.api import train
 from planner.manual import balanced_cuts, manual_plan
 from planner.plan import Plan
 from profiler.errors import ConfigError, ProfileError
 from profiler.graph import ModelGraph
 from profiler.table import COLUMNS, Profile, ProfileMeta
-from runtime.api import train
 from runtime.config import ModelSource, OptimizerConfig
 from runtime.data import MinibatchSource
 from runtime.persist.run_dir import check_settings, job_settings

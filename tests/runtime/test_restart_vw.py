@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from profiler.errors import HetPipeRuntimeError
-from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
+from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.launch.evict import VWEvictor
 from runtime.launch.failures import watch
 from runtime.launch.faults import StageFault
@@ -18,6 +18,7 @@ from runtime.launch.launcher import _restarting
 from runtime.launch.restart_vw import AttemptFailed, VWRestarter, rejoined_job
 from runtime.launch.startup import StartUpLoss
 from runtime.ps.rejoin import RELEASE, RESTART, Rejoin
+from runtime.spec import FailurePolicy, OnFailure, RunSpec
 from runtime.stage.job import StageContext, StageJob
 from runtime.sync.rule import SyncSpec
 
@@ -106,24 +107,25 @@ class _Result:
 def test_vw_restarts_of_a_failed_attempt_are_listed_and_spend_the_budget() -> None:
     budgets: list[int] = []
 
-    def attempt(cfg: WSPConfig, absent: dict[int, str]) -> _Result:
-        budgets.append(cfg.max_restarts)
+    def attempt(spec: RunSpec, absent: dict[int, str]) -> _Result:
+        budgets.append(spec.failure.budget)
         if len(budgets) == 1:  # restarted VW 1 alone, then a shard died
             raise AttemptFailed("rank 0 (shard 0) failed: boom", ["vw 1 note"])
         return _Result(("vw 0 note",))
 
-    result = _restarting(attempt, RunConfig(), WSPConfig(max_restarts=3), 2)  # type: ignore[arg-type]
+    spec = RunSpec(failure=FailurePolicy(OnFailure.RESTART, 3))
+    result = _restarting(attempt, spec, 2)  # type: ignore[arg-type]
     assert result.restarts == ("vw 1 note", "rank 0 (shard 0) failed: boom (restarted from "
                                "clock 0)", "vw 0 note")  # fmt: skip
     assert budgets == [3, 1]  # the second attempt may restart one VW more
 
 
-def _lost_at_start(cfg: WSPConfig, losses: int, n_vws: int = 2) -> list[dict[int, str]]:
+def _lost_at_start(policy: FailurePolicy, losses: int, n_vws: int = 2) -> list[dict[int, str]]:
     """The VWs left out of each attempt of ``_restarting`` when the first ``losses`` attempts
     each lose a stage of VW 1, then VW 0, before the group formed."""
     seen: list[dict[int, str]] = []
 
-    def attempt(cfg: WSPConfig, absent: dict[int, str]) -> _Result:
+    def attempt(spec: RunSpec, absent: dict[int, str]) -> _Result:
         seen.append(dict(absent))
         if len(seen) <= losses:
             vw = 1 if len(seen) == 1 else 0
@@ -131,21 +133,21 @@ def _lost_at_start(cfg: WSPConfig, losses: int, n_vws: int = 2) -> list[dict[int
             raise StartUpLoss(f"{cause} (before every rank joined)", vw, cause)
         return _Result(())
 
-    _restarting(attempt, RunConfig(), cfg, n_vws)  # type: ignore[arg-type]
+    _restarting(attempt, RunSpec(failure=policy), n_vws)  # type: ignore[arg-type]
     return seen
 
 
 def test_a_vw_lost_at_start_up_is_left_out_under_continue() -> None:
     cause = "rank 4 (vw 1 | stage 0) failed: killed by signal SIGKILL"
-    assert _lost_at_start(WSPConfig(evict=True), 1) == [{}, {1: cause}]
+    assert _lost_at_start(FailurePolicy(OnFailure.CONTINUE), 1) == [{}, {1: cause}]
     with pytest.raises(StartUpLoss, match="rank 2"):  # no VW would be left
-        _lost_at_start(WSPConfig(evict=True), 2)
+        _lost_at_start(FailurePolicy(OnFailure.CONTINUE), 2)
     with pytest.raises(StartUpLoss):  # --on-failure stop: the run stops, naming the rank
-        _lost_at_start(WSPConfig(), 1)
+        _lost_at_start(FailurePolicy(), 1)
 
 
 def test_a_vw_lost_at_start_up_restarts_the_job_while_the_budget_lasts() -> None:
-    cfg = WSPConfig(restart_vw=True, max_restarts=1)
+    cfg = FailurePolicy(OnFailure.RESTART, max_restarts=1)
     assert _lost_at_start(cfg, 1, n_vws=3) == [{}, {}]  # restarted whole, not left out
     cause = "rank 2 (vw 0 | stage 0) failed: killed by signal SIGKILL"
     assert _lost_at_start(cfg, 2, n_vws=3) == [{}, {}, {0: cause}]  # then evicted

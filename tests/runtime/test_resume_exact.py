@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,12 +15,13 @@ import torch
 from planner.manual import multi_vw_plan
 from profiler.errors import ConfigError, HetPipeRuntimeError
 from profiler.graph import ModelGraph
-from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
+from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.launch.faults import StageFault
 from runtime.launch.launcher import launch
 from runtime.persist.snapshot import committed_clocks, load_part, read_manifest, snapshot_dir
 from runtime.results.run_result import RunResult
 from runtime.stage.model import resolve_source
+from tests.runtime._spec import spec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,23 +43,21 @@ def test_resume_after_a_kill_is_bit_identical_at_nm_3(
 ) -> None:
     plan = _plan(vw_cuts, n_shards)
     # momentum and a step schedule: optimizer state and the lr position must go on exactly
-    opt = OptimizerConfig(lr=0.05, momentum=0.5, schedule="step", step_size=4, gamma=0.5)
+    opt = OptimizerConfig(lr=0.05, momentum=0.5, lr_schedule="step", step_size=4, gamma=0.5)
 
     def run(out: Path) -> RunConfig:
         return RunConfig(steps=5 * NM, timeout_s=15.0, emulate=False, out_dir=out)
 
-    whole = launch(plan, SOURCE, opt, run(tmp_path / "whole"))
+    whole = launch(plan, SOURCE, spec(opt, run(tmp_path / "whole")))
     assert isinstance(whole, RunResult)
     out = tmp_path / "cut"
     # stage 1 dies before minibatch 8: the snapshot at clock 2 (minibatch 6) is the last one
     with pytest.raises(HetPipeRuntimeError):
-        launch(
-            plan, SOURCE, opt, run(out), WSPConfig(checkpoint_every=2, stage_fault=StageFault(1, 8))
-        )
+        launch(plan, SOURCE, spec(opt, run(out), checkpoint_every=2, stage_fault=StageFault(1, 8)))
     assert committed_clocks(out / "checkpoints") == [2]
     part = load_part(read_manifest(snapshot_dir(out / "checkpoints", 2)), "vw0-stage0")
     assert sorted(part["versions"]) == [-2, -1]  # the Nm - 1 versions in flight
-    resumed = launch(plan, SOURCE, opt, run(out), WSPConfig(checkpoint_every=2, resume=True))
+    resumed = launch(plan, SOURCE, spec(opt, run(out), checkpoint_every=2, resume=True))
     assert isinstance(resumed, RunResult)
     assert [vw.steps for vw in resumed.vws] == [3 * NM] * len(vw_cuts)
     ref = whole.state_dict()
@@ -87,20 +87,20 @@ def test_resume_after_a_kill_is_bit_identical_at_nm_3(
 @pytest.mark.parametrize(
     ("cfg", "flag"),
     [
-        (WSPConfig(resume=True), "--resume"),
-        (WSPConfig(max_restarts=1), "--on-failure restart"),
-        (WSPConfig(evict=True), "--on-failure continue"),
+        (dict(resume=True), "--resume"),
+        (dict(on_failure="restart", max_restarts=1), "--on-failure restart"),
+        (dict(on_failure="continue"), "--on-failure continue"),
     ],
 )
 def test_one_vw_alone_refuses_what_needs_snapshots(
-    tmp_path: Path, cfg: WSPConfig, flag: str
+    tmp_path: Path, cfg: dict[str, Any], flag: str
 ) -> None:
     """--vw K trains one VW alone, whose weights never reach the shards: no snapshots, so
     nothing to resume or restart from; refused in one line instead of ignored."""
     plan = _plan([(3,), (5,)], 2)
     run = RunConfig(steps=3, timeout_s=15.0, emulate=False, out_dir=tmp_path / "out")
     with pytest.raises(ConfigError, match=f"^{flag}: one VW trained alone"):
-        launch(plan, SOURCE, None, run, cfg, vw=1)
+        launch(plan, SOURCE, spec(None, run, **cfg, vw=1))
     assert not (tmp_path / "out").exists()
 
 
@@ -122,7 +122,7 @@ def test_resume_with_dropout_and_batch_norm_is_bit_identical(tmp_path: Path) -> 
     from torch import nn
     from torch.utils.data import TensorDataset
 
-    from runtime.api import _module_source
+    from hetpipe.api import _module_source
 
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(400, 8), torch.randint(0, 3, (400,)))
@@ -138,7 +138,7 @@ def test_resume_with_dropout_and_batch_norm_is_bit_identical(tmp_path: Path) -> 
         return RunConfig(steps=5 * NM, timeout_s=15.0, emulate=False, out_dir=out)
 
     before = {n: t.clone() for n, t in model.state_dict().items()}
-    whole = launch(plan, source, None, run(tmp_path / "whole"), dataset=data)
+    whole = launch(plan, source, spec(None, run(tmp_path / "whole")), data)
     # the user's module is left as it was (evaluation used to load the final weights into it,
     # so the next run started from them)
     assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items())
@@ -147,12 +147,10 @@ def test_resume_with_dropout_and_batch_norm_is_bit_identical(tmp_path: Path) -> 
         launch(
             plan,
             source,
-            None,
-            run(out),
-            WSPConfig(checkpoint_every=2, stage_fault=StageFault(1, 8)),
+            spec(None, run(out), checkpoint_every=2, stage_fault=StageFault(1, 8)),
             data,
         )
-    resumed = launch(plan, source, None, run(out), WSPConfig(checkpoint_every=2, resume=True), data)
+    resumed = launch(plan, source, spec(None, run(out), checkpoint_every=2, resume=True), data)
     assert isinstance(whole, RunResult) and isinstance(resumed, RunResult)
     ref = whole.state_dict()
     assert list(ref) == list(model.state_dict())  # the batch-norm statistics included
@@ -162,7 +160,7 @@ def test_resume_with_dropout_and_batch_norm_is_bit_identical(tmp_path: Path) -> 
     tail = dict(whole.vws[0].stages[-1].losses)
     assert all(loss == tail[mb + 2 * NM] for mb, loss in resumed.vws[0].stages[-1].losses)
     # nothing left to train: the outputs from the last snapshot, buffers included
-    again = launch(plan, source, None, run(out), WSPConfig(checkpoint_every=2, resume=True), data)
+    again = launch(plan, source, spec(None, run(out), checkpoint_every=2, resume=True), data)
     assert again.exported_from and list(again.state_dict()) == list(ref)
     for name, t in again.state_dict().items():
         assert torch.equal(t, ref[name]), name

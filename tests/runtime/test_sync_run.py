@@ -18,13 +18,14 @@ from torch.func import functional_call
 from planner.easgd import elastic_difference, exchanges_after, waves_at
 from planner.manual import multi_vw_plan
 from profiler.errors import HetPipeRuntimeError
-from runtime.config import OptimizerConfig, RunConfig, WSPConfig
+from runtime.config import OptimizerConfig, RunConfig
 from runtime.launch.faults import ShardFault, StageFault
 from runtime.launch.launcher import launch
 from runtime.persist.snapshot import committed_clocks
 from runtime.results.run_result import RunResult
 from runtime.results.sync import arrival_table, dropped_vw_waves, kth_push_s
 from runtime.stage.model import reference_module
+from tests.runtime._spec import spec
 from tests.runtime.test_wsp_run import BATCH, LR, SOURCE, _graph, _sources, wsp_reference
 
 pytestmark = pytest.mark.timeout(120)
@@ -131,13 +132,13 @@ def _run(
     plan: Any,
     steps: int,
     rule: str,
-    cfg: WSPConfig | None = None,
+    cfg: dict[str, Any] | None = None,
     return_state: bool = False,
     **params: float,
 ) -> RunResult:
     plan = dataclasses.replace(plan, sync=rule, sync_params=tuple(sorted(params.items())))
     run = RunConfig(steps=steps, timeout_s=15.0, emulate=False, return_state=return_state)
-    return launch(plan, SOURCE, OptimizerConfig(lr=LR), run, cfg or WSPConfig())
+    return launch(plan, SOURCE, spec(OptimizerConfig(lr=LR), run, **cfg or {}))
 
 
 def _same(state: Weights, ref: Weights) -> None:
@@ -232,7 +233,7 @@ def test_a_late_vw_continues_at_the_clock_and_its_later_pushes_count(
     until they agree: the weights are one clock's (a CI run under load once mixed them)."""
     plan = multi_vw_plan(_graph(), [(), (), ()], "mlp", BATCH, nm=2, D=0, n_shards=2)
     delays = ((2, 3, 1.0), (0, 9, 4.0), (1, 9, 4.0))
-    cfg = WSPConfig(
+    cfg = dict(
         stage_fault=StageFault(stage=0, at_mb=0, delays=delays),
         shard_fault=ShardFault(1, lag_s=lag_s) if lag_s else None,
     )
@@ -263,7 +264,7 @@ def test_the_stages_of_a_late_vw_jump_together() -> None:
     at all its stages or none, and the run ends at its clock (nothing hangs)."""
     plan = multi_vw_plan(_graph(), [(4,), (4,), (4,)], "mlp", BATCH, nm=2, D=0, n_shards=2)
     delays = ((2, 3, 1.0), (0, 9, 3.0), (1, 9, 3.0))
-    cfg = WSPConfig(stage_fault=StageFault(stage=1, at_mb=0, delays=delays))
+    cfg = dict(stage_fault=StageFault(stage=1, at_mb=0, delays=delays))
     waves = 6
     result = _run(plan, 2 * waves, "backup", cfg, backups=1, return_state=True)
     for v in result.vws:
@@ -360,14 +361,13 @@ def test_easgd_snapshots_and_resumes_exactly(tmp_path: Path) -> None:
     def run(out: Path) -> RunConfig:
         return RunConfig(steps=8, timeout_s=15.0, emulate=False, out_dir=out)
 
-    whole = launch(plan, SOURCE, opt, run(tmp_path / "whole"))
+    whole = launch(plan, SOURCE, spec(opt, run(tmp_path / "whole")))
     out = tmp_path / "cut"
     with pytest.raises(HetPipeRuntimeError):
-        launch(plan, SOURCE, opt, run(out), WSPConfig(checkpoint_every=1,
-               stage_fault=StageFault(0, 7)))  # fmt: skip
+        launch(plan, SOURCE, spec(opt, run(out), checkpoint_every=1, stage_fault=StageFault(0, 7)))  # fmt: skip
     clocks = committed_clocks(out / "checkpoints")  # exchanges after waves 1, 3, 5: clocks 1-3
     assert clocks and clocks[-1] <= 3  # (the kill races the shards' last writes)
-    resumed = launch(plan, SOURCE, opt, run(out), WSPConfig(checkpoint_every=1, resume=True))
+    resumed = launch(plan, SOURCE, spec(opt, run(out), checkpoint_every=1, resume=True))
     start = waves_at(clocks[-1], 2)
     assert [vw.steps for vw in resumed.vws] == [8 - start] * 2
     ref = whole.state_dict()
@@ -385,7 +385,7 @@ def test_easgd_stops_on_a_time_limit_at_one_agreed_wave() -> None:
     plan = multi_vw_plan(_graph(), [(4,), (6,)], "mlp", BATCH, nm=2, D=0, n_shards=2)
     plan = dataclasses.replace(plan, sync="easgd", sync_params=(("alpha", 0.25), ("tau", 2.0)))
     run = RunConfig(time_limit_s=2.0, timeout_s=15.0, emulate=False, return_state=True)
-    result = launch(plan, SOURCE, OptimizerConfig(lr=LR), run, WSPConfig())
+    result = launch(plan, SOURCE, spec(OptimizerConfig(lr=LR), run))
     steps = {s.steps for v in result.vws for s in v.stages}
     (trained,) = steps  # one agreed stop for every stage of every VW
     assert trained > 0 and trained % 2 == 0

@@ -11,9 +11,9 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.testing import assert_close
 
+from hetpipe.api import _module_source, train
 from planner.manual import multi_vw_plan
 from profiler.graph import ModelGraph
-from runtime.api import _module_source, train
 from runtime.config import OptimizerConfig
 from runtime.data import MinibatchSource
 from runtime.launch.wsp import split_data
@@ -78,8 +78,8 @@ def test_two_vws_tied_gpt2_equal_the_wsp_reference(nm: int) -> None:
     plan = multi_vw_plan(graph, [(cut,), (cut,)], "gpt2", BATCH, nm=nm, D=0, n_shards=2)
     waves = 3
     result = train(
-        model, data, plan=plan, D=0, nm=nm, steps=waves * nm, optimizer=OptimizerConfig(lr=LR),
-        emulate=False, timeout_s=20.0,
+        model, data, plan=plan, staleness=0, nm=nm, steps=waves * nm, optimizer=OptimizerConfig(lr=LR),
+        emulate=False, timeout=20.0,
     )  # fmt: skip
     assert isinstance(result, RunResult)
     ref, losses, own = wsp_reference(reference, data, 2, nm, waves)

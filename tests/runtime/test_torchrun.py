@@ -15,6 +15,7 @@ from planner.manual import balanced_cuts, manual_plan
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource
 from runtime.stage.model import resolve_source
+from tests.runtime._spec import spec
 
 
 def _free_port() -> int:
@@ -95,7 +96,7 @@ def test_torchrun_two_hosts_run_the_plans_roles_and_end_like_hetpipe_run(tmp_pat
     assert printed.count("accuracy") == 1 and "weights.pt" in printed  # one summary
     weights = torch.load(out / "weights.pt", weights_only=True)
     run = RunConfig(steps=6, timeout_s=30.0, emulate=False)
-    local = launch(plan, ModelSource(ref="mlp"), OptimizerConfig(lr=0.05), run)
+    local = launch(plan, ModelSource(ref="mlp"), spec(OptimizerConfig(lr=0.05), run))
     ref = local.state_dict()
     assert weights.keys() == ref.keys()
     for name, t in weights.items():  # D = 0: deterministic, equal to one host
@@ -130,7 +131,8 @@ def test_the_torchrun_entry_has_hetpipe_runs_options_and_defaults() -> None:
 
     from hetpipe.commands.run import run
     from runtime.__main__ import _args
-    from runtime.options import OPTIONS, configs
+    from runtime.options import OPTIONS, run_spec
+    from runtime.spec import OnFailure
 
     parsed = vars(_args(["plan.yaml"]))
     defaults = inspect.signature(run).parameters
@@ -138,8 +140,9 @@ def test_the_torchrun_entry_has_hetpipe_runs_options_and_defaults() -> None:
     assert len(OPTIONS) >= 18 and "on_failure" in OPTIONS
     flags = vars(_args(["p.yaml", "--on-failure", "restart", "--max-restarts", "2", "--D", "1",
                         "--no-emulate", "--weight-decay", "0.1"]))  # fmt: skip
-    opt, run_cfg, wsp = configs(flags)
-    assert (wsp.max_restarts, wsp.D, run_cfg.emulate, opt.weight_decay) == (2, 1, False, 0.1)
+    got = run_spec(flags)
+    assert (got.failure.on_failure, got.failure.budget, got.sync.D) == (OnFailure.RESTART, 2, 1)
+    assert (got.run.emulate, got.optimizer.weight_decay) == (False, 0.1)
 
 
 def test_a_torchrun_rank_gets_the_job_hetpipe_run_would_give_it(tmp_path: Path) -> None:
@@ -148,8 +151,9 @@ def test_a_torchrun_rank_gets_the_job_hetpipe_run_would_give_it(tmp_path: Path) 
     import dataclasses
 
     from runtime.__main__ import _args, _rank_job
+    from runtime.launch.jobs import Attempt
     from runtime.launch.launcher import prepare
-    from runtime.options import configs
+    from runtime.options import run_spec
     from runtime.run import settle
 
     graph = ModelGraph.from_spec(resolve_source(ModelSource(ref="mlp"), 8, meta=True))
@@ -158,9 +162,8 @@ def test_a_torchrun_rank_gets_the_job_hetpipe_run_would_give_it(tmp_path: Path) 
     )
     args = _args(["plan.yaml", "--steps", "3", "--lr", "0.1", "--no-emulate"])
     job = _rank_job(args, plan, rank=1, world=2)
-    opt, run, cfg = configs(vars(args))
-    run = settle(run, plan, "local")
-    prep = prepare(plan, ModelSource(ref="mlp"), opt, run, cfg, None, None, "local", 0, "env://")
+    spec = settle(run_spec(vars(args)), plan)
+    prep = prepare(plan, ModelSource(ref="mlp"), spec, None, Attempt("env://"))
     assert job == prep.stages[1] and job.run.precision == "bf16" and job.optimizer.lr == 0.1
 
 
@@ -239,8 +242,7 @@ def test_torchrun_trains_on_the_data_factory_like_one_host(tmp_path: Path) -> No
     try:
         from planner.plan_file import load_plan
 
-        ref = launch(load_plan(plan_path), ModelSource(ref="tridata:model"), OptimizerConfig(),
-                     RunConfig(steps=4, emulate=False), dataset=load_data("tridata:data"))  # fmt: skip
+        ref = launch(load_plan(plan_path), ModelSource(ref="tridata:model"), spec(OptimizerConfig(), RunConfig(steps=4, emulate=False)), load_data("tridata:data"))  # fmt: skip
     finally:
         sys.path.remove(str(tmp_path))
     assert len(last.losses) == 4

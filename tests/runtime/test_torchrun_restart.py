@@ -21,6 +21,7 @@ from profiler.graph import ModelGraph
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.persist.snapshot import committed_clocks
 from runtime.stage.model import resolve_source
+from tests.runtime._spec import spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -96,7 +97,7 @@ def test_torchrun_restarts_the_group_which_resumes_exactly(tmp_path: Path) -> No
         tags = [(e.vw, e.stage, e.wave) for e in state.ledger]
         assert len(tags) == len(set(tags)) == 2 * WAVES and state.clock == WAVES
     run = RunConfig(steps=NM * WAVES, timeout_s=30.0, emulate=False)
-    local = launch(plan, source, OptimizerConfig(lr=0.05), run)
+    local = launch(plan, source, spec(OptimizerConfig(lr=0.05), run))
     ref = local.state_dict()
     for name, t in result.state_dict().items():  # D = 0: the restart changed no bit
         assert torch.equal(t, ref[name]), name

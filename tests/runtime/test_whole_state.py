@@ -16,17 +16,18 @@ from torch import Tensor, nn
 from torch.testing import assert_close
 from torch.utils.data import DataLoader, TensorDataset
 
+from hetpipe.api import _module_source, train
 from planner.manual import multi_vw_plan
 from profiler.capture import quiet_treespec
 from profiler.graph import ModelGraph
-from runtime.api import _module_source, train
-from runtime.config import OptimizerConfig, RunConfig, WSPConfig
+from runtime.config import OptimizerConfig, RunConfig
 from runtime.data import MinibatchSource
 from runtime.launch.launcher import launch
 from runtime.results.evaluation import split_dataset
 from runtime.results.run_result import RunResult
 from runtime.results.whole_state import merge_buffers, state_keys, user_state
 from runtime.stage.model import resolve_source, stage_rng_seed
+from tests.runtime._spec import spec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -113,7 +114,7 @@ def test_bn_model_at_nm_1_equals_the_plain_loop_buffers_included(
     reference = copy.deepcopy(model)
     cfg = OptimizerConfig(lr=0.1, momentum=0.5)
     result = train(model, data, cuts=cuts, nm=1, batch_size=BATCH, steps=STEPS, seed=SEED,
-                   optimizer=cfg, out_dir=tmp_path, emulate=False)  # fmt: skip
+                   optimizer=cfg, out=tmp_path, emulate=False)  # fmt: skip
     # the dropout of the last stage draws from that stage's RNG, as the loop does here
     losses, expected = _plain_loop(reference, data, cfg, stage_rng_seed(SEED, 0, len(cuts)))
     assert_close(torch.tensor(result.losses), torch.tensor(losses), rtol=1e-5, atol=1e-5)
@@ -152,7 +153,7 @@ def test_two_vws_export_the_mean_of_their_buffers_and_evaluate_with_them(
         plan = dataclasses.replace(plan, sync="allreduce", shards=())
     run = RunConfig(steps=6, seed=SEED, timeout_s=15.0, emulate=False)  # no return_state:
     # the shards hold the parameters, the stages still return their buffers
-    result = launch(plan, source, OptimizerConfig(lr=0.1), run, dataset=data)
+    result = launch(plan, source, spec(OptimizerConfig(lr=0.1), run), data)
     assert isinstance(result, RunResult)
     state = result.state_dict()
     assert list(state) == list(model.state_dict())
@@ -183,15 +184,15 @@ def test_resume_carries_every_vws_buffers(tmp_path: Path, rule: str) -> None:
     else:  # an exchange every wave: a snapshot at every clock
         plan = dataclasses.replace(plan, sync="easgd", sync_params=(("alpha", 0.25), ("tau", 1.0)))
     run = RunConfig(steps=4, seed=SEED, timeout_s=15.0, emulate=False, out_dir=tmp_path)
-    whole = launch(plan, source, None, run, WSPConfig(checkpoint_every=2), data)
-    resume = WSPConfig(checkpoint_every=2, resume=True, resume_clock=2)
-    resumed = launch(plan, source, None, run, resume, data)
+    whole = launch(plan, source, spec(None, run, checkpoint_every=2), data)
+    resume = dict(checkpoint_every=2, resume=True, resume_clock=2)
+    resumed = launch(plan, source, spec(None, run, **resume), data)
     assert [vw.steps for vw in resumed.vws] == [2, 2]
     for k in range(2):  # every copy's own statistics went on from its part
         ref = whole.vws[k].buffers()
         for name, t in resumed.vws[k].buffers().items():
             assert torch.equal(t, ref[name]), (k, name)
-    again = launch(plan, source, None, run, WSPConfig(checkpoint_every=2, resume=True), data)
+    again = launch(plan, source, spec(None, run, checkpoint_every=2, resume=True), data)
     assert again.exported_from and list(again.state_dict()) == list(model.state_dict())
     for name, t in whole.state_dict().items():
         assert torch.equal(again.state_dict()[name], t), name

@@ -14,12 +14,13 @@ import torch
 from planner.manual import multi_vw_plan
 from profiler.errors import HetPipeRuntimeError
 from profiler.graph import ModelGraph
-from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
+from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.launch.faults import StageFault
 from runtime.launch.launcher import launch
 from runtime.persist.snapshot import committed_clocks, read_manifest, snapshot_dir
 from runtime.results.run_result import RunResult
 from runtime.stage.model import resolve_source
+from tests.runtime._spec import spec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -35,7 +36,7 @@ def test_time_limit_with_parameter_servers_stops_every_vw_at_one_wave(tmp_path: 
     plan = multi_vw_plan(_graph(), [(4,), (6,)], "mlp", BATCH, nm=2, D=1, n_shards=2)
     out = tmp_path / "run"
     run = RunConfig(time_limit_s=1.0, timeout_s=15.0, emulate=False, out_dir=out)
-    result = launch(plan, SOURCE, None, run, WSPConfig(checkpoint_every=1000))
+    result = launch(plan, SOURCE, spec(None, run, checkpoint_every=1000))
     steps = {st.steps for vw in result.vws for st in vw.stages}
     assert len(steps) == 1  # every stage of every VW trained the same minibatches
     (n,) = steps
@@ -60,20 +61,18 @@ def test_resume_continues_lr_schedule_and_momentum_exactly(tmp_path: Path) -> No
     plan = multi_vw_plan(_graph(), [(4,), (6,)], "mlp", BATCH, nm=1, D=0, n_shards=2)
     # the step schedule changes the lr at update 3 and 6: a resume at clock 4 that restarted
     # the schedule (or the momentum buffers) would end elsewhere
-    opt = OptimizerConfig(lr=0.05, momentum=0.5, schedule="step", step_size=3, gamma=0.5)
+    opt = OptimizerConfig(lr=0.05, momentum=0.5, lr_schedule="step", step_size=3, gamma=0.5)
 
     def run(out: Path) -> RunConfig:
         return RunConfig(steps=9, timeout_s=15.0, emulate=False, out_dir=out)
 
-    whole = launch(plan, SOURCE, opt, run(tmp_path / "whole"))
+    whole = launch(plan, SOURCE, spec(opt, run(tmp_path / "whole")))
     out = tmp_path / "cut"
     with pytest.raises(HetPipeRuntimeError):
-        launch(
-            plan, SOURCE, opt, run(out), WSPConfig(checkpoint_every=2, stage_fault=StageFault(0, 6))
-        )
+        launch(plan, SOURCE, spec(opt, run(out), checkpoint_every=2, stage_fault=StageFault(0, 6)))
     ckpt = out / "checkpoints"
     assert committed_clocks(ckpt) == [2, 4]
-    resumed = launch(plan, SOURCE, opt, run(out), WSPConfig(checkpoint_every=2, resume=True))
+    resumed = launch(plan, SOURCE, spec(opt, run(out), checkpoint_every=2, resume=True))
     assert [vw.steps for vw in resumed.vws] == [5, 5]
     ref = whole.state_dict()
     for name, t in resumed.state_dict().items():  # bit-identical (the pull's fold is replayed)
@@ -105,7 +104,7 @@ def test_d0_runs_are_bit_identical(nm: int) -> None:
     the same bits (before the fix, runs differed by ~3e-8 after 60 minibatches)."""
     plan = multi_vw_plan(_graph(), [(2, 5), (3, 6)], "mlp", BATCH, nm=nm, D=0, n_shards=2)
     run = RunConfig(steps=24, timeout_s=15.0, emulate=False)
-    one, two = (launch(plan, SOURCE, None, run) for _ in range(2))
+    one, two = (launch(plan, SOURCE, spec(None, run)) for _ in range(2))
     assert isinstance(one, RunResult) and isinstance(two, RunResult)
     first, second = one.state_dict(), two.state_dict()
     for name, t in first.items():

@@ -8,7 +8,6 @@ same algorithm.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +20,16 @@ from planner.manual import multi_vw_plan
 from planner.sync import data_slice
 from profiler.errors import HetPipeRuntimeError
 from profiler.graph import ModelGraph
-from runtime.config import ModelSource, OptimizerConfig, RunConfig, WSPConfig
+from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.data import MinibatchSource, default_dataset
 from runtime.launch.faults import ShardFault, StageFault
 from runtime.launch.launcher import launch
 from runtime.launch.wsp import vw_training_data
 from runtime.persist.snapshot import committed_clocks
 from runtime.results.run_result import RunResult
+from runtime.spec import DataConfig
 from runtime.stage.model import reference_module, resolve_source
+from tests.runtime._spec import spec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -43,10 +44,10 @@ def _graph() -> ModelGraph:
 
 def _sources(n_vws: int, seed: int = 0, rule: str = "wsp") -> list[MinibatchSource]:
     """Each VW's minibatches under ``rule``'s data rule (its shard, or its global slices)."""
-    spec = resolve_source(SOURCE, BATCH, meta=True)
-    ds = default_dataset("mlp", spec.inputs, spec.targets, BATCH)
-    sets, _, _ = vw_training_data(rule, ds, n_vws, WSPConfig().test_fraction, seed)
-    shape = tuple(spec.targets.shape)
+    model = resolve_source(SOURCE, BATCH, meta=True)
+    ds = default_dataset("mlp", model.inputs, model.targets, BATCH)
+    sets, _, _ = vw_training_data(rule, ds, n_vws, DataConfig().test_fraction, seed)
+    shape = tuple(model.targets.shape)
     return [
         MinibatchSource(s, BATCH, seed, shape, slice_of=data_slice(rule, k, n_vws))
         for k, s in enumerate(sets)
@@ -103,11 +104,11 @@ def wsp_reference(
 
 def _check_invariants(result: RunResult, n_stages: list[int], waves: int, first: int = 0) -> None:
     """Ledger: every client's every wave applied exactly once; clock distance <= D + 1."""
-    for state, spec in zip(result.states, result.specs, strict=True):
+    for state, shard in zip(result.states, result.specs, strict=True):
         tags = Counter((e.vw, e.stage, e.wave) for e in state.ledger)
-        assert all(n == 1 for n in tags.values()), f"shard {spec.id}: a tag applied twice"
-        expected = {(c.vw, c.stage, w) for c in spec.clients for w in range(first, waves)}
-        assert set(tags) >= expected, f"shard {spec.id}: updates missing"
+        assert all(n == 1 for n in tags.values()), f"shard {shard.id}: a tag applied twice"
+        expected = {(c.vw, c.stage, w) for c in shard.clients for w in range(first, waves)}
+        assert set(tags) >= expected, f"shard {shard.id}: updates missing"
         assert state.clock == waves
     assert result.traces and all(result.traces)
     assert result.max_clock_distance <= result.D + 1
@@ -115,8 +116,8 @@ def _check_invariants(result: RunResult, n_stages: list[int], waves: int, first:
 
 def _run(plan: Any, tmp_path: Path, steps: int, **kw: Any) -> RunResult:
     run = RunConfig(steps=steps, timeout_s=15.0, emulate=False, out_dir=kw.pop("out", None))
-    cfg = WSPConfig(**kw)
-    return launch(plan, SOURCE, OptimizerConfig(lr=LR), run, cfg)
+    cfg = dict(**kw)
+    return launch(plan, SOURCE, spec(OptimizerConfig(lr=LR), run, **cfg))
 
 
 def test_one_vw_nm1_d0_equals_single_process_sgd(tmp_path: Path) -> None:
@@ -168,7 +169,7 @@ def test_time_limit_stops_every_vw_at_the_same_wave(tmp_path: Path) -> None:
     # one must still finish the agreed waves, and the shards end at exactly that clock
     plan = multi_vw_plan(_graph(), [(6,), (2, 4)], "mlp", BATCH, nm=2, D=1, n_shards=2)
     run = RunConfig(steps=100_000, time_limit_s=1.5, timeout_s=15.0, emulate=False)
-    result = launch(plan, SOURCE, OptimizerConfig(lr=LR), run, WSPConfig())
+    result = launch(plan, SOURCE, spec(OptimizerConfig(lr=LR), run))
     steps = {vw.steps for vw in result.vws}
     assert len(steps) == 1, f"VWs ran different numbers of minibatches: {steps}"
     (n,) = steps
@@ -180,17 +181,11 @@ def test_time_limit_stops_every_vw_at_the_same_wave(tmp_path: Path) -> None:
 
 def _kill_then_resume(plan: Any, out: Path, steps: int) -> tuple[str, RunResult]:
     run = RunConfig(steps=steps, timeout_s=15.0, emulate=False, out_dir=out)
-    cfg = WSPConfig(checkpoint_every=2, resume_hint="hetpipe run X")
     opt = OptimizerConfig(lr=LR, momentum=0.5)  # stage-side optimizer state is checkpointed too
     with pytest.raises(HetPipeRuntimeError) as err:
-        launch(plan, SOURCE, opt, run, replace(cfg, stage_fault=StageFault(1, 7)))
-    resumed = launch(
-        plan,
-        SOURCE,
-        opt,
-        run,
-        WSPConfig(checkpoint_every=2, resume=True),
-    )
+        launch(plan, SOURCE, spec(opt, run, checkpoint_every=2, resume_hint="hetpipe run X",
+                                  stage_fault=StageFault(1, 7)))  # fmt: skip
+    resumed = launch(plan, SOURCE, spec(opt, run, checkpoint_every=2, resume=True))
     return str(err.value), resumed
 
 
@@ -216,8 +211,8 @@ def test_killed_shard_stops_the_run_naming_it(tmp_path: Path) -> None:
     plan = multi_vw_plan(_graph(), [(4,), (6,)], "mlp", BATCH, nm=1, D=0, n_shards=2)
     run = RunConfig(steps=100_000, timeout_s=15.0, emulate=False)
     with pytest.raises(HetPipeRuntimeError) as err:
-        cfg = WSPConfig(shard_fault=ShardFault(1, 3.0))
-        launch(plan, SOURCE, OptimizerConfig(lr=LR), run, cfg)
+        cfg = dict(shard_fault=ShardFault(1, 3.0))
+        launch(plan, SOURCE, spec(OptimizerConfig(lr=LR), run, **cfg))
     message = str(err.value)
     assert message.startswith("rank 1 (shard 1 |"), message
     assert "killed by signal SIGKILL" in message

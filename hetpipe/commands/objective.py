@@ -1,0 +1,198 @@
+"""``hetpipe plan --objective time``: plan the candidates, rank them, show the table."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from functools import partial
+from typing import TYPE_CHECKING
+
+from rich.markup import escape
+from rich.table import Table
+
+from hetpipe._common import console
+from planner.plan import Plan
+from profiler.errors import ConfigError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from planner.auto_search import Candidate
+    from planner.efficiency import EfficiencyInputs
+    from planner.objective import Ranked
+    from planner.planner import PlanOptions
+
+__all__ = [
+    "NM_CANDIDATES",
+    "choose_for_time",
+    "efficiency_inputs",
+    "nm_values",
+    "other_allocations",
+    "render_objective",
+    "with_objective",
+]
+
+NM_CANDIDATES = 8
+"""Largest Nm ``--objective time`` compares (beyond it the staleness cost only grows)."""
+
+AUTO_ALLOCATIONS = 3
+"""Most allocations of policy ``auto``'s table that ``--objective time`` compares."""
+
+
+def nm_values(plan: Plan, cap: int | None = None) -> list[int]:
+    """``1 .. min(smallest nm_max, NM_CANDIDATES, cap)``, and the throughput plan's own Nm
+    (``cap``: the user's ``--nm``).
+
+    Example:
+        >>> from types import SimpleNamespace as NS
+        >>> plan = NS(nm=3, virtual_workers=[NS(nm_max=12), NS(nm_max=5)])
+        >>> nm_values(plan), nm_values(plan, cap=2)
+        ([1, 2, 3, 4, 5], [1, 2])
+    """
+    top = min((vw.nm_max for vw in plan.virtual_workers), default=1)
+    top = min(top, NM_CANDIDATES, cap or NM_CANDIDATES)
+    return sorted({*range(1, max(1, top) + 1), min(plan.nm, cap or plan.nm)})
+
+
+def efficiency_inputs(
+    data: str | None, model: str | None, batch: int, optimizer: str
+) -> EfficiencyInputs:
+    """The efficiency model's inputs: measured on ``--calibrate-efficiency DATA`` (``builtin``:
+    the model's own data, ``synthetic`` or ``pkg.mod:factory``; :mod:`hetpipe.calibrate`),
+    else the defaults for ``optimizer`` (:func:`planner.efficiency.default_inputs`).
+
+    Raises:
+        ConfigError: calibration without ``--model``, or data it cannot use (one line).
+    """
+    from planner.efficiency import default_inputs
+
+    if not data:
+        return default_inputs(optimizer)
+    if model is None:  # hetpipe plan refuses it before planning
+        raise ConfigError("--calibrate-efficiency needs --model; give it")
+    from hetpipe.calibrate import calibrate
+    from profiler.models import resolve_model
+    from runtime.data_source import named_data, run_data
+    from runtime.options import OPTIONS
+
+    spec = resolve_model(model, batch)
+    given = named_data("" if data == "builtin" else data, model, batch)
+    train = run_data(given, model, spec, batch, spec.loss).train
+    return calibrate(train, spec.module, spec.loss, batch, optimizer, OPTIONS["lr"].default)
+
+
+def choose_for_time(
+    fastest: Plan,
+    make: Callable[..., Plan],
+    options: PlanOptions,
+    rule: Callable[[Plan], Plan],
+    allreduce: Callable[[], Plan],
+    inputs: EfficiencyInputs,
+    target_samples: float,
+    others: Sequence[tuple[str, int]] = (),
+    nm_cap: int | None = None,
+) -> tuple[Plan, list[Ranked]]:
+    """The plan ``--objective time`` picks (:func:`planner.objective.plan_for_time`) among
+    ``fastest``'s allocation at every Nm of :func:`nm_values` and remedy, and AllReduce.
+
+    Args:
+        fastest: the throughput plan (its policy and VW count are kept).
+        make: :func:`planner.planner.make_plan` with the cluster, profiles and the user's
+            options bound; called with ``policy``, ``nm``, ``num_vws`` and ``options``.
+        options: the user's planner options (Nm is then exact and the remedy's memory counted).
+        rule: applies the user's synchronisation rule to a plan.
+        allreduce: the AllReduce baseline's plan.
+        inputs: the efficiency model's inputs (:func:`efficiency_inputs`).
+        target_samples: samples sequential SGD needs to the target (0: relative times).
+        others: more allocations to compare, ``(policy, VW count)`` (:func:`other_allocations`).
+        nm_cap: the user's ``--nm``: no candidate has more in flight.
+    """
+    from planner.objective import plan_for_time
+
+    policy, vws = fastest.policy.removeprefix("auto:"), len(fastest.virtual_workers)
+
+    def replan(policy: str, vws: int, nm: int, memory: str) -> Plan:  # at exactly Nm nm
+        opts = replace(options, nm_choice="max", remedy=memory)
+        return rule(make(policy=policy, nm=nm, num_vws=vws, options=opts))
+
+    allocations = [(partial(replan, policy, vws), nm_values(fastest, nm_cap))]
+    top = min(NM_CANDIDATES, nm_cap or NM_CANDIDATES)
+    for other in others:
+        if other != (policy, vws):
+            allocations.append((partial(replan, *other), list(range(1, top + 1))))
+    return plan_for_time(allocations, allreduce, inputs, target_samples)
+
+
+def other_allocations(
+    rows: Sequence[Candidate], vws_given: bool, limit: int = AUTO_ALLOCATIONS
+) -> list[tuple[str, int]]:
+    """The allocations ``--objective time`` compares beside the throughput plan's: those
+    policy ``auto`` solved (``rows``, best prediction first, as ``(policy, VW count)``, at most
+    ``limit``) and, unless the user gave ``--vws``, one VW of every device (``ed``, 1: no other
+    VW's updates to miss).
+
+    Example:
+        >>> from planner.auto_search import Candidate
+        >>> rows = [Candidate("np", ("VV", "RR"), 9.0, 5.0, 2, 0.1, "planned"),
+        ...         Candidate("hd", ("VR",) * 2, 9.0, 7.0, 2, 0.1, "chosen"),
+        ...         Candidate("ed", ("V", "R", "G", "Q"), 9.0, 0.0, 0, 0.0, "cannot win")]
+        >>> other_allocations(rows, vws_given=False)
+        [('hd', 2), ('np', 2), ('ed', 1)]
+        >>> other_allocations(rows, vws_given=True, limit=1)
+        [('hd', 2)]
+    """
+    solved = sorted(
+        (r for r in rows if r.status in ("planned", "chosen")), key=lambda r: -r.throughput
+    )
+    out = list(dict.fromkeys((r.policy, len(r.signatures)) for r in solved))[:limit]
+    if not vws_given and ("ed", 1) not in out:
+        out.append(("ed", 1))
+    return out
+
+
+def _time(r: Ranked) -> str:
+    return "-" if math.isinf(r.relative_time) else f"x{r.relative_time:.2f}"
+
+
+def render_objective(
+    ranked: list[Ranked], inputs: EfficiencyInputs, target: float, out: Console = console
+) -> None:
+    """The candidates by predicted time to target (both factors shown), the pick marked; the
+    efficiency inputs' source; AllReduce's win or the remedy to run with, in one line (on
+    ``out``: stderr under ``--json``)."""
+    title = "objective time: candidates by predicted time to target (throughput x efficiency)"
+    table = Table(title=title)
+    cols = ["candidate", "samples/s", "efficiency", "goodput/s", "time vs best"]
+    for col in [*cols, *(["seconds"] if target > 0 else []), ""]:
+        table.add_column(col, justify="left" if col == "candidate" else "right", no_wrap=True)
+    for k, r in enumerate(ranked):
+        table.add_row(
+            escape(r.choice.label),
+            f"{r.choice.throughput:.1f}",
+            f"{r.efficiency:.3f}",
+            f"{r.goodput:.1f}",
+            _time(r),
+            *([f"{r.seconds:.1f}" if r.seconds else "-"] if target > 0 else []),
+            "chosen" if k == 0 else "",
+            style="bold" if k == 0 else None,
+        )
+    out.print(table)
+    costs = ", ".join(f"{k} {v:g}" for k, v in inputs.delay_cost.items())
+    out.print(
+        f"[dim]efficiency inputs: noise scale {inputs.noise_scale:g} samples, delay cost per "
+        f"update {costs}; {escape(inputs.source)}[/]"
+    )
+    best = ranked[0].choice
+    if best.sync == "allreduce":
+        out.print(
+            f"AllReduce on {best.vws} devices is predicted faster to the target than every "
+            "HetPipe plan: the plan is the AllReduce plan"
+        )
+    elif best.remedy != "none":
+        out.print(f"run it with --remedy {best.remedy} (recorded in the plan)")
+
+
+def with_objective(plan: Plan, objective: str, remedy: str) -> Plan:
+    """The throughput plan with its objective recorded (``--objective throughput``)."""
+    return replace(plan, objective={"objective": objective}, remedy=remedy)

@@ -1,0 +1,219 @@
+"""The planning objective: rank candidate plans by predicted throughput or by time to a target.
+
+``hetpipe plan --objective throughput`` (the default) keeps the fastest plan in samples/s.
+``--objective time`` ranks candidates by predicted *time to target*: the samples sequential
+SGD needs (``--target-samples``; relative times need none) divided by the plan's goodput,
+``throughput x efficiency`` (:mod:`planner.efficiency`, Pollux's goodput). The candidates:
+the throughput plan's allocation (and others given: ``hetpipe plan`` adds ``auto``'s best
+and, when the user chose no VW count, one VW of every device) at each Nm in turn, under each remedy that acts there (``predict`` from Nm 2,
+``pipemare`` from Nm 3; a remedy whose memory does not fit is left out), and the AllReduce
+baseline on the devices that hold the model. The ranking is pure:
+:func:`rank` over :class:`Choice` rows, tested on hand-built candidates; :func:`plan_for_time`
+builds the rows from plans made by injected functions.
+
+Example:
+    >>> from planner.efficiency import EfficiencyInputs, Setting
+    >>> e = EfficiencyInputs(noise_scale=0.0, delay_cost={"none": 1.0})
+    >>> fast_stale = Choice("wsp Nm 4", "wsp", 1, 4, 0, "none", 400.0, Setting(32, 32, 3.0))
+    >>> slow_fresh = Choice("wsp Nm 1", "wsp", 1, 1, 0, "none", 150.0, Setting(32, 32))
+    >>> [(r.choice.label, r.relative_time) for r in rank([fast_stale, slow_fresh], e)]
+    [('wsp Nm 1', 1.0), ('wsp Nm 4', 1.5)]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from planner.efficiency import EfficiencyInputs, Setting, efficiency, mean_delay
+from planner.plan import Plan
+from profiler.errors import ConfigError, PlanError
+
+__all__ = [
+    "OBJECTIVES",
+    "Choice",
+    "Ranked",
+    "choice_of",
+    "plan_for_time",
+    "rank",
+    "remedies_at",
+]
+
+OBJECTIVES = ("throughput", "time")
+"""What ``hetpipe plan --objective`` ranks plans by."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One candidate plan as the objective sees it.
+
+    Attributes:
+        label: how the table names it (``wsp hd 2 VWs Nm 3 predict``, ``allreduce 4 devices``).
+        sync: its synchronisation rule (``wsp``, ``backup``, ``allreduce``).
+        vws: virtual workers (AllReduce: devices).
+        nm: minibatches in flight per VW.
+        D: WSP clock-distance threshold.
+        remedy: staleness remedy of the run.
+        throughput: predicted samples/s.
+        setting: what it does to the optimisation (:class:`planner.efficiency.Setting`).
+    """
+
+    label: str
+    sync: str
+    vws: int
+    nm: int
+    D: int
+    remedy: str
+    throughput: float
+    setting: Setting
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """A candidate with its predictions, as the table shows it.
+
+    Attributes:
+        choice: the candidate.
+        efficiency: progress per sample relative to sequential SGD (:mod:`planner.efficiency`).
+        goodput: ``throughput x efficiency``, sequential-SGD-equivalent samples/s.
+        relative_time: predicted time to target over the best candidate's (1.0: the best).
+        seconds: predicted seconds to ``target_samples`` (0.0: no target given).
+    """
+
+    choice: Choice
+    efficiency: float
+    goodput: float
+    relative_time: float
+    seconds: float
+
+
+def rank(
+    choices: Sequence[Choice], inputs: EfficiencyInputs, target_samples: float = 0.0
+) -> list[Ranked]:
+    """The candidates by predicted time to target, best first (ties: less delay, then no
+    remedy, then the order given)."""
+    scored = []
+    for k, c in enumerate(choices):
+        e = efficiency(c.setting, inputs)
+        scored.append((c, e, c.throughput * e, k))
+    best = max((g for _, _, g, _ in scored), default=0.0)
+
+    def key(row: tuple[Choice, float, float, int]) -> tuple[float, float, bool, int]:
+        c, _, goodput, k = row
+        time = 1.0 / goodput if goodput > 0 else math.inf
+        return (time, c.setting.local_delay + c.setting.foreign_delay, c.remedy != "none", k)
+
+    out = []
+    for c, e, g, _ in sorted(scored, key=key):
+        relative = best / g if g > 0 else math.inf
+        seconds = target_samples / g if g > 0 and target_samples > 0 else 0.0
+        out.append(Ranked(c, e, g, relative, seconds))
+    return out
+
+
+def choice_of(plan: Plan, remedy: str = "none") -> Choice:
+    """The candidate a plan is under ``remedy``.
+
+    Raises:
+        ConfigError: a rule the efficiency model does not cover (``easgd``).
+    """
+    n, b = len(plan.virtual_workers), plan.batch_size
+    tp = plan.predicted.throughput
+    if plan.sync == "allreduce":
+        setting = Setting(batch=n * b, base_batch=b)
+        return Choice(f"allreduce {n} devices", "allreduce", n, 1, 0, "none", tp, setting)
+    if plan.sync == "easgd":
+        raise ConfigError(
+            "--objective time: no efficiency model for --sync easgd; use --sync wsp or "
+            "backup, or --objective throughput"
+        )
+    syncing, D = n, plan.D
+    if plan.sync == "backup":  # a wave sums the first n - backups VWs' updates, D = 0
+        syncing, D = n - int(dict(plan.sync_params).get("backups", 0)), 0
+    local, foreign = mean_delay(plan.nm, syncing, D)
+    policy = plan.policy.removeprefix("auto:")
+    label = f"{plan.sync} {policy} {n} VW{'s' if n > 1 else ''} Nm {plan.nm}" + (
+        f" {remedy}" if remedy != "none" else ""
+    )
+    setting = Setting(b, b, local, foreign, remedy)
+    return Choice(label, plan.sync, n, plan.nm, plan.D, remedy, tp, setting)
+
+
+def remedies_at(nm: int, inputs: EfficiencyInputs) -> list[str]:
+    """The remedies worth comparing at ``nm``: those that act there (``predict`` from Nm 2,
+    ``pipemare`` from Nm 3, :mod:`planner.staleness`) and that ``inputs`` has a cost for.
+
+    Example:
+        >>> e = EfficiencyInputs(1.0, {"none": 1.0, "predict": 0.2, "pipemare": 1.0})
+        >>> remedies_at(1, e), remedies_at(2, e), remedies_at(3, e)
+        (['none'], ['none', 'predict'], ['none', 'predict', 'pipemare'])
+    """
+    acts = {"none": 1, "predict": 2, "pipemare": 3}
+    return [r for r, low in acts.items() if nm >= low and r in inputs.delay_cost]
+
+
+def plan_for_time(
+    allocations: Sequence[tuple[Callable[[int, str], Plan], Sequence[int]]],
+    allreduce: Callable[[], Plan] | None,
+    inputs: EfficiencyInputs,
+    target_samples: float = 0.0,
+) -> tuple[Plan, list[Ranked]]:
+    """The plan of the fastest predicted time to target and every candidate ranked.
+
+    Args:
+        allocations: per allocation, ``replan`` (its plan at exactly this Nm with this
+            remedy's memory; may raise :class:`PlanError` or :class:`ConfigError`, or come
+            back with a smaller Nm: not a candidate) and the Nm values to compare.
+        allreduce: the AllReduce baseline's plan (may raise :class:`ConfigError`: no device
+            holds the model), or ``None``.
+        inputs: the efficiency model's inputs.
+        target_samples: samples sequential SGD needs to the target (0: relative times only).
+
+    Raises:
+        PlanError: no candidate could be planned.
+    """
+    plans: dict[str, Plan] = {}
+    choices: list[Choice] = []
+    for replan, nm_values in allocations:
+        for nm in nm_values:
+            for remedy in remedies_at(nm, inputs):
+                memory = "predict" if remedy == "predict" else "none"  # pipemare keeps no more
+                try:
+                    plan = replan(nm, memory)
+                except (PlanError, ConfigError):
+                    continue
+                c = choice_of(plan, remedy)
+                if plan.nm != nm or c.label in plans:
+                    continue
+                plans[c.label] = replace(plan, remedy=remedy)
+                choices.append(c)
+    if allreduce is not None:
+        try:
+            ar = allreduce()
+        except ConfigError:
+            ar = None
+        if ar is not None:
+            c = choice_of(ar)
+            plans[c.label] = ar
+            choices.append(c)
+    if not choices:
+        raise PlanError("--objective time: no candidate plan fits; try --objective throughput")
+    ranked = rank(choices, inputs, target_samples)
+    best = ranked[0]
+    record = _record(best, inputs, target_samples, len(ranked))
+    return replace(plans[best.choice.label], objective=record), ranked
+
+
+def _record(best: Ranked, inputs: EfficiencyInputs, target: float, n: int) -> dict[str, Any]:
+    """The plan file's ``objective`` section: what was ranked, how, and the winner's figures."""
+    return {
+        "objective": "time",
+        "efficiency": best.efficiency,
+        "goodput": best.goodput,
+        "target_samples": target,
+        "seconds_to_target": best.seconds,
+        "candidates": n,
+        **inputs.to_dict(),
+    }

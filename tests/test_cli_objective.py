@@ -1,0 +1,89 @@
+"""``hetpipe plan --objective time`` end to end on the emulated example cluster."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from hetpipe.cli import app
+from planner.plan_file import load_plan
+from tests.conftest import EXAMPLES
+
+CLUSTER = str(EXAMPLES / "emulated_cluster.yaml")
+
+
+def test_time_objective_ranks_candidates_and_records_the_pick(tmp_path: Path) -> None:
+    out = tmp_path / "plan.yaml"
+    args = ["plan", CLUSTER, "--model", "mlp", "--vws", "1", "--policy", "ed", "--optimizer",
+            "sgd", "--objective", "time", "--target-samples", "46080", "-o", str(out)]  # fmt: skip
+    res = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert "objective time: candidates by predicted time to target" in res.output
+    assert "allreduce" in res.output and "wsp ed 1 VW Nm 1 " in res.output
+    assert "default (no data)" in res.output  # no --calibrate-efficiency: says so
+    chosen = [line for line in res.output.splitlines() if "chosen" in line]
+    assert len(chosen) == 1 and "x1.00" in chosen[0]
+    plan = load_plan(out)
+    assert plan.objective["objective"] == "time" and plan.objective["candidates"] > 3
+    assert plan.objective["target_samples"] == 46080 and plan.objective["seconds_to_target"] > 0
+    label = chosen[0].split("│")[1].strip()
+    assert label.startswith(f"{plan.sync} ") and f"Nm {plan.nm}" in label
+    assert (plan.remedy != "none") == (f"--remedy {plan.remedy}" in res.output)
+
+
+def test_throughput_is_the_default_and_is_recorded(tmp_path: Path) -> None:
+    out = tmp_path / "plan.yaml"
+    res = CliRunner().invoke(app, ["plan", CLUSTER, "--model", "mlp", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "objective time" not in res.output
+    assert load_plan(out).objective == {"objective": "throughput"}
+
+
+def test_time_objective_refuses_rules_it_does_not_model() -> None:
+    res = CliRunner().invoke(app, ["plan", CLUSTER, "--sync", "easgd", "--objective", "time"])
+    assert res.exit_code == 2
+    assert (
+        "--objective time compares HetPipe plans" in res.output
+        and "drop --sync easgd" in res.output
+    )
+
+
+def test_json_gets_the_plan_on_stdout_and_the_table_on_stderr() -> None:
+    args = ["plan", CLUSTER, "--model", "mlp", "--vws", "1", "--policy", "ed", "--objective",
+            "time", "--nm", "2", "--json"]  # fmt: skip
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["objective"]["objective"] == "time" and doc["objective"]["candidates"] >= 2
+    assert doc["nm"] <= 2 and "Nm 3" not in res.stderr  # --nm caps every candidate
+    assert "objective time: candidates" in res.stderr
+
+
+def test_calibrated_inputs_reach_the_table_and_the_plan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--calibrate-efficiency builtin`` calibrates on the model's own data (digits for mlp);
+    the measurement itself is tests/test_calibrate.py's, replaced here by a stand-in."""
+    from planner.efficiency import EfficiencyInputs
+
+    seen: dict[str, object] = {}
+
+    def fake(dataset: object, model: object, loss: object, batch: int, optimizer: str,
+             lr: float) -> EfficiencyInputs:  # fmt: skip
+        seen.update(n=len(dataset), batch=batch, optimizer=optimizer)  # type: ignore[arg-type]
+        return EfficiencyInputs(1e9, {"none": 5.0, "predict": 5.0}, "calibrated (stand-in)")
+
+    monkeypatch.setattr("hetpipe.calibrate.calibrate", fake)
+    out = tmp_path / "plan.yaml"
+    args = ["plan", CLUSTER, "--model", "mlp", "--vws", "1", "--policy", "ed", "--nm", "2",
+            "--objective", "time", "--calibrate-efficiency", "builtin", "-o", str(out)]  # fmt: skip
+    res = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert seen == {"n": 1797, "batch": 32, "optimizer": "momentum"}
+    assert "calibrated (stand-in)" in res.output and "default (no data)" not in res.output
+    plan = load_plan(out)  # phi 1e9: big batches are free, delay costs 5 per update
+    assert plan.sync == "allreduce" and plan.objective["source"] == "calibrated (stand-in)"
+    assert "AllReduce on" in res.output
