@@ -8,12 +8,12 @@ Plain data and no heavy imports: the CLI reads it at start-up without loading to
 from __future__ import annotations
 
 import argparse
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from planner.ranges import Range
 from profiler.precision import PRECISIONS
 from runtime.defaults import CHECKPOINT_EVERY, TIMEOUT_S
 
@@ -40,46 +40,6 @@ __all__ = [
     "check_values",
     "run_spec",
 ]
-
-
-@dataclass(frozen=True)
-class Range:
-    """The values a numeric option takes: finite, ``low <= v`` (``low < v`` when
-    ``open_low``) and ``v < high`` (``v <= high`` unless ``open_high``).
-
-    >>> Range(0, 1).problem(1.0)
-    'must be a finite number in [0, 1)'
-    >>> Range(0, open_low=True).problem(float("nan"))
-    'must be a finite number > 0'
-    """
-
-    low: float
-    high: float = math.inf
-    open_low: bool = False
-    open_high: bool = True
-
-    def describe(self) -> str:
-        """``> 0``, ``>= 1``, ``in [0, 1)``."""
-        low = _number(self.low)
-        if self.high == math.inf:
-            return f"> {low}" if self.open_low else f">= {low}"
-        left, right = "(" if self.open_low else "[", ")" if self.open_high else "]"
-        return f"in {left}{low}, {_number(self.high)}{right}"
-
-    def problem(self, value: float) -> str | None:
-        """What is wrong with ``value`` (``None``: nothing)."""
-        bad_low = value <= self.low if self.open_low else value < self.low
-        bad_high = value >= self.high if self.open_high else value > self.high
-        if math.isfinite(value) and not bad_low and not bad_high:
-            return None
-        return (
-            f"must be a {'whole' if isinstance(value, int) else 'finite'} number {self.describe()}"
-        )
-
-
-def _number(x: float) -> str:
-    """``1000000`` rather than ``1e+06``: a bound as one would type it."""
-    return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
 @dataclass(frozen=True)
@@ -127,6 +87,7 @@ OPTIONS: Mapping[str, Option] = MappingProxyType(
         "emulate": Option("--emulate", True, "pace emulated devices and enforce their memory caps"),
         "on_nonfinite": Option("--on-nonfinite", "stop", "a NaN or infinite loss or gradient (a diverging run): stop (the run ends naming the VW, stage, minibatch and the last snapshot) or skip (that minibatch's update is skipped at every stage of its VW, counted in the summary)", choices=("stop", "skip")),
         "precision": Option("--precision", "", "fp32 or bf16 (autocast, fp32 master weights; default: the plan's)", choices=("", *PRECISIONS)),
+        "profile_runtime": Option("--profile-runtime", False, "time where each stage's wall time goes (compute, pacing, waits, messages, parameter servers, bookkeeping) into the summary and a table"),
         "data": Option("--data", "", "training and test data: pkg.mod:factory returning (train, test) torch Datasets of (input, target) samples (test may be None: a fifth of train is held out), or 'synthetic' (random inputs, targets below the model's output width); default: a built-in model's own data (digits for mlp, synthetic for the others); a pkg.mod:factory model needs it"),
     }
 )  # fmt: skip
@@ -241,7 +202,8 @@ def run_spec(
     run = RunConfig(steps=v["steps"], epochs=v["epochs"], time_limit_s=v["time_limit"],
                     seed=v["seed"], nm=v["nm"], out_dir=out, timeout_s=v["timeout"],
                     emulate=v["emulate"], progress=progress, precision=v["precision"],
-                    on_nonfinite=v["on_nonfinite"])  # fmt: skip
+                    on_nonfinite=v["on_nonfinite"],
+                    profile_runtime=v["profile_runtime"])  # fmt: skip
     checkpoints = CheckpointConfig(
         dir=resume[1] if resume is not None else (out / "checkpoints" if out else None),
         every=v["checkpoint_every"],

@@ -40,6 +40,8 @@ PLANNER_FOR_RUNTIME = (
     "planner.schedule",
     "planner.wsp",
     "planner.sync",
+    "planner.rules",  # the rule registry: each rule's declaration, read by both sides
+    "planner.ranges",  # option ranges the run options table shares with the planner's
     "planner.backup",
     "planner.easgd",
     "planner.staleness",
@@ -49,6 +51,17 @@ PLANNER_FOR_RUNTIME = (
     "planner.offload",
     "planner.throughput",
     "planner.draw",
+)
+
+# Known debts, each one import that breaks a rule above, listed so that no new one comes in
+# unnoticed (merged from other work on 2026-11-27; move them, then delete the entry):
+KNOWN = frozenset(
+    {
+        # the stage reports with the launcher's message kind: move REPORTS below the launcher
+        "runtime.stage.worker imports runtime.launch.reports",
+        # the run's summary re-simulates the plan with the measured overhead per task
+        "runtime.results.breakdown imports planner.sim.simulator",
+    }
 )
 
 # Modules that run a model to measure it: the profiler's, called by the front ends only.
@@ -102,7 +115,9 @@ def climbing_imports(root: Path) -> list[str]:
     return [
         f"{mod}:{line} imports {target}"
         for mod, target, line in imports(root, "runtime")
-        if _within(target, "runtime") and _layer(target) < _layer(mod)
+        if _within(target, "runtime")
+        and _layer(target) < _layer(mod)
+        and f"{mod} imports {target}" not in KNOWN
     ]
 
 
@@ -118,7 +133,7 @@ def test_runtime_never_reads_the_simulator() -> None:
     found = [
         f"{mod}:{line} imports {target}"
         for mod, target, line in imports(REPO, "runtime")
-        if _within(target, "planner.sim")
+        if _within(target, "planner.sim") and f"{mod} imports {target}" not in KNOWN
     ]
     assert found == []
 
@@ -128,7 +143,9 @@ def test_the_runtime_reads_the_plan_and_shared_rules_only() -> None:
     found = [
         f"{mod}:{line} imports {target}"
         for mod, target, line in imports(REPO, "runtime")
-        if _within(target, "planner") and not any(_within(target, m) for m in PLANNER_FOR_RUNTIME)
+        if _within(target, "planner")
+        and not any(_within(target, m) for m in PLANNER_FOR_RUNTIME)
+        and f"{mod} imports {target}" not in KNOWN
     ]
     assert found == []
 
