@@ -81,8 +81,11 @@ def shard_ms(links: LinkTable, node: str, shard_node: str, nbytes: float) -> flo
     return links.between(node, shard_node).time_s(nbytes) * 1e3
 
 
-def pipeline_specs(plan: Plan, profile: Profile | None = None) -> list[PipelineSpec]:
-    """One simulator spec per virtual worker of ``plan`` (times in ms, as planned).
+def pipeline_specs(
+    plan: Plan, profile: Profile | None = None, overhead_ms_per_task: float = 0.0
+) -> list[PipelineSpec]:
+    """One simulator spec per virtual worker of ``plan`` (times in ms, as planned; every task
+    costs ``overhead_ms_per_task`` more, the runtime's own cost: :class:`PipelineSpec`).
 
     Raises:
         PlanError: a VW has no stage or a stage points at a missing GPU.
@@ -135,13 +138,18 @@ def pipeline_specs(plan: Plan, profile: Profile | None = None) -> list[PipelineS
                     for s in vw.stages
                 ),
                 host_exposed_ms=tuple(s.transfer_ms for s in vw.stages),
+                overhead_ms_per_task=overhead_ms_per_task,
             ).validated()
         )
     return specs
 
 
 def simulate(
-    plan: Plan, waves: int = 20, profile: Profile | None = None, record_trace: bool = False
+    plan: Plan,
+    waves: int = 20,
+    profile: Profile | None = None,
+    record_trace: bool = False,
+    overhead_ms_per_task: float = 0.0,
 ) -> SimResult:
     """Simulate ``plan`` for ``waves`` waves per virtual worker.
 
@@ -150,11 +158,13 @@ def simulate(
         waves: waves per VW (>= 2; wave 0 is warm-up and not measured).
         profile: optional profile of the model (any GPU type) for exact shard traffic.
         record_trace: keep every interval for Gantt charts and Chrome traces.
+        overhead_ms_per_task: the runtime's own cost of every task (``hetpipe run
+            --profile-runtime`` measures it), added to each task; 0: none.
 
     Raises:
-        PlanError: invalid plan or ``waves < 2``.
+        PlanError: invalid plan, ``waves < 2`` or a negative or non-finite overhead.
     """
-    specs = pipeline_specs(plan, profile)
+    specs = pipeline_specs(plan, profile, overhead_ms_per_task)
     schedule = schedule_named(plan.schedule)
     return simulate_pipelines(
         specs, plan.nm, plan.D, waves, plan.batch_size, record_trace, schedule

@@ -36,6 +36,7 @@ from runtime.config import ModelSource
 from runtime.persist.checkpoint import ShardState, atomic_torch_save
 from runtime.ps.layout import ShardSpec, export_state_dict
 from runtime.ps.outcome import ClockEvent
+from runtime.results.breakdown import breakdown_json, breakdown_table
 from runtime.results.evaluation import evaluate_module
 from runtime.results.metrics import (
     StageResult,
@@ -295,6 +296,7 @@ class RunResult:
             "wave_arrivals_s": arrival_table(self.vws),
             "lost": [dataclasses.asdict(v) for v in self.lost],
             "skipped_updates": self.skipped_updates,
+            "runtime_breakdown": breakdown_json(self.stages),
             "vws": [
                 {
                     "throughput": v.throughput,
@@ -346,6 +348,10 @@ class RunResult:
             table.add_row(*row, *([] if one_loss else [f"{losses[-1]:.4f}" if losses else "-"]))
         table.caption = self._caption()
         return table
+
+    def breakdown_table(self) -> Table | None:
+        """Where each stage's time went (``--profile-runtime``; ``None``: not profiled)."""
+        return breakdown_table(self.stages)
 
     def _caption(self) -> str:
         """The table's caption: the test figures, what the rule did, how the run ended."""
