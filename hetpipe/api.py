@@ -154,8 +154,8 @@ def train(  # long by its signature and docstring (every option, documented); th
             ``lr_schedule``; or a whole :class:`OptimizerConfig` (then leave those four out).
         steps, epochs, time_limit, seed, nm, vw, staleness, checkpoint_every, keep, on_failure,
             max_restarts, overwrite, lr, momentum, weight_decay, lr_schedule, remedy,
-            remedy_warmup, timeout, emulate, precision, on_nonfinite, profile_runtime: the run
-            options, as ``hetpipe run --help`` describes them (``precision`` ``""``: the plan's, ``fp32``
+            remedy_warmup, timeout, emulate, precision, on_nonfinite, profile_runtime: the
+            run options, as ``hetpipe run --help`` describes them (``precision`` ``""``: the plan's, ``fp32``
             for a plan made here; ``remedy`` replaces an ``OptimizerConfig``'s unless
             ``none``).
         renamed: the names of earlier releases (``time_limit_s``, ``out_dir``, ``timeout_s``,

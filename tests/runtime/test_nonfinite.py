@@ -148,8 +148,8 @@ def test_cli_huge_lr_one_red_line_exit_2_and_skip_counts(tmp_path: Path) -> None
     assert res.exit_code == 0, res.output
     summary = json.loads((tmp_path / "b" / "summary.json").read_text())
     assert summary["skipped_updates"] > 0
-    words = " ".join(res.output.split())  # rich wraps the caption to the table's width
-    assert f"{summary['skipped_updates']} updates skipped" in words
+    said = " ".join(res.output.split())  # the summary's caption wraps
+    assert f"{summary['skipped_updates']} updates skipped" in said, res.output
 
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])
