@@ -44,6 +44,8 @@ class PlanRequest:
             pipeline plan (the rule is applied to it afterwards).
         optimizer: the optimizer-state class memory is planned for (``sgd``, ``momentum``,
             ``adam``; the planner's default ``momentum``, as ``hetpipe plan``'s).
+        remedy: the run's staleness remedy (``--remedy``): ``predict``'s extra weight copies
+            are counted in the memory model (:class:`planner.planner.PlanOptions`).
     """
 
     model: str = "mlp"
@@ -57,6 +59,7 @@ class PlanRequest:
     precision: str = "fp32"
     sync: str = "wsp"
     optimizer: str = "momentum"
+    remedy: str = "none"
 
     @property
     def hand_cut(self) -> bool:
@@ -101,11 +104,12 @@ def plan_for_run(
         graph = graph if graph is not None else _graph(r.model, r.batch_size)
         hand = hand_cut_plan(graph, r.model, r.batch_size, r.nm, cluster, r.stages, r.cuts)
         return replace(hand, precision=r.precision)
-    from planner.planner import make_plan
+    from planner.planner import PlanOptions, make_plan
 
     return make_plan(cluster, list(profiles), model=r.model, batch_size=r.batch_size,
                      nm=r.nm or None, num_vws=r.vws or None, policy=r.policy, D=r.D,
-                     precision=r.precision, optimizer=r.optimizer)  # fmt: skip
+                     precision=r.precision, optimizer=r.optimizer,
+                     options=PlanOptions(remedy=r.remedy))  # fmt: skip
 
 
 def _graph(model: str, batch_size: int) -> ModelGraph:
