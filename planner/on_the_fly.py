@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from planner.rules import DEFAULT_RULE, layout
 from profiler.errors import ConfigError
 
 if TYPE_CHECKING:  # no torch at the CLI's start-up
@@ -40,8 +41,8 @@ class PlanRequest:
         policy: ``np``, ``ed``, ``hd`` or ``auto`` (``None`` = the planner's default).
         D: WSP clock-distance threshold recorded in the plan.
         precision: ``fp32`` or ``bf16``.
-        sync: ``allreduce`` asks for the AllReduce baseline's plan; any other rule a
-            pipeline plan (the rule is applied to it afterwards).
+        sync: a rule of the ``ddp`` layout (``allreduce``) asks for the AllReduce baseline's
+            plan; any other rule a pipeline plan (the rule is applied to it afterwards).
         optimizer: the optimizer-state class memory is planned for (``sgd``, ``momentum``,
             ``adam``; the planner's default ``momentum``, as ``hetpipe plan``'s).
         remedy: the run's staleness remedy (``--remedy``): ``predict``'s extra weight copies
@@ -57,7 +58,7 @@ class PlanRequest:
     policy: str | None = None
     D: int = 0
     precision: str = "fp32"
-    sync: str = "wsp"
+    sync: str = DEFAULT_RULE
     optimizer: str = "momentum"
     remedy: str = "none"
 
@@ -89,7 +90,7 @@ def plan_for_run(
         PlanError: the model fits nowhere, more stages than layers, ...
     """
     r = request
-    if r.sync == "allreduce":
+    if layout(r.sync) == "ddp":
         from planner.baseline import allreduce_plan
 
         if cluster is None:
