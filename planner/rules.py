@@ -36,6 +36,7 @@ from planner.sim.waves import Player, play_backup, play_easgd, play_wsp
 from profiler.errors import ConfigError
 
 __all__ = [
+    "ALONE_RULE",
     "BUILTIN",
     "DEFAULT_RULE",
     "PLUGINS_ENV",
@@ -67,6 +68,10 @@ update delays are counted at (:func:`planner.efficiency.mean_delay`)."""
 DEFAULT_RULE = "wsp"
 """The rule of a plan that names none, and of ``hetpipe plan`` and ``run`` planning on the fly:
 HetPipe's own (the rule every other is compared with on whole waves)."""
+
+ALONE_RULE = "local"
+"""The rule one VW trains by alone (``hetpipe run --vw``, or one VW and no shards): nothing to
+synchronise (:func:`planner.sync.effective_rule`)."""
 
 PLUGINS_ENV = "HETPIPE_RULES"
 """The environment variable naming the modules of rules from outside the registry."""
