@@ -93,8 +93,9 @@ def test_every_entry_builds_the_same_spec_from_the_same_values(
         seen.append(spec)
         raise ConfigError("reached training")
 
-    monkeypatch.setattr("runtime.run.run_plan", reached)
+    # hetpipe.api first: importing it binds runtime.run.run_plan, which must be the real one
     monkeypatch.setattr("hetpipe.api.run_plan", reached)
+    monkeypatch.setattr("runtime.run.run_plan", reached)
     argv = ["run", str(path), *_flags(_VALUES), "--out", str(out), "--no-progress"]
     res = CliRunner().invoke(app, argv)
     assert res.exit_code == 2 and "reached training" in res.output
