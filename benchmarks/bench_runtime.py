@@ -7,7 +7,7 @@
 2. **vs a pipeline that flushes every Nm minibatches** (what torch.distributed.pipelining's
    Schedule1F1B/GPipe do: our minibatch = their microbatch, Nm = their microbatch count), on
    the same partition, devices and pacing, run by hetpipe's runtime with
-   ``RunConfig(flush_every_wave=True)``. Target ratio >= 1.1. ``--try-1f1b`` also runs the
+   the plan's ``schedule: flush``. Target ratio >= 1.1. ``--try-1f1b`` also runs the
    real ``Schedule1F1B`` (same partition, same pacing through autograd hooks), but in torch
    2.13 on gloo/CPU both Schedule1F1B and ScheduleGPipe deadlocked in our hands (with runtime
    shape inference and with explicit stage metadata): the last stage waits forever on its
@@ -320,11 +320,11 @@ def flushed_baseline(
     source = ModelSource(ref=model)
     graph = ModelGraph.from_spec(resolve_source(source, batch, meta=True))
     cluster = _bench_cluster()
-    plan = manual_plan(graph, cuts, model, batch, nm, cluster)
+    plan = replace(manual_plan(graph, cuts, model, batch, nm, cluster), schedule="flush")
     out = cal_dir / "flushed"
     out.mkdir()
     shutil.copy(cal_dir / "calibration.json", out / "calibration.json")
-    run = RunConfig(steps=steps, out_dir=out, timeout_s=120, flush_every_wave=True)
+    run = RunConfig(steps=steps, out_dir=out, timeout_s=120)
     return launch(plan, source, RunSpec(run, OptimizerConfig(lr=0.01))).throughput
 
 

@@ -36,7 +36,7 @@ from profiler.models import keyword_spec
 from profiler.precision import check_precision
 from runtime.by_value import check_guarded
 from runtime.config import LossFn, ModelSource, OptimizerConfig
-from runtime.options import OPTIONS, run_spec
+from runtime.options import OPTIONS, RENAMED, run_spec
 from runtime.run import run_plan
 from runtime.stage.model import resolve_source
 
@@ -109,13 +109,14 @@ def train(  # long by its signature and docstring (every option, documented); th
     vw: int = _OPT["vw"].default,
     staleness: int | None = _OPT["staleness"].default,
     checkpoint_every: int = _OPT["checkpoint_every"].default,
+    keep: int = _OPT["keep"].default,
     on_failure: str = _OPT["on_failure"].default,
     max_restarts: int = _OPT["max_restarts"].default,
     overwrite: bool = _OPT["overwrite"].default,
     lr: float = _OPT["lr"].default,
     momentum: float = _OPT["momentum"].default,
     weight_decay: float = _OPT["weight_decay"].default,
-    schedule: str = _OPT["schedule"].default,
+    lr_schedule: str = _OPT["lr_schedule"].default,
     remedy: str = _OPT["remedy"].default,
     remedy_warmup: int = _OPT["remedy_warmup"].default,
     timeout: float = _OPT["timeout"].default,
@@ -149,9 +150,9 @@ def train(  # long by its signature and docstring (every option, documented); th
         progress: show a progress bar.
         return_state: return the final parameters and buffers (``result.state_dict()``).
         optimizer: ``sgd`` or ``adam`` with ``lr``, ``momentum``, ``weight_decay``,
-            ``schedule``; or a whole :class:`OptimizerConfig` (then leave those four out).
-        steps, epochs, time_limit, seed, nm, vw, staleness, checkpoint_every, on_failure,
-            max_restarts, overwrite, lr, momentum, weight_decay, schedule, remedy,
+            ``lr_schedule``; or a whole :class:`OptimizerConfig` (then leave those four out).
+        steps, epochs, time_limit, seed, nm, vw, staleness, checkpoint_every, keep, on_failure,
+            max_restarts, overwrite, lr, momentum, weight_decay, lr_schedule, remedy,
             remedy_warmup, timeout, emulate, precision, on_nonfinite: the run options, as
             ``hetpipe run --help`` describes them (``precision`` ``""``: the plan's, ``fp32``
             for a plan made here; ``remedy`` replaces an ``OptimizerConfig``'s unless
@@ -199,6 +200,9 @@ def _renamed(renamed: dict[str, Any]) -> dict[str, Any]:
     """
     values: dict[str, Any] = {}
     for old, value in renamed.items():
+        if old in RENAMED:  # refused by the options table, naming the new name
+            values[old] = value
+            continue
         new = _RENAMED.get(old)
         if new is None:
             raise ConfigError(
@@ -218,11 +222,11 @@ def _optimizer(
 
     Raises:
         ConfigError: an ``OptimizerConfig`` and one of ``lr``, ``momentum``,
-            ``weight_decay``, ``schedule`` both given.
+            ``weight_decay``, ``lr_schedule`` both given.
     """
     if isinstance(given, str):
         return table
-    for name in ("lr", "momentum", "weight_decay", "schedule"):
+    for name in ("lr", "momentum", "weight_decay", "lr_schedule"):
         if values[name] != OPTIONS[name].default:
             raise ConfigError(
                 f"hetpipe.train: {name}={shown(values[name], 40)} and optimizer=OptimizerConfig"

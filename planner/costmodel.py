@@ -12,7 +12,10 @@ Its memory with ``Nm`` minibatches in flight (the shared memory model of the pro
 
     static = param_bytes * (2 + optimizer_state_factor) + buffer_bytes + (Nm - 1) * param_bytes
              + remedy_copies * param_bytes      (--remedy predict: planner.staleness)
-    memory = static + in_flight_bound(j, K, Nm) * (saved_bytes + cut_bytes[a])
+    memory = static + in_flight(j, K, Nm) * (saved_bytes + cut_bytes[a])
+
+with ``in_flight`` the bound of the cost model's pipeline schedule
+(:meth:`planner.schedule.Schedule.in_flight_bound`, :meth:`CostModel.in_flight`).
 
 That is the all-keep case of :mod:`planner.offload`: a cost model carries one uniform memory
 placement (:meth:`CostModel.with_placement`) that changes the multipliers of the same prefix
@@ -55,7 +58,7 @@ from planner.offload import (
     recompute_factor,
     transfer_coefficients,
 )
-from planner.schedule import in_flight_bound
+from planner.schedule import HETPIPE, Schedule
 from planner.stagecost import StageCosts
 from planner.staleness import check_remedy
 from profiler.crossing import crossing_sets
@@ -147,6 +150,7 @@ class CostModel(StageCosts):
             host memory per GPU), by node name; a node not listed: one GPU, unbounded memory.
         remedy: the run's staleness remedy (:data:`planner.staleness.REMEDIES`): ``predict``
             keeps more weight copies (:func:`planner.staleness.remedy_weight_copies`).
+        schedule: the pipeline schedule whose in-flight bound sizes every stage's memory.
 
     Raises:
         ProfileError: profiles disagree on the layers.
@@ -162,6 +166,7 @@ class CostModel(StageCosts):
         host_link: Link = PCIE,
         hosts: Mapping[str, HostShare] | None = None,
         remedy: str = "none",
+        schedule: Schedule = HETPIPE,
     ) -> None:
         if not profiles:
             raise ProfileError("no profiles given to the cost model")
@@ -176,6 +181,7 @@ class CostModel(StageCosts):
                 )
         self.layer_names: tuple[str, ...] = tuple(names)
         self.link = link
+        self.schedule = schedule
         self.optimizer_state_factor = float(optimizer_state_factor)
         self.remedy = check_remedy(remedy)
         self.host_link = host_link
@@ -266,7 +272,7 @@ class CostModel(StageCosts):
 
         def rule(nm: int) -> list[tuple[float, Coefficients]]:
             o = self.optimizer_state_factor
-            ks = [in_flight_bound(j, n_stages, nm) for j in range(n_stages)]
+            ks = [self.in_flight(j, n_stages, nm) for j in range(n_stages)]
             pl = self.placement
             return [(recompute_factor(pl, k), transfer_coefficients(pl, nm, k, o)) for k in ks]
 
@@ -305,7 +311,7 @@ class CostModel(StageCosts):
         """``M[p, q]``: time in ms of stage ``j`` over positions ``[p, q)`` with ``nm`` in flight
         (``inf`` if ``q <= p``)."""
         pos = np.arange(self.num_segments + 1)
-        k = in_flight_bound(j, len(gpus), nm)
+        k = self.in_flight(j, len(gpus), nm)
         busy = self.busy_ms(gpus[j], k, nm, pos[:, None], pos[None, :])
         comp = np.zeros(len(pos))
         recv = self.comm_ms(self.link(gpus[j - 1], gpus[j])) if j > 0 else np.zeros(len(comp))
@@ -320,7 +326,7 @@ class CostModel(StageCosts):
     def memory_matrix(self, n_stages: int, j: int, nm: int) -> np.ndarray:
         """``M[p, q]``: device bytes stage ``j`` of ``n_stages`` needs over ``[p, q)`` with ``nm``
         in flight."""
-        c = self.coefficients(in_flight_bound(j, n_stages, nm), nm)
+        c = self.coefficients(self.in_flight(j, n_stages, nm), nm)
         par = self.param_prefix[None, :] - self.param_prefix[:, None]
         buf = self.buffer_prefix[None, :] - self.buffer_prefix[:, None]
         sav = self.saved_prefix[None, :] - self.saved_prefix[:, None]
@@ -329,7 +335,7 @@ class CostModel(StageCosts):
 
     def host_matrix(self, n_stages: int, j: int, nm: int) -> np.ndarray:
         """``M[p, q]``: host bytes stage ``j`` of ``n_stages`` offloads over ``[p, q)``."""
-        k = in_flight_bound(j, n_stages, nm)
+        k = self.in_flight(j, n_stages, nm)
         c = host_coefficients(self.placement, nm, k, self.optimizer_state_factor)
         par = self.param_prefix[None, :] - self.param_prefix[:, None]
         sav = self.saved_prefix[None, :] - self.saved_prefix[:, None]
@@ -350,6 +356,6 @@ class CostModel(StageCosts):
         mem = (
             self.static_factor(nm) * float(self.param_prefix[c])
             + float(self.buffer_prefix[c])
-            + in_flight_bound(0, 1, nm) * (float(self.saved_prefix[c]) + float(self.cut_bytes[0]))
+            + self.in_flight(0, 1, nm) * (float(self.saved_prefix[c]) + float(self.cut_bytes[0]))
         )
         return round(mem)

@@ -14,6 +14,7 @@ from dataclasses import replace
 
 from planner.cluster import Cluster, Device, Emulation, Link, Node
 from planner.plan import GpuSlot, Plan, Prediction, ShardPlan, StagePlan, VirtualWorker
+from planner.schedule import HETPIPE
 from profiler.errors import PlanError
 from profiler.graph import ModelGraph
 
@@ -87,7 +88,7 @@ def _stage(
         recv_bytes=graph.cut_bytes(lo) if s else 0,
         send_bytes=graph.cut_bytes(bounds[s + 1]) if s < n_stages - 1 else 0,
         param_bytes=sum(lay.param_bytes for lay in graph.layers[lo : hi + 1]),
-        in_flight=1 if s == n_stages - 1 else nm,
+        in_flight=HETPIPE.in_flight_bound(s, n_stages, nm),
         memory_bytes=0,
         capacity_bytes=capacity_bytes,
     )

@@ -17,7 +17,7 @@ class                     bytes                                   places
 
 The master weights (``P``) and buffers always stay on the device: every task reads them.
 With ``P`` parameter bytes, ``S`` saved bytes, ``C`` bytes received at the stage's first cut,
-``k`` minibatches in flight (:func:`planner.schedule.in_flight_bound`) and ``v = Nm - 1``
+``k`` minibatches in flight (:meth:`planner.schedule.Schedule.in_flight_bound`) and ``v = Nm - 1``
 stashed versions, the device holds::
 
     device = P + buffers + g * P + o_dev * P + min(v, V_dev) * P + acts

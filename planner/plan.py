@@ -2,7 +2,8 @@
 
 A plan is versioned and self-contained: it embeds the cluster, the model reference and
 batch size, each virtual worker's GPUs in pipeline order with its stages (layer ranges by
-name and index, per-stage times, transfer times and memory), Nm, D, the parameter-server
+name and index, per-stage times, transfer times and memory), Nm, D, the pipeline schedule by
+name (``schedule: hetpipe``; a file without it has HetPipe's), the parameter-server
 shard placement and the predictions. It is stored as YAML (``plan.yaml``) or JSON; both
 hold the same document, whose shape is what :meth:`Plan.to_dict` returns. Reading plan
 files: :mod:`planner.plan_file`.
@@ -20,6 +21,7 @@ import yaml
 
 from planner.cluster import Cluster, parse_cluster
 from planner.plan_check import check_plan_document, validate_plan
+from planner.schedule import DEFAULT_SCHEDULE, schedule_named
 from planner.sync import SyncParams, check_sync_params
 from planner.wsp import s_global, s_local
 from profiler.errors import PlanError, shown
@@ -234,6 +236,7 @@ class Plan:
     precision: str = "fp32"  # "fp32" or "bf16" (autocast, fp32 master weights; profiler.precision)
     remedy: str = "none"  # staleness remedy the memory model counted (planner.staleness.REMEDIES)
     objective: dict[str, Any] = field(default_factory=dict)  # how it was chosen: planner.objective
+    schedule: str = DEFAULT_SCHEDULE  # the pipeline schedule (planner.schedule.SCHEDULES)
     version: int = PLAN_VERSION
 
     @property
@@ -308,6 +311,9 @@ class Plan:
                 precision=check_precision(str(d.get("precision", "fp32")), f"{source}: precision"),
                 remedy=_remedy(d.get("remedy", "none"), source),
                 objective=dict(d.get("objective") or {}),
+                schedule=schedule_named(
+                    d.get("schedule", DEFAULT_SCHEDULE), f"{source}: schedule"
+                ).name,
             )
         except KeyError as exc:
             raise PlanError(

@@ -12,7 +12,8 @@ field (``virtual_workers[1].stages[2].first_index``), the bad value and the fix,
 - stages: one per GPU at most, ``gpu`` within the VW's GPUs, layer ranges covering
   ``0 .. num_layers - 1`` in order with no gap, overlap or reversed range; ``memory_bytes``
   at most ``capacity_bytes``, itself at most the GPU's memory;
-- shards: on known nodes, no layer held twice.
+- shards: on known nodes, no layer held twice;
+- ``schedule``: a name in :data:`planner.schedule.SCHEDULES`.
 
 :func:`check_plan_layers` adds the model's layer names (from a profile or the model graph).
 """
@@ -25,6 +26,7 @@ from dataclasses import MISSING, fields, is_dataclass
 from typing import TYPE_CHECKING, Any
 
 from planner.offload import MemoryPlacement
+from planner.schedule import schedule_named
 from planner.sync import check_rule_values
 from profiler.errors import PlanError, shown
 from profiler.inputs import text_problem
@@ -58,6 +60,7 @@ def validate_plan(plan: Plan, source: str = "plan") -> None:
         _check_gpus(plan, vw, at, used, source)
         _check_stages(plan, vw, at, source)
     _check_shards(plan, source)
+    schedule_named(plan.schedule, f"{source}: schedule")
     check_rule_values(plan.sync, plan.sync_params, len(plan.virtual_workers), source)
 
 

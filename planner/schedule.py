@@ -1,8 +1,21 @@
-"""Per-stage task rules of pipelined model parallelism (paper Sec. 4), as pure data.
+"""Pipeline schedules (paper Sec. 4) as pure data: task order, admission and memory bound.
 
-One source of truth for the simulator (which predicts) and the runtime (which executes).
-Every GPU of a virtual worker (VW) owns one :class:`StageQueue`. The caller tells it which
-tasks have their inputs (:meth:`StageQueue.ready`), asks for the task to run now
+One source of truth for the simulator (which predicts), the runtime (which executes) and the
+planner's memory model (which sizes stages). A :class:`Schedule` is a named object, looked up in
+:data:`SCHEDULES` by the name a plan records (``schedule: hetpipe``); it owns the task order
+(:meth:`Schedule.queue`), the admission of minibatches into a VW's pipeline
+(:meth:`Schedule.admissible`) and the in-flight memory bound (:meth:`Schedule.in_flight_bound`).
+:func:`actions` runs a schedule alone into a printable action list per stage. The schedules:
+
+- ``hetpipe`` (the default): minibatch ``p`` enters once ``p - Nm`` completed its first-stage
+  backward: ``Nm`` in flight, one in as one completes;
+- ``flush`` (the GPipe / 1F1B baseline): a wave of ``Nm`` enters once every admitted
+  minibatch completed, so the pipeline drains between waves.
+
+Both hold at most ``Nm`` minibatches on a stage, one on the last.
+
+Task order. Every GPU of a virtual worker (VW) owns one :class:`StageQueue`. The caller tells
+it which tasks have their inputs (:meth:`StageQueue.ready`), asks for the task to run now
 (:meth:`StageQueue.next`) and reports completion (:meth:`StageQueue.done`). The rules:
 
 1. a forward task ``F(p)`` runs only after ``F(p-1)`` is done on this stage;
@@ -17,14 +30,36 @@ Example:
     >>> q = StageQueue(stage=0, n_stages=2)
     >>> q.ready(Task(0, Kind.F, 1)); str(q.next())
     '0F1'
+    >>> print(format_actions(actions(SCHEDULES["hetpipe"], n_stages=2, nm=2, total=4)))
+    stage 0: F1 F2 B1 F3 B2 F4 B3 B4
+    stage 1: FB1 FB2 FB3 FB4
 """
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from itertools import count
+from types import MappingProxyType
 
-__all__ = ["Kind", "StageQueue", "Task", "in_flight_bound"]
+from profiler.errors import PlanError, shown
+
+__all__ = [
+    "DEFAULT_SCHEDULE",
+    "FLUSH",
+    "HETPIPE",
+    "SCHEDULES",
+    "FlushSchedule",
+    "Kind",
+    "Schedule",
+    "StageQueue",
+    "Task",
+    "actions",
+    "format_actions",
+    "schedule_named",
+]
 
 
 class Kind(str, Enum):
@@ -51,24 +86,6 @@ class Task:
 
     def __str__(self) -> str:
         return f"{self.stage}{self.kind.value}{self.mb}"
-
-
-def in_flight_bound(stage: int, n_stages: int, nm: int) -> int:
-    """Most minibatches stage ``stage`` of ``n_stages`` can hold at once with ``nm`` in flight.
-
-    A stage holds a minibatch (its saved activations and received inputs) from the start of
-    its forward task until its backward task ends. Every stage but the last can, in the worst
-    case over all timings, hold every in-flight minibatch (``nm``); the last stage runs the
-    fused ``FB`` task and holds exactly one.
-
-    Raises:
-        ValueError: ``stage`` outside ``[0, n_stages)`` or ``nm < 1``.
-    """
-    if not 0 <= stage < n_stages:
-        raise ValueError(f"stage {stage} is outside 0..{n_stages - 1}")
-    if nm < 1:
-        raise ValueError(f"nm must be >= 1, got {nm}")
-    return 1 if stage == n_stages - 1 else nm
 
 
 class StageQueue:
@@ -187,3 +204,163 @@ class StageQueue:
             self._next_f += 1
             if task.kind is Kind.FB:
                 self._next_b += 1
+
+
+# ---------------------------------------------------------------- named schedules
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """A pipeline schedule; this class is HetPipe's (``Nm`` in flight, one in as one completes),
+    and a schedule that admits, orders or bounds otherwise overrides that method.
+
+    Attributes:
+        name: the name a plan records (``schedule:``) and :data:`SCHEDULES` is keyed by.
+    """
+
+    name: str
+
+    def queue(self, stage: int, n_stages: int) -> StageQueue:
+        """The task order of stage ``stage`` of ``n_stages`` (rules 1-4 of the module docstring)."""
+        return StageQueue(stage, n_stages)
+
+    def admissible(self, admitted: int, completed: int, nm: int, total: int) -> int:
+        """How many more minibatches may enter the VW's first stage now.
+
+        Args:
+            admitted: minibatches admitted so far.
+            completed: of those, minibatches whose first-stage backward (or ``FB``) is done.
+            nm: minibatches per wave (most in flight).
+            total: minibatches to run in all (never admits beyond it).
+
+        Raises:
+            ValueError: ``completed`` outside ``[0, admitted]`` or ``nm < 1``.
+
+        Example:
+            >>> HETPIPE.admissible(admitted=4, completed=1, nm=4, total=10)
+            1
+        """
+        _check_counts(admitted, completed, nm)
+        return max(0, min(nm - (admitted - completed), total - admitted))
+
+    def in_flight_bound(self, stage: int, n_stages: int, nm: int) -> int:
+        """Most minibatches stage ``stage`` of ``n_stages`` can hold at once with ``nm`` in flight.
+
+        A stage holds a minibatch (its saved activations and received inputs) from the start
+        of its forward task until its backward task ends. Every stage but the last can, in the
+        worst case over all timings, hold every in-flight minibatch (``nm``); the last stage
+        runs the fused ``FB`` task and holds exactly one. The planner's memory model sizes
+        stages with it.
+
+        Raises:
+            ValueError: ``stage`` outside ``[0, n_stages)`` or ``nm < 1``.
+        """
+        if not 0 <= stage < n_stages:
+            raise ValueError(f"stage {stage} is outside 0..{n_stages - 1}")
+        if nm < 1:
+            raise ValueError(f"nm must be >= 1, got {nm}")
+        return 1 if stage == n_stages - 1 else nm
+
+
+@dataclass(frozen=True, slots=True)
+class FlushSchedule(Schedule):
+    """The flushing baseline (GPipe / 1F1B style): the next wave of ``Nm`` minibatches enters
+    only when the whole previous wave completed; task order and memory bound as HetPipe's."""
+
+    def admissible(self, admitted: int, completed: int, nm: int, total: int) -> int:
+        """``min(nm, total - admitted)`` once every admitted minibatch completed, else 0.
+
+        Example:
+            >>> FLUSH.admissible(admitted=4, completed=3, nm=4, total=10)
+            0
+        """
+        _check_counts(admitted, completed, nm)
+        return 0 if completed < admitted else max(0, min(nm, total - admitted))
+
+
+def _check_counts(admitted: int, completed: int, nm: int) -> None:
+    if not 0 <= completed <= admitted:
+        raise ValueError(f"completed must be within 0..admitted={admitted}, got {completed}")
+    if nm < 1:
+        raise ValueError(f"nm must be >= 1, got {nm}")
+
+
+HETPIPE = Schedule("hetpipe")
+FLUSH = FlushSchedule("flush")
+SCHEDULES: Mapping[str, Schedule] = MappingProxyType({s.name: s for s in (HETPIPE, FLUSH)})
+"""Every pipeline schedule by name."""
+DEFAULT_SCHEDULE = HETPIPE.name
+
+
+def schedule_named(name: object, where: str = "schedule") -> Schedule:
+    """The schedule called ``name``.
+
+    Raises:
+        PlanError: no such schedule; the message names ``where`` (the field) and the choices.
+    """
+    found = SCHEDULES.get(name) if isinstance(name, str) else None
+    if found is None:
+        raise PlanError(
+            f"{where}: unknown pipeline schedule {shown(name, 40)}; "
+            f"choose one of {', '.join(SCHEDULES)}"
+        )
+    return found
+
+
+# ---------------------------------------------------------------- action lists
+
+
+def actions(
+    schedule: Schedule, n_stages: int, nm: int, total: int, fwd: float = 1.0, bwd: float = 2.0
+) -> tuple[tuple[Task, ...], ...]:
+    """The tasks every stage runs, in order, when ``schedule`` runs one VW alone.
+
+    Every forward takes ``fwd`` and every backward ``bwd`` time units (the last stage's ``FB``
+    both), transfers take none, ties go in the order events were scheduled: the same rules
+    the simulator and the runtime execute, without clocks, links or parameter servers.
+    """
+    queues = [schedule.queue(s, n_stages) for s in range(n_stages)]
+    out: list[list[Task]] = [[] for _ in range(n_stages)]
+    heap: list[tuple[float, int, Task]] = []
+    seq = count()
+    admitted = completed = 0
+
+    def start(s: int, now: float) -> None:
+        t = queues[s].next()
+        if t is not None:
+            out[s].append(t)
+            cost = fwd if t.kind is Kind.F else bwd if t.kind is Kind.B else fwd + bwd
+            heapq.heappush(heap, (now + cost, next(seq), t))
+
+    def admit(now: float) -> None:
+        nonlocal admitted
+        for _ in range(schedule.admissible(admitted, completed, nm, total)):
+            admitted += 1
+            queues[0].ready(Task(0, queues[0].forward_kind, admitted))
+        start(0, now)
+
+    admit(0.0)
+    while heap:
+        now, _, t = heapq.heappop(heap)
+        s = t.stage
+        queues[s].done(t)
+        if t.kind is Kind.F:
+            queues[s + 1].ready(Task(s + 1, queues[s + 1].forward_kind, t.mb))
+            start(s + 1, now)
+        elif s > 0:
+            queues[s - 1].ready(Task(s - 1, Kind.B, t.mb))
+            start(s - 1, now)
+        if s == 0 and t.kind is not Kind.F:
+            completed += 1
+            admit(now)
+        else:
+            start(s, now)
+    return tuple(tuple(tasks) for tasks in out)
+
+
+def format_actions(per_stage: Sequence[Sequence[Task]]) -> str:
+    """One line per stage, ``stage 0: F1 F2 B1 F3 ...`` (kind and minibatch of each task)."""
+    return "\n".join(
+        f"stage {s}: " + " ".join(f"{t.kind.value}{t.mb}" for t in tasks)
+        for s, tasks in enumerate(per_stage)
+    )

@@ -28,7 +28,7 @@ from planner.offload import (
     transfer_bytes,
 )
 from planner.plan import StageCost
-from planner.schedule import in_flight_bound
+from planner.schedule import Schedule
 from planner.staleness import remedy_weight_copies
 
 __all__ = ["StageCosts", "StageMemory"]
@@ -59,6 +59,7 @@ class StageCosts:
     """Exact cost of one stage; the attributes are set by :class:`planner.costmodel.CostModel`."""
 
     link: Callable[[Device, Device], Link]
+    schedule: Schedule
     optimizer_state_factor: float
     remedy: str
     host_link: Link
@@ -70,6 +71,11 @@ class StageCosts:
     saved_prefix: np.ndarray
     fwd_prefix: dict[str, np.ndarray]
     bwd_prefix: dict[str, np.ndarray]
+
+    def in_flight(self, j: int, n_stages: int, nm: int) -> int:
+        """Minibatches stage ``j`` of ``n_stages`` holds at most with ``nm`` in flight, under the
+        cost model's schedule (:meth:`planner.schedule.Schedule.in_flight_bound`)."""
+        return self.schedule.in_flight_bound(j, n_stages, nm)
 
     def host_share(self, gpu: Device) -> HostShare:
         """``gpu``'s share of its node's host link and host memory."""
@@ -100,7 +106,7 @@ class StageCosts:
     ) -> StageMemory:
         """Where stage ``j``'s bytes live under ``placement`` (default: the model's) and what
         that costs per minibatch."""
-        k = in_flight_bound(j, len(gpus), nm)
+        k = self.in_flight(j, len(gpus), nm)
         pl = effective(self.placement if placement is None else placement, nm, k)
         b, o, t = self.stage_bytes(p, q), self.optimizer_state_factor, gpus[j].type
         fwd = float(self.fwd_prefix[t][q] - self.fwd_prefix[t][p])
@@ -148,7 +154,7 @@ class StageCosts:
             recv_bytes=recv_b,
             send_bytes=send_b,
             param_bytes=int(self.param_prefix[q] - self.param_prefix[p]),
-            in_flight=in_flight_bound(j, len(gpus), nm),
+            in_flight=self.in_flight(j, len(gpus), nm),
             memory_bytes=mem.device_bytes,
         )
 

@@ -22,14 +22,14 @@ from profiler.errors import ConfigError, shown
 from profiler.precision import check_precision
 from runtime.by_value import pickler
 from runtime.defaults import TIMEOUT_S
-from runtime.options import OPTIMIZERS, SCHEDULES
+from runtime.options import LR_SCHEDULES, OPTIMIZERS
 
 __all__ = ["LossFn", "ModelSource", "OptimizerConfig", "RunConfig"]
 
 LossFn = Callable[[Any, Tensor], Tensor]
 
 _OPTIMIZERS = OPTIMIZERS  # the option table's, so that the CLI checks them without torch
-_SCHEDULES = SCHEDULES
+_SCHEDULES = LR_SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class OptimizerConfig:
         weight_decay: L2 weight decay (both optimizers).
         betas: Adam betas.
         eps: Adam epsilon.
-        schedule: ``constant``; ``step`` (multiply by ``gamma`` every ``step_size`` updates);
+        lr_schedule: ``constant``; ``step`` (multiply by ``gamma`` every ``step_size`` updates);
             ``cosine`` (to 0 over ``total_updates``); ``warmup`` (linear from 0 over
             ``warmup`` updates, then constant).
         gamma: decay factor of the ``step`` schedule.
@@ -61,7 +61,7 @@ class OptimizerConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
-    schedule: str = "constant"
+    lr_schedule: str = "constant"
     gamma: float = 0.1
     step_size: int = 100
     warmup: int = 0
@@ -72,9 +72,9 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         if self.name not in _OPTIMIZERS:
             raise ConfigError(f"optimizer {self.name!r} is not supported: use one of {_OPTIMIZERS}")
-        if self.schedule not in _SCHEDULES:
+        if self.lr_schedule not in _SCHEDULES:
             raise ConfigError(
-                f"lr schedule {self.schedule!r} is not supported: use one of {_SCHEDULES}"
+                f"lr schedule {self.lr_schedule!r} is not supported: use one of {_SCHEDULES}"
             )
         if self.lr <= 0:
             raise ConfigError(f"learning rate must be positive, got {self.lr}")
@@ -198,8 +198,6 @@ class RunConfig:
         return_state: send every stage's final parameters and buffers back to the caller.
         progress: show a progress bar.
         log_every: minibatches between metric log lines.
-        flush_every_wave: baseline mode for benchmarks: admit the next ``Nm`` minibatches only
-            when the whole previous wave finished (a pipeline flush, as GPipe/1F1B schedules do).
         precision: ``fp32`` or ``bf16`` (autocast, fp32 master weights, bfloat16 activations
             across cuts: :mod:`profiler.precision`); ``""`` = the plan's.
         on_nonfinite: a NaN or infinite loss or gradient: ``stop`` the run, or ``skip`` that
@@ -217,7 +215,6 @@ class RunConfig:
     return_state: bool = False
     progress: bool = False
     log_every: int = 10
-    flush_every_wave: bool = False
     precision: str = ""
     on_nonfinite: str = "stop"
 

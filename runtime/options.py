@@ -24,14 +24,15 @@ if TYPE_CHECKING:
 
 OPTIMIZERS = ("sgd", "adam")
 """The stages' optimizers (:class:`runtime.config.OptimizerConfig`)."""
-SCHEDULES = ("constant", "step", "cosine", "warmup")
+LR_SCHEDULES = ("constant", "step", "cosine", "warmup")
 """The learning-rate schedules (:class:`runtime.config.OptimizerConfig`)."""
 
 __all__ = [
+    "LR_SCHEDULES",
     "OPTIMIZERS",
     "OPTIONS",
     "PLAN_OPTIONS",
-    "SCHEDULES",
+    "RENAMED",
     "Option",
     "Range",
     "add_arguments",
@@ -111,6 +112,7 @@ OPTIONS: Mapping[str, Option] = MappingProxyType(
         "vw": Option("--vw", -1, "run only this virtual worker of the plan (-1 = all, through its synchronisation rule)", Range(-1)),
         "staleness": Option("--D", None, "WSP clock-distance threshold D (default: the plan's)", Range(0)),
         "checkpoint_every": Option("--checkpoint-every", CHECKPOINT_EVERY, "checkpoint every K global clocks into --out/checkpoints (0 = never)", Range(0)),
+        "keep": Option("--keep", 2, "committed snapshots kept in --out/checkpoints (0 = every one: weights at fixed clocks to evaluate after the run)", Range(0)),
         "on_failure": Option("--on-failure", "stop", "stop: a failed process ends the run; restart: restart a failed stage's VW alone where the shards cut it (the others wait there) and a failed shard's whole job from its last snapshot, up to --max-restarts times, then evict a failed VW (under torchrun: torchrun's own --max-restarts, whole group); continue: evict a failed VW and go on with the others (a failed shard still stops the run)", choices=("stop", "restart", "continue")),
         "max_restarts": Option("--max-restarts", 3, "restarts allowed with --on-failure restart", Range(0)),
         "overwrite": Option("--overwrite", False, "replace another run's outputs in --out"),
@@ -118,7 +120,7 @@ OPTIONS: Mapping[str, Option] = MappingProxyType(
         "lr": Option("--lr", 0.05, "learning rate", Range(0, open_low=True)),
         "momentum": Option("--momentum", 0.0, "SGD momentum", Range(0, 1)),
         "weight_decay": Option("--weight-decay", 0.0, "weight decay", Range(0)),
-        "schedule": Option("--schedule", "constant", "lr schedule: constant, step, cosine, warmup", choices=SCHEDULES),
+        "lr_schedule": Option("--lr-schedule", "constant", "learning-rate schedule: constant, step, cosine, warmup", choices=LR_SCHEDULES),
         "remedy": Option("--remedy", "none", "staleness remedy of each stage's update: none, predict (weight prediction, SGD) or pipemare (per-stage lr warm-up by the delay)", choices=("none", "predict", "pipemare")),
         "remedy_warmup": Option("--remedy-warmup", 100, "updates of PipeMare's lr warm-up (--remedy pipemare)", Range(0)),
         "timeout": Option("--timeout", TIMEOUT_S, "seconds before a stuck process-group operation fails", Range(0, 10**6, open_low=True)),
@@ -142,6 +144,10 @@ PLAN_OPTIONS: Mapping[str, Option] = MappingProxyType(
 """The planning options of ``hetpipe plan`` that are data too: plain values, checked by
 :func:`check_values` with the table given, before anything is planned. They are not run
 options (torchrun runs a plan, it does not choose one), so not in :data:`OPTIONS`."""
+RENAMED: Mapping[str, str] = MappingProxyType({"schedule": "lr_schedule"})
+"""Old parameter name -> its option's name now: both entries still parse the old flag
+(``--schedule``, hidden) and :func:`check_values` refuses it naming the new one (``--schedule``
+would now read as the pipeline schedule, the plan's ``schedule``)."""
 
 
 def check_number(flag: str, value: float | None, allowed: Range, default: object = None) -> None:
@@ -171,6 +177,14 @@ def check_values(values: Mapping[str, Any], table: Mapping[str, Option] = OPTION
     """
     from profiler.errors import ConfigError, shown
 
+    for old, new in RENAMED.items():
+        if values.get(old) is not None:
+            flag = OPTIONS[new].flag
+            raise ConfigError(
+                f"--{old.replace('_', '-')} {shown(values[old], 40)}: the learning-rate schedule "
+                f"is now {flag} (a plan's schedule is its pipeline schedule); give "
+                f"{flag} {shown(values[old], 40)}"
+            )
     for name, opt in table.items():
         if name not in values:
             continue
@@ -190,6 +204,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             kind = int if opt.default is None else type(opt.default)
             parser.add_argument(opt.flag, dest=name, type=kind, default=opt.default, help=opt.help)
+    for old in RENAMED:  # refused by check_values, naming the new flag
+        parser.add_argument(f"--{old.replace('_', '-')}", dest=old, help=argparse.SUPPRESS)
 
 
 def run_spec(
@@ -220,7 +236,7 @@ def run_spec(
     v = values
     check_values(v)  # ranges, and --on-failure among stop, restart, continue
     opt = OptimizerConfig(name=v["optimizer"], lr=v["lr"], momentum=v["momentum"],
-                          weight_decay=v["weight_decay"], schedule=v["schedule"],
+                          weight_decay=v["weight_decay"], lr_schedule=v["lr_schedule"],
                           remedy=v["remedy"], remedy_warmup=v["remedy_warmup"])  # fmt: skip
     run = RunConfig(steps=v["steps"], epochs=v["epochs"], time_limit_s=v["time_limit"],
                     seed=v["seed"], nm=v["nm"], out_dir=out, timeout_s=v["timeout"],
@@ -233,6 +249,7 @@ def run_spec(
         resume_clock=resume[2] if resume is not None else None,
         overwrite=v["overwrite"],
         resume_hint=resume_hint,
+        keep=v["keep"],
     )
     return RunSpec(run, opt, DataConfig(ref=v["data"]), SyncConfig(D=v["staleness"]), checkpoints,
                    FailurePolicy(v["on_failure"], v["max_restarts"]), vw=v["vw"])  # fmt: skip

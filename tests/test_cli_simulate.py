@@ -47,9 +47,13 @@ def test_simulate_writes_table_gantt_and_trace(tmp_path: Path) -> None:
     cats = {e.get("cat") for e in doc["traceEvents"] if e["ph"] == "X"}
     assert {"F", "B", "FB", "recv"} <= cats
     assert all(e["dur"] >= 0 for e in doc["traceEvents"] if e["ph"] == "X")
-    res = CliRunner().invoke(app, [*args[:4], *args[6:], "--gantt", str(svg)])
+    res = CliRunner().invoke(app, [*args[:4], *args[6:], "--gantt", str(svg), "--actions"])
     assert res.exit_code == 0, res.output
     assert "<svg" in svg.read_text()[:2000]
+    assert "schedule hetpipe" in res.output
+    # Nm = 4 on four stages: stage 0 fills the pipeline, then one in as one completes
+    assert "stage 0: F1 F2 F3 F4 B1 F5 " in res.output
+    assert "stage 3: FB1 FB2 FB3 FB4 FB5 FB6 FB7 FB8\n" in res.output
 
 
 def test_simulate_errors_are_one_line(tmp_path: Path) -> None:

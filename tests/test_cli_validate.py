@@ -36,6 +36,7 @@ RUN_BAD = [
     ("--time-limit", "nan", ">= 0"),
     ("--time-limit", "-inf", ">= 0"),
     ("--checkpoint-every", "-1", "whole number >= 0"),
+    ("--keep", "-1", "whole number >= 0"),
     ("--max-restarts", "-1", "whole number >= 0"),
     ("--remedy-warmup", "-5", "whole number >= 0"),
     ("--steps", "-1", "whole number >= 0"),
@@ -125,7 +126,7 @@ def test_torchrun_entry_refuses_the_same_numbers(
 
 CHOICES_BAD = [
     ("--optimizer", "lamb", "use one of sgd, adam"),
-    ("--schedule", "linear", "use one of constant, step, cosine, warmup"),
+    ("--lr-schedule", "linear", "use one of constant, step, cosine, warmup"),
     ("--on-failure", "retry", "use one of stop, restart, continue"),
     ("--remedy", "spectrain", "use one of none, predict, pipemare"),
     ("--precision", "fp16", "use one of fp32, bf16"),
@@ -159,6 +160,31 @@ def test_plan_refuses_an_unknown_choice(flag: str, value: str, fix: str) -> None
     res = CliRunner().invoke(app, ["plan", CLUSTER, flag, value])
     assert res.exit_code == 2, res.output
     assert res.output.strip() == f"error: {flag} {value!r}: {fix}", res.output
+
+
+def test_the_old_schedule_flag_names_lr_schedule(caplog: pytest.LogCaptureFixture) -> None:
+    """``--schedule`` was the lr schedule; it would now read as the pipeline schedule."""
+    from runtime.__main__ import main
+
+    fix = (
+        "--schedule 'cosine': the learning-rate schedule is now --lr-schedule (a plan's "
+        "schedule is its pipeline schedule); give --lr-schedule 'cosine'"
+    )
+    res = CliRunner().invoke(app, ["run", CLUSTER, "--schedule", "cosine"])
+    assert res.exit_code == 2, res.output
+    assert res.output.strip() == f"error: {fix}", res.output
+    assert main([CLUSTER, "--schedule", "cosine"]) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors == [fix]
+
+
+def test_train_refuses_the_old_schedule_keyword() -> None:
+    """``hetpipe.train(schedule=...)`` is refused like ``--schedule``, naming ``--lr-schedule``."""
+    import hetpipe
+    from profiler.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="is now --lr-schedule"):
+        hetpipe.train("mlp", schedule="cosine")
 
 
 @pytest.mark.usefixtures("nothing_read")

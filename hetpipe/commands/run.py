@@ -18,7 +18,7 @@ from planner.on_the_fly import PlanRequest
 from planner.plan import Plan
 from planner.plan_file import load_plan, load_plan_or_cluster
 from profiler.errors import ConfigError, shown
-from runtime.options import OPTIONS, Range, check_number
+from runtime.options import OPTIONS, RENAMED, Range, check_number
 
 if TYPE_CHECKING:
     from runtime.data_source import RunData
@@ -131,6 +131,7 @@ def run(  # long only by its typer signature (the command's options); the body i
     vw: Annotated[int, _opt("vw")] = OPT["vw"].default,
     staleness: Annotated[int | None, _opt("staleness")] = OPT["staleness"].default,
     checkpoint_every: Annotated[int, _opt("checkpoint_every")] = OPT["checkpoint_every"].default,
+    keep: Annotated[int, _opt("keep")] = OPT["keep"].default,
     on_failure: Annotated[str, _opt("on_failure")] = OPT["on_failure"].default,
     max_restarts: Annotated[int, _opt("max_restarts")] = OPT["max_restarts"].default,
     overwrite: Annotated[bool, _opt("overwrite")] = OPT["overwrite"].default,
@@ -138,7 +139,8 @@ def run(  # long only by its typer signature (the command's options); the body i
     lr: Annotated[float, _opt("lr")] = OPT["lr"].default,
     momentum: Annotated[float, _opt("momentum")] = OPT["momentum"].default,
     weight_decay: Annotated[float, _opt("weight_decay")] = OPT["weight_decay"].default,
-    schedule: Annotated[str, _opt("schedule")] = OPT["schedule"].default,
+    lr_schedule: Annotated[str, _opt("lr_schedule")] = OPT["lr_schedule"].default,
+    schedule: Annotated[str | None, typer.Option("--schedule", hidden=True)] = None,
     remedy: Annotated[str, _opt("remedy")] = OPT["remedy"].default,
     remedy_warmup: Annotated[int, _opt("remedy_warmup")] = OPT["remedy_warmup"].default,
     timeout: Annotated[float, _opt("timeout")] = OPT["timeout"].default,
@@ -151,7 +153,7 @@ def run(  # long only by its typer signature (the command's options); the body i
     from runtime.options import check_values, run_spec
     from runtime.persist.run_dir import resume_target
 
-    values = {name: value for name, value in locals().items() if name in OPTIONS}
+    values = {name: value for name, value in locals().items() if name in OPTIONS or name in RENAMED}
     check_values(values)  # every number in range before anything is read, planned or started
     for flag, value in (("--batch-size", batch_size), ("--stages", stages), ("--vws", vws)):
         check_number(flag, value, _PLANNING[flag])

@@ -50,6 +50,12 @@ def simulate(
             "baseline; needed for a plan whose model hetpipe cannot build (imported profiles)",
         ),
     ] = None,
+    actions: Annotated[
+        bool,
+        typer.Option(
+            "--actions", help="print each stage's simulated task order of the first two waves"
+        ),
+    ] = False,
 ) -> None:
     """Simulate ``PLAN`` and print the prediction."""
     from planner.sim.simulator import simulate as run_simulation
@@ -70,17 +76,35 @@ def simulate(
         by_type = _analytic_profiles(plan)
         source = "analytic profiles" if by_type else "estimated from the plan"
     any_profile = next(iter(by_type.values()), None)
-    record = gantt is not None or trace is not None
+    record = gantt is not None or trace is not None or actions
     res = run_simulation(plan, waves=waves, profile=any_profile, record_trace=record)
     title = (
         f"{plan.model} (batch {plan.batch_size}), policy {plan.policy}, Nm={plan.nm}, D={plan.D}, "
-        f"placement {plan.placement}: {len(plan.virtual_workers)} VWs, {waves} waves"
+        f"schedule {plan.schedule}, placement {plan.placement}: {len(plan.virtual_workers)} VWs, "
+        f"{waves} waves"
     )
     _show(plan, res, title)
+    if actions:
+        _show_actions(plan, res)
     _show_rules(plan, waves, any_profile)
     if baseline == "allreduce":
         _show_baseline(plan, res, by_type, waves, source)
     _pictures(plan, res, title, waves, gantt, trace)
+
+
+def _show_actions(plan: Plan, res: SimResult, waves: int = 2) -> None:
+    """Each VW's simulated task order per stage over its first ``waves`` waves, printed as the
+    schedule's action lists are (:func:`planner.schedule.format_actions`)."""
+    from planner.schedule import Kind, Task, format_actions
+
+    last = waves * plan.nm
+    for i, vw in enumerate(plan.virtual_workers):
+        per_stage: list[list[Task]] = [[] for _ in vw.stages]
+        for e in res.trace:  # in start order
+            if e.vw == i and e.stage >= 0 and e.cat in ("F", "B", "FB") and e.mb <= last:
+                per_stage[e.stage].append(Task(e.stage, Kind(e.cat), e.mb))
+        console.print(f"VW {vw.id}, schedule {escape(plan.schedule)}, waves 0-{waves - 1}:")
+        console.print(escape(format_actions(per_stage)), soft_wrap=True)
 
 
 def _checked_profiles(plan: Plan, path: Path, paths: list[Path]) -> dict[str, Profile]:

@@ -5,7 +5,7 @@ cost model's memory, :class:`planner.costmodel.CostModel`)::
 
     mem(p, q) = mp_k[q] - mp_k[p] + c_k * cut[p],   mp_k = a * params + buffers + s_k * saved (prefix sums)
 
-with ``k = in_flight_bound(j, K, Nm)`` and ``a, s_k, c_k`` the multipliers of the cost model's
+with ``k = cm.in_flight(j, K, Nm)`` and ``a, s_k, c_k`` the multipliers of the cost model's
 memory placement (:func:`planner.offload.coefficients`; all-keep: ``s_k = c_k = k``). For a fixed start ``p`` it
 is non-decreasing in ``q``, so the ends that fit form an interval ``(p, qmax(p)]``. Memory does
 not depend on links, so whether the first ``j`` stages can end at ``q`` depends only on the
@@ -30,7 +30,6 @@ import numpy as np
 from planner.cluster import Device
 from planner.costmodel import CostModel
 from planner.offload import host_coefficients
-from planner.schedule import in_flight_bound
 from profiler.errors import PlanError
 
 __all__ = [
@@ -150,7 +149,7 @@ def _reach_layers(
     start[0] = True
     layers: list[dict[tuple[int, ...], np.ndarray]] = [{tuple(0 for _ in counts): start}]
     for j in range(n_gpus):
-        k = in_flight_bound(j, n_gpus, nm)
+        k = cm.in_flight(j, n_gpus, nm)
         room = c - (n_gpus - 1 - j)  # later stages need one segment each
         nxt: dict[tuple[int, ...], np.ndarray] = {}
         for used, reach in layers[-1].items():
@@ -210,7 +209,7 @@ def feasible_order(cm: CostModel, gpus: Sequence[Device], nm: int) -> list[Devic
         return None
     q, classes = c, []
     for j in range(n_gpus - 1, -1, -1):
-        k = in_flight_bound(j, n_gpus, nm)
+        k = cm.in_flight(j, n_gpus, nm)
         for t, n in enumerate(used):
             prev = tuple(u - (i == t) for i, u in enumerate(used))
             if not n or prev not in layers[j]:

@@ -44,7 +44,6 @@ from planner.costmodel import CostModel
 from planner.offload import host_coefficients, recompute_factor, transfer_coefficients
 from planner.partition.bounds import EPS, classes, reach_table, windows
 from planner.partition.dp import InfeasiblePartition, class_key
-from planner.schedule import in_flight_bound
 from profiler.errors import PlanError
 
 __all__ = ["MilpModel"]
@@ -201,7 +200,7 @@ class MilpModel:
         for j in range(self.k):
             comm_in = self.y[j - 1] if j > 0 else 0.0
             comm_out = self.y[j] if j < self.k - 1 else 0.0
-            rf = recompute_factor(cm.placement, in_flight_bound(j, self.k, self.nm))
+            rf = recompute_factor(cm.placement, self.cm.in_flight(j, self.k, self.nm))
             seg_j = [s + rf * f for s, f in zip(seg, fwd, strict=True)] if rf else seg
             self.prob += self.z >= self._stage_compute(j, seg_j) + comm_in + comm_out
             host = self._host_ms(j)
@@ -218,7 +217,7 @@ class MilpModel:
         """Host-link ms of stage ``j``'s transfer bytes on its class's share of the link
         (``None``: the placement moves nothing there)."""
         cm = self.cm
-        k = in_flight_bound(j, self.k, self.nm)
+        k = self.cm.in_flight(j, self.k, self.nm)
         tc = transfer_coefficients(cm.placement, self.nm, k, cm.optimizer_state_factor)
         if tc.zero:
             return None
@@ -348,7 +347,7 @@ class MilpModel:
         cut = cm.cut_bytes / _GIB
         hosts = [cm.host_share(r).memory_bytes / _GIB for r in self.cls.reps]
         for j in range(self.k):
-            k = in_flight_bound(j, self.k, self.nm)
+            k = self.cm.in_flight(j, self.k, self.nm)
             co = cm.coefficients(k, self.nm)
             need = self.stage_sum(j, co.param * par + buf + co.saved * sav)
             need = need + co.cut * (self.boundary_sum(j - 1, cut) if j > 0 else float(cut[0]))

@@ -19,7 +19,6 @@ from planner.cluster import Device, Link
 from planner.costmodel import CostModel
 from planner.partition.bounds import classes
 from planner.partition.memory import MemoryLimits
-from planner.schedule import in_flight_bound
 from profiler.errors import PlanError
 
 __all__ = ["SearchTables", "State"]
@@ -125,11 +124,11 @@ class SearchTables:
             return np.full(self.c + 1, self.c, dtype=np.int64)
         rep = self.cls.reps[u]
         host = self.cm.host_share(rep).memory_bytes
-        return self.mem.qmax(float(rep.memory_bytes), in_flight_bound(j, self.k, self.nm), host)
+        return self.mem.qmax(float(rep.memory_bytes), self.cm.in_flight(j, self.k, self.nm), host)
 
     def busy(self, u: int, j: int, p: np.ndarray, q: np.ndarray) -> np.ndarray:
         """Busy ms of stage ``j`` on class ``u`` over ``[p, q)`` (:meth:`CostModel.busy_ms`)."""
-        k = in_flight_bound(j, self.k, self.nm)
+        k = self.cm.in_flight(j, self.k, self.nm)
         return self.cm.busy_ms(self.cls.reps[u], k, self.nm, p, q)
 
     def largest(self, st: State) -> np.ndarray:

@@ -1,9 +1,9 @@
 """The simulator's event loop: pipelines inside virtual workers plus WSP across them.
 
-It executes exactly the rules the runtime executes, imported from the same modules:
-:class:`planner.schedule.StageQueue` (paper Sec. 4) on every GPU and
-:func:`planner.wsp.required_global_clock` / :class:`planner.wsp.GlobalClock` (Sec. 5) for
-admission. Times are milliseconds inside the simulator; results report seconds and samples/s.
+It executes exactly the rules the runtime executes, imported from the same modules: the
+plan's :class:`planner.schedule.Schedule` (paper Sec. 4: the task order of every GPU and how
+many minibatches enter a pipeline) and :func:`planner.wsp.required_global_clock` /
+:class:`planner.wsp.GlobalClock` (Sec. 5) for admission. Times are milliseconds inside the simulator; results report seconds and samples/s.
 
 Model (one event heap, O(log n) per event; see docs/simulator.md, *Scale*, for the cost):
 
@@ -18,8 +18,9 @@ Model (one event heap, O(log n) per event; see docs/simulator.md, *Scale*, for t
   every VW) for a transfer to another node. A link carries one transfer at a time, first
   come first served; when it is busy the receiver waits. Specs without ``nodes`` give every
   GPU its own card (no sharing).
-- **Admission**: a VW admits minibatch ``p`` into stage 0 when fewer than ``Nm`` are in flight
-  (admitted, stage-0 backward not finished) and its pulled global clock is at least
+- **Admission**: a VW admits minibatch ``p`` into stage 0 when its schedule lets one more in
+  (:meth:`~planner.schedule.Schedule.admissible`; ``hetpipe``: fewer than ``Nm`` in flight,
+  i.e. admitted with stage-0 backward not finished) and its pulled global clock is at least
   :func:`~planner.wsp.required_global_clock`.
 - **WSP**: when stage ``s`` finishes the backward of a wave's last minibatch it pushes its
   aggregated update to the parameter-server shards: ``push_ms[s]`` (shards on its node) on
@@ -44,7 +45,7 @@ from collections.abc import Sequence
 from itertools import count
 from typing import Any
 
-from planner.schedule import Kind, Task
+from planner.schedule import HETPIPE, Kind, Schedule, Task
 from planner.sim.state import NO_LINK, Links, VWState
 from planner.sim.types import (
     PipelineSpec,
@@ -69,10 +70,17 @@ class _Sim:
     """The event loop (private; use :func:`simulate_pipelines`)."""
 
     def __init__(
-        self, specs: Sequence[PipelineSpec], nm: int, D: int, waves: int, record: bool
+        self,
+        specs: Sequence[PipelineSpec],
+        nm: int,
+        D: int,
+        waves: int,
+        record: bool,
+        schedule: Schedule,
     ) -> None:
         self.links = Links()
-        self.vws = [VWState(s.validated(), v, self.links) for v, s in enumerate(specs)]
+        self.schedule = schedule
+        self.vws = [VWState(s.validated(), v, self.links, schedule) for v, s in enumerate(specs)]
         self.nm, self.D, self.total = nm, D, waves * nm
         self.clock = GlobalClock(len(self.vws))
         # (time ms, sequence number, event code, VW, stage, task/wave/version): ties in time
@@ -127,7 +135,10 @@ class _Sim:
     # ---------------------------------------------------------------- admission and WSP
 
     def _admit(self, w: VWState, now: float) -> None:
-        while w.admitted < self.total and w.in_flight < self.nm and not w.pulling:
+        n = self.schedule.admissible(w.admitted, w.admitted - w.in_flight, self.nm, self.total)
+        for _ in range(n):
+            if w.pulling:
+                break
             mb = w.admitted + 1
             need = required_global_clock(mb, self.nm, self.D)
             if need > w.pulled:
@@ -279,6 +290,7 @@ def simulate_pipelines(
     waves: int = 20,
     batch_size: int = 1,
     record_trace: bool = False,
+    schedule: Schedule = HETPIPE,
 ) -> SimResult:
     """Simulate virtual workers given as plain per-stage times (the low-level entry).
 
@@ -289,6 +301,7 @@ def simulate_pipelines(
         waves: waves each VW runs (>= 2; wave 0 is warm-up).
         batch_size: samples per minibatch (throughput is in samples/s).
         record_trace: keep every interval in ``SimResult.trace`` (for Gantt charts).
+        schedule: the pipeline schedule every VW runs.
 
     Raises:
         PlanError: no VW, ``nm < 1``, ``D < 0``, ``waves < 2`` or an invalid spec.
@@ -297,7 +310,7 @@ def simulate_pipelines(
         raise PlanError("nothing to simulate: the plan has no virtual workers")
     if nm < 1 or D < 0 or waves < 2:
         raise PlanError(f"need nm >= 1, D >= 0 and waves >= 2 (got nm={nm}, D={D}, waves={waves})")
-    sim = _Sim(specs, nm, D, waves, record_trace)
+    sim = _Sim(specs, nm, D, waves, record_trace, schedule)
     sim.run()
     res = sim.result(batch_size)
     log.debug(

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from planner.offload import host_link_ms
 from planner.plan import Plan, StagePlan, VirtualWorker
 from planner.predict import AllReduceResult, ring_link, simulate_allreduce
+from planner.schedule import schedule_named
 from planner.sim.engine import simulate_pipelines
 from planner.sim.types import PipelineSpec, SimResult
 from profiler.errors import PlanError
@@ -137,7 +138,7 @@ def simulate(
     """Simulate ``plan`` for ``waves`` waves per virtual worker.
 
     Args:
-        plan: the plan (its Nm, D, stages, shards and cluster are used as they are).
+        plan: the plan (its Nm, D, schedule, stages, shards and cluster are used as they are).
         waves: waves per VW (>= 2; wave 0 is warm-up and not measured).
         profile: optional profile of the model (any GPU type) for exact shard traffic.
         record_trace: keep every interval for Gantt charts and Chrome traces.
@@ -145,8 +146,10 @@ def simulate(
     Raises:
         PlanError: invalid plan or ``waves < 2``.
     """
+    specs = pipeline_specs(plan, profile)
+    schedule = schedule_named(plan.schedule)
     return simulate_pipelines(
-        pipeline_specs(plan, profile), plan.nm, plan.D, waves, plan.batch_size, record_trace
+        specs, plan.nm, plan.D, waves, plan.batch_size, record_trace, schedule
     )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from array import array
 
-from planner.schedule import StageQueue
+from planner.schedule import Schedule
 from planner.sim.types import PipelineSpec
 
 __all__ = ["NO_LINK", "Links", "StageState", "VWState"]
@@ -62,7 +62,15 @@ class StageState:
         "starts",
     )
 
-    def __init__(self, spec: PipelineSpec, v: int, s: int, links: Links, own: list[int]) -> None:
+    def __init__(
+        self,
+        spec: PipelineSpec,
+        v: int,
+        s: int,
+        links: Links,
+        own: list[int],
+        schedule: Schedule,
+    ) -> None:
         n, nodes = spec.n_stages, spec.nodes
 
         def sender(src: int, recv: float) -> int:
@@ -71,7 +79,7 @@ class StageState:
                 return NO_LINK
             return links.card(nodes[src]) if nodes and nodes[src] != nodes[s] else own[src]
 
-        self.queue = StageQueue(s, n)
+        self.queue = schedule.queue(s, n)
         self.forward_kind = self.queue.forward_kind
         self.own_link = own[s]
         inter = spec.push_inter_ms
@@ -123,13 +131,13 @@ class VWState:
         "waits",
     )
 
-    def __init__(self, spec: PipelineSpec, v: int, links: Links) -> None:
+    def __init__(self, spec: PipelineSpec, v: int, links: Links, schedule: Schedule) -> None:
         n = spec.n_stages
         self.v = v
         self.spec = spec
         self.n = n
         own = links.new(n)
-        self.stages = [StageState(spec, v, s, links, own) for s in range(n)]
+        self.stages = [StageState(spec, v, s, links, own, schedule) for s in range(n)]
         self.admitted = 0
         self.in_flight = 0
         self.pulled = 0  # global clock held locally

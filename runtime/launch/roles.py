@@ -64,6 +64,7 @@ def stage_contexts(
                 host_cap_bytes=plan.cluster.host_memory_bytes(gpu.node),
                 straggle=_straggle(plan, gpu.node) if speed > 0 else NO_STRAGGLE,
                 gpu_type=gpu.type,
+                schedule=plan.schedule,
             )
         )
     return out

@@ -51,11 +51,12 @@ _OUTPUTS = (RUN_FILE, "checkpoints", "weights.pt", "summary.json")
 _FLAGS = {
     "nm": "--nm", "D": "--D", "seed": "--seed", "model": "--model", "plan": "the plan file",
     "optimizer.name": "--optimizer", "optimizer.lr": "--lr", "optimizer.momentum": "--momentum",
-    "optimizer.weight_decay": "--weight-decay", "optimizer.schedule": "--schedule",
+    "optimizer.weight_decay": "--weight-decay", "optimizer.lr_schedule": "--lr-schedule",
     "optimizer.remedy": "--remedy", "optimizer.remedy_warmup": "--remedy-warmup",
     "schedule_horizon": "--steps/--epochs (the cosine schedule's horizon)",
     "precision": "--precision",
 }  # fmt: skip
+_RENAMED = {"optimizer.schedule": "optimizer.lr_schedule"}  # as older snapshots name them
 
 
 class RunOwner(Protocol):
@@ -230,7 +231,7 @@ def job_settings(
     plan = hashlib.sha256(plan_json.encode()).hexdigest()[:16]
     out = {"model": model, "plan": plan, "nm": str(nm), "D": str(D), "seed": str(seed),
            "test_fraction": repr(test_fraction), "data": data, "precision": dtype_name(precision or "fp32"), **opt}  # fmt: skip
-    if getattr(optimizer, "schedule", "") == "cosine":
+    if getattr(optimizer, "lr_schedule", "") == "cosine":
         out["schedule_horizon"] = str(optimizer.total_updates or horizon)
     return tuple(sorted(out.items()))
 
@@ -241,6 +242,7 @@ def check_settings(where: str, snapshot: dict[str, str], now: tuple[tuple[str, s
     Raises:
         ConfigError: ``<where>: <field> is <now> but the snapshot was taken with <then>``.
     """
+    snapshot = {_RENAMED.get(name, name): value for name, value in snapshot.items()}
     for name, value in now:
         then = snapshot.get(name)
         if then is not None and then != value:

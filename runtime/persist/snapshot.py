@@ -104,7 +104,7 @@ class SnapshotSpec:
         parts: every part a snapshot needs (``shard-<id>``, ``vw<k>-stage<s>``).
         settings: the settings that change the result, recorded in each manifest.
         every: snapshot each time the global clock reaches a multiple of this (and at the end).
-        keep: committed snapshots kept (>= 1).
+        keep: committed snapshots kept (0: every one).
         fault: test hook (:class:`WriteFault`).
     """
 
@@ -232,13 +232,13 @@ def committed_clocks(directory: Path) -> list[int]:
 
 
 def prune(directory: Path, keep: int) -> None:
-    """Keep the ``keep`` newest committed snapshots; remove older ones and incomplete folders
-    older than the oldest kept one (never the newest committed snapshot, never a folder
-    newer than it)."""
+    """Keep the ``keep`` newest committed snapshots (0: every one); remove older ones and
+    incomplete folders older than the oldest kept one (never the newest committed snapshot,
+    never a folder newer than it)."""
     committed = committed_clocks(directory)
     if not committed:
         return
-    kept = committed[-max(1, keep) :]
+    kept = committed[-keep:] if keep > 0 else committed
     for clock, d in _clock_dirs(directory).items():
         if clock < kept[0] or (clock < kept[-1] and clock not in committed):
             shutil.rmtree(d, ignore_errors=True)

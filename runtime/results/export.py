@@ -25,7 +25,7 @@ from runtime.ps.layout import ShardSpec
 from runtime.results.run_result import RunResult, evaluate, model_keys
 from runtime.results.whole_state import merge_buffers
 
-__all__ = ["export_snapshot"]
+__all__ = ["export_snapshot", "snapshot_result"]
 
 log = logging.getLogger(__name__)
 
@@ -47,22 +47,40 @@ def export_snapshot(
     Raises:
         HetPipeRuntimeError: a part is corrupt or not the model's (names the file).
     """
-    states = tuple(
-        shard_from_payload(load_part(manifest, f"shard-{s.id}"), manifest.path / f"shard-{s.id}.pt")
-        for s in specs
-    )
-    replicas = None if specs else _replica_state(manifest, plan)
-    result = RunResult((), nm, D, states, tuple(() for _ in specs), tuple(specs), 0.0,
-                       plan.predicted.throughput, exported_from=str(manifest.path),
-                       sync=plan.sync, sync_params=plan.sync_params,
-                       exported_state=replicas, keys=model_keys(source, plan.batch_size),
-                       exported_buffers=_snapshot_buffers(manifest, plan))  # fmt: skip
+    result = snapshot_result(manifest, plan, source, specs, nm, D)
     acc, loss = evaluate(source, plan.batch_size, run.seed, result.state_dict(), test)
     result = dataclasses.replace(result, test_accuracy=acc, test_loss=loss)
     if run.out_dir is not None:
         result.save(run.out_dir)
     log.info("outputs written from the snapshot %s (clock %d)", manifest.path, manifest.clock)
     return result
+
+
+def snapshot_result(
+    manifest: Manifest,
+    plan: Plan,
+    source: ModelSource,
+    specs: Sequence[ShardSpec],
+    nm: int,
+    D: int,
+) -> RunResult:
+    """A snapshot as a run's result, not yet evaluated: its
+    :meth:`~runtime.results.run_result.RunResult.state_dict` is the model at the snapshot's
+    clock under the user's module's names (``specs``: the shards'; none: AllReduce).
+
+    Raises:
+        HetPipeRuntimeError: a part is corrupt or not the model's (names the file).
+    """
+    states = tuple(
+        shard_from_payload(load_part(manifest, f"shard-{s.id}"), manifest.path / f"shard-{s.id}.pt")
+        for s in specs
+    )
+    replicas = None if specs else _replica_state(manifest, plan)
+    return RunResult((), nm, D, states, tuple(() for _ in specs), tuple(specs), 0.0,
+                     plan.predicted.throughput, exported_from=str(manifest.path),
+                     sync=plan.sync, sync_params=plan.sync_params,
+                     exported_state=replicas, keys=model_keys(source, plan.batch_size),
+                     exported_buffers=_snapshot_buffers(manifest, plan))  # fmt: skip
 
 
 def _replica_state(manifest: Manifest, plan: Plan) -> dict[str, Tensor]:

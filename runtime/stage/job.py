@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from planner.schedule import DEFAULT_SCHEDULE
 from planner.straggle import NO_STRAGGLE, Straggle
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.data import MinibatchSource, default_dataset
@@ -45,6 +46,7 @@ class StageContext:
             ``straggle.slowdown(vw, c)`` times longer (:mod:`planner.straggle`).
         gpu_type: the cluster's type of the device (``V100``; ``CPU``: computes on the host;
             ``""``: unknown), for :meth:`torch_device`.
+        schedule: the plan's pipeline schedule (:data:`planner.schedule.SCHEDULES`).
     """
 
     rank: int
@@ -65,6 +67,7 @@ class StageContext:
     host_cap_bytes: int = 0
     straggle: Straggle = NO_STRAGGLE
     gpu_type: str = ""
+    schedule: str = DEFAULT_SCHEDULE
 
     @property
     def emulated(self) -> bool:

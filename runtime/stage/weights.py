@@ -39,12 +39,12 @@ def lr_at(cfg: OptimizerConfig, update: int, total_updates: int = 0) -> float:
         update: number of updates applied before this one.
         total_updates: run length, used by ``cosine`` when ``cfg.total_updates`` is 0.
     """
-    if cfg.schedule == "step":
+    if cfg.lr_schedule == "step":
         return cfg.lr * cfg.gamma ** (update // max(1, cfg.step_size))
-    if cfg.schedule == "cosine":
+    if cfg.lr_schedule == "cosine":
         horizon = cfg.total_updates or total_updates or 1
         return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * min(update, horizon) / horizon))
-    if cfg.schedule == "warmup" and update < cfg.warmup:
+    if cfg.lr_schedule == "warmup" and update < cfg.warmup:
         return cfg.lr * (update + 1) / cfg.warmup
     return cfg.lr
 

@@ -1,10 +1,10 @@
 """The stage worker: one process running one pipeline stage of one virtual worker.
 
 It builds only its stage (:func:`runtime.stage.model.build_stage`), then executes the tasks in the
-order :class:`planner.schedule.StageQueue` gives (paper Sec. 4): ``F(p)`` after ``F(p-1)``,
-``B(p)`` after ``B(p-1)``, FIFO among ready tasks, the last stage runs ``FB(p)``. Stage 0
-admits a new minibatch each time one completes its backward pass, so at most ``Nm`` are in
-flight. Weights follow :class:`runtime.stage.weights.VersionedWeights` (exact local staleness).
+order the plan's :class:`planner.schedule.Schedule` gives (paper Sec. 4): ``F(p)`` after
+``F(p-1)``, ``B(p)`` after ``B(p-1)``, FIFO among ready tasks, the last stage runs ``FB(p)``.
+Stage 0 admits minibatches as the schedule says (``hetpipe``: one each time one completes its
+backward pass, so at most ``Nm`` are in flight). Weights follow :class:`runtime.stage.weights.VersionedWeights` (exact local staleness).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.func import functional_call
 
 from planner.nonfinite import Verdict
-from planner.schedule import Kind, StageQueue, Task
+from planner.schedule import Kind, Task, schedule_named
 from planner.wsp import wave_of
 from profiler.errors import HetPipeRuntimeError
 from profiler.memory import cuda_peak_bytes
@@ -91,7 +91,8 @@ class StageWorker:
             ctx.memory, ctx.where, ctx.cap_bytes, ctx.host_cap_bytes,
             self.weights.param_bytes, buffer_bytes, factor, list(self.module.buffers()),
         )  # fmt: skip
-        self.queue = StageQueue(ctx.stage, ctx.n_stages)
+        self.schedule = schedule_named(ctx.schedule)  # checked with the plan
+        self.queue = self.schedule.queue(ctx.stage, ctx.n_stages)
         self.inbox: queue.Queue[Event] = queue.Queue()
         self.held: dict[int, Held] = {}
         self.result = StageResult(ctx.rank, ctx.vw, ctx.stage, ctx.device)
@@ -176,7 +177,7 @@ class StageWorker:
         total = self.ctx.total_steps
         stop_sent = False
         if first:
-            self._admit(min(self.ctx.nm, total))
+            self._admit_more(total)
         while True:
             self._drain(block=False)
             if first:
@@ -220,17 +221,8 @@ class StageWorker:
             self._completed(task.mb)
 
     def _admit_more(self, total: int) -> None:
-        """Stage 0 after a backward: admit the next minibatch (the flushing baseline: the
-        next wave once the whole previous one drained)."""
-        if self._received >= total:
-            return
-        if not self.run_cfg.flush_every_wave:
-            self._admit(1)
-        elif self._b_done == self._received:
-            self._admit(min(self.ctx.nm, total - self._received))
-
-    def _admit(self, n: int) -> None:
-        """Stage 0: let ``n`` more minibatches into the pipeline."""
+        """Stage 0: let in the minibatches the schedule admits now (of ``total`` in all)."""
+        n = self.schedule.admissible(self._received, self._b_done, self.ctx.nm, total)
         for _ in range(n):
             self._received += 1
             self.queue.ready(Task(0, self.queue.forward_kind, self._received))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -269,6 +270,12 @@ BAD: list[tuple[str, Callable[[Doc], None], str]] = [
         r"model: 'mlp\n\x1b[31m' cannot be used: it is not printable text",
     ),
     ("version", _set("version", 99), "plan version 99 is not supported"),
+    (
+        "schedule",
+        _set("schedule", "gpipe"),
+        "schedule: unknown pipeline schedule 'gpipe'; choose one of hetpipe, flush",
+    ),
+    ("schedule_type", _set("schedule", 3), "schedule"),
     ("cluster", _set("cluster.nodes[0].count", 0), "cluster: nodes[0].count"),
 ]
 
@@ -294,6 +301,18 @@ def test_good_plan_round_trips_through_yaml_and_json(tmp_path: Path) -> None:
     validate_plan(plan)
     for name in ("plan.yaml", "plan.json"):
         assert load_plan(plan.save(tmp_path / name)).to_dict() == plan.to_dict()
+
+
+def test_schedule_is_recorded_by_name_and_old_files_have_hetpipes(tmp_path: Path) -> None:
+    flushed = dataclasses.replace(good_plan(), schedule="flush")
+    assert load_plan(flushed.save(tmp_path / "flush.yaml")).schedule == "flush"
+    doc = good_plan().to_dict()
+    assert doc["schedule"] == "hetpipe"
+    del doc["schedule"]  # a plan file written before the field
+    (tmp_path / "old.json").write_text(json.dumps(doc))
+    assert load_plan(tmp_path / "old.json").schedule == "hetpipe"
+    with pytest.raises(PlanError, match=r"^plan: schedule: unknown pipeline schedule 'gpipe'"):
+        validate_plan(dataclasses.replace(good_plan(), schedule="gpipe"))
 
 
 def test_plan_is_checked_against_the_model_layers() -> None:

@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import doctest
 import heapq
+import itertools
 import random
 
 import pytest
 
-from planner.schedule import Kind, StageQueue, Task, in_flight_bound
+import planner.schedule
+from planner.schedule import (
+    FLUSH,
+    HETPIPE,
+    SCHEDULES,
+    Kind,
+    Schedule,
+    StageQueue,
+    Task,
+    actions,
+    format_actions,
+    schedule_named,
+)
+from profiler.errors import PlanError
 
 
 def F(stage: int, mb: int) -> Task:
@@ -150,11 +165,11 @@ def test_one_task_at_a_time_and_errors() -> None:
 
 
 def test_in_flight_bound() -> None:
-    assert [in_flight_bound(s, 4, 4) for s in range(4)] == [4, 4, 4, 1]
-    assert [in_flight_bound(s, 3, 1) for s in range(3)] == [1, 1, 1]
-    assert in_flight_bound(0, 1, 5) == 1  # a single stage is the last stage
+    assert [HETPIPE.in_flight_bound(s, 4, 4) for s in range(4)] == [4, 4, 4, 1]
+    assert [HETPIPE.in_flight_bound(s, 3, 1) for s in range(3)] == [1, 1, 1]
+    assert HETPIPE.in_flight_bound(0, 1, 5) == 1  # a single stage is the last stage
     with pytest.raises(ValueError):
-        in_flight_bound(0, 4, 0)
+        HETPIPE.in_flight_bound(0, 4, 0)
 
 
 def test_paper_figure1_nm4_four_stages() -> None:
@@ -196,4 +211,112 @@ def test_rules_hold_under_random_timings() -> None:
             bw = [n for n in names if "B" in n and "FB" not in n]
             assert [int(n.split("F")[-1].lstrip("B")) for n in fw] == list(range(1, 11))
             assert [int(n.split("B")[-1]) for n in bw] == (list(range(1, 11)) if st < s - 1 else [])
-            assert peak[st] <= in_flight_bound(st, s, nm)
+            assert peak[st] <= HETPIPE.in_flight_bound(st, s, nm)
+
+
+# ---------------------------------------------------------------- named schedules
+#
+# Rules checked on the action lists of :func:`actions`, one process, no clocks:
+#   S1. every stage runs every minibatch once: forwards in order, backwards in order;
+#   S2. a stage never holds more than its schedule's in-flight bound (at most Nm);
+#   S3. hetpipe, equal stages, Nm <= stages: stage 0 runs min(Nm, total) forwards, then a
+#       backward and a forward in turn (1F1B: one in as one completes), then the last backwards
+#       (flush does not, once a second wave has to wait);
+#   S4. flush: no stage starts a minibatch of wave k + 1 before its backward of wave k's last.
+
+
+def _cases() -> list[tuple[int, int, int, float]]:
+    """``(stages, Nm, minibatches, forward time)``; a backward takes twice the forward."""
+    rng = random.Random(3)
+    return [
+        (rng.randint(1, 5), rng.randint(1, 5), rng.randint(1, 14), rng.uniform(0.2, 2))
+        for _ in range(60)
+    ]
+
+
+def _held(tasks: tuple[Task, ...]) -> list[int]:
+    """Minibatches the stage holds while running each task (an ``FB`` holds its own one)."""
+    held, out = 0, []
+    for t in tasks:
+        held += {Kind.F: 1, Kind.B: 0, Kind.FB: 0}[t.kind]
+        out.append(held if t.kind is not Kind.FB else 1)
+        held -= t.kind is Kind.B
+    return out
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES.values()), ids=list(SCHEDULES))
+def test_action_lists_obey_rules_s1_s2(schedule: Schedule) -> None:
+    for n, nm, total, fwd in _cases():
+        bwd = 2 * fwd
+        per_stage = actions(schedule, n, nm, total, fwd, bwd)
+        for s, tasks in enumerate(per_stage):
+            last = s == n - 1
+            fw = [t.mb for t in tasks if t.kind is not Kind.B]
+            bw = [t.mb for t in tasks if t.kind is not Kind.F]
+            assert fw == bw == list(range(1, total + 1))  # S1
+            assert all(t.kind is (Kind.FB if last else t.kind) for t in tasks)
+            assert max(_held(tasks)) <= schedule.in_flight_bound(s, n, nm) <= nm  # S2
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES.values()), ids=list(SCHEDULES))
+def test_hetpipe_is_1f1b_after_warm_up_s3(schedule: Schedule) -> None:
+    for n, nm, total in itertools.product(range(2, 6), range(1, 6), range(1, 15)):
+        if nm > n:
+            continue  # more in flight than stages: FIFO may run two backwards in a row
+        first = [f"{t.kind.value}{t.mb}" for t in actions(schedule, n, nm, total)[0]]
+        warm = min(nm, total)
+        steady = [x for p in range(1, total - warm + 1) for x in (f"B{p}", f"F{p + warm}")]
+        tail = [f"B{p}" for p in range(total - warm + 1, total + 1)]
+        one_f_one_b = first == [f"F{p}" for p in range(1, warm + 1)] + steady + tail
+        assert one_f_one_b == (schedule is HETPIPE or nm == 1 or total <= nm), (n, nm, first)
+
+
+def test_flush_waits_for_the_wave_s4() -> None:
+    for n, nm, total, fwd in _cases():
+        for tasks in actions(FLUSH, n, nm, total, fwd, 2 * fwd):
+            seen_done = 0  # backwards (or FB) done on this stage so far
+            for t in tasks:
+                if t.kind is not Kind.B:
+                    wave_start = (t.mb - 1) // nm * nm
+                    assert seen_done >= wave_start
+                if t.kind is not Kind.F:
+                    seen_done += 1
+
+
+def test_action_list_text() -> None:
+    text = format_actions(actions(HETPIPE, n_stages=3, nm=3, total=6))
+    assert text.splitlines() == [
+        "stage 0: F1 F2 F3 B1 F4 B2 F5 B3 F6 B4 B5 B6",
+        "stage 1: F1 F2 F3 B1 B2 F4 B3 F5 B4 F6 B5 B6",
+        "stage 2: FB1 FB2 FB3 FB4 FB5 FB6",
+    ]
+    flushed = format_actions(actions(FLUSH, n_stages=2, nm=2, total=4)).splitlines()
+    assert flushed[0] == "stage 0: F1 F2 B1 B2 F3 F4 B3 B4"
+
+
+def test_admission() -> None:
+    assert HETPIPE.admissible(0, 0, nm=4, total=10) == 4
+    assert HETPIPE.admissible(4, 1, nm=4, total=10) == 1
+    assert HETPIPE.admissible(9, 7, nm=4, total=10) == 1  # never beyond total
+    assert HETPIPE.admissible(10, 2, nm=4, total=8) == 0  # total lowered (time limit)
+    assert FLUSH.admissible(4, 3, nm=4, total=10) == 0
+    assert FLUSH.admissible(8, 8, nm=4, total=10) == 2
+    with pytest.raises(ValueError, match="completed"):
+        HETPIPE.admissible(2, 3, nm=4, total=10)
+    with pytest.raises(ValueError, match="nm"):
+        FLUSH.admissible(0, 0, nm=0, total=10)
+
+
+def test_schedule_registry() -> None:
+    assert list(SCHEDULES) == ["hetpipe", "flush"]
+    assert schedule_named("flush") is FLUSH
+    with pytest.raises(
+        PlanError,
+        match=r"^plan.yaml: schedule: unknown pipeline schedule 'gpipe'; choose one of hetpipe, flush$",
+    ):
+        schedule_named("gpipe", "plan.yaml: schedule")
+
+
+def test_doctests() -> None:
+    res = doctest.testmod(planner.schedule)
+    assert res.attempted >= 4 and res.failed == 0

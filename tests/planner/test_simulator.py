@@ -9,7 +9,7 @@ import pytest
 
 from planner.cluster import Link
 from planner.predict import simulate_allreduce
-from planner.schedule import in_flight_bound
+from planner.schedule import FLUSH, HETPIPE, SCHEDULES, Schedule, actions
 from planner.sim.engine import simulate_pipelines
 from planner.sim.simulator import allreduce_for_plan, simulate
 from planner.sim.types import PipelineSpec, measured_throughput
@@ -119,7 +119,9 @@ def test_clock_distance_never_exceeds_d_plus_1() -> None:
         assert res.max_clock_distance <= D + 1
         reached += res.max_clock_distance == D + 1
         for spec, peaks in zip(specs, res.max_in_flight, strict=True):
-            assert all(p <= in_flight_bound(s, spec.n_stages, nm) for s, p in enumerate(peaks))
+            assert all(
+                p <= HETPIPE.in_flight_bound(s, spec.n_stages, nm) for s, p in enumerate(peaks)
+            )
     assert reached > 100  # the bound is tight, not vacuous
 
 
@@ -211,3 +213,26 @@ def test_allreduce_for_plan_without_profiles() -> None:
     assert r.gpus == 16  # tiny synthetic model fits everywhere
     # the slowest worker is a Quadro P4000: its whole-model time is that VW's stage sum
     assert r.iteration_ms >= 18.0
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES.values()), ids=list(SCHEDULES))
+def test_simulator_runs_the_schedules_action_list(schedule: Schedule) -> None:
+    """Without transfers and WSP waits the simulator runs exactly :func:`actions`' order: the
+    schedule's admission and task order, not a copy of them."""
+    for n, nm in ((1, 2), (2, 2), (3, 2), (4, 4), (3, 5)):
+        spec = PipelineSpec.from_times([1.0] * n, [2.0] * n)
+        res = simulate_pipelines([spec], nm, D=10, waves=3, record_trace=True, schedule=schedule)
+        ran = [
+            [f"{e.cat}{e.mb}" for e in res.trace if e.stage == s and e.cat in ("F", "B", "FB")]
+            for s in range(n)
+        ]
+        expected = actions(schedule, n, nm, 3 * nm)
+        assert ran == [[f"{t.kind.value}{t.mb}" for t in tasks] for tasks in expected]
+
+
+def test_flushing_every_wave_is_slower_than_hetpipe() -> None:
+    spec = PipelineSpec.from_times([1.0] * 4, [2.0] * 4)
+    ours = simulate_pipelines([spec], nm=4, waves=10, schedule=HETPIPE)
+    flushed = simulate_pipelines([spec], nm=4, waves=10, schedule=FLUSH)
+    assert flushed.throughput < 0.8 * ours.throughput
+    assert flushed.max_in_flight == ours.max_in_flight == ((4, 4, 4, 1),)

@@ -88,6 +88,16 @@ def test_retention_counts_committed_snapshots_only(tmp_path: Path) -> None:
     assert committed_clocks(tmp_path) == [3, 4] and snapshot_dir(tmp_path, 7).is_dir()
 
 
+def test_keep_zero_keeps_every_committed_snapshot(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, keep=0)  # --keep 0: weights at fixed clocks, evaluated after the run
+    for clock in (3, 6, 9, 12):
+        _snapshot(spec, clock)
+    _snapshot(spec, 15, PARTS[:1])  # in progress
+    assert committed_clocks(tmp_path) == [3, 6, 9, 12]
+    assert [load_part(read_manifest(snapshot_dir(tmp_path, c)), "shard-0")["clock"]
+            for c in (3, 6, 9, 12)] == [3, 6, 9, 12]  # fmt: skip
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "manifest", "missing"])
 def test_damaged_snapshot_is_named_and_the_previous_one_used(tmp_path: Path, damage: str) -> None:
     spec = _spec(tmp_path)

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from planner.offload import VERSION_BUFFERS, MemoryPlacement, StageBytes, device_bytes, host_bytes
-from planner.schedule import in_flight_bound
+from planner.schedule import HETPIPE
 from runtime.config import OptimizerConfig
 from runtime.stage.moves import ClassMoves, HostCopies, class_moves
 from runtime.stage.offload import ResidencyMeter
@@ -88,7 +88,7 @@ def test_meter_matches_the_planner_memory_model() -> None:
     pl = MemoryPlacement.parse("OKOO")
     param, saved, o = 1000, 300, 2.0
     meter = ResidencyMeter("s", 10**9, param, 0, o, pl)
-    k = in_flight_bound(0, 2, NM)
+    k = HETPIPE.in_flight_bound(0, 2, NM)
     for mb in range(1, k + 1):  # stage 0 holds Nm minibatches and Nm - 1 stashed versions
         meter.check(mb, saved, stashed_bytes=(NM - 1) * param)
     b = StageBytes(param=param, buffer=0, saved=saved, cut=0)

@@ -63,9 +63,9 @@ def _reference(cfg: OptimizerConfig, nm: int, steps: int) -> Tensor:
 @pytest.mark.parametrize("remedy", ["predict", "pipemare"])
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_remedy_is_exactly_a_no_op_at_nm1(remedy: str, momentum: float) -> None:
-    base = OptimizerConfig(lr=0.1, momentum=momentum, schedule="cosine")
+    base = OptimizerConfig(lr=0.1, momentum=momentum, lr_schedule="cosine")
     with_remedy = OptimizerConfig(
-        lr=0.1, momentum=momentum, schedule="cosine", remedy=remedy, remedy_warmup=4
+        lr=0.1, momentum=momentum, lr_schedule="cosine", remedy=remedy, remedy_warmup=4
     )
     assert torch.equal(_drive(with_remedy, 1, 10, 0), _drive(base, 1, 10, 0))
 

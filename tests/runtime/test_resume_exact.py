@@ -43,7 +43,7 @@ def test_resume_after_a_kill_is_bit_identical_at_nm_3(
 ) -> None:
     plan = _plan(vw_cuts, n_shards)
     # momentum and a step schedule: optimizer state and the lr position must go on exactly
-    opt = OptimizerConfig(lr=0.05, momentum=0.5, schedule="step", step_size=4, gamma=0.5)
+    opt = OptimizerConfig(lr=0.05, momentum=0.5, lr_schedule="step", step_size=4, gamma=0.5)
 
     def run(out: Path) -> RunConfig:
         return RunConfig(steps=5 * NM, timeout_s=15.0, emulate=False, out_dir=out)

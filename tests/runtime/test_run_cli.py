@@ -13,6 +13,7 @@ from hetpipe.cli import app
 from planner.manual import balanced_cuts, cpu_cluster, manual_plan
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource
+from runtime.persist.snapshot import committed_clocks
 from runtime.stage.model import resolve_source
 
 
@@ -77,13 +78,13 @@ def test_emulated_planned_run_is_paced_by_the_plans_stage_times(tmp_path: Path) 
 
 def test_run_sync_allreduce_takes_the_run_options_and_prints_the_summary(tmp_path: Path) -> None:
     """The AllReduce baseline runs a plan made by the planner, with the same options as the
-    pipelines (here --time-limit, --schedule, --out), and prints a summary table."""
+    pipelines (here --time-limit, --lr-schedule, --out), and prints a summary table."""
     examples = Path(__file__).resolve().parents[2] / "examples"
     out = tmp_path / "ddp"
     res = CliRunner().invoke(
         app,
         ["run", str(examples / "emulated_cluster.yaml"), "--sync", "allreduce", "--time-limit",
-         "1", "--schedule", "cosine", "--out", str(out), "--no-progress"],
+         "1", "--lr-schedule", "cosine", "--out", str(out), "--no-progress"],
     )  # fmt: skip
     assert res.exit_code == 0, res.output
     assert "allreduce (BSP)" in res.output and "predicted" in res.output  # the summary table
@@ -103,13 +104,15 @@ def test_run_sync_allreduce_refuses_pipeline_options() -> None:
 
 
 def test_run_sync_allreduce_resumes_from_its_out_directory(tmp_path: Path) -> None:
-    """``--resume DIR`` of an AllReduce run goes on from its newest snapshot (its plan.json)."""
+    """``--resume DIR`` of an AllReduce run goes on from its newest snapshot (its plan.json);
+    ``--keep 0`` keeps every snapshot (one per ``--checkpoint-every`` steps)."""
     examples = Path(__file__).resolve().parents[2] / "examples"
     out = tmp_path / "ddp"
     base = ["run", str(examples / "emulated_cluster.yaml"), "--sync", "allreduce", "--no-progress",
             "--no-emulate", "--checkpoint-every", "2"]  # fmt: skip
-    res = CliRunner().invoke(app, [*base, "--steps", "4", "--out", str(out)])
+    res = CliRunner().invoke(app, [*base, "--steps", "4", "--out", str(out), "--keep", "0"])
     assert res.exit_code == 0, res.output
+    assert committed_clocks(out / "checkpoints") == [2, 4]  # --keep 0: every snapshot stays
     res = CliRunner().invoke(app, [*base, "--steps", "6", "--resume", str(out)])
     assert res.exit_code == 0, res.output
     figures = json.loads((out / "summary.json").read_text())

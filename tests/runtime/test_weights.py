@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 from torch import nn
 from torch.testing import assert_close
 
-from profiler.errors import HetPipeRuntimeError
+from profiler.errors import ConfigError, HetPipeRuntimeError
 from runtime.config import OptimizerConfig
+from runtime.persist.run_dir import check_settings, job_settings
 from runtime.stage.weights import VersionedWeights, lr_at
 
 
@@ -121,12 +123,24 @@ def test_out_of_order_forward_is_rejected() -> None:
 
 def test_lr_schedules() -> None:
     assert lr_at(OptimizerConfig(lr=1.0), 50) == 1.0
-    assert lr_at(OptimizerConfig(lr=1.0, schedule="step", step_size=10, gamma=0.5), 25) == 0.25
-    assert lr_at(OptimizerConfig(lr=1.0, schedule="warmup", warmup=4), 1) == 0.5
-    assert lr_at(OptimizerConfig(lr=1.0, schedule="cosine"), 10, 10) == pytest.approx(
+    assert lr_at(OptimizerConfig(lr=1.0, lr_schedule="step", step_size=10, gamma=0.5), 25) == 0.25
+    assert lr_at(OptimizerConfig(lr=1.0, lr_schedule="warmup", warmup=4), 1) == 0.5
+    assert lr_at(OptimizerConfig(lr=1.0, lr_schedule="cosine"), 10, 10) == pytest.approx(
         0.0, abs=1e-12
     )
-    assert lr_at(OptimizerConfig(lr=1.0, schedule="cosine"), 5, 10) == pytest.approx(0.5)
+    assert lr_at(OptimizerConfig(lr=1.0, lr_schedule="cosine"), 5, 10) == pytest.approx(0.5)
+
+
+def test_a_snapshot_from_before_the_lr_schedule_rename_resumes() -> None:
+    """Older snapshots record ``optimizer.schedule``: the same setting as ``lr_schedule``."""
+    opt = OptimizerConfig(lr_schedule="cosine")
+    now = job_settings("mlp", "{}", 1, 0, 0, 0.2, "d", opt, 10)
+    old = {k.replace("lr_schedule", "schedule"): v for k, v in now}
+    assert "optimizer.schedule" in old
+    check_settings("resume", old, now)
+    with pytest.raises(ConfigError, match=r"optimizer.lr_schedule is 'step' .*\(--lr-schedule\)"):
+        step = replace(opt, lr_schedule="step")
+        check_settings("resume", old, job_settings("mlp", "{}", 1, 0, 0, 0.2, "d", step, 10))
 
 
 def test_a_skipped_update_keeps_weights_and_optimizer_state_and_moves_on() -> None:

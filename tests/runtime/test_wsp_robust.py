@@ -61,7 +61,7 @@ def test_resume_continues_lr_schedule_and_momentum_exactly(tmp_path: Path) -> No
     plan = multi_vw_plan(_graph(), [(4,), (6,)], "mlp", BATCH, nm=1, D=0, n_shards=2)
     # the step schedule changes the lr at update 3 and 6: a resume at clock 4 that restarted
     # the schedule (or the momentum buffers) would end elsewhere
-    opt = OptimizerConfig(lr=0.05, momentum=0.5, schedule="step", step_size=3, gamma=0.5)
+    opt = OptimizerConfig(lr=0.05, momentum=0.5, lr_schedule="step", step_size=3, gamma=0.5)
 
     def run(out: Path) -> RunConfig:
         return RunConfig(steps=9, timeout_s=15.0, emulate=False, out_dir=out)

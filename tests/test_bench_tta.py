@@ -1,0 +1,87 @@
+"""The time-to-accuracy benchmark (benchmarks/bench_tta.py): its pure parts, in one process."""
+
+from __future__ import annotations
+
+import doctest
+import math
+
+import pytest
+import torch
+
+from benchmarks import bench_tta, tta_eval
+from benchmarks.bench_tta import FULL, WORKLOADS, Run, choose_lr, expected, ratios
+from benchmarks.tta_eval import Point, time_to_target, timing_of
+from benchmarks.tta_tasks import digits_cnn, digits_images
+
+
+def test_doctests() -> None:
+    for module in (bench_tta, tta_eval):
+        assert doctest.testmod(module).failed == 0
+
+
+def _rows(done: list[float], attempt: str = "0") -> list[dict[str, str]]:
+    return [
+        {"attempt": attempt, "incarnation": "0", "minibatch": str(k + 1), "done_s": str(t)}
+        for k, t in enumerate(done)
+    ]
+
+
+def test_training_time_starts_at_the_first_minibatch_and_waits_for_the_last_vw() -> None:
+    t = timing_of([_rows([10.0, 11.0, 12.0]), _rows([10.5, 12.5, 13.0]) + _rows([99.0], "1")])
+    assert t.startup_s == 10.0  # start-up: launch to the first finished minibatch
+    assert [t.train_s(k) for k in (1, 2, 3, 4)] == [0.5, 2.5, 3.0, None]
+    with pytest.raises(ValueError, match="trained nothing"):
+        timing_of([[]])
+
+
+def test_time_to_target_interpolates_and_reads_loss_downwards() -> None:
+    pts = [Point(c, 100 * c, float(c), acc, 3.0 - c) for c, acc in ((1, 0.2), (2, 0.6), (3, 0.9))]
+    assert time_to_target(pts, 0.75, "accuracy") == pytest.approx(2.5)
+    assert time_to_target(pts, 0.1, "accuracy") == 1.0  # reached at the first snapshot
+    assert time_to_target(pts, 0.5, "loss") == pytest.approx(2.5)
+    assert time_to_target(pts, 0.75, "accuracy", "samples") == pytest.approx(250.0)
+    assert time_to_target(pts, 0.95, "accuracy") is None
+    assert time_to_target(pts[::-1], 0.75, "accuracy") == pytest.approx(2.5)  # any order
+
+
+def _run(lr: float, loss: float, t: float | None) -> Run:
+    return Run("x", 0, lr, 1.0, 10.0, 100.0, (Point(1, 32, 1.0, math.nan, loss),), t)
+
+
+def test_choose_lr_prefers_the_soonest_then_the_best_final_and_never_nan() -> None:
+    assert choose_lr([_run(0.1, 1.0, 9.0), _run(0.2, 1.5, 5.0)], "loss").lr == 0.2
+    assert choose_lr([_run(0.1, 2.0, None), _run(0.2, 1.5, None)], "loss").lr == 0.2
+    assert choose_lr([_run(0.1, 2.0, None), _run(0.2, math.nan, None)], "loss").lr == 0.1
+
+
+def test_ratio_is_the_baseline_over_hetpipe_per_seed() -> None:
+    het = [_run(0.1, 1.0, 10.0), _run(0.1, 1.0, None)]
+    ddp = [_run(0.1, 1.0, 15.0), _run(0.1, 1.0, 20.0)]
+    assert ratios(het, ddp) == [1.5, None]
+
+
+def test_full_mode_fits_the_45_minutes_it_promises() -> None:
+    runs, secs = expected(FULL, list(WORKLOADS.values()))
+    assert FULL.seeds >= 3 and runs == 2 * (2 * 3 + 2 * FULL.seeds)
+    assert secs <= 45 * 60
+
+
+def test_digits_images_and_the_cnn_fit_each_other() -> None:
+    train, test = digits_images()
+    assert len(train) + len(test) == 1797 and len(test) == 359
+    x, _ = train[0]
+    assert x.shape == (1, 8, 8) and float(x.min()) >= 0.0 and float(x.max()) <= 1.0
+    model, (xs, _) = digits_cnn(4)
+    assert model(xs).shape == (4, 10)
+    assert any(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())
+
+
+def test_the_whimpy_devices_cannot_hold_either_model_alone() -> None:
+    """The baseline trains on V and R only (two of each); HetPipe also uses G and Q."""
+    from planner.baseline import allreduce_plan
+    from planner.cluster import load_cluster
+
+    for w in WORKLOADS.values():
+        plan = allreduce_plan(load_cluster(w.cluster), w.model, w.batch)
+        held = sorted(vw.gpus[0].type for vw in plan.virtual_workers)
+        assert held == ["TITAN RTX", "TITAN RTX", "TITAN V", "TITAN V"], w.name
