@@ -162,7 +162,8 @@ def build_plan(
         for v, p in enumerate(parts)
     )
     traffic = _node_traffic(layouts, shards, layer_params, names, plan_nm)
-    total = cluster_throughput(per_vw, traffic, pl.cluster.inter_node.bandwidth_bps, plan_nm, batch)
+    inter = pl.cluster.inter_node.scaled(pl.cluster.link_scale)  # as charged
+    total = cluster_throughput(per_vw, traffic, inter.bandwidth_bps, plan_nm, batch)
     ar, ar_gpus = allreduce_throughput(pl.cluster, cm, batch)
     plan = Plan(
         model=model,

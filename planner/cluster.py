@@ -48,7 +48,9 @@ __all__ = [
     "Device",
     "Emulation",
     "Link",
+    "LinkTable",
     "Node",
+    "allreduce_s",
     "load_cluster",
     "parse_cluster",
     "parse_links",
@@ -82,12 +84,76 @@ class Link:
     latency_s: float
 
     def time_s(self, nbytes: float) -> float:
-        """Seconds to move ``nbytes`` over this link (0 bytes cost nothing)."""
+        """Seconds to move ``nbytes`` over this link (0 bytes cost nothing).
+
+        The one formula every link charge uses: the cost model, the simulator, the AllReduce
+        prediction and the runtime's emulated-link pacing (:mod:`runtime.link_pacing`).
+
+        >>> Link(1e9, 1e-5).time_s(1e6)
+        0.00101
+        """
         return 0.0 if nbytes <= 0 else self.latency_s + nbytes / self.bandwidth_bps
+
+    def scaled(self, factor: float) -> Link:
+        """This link with every transfer ``factor`` times longer (latency times ``factor``,
+        bandwidth divided by it): ``scaled(f).time_s(n) == f * time_s(n)``."""
+        return self if factor == 1.0 else Link(self.bandwidth_bps / factor, self.latency_s * factor)
+
+
+def allreduce_s(link: Link, param_bytes: float, n: int) -> float:
+    """Seconds of a ring all-reduce of ``param_bytes`` over ``n`` workers on ``link``:
+    ``2 (n - 1)`` steps, each moving ``param_bytes / n``. What :func:`planner.predict.simulate_allreduce`
+    charges and the runtime's AllReduce paces (:mod:`runtime.link_pacing`).
+
+    >>> allreduce_s(Link(1e9, 0.0), 4e6, 4)
+    0.006
+    """
+    return 2 * (n - 1) * link.time_s(param_bytes / n) if n > 1 else 0.0
 
 
 PCIE = Link(PCIE_BPS, 10e-6)
 """The default host link (GPU <-> host memory; offloaded data moves over it)."""
+
+
+@dataclass(frozen=True)
+class LinkTable:
+    """The links a transfer between two nodes crosses, as charged (scaled) time.
+
+    Attributes:
+        intra_node: the link between two GPUs of one node, as written in the cluster file.
+        inter_node: the link between GPUs of two nodes, as written.
+        scale: how many times longer every transfer takes than the written links say
+            (``links: {scale: F}``, emulated clusters only): set it to the emulated compute's
+            slowdown against the real GPUs so the emulated cluster keeps the real one's
+            communication/computation ratio. 1 on real clusters.
+    """
+
+    intra_node: Link
+    inter_node: Link
+    scale: float = 1.0
+    host_link: Link = PCIE
+
+    @property
+    def host(self) -> Link:
+        """The charged GPU <-> host-memory link (offloaded bytes cross it; scaled)."""
+        return self.host_link.scaled(self.scale)
+
+    def describe(self, paced: bool) -> str:
+        """One line for printouts: the written links, and how the runtime charges them.
+
+        >>> print(LinkTable(Link(2e9, 5e-5), Link(1e9, 8e-5), 10.0).describe(True))
+        links intra-node 2 GB/s + 50 us, inter-node 1 GB/s + 80 us; emulated: paced x10
+        """
+
+        def one(link: Link) -> str:
+            return f"{link.bandwidth_bps / 1e9:.3g} GB/s + {link.latency_s * 1e6:.3g} us"
+
+        how = f"emulated: paced x{self.scale:g}" if paced else "real, not paced"
+        return f"links intra-node {one(self.intra_node)}, inter-node {one(self.inter_node)}; {how}"
+
+    def between(self, a: str, b: str) -> Link:
+        """The charged link between a GPU of node ``a`` and one of node ``b`` (scaled)."""
+        return (self.intra_node if a == b else self.inter_node).scaled(self.scale)
 
 
 @dataclass(frozen=True)
@@ -131,6 +197,7 @@ class Cluster:
     inter_node: Link
     source: str = "<memory>"
     host_link: Link = PCIE
+    link_scale: float = 1.0  # emulated clusters: every link transfer takes this many times longer
 
     @cached_property
     def devices(self) -> tuple[Device, ...]:
@@ -174,9 +241,14 @@ class Cluster:
         """:meth:`host_share` of every node, by node name."""
         return {n.name: self.host_share(n.name) for n in self.nodes}
 
+    @property
+    def links(self) -> LinkTable:
+        """The links between nodes, as charged (:attr:`link_scale` applied)."""
+        return LinkTable(self.intra_node, self.inter_node, self.link_scale, self.host_link)
+
     def link(self, a: Device, b: Device) -> Link:
-        """The link between two devices: intra-node when they share a node."""
-        return self.intra_node if a.node == b.node else self.inter_node
+        """The charged link between two devices: intra-node when they share a node."""
+        return self.links.between(a.node, b.node)
 
     def to_dict(self) -> dict[str, Any]:
         """A cluster.yaml-shaped dict (plain units) that :func:`parse_cluster` reads back."""
@@ -203,7 +275,11 @@ class Cluster:
             ("inter_node", self.inter_node),
             ("host_link", self.host_link),
         )
-        links = {k: {"bandwidth": v.bandwidth_bps, "latency": v.latency_s} for k, v in pairs}
+        links: dict[str, Any] = {
+            k: {"bandwidth": v.bandwidth_bps, "latency": v.latency_s} for k, v in pairs
+        }
+        if self.link_scale != 1.0:  # absent = 1: older plan files load unchanged
+            links["scale"] = self.link_scale
         return {"name": self.name, "nodes": nodes, "links": links}
 
 
@@ -258,6 +334,11 @@ def parse_cluster(data: object, source: str = "<memory>") -> Cluster:
             f"{source}: nodes: either every node has 'emulate:' or none does (mixed clusters cannot run)"
         )
     links = parsed.links
+    if links.scale != 1.0 and not all(emulated):
+        raise ConfigError(
+            f"{source}: links.scale: {links.scale:g} applies to emulated clusters only (real "
+            "GPUs move bytes at the links' own speed); drop it or add 'emulate:' to every node"
+        )
     return Cluster(
         parsed.name,
         tuple(nodes),
@@ -265,6 +346,7 @@ def parse_cluster(data: object, source: str = "<memory>") -> Cluster:
         Link(links.inter_node.bandwidth, links.inter_node.latency),
         source,
         Link(links.host_link.bandwidth, links.host_link.latency),
+        links.scale,
     )
 
 

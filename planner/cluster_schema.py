@@ -65,6 +65,7 @@ class _LinksIn(_Strict):
     intra_node: LinkIn = LinkIn(bandwidth=15.75e9 * 0.8, latency=5e-6)
     inter_node: LinkIn = LinkIn(bandwidth=56e9 / 8 * 0.8, latency=5e-6)
     host_link: LinkIn = LinkIn(bandwidth=PCIE_BPS, latency=10e-6)
+    scale: float = Field(default=1.0, gt=0, le=1e9)  # emulated clusters: link time factor
 
 
 class _StraggleIn(_Strict):

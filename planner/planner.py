@@ -210,7 +210,7 @@ def _cost_models(
         optimizer_factor(optimizer),
         max_cuts,
         first_measured,
-        cluster.host_link,
+        cluster.links.host,  # as charged (an emulated cluster's links.scale)
         cluster.host_shares(),
         remedy,
     )

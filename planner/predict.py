@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from planner.cluster import Cluster, Device, Link
+from planner.cluster import Cluster, Device, Link, allreduce_s
 from planner.costmodel import CostModel
 
 __all__ = [
@@ -63,11 +63,14 @@ def cluster_throughput(
 
 
 def ring_link(cluster: Cluster, nodes: Sequence[str]) -> Link:
-    """The slowest link of a ring over GPUs on ``nodes``: intra-node on one node, else the
-    slower of the intra- and inter-node links."""
+    """The slowest link of a ring over GPUs on ``nodes``, as charged (the cluster's
+    ``links.scale`` applied): intra-node on one node, else the slower of the intra- and
+    inter-node links."""
+    scale = cluster.link_scale
     if len(set(nodes)) <= 1:
-        return cluster.intra_node
-    return min(cluster.inter_node, cluster.intra_node, key=lambda link: link.bandwidth_bps)
+        return cluster.intra_node.scaled(scale)
+    slowest = min(cluster.inter_node, cluster.intra_node, key=lambda link: link.bandwidth_bps)
+    return slowest.scaled(scale)
 
 
 def allreduce_throughput(
@@ -136,7 +139,7 @@ def simulate_allreduce(
     if n == 0:
         return AllReduceResult(0.0, 0, 0.0, 0.0, 0, labels)
     chunk = param_bytes / n
-    ar_ms = 2 * (n - 1) * link.time_s(chunk) * 1e3 if n > 1 else 0.0
+    ar_ms = allreduce_s(link, param_bytes, n) * 1e3
     it_ms = max(compute_ms) + ar_ms
     crossing_edges = 0
     if nodes is not None and n > 1:

@@ -277,6 +277,8 @@ def _finish(plan: Plan, setup: _Setup, store: Any, rank: int, role: int, wall_s:
 
     console = Console()
     console.print(result.table())
+    if (breakdown := result.breakdown_table()) is not None:
+        console.print(breakdown)
     out = setup.run.out_dir
     console.print(f"outputs: {', '.join(str(out / f) for f in outputs(result))}", markup=False)
     return 0

@@ -202,6 +202,8 @@ class RunConfig:
             across cuts: :mod:`profiler.precision`); ``""`` = the plan's.
         on_nonfinite: a NaN or infinite loss or gradient: ``stop`` the run, or ``skip`` that
             minibatch's update at every stage of the VW (:mod:`planner.nonfinite`).
+        profile_runtime: time where each stage's wall time goes, by category and task kind
+            (:mod:`runtime.results.breakdown`), into the summary.
     """
 
     steps: int = 0
@@ -217,6 +219,7 @@ class RunConfig:
     log_every: int = 10
     precision: str = ""
     on_nonfinite: str = "stop"
+    profile_runtime: bool = False
 
     def __post_init__(self) -> None:
         if self.precision:

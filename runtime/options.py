@@ -127,6 +127,7 @@ OPTIONS: Mapping[str, Option] = MappingProxyType(
         "emulate": Option("--emulate", True, "pace emulated devices and enforce their memory caps"),
         "on_nonfinite": Option("--on-nonfinite", "stop", "a NaN or infinite loss or gradient (a diverging run): stop (the run ends naming the VW, stage, minibatch and the last snapshot) or skip (that minibatch's update is skipped at every stage of its VW, counted in the summary)", choices=("stop", "skip")),
         "precision": Option("--precision", "", "fp32 or bf16 (autocast, fp32 master weights; default: the plan's)", choices=("", *PRECISIONS)),
+        "profile_runtime": Option("--profile-runtime", False, "time where each stage's wall time goes (compute, pacing, waits, messages, parameter servers, bookkeeping) into the summary and a table"),
         "data": Option("--data", "", "training and test data: pkg.mod:factory returning (train, test) torch Datasets of (input, target) samples (test may be None: a fifth of train is held out), or 'synthetic' (random inputs, targets below the model's output width); default: a built-in model's own data (digits for mlp, synthetic for the others); a pkg.mod:factory model needs it"),
     }
 )  # fmt: skip
@@ -241,7 +242,8 @@ def run_spec(
     run = RunConfig(steps=v["steps"], epochs=v["epochs"], time_limit_s=v["time_limit"],
                     seed=v["seed"], nm=v["nm"], out_dir=out, timeout_s=v["timeout"],
                     emulate=v["emulate"], progress=progress, precision=v["precision"],
-                    on_nonfinite=v["on_nonfinite"])  # fmt: skip
+                    on_nonfinite=v["on_nonfinite"],
+                    profile_runtime=v["profile_runtime"])  # fmt: skip
     checkpoints = CheckpointConfig(
         dir=resume[1] if resume is not None else (out / "checkpoints" if out else None),
         every=v["checkpoint_every"],

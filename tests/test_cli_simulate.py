@@ -90,3 +90,23 @@ def test_plan_and_simulate_the_allreduce_baseline(tmp_path: Path) -> None:
         app, ["plan", str(cluster), "--model", "resnet", "--sync", "allreduce", "--nm", "2"]
     )
     assert bad.exit_code == 2 and "drop them with --sync allreduce" in bad.output
+
+
+def test_simulate_adds_the_runtimes_overhead_per_task(tmp_path: Path) -> None:
+    """``--overhead-ms-per-task`` (what ``run --profile-runtime`` measures) lengthens every
+    task: the prediction drops; a negative one is one red line naming the flag."""
+    import re
+
+    plan = _plan(tmp_path)
+    args = ["simulate", str(plan), "--waves", "5", "--profiles", str(_profile(tmp_path))]
+
+    def throughput(*extra: str) -> float:
+        res = CliRunner().invoke(app, [*args, *extra], env={"COLUMNS": "200"})
+        assert res.exit_code == 0, res.output
+        found = re.search(r"throughput: ([\d.]+) samples/s", res.output)
+        assert found is not None, res.output
+        return float(found.group(1))
+
+    assert throughput("--overhead-ms-per-task", "3") < 0.9 * throughput()
+    res = CliRunner().invoke(app, [*args, "--overhead-ms-per-task", "-1"])
+    assert res.exit_code == 2 and "--overhead-ms-per-task -1.0" in res.output

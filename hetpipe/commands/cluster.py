@@ -41,3 +41,5 @@ def cluster(
         console.print(
             f"{name}: {link.bandwidth_bps / 1e9:.2f} GB/s, latency {link.latency_s * 1e6:.1f} us"
         )
+    if spec.emulated:  # hetpipe run paces every transfer to these links, times the scale
+        console.print(f"emulated links: every transfer paced, x{spec.link_scale:g} (links.scale)")

@@ -166,6 +166,8 @@ def render(plan: Plan, full: bool = True) -> None:
             "(xN: VWs alike); "
             "--full lists every VW"
         )
+    cl = plan.cluster
+    console.print(escape(cl.links.describe(cl.emulated)))  # what the runtime paces transfers to
     pr = plan.predicted
     if plan.sync == "allreduce":
         console.print(

@@ -3,6 +3,7 @@ alone, or the DDP AllReduce baseline (``--sync allreduce``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import sys
@@ -147,6 +148,7 @@ def run(  # long only by its typer signature (the command's options); the body i
     emulate: Annotated[bool, _opt("emulate")] = OPT["emulate"].default,
     precision: Annotated[str, _opt("precision")] = OPT["precision"].default,
     on_nonfinite: Annotated[str, _opt("on_nonfinite")] = OPT["on_nonfinite"].default,
+    profile_runtime: Annotated[bool, _opt("profile_runtime")] = OPT["profile_runtime"].default,
 ) -> None:
     """Train a plan (all its VWs through WSP, one VW, or the AllReduce baseline); print the summary."""
     from runtime.data_source import named_data
@@ -244,6 +246,7 @@ def _train(plan: Plan, spec: RunSpec, every: bool, dataset: RunData | None = Non
     from planner.sync import check_time_limit
     from runtime.config import ModelSource
     from runtime.launch.jobs import check_alone
+    from runtime.results.breakdown import overhead_note
     from runtime.run import describe_training, outputs, rule_for, run_plan, steps_note
 
     run, vw = spec.run, spec.vw
@@ -261,8 +264,14 @@ def _train(plan: Plan, spec: RunSpec, every: bool, dataset: RunData | None = Non
         console.print(note, markup=False)
     result = run_plan(plan, ModelSource(ref=plan.model), spec, dataset)
     console.print(result.table())
-    if run.out_dir is not None:
-        console.print(f"outputs: {', '.join(str(run.out_dir / f) for f in outputs(result))}")
+    if (breakdown := result.breakdown_table()) is not None:
+        console.print(breakdown)
+        if vw < 0 and rule_for(plan, vw) in ("wsp", "local"):  # what simulate() plays
+            ran = dataclasses.replace(plan, nm=nm, D=plan.D if spec.sync.D is None else spec.sync.D)
+            console.print(overhead_note(ran, result.stages, result.throughput), markup=False)
+    out = run.out_dir
+    if out is not None:
+        console.print(f"outputs: {', '.join(str(out / f) for f in outputs(result))}")
 
 
 def _check_pacing(plan: Plan, vw: int, cores: int) -> None:

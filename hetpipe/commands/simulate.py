@@ -56,11 +56,20 @@ def simulate(
             "--actions", help="print each stage's simulated task order of the first two waves"
         ),
     ] = False,
+    overhead_ms_per_task: Annotated[
+        float,
+        typer.Option(
+            "--overhead-ms-per-task",
+            help="the runtime's own cost of every task, added to it (what 'hetpipe run "
+            "--profile-runtime' reports as overhead ms/task; 0: none)",
+        ),
+    ] = 0.0,
 ) -> None:
     """Simulate ``PLAN`` and print the prediction."""
     from planner.sim.simulator import simulate as run_simulation
 
     check_number("--waves", waves, Range(2), 20)
+    check_number("--overhead-ms-per-task", overhead_ms_per_task, Range(0), 0.0)
     if baseline not in (None, "allreduce"):
         raise ConfigError(f"--baseline {baseline!r}: the only baseline is 'allreduce'")
     if gantt is not None and gantt.suffix.lower() not in (".png", ".svg"):
@@ -77,7 +86,7 @@ def simulate(
         source = "analytic profiles" if by_type else "estimated from the plan"
     any_profile = next(iter(by_type.values()), None)
     record = gantt is not None or trace is not None or actions
-    res = run_simulation(plan, waves=waves, profile=any_profile, record_trace=record)
+    res = run_simulation(plan, waves, any_profile, record, overhead_ms_per_task)
     title = (
         f"{plan.model} (batch {plan.batch_size}), policy {plan.policy}, Nm={plan.nm}, D={plan.D}, "
         f"schedule {plan.schedule}, placement {plan.placement}: {len(plan.virtual_workers)} VWs, "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Mapping
 
+from planner.cluster import LinkTable
 from planner.offload import host_link_ms
 from planner.plan import Plan, StagePlan, VirtualWorker
 from planner.predict import AllReduceResult, ring_link, simulate_allreduce
@@ -32,6 +33,7 @@ __all__ = [
     "allreduce_for_plan",
     "best_by_simulation",
     "pipeline_specs",
+    "shard_ms",
     "simulate",
     "stage_shard_bytes",
 ]
@@ -73,8 +75,17 @@ def stage_shard_bytes(
     return [(s.node, stage.param_bytes * s.param_bytes // total) for s in shards]
 
 
-def pipeline_specs(plan: Plan, profile: Profile | None = None) -> list[PipelineSpec]:
-    """One simulator spec per virtual worker of ``plan`` (times in ms, as planned).
+def shard_ms(links: LinkTable, node: str, shard_node: str, nbytes: float) -> float:
+    """Milliseconds one push (or pull) of ``nbytes`` between a stage on ``node`` and a shard
+    on ``shard_node`` takes: what the simulator charges and the runtime paces."""
+    return links.between(node, shard_node).time_s(nbytes) * 1e3
+
+
+def pipeline_specs(
+    plan: Plan, profile: Profile | None = None, overhead_ms_per_task: float = 0.0
+) -> list[PipelineSpec]:
+    """One simulator spec per virtual worker of ``plan`` (times in ms, as planned; every task
+    costs ``overhead_ms_per_task`` more, the runtime's own cost: :class:`PipelineSpec`).
 
     Raises:
         PlanError: a VW has no stage or a stage points at a missing GPU.
@@ -94,10 +105,10 @@ def pipeline_specs(plan: Plan, profile: Profile | None = None) -> list[PipelineS
             prev = vw.gpus[vw.stages[j - 1].gpu].node if j > 0 else gpu.node
             cross_recv.append(st.recv_bytes if prev != gpu.node else 0)
             traffic = stage_shard_bytes(plan, vw, st, profile)
-            cl = plan.cluster
-            push.append(sum(cl.intra_node.time_s(b) for n, b in traffic if n == gpu.node) * 1e3)
+            links = plan.cluster.links  # charged as the runtime paces them (scaled)
+            push.append(sum(shard_ms(links, gpu.node, n, b) for n, b in traffic if n == gpu.node))
             push_inter.append(
-                sum(cl.inter_node.time_s(b) for n, b in traffic if n != gpu.node) * 1e3
+                sum(shard_ms(links, gpu.node, n, b) for n, b in traffic if n != gpu.node)
             )
             cross_sync.append(sum(b for n, b in traffic if n != gpu.node))
         specs.append(
@@ -121,19 +132,24 @@ def pipeline_specs(plan: Plan, profile: Profile | None = None) -> list[PipelineS
                 host_ms=tuple(
                     host_link_ms(
                         float(s.transfer_bytes),
-                        plan.cluster.host_link,
+                        plan.cluster.links.host,
                         plan.cluster.host_share(vw.gpus[s.gpu].node).sharers,
                     )
                     for s in vw.stages
                 ),
                 host_exposed_ms=tuple(s.transfer_ms for s in vw.stages),
+                overhead_ms_per_task=overhead_ms_per_task,
             ).validated()
         )
     return specs
 
 
 def simulate(
-    plan: Plan, waves: int = 20, profile: Profile | None = None, record_trace: bool = False
+    plan: Plan,
+    waves: int = 20,
+    profile: Profile | None = None,
+    record_trace: bool = False,
+    overhead_ms_per_task: float = 0.0,
 ) -> SimResult:
     """Simulate ``plan`` for ``waves`` waves per virtual worker.
 
@@ -142,11 +158,13 @@ def simulate(
         waves: waves per VW (>= 2; wave 0 is warm-up and not measured).
         profile: optional profile of the model (any GPU type) for exact shard traffic.
         record_trace: keep every interval for Gantt charts and Chrome traces.
+        overhead_ms_per_task: the runtime's own cost of every task (``hetpipe run
+            --profile-runtime`` measures it), added to each task; 0: none.
 
     Raises:
-        PlanError: invalid plan or ``waves < 2``.
+        PlanError: invalid plan, ``waves < 2`` or a negative or non-finite overhead.
     """
-    specs = pipeline_specs(plan, profile)
+    specs = pipeline_specs(plan, profile, overhead_ms_per_task)
     schedule = schedule_named(plan.schedule)
     return simulate_pipelines(
         specs, plan.nm, plan.D, waves, plan.batch_size, record_trace, schedule

@@ -91,12 +91,13 @@ class StageState:
         fwd, bwd, xb = spec.fwd_ms, spec.bwd_ms, spec.cross_recv_bytes
         self.f_recv = spec.recv_fwd_ms[s]
         self.f_link = sender(s - 1, self.f_recv) if s > 0 else NO_LINK
-        self.f_comp = fwd[s] + (bwd[s] if s == n - 1 else 0.0)
+        over = spec.overhead_ms_per_task  # the runtime's own cost of each task
+        self.f_comp = fwd[s] + (bwd[s] if s == n - 1 else 0.0) + over
         self.f_bytes = xb[s] if s > 0 else 0
         last = s == n - 1  # the last stage has no backward task
         self.b_recv = 0.0 if last else spec.recv_bwd_ms[s]
         self.b_link = NO_LINK if last else sender(s + 1, self.b_recv)
-        self.b_comp = 0.0 if last else bwd[s]
+        self.b_comp = 0.0 if last else bwd[s] + over
         self.b_bytes = 0 if last else xb[s + 1]
         # offloaded data per minibatch: host-link ms and the part exposed in bwd_ms (drawn only)
         self.host = (

@@ -6,6 +6,7 @@ result statistics (:func:`busy_ms`, :func:`idle_ms`) visit only the intervals a 
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,6 +48,9 @@ class PipelineSpec:
             (:mod:`planner.offload`); drawn, not timed: its exposed part is in ``bwd_ms``.
             Empty: nothing offloaded.
         host_exposed_ms: the part of ``host_ms`` not hidden behind compute. Empty: zero.
+        overhead_ms_per_task: the runtime's own cost of every task (messages, optimizer step,
+            Python, bookkeeping: what ``hetpipe run --profile-runtime`` reports as
+            ``overhead_ms_per_task``), added to each task's compute time; 0: none.
     """
 
     fwd_ms: tuple[float, ...]
@@ -62,6 +66,7 @@ class PipelineSpec:
     push_inter_ms: tuple[float, ...] = ()
     host_ms: tuple[float, ...] = ()
     host_exposed_ms: tuple[float, ...] = ()
+    overhead_ms_per_task: float = 0.0
 
     @property
     def n_stages(self) -> int:
@@ -139,6 +144,11 @@ class PipelineSpec:
             for s, v in enumerate(getattr(self, name)):
                 if not v >= 0.0:
                     raise PlanError(f"PipelineSpec.{name}[{s}] = {v}: times must be >= 0 ms")
+        if not 0.0 <= self.overhead_ms_per_task < math.inf:
+            raise PlanError(
+                f"overhead_ms_per_task = {self.overhead_ms_per_task}: give a finite number of "
+                "milliseconds >= 0 (0: no runtime overhead)"
+            )
         return self
 
 

@@ -42,6 +42,7 @@ from runtime.launch.restart_vw import AttemptFailed
 from runtime.launch.startup import StartUpLoss
 from runtime.launch.supervise import spawn_and_watch
 from runtime.launch.wsp import prepare_wsp
+from runtime.link_pacing import links_statement
 from runtime.persist.run_dir import RunDirectory
 from runtime.persist.snapshot import committed_clocks
 from runtime.results.metrics import VWResult, warn_overruns
@@ -300,6 +301,7 @@ def complete(
     if prep.test is not None:
         acc, loss = evaluate(source, plan.batch_size, run.seed, result.state_dict(), prep.test)
         result = dataclasses.replace(result, test_accuracy=acc, test_loss=loss)
+    result = dataclasses.replace(result, links=links_statement(plan.cluster, run.emulate))
     if run.out_dir is not None:
         result.save(run.out_dir, about=describe_run(plan))
     return result
@@ -350,7 +352,8 @@ def one_vw_result(
     one = VWResult(tuple(stages), plan.batch_size, prep.nm, predicted, wall_s, bound, devices)
     result = RunResult((one,), prep.nm, 0, (), (), (), wall_s, predicted, sync="local",
                        sync_params=plan.sync_params, keys=keys, data=prep.data,
-                       remedy=_remedy(prep))  # fmt: skip
+                       remedy=_remedy(prep),
+                       links=links_statement(plan.cluster, run.emulate))  # fmt: skip
     if run.out_dir is not None:
         result.save(run.out_dir, about=describe_run(plan, vw))
     return result

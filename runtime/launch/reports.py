@@ -11,6 +11,12 @@ The launcher's :class:`Reports` has the ``get(timeout)`` of a queue (what
 :func:`runtime.launch.failures.watch` reads); each child gets a :class:`Channel` with the
 ``put``/``close``/``join_thread`` of one (what :func:`runtime.launch.child.run_rank` and
 the stage worker write to).
+
+A stage sends its per-minibatch progress reports (``loss``, ``done``) a wave at a time, as one
+``(REPORTS, rank, (report, ...))`` message: each pipe write wakes the launcher up, and on a
+loaded machine a wake-up costs the writer about a millisecond, as much as a whole task of a
+small model. :meth:`Reports.get` hands the reports inside one by one, in order, so nothing
+reading them knows they travelled together.
 """
 
 from __future__ import annotations
@@ -22,7 +28,10 @@ from collections import deque
 from multiprocessing.connection import Connection, wait
 from typing import Any, cast
 
-__all__ = ["Channel", "Reports"]
+__all__ = ["REPORTS", "Channel", "Reports"]
+
+REPORTS = "reports"
+"""The kind of a message carrying several reports of one child, in order."""
 
 
 class Channel:
@@ -95,10 +104,15 @@ class Reports:
             for ready in wait(self._readers, timeout):
                 reader = cast(Connection, ready)  # wait returns some of what it was given
                 try:
-                    self._pending.append((reader, reader.recv()))
+                    msg = reader.recv()
                 except (EOFError, OSError):  # the child closed its end or died mid-report
                     self._readers.remove(reader)
                     reader.close()
+                    continue
+                if isinstance(msg, tuple) and msg and msg[0] == REPORTS:
+                    self._pending.extend((reader, m) for m in msg[2])
+                else:
+                    self._pending.append((reader, msg))
         if not self._pending:
             raise queue.Empty
         return self._pending.popleft()[1]

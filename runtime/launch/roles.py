@@ -12,14 +12,23 @@ import math
 import torch
 
 from planner.plan import Plan
+from planner.predict import ring_link
 from planner.straggle import NO_STRAGGLE, Straggle
 from profiler.errors import ConfigError
 from runtime.config import ModelSource, RunConfig
+from runtime.link_pacing import NO_LINKS, StageLinks
 from runtime.stage.emulation import Calibration, calibrate
 from runtime.stage.job import StageContext
 from runtime.stage.model import resolve_source, sample_batch
 
-__all__ = ["emulation", "pacing_table", "require_devices", "stage_contexts", "total_steps"]
+__all__ = [
+    "emulation",
+    "pacing_table",
+    "require_devices",
+    "stage_contexts",
+    "stage_links",
+    "total_steps",
+]
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +74,32 @@ def stage_contexts(
                 straggle=_straggle(plan, gpu.node) if speed > 0 else NO_STRAGGLE,
                 gpu_type=gpu.type,
                 schedule=plan.schedule,
+                links=stage_links(plan, vw, s),
             )
         )
     return out
+
+
+def stage_links(plan: Plan, vw: int, stage: int) -> StageLinks:
+    """The charged links of stage ``stage`` of VW ``vw``: to its neighbours, to every shard
+    and (the AllReduce baseline) its ring; none on a real cluster (:mod:`runtime.link_pacing`)."""
+    cluster = plan.cluster
+    if not cluster.emulated:
+        return NO_LINKS
+    links, worker = cluster.links, plan.virtual_workers[vw]
+    nodes = [worker.gpus[st.gpu].node for st in worker.stages]
+    me = nodes[stage]
+    ring, size = None, 1
+    if plan.sync == "allreduce" and len(plan.virtual_workers) > 1:
+        copies = [w.gpus[w.stages[stage].gpu].node for w in plan.virtual_workers]
+        ring, size = ring_link(cluster, copies), len(copies)
+    return StageLinks(
+        prev=links.between(nodes[stage - 1], me) if stage > 0 else None,
+        next=links.between(me, nodes[stage + 1]) if stage + 1 < len(nodes) else None,
+        shards=tuple((sh.id, links.between(me, sh.node)) for sh in plan.shards),
+        ring=ring,
+        ring_size=size,
+    )
 
 
 def require_devices(plan: Plan, vw: int, cuda_devices: int | None = None) -> None:

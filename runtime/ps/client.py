@@ -61,6 +61,11 @@ class PSClient(PullingClient):
         group: process group holding the shards and this rank (``None``: default group).
         timeout_s: longest wait for a push to be sent/acknowledged, in seconds.
         pull_timeout_s: longest wait for a pull (it may wait for slower VWs); default ``timeout_s``.
+        paced: the emulated links to the shards (:mod:`runtime.link_pacing`): a push is
+            sent when its link's charge has passed (by a thread: the stage goes on), a pull's
+            :meth:`PullHandle.wait` returns when its charge has passed since it was posted
+            (the push's and the pull's, for :meth:`push_pull`); default none.
+        pace: the pacing's clock and wait (tests inject them).
     """
 
     # -------------------------------------------------------------- push
@@ -154,7 +159,10 @@ class PSClient(PullingClient):
         self._pushed.add(wave)
         # the pull's receives are posted before the push leaves: the shard's reply never waits
         posted = (
-            [self._post_pull(k, pull[0], pull[2]) for k in range(len(self._links))]
+            [
+                self._post_pull(k, pull[0], pull[2], self._links[k].numel * 4)  # float32 push
+                for k in range(len(self._links))
+            ]
             if pull is not None
             else []
         )
@@ -186,7 +194,7 @@ class PSClient(PullingClient):
         ack = torch.zeros(HEADER_LEN, dtype=torch.int64)
         ack_work = self._irecv(link, ack, TAG_ACK, what)
         msg.header.copy_(torch.tensor([wave, pull, seq, 0], dtype=torch.int64))
-        send = self._isend(link, msg.message, TAG_PUSH, what)
+        send = self._send_paced(k, msg, what)
         self._inflight.append(Push(k, wave, ack_work, ack, send, msg))
 
     # -------------------------------------------------------------- shutdown
@@ -204,4 +212,5 @@ class PSClient(PullingClient):
             bye = torch.tensor([int(Op.BYE), 0, 0, 0], dtype=torch.int64)
             self._wait(link, self._isend(link, bye, TAG_REQUEST, "close"), "close", self.timeout_s)
         self._closed = True
+        self._delay.close()
         log.debug("%s parameter-server client closed", self._prefix)

@@ -17,9 +17,18 @@ import torch
 import torch.distributed as dist
 
 from profiler.errors import ConfigError, HetPipeRuntimeError
+from runtime.link_pacing import (
+    NO_LINKS,
+    REAL_PACE,
+    Arrival,
+    DelayedWork,
+    DelayLine,
+    Pace,
+    StageLinks,
+)
 from runtime.ps.layout import ShardSpec
 from runtime.ps.outcome import Status
-from runtime.ps.wire import irecv, isend, push_message
+from runtime.ps.wire import TAG_PUSH, irecv, isend, push_message
 
 __all__ = ["Link", "Message", "Push", "ShardLinks"]
 
@@ -50,8 +59,12 @@ class Push:
     wave: int
     ack_work: dist.Work
     ack: torch.Tensor
-    send: dist.Work
+    send: dist.Work | DelayedWork  # delayed: posted when its emulated link delivers it
     msg: Message
+
+
+Waitable = dist.Work | DelayedWork | Arrival
+"""What a transport wait takes: a ``dist.Work`` or a paced stand-in for one."""
 
 
 class ShardLinks:
@@ -66,8 +79,13 @@ class ShardLinks:
         group: dist.ProcessGroup | None = None,
         timeout_s: float = 60.0,
         pull_timeout_s: float | None = None,
+        paced: StageLinks = NO_LINKS,
+        pace: Pace = REAL_PACE,
     ) -> None:
         self.vw, self.stage, self.group = vw, stage, group
+        self._paced, self._pace = paced, pace  # emulated links (runtime.link_pacing)
+        self._delay = DelayLine(pace)  # posts paced pushes when their link delivers them
+        self._push_free_s = float("-inf")  # when the stage's previous paced push lands
         self.timeout_s = timeout_s
         self.pull_timeout_s = timeout_s if pull_timeout_s is None else pull_timeout_s
         self._shapes = [tuple(int(d) for d in shape) for _, shape in params]
@@ -137,11 +155,28 @@ class ShardLinks:
         except RuntimeError as exc:
             raise self._fail(link, what, exc) from None
 
-    def _wait(self, link: Link, work: dist.Work, what: str, timeout_s: float) -> None:
+    def _wait(self, link: Link, work: Waitable, what: str, timeout_s: float) -> None:
         try:
             work.wait(datetime.timedelta(seconds=timeout_s))
         except RuntimeError as exc:
             raise self._fail(link, what, exc) from None
+
+    def _charge_s(self, k: int, nbytes: int) -> float:
+        """Seconds the emulated link to shard ``k`` is charged for ``nbytes`` (0: not paced)."""
+        link = self._paced.shard(self._links[k].spec.id)
+        return 0.0 if link is None else link.time_s(nbytes)
+
+    def _send_paced(self, k: int, msg: Message, what: str) -> dist.Work | DelayedWork:
+        """Send push ``msg`` to shard ``k``: at once, or on an emulated link when its charge
+        has passed since the stage's previous push landed (one push at a time, as simulated)."""
+        link = self._links[k]
+        charge = self._charge_s(k, msg.payload.numel() * msg.payload.element_size())
+        if charge <= 0:
+            return self._isend(link, msg.message, TAG_PUSH, what)
+        self._push_free_s = max(self._pace.clock(), self._push_free_s) + charge
+        return self._delay.post(
+            self._push_free_s, lambda: self._isend(link, msg.message, TAG_PUSH, what)
+        )
 
     def _take_message(self, k: int) -> Message:
         """A push message for shard ``k``: a recycled one, else a fresh one."""

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from profiler.errors import HetPipeRuntimeError
+from runtime.link_pacing import Arrival
 from runtime.ps.links import ShardLinks
 from runtime.ps.outcome import Status
 from runtime.ps.wire import HEADER_LEN, TAG_PULL_DATA, TAG_PULL_HEADER, TAG_REQUEST, Op
@@ -43,12 +44,15 @@ class PullResult:
 class Posted:
     """One shard's reply to a pull, posted: header and data receives and their buffers."""
 
-    w_hdr: dist.Work
+    w_hdr: dist.Work | Arrival  # an Arrival on an emulated link: when the reply came
     w_data: dist.Work
     hdr: torch.Tensor
     data: torch.Tensor
     direct: bool  # ``data`` aliases the caller's ``out`` tensors (no copy when it arrives)
     seq: int
+    start_s: float = 0.0  # when it was posted (clock seconds)
+    push_s: float = 0.0  # the emulated link's charge of the push it rides on (0: none)
+    pull_s: float = 0.0  # the emulated link's charge of the reply (0: not paced)
 
 
 def flat_alias(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -100,8 +104,11 @@ class PullingClient(ShardLinks):
                 f"{self._prefix} pull(out=...) needs tensors of shapes {self._shapes}, got {[tuple(t.shape) for t in out]}"
             )
 
-    def _post_pull(self, k: int, min_clock: int, out: Sequence[torch.Tensor] | None) -> Posted:
-        """Post the receives of shard ``k``'s reply to this client's next pull."""
+    def _post_pull(
+        self, k: int, min_clock: int, out: Sequence[torch.Tensor] | None, push_bytes: int = 0
+    ) -> Posted:
+        """Post the receives of shard ``k``'s reply to this client's next pull (riding on a
+        push of ``push_bytes``, charged before the reply on an emulated link)."""
         link, what = self._links[k], f"pull of clock {min_clock}"
         direct = flat_alias([out[i] for i in link.order]) if out is not None else None
         if direct is not None:
@@ -110,11 +117,28 @@ class PullingClient(ShardLinks):
             spare = self._recv_spare[k]
             data = spare.pop() if out is not None and spare else torch.empty(link.numel)
         hdr = torch.zeros(HEADER_LEN, dtype=torch.int64)
-        w_hdr = self._irecv(link, hdr, TAG_PULL_HEADER, what)
+        start = self._pace.clock()
+        w_hdr: dist.Work | Arrival = self._irecv(link, hdr, TAG_PULL_HEADER, what)
         w_data = self._irecv(link, data, TAG_PULL_DATA, what)
         seq = self._seq[k]
         self._seq[k] += 1
-        return Posted(w_hdr, w_data, hdr, data, direct is not None, seq)
+        push_s = self._charge_s(k, push_bytes)
+        pull_s = self._charge_s(k, data.numel() * data.element_size())
+        if pull_s > 0:  # an emulated link: learn when the reply arrives, even if waited late
+            w_hdr = Arrival(w_hdr, self._pace)
+        return Posted(w_hdr, w_data, hdr, data, direct is not None, seq, start, push_s, pull_s)
+
+    def _pace_pull(self, posted: Sequence[Posted]) -> None:
+        """On an emulated link: return no sooner than the shards' pushes and replies, one after
+        another, took since the pull was posted, nor than the replies took since the last one
+        arrived (a reply the global clock held back is charged from then, as simulated)."""
+        pull_s = sum(p.pull_s for p in posted)
+        if not posted or pull_s <= 0:
+            return
+        start = min(p.start_s for p in posted)
+        arrived = max(p.w_hdr.arrived_s for p in posted if isinstance(p.w_hdr, Arrival))
+        deadline = max(start + sum(p.push_s for p in posted) + pull_s, arrived + pull_s)
+        self._pace.since(start, deadline - start)
 
     def pull_async(
         self, min_clock: int, include_own: bool = True, out: Sequence[torch.Tensor] | None = None
@@ -195,5 +219,6 @@ class PullingClient(ShardLinks):
                 pos += n
             if out is not None and not post.direct and len(self._recv_spare[k]) < 2:
                 self._recv_spare[k].append(data)
+        self._pace_pull(posted)
         tensors = tuple(t if t is not None else torch.zeros(0) for t in result)
         return PullResult(min(clocks) if clocks else min_clock, tuple(clocks), tensors)

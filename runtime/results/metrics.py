@@ -21,6 +21,7 @@ from typing import Any
 from rich.table import Table
 from torch import Tensor
 
+from runtime.results.breakdown import Breakdown
 from runtime.results.metrics_log import HEADER, has_history
 
 __all__ = [
@@ -66,6 +67,7 @@ class StageResult:
         dropped: ``(shard, wave)`` of every push a shard dropped (backup workers).
         skipped: minibatches whose update this stage skipped (``--on-nonfinite skip``: a NaN
             or infinite loss or gradient; every stage of a VW skips the same ones).
+        breakdown: where the stage's wall time went (``--profile-runtime``; ``None``: off).
     """
 
     rank: int
@@ -91,6 +93,7 @@ class StageResult:
     pushes: list[tuple[int, float]] = field(default_factory=list)
     dropped: list[tuple[int, int]] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
+    breakdown: Breakdown | None = None
 
     def log_interval(self, kind: str, mb: int, start: float, end: float) -> None:
         """Record a task or wait for the timeline (the first :data:`MAX_TASK_LOG` of a run)."""

@@ -36,6 +36,7 @@ from runtime.config import ModelSource
 from runtime.persist.checkpoint import ShardState, atomic_torch_save
 from runtime.ps.layout import ShardSpec, export_state_dict
 from runtime.ps.outcome import ClockEvent
+from runtime.results.breakdown import breakdown_json, breakdown_table
 from runtime.results.evaluation import evaluate_module
 from runtime.results.metrics import (
     StageResult,
@@ -120,6 +121,8 @@ class RunResult:
         remedy: the stages' staleness remedy (``--remedy``, :mod:`planner.staleness`).
         data: what the run trained and tested on (``digits (...)``, ``synthetic (...)``,
             ``mydata:make (train 400, test 100)``; empty: not known).
+        links: the plan's links and whether the run paced them, with the factor
+            (:func:`runtime.link_pacing.links_statement`; empty: not known).
     """
 
     vws: tuple[VWResult, ...]
@@ -143,6 +146,7 @@ class RunResult:
     exported_buffers: dict[str, Tensor] | None = None
     data: str = ""
     remedy: str = "none"
+    links: str = ""
 
     @staticmethod
     def build(
@@ -276,6 +280,7 @@ class RunResult:
             "remedy": self.remedy,
             "max_clock_distance": self.max_clock_distance,
             "data": self.data,
+            "links": self.links,
             "test_accuracy": self.test_accuracy,
             "test_loss": self.test_loss,
             "final_loss": self.losses[-1] if self.losses else None,
@@ -291,6 +296,7 @@ class RunResult:
             "wave_arrivals_s": arrival_table(self.vws),
             "lost": [dataclasses.asdict(v) for v in self.lost],
             "skipped_updates": self.skipped_updates,
+            "runtime_breakdown": breakdown_json(self.stages),
             "vws": [
                 {
                     "throughput": v.throughput,
@@ -313,9 +319,10 @@ class RunResult:
         alone: its stages, :func:`runtime.results.metrics.stage_table`)."""
         if self.alone:
             alone = stage_table(self.vws[0])
-            if self.data:
+            if self.data or self.links:
+                data = f"data: {escape(self.data)}" if self.data else ""
                 alone.caption = "; ".join(
-                    filter(None, [f"data: {escape(self.data)}", str(alone.caption or "")])
+                    filter(None, [data, str(alone.caption or ""), escape(self.links)])
                 )
             return alone
         rule = describe_rule(self.sync, self.sync_params, self.D)
@@ -342,6 +349,10 @@ class RunResult:
         table.caption = self._caption()
         return table
 
+    def breakdown_table(self) -> Table | None:
+        """Where each stage's time went (``--profile-runtime``; ``None``: not profiled)."""
+        return breakdown_table(self.stages)
+
     def _caption(self) -> str:
         """The table's caption: the test figures, what the rule did, how the run ended."""
         acc = self.test_accuracy
@@ -366,6 +377,8 @@ class RunResult:
         caption = f"{tested}; {clocks}; wall {self.wall_s:.1f} s"
         if self.data:
             caption = f"data: {escape(self.data)}; {caption}"
+        if self.links:
+            caption += f"; {escape(self.links)}"
         if self.sync == "backup":
             kth = " ".join(f"{t:.2f}" for t in kth_push_s(self.vws))
             caption += (

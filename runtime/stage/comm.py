@@ -7,7 +7,9 @@ crossing tensor (zeros when it does not depend on it), in backward order. Sends 
 asynchronous (``isend``) so they overlap the next task; receives are posted by one thread
 per direction, which hands complete messages to the stage's inbox, so the scheduler sees
 arrivals in order and never polls. Shapes and dtypes come from the traced graph, so no
-metadata travels.
+metadata travels. On an emulated cluster each receive thread holds a message back until its
+link's charged time has passed (:class:`runtime.link_pacing.LinkPacer`): the stage computes
+meanwhile, and the sender never waits for it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch import Tensor
 from profiler.errors import ModelError
 from profiler.graph import ModelGraph
 from profiler.precision import wire_dtype
+from runtime.link_pacing import LinkPacer
 from runtime.stage.device import to_host
 
 __all__ = [
@@ -36,6 +39,7 @@ __all__ = [
     "GradReceiver",
     "TensorSpec",
     "cut_specs",
+    "message_bytes",
     "start_activation_receiver",
     "wire_specs",
 ]
@@ -191,15 +195,22 @@ def _recv(
             work.wait() if limit is None else work.wait(limit)
 
 
+def message_bytes(tensors: list[Tensor]) -> int:
+    """Bytes of one message's tensors (what its link is charged for)."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def start_activation_receiver(
     peer: int,
     specs: tuple[TensorSpec, ...],
     inbox: queue.Queue[Event],
     group: Any = None,
     timeout_s: float | None = None,
+    pacer: LinkPacer | None = None,
 ) -> threading.Thread:
     """Receive forward messages from ``peer`` until the stop header, into ``inbox`` (waiting
-    at most ``timeout_s`` for each; ``None``: the group's timeout)."""
+    at most ``timeout_s`` for each; ``None``: the group's timeout), each held back until
+    ``pacer``'s link charge has passed (``None``: not paced)."""
 
     def loop() -> None:
         try:
@@ -211,6 +222,8 @@ def start_activation_receiver(
                 if mb == STOP:
                     inbox.put(Event("stop"))
                     return
+                if pacer is not None:
+                    pacer.arrived(message_bytes(bufs))
                 inbox.put(Event("act", mb, tuple(bufs)))
         except Exception as exc:  # a dead peer or a timeout: hand it to the stage loop
             inbox.put(Event("error", error=exc))
@@ -224,7 +237,8 @@ class GradReceiver:
     """Receives one gradient message from ``peer`` per activation message sent to it.
 
     Call :meth:`expect` after each forward send and :meth:`close` when no more come; each
-    message is awaited at most ``timeout_s`` (``None``: the group's timeout).
+    message is awaited at most ``timeout_s`` (``None``: the group's timeout) and held back
+    until ``pacer``'s link charge has passed (``None``: not paced).
     """
 
     def __init__(
@@ -234,7 +248,9 @@ class GradReceiver:
         inbox: queue.Queue[Event],
         group: Any = None,
         timeout_s: float | None = None,
+        pacer: LinkPacer | None = None,
     ):
+        self._pacer = pacer
         self._floats = [s for s in specs if s.is_float]
         self._timeout_s = timeout_s
         self._expected: queue.Queue[int] = queue.Queue()
@@ -262,6 +278,8 @@ class GradReceiver:
                     return
                 bufs = [s.empty() for s in self._floats]
                 _recv(bufs, self._peer, self._group, timeout_s=self._timeout_s)
+                if self._pacer is not None:
+                    self._pacer.arrived(message_bytes(bufs))
                 self._inbox.put(Event("grad", mb, tuple(bufs)))
         except Exception as exc:  # a dead peer or a timeout: hand it to the stage loop
             self._inbox.put(Event("error", error=exc))

@@ -14,6 +14,7 @@ from planner.schedule import DEFAULT_SCHEDULE
 from planner.straggle import NO_STRAGGLE, Straggle
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.data import MinibatchSource, default_dataset
+from runtime.link_pacing import NO_LINKS, StageLinks
 from runtime.sync.rule import SyncSpec
 
 if TYPE_CHECKING:
@@ -47,6 +48,8 @@ class StageContext:
         gpu_type: the cluster's type of the device (``V100``; ``CPU``: computes on the host;
             ``""``: unknown), for :meth:`torch_device`.
         schedule: the plan's pipeline schedule (:data:`planner.schedule.SCHEDULES`).
+        links: the emulated links its transfers are paced to (:mod:`runtime.link_pacing`;
+            none on a real cluster).
     """
 
     rank: int
@@ -68,6 +71,7 @@ class StageContext:
     straggle: Straggle = NO_STRAGGLE
     gpu_type: str = ""
     schedule: str = DEFAULT_SCHEDULE
+    links: StageLinks = NO_LINKS
 
     @property
     def emulated(self) -> bool:

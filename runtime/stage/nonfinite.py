@@ -91,7 +91,10 @@ class StageJudge:
             Diverged: the run must stop (names what was not finite and where).
         """
         grads_w, grads_x = list(grads_w), list(grads_x)
-        skipped_after = not self.last and not all_finite(grads_in)
+        grads_in = [] if self.last else list(grads_in)  # the last stage receives none
+        if math.isfinite(loss) and all_finite([*grads_in, *grads_w, *grads_x]):
+            return verdict(self.policy, True, False, self.last)  # the usual case: one pass
+        skipped_after = not all_finite(grads_in)
         what = ""
         if not math.isfinite(loss):
             what = f"loss ({loss})"

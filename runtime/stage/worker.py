@@ -26,6 +26,8 @@ from profiler.errors import HetPipeRuntimeError
 from profiler.memory import cuda_peak_bytes
 from profiler.precision import autocast
 from runtime.defaults import neighbour_wait_s
+from runtime.launch.reports import REPORTS
+from runtime.link_pacing import LinkPacer, StageLinks, active_links
 from runtime.results.metrics import StageResult
 from runtime.stage.comm import Channel, Event, GradReceiver, start_activation_receiver, wire_specs
 from runtime.stage.device import on_device
@@ -37,6 +39,7 @@ from runtime.stage.moves import class_moves
 from runtime.stage.nonfinite import StageJudge, mark
 from runtime.stage.offload import memory_manager, metered_forward
 from runtime.stage.tied import TiedGrads
+from runtime.stage.timers import lap_timer
 from runtime.stage.weights import VersionedWeights
 from runtime.sync.registry import stage_sync
 from runtime.sync.rule import StageView
@@ -108,10 +111,18 @@ class StageWorker:
             tuple((self.names[n], p) for n, p in params.items()), self.weights, self.result,
             self.tied if self.tied else None, job.init_method, group,
             tuple((self.buffer_names[n], b) for n, b in self.module.named_buffers()),
+            self.links,
         )  # fmt: skip
         self.sync = stage_sync(job.sync, view)  # the synchronisation rule's hooks
         self._task_mb = 1  # the minibatch of the task being paced (its wave may straggle)
         self._task_wall0 = 0.0  # wall-clock start of the task being executed (the timeline)
+        self._reports: list[tuple[Any, ...]] = []  # progress reports of the wave in progress
+        self.timer = lap_timer(False)  # --profile-runtime: started with the run
+
+    @property
+    def links(self) -> StageLinks:
+        """The emulated links this stage's transfers are paced to (none with ``emulate=False``)."""
+        return active_links(self.ctx.links, self.run_cfg.emulate)
 
     @property
     def last(self) -> bool:
@@ -128,25 +139,32 @@ class StageWorker:
         self.sync.start(self.first_wave)  # (a resumed stage: the RNG state of its snapshot)
         start_time = time.time() if start_time is None else start_time
         self.result.start_time = start_time
+        self.timer = lap_timer(self.run_cfg.profile_runtime)
         nxt, prev, group = ctx.next_rank, ctx.prev_rank, self.group
         to_next = Channel(nxt, self.out_specs, group) if nxt is not None else None
         to_prev = Channel(prev, self.in_specs, group) if prev is not None else None
         grad_rx = None
+        links = self.links  # emulated links: receives held back to their charge
         if nxt is not None:
-            grad_rx = GradReceiver(nxt, self.out_specs, self.inbox, group, self._wait_s)
+            pace = LinkPacer(links.next)
+            grad_rx = GradReceiver(nxt, self.out_specs, self.inbox, group, self._wait_s, pace)
         if prev is not None:
-            start_activation_receiver(prev, self.in_specs, self.inbox, group, self._wait_s)
+            pace = LinkPacer(links.prev)
+            start_activation_receiver(prev, self.in_specs, self.inbox, group, self._wait_s, pace)
         self._received = 0  # forward messages received (stage 0: minibatches admitted)
         self._stop_in = ctx.stage == 0  # whether the number of minibatches is final
         self._f_done = self._b_done = 0  # forwards / backwards done here
         try:
             self._loop(start_time, to_next, to_prev, grad_rx)
+            self._send_reports()
             for ch in (to_next, to_prev):
                 if ch is not None:
                     ch.flush()
+            self.timer.lap("send_recv")
         finally:
             if grad_rx is not None:
                 grad_rx.close()
+        self.result.breakdown = self.timer.result()
         self.result.wall_s = time.time() - start_time
         self.result.peak_bytes = self.memory.peak_bytes
         self.result.cuda_peak_bytes = cuda_peak_bytes(self.device)  # 0 on CPU
@@ -178,8 +196,11 @@ class StageWorker:
         stop_sent = False
         if first:
             self._admit_more(total)
+        timer = self.timer
         while True:
+            timer.lap("other")
             self._drain(block=False)
+            timer.lap("send_recv")
             if first:
                 total = self._final_total(total, start_time)
             closed = not first or self._received == total
@@ -190,13 +211,16 @@ class StageWorker:
             if final and self._b_done == self._received:
                 return
             task = self.queue.next()
+            timer.lap("bookkeeping")
             if task is None:
                 self._drain(block=True)
+                timer.lap("wait_neighbour")
                 continue
             self._run_task(task, to_next, to_prev, grad_rx)
             if first and task.kind is not Kind.F:
                 total = self._final_total(total, start_time)
                 self._admit_more(total)
+                timer.lap("bookkeeping")
 
     def _run_task(
         self,
@@ -207,9 +231,11 @@ class StageWorker:
     ) -> None:
         """Execute one task and account for it."""
         self.result.max_in_flight = max(self.result.max_in_flight, self.queue.in_flight)
+        self.timer.task(task.kind.value)
         t0 = time.perf_counter()
         self._execute(task, to_next, to_prev, grad_rx)
         self.result.busy_s += time.perf_counter() - t0
+        self.timer.lap("other")
         # from after any pull wait (_task_wall0 is set when the device starts)
         self.result.log_interval(task.kind.value, task.mb, self._task_wall0, time.time())
         self.result.tasks += 1
@@ -219,6 +245,8 @@ class StageWorker:
         if task.kind is not Kind.F:
             self._b_done += 1
             self._completed(task.mb)
+        self.timer.lap("bookkeeping")
+        self.timer.idle()
 
     def _admit_more(self, total: int) -> None:
         """Stage 0: let in the minibatches the schedule admits now (of ``total`` in all)."""
@@ -236,7 +264,9 @@ class StageWorker:
         total = self.sync.rule_total(total, self._received)  # backup: a late VW's jumps
         if self.run_cfg.time_limit_s <= 0:
             return total
+        self.timer.lap("bookkeeping")
         agreed = self.sync.agreed_total(self._received, self._time_up(start_time))
+        self.timer.lap("ps")  # the VWs agree on the last wave through a store
         return total if agreed is None else max(self._received, min(total, agreed))
 
     def _time_up(self, start_time: float) -> bool:
@@ -294,7 +324,10 @@ class StageWorker:
 
     def _pace(self, t0: float, kind: Kind) -> None:
         if self._paced:
-            self.result.overrun_s += pace_until(self._deadline(t0, kind))
+            deadline = self._deadline(t0, kind)
+            self.timer.planned(deadline - t0)
+            self.result.overrun_s += pace_until(deadline)
+            self.timer.lap("paced")
 
     def _execute(
         self,
@@ -304,11 +337,15 @@ class StageWorker:
         grad_rx: GradReceiver | None,
     ) -> None:
         mb = self._task_mb = task.mb
+        timer = self.timer
         if task.kind is not Kind.B:  # neither loading a minibatch (a host-side data loader's
             # job) nor waiting for a WSP pull is device time: pace from after them
             if self.ctx.stage == 0:
                 self._load(mb)
+                timer.lap("data")
+            waited = self.result.wait_s
             self.sync.before_forward(mb)
+            timer.lap("ps", self.result.wait_s - waited)
         t0, self._task_wall0 = time.perf_counter(), time.time()
         log.debug("[%s] task %s", self.ctx.where, task)
         if self.offload is not None:  # offloaded data comes back one task ahead
@@ -316,21 +353,27 @@ class StageWorker:
             self.weights.prefetch()
         if self.fault is not None:
             self.fault(mb)
+        timer.lap("other")
         if task.kind is Kind.B:
             grads_w, grads_x = self._backward(mb)
         else:
             out = self._forward(mb)
             if task.kind is Kind.F:
+                timer.lap("real_compute")
                 self._pace(t0, task.kind)
                 if to_next is not None and grad_rx is not None:
                     grad_rx.expect(mb)
                     to_next.send_activations(mb, out)
+                timer.lap("send_recv")
                 return
             grads_w, grads_x = self._loss_backward(mb, out)
+        timer.lap("real_compute")
         judged = self._judge(mb, grads_w, grads_x)  # before any gradient leaves
+        timer.lap("bookkeeping")
         if not self._paced:  # the gradients leave first: the previous stage waits on them
             if to_prev is not None:
                 to_prev.send_grads(grads_x)
+            timer.lap("send_recv")
             self._update(mb, grads_w, judged)
             return
         # An emulated device: the optimizer step and the wave's bookkeeping are device work (on
@@ -338,17 +381,21 @@ class StageWorker:
         # inside the task's paced window, not on top of it at CPU speed; a WSP pull the update
         # blocks on is not device time. The gradients leave when the emulated backward ends.
         deadline = self._deadline(t0, task.kind)
+        timer.planned(deadline - t0)
         # only the computation can make the device late: the update's CPU time past the
         # deadline is the runtime's cost (on a GPU it is microseconds), not a slow device
         self.result.overrun_s += max(0.0, time.perf_counter() - deadline)
         if self.tied and to_prev is not None:  # the tied exchange waits on earlier stages
             to_prev.send_grads(grads_x)
             to_prev = None
+            timer.lap("send_recv")
         waited = self.result.wait_s
         self._update(mb, grads_w, judged)
         pace_until(deadline + (self.result.wait_s - waited))
+        timer.lap("paced")
         if to_prev is not None:
             to_prev.send_grads(grads_x)
+            timer.lap("send_recv")
 
     def _judge(
         self, mb: int, grads_w: dict[str, Tensor | None], grads_x: list[Tensor | None]
@@ -365,9 +412,12 @@ class StageWorker:
         return self.judge.local(mb, loss, self.held[mb].grads_in, grads_w.values(), grads_x)
 
     def _update(self, mb: int, grads_w: dict[str, Tensor | None], judged: Verdict) -> None:
+        timer, waited = self.timer, self.result.wait_s
         parked = self.weights.park_grads(grads_w)
+        timer.lap("optimizer")
         grads_w = self.sync.reduce_grads(mb, parked)
         self.sync.before_update(mb)
+        timer.lap("ps", self.result.wait_s - waited)
         if self.tied:  # a parameter held by several stages: every copy takes the summed step
             grads_w = self.tied.exchange(grads_w, self.weights.master)
         if grads_w is not parked:  # reduced over the VWs or summed with tied copies
@@ -375,7 +425,10 @@ class StageWorker:
         if judged is Verdict.SKIP:
             self.result.skipped.append(mb)
         self.weights.update(mb, grads_w, apply=judged is Verdict.APPLY)
+        timer.lap("optimizer")
+        waited = self.result.wait_s
         self.sync.after_update(mb)
+        timer.lap("ps", self.result.wait_s - waited)
 
     def _load(self, mb: int) -> None:
         """Stage 0: fetch minibatch ``mb`` of this worker's data."""
@@ -429,9 +482,10 @@ class StageWorker:
         if mb == self._nan_at:  # test hook: the loss diverges here
             loss = loss * math.nan
         value = self._loss = float(loss.item())
+        self.timer.lap("real_compute")
         self.result.losses.append((mb, value))
-        if self.events is not None:
-            self.events.put(("loss", self.ctx.rank, mb, value, time.time()))
+        self._report(("loss", self.ctx.rank, mb, value, time.time()))
+        self.timer.lap("bookkeeping")
         return backward_grads(held, self.weights.leaves(mb), [loss], None)
 
     def _completed(self, mb: int) -> None:
@@ -440,6 +494,21 @@ class StageWorker:
         if self.offload is not None:
             self.offload.release(mb, self.memory)
         self.result.done_times.append(time.time())
-        if self.ctx.stage == 0 and self.events is not None:
+        if self.ctx.stage == 0:
             skipped = mb in self.result.skipped  # every stage skips the same (planner.nonfinite)
-            self.events.put(("done", self.ctx.rank, mb, time.time(), skipped))
+            self._report(("done", self.ctx.rank, mb, time.time(), skipped))
+        if mb % self.ctx.nm == 0:  # a wave ends (its update pushed, with a rule that pushes)
+            self._send_reports()
+
+    def _report(self, msg: tuple[Any, ...]) -> None:
+        """Queue a progress report for the launcher (sent with its wave: :meth:`_send_reports`)."""
+        if self.events is not None:
+            self._reports.append(msg)
+
+    def _send_reports(self) -> None:
+        """Send the queued reports as one message (:data:`runtime.launch.reports.REPORTS`): one
+        write, and one wake-up of the launcher, per wave instead of one per report. A stage
+        lost mid-wave loses its wave's reports; its VW recomputes that wave anyway."""
+        if self._reports and self.events is not None:
+            self.events.put((REPORTS, self.ctx.rank, tuple(self._reports)))
+            self._reports.clear()

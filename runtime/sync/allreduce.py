@@ -11,9 +11,13 @@ Snapshots (``--checkpoint-every``, ``--resume``, ``--on-failure restart``) are
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
+from runtime.link_pacing import NO_LINKS, REAL_PACE, Pace, StageLinks
+from runtime.results.metrics import StageResult
 from runtime.sync.allreduce_snapshot import StagePart
 from runtime.sync.rule import Grads, StageSync, StageView, SyncSpec
 
@@ -31,6 +35,13 @@ class AllReduceSync(StageSync):
         size: ranks in that group.
         part: the stage's part of the run's snapshots (``None``: no snapshots).
         first_clock: the step this run starts after (a resumed run's snapshot clock).
+        links: the emulated ring (:mod:`runtime.link_pacing`): each collective, which blocks
+            in the real runtime too, lasts at least the ring all-reduce the prediction
+            charges (:func:`planner.cluster.allreduce_s`); none by default.
+        result: where a paced collective is recorded as waiting, not device time, so it
+            extends the emulated backward's window (as a WSP pull does) instead of hiding
+            in it; the prediction adds it to the step.
+        pace: the pacing's clock and wait (tests inject them).
     """
 
     def __init__(
@@ -39,8 +50,13 @@ class AllReduceSync(StageSync):
         size: int,
         part: StagePart | None = None,
         first_clock: int = 0,
+        links: StageLinks = NO_LINKS,
+        pace: Pace = REAL_PACE,
+        result: StageResult | None = None,
     ) -> None:
         self.group, self.size = group, size
+        self.links, self.pace = links, pace  # an emulated ring: paced to its charge
+        self.result = result
         self._up = False  # this copy's own time is up (stage 0 says so in agreed_total)
         self._last: int | None = None  # the agreed last minibatch, once a flag came back
         self.part, self.first_clock = part, first_clock
@@ -57,9 +73,11 @@ class AllReduceSync(StageSync):
         groups = spec.groups
         if len(groups) <= 1:
             size = len(groups[0]) if groups else dist.get_world_size()
-            return cls(None, size, part, spec.first_wave)
+            return cls(None, size, part, spec.first_wave, view.links, result=view.result)
         handles = [dist.new_group(list(g)) for g in groups]
-        return cls(handles[view.stage], len(groups[view.stage]), part, spec.first_wave)
+        group = handles[view.stage]
+        size = len(groups[view.stage])
+        return cls(group, size, part, spec.first_wave, view.links, result=view.result)
 
     def start(self, first_wave: int) -> None:
         """A resumed run: every copy loads its stage from the snapshot at ``first_wave``."""
@@ -73,7 +91,10 @@ class AllReduceSync(StageSync):
         device = present[0][1].device if present else None  # CUDA grads: NCCL (launch.backend)
         flag = torch.tensor([1.0 if self._up else 0.0], device=device)
         flat = torch.cat([*(g.reshape(-1) for _, g in present), flag])  # (sum of numels + 1,)
+        start = self.pace.clock()
         dist.all_reduce(flat, group=self.group)
+        nbytes = sum(g.numel() * g.element_size() for _, g in present)  # the gradients
+        self._paced(mb, start, self.links.allreduce_charge_s(nbytes))
         if flat[-1] > 0 and self._last is None:
             self._last = mb
         flat /= self.size
@@ -83,6 +104,19 @@ class AllReduceSync(StageSync):
             out[name] = flat[pos : pos + g.numel()].view_as(g)
             pos += g.numel()
         return out
+
+    def _paced(self, mb: int, start: float, charge_s: float) -> None:
+        """An emulated ring: the collective that began at ``start`` lasts ``charge_s`` at least,
+        recorded as waiting (the worker's paced window grows by it)."""
+        if charge_s <= 0:
+            return
+        self.pace.since(start, charge_s)
+        if self.result is not None:
+            took = self.pace.clock() - start
+            end = time.time()
+            self.result.log_interval("wait", mb, end - took, end)
+            self.result.wait_s += took
+            self.result.busy_s -= took  # the hook runs inside a timed task: waiting is not work
 
     def after_update(self, mb: int) -> None:
         """After step ``mb``: this process's snapshot part when the clock is due."""

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from planner.sync import SyncParams, param
 from runtime.defaults import TIMEOUT_S
+from runtime.link_pacing import NO_LINKS, StageLinks
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
@@ -123,6 +124,7 @@ class StageView:
         group: the group of the stage's parameter-server and pipeline messages, numbered
             like the world (a restarted VW's, :mod:`runtime.ps.rejoin`; ``None``: default).
         buffers: ``(original name, buffer)`` of the stage's module (a snapshot holds them).
+        links: the emulated links the rule's transfers are paced to (:mod:`runtime.link_pacing`).
     """
 
     rank: int
@@ -137,6 +139,7 @@ class StageView:
     init_method: str = "env://"
     group: Any = None
     buffers: tuple[tuple[str, Tensor], ...] = ()
+    links: StageLinks = NO_LINKS
 
 
 class StageSync:

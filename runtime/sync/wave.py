@@ -148,6 +148,7 @@ class WaveSync(StageSync):
             group=view.group,
             timeout_s=vw_wait_s(spec.timeout_s),  # a live shard may be busy (a lost VW's
             pull_timeout_s=vw_wait_s(spec.timeout_s),  # connections, a snapshot): not a hang
+            paced=view.links,
         )
         sync = cls(
             client,

@@ -44,8 +44,8 @@ def make_plan(
         for j, (node, f, b) in enumerate(stages):
             prev = stages[j - 1][0] if j > 0 else node
             nxt = stages[j + 1][0] if j + 1 < len(stages) else node
-            rf = cl.intra_node if prev == node else cl.inter_node
-            rb = cl.intra_node if nxt == node else cl.inter_node
+            rf = cl.links.between(prev, node)  # as charged (an emulated cluster's scale)
+            rb = cl.links.between(node, nxt)
             sts.append(
                 StagePlan(
                     gpu=j,

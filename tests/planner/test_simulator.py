@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -236,3 +237,19 @@ def test_flushing_every_wave_is_slower_than_hetpipe() -> None:
     flushed = simulate_pipelines([spec], nm=4, waves=10, schedule=FLUSH)
     assert flushed.throughput < 0.8 * ours.throughput
     assert flushed.max_in_flight == ours.max_in_flight == ((4, 4, 4, 1),)
+
+
+def test_the_runtimes_overhead_per_task_lengthens_every_task() -> None:
+    """``overhead_ms_per_task`` (measured by ``hetpipe run --profile-runtime``) adds to each
+    task: one stage runs FB(p) back to back, so a minibatch takes fwd + bwd + overhead."""
+    sp = PipelineSpec.from_times([2.0], [3.0])
+    slow = dataclasses.replace(sp, overhead_ms_per_task=1.0).validated()
+    assert simulate_pipelines([sp], nm=1, waves=20).throughput == pytest.approx(1e3 / 5.0)
+    assert simulate_pipelines([slow], nm=1, waves=20).throughput == pytest.approx(1e3 / 6.0)
+    two = PipelineSpec.from_times([1.0, 1.0], [1.0, 4.0])  # the last stage (FB, 5 ms) bounds
+    over = dataclasses.replace(two, overhead_ms_per_task=0.5)
+    assert simulate_pipelines([over], nm=3, waves=40).throughput == pytest.approx(
+        1e3 / 5.5, rel=1e-3
+    )
+    with pytest.raises(PlanError, match=r"overhead_ms_per_task = -1.0: give a finite number"):
+        dataclasses.replace(sp, overhead_ms_per_task=-1.0).validated()

@@ -64,9 +64,11 @@ def test_emulated_planned_run_is_paced_by_the_plans_stage_times(tmp_path: Path) 
     plan = make_plan(cluster, model="mlp", batch_size=16, policy="ed", optimizer="sgd")
     path = plan.save(tmp_path / "plan.yaml")
     out = tmp_path / "run"
-    args = ["run", str(path), "--vw", "0", "--steps", "4", "--out", str(out), "--no-progress"]
+    args = ["run", str(path), "--vw", "0", "--steps", "4", "--out", str(out), "--no-progress",
+            "--profile-runtime"]  # fmt: skip
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
+    _check_breakdown(out, res.output, len(plan.virtual_workers[0].stages))
     table = json.loads((out / "calibration.json").read_text())
     worker = plan.virtual_workers[0]
     speeds = [worker.gpus[st.gpu].speed for st in worker.stages]
@@ -74,6 +76,24 @@ def test_emulated_planned_run_is_paced_by_the_plans_stage_times(tmp_path: Path) 
     for s, (st, v) in enumerate(zip(worker.stages, speeds, strict=True)):
         assert abs(table["fwd_s"][s] / v * 1e3 - st.fwd_ms) < 1e-9
         assert abs(table["bwd_s"][s] / v * 1e3 - st.bwd_ms) < 1e-9
+
+
+def _check_breakdown(out: Path, output: str, n_stages: int) -> None:
+    """``--profile-runtime``: every stage's categories add up to its wall time, the summary
+    holds them and the terminal shows the table."""
+    from runtime.results.breakdown import CATEGORIES
+
+    assert "where each stage's time went" in output
+    stages = json.loads((out / "summary.json").read_text())["runtime_breakdown"]
+    assert [s["stage"] for s in stages] == list(range(n_stages))
+    for s in stages:
+        assert set(s["ms"]) == set(CATEGORIES)
+        assert all(ms >= 0 for ms in s["ms"].values())
+        assert abs(sum(s["ms"].values()) - s["wall_ms"]) < 0.01 * s["wall_ms"] + 1.0
+        assert abs(s["wall_ms"] - s["stage_wall_ms"]) < 0.1 * s["stage_wall_ms"] + 50.0
+        assert s["ms"]["real_compute"] > 0 and s["ms"]["paced"] > 0  # emulated: both timed
+        assert s["planned_ms"] > 0 and s["overhead_ms_per_task"] >= 0
+        assert sum(s["tasks"].values()) == (8 if s["stage"] < n_stages - 1 else 4)
 
 
 def test_run_sync_allreduce_takes_the_run_options_and_prints_the_summary(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import os
 import tempfile
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from planner.sync import RULES as PLAN_RULES
 from planner.sync import check_sync_params, effective_rule, global_slice, param
 from profiler.errors import ConfigError, PlanError
 from runtime.data import MinibatchSource
+from runtime.link_pacing import NO_LINKS
 from runtime.ps.core import ShardCore
 from runtime.ps.layout import shard_specs_for_layout
 from runtime.sync.allreduce import AllReduceSync
@@ -88,7 +90,8 @@ def _rank(rank: int, world: int, init: str, out: str) -> None:
                             timeout=timedelta(seconds=20))  # fmt: skip
     try:
         spec = SyncSpec("allreduce", groups=(tuple(range(world)),))
-        rule = AllReduceSync.create(spec, None)  # type: ignore[arg-type]  # one group: no view needed
+        view = SimpleNamespace(links=NO_LINKS, result=None)  # one group, not paced: no more read
+        rule = AllReduceSync.create(spec, view)  # type: ignore[arg-type]
         grads = {
             "w": torch.full((2, 2), float(rank + 1)),
             "skip": None,

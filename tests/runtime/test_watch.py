@@ -83,3 +83,26 @@ def test_a_vw_the_run_went_on_without_is_not_blamed_for_a_later_failure() -> Non
     events.put(("error", 2, "no message from a neighbour stage for 72 s"))
     with pytest.raises(HetPipeRuntimeError, match="rank 2 failed: no message from a neighbour"):
         watch(procs, events, 4, lambda _: None, fail, stall_s=5.0, absorb=absorb)
+
+
+def test_a_waves_reports_travel_in_one_message_and_arrive_one_by_one() -> None:
+    """A stage sends its wave's ``loss``/``done`` reports as one pipe message (one wake-up of
+    the launcher); :class:`Reports` hands them on in order, between the child's other messages."""
+    import multiprocessing
+
+    from runtime.launch.reports import REPORTS, Reports
+
+    reports = Reports(multiprocessing.get_context("spawn"))
+    channel, _ = reports.channel(key=3)
+    wave = (("loss", 3, 1, 0.5, 0.0), ("loss", 3, 2, 0.4, 0.0))
+    channel.put(("joined", 3, None))
+    channel.put((REPORTS, 3, wave))
+    channel.put(("result", 3, b"x"))
+    got = [reports.get(timeout=5.0) for _ in range(4)]
+    assert got == [("joined", 3, None), *wave, ("result", 3, b"x")]
+    channel.put((REPORTS, 3, wave))
+    assert reports.get(timeout=5.0) == wave[0]
+    reports.drop(3)  # a restarted rank's old reports are stale, its batched ones too
+    with pytest.raises(queue.Empty):
+        reports.get(timeout=0.1)
+    reports.close()
