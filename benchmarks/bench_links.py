@@ -84,7 +84,7 @@ def run_one(label: str, plan: Plan, steps: int) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        result = train(MODEL, plan=plan, steps=steps, out_dir=tmp, return_state=False)
+        result = train(MODEL, plan=plan, steps=steps, out=tmp, return_state=False)
         wall = time.perf_counter() - t0
     predicted, measured = plan.predicted.throughput, result.throughput
     load = os.getloadavg()
