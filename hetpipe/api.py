@@ -123,6 +123,7 @@ def train(  # long by its signature and docstring (every option, documented); th
     emulate: bool = _OPT["emulate"].default,
     precision: str = _OPT["precision"].default,
     on_nonfinite: str = _OPT["on_nonfinite"].default,
+    profile_runtime: bool = _OPT["profile_runtime"].default,
     **renamed: Any,
 ) -> RunResult:
     """Train ``model`` with any plan on this host: what ``hetpipe run`` does, through the same
@@ -153,10 +154,10 @@ def train(  # long by its signature and docstring (every option, documented); th
             ``lr_schedule``; or a whole :class:`OptimizerConfig` (then leave those four out).
         steps, epochs, time_limit, seed, nm, vw, staleness, checkpoint_every, keep, on_failure,
             max_restarts, overwrite, lr, momentum, weight_decay, lr_schedule, remedy,
-            remedy_warmup, timeout, emulate, precision, on_nonfinite: the run options, as
-            ``hetpipe run --help`` describes them (``precision`` ``""``: the plan's, ``fp32``
-            for a plan made here; ``remedy`` replaces an ``OptimizerConfig``'s unless
-            ``none``).
+            remedy_warmup, timeout, emulate, precision, on_nonfinite, profile_runtime: the
+            run options, as ``hetpipe run --help`` describes them (``precision`` ``""``: the
+            plan's, ``fp32`` for a plan made here; ``remedy`` replaces an
+            ``OptimizerConfig``'s unless ``none``).
         renamed: the names of earlier releases (``time_limit_s``, ``out_dir``, ``timeout_s``,
             ``D``), accepted with a ``DeprecationWarning`` for one release.
 

@@ -108,6 +108,18 @@ def test_every_entry_builds_the_same_spec_from_the_same_values(
     assert cli.checkpoints.dir == out / "checkpoints" and cli.checkpoints.every == 2
 
 
+def test_train_takes_every_option_of_the_table_with_its_default() -> None:
+    import inspect
+
+    from hetpipe.api import train
+
+    params = inspect.signature(train).parameters
+    for name, option in OPTIONS.items():
+        if name != "data":  # hetpipe.train takes the data set itself
+            assert name in params, f"hetpipe.train has no {name}= ({option.flag})"
+            assert params[name].default == option.default, name
+
+
 def test_user_entries_cannot_set_the_test_hooks(tmp_path: Path) -> None:
     import hetpipe
     from runtime.__main__ import _args
