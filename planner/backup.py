@@ -47,9 +47,10 @@ then trains 2 waves of its data (it skipped wave 1), 4 minibatches at ``Nm = 2``
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import IntEnum
 
-__all__ = ["Arrival", "QuorumClock", "continue_at", "quorum", "vw_minibatches"]
+__all__ = ["Arrival", "QuorumClock", "check_backups", "continue_at", "quorum", "vw_minibatches"]
 
 
 def quorum(n_vws: int, backups: int) -> int:
@@ -68,6 +69,15 @@ def quorum(n_vws: int, backups: int) -> int:
             f"backups must be in 0..{n_vws - 1} with {n_vws} virtual workers, got {backups}"
         )
     return n_vws - backups
+
+
+def check_backups(params: Mapping[str, float], n_vws: int) -> None:
+    """The rule's check against a plan (:attr:`planner.rules.SyncRule.check`): ``b < VWs``.
+
+    Raises:
+        ValueError: :func:`quorum`'s message.
+    """
+    quorum(n_vws, int(params["backups"]))
 
 
 def continue_at(pushed: int, clock: int) -> int:

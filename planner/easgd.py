@@ -38,10 +38,11 @@ Example: 2 VWs, alpha = 0.25, scalars for weights.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol, TypeVar
 
 __all__ = [
+    "check_easgd",
     "check_elastic",
     "elastic_centre",
     "elastic_difference",
@@ -50,6 +51,7 @@ __all__ = [
     "exchanges_after",
     "stop_waves",
     "waves_at",
+    "waves_per_exchange",
 ]
 
 
@@ -80,6 +82,20 @@ def check_elastic(n_vws: int, tau: int, alpha: float) -> None:
             f"alpha x VWs = {alpha} x {n_vws} > 1: the centre would overshoot; "
             f"use alpha <= {1 / n_vws:.3g}"
         )
+
+
+def check_easgd(params: Mapping[str, float], n_vws: int) -> None:
+    """The rule's check against a plan (:attr:`planner.rules.SyncRule.check`).
+
+    Raises:
+        ValueError: :func:`check_elastic`'s message.
+    """
+    check_elastic(n_vws, int(params["tau"]), params["alpha"])
+
+
+def waves_per_exchange(params: Mapping[str, float]) -> int:
+    """Waves one tick of the centre's clock covers: ``tau`` (the shards count exchanges)."""
+    return int(params.get("tau", 1.0))
 
 
 def exchanges_after(wave: int, tau: int) -> bool:

@@ -21,6 +21,7 @@ import yaml
 
 from planner.cluster import Cluster, parse_cluster
 from planner.plan_check import check_plan_document, validate_plan
+from planner.rules import DEFAULT_RULE
 from planner.schedule import DEFAULT_SCHEDULE, schedule_named
 from planner.sync import SyncParams, check_sync_params
 from planner.wsp import s_global, s_local
@@ -207,7 +208,7 @@ class Prediction:
 
 
 def _sync(value: Any, source: str) -> str:
-    check_sync_params(value, {}, source)  # the rule exists (planner.sync.RULES)
+    check_sync_params(value, {}, source)  # the rule exists (planner.rules)
     return str(value)
 
 
@@ -228,10 +229,7 @@ class Plan:
     num_layers: int
     profiles: dict[str, str] = field(default_factory=dict)  # GPU type -> provenance
     optimizer_state_factor: float = 1.0
-    sync: str = (
-        "wsp"  # the synchronisation rule across VWs (planner.sync.RULES): "wsp" (shards, D),
-    )
-    # "allreduce" or "local"
+    sync: str = DEFAULT_RULE  # the synchronisation rule across VWs (planner.rules.rules)
     sync_params: SyncParams = ()  # the rule's parameters (planner.sync.check_sync_params)
     precision: str = "fp32"  # "fp32" or "bf16" (autocast, fp32 master weights; profiler.precision)
     remedy: str = "none"  # staleness remedy the memory model counted (planner.staleness.REMEDIES)
@@ -304,9 +302,9 @@ class Plan:
                 num_layers=int(d["num_layers"]),
                 profiles={str(k): str(v) for k, v in d.get("profiles", {}).items()},
                 optimizer_state_factor=float(d.get("optimizer_state_factor", 1.0)),
-                sync=_sync(d.get("sync", "wsp"), source),
+                sync=_sync(d.get("sync", DEFAULT_RULE), source),
                 sync_params=check_sync_params(
-                    d.get("sync", "wsp"), d.get("sync_params") or {}, source
+                    d.get("sync", DEFAULT_RULE), d.get("sync_params") or {}, source
                 ),
                 precision=check_precision(str(d.get("precision", "fp32")), f"{source}: precision"),
                 remedy=_remedy(d.get("remedy", "none"), source),

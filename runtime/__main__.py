@@ -45,6 +45,7 @@ import torch
 from planner.plan import Plan
 from planner.plan_check import check_nm
 from planner.plan_file import load_plan
+from planner.rules import layout
 from profiler.errors import ConfigError, HetPipeError, HetPipeRuntimeError
 from profiler.files import atomic_write_bytes
 from runtime.config import ModelSource, RunConfig
@@ -169,7 +170,9 @@ def _prepared(a: argparse.Namespace, plan: Plan, rank: int, attempt: int) -> _Se
         resume = str(a.out)  # torchrun restarted the ranks (--max-restarts): the last snapshot
     spec = torchrun_spec(a, resume)
     rule = rule_for(plan, spec.vw)
-    if rule == "local":  # one VW alone writes no snapshots (an explicit --checkpoint-every: no)
+    if (
+        layout(rule) == "alone"
+    ):  # one VW alone writes no snapshots (an explicit --checkpoint-every: no)
         from runtime.launch.jobs import check_alone
 
         check_alone(spec, a.every_given)
@@ -299,7 +302,7 @@ def collect(plan: Plan, setup: _Setup, wall_s: float) -> RunResult:
         raise ConfigError("collecting a torchrun run's results needs its --out")
     stages, states = _rank_parts(out, len(prep.shards) + len(prep.stages))
     keys = model_keys(ModelSource(ref=plan.model), plan.batch_size)  # every state_dict name
-    if setup.rule == "local":
+    if layout(setup.rule) == "alone":
         return one_vw_result(plan, prep, stages, setup.run, setup.vw, wall_s, keys)
     result = build_result(plan, prep, stages, states, setup.rule, wall_s, keys)
     if setup.attempt:

@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from planner.plan import Plan
+from planner.rules import layout
 from planner.sync import effective_rule
 from profiler.errors import ConfigError
 from runtime.config import ModelSource, RunConfig
@@ -68,7 +69,7 @@ def settle(spec: RunSpec, plan: Plan) -> RunSpec:
     run = default_length(spec.run, plan, rule)
     if not run.precision:
         run = replace(run, precision=plan.precision)
-    if run.precision != "fp32" and rule == "allreduce":
+    if run.precision != "fp32" and layout(rule) == "ddp":
         raise ConfigError("--precision bf16 is for pipelines (hetpipe plans); AllReduce runs fp32")
     return replace(spec, run=run)
 
@@ -83,7 +84,7 @@ def default_length(run: RunConfig, plan: Plan, how: str) -> RunConfig:
     time limit) and several VWs train together (WSP or AllReduce); one VW: one epoch."""
     if run.steps or run.epochs or run.time_limit_s:
         return run
-    if how != "local" and len(plan.virtual_workers) > 1:
+    if len(plan.virtual_workers) > 1 and layout(how) != "alone":
         return replace(run, epochs=MAIN_JOB_EPOCHS)
     return run
 
@@ -94,7 +95,7 @@ def rule_for(plan: Plan, vw: int = -1) -> str:
     Raises:
         ConfigError: several VWs without shards, or one VW of an AllReduce plan.
     """
-    if plan.sync == "allreduce" and vw >= 0:
+    if layout(plan.sync) == "ddp" and vw >= 0:
         raise ConfigError("an AllReduce plan trains every device together; drop --vw")
     return effective_rule(plan.sync, len(plan.shards), len(plan.virtual_workers), vw)
 
@@ -103,13 +104,13 @@ def describe_training(plan: Plan, vw: int, nm: int, D: int | None) -> str:
     """One line saying what is about to train (the first thing ``hetpipe run`` prints)."""
     how = rule_for(plan, vw)
     workers = plan.virtual_workers
-    if how == "allreduce":
+    if layout(how) == "ddp":
         return (
             f"training {plan.model} with AllReduce (BSP) on {len(workers)} devices "
             f"({' '.join(w.signature for w in workers)}) of {plan.cluster.name}; batch "
             f"{plan.batch_size} per device"
         )
-    if how != "local":  # a rule through the parameter-server shards
+    if layout(how) == "shards":  # a rule through the parameter-server shards
         from runtime.results.sync import describe_rule
 
         rule = describe_rule(how, plan.sync_params, plan.D if D is None else D)
@@ -132,11 +133,10 @@ def steps_note(plan: Plan, vw: int, steps: int, nm: int) -> str:
     (:func:`planner.wsp.whole_waves`: under a rule through the parameter-server shards every
     VW pushes the same waves); ``""`` when ``steps`` is trained exactly (one VW alone and
     AllReduce train any number, ``--epochs`` and ``--time-limit`` say their own length)."""
-    from planner.sync import RULES
     from planner.wsp import whole_waves
 
     how = rule_for(plan, vw)
-    if steps <= 0 or how == "local" or not RULES[how].uses_shards:
+    if steps <= 0 or layout(how) != "shards":
         return ""
     rounded = whole_waves(steps, nm)
     if rounded == steps:

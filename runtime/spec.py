@@ -140,7 +140,7 @@ class CheckpointConfig:
         resume: continue from the newest snapshot of ``dir`` that verifies.
         resume_clock: with ``resume``: this clock's snapshot instead (``--resume DIR@CLOCK``).
         overwrite: a fresh run may replace another run's outputs in its directory.
-        keep: committed snapshots kept.
+        keep: committed snapshots kept (0: every one, ``--keep 0``).
         resume_hint: the command line a failure message suggests (``--resume DIR`` appended).
     """
 

@@ -27,6 +27,13 @@ def test_plan_with_a_rule_then_simulate_it(tmp_path: Path) -> None:
     res = runner.invoke(app, ["simulate", str(out), "--profiles", VGG])
     assert res.exit_code == 0, res.output
     assert "backup b=1" in res.output and "WSP D=0" in res.output
+    res = runner.invoke(app, ["simulate", str(out), "--profiles", VGG, "--backups", "2"])
+    assert res.exit_code == 0 and "backup b=2" in res.output, res.output  # its own rule
+    again = ["simulate", str(out), "--profiles", VGG, "--sync", "easgd", "--tau", "3"]
+    res = runner.invoke(app, again)
+    assert res.exit_code == 0 and "EASGD tau=3" in res.output, res.output  # another rule
+    res = runner.invoke(app, ["simulate", str(out), "--tau", "3"])
+    assert res.exit_code == 2 and "--tau applies to --sync easgd, not --sync backup" in res.output
     doc = yaml.safe_load(out.read_text())
     doc["sync"], doc["sync_params"] = "easgd", {"tau": 2, "alpha": 0.2}
     out.write_text(yaml.safe_dump(doc))
@@ -57,3 +64,15 @@ def test_backup_with_a_time_limit_is_refused_before_training_starts(tmp_path: Pa
     assert "--time-limit with --sync backup" in " ".join(res.output.split())
     assert "training" not in res.output.lower()  # refused before the header, nothing started
     assert not (tmp_path / "r").exists()
+
+
+def test_every_command_takes_each_declared_rule_parameter() -> None:
+    from planner.rules import BUILTIN
+
+    declared = [(r.name, p) for r in BUILTIN.values() for p in r.params]
+    assert {p.name for _, p in declared} == {"backups", "tau", "alpha"}
+    for command in ("plan", "simulate", "run"):
+        res = runner.invoke(app, [command, "--help"], env={"COLUMNS": "400"})
+        assert res.exit_code == 0, res.output
+        for rule, p in declared:
+            assert f"--{p.name}" in res.output and f"--sync {rule}: {p.help}" in res.output

@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from hetpipe._common import console, err_console, handle_errors
-from hetpipe._rules import SYNC_HELP, AlphaOpt, BackupsOpt, TauOpt, apply_rule, rule_params
+from hetpipe._rules import RuleValues, apply_rule, rule_params, sync_help, with_rule_options
 from hetpipe.commands.objective import (
     choose_for_time,
     efficiency_inputs,
@@ -22,6 +22,7 @@ from hetpipe.commands.objective import (
 )
 from planner.cluster import Cluster, load_cluster
 from planner.plan import Plan, StagePlan, VirtualWorker
+from planner.rules import DEFAULT_RULE, get_rule
 from profiler.errors import ConfigError, shown
 from runtime.options import PLAN_OPTIONS, Range, check_number, check_values
 
@@ -169,7 +170,7 @@ def render(plan: Plan, full: bool = True) -> None:
     cl = plan.cluster
     console.print(escape(cl.links.describe(cl.emulated)))  # what the runtime paces transfers to
     pr = plan.predicted
-    if plan.sync == "allreduce":
+    if get_rule(plan.sync).layout == "ddp":
         console.print(
             f"AllReduce (DDP, BSP) on {len(plan.virtual_workers)} devices that hold the whole "
             f"model: predicted [bold]{pr.throughput:.1f}[/] samples/s ({pr.method})"
@@ -179,7 +180,7 @@ def render(plan: Plan, full: bool = True) -> None:
         f"Nm = {plan.nm}, D = {plan.D}: local staleness {plan.local_staleness}, global staleness bound "
         f"{plan.global_staleness}; placement {plan.placement}"
     )
-    if plan.sync in ("backup", "easgd"):
+    if plan.sync_params:  # a rule with parameters (backup, easgd)
         params = ", ".join(f"{k} {v:g}" for k, v in plan.sync_params)
         console.print(f"synchronisation: {plan.sync} ({params}); see docs/sync.md")
     console.print(
@@ -248,6 +249,7 @@ def render_candidates(rows: list[Candidate], budget_s: float) -> None:
         console.print(f"[dim]({n}) {escape(reason[:300])}[/]")
 
 
+@with_rule_options
 @handle_errors
 def plan(  # long by its typer signature (the command's options); the body is ~60 lines
     cluster: Annotated[Path, typer.Argument(help="cluster.yaml")],
@@ -343,12 +345,9 @@ def plan(  # long by its typer signature (the command's options); the body is ~6
         str,
         typer.Option(
             "--sync",
-            help=SYNC_HELP + " (allreduce: every device that holds the whole model)",
+            help=sync_help() + " (allreduce: every device that holds the whole model)",
         ),
-    ] = "wsp",
-    backups: BackupsOpt = None,
-    tau: TauOpt = None,
-    alpha: AlphaOpt = None,
+    ] = DEFAULT_RULE,
     precision: Annotated[
         str,
         typer.Option(help="fp32 | bf16: the memory model's bytes (autocast, fp32 master weights)"),
@@ -359,8 +358,10 @@ def plan(  # long by its typer signature (the command's options); the body is ~6
     ].default,
     remedy: Annotated[str, _opt("remedy")] = PLAN_OPTIONS["remedy"].default,
     calibrate: Annotated[str | None, _opt("calibrate")] = None,
+    rule_values: RuleValues | None = None,
 ) -> None:
-    """Plan HetPipe training (see HELP)."""
+    """Plan HetPipe training (see HELP); ``rule_values``: the rule options
+    (:class:`hetpipe._rules.with_rule_options`)."""
     from planner.costmodel import load_links
     from planner.plan_check import check_nm
     from planner.planner import PlanOptions, make_plan
@@ -368,11 +369,11 @@ def plan(  # long by its typer signature (the command's options); the body is ~6
     numbers = {"--batch-size": batch_size, "--nm": nm, "-D": staleness, "--vws": vws,
                "--time-limit": time_limit, "--auto-budget": auto_budget,
                "--auto-max-vw-gpus": auto_max_vw_gpus, "--max-cuts": max_cuts}  # fmt: skip
+    rule = rule_params(sync, rule_values or {})
     _check_options(numbers, sync, bool(policy or vws or nm or staleness))
     check_values({"objective": objective, "target_samples": target_samples, "remedy": remedy},
                  PLAN_OPTIONS)  # fmt: skip
     _check_objective(objective, sync, calibrate, model)
-    rule = rule_params(sync, backups, tau, alpha)
     cl = load_cluster(cluster)
     out = err_console if as_json else console  # what is not the plan itself
     _pacing_note(cl, out)
@@ -396,7 +397,7 @@ def plan(  # long by its typer signature (the command's options); the body is ~6
         kwargs = dict(model=model, batch_size=batch_size, D=staleness, placement=placement,
                       optimizer=optimizer, links=load_links(links) if links else None,
                       reference_type=profile_gpu, precision=precision)  # fmt: skip
-        if sync == "allreduce":
+        if get_rule(sync).layout == "ddp":
             result = _allreduce_plan(cl, profs, model, batch_size, optimizer)
         else:
             result = make_plan(cl, profs, policy=policy, nm=nm, num_vws=vws, options=options,
@@ -436,9 +437,9 @@ def _check_options(numbers: dict[str, float | None], sync: str, shapes_hetpipe: 
     """Refuse bad option values before any planning (one line each)."""
     for flag, value in numbers.items():
         check_number(flag, value, _RANGES[flag])
-    if sync == "allreduce" and shapes_hetpipe:
+    if get_rule(sync).layout == "ddp" and shapes_hetpipe:
         raise ConfigError(
-            "--policy, --vws, --nm and -D shape HetPipe plans; drop them with --sync allreduce"
+            f"--policy, --vws, --nm and -D shape HetPipe plans; drop them with --sync {sync}"
         )
 
 

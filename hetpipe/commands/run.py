@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from hetpipe._common import console, handle_errors
-from hetpipe._rules import SYNC_HELP, AlphaOpt, BackupsOpt, TauOpt, apply_rule, rule_params
+from hetpipe._rules import RuleValues, apply_rule, rule_params, sync_help, with_rule_options
 from planner.on_the_fly import PlanRequest
 from planner.plan import Plan
 from planner.plan_file import load_plan, load_plan_or_cluster
+from planner.rules import DEFAULT_RULE, layout
 from profiler.errors import ConfigError, shown
 from runtime.options import OPTIONS, RENAMED, Range, check_number
 
@@ -49,7 +50,7 @@ def _load(path: Path, request: PlanRequest) -> Plan:
     doc = load_plan_or_cluster(path)
     if not isinstance(doc, Plan):
         return plan_for_run(doc, request)
-    if request.sync == "allreduce" and doc.sync != "allreduce":
+    if layout(request.sync) == "ddp" and layout(doc.sync) != "ddp":
         asked = replace(request, model=doc.model, batch_size=doc.batch_size)
         return plan_for_run(doc.cluster, asked)
     _check_against_model(doc, path)
@@ -78,6 +79,7 @@ _PLANNING = {"--batch-size": Range(1), "--stages": Range(0), "--vws": Range(0)}
 OPT = OPTIONS  # the defaults below are the table's: one source for hetpipe run and torchrun
 
 
+@with_rule_options
 @handle_errors
 def run(  # long only by its typer signature (the command's options); the body is ~15 lines
     ctx: typer.Context,
@@ -105,10 +107,9 @@ def run(  # long only by its typer signature (the command's options); the body i
             "where it applies, else ed; the same as 'hetpipe plan')",
         ),
     ] = None,
-    sync: Annotated[str, typer.Option(help=SYNC_HELP + "; default: the plan's rule")] = "wsp",
-    backups: BackupsOpt = None,
-    tau: TauOpt = None,
-    alpha: AlphaOpt = None,
+    sync: Annotated[
+        str | None, typer.Option(help=sync_help() + "; default: the plan's rule (wsp planning)")
+    ] = None,
     resume: Annotated[
         str | None,
         typer.Option(
@@ -149,8 +150,10 @@ def run(  # long only by its typer signature (the command's options); the body i
     precision: Annotated[str, _opt("precision")] = OPT["precision"].default,
     on_nonfinite: Annotated[str, _opt("on_nonfinite")] = OPT["on_nonfinite"].default,
     profile_runtime: Annotated[bool, _opt("profile_runtime")] = OPT["profile_runtime"].default,
+    rule_values: RuleValues | None = None,
 ) -> None:
-    """Train a plan (all its VWs through WSP, one VW, or the AllReduce baseline); print the summary."""
+    """Train a plan (all its VWs through WSP, one VW, or the AllReduce baseline); print the
+    summary. ``rule_values``: the rule options (:class:`hetpipe._rules.with_rule_options`)."""
     from runtime.data_source import named_data
     from runtime.options import check_values, run_spec
     from runtime.persist.run_dir import resume_target
@@ -159,8 +162,9 @@ def run(  # long only by its typer signature (the command's options); the body i
     check_values(values)  # every number in range before anything is read, planned or started
     for flag, value in (("--batch-size", batch_size), ("--stages", stages), ("--vws", vws)):
         check_number(flag, value, _PLANNING[flag])
-    rule = rule_params(sync, backups, tau, alpha)
-    if sync == "allreduce":
+    given_sync, sync = sync, sync or DEFAULT_RULE  # None: the plan's rule
+    rule = rule_params(sync, rule_values or {})
+    if layout(sync) == "ddp":
         _refuse_pipeline_options(nm, staleness, vw, vws, stages, policy)
     target = resume_target(resume) if resume is not None else None
     spec = run_spec(values, out or (target[0] if target else None), progress, target,
@@ -170,14 +174,14 @@ def run(  # long only by its typer signature (the command's options); the body i
     _check_before_planning(sync, vws, spec, given)
     request = PlanRequest(model or "mlp", batch_size, nm, stages, None, vws, policy,
                           staleness or 0, precision or "fp32", sync)  # fmt: skip
-    if sync == "allreduce":  # the baseline's memory is this run's optimizer state
+    if layout(sync) == "ddp":  # the baseline's memory is this run's optimizer state
         request = replace(request, optimizer=spec.optimizer.memory_class)
     resumed = spec.run.out_dir if resume is not None else None
     plan = _plan(path, request, model, resumed)
     if resumed is not None and (resumed / "plan.json").exists():
-        _check_resumed(path, apply_rule(plan, sync, rule), resumed, sync, rule)
+        _check_resumed(path, apply_rule(plan, given_sync, rule), resumed, given_sync, rule)
     dataset = named_data(data, plan.model, plan.batch_size, spec.run.seed)
-    _train(apply_rule(plan, sync, rule), spec, given, dataset)
+    _train(apply_rule(plan, given_sync, rule), spec, given, dataset)
 
 
 def _check_before_planning(sync: str, vws: int, spec: RunSpec, every: bool) -> None:
@@ -188,7 +192,7 @@ def _check_before_planning(sync: str, vws: int, spec: RunSpec, every: bool) -> N
     from runtime.launch.jobs import check_alone
 
     vw = spec.vw
-    if vw >= 0 and sync != "allreduce":
+    if vw >= 0 and layout(sync) != "ddp":
         check_alone(spec, every)
     check_time_limit(sync, spec.run.time_limit_s)
     if vws and vw >= vws:
@@ -215,7 +219,9 @@ def _plan(path: Path, request: PlanRequest, model: str | None, resumed: Path | N
     return plan
 
 
-def _check_resumed(path: Path, saved: Plan, out: Path, sync: str, rule: dict[str, float]) -> None:
+def _check_resumed(
+    path: Path, saved: Plan, out: Path, sync: str | None, rule: dict[str, float]
+) -> None:
     """Refuse ``--resume`` with a plan or cluster file other than the resumed run's (its
     ``plan.json``), naming the first field that differs; nothing is planned."""
     from runtime.persist.run_dir import first_difference
@@ -250,7 +256,7 @@ def _train(plan: Plan, spec: RunSpec, every: bool, dataset: RunData | None = Non
     from runtime.run import describe_training, outputs, rule_for, run_plan, steps_note
 
     run, vw = spec.run, spec.vw
-    if rule_for(plan, vw) == "local":
+    if layout(rule_for(plan, vw)) == "alone":
         check_alone(spec, every)
     check_time_limit(rule_for(plan, vw), run.time_limit_s)  # before the header prints
     if run.emulate:

@@ -10,9 +10,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from hetpipe._common import console, handle_errors
+from hetpipe._rules import RuleValues, apply_rule, rule_params, sync_help, with_rule_options
 from planner.plan import Plan
 from planner.plan_check import check_plan_layers
 from planner.plan_file import load_plan
+from planner.rules import DEFAULT_RULE as REFERENCE
+from planner.rules import get_rule
 from profiler.errors import ConfigError, HetPipeError
 from runtime.options import Range, check_number
 
@@ -29,6 +32,7 @@ HELP = (
 _GANTT_WAVES = 6  # the chart shows the first waves only, to stay legible
 
 
+@with_rule_options
 @handle_errors
 def simulate(
     plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="plan.yaml or plan.json")],
@@ -64,8 +68,14 @@ def simulate(
             "--profile-runtime' reports as overhead ms/task; 0: none)",
         ),
     ] = 0.0,
+    sync: Annotated[
+        str | None,
+        typer.Option(help=sync_help() + "; simulate the plan under this rule (default: its own)"),
+    ] = None,
+    rule_values: RuleValues | None = None,
 ) -> None:
-    """Simulate ``PLAN`` and print the prediction."""
+    """Simulate ``PLAN`` and print the prediction; ``sync`` and ``rule_values`` (the rule
+    options, :class:`hetpipe._rules.with_rule_options`) re-synchronise it first."""
     from planner.sim.simulator import simulate as run_simulation
 
     check_number("--waves", waves, Range(2), 20)
@@ -74,10 +84,10 @@ def simulate(
         raise ConfigError(f"--baseline {baseline!r}: the only baseline is 'allreduce'")
     if gantt is not None and gantt.suffix.lower() not in (".png", ".svg"):
         raise ConfigError(f"--gantt {gantt}: use a .png or .svg file name")
-    plan = load_plan(plan_path)  # validated: coverage, GPUs, memory, Nm, batch, finite times
+    plan = _with_rule(load_plan(plan_path), sync, rule_values or {})  # validated plan
     by_type = _checked_profiles(plan, plan_path, profiles or [])
     _refuse_timeless(plan, plan_path)
-    if plan.sync == "allreduce":
+    if get_rule(plan.sync).layout == "ddp":
         _show_allreduce(plan)
         return
     source = "--profiles" if by_type else ""
@@ -233,37 +243,48 @@ def _pictures(
         console.print(f"Chrome trace (open in https://ui.perfetto.dev): {trace}")
 
 
+def _with_rule(plan: Plan, sync: str | None, given: RuleValues) -> Plan:
+    """``plan`` under rule ``sync`` (``None``: its own) with the rule options ``given`` (for
+    its own rule: over the plan's values)."""
+    if sync is None and not any(v is not None for v in given.values()):
+        return plan
+    rule = plan.sync if sync is None else sync
+    params = rule_params(rule, given)
+    if rule == plan.sync:
+        params = {**dict(plan.sync_params), **params}
+    return apply_rule(plan, rule, params)
+
+
 def _show_rules(plan: Plan, waves: int, profile: Profile | None) -> None:
     """With stragglers in the cluster or a rule other than WSP: the rules played on whole waves
     (:mod:`planner.sim.waves`): WSP at D = 0 and the plan's D, and the plan's rule."""
     from planner.sim.waves import plan_slowdown, play_waves, vw_wave_ms
+    from planner.sync import SyncParams
     from runtime.results.sync import describe_rule
 
     slow = plan_slowdown(plan)
     n = len(plan.virtual_workers)
     stragglers = any(slow(v, c) > 1 for v in range(n) for c in range(waves))
-    if not stragglers and plan.sync not in ("backup", "easgd"):
+    own = get_rule(plan.sync).play is not None and plan.sync != REFERENCE
+    if not stragglers and not own:
         return
-    params = dict(plan.sync_params)
-    rows: list[tuple[str, str, dict[str, int]]] = [("WSP D=0", "wsp", {"D": 0})]
-    if plan.D:
-        rows.append((f"WSP D={plan.D}", "wsp", {"D": plan.D}))
-    rule = describe_rule(plan.sync, plan.sync_params, plan.D)
-    if plan.sync == "backup":
-        rows.append((rule, "backup", {"backups": int(params["backups"])}))
-    elif plan.sync == "easgd":
-        rows.append((rule, "easgd", {"tau": int(params["tau"])}))
+    rows: list[tuple[str, str, SyncParams, int]] = [
+        (describe_rule(REFERENCE, (), D), REFERENCE, (), D) for D in sorted({0, plan.D})
+    ]
+    if own:
+        rows.append((describe_rule(plan.sync, plan.sync_params, plan.D), plan.sync,
+                     plan.sync_params, plan.D))  # fmt: skip
     wave_ms = vw_wave_ms(plan, profile)
     title = f"rules on whole waves, {waves} waves{' with stragglers' if stragglers else ''}"
     table = Table(title=title)
     for col in ("rule", "applied samples/s", "dropped VW-waves", "k-th push after the first (ms)"):
         table.add_column(col, justify="left" if col == "rule" else "right")
-    for name, kind, kw in rows:
-        play = play_waves(kind, wave_ms, waves, plan.nm, slow, **kw)
+    for name, rule, params, D in rows:
+        play = play_waves(rule, wave_ms, waves, plan.nm, slow, D=D, **dict(params))
         full = [a for a in play.arrivals_ms if len(a) == n]
         kth = [sum(a[k] - a[0] for a in full) / len(full) for k in range(n)] if full else []
         table.add_row(
-            name,
+            escape(name),
             f"{play.throughput(plan.batch_size):.1f}",
             str(play.dropped),
             " ".join(f"{t:.1f}" for t in kth),

@@ -23,6 +23,7 @@ from planner.cluster import LinkTable
 from planner.offload import host_link_ms
 from planner.plan import Plan, StagePlan, VirtualWorker
 from planner.predict import AllReduceResult, ring_link, simulate_allreduce
+from planner.rules import layout
 from planner.schedule import schedule_named
 from planner.sim.engine import simulate_pipelines
 from planner.sim.types import PipelineSpec, SimResult
@@ -229,7 +230,7 @@ def allreduce_for_plan(
     minibatch in flight and one weight version.
     """
     cluster = plan.cluster
-    if plan.sync == "allreduce":  # the baseline's own plan: its devices and whole-model times
+    if layout(plan.sync) == "ddp":  # the baseline's own plan: its devices and whole-model times
         stages = [vw.stages[0] for vw in plan.virtual_workers]
         nodes = [vw.gpus[0].node for vw in plan.virtual_workers]
         return simulate_allreduce(

@@ -38,23 +38,34 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from planner.backup import Arrival, QuorumClock, continue_at
 from planner.easgd import exchanges_after
-from planner.plan import Plan
-from planner.sim.simulator import simulate
 from planner.straggle import NO_STRAGGLE, Straggle
 from planner.wsp import required_global_clock
 from profiler.errors import ConfigError
-from profiler.table import Profile
 
-__all__ = ["RULES", "WavePlay", "plan_slowdown", "play_waves", "predict_rule", "vw_wave_ms"]
+if TYPE_CHECKING:  # the rule registry imports this module's players: no planner.plan here
+    from planner.plan import Plan
+    from profiler.table import Profile
+
+__all__ = [
+    "Player",
+    "WavePlay",
+    "Waves",
+    "plan_slowdown",
+    "play_backup",
+    "play_easgd",
+    "play_waves",
+    "play_wsp",
+    "predict_rule",
+    "vw_wave_ms",
+]
 
 Slowdown = Callable[[int, int], float]  # (vw, wave) -> time multiplier
-
-RULES = ("wsp", "backup", "easgd")
 
 
 @dataclass(frozen=True)
@@ -62,7 +73,7 @@ class WavePlay:
     """The waves of one rule, played.
 
     Attributes:
-        rule: ``wsp``, ``backup`` or ``easgd``.
+        rule: the rule played (:func:`play_waves` names it).
         arrivals_ms: per wave, the push times of the VWs that pushed it, sorted (k-th = the
             time to collect k pushes); dropped pushes included.
         closed_ms: per wave, when it reached the weights (the global clock passed it).
@@ -166,7 +177,7 @@ def _play_clocked(
         else:
             schedule(v)
     return WavePlay(
-        "backup" if backups else "wsp",
+        "",  # named by play_waves
         tuple(tuple(sorted(a)) for a in arrivals),
         tuple(closed),
         tuple(quorum.counted(c) for c in range(len(closed))),
@@ -199,8 +210,54 @@ def _play_easgd(
         free = ends
     everyone = tuple(range(n))
     return WavePlay(
-        "easgd", tuple(arrivals), tuple(closed), (everyone,) * waves, 0, n * waves, max(free), nm
+        "", tuple(arrivals), tuple(closed), (everyone,) * waves, 0, n * waves, max(free), nm
     )
+
+
+@dataclass(frozen=True)
+class Waves:
+    """What a rule is played on.
+
+    Attributes:
+        wave_ms: each VW's wave time without stragglers (ms).
+        waves: waves to close.
+        nm: minibatches per wave.
+        slowdown: ``(vw, wave) -> multiplier`` of a VW's wave time.
+        D: the plan's WSP threshold (a rule that keeps ``D``).
+    """
+
+    wave_ms: tuple[float, ...]
+    waves: int
+    nm: int
+    slowdown: Slowdown
+    D: int = 0
+
+
+Player = Callable[[Waves, Mapping[str, float]], WavePlay]
+"""A rule's wave player: ``(waves, the rule's parameters) -> WavePlay``
+(:attr:`planner.rules.SyncRule.play`)."""
+
+
+def play_wsp(w: Waves, params: Mapping[str, float]) -> WavePlay:
+    """WSP with threshold ``w.D``."""
+    return _play_clocked(w.wave_ms, w.waves, w.nm, w.slowdown, w.D, 0)
+
+
+def play_backup(w: Waves, params: Mapping[str, float]) -> WavePlay:
+    """Backup workers (``params["backups"]``) at ``D = 0``."""
+    return _play_clocked(w.wave_ms, w.waves, w.nm, w.slowdown, 0, int(params.get("backups", 0)))
+
+
+def play_easgd(w: Waves, params: Mapping[str, float]) -> WavePlay:
+    """Elastic averaging, an exchange every ``params["tau"]`` waves.
+
+    Raises:
+        ValueError: ``tau < 1``.
+    """
+    tau = int(params.get("tau", 1))
+    if tau < 1:
+        raise ValueError(f"tau must be >= 1, got {tau}")
+    return _play_easgd(w.wave_ms, w.waves, w.nm, w.slowdown, tau)
 
 
 def play_waves(
@@ -210,38 +267,36 @@ def play_waves(
     nm: int,
     straggle: Straggle | Slowdown = NO_STRAGGLE,
     D: int = 0,
-    backups: int = 0,
-    tau: int = 1,
+    **params: float,
 ) -> WavePlay:
-    """Play ``waves`` waves of every VW under ``rule``.
+    """Play ``waves`` waves of every VW under ``rule`` (its :attr:`planner.rules.SyncRule.play`).
 
     Args:
-        rule: ``wsp``, ``backup`` or ``easgd``.
+        rule: a rule of :func:`planner.rules.rules` with a player (``wsp``, ``backup``, ...).
         wave_ms: each VW's wave time without stragglers (ms).
         waves: waves to close.
         nm: minibatches per wave.
         straggle: the slowdown draws (keyed by VW id and wave), or a function
             ``(vw, wave) -> multiplier`` (:func:`plan_slowdown`).
-        D: WSP threshold (``wsp`` only).
-        backups: ``b`` (``backup`` only).
-        tau: waves between exchanges (``easgd`` only).
+        D: WSP threshold (a rule that keeps ``D``).
+        params: the rule's parameters (``backups=1``, ``tau=4``; a player reads a missing one
+            as its neutral value: no backups, an exchange every wave).
 
     Raises:
-        ValueError: unknown rule or bad parameters.
+        ValueError: unknown rule, a rule with no player, or bad parameters.
     """
+    from planner.rules import rules  # the registry imports this module's players
+
     if not wave_ms or waves < 1 or nm < 1 or min(wave_ms) <= 0:
         raise ValueError(f"need VWs with positive wave times, waves >= 1 and Nm >= 1 (got "
                          f"{list(wave_ms)}, {waves}, {nm})")  # fmt: skip
+    known = rules()
+    player = known[rule].play if rule in known else None
+    if player is None:
+        played = ", ".join(name for name, r in known.items() if r.play is not None)
+        raise ValueError(f"unknown synchronisation rule {rule!r}; use one of {played}")
     slow = straggle.slowdown if isinstance(straggle, Straggle) else straggle
-    if rule == "wsp":
-        return _play_clocked(wave_ms, waves, nm, slow, D, 0)
-    if rule == "backup":
-        return _play_clocked(wave_ms, waves, nm, slow, 0, backups)
-    if rule == "easgd":
-        if tau < 1:
-            raise ValueError(f"tau must be >= 1, got {tau}")
-        return _play_easgd(wave_ms, waves, nm, slow, tau)
-    raise ValueError(f"unknown synchronisation rule {rule!r}; use one of {', '.join(RULES)}")
+    return dataclasses.replace(player(Waves(tuple(wave_ms), waves, nm, slow, D), params), rule=rule)
 
 
 def plan_slowdown(plan: Plan) -> Slowdown:
@@ -267,6 +322,8 @@ def plan_slowdown(plan: Plan) -> Slowdown:
 
 def vw_wave_ms(plan: Plan, profile: Profile | None = None, waves: int = 6) -> list[float]:
     """Each VW's wave time (ms) alone: the pipeline simulator with a threshold no VW reaches."""
+    from planner.sim.simulator import simulate
+
     free = simulate(dataclasses.replace(plan, D=waves + 1), waves, profile)
     return [plan.nm * plan.batch_size / r * 1e3 for r in free.per_vw_throughput]
 
@@ -276,11 +333,11 @@ def predict_rule(
     rule: str,
     waves: int = 100,
     D: int = 0,
-    backups: int = 0,
-    tau: int = 1,
     profile: Profile | None = None,
+    **params: float,
 ) -> WavePlay:
-    """Play ``rule`` on ``plan``'s VWs (pipeline-simulated wave times, the cluster's stragglers)."""
+    """Play ``rule`` with ``params`` on ``plan``'s VWs (pipeline-simulated wave times, the
+    cluster's stragglers)."""
     return play_waves(
-        rule, vw_wave_ms(plan, profile), waves, plan.nm, plan_slowdown(plan), D, backups, tau
+        rule, vw_wave_ms(plan, profile), waves, plan.nm, plan_slowdown(plan), D, **params
     )

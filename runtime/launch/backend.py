@@ -18,22 +18,24 @@ GLOO = "gloo"
 GLOO_NCCL = "cpu:gloo,cuda:nccl"  # per device type: CUDA tensors over NCCL, CPU over gloo
 
 
-def stage_backend(rule: str, emulated: bool, cuda_available: bool) -> str:
-    """The backend of a stage process: NCCL for CUDA tensors under ``allreduce`` on real GPUs.
+def stage_backend(layout: str, emulated: bool, cuda_available: bool) -> str:
+    """The backend of a stage process: NCCL for CUDA tensors under a ``ddp`` layout (the
+    ``allreduce`` rule) on real GPUs.
 
     Args:
-        rule: the run's synchronisation rule (:data:`planner.sync.RULES`).
+        layout: how the run's synchronisation rule is laid out
+            (:attr:`planner.rules.SyncRule.layout`; :attr:`runtime.sync.rule.SyncSpec.layout`).
         emulated: the stage runs on an emulated device (paced or memory-capped CPU process).
         cuda_available: ``torch.cuda.is_available()`` in the stage's process.
 
-    >>> stage_backend("allreduce", emulated=False, cuda_available=True)
+    >>> stage_backend("ddp", emulated=False, cuda_available=True)
     'cpu:gloo,cuda:nccl'
-    >>> stage_backend("allreduce", emulated=False, cuda_available=False)
+    >>> stage_backend("ddp", emulated=False, cuda_available=False)
     'gloo'
-    >>> stage_backend("wsp", emulated=False, cuda_available=True)
+    >>> stage_backend("shards", emulated=False, cuda_available=True)
     'gloo'
     """
-    return GLOO_NCCL if rule == "allreduce" and not emulated and cuda_available else GLOO
+    return GLOO_NCCL if layout == "ddp" and not emulated and cuda_available else GLOO
 
 
 def cuda_index(device: str, cuda_devices: int) -> int:

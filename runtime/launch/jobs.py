@@ -110,7 +110,7 @@ def vw_stage_jobs(
     for i, k in enumerate(vws):
         ctxs = stage_contexts(plan, k, work.nm, work.steps, work.first_rank + len(jobs))
         vw_run = run
-        if run.out_dir is not None and sync.rule != "local":
+        if run.out_dir is not None and sync.layout != "alone":
             vw_run = dataclasses.replace(run, out_dir=run.out_dir / f"vw{k}")
         cal: Calibration | None = pacing_table(plan, source, ctxs, vw_run)
         part = data_slice(sync.rule, i, len(vws))

@@ -30,7 +30,8 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from planner.plan import Plan
-from planner.sync import RULES, effective_rule
+from planner.rules import layout
+from planner.sync import effective_rule
 from profiler.errors import ConfigError, HetPipeRuntimeError
 from runtime.config import ModelSource, RunConfig
 from runtime.data_source import RunData, run_data
@@ -87,7 +88,7 @@ def launch(
     rule = effective_rule(plan.sync, len(plan.shards), len(plan.virtual_workers), spec.vw)
     _check_rule(rule, spec)
     out = spec.run.out_dir
-    if rule != "local" and spec.checkpoints.dir is None and out is not None:
+    if layout(rule) != "alone" and spec.checkpoints.dir is None and out is not None:
         spec = spec.with_checkpoints(dir=out / "checkpoints")
     try:
         return _launch(_Job(plan, source, dataset, rule), spec)
@@ -110,7 +111,7 @@ class _Job:
 def _launch(job: _Job, spec: RunSpec) -> RunResult:
     """:func:`launch` once its arguments are settled."""
     ck, n_vws = spec.checkpoints, len(job.plan.virtual_workers)
-    if job.rule == "local":  # no snapshots; the run directory is still this run's
+    if layout(job.rule) == "alone":  # no snapshots; the run directory is still this run's
         out = spec.run.out_dir
         claim = RunDirectory(out, resume=False, overwrite=ck.overwrite) if out else nullcontext()
         with claim:
@@ -120,7 +121,7 @@ def _launch(job: _Job, spec: RunSpec) -> RunResult:
     if run_dir is None:
         if ck.resume:
             raise ConfigError("--resume needs the run's directory (--out or a checkpoint folder)")
-        if not RULES[job.rule].uses_shards:  # AllReduce: a restart starts again from the beginning
+        if layout(job.rule) != "shards":  # AllReduce: a restart starts again from the beginning
             return _restarting(lambda s, a: _attempt(job, s, a), spec, n_vws)
         return _attempt(job, spec)
     with RunDirectory(run_dir, resume=ck.resume, overwrite=ck.overwrite) as owner:
@@ -143,9 +144,9 @@ def _check_rule(rule: str, spec: RunSpec) -> None:
     Raises:
         ConfigError: says why and what to change.
     """
-    if rule == "allreduce" and spec.vw >= 0:
+    if layout(rule) == "ddp" and spec.vw >= 0:
         raise ConfigError("an AllReduce plan trains every device together; drop --vw")
-    if rule == "local":
+    if layout(rule) == "alone":
         check_alone(spec)
 
 
@@ -213,7 +214,7 @@ def _diverged(exc: Diverged, spec: RunSpec, rule: str) -> Diverged:
     holds only finite updates (none that diverged was applied), resumed with a smaller lr."""
     what = str(exc).split(REMEDY)[0]
     ckpt = spec.checkpoints.dir
-    clocks = committed_clocks(ckpt) if ckpt is not None and rule != "local" else []
+    clocks = committed_clocks(ckpt) if ckpt is not None and layout(rule) != "alone" else []
     if ckpt is None or not clocks:
         how = "no snapshot was committed: start again with a smaller --lr"
     else:
@@ -246,7 +247,7 @@ def _attempt(job: _Job, spec: RunSpec, absent: dict[int, str] | None = None) -> 
     warn_overruns(stages)
     wall_s = time.time() - t_start
     keys = model_keys(job.source, plan.batch_size)  # the user's state_dict names (tied ones too)
-    if job.rule == "local":
+    if layout(job.rule) == "alone":
         return one_vw_result(plan, prep, stages, run, max(spec.vw, 0), wall_s, keys)
     result = build_result(plan, prep, stages, states, job.rule, wall_s, keys)
     if lost:  # --on-failure continue: what was lost, from the shards' ledgers
@@ -320,11 +321,12 @@ def prepare(
     model = resolve_source(source, plan.batch_size, meta=source.module is None)
     loss = source.loss if source.loss is not None else model.loss
     data = run_data(dataset, source.name, model, plan.batch_size, loss)
-    if rule == "local":  # no dataset given: each stage builds the built-in one itself
+    how = layout(rule)
+    if how == "alone":  # no dataset given: each stage builds the built-in one itself
         mine = data.train if dataset is not None else None
         n = len(data.train)  # type: ignore[arg-type]
         prep: Prepared | RunResult = prepare_local(plan, source, spec, mine, n, where.init_method)
-    elif rule == "allreduce":
+    elif how == "ddp":
         prep = prepare_allreduce(plan, source, spec, data, where)
     else:
         prep = prepare_wsp(plan, source, spec, data, where)

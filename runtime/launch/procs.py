@@ -185,7 +185,7 @@ def stage_main(job: StageJob, events: Any, parent: int) -> None:
         events.put((JOINED, job.ctx.rank, None))
         return "result", dumps_result(worker.run())
 
-    backend = stage_backend(job.sync.rule, job.ctx.emulated, torch.cuda.is_available())
+    backend = stage_backend(job.sync.layout, job.ctx.emulated, torch.cuda.is_available())
     if job.ctx.torch_device(torch.cuda.device_count()) != "cpu":  # one GPU per rank, the plan's
         torch.cuda.set_device(cuda_index(job.ctx.device, torch.cuda.device_count()))
     run_rank(job.ctx.rank, events, job.init_method, job.world_size, job.run.timeout_s, body,

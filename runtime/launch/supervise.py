@@ -241,7 +241,7 @@ def _metrics_log(run: RunConfig, stages: Sequence[StageJob]) -> MetricsLog | Non
         for j in stages
     ]  # fmt: skip
     vws = sorted({j.ctx.vw for j in stages})
-    alone = stages[0].sync.rule == "local" and len(vws) == 1
+    alone = stages[0].sync.layout == "alone" and len(vws) == 1
     return start_log(metrics_paths(run.out_dir, vws, alone), roles)
 
 

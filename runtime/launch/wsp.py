@@ -17,9 +17,9 @@ from typing import Any
 
 from torch.utils.data import Dataset, Subset
 
-from planner.easgd import waves_at
 from planner.plan import Plan
-from planner.sync import RULES, check_time_limit, param
+from planner.rules import get_rule
+from planner.sync import check_time_limit
 from planner.wsp import whole_waves
 from profiler.errors import ConfigError
 from profiler.graph import ModelGraph
@@ -69,10 +69,10 @@ def _as_data(dataset: Dataset[Any] | RunData) -> RunData:
 def vw_training_data(
     rule: str, dataset: Dataset[Any] | RunData, n_vws: int, test_fraction: float, seed: int = 0
 ) -> tuple[list[Subset[Any]], Subset[Any], int]:
-    """Each VW's training set under ``rule`` (:attr:`planner.sync.RuleInfo.data`: its own
+    """Each VW's training set under ``rule`` (:attr:`planner.rules.SyncRule.data`: its own
     shard, or the whole split it takes a slice of every minibatch from), the test set, and
     the samples one VW sees per epoch."""
-    if RULES[rule].data == "global":
+    if get_rule(rule).data == "global":
         train, test = _as_data(dataset).split(test_fraction, seed)
         return [train] * n_vws, test, len(train) // n_vws
     shards, test = split_data(dataset, n_vws, test_fraction, seed)
@@ -115,9 +115,10 @@ def prepare_wsp(
     """
     run, ck = spec.run, spec.checkpoints
     nm = run.nm or plan.nm
-    rule = plan.sync if plan.sync in ("backup", "easgd") else "wsp"  # the shard rules
-    D = (plan.D if spec.sync.D is None else spec.sync.D) if rule == "wsp" else 0  # others: 0
-    if spec.failure.evict and rule != "wsp":
+    info = get_rule(plan.sync)  # a rule through the shards (runtime.run.rule_for)
+    rule = info.name
+    D = (plan.D if spec.sync.D is None else spec.sync.D) if info.keeps_D else 0  # others: 0
+    if spec.failure.evict and not info.evicts:
         raise ConfigError(
             f"--on-failure continue evicts a VW from the WSP clock; the {rule} rule has no such "
             "clock: use --sync wsp, or --on-failure stop|restart"
@@ -135,9 +136,7 @@ def prepare_wsp(
                             dataset.settings, spec.optimizer, horizon, run.precision)  # fmt: skip
     manifest = resume_from(spec, where.owner, settings)
     clock = manifest.clock if manifest is not None else 0
-    first_wave = clock  # easgd: the shards' clock counts exchanges, tau waves each
-    if rule == "easgd":
-        first_wave = waves_at(clock, int(param(plan.sync_params, "tau", 1.0)))
+    first_wave = clock * info.waves_per_clock(dict(plan.sync_params))  # easgd: tau per tick
     _tidy(plan, spec, where.owner, clock)
     steps = wsp_steps(run, nm, first_wave, vw_samples, plan.batch_size)
     if steps == 0 and manifest is not None:
@@ -237,7 +236,7 @@ def _vw_cuts(plan: Plan) -> list[list[int]]:
 def _rejoin(sync: SyncSpec, init_method: str, world: int) -> Rejoin | None:
     """``--on-failure restart`` on one host under WSP: where a restarted VW meets the shards
     (beside the rendezvous file); ``None`` otherwise (torchrun restarts the whole group)."""
-    if sync.rule != "wsp" or not init_method.startswith("file://"):
+    if not get_rule(sync.rule).evicts or not init_method.startswith("file://"):
         return None
     folder = Path(init_method.removeprefix("file://")).parent
     return Rejoin(str(folder / "rejoin"), world, 4 * sync.timeout_s)

@@ -28,6 +28,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from planner.plan import Plan
+from planner.rules import DEFAULT_RULE, get_rule, layout
 from planner.sync import SyncParams
 from profiler.capture import quiet_treespec
 from profiler.errors import HetPipeRuntimeError
@@ -138,7 +139,7 @@ class RunResult:
     stopped_by: str = ""
     exported_from: str = ""
     restarts: tuple[str, ...] = ()
-    sync: str = "wsp"
+    sync: str = DEFAULT_RULE
     sync_params: SyncParams = ()
     lost: tuple[LostVW, ...] = ()
     exported_state: dict[str, Tensor] | None = None
@@ -211,7 +212,7 @@ class RunResult:
     @property
     def alone(self) -> bool:
         """One VW trained alone (the ``local`` rule): its figures are the run's."""
-        return self.sync == "local" and len(self.vws) == 1
+        return layout(self.sync) == "alone" and len(self.vws) == 1
 
     @property
     def max_clock_distance(self) -> int:
@@ -329,7 +330,7 @@ class RunResult:
         title = f"{len(self.vws)} VWs, Nm={self.nm}, {rule}: {self.throughput:.1f} samples/s"
         if self.predicted_throughput > 0:
             title += f" (predicted {self.predicted_throughput:.1f}, ratio {self.throughput / self.predicted_throughput:.2f})"
-        one_loss = self.sync == "allreduce"  # the VWs train slices of one global minibatch
+        one_loss = layout(self.sync) == "ddp"  # the VWs train slices of one global minibatch
         table = Table(title=title)
         columns = ["VW", "devices", "minibatches", "samples/s", "predicted", "waiting s", "idle s"]
         for col in columns if one_loss else [*columns, "last loss"]:
@@ -379,7 +380,7 @@ class RunResult:
             caption = f"data: {escape(self.data)}; {caption}"
         if self.links:
             caption += f"; {escape(self.links)}"
-        if self.sync == "backup":
+        if get_rule(self.sync).drops:
             kth = " ".join(f"{t:.2f}" for t in kth_push_s(self.vws))
             caption += (
                 f"; {dropped_vw_waves(self.vws)} VW-waves dropped; k-th push after the first "

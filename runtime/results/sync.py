@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from planner.rules import get_rule
 from planner.sync import SyncParams
 from runtime.results.metrics import VWResult
 
@@ -17,15 +18,9 @@ __all__ = ["arrival_table", "describe_rule", "dropped_vw_waves", "kth_push_s", "
 
 
 def describe_rule(rule: str, params: SyncParams, D: int) -> str:
-    """``WSP D=1``, ``backup b=1``, ``EASGD tau=4 alpha=0.1``, ``allreduce (BSP)``."""
-    p = dict(params)
-    if rule == "allreduce":
-        return "allreduce (BSP)"
-    if rule == "backup":
-        return f"backup b={int(p.get('backups', 0))}"
-    if rule == "easgd":
-        return f"EASGD tau={int(p.get('tau', 1))} alpha={p.get('alpha', 0.0):g}"
-    return f"WSP D={D}"
+    """``WSP D=1``, ``backup b=1``, ``EASGD tau=4 alpha=0.1``, ``allreduce (BSP)``: the rule's
+    :meth:`planner.rules.SyncRule.label`."""
+    return get_rule(rule).label(params, D)
 
 
 def vw_arrivals(vws: Sequence[VWResult]) -> dict[int, dict[int, float]]:

@@ -1,7 +1,8 @@
 """Every synchronisation rule's process side, by the name a plan gives it (one line per rule).
 
-See :mod:`runtime.sync.rule` for the hooks and how to add a rule; the names and parameters
-are :data:`planner.sync.RULES`.
+See :mod:`runtime.sync.rule` for the hooks and how to add a rule; the names, parameters and
+everything else the planner knows of a rule are its entry in :mod:`planner.rules`, keyed by
+the same names (a plug-in of ``$HETPIPE_RULES`` gives its ``PARTS`` beside its ``RULE``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from planner.rules import plugin, plugin_modules
 from profiler.errors import ConfigError
 from runtime.sync import backup
 from runtime.sync.allreduce import AllReduceSync
@@ -17,7 +19,7 @@ from runtime.sync.elastic import ElasticSync
 from runtime.sync.rule import LocalSync, StageSync, StageView, SyncSpec, WaveFold
 from runtime.sync.wave import WaveSync
 
-__all__ = ["RULES", "RuleParts", "shard_backups", "shard_fold", "stage_sync"]
+__all__ = ["BUILTIN", "RuleParts", "parts", "shard_backups", "shard_fold", "stage_sync"]
 
 
 def _no_fold(spec: SyncSpec) -> WaveFold | None:
@@ -45,7 +47,7 @@ class RuleParts:
     backups: Callable[[SyncSpec], int] = _no_backups
 
 
-RULES: Mapping[str, RuleParts] = MappingProxyType(
+BUILTIN: Mapping[str, RuleParts] = MappingProxyType(
     {
         "wsp": RuleParts(WaveSync.create),
         "local": RuleParts(LocalSync.create),
@@ -56,25 +58,39 @@ RULES: Mapping[str, RuleParts] = MappingProxyType(
 )
 
 
-def _parts(rule: str) -> RuleParts:
-    parts = RULES.get(rule)
-    if parts is None:
+"""The process sides of :data:`planner.rules.BUILTIN`, by name."""
+
+
+def parts(rule: str, extra: tuple[str, ...] = ()) -> RuleParts:
+    """The process side of ``rule``: built in, or the ``PARTS`` of a plug-in module
+    (``$HETPIPE_RULES`` or ``extra``, :attr:`runtime.sync.rule.SyncSpec.plugins`).
+
+    Raises:
+        ConfigError: no process side for that name.
+    """
+    found: object = BUILTIN.get(rule)
+    if found is None:
+        for module in dict.fromkeys((*plugin_modules(), *extra)):
+            if getattr(plugin(module, "RULE"), "name", None) == rule:
+                found = plugin(module, "PARTS")
+    if not isinstance(found, RuleParts):
         raise ConfigError(
-            f"synchronisation rule {rule!r} has no runtime side; use one of {', '.join(RULES)}"
+            f"synchronisation rule {rule!r} has no runtime side; use one of {', '.join(BUILTIN)}"
+            " or a $HETPIPE_RULES module with RULE and PARTS"
         )
-    return parts
+    return found
 
 
 def stage_sync(spec: SyncSpec, view: StageView) -> StageSync:
     """The hooks of ``spec.rule`` for one stage (the stage worker's constructor calls this)."""
-    return _parts(spec.rule).stage(spec, view)
+    return parts(spec.rule, spec.plugins).stage(spec, view)
 
 
 def shard_fold(spec: SyncSpec) -> WaveFold | None:
     """How a shard of ``spec.rule`` folds a complete wave (``None``: the plain sum)."""
-    return _parts(spec.rule).shard(spec)
+    return parts(spec.rule, spec.plugins).shard(spec)
 
 
 def shard_backups(spec: SyncSpec) -> int:
     """How many VWs a shard of ``spec.rule`` does not wait for in a wave (0: none)."""
-    return _parts(spec.rule).backups(spec)
+    return parts(spec.rule, spec.plugins).backups(spec)

@@ -1,30 +1,36 @@
 """The synchronisation rule across virtual workers: one plug-in, the same launcher for every rule.
 
 Today's rules: ``wsp`` (Wave Synchronous Parallel through parameter-server shards, with D;
-:class:`runtime.sync.wave.WaveSync`), ``allreduce`` (BSP data parallelism: gradients
+:class:`runtime.sync.wave.WaveSync`), ``backup`` (synchronous SGD with backup VWs;
+:mod:`runtime.sync.backup`), ``easgd`` (elastic averaging;
+:class:`runtime.sync.elastic.ElasticSync`), ``allreduce`` (BSP data parallelism: gradients
 averaged over the VWs every minibatch; :class:`runtime.sync.allreduce.AllReduceSync`) and
 ``local`` (one VW alone; :class:`LocalSync`).
 
-How to add a rule (e.g. backup workers, elastic averaging):
+How to add a rule: one vertical slice, no edit anywhere else.
 
-1. **Name and parameters** -- add a :class:`planner.sync.RuleInfo` to :data:`planner.sync.RULES`:
-   its name, whether it goes through shards, its parameters with defaults. A plan names it in
-   ``sync`` and sets the parameters in ``sync_params`` (plan file: ``sync: easgd``,
+1. **Pure logic** -- a module of plain functions over plain data in ``planner/`` (like
+   :mod:`planner.wsp`, :mod:`planner.backup`), unit-tested without processes, imported by the
+   simulator to predict and by your runtime class to execute: never two copies.
+2. **Process side** -- ``runtime/sync/<name>.py``: a subclass of :class:`StageSync`
+   overriding the hooks it needs, with a ``create(spec, view)`` factory; when the shards must
+   treat a wave differently (how a complete wave's update folds into the global weights), a
+   :class:`WaveFold`.
+3. **Register** it: one :class:`planner.rules.SyncRule` in :data:`planner.rules.BUILTIN` (its
+   name, parameters with ranges, defaults and help -- the CLI makes ``--<param>`` of each for
+   ``hetpipe plan``, ``simulate`` and ``run`` --, its check against a plan, its wave player,
+   whether it keeps ``D``, what each VW trains on, how the launcher lays it out) and one
+   :class:`runtime.sync.registry.RuleParts` in :data:`runtime.sync.registry.BUILTIN`. A plan
+   names it in ``sync`` and sets the parameters in ``sync_params`` (plan file: ``sync: easgd``,
    ``sync_params: {alpha: 0.5}``); the plan loader checks both. They reach every process in
    the frozen :class:`SyncSpec` of its job (``spec.rule``, ``spec.params``; read one with
-   :func:`planner.sync.param`).
-2. **Pure logic** -- a module of plain functions over plain data in ``planner/`` (like
-   :mod:`planner.wsp`), unit-tested without processes, imported by the simulator
-   (``planner/sim``) to predict and by your runtime class to execute: never two copies.
-3. **Process side** -- ``runtime/sync/<name>.py``: a subclass of :class:`StageSync`
-   overriding the hooks it needs, with a ``create(spec, view)`` factory; when the shards must treat a wave differently (how a
-   complete wave's update folds into the global weights), a :class:`WaveFold`.
-4. **Register** it in :data:`runtime.sync.registry.RULES` (one line).
+   :func:`planner.sync.param`). A rule kept outside the repository: a module named by
+   ``$HETPIPE_RULES`` that defines ``RULE`` and ``PARTS`` (``tests/toy_rule.py``).
 
 Who calls what (nothing else in the launcher or the worker knows the rule):
 
 - the launcher (:mod:`runtime.launch`) puts one :class:`SyncSpec` into every process's job
-  and starts shard processes when ``planner.sync.RULES[rule].uses_shards``;
+  and starts shard processes when the rule's ``uses_shards``;
 - the stage worker's constructor calls the rule's ``create(spec, view)`` once, after its
   module is built and the process group is up: the place to make shard clients or the rule's
   own process groups (every stage process calls it once; ``spec.groups`` lists the ranks of
@@ -43,10 +49,11 @@ Who calls what (nothing else in the launcher or the worker knows the rule):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from planner.sync import SyncParams, param
+from planner.rules import Layout, get_rule, plugin_modules
+from planner.sync import SyncParams
 from runtime.defaults import TIMEOUT_S
 from runtime.link_pacing import NO_LINKS, StageLinks
 
@@ -69,7 +76,7 @@ class SyncSpec:
     """The rule part of a process's job (frozen; the same for every process of a run).
 
     Attributes:
-        rule: the rule's name (:data:`planner.sync.RULES`).
+        rule: the rule's name (:func:`planner.rules.rules`).
         params: its parameters (``Plan.sync_params``).
         D: WSP clock-distance threshold.
         shards: every parameter-server shard's spec (empty: no shards).
@@ -84,6 +91,8 @@ class SyncSpec:
         rejoined: a restarted VW's new incarnation (``--on-failure restart``), starting at
             ``first_wave`` from the global weights: its optimizer state comes from the newest
             committed snapshot at or below that clock that holds its part (none: fresh).
+        plugins: the rule plug-in modules of ``$HETPIPE_RULES`` where the spec was made (a
+            forkserver child does not see the launcher's environment, a job does).
     """
 
     rule: str = "local"
@@ -97,14 +106,21 @@ class SyncSpec:
     groups: tuple[tuple[int, ...], ...] = ()
     rejoined: bool = False
     last_wave: int = 0
+    plugins: tuple[str, ...] = field(default_factory=plugin_modules)
+
+    @property
+    def layout(self) -> Layout:
+        """How the launcher lays the rule out (:attr:`planner.rules.SyncRule.layout`)."""
+        return get_rule(self.rule, self.plugins).layout
 
     @property
     def first_clock(self) -> int:
-        """The shards' clock at the start (a resumed run's snapshot clock): ``first_wave``,
-        or under ``easgd``, whose shards count exchanges, ``first_wave / tau``."""
-        if self.rule == "easgd":
-            return self.first_wave // int(param(self.params, "tau", 1.0))
-        return self.first_wave
+        """The shards' clock at the start (a resumed run's snapshot clock): ``first_wave`` over
+        the waves one tick covers (:attr:`planner.rules.SyncRule.waves_per_clock`: ``easgd``,
+        whose shards count exchanges, ``tau``)."""
+        return self.first_wave // get_rule(self.rule, self.plugins).waves_per_clock(
+            dict(self.params)
+        )
 
 
 @dataclass(frozen=True)

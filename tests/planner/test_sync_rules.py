@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 import planner.backup
 import planner.easgd
+import planner.ranges
+import planner.rules
 import planner.sim.waves
 import planner.straggle
 import planner.sync
@@ -22,7 +24,16 @@ from profiler.errors import ConfigError
 
 
 @pytest.mark.parametrize(
-    "module", [planner.backup, planner.easgd, planner.sim.waves, planner.straggle, planner.sync]
+    "module",
+    [
+        planner.backup,
+        planner.easgd,
+        planner.ranges,
+        planner.rules,
+        planner.sim.waves,
+        planner.straggle,
+        planner.sync,
+    ],
 )
 def test_doctests(module: object) -> None:
     res = doctest.testmod(module)  # type: ignore[arg-type]

@@ -153,14 +153,16 @@ def test_a_pipeline_plan_without_shards_is_refused() -> None:
 
 
 def test_the_backend_is_nccl_for_cuda_tensors_only_under_allreduce_on_real_gpus() -> None:
+    from planner.rules import layout
     from runtime.launch.backend import GLOO, GLOO_NCCL, stage_backend
 
-    assert stage_backend("allreduce", emulated=False, cuda_available=True) == GLOO_NCCL
+    ddp = layout("allreduce")
+    assert stage_backend(ddp, emulated=False, cuda_available=True) == GLOO_NCCL
     assert GLOO_NCCL == "cpu:gloo,cuda:nccl"  # CPU tensors (flags, p2p, barriers) stay on gloo
-    assert stage_backend("allreduce", emulated=True, cuda_available=True) == GLOO
-    assert stage_backend("allreduce", emulated=False, cuda_available=False) == GLOO
+    assert stage_backend(ddp, emulated=True, cuda_available=True) == GLOO
+    assert stage_backend(ddp, emulated=False, cuda_available=False) == GLOO
     for rule in ("wsp", "local", "backup", "easgd"):
-        assert stage_backend(rule, emulated=False, cuda_available=True) == GLOO
+        assert stage_backend(layout(rule), emulated=False, cuda_available=True) == GLOO
 
 
 def test_an_nccl_rank_takes_its_plan_gpu_as_cuda_device() -> None:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp_mp
 
-from planner.sync import RULES as PLAN_RULES
+from planner.rules import BUILTIN as PLAN_RULES
 from planner.sync import check_sync_params, effective_rule, global_slice, param
 from profiler.errors import ConfigError, PlanError
 from runtime.data import MinibatchSource
@@ -22,7 +22,8 @@ from runtime.link_pacing import NO_LINKS
 from runtime.ps.core import ShardCore
 from runtime.ps.layout import shard_specs_for_layout
 from runtime.sync.allreduce import AllReduceSync
-from runtime.sync.registry import RULES, shard_fold
+from runtime.sync.registry import BUILTIN as RULES
+from runtime.sync.registry import shard_fold
 from runtime.sync.rule import LocalSync, SyncSpec
 
 
