@@ -34,9 +34,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.plan_runs import run_row, train_plan  # noqa: E402
+from hetpipe.planning import plan as plan_cluster  # noqa: E402
 from planner.cluster import Cluster, Link, load_cluster  # noqa: E402
 from planner.plan import Plan  # noqa: E402
-from planner.planner import PlanOptions, make_plan  # noqa: E402
+from planner.planner import PlanOptions  # noqa: E402
 from profiler.errors import PlanError  # noqa: E402
 from profiler.units import parse_bandwidth  # noqa: E402
 
@@ -58,7 +59,7 @@ def scaled(cluster: Cluster, f: float) -> Cluster:
 def plan_at(cluster: Cluster, model: str, batch: int, nm: int, memory: str) -> Plan | None:
     """One VW over every device at exactly ``nm`` (``None``: does not fit)."""
     try:
-        plan = make_plan(
+        plan = plan_cluster(
             cluster,
             model=model,
             batch_size=batch,

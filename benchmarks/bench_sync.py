@@ -33,9 +33,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from hetpipe.planning import plan as plan_cluster
+from hetpipe.planning import profiles_for
 from planner.baseline import allreduce_plan
 from planner.cluster import parse_cluster
-from planner.planner import make_plan
 from planner.sim.waves import predict_rule
 from planner.sync import with_rule
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
@@ -131,7 +132,7 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     cl = cluster(args)
-    base = make_plan(cl, model=args.model, batch_size=args.batch, policy="np", nm=args.nm)
+    base = plan_cluster(cl, model=args.model, batch_size=args.batch, policy="np", nm=args.nm)
     source = ModelSource(ref=args.model)
     load_before = os.getloadavg()
     rows: dict[str, dict[str, Any]] = {}
@@ -148,7 +149,8 @@ def main() -> None:
         assert isinstance(res, RunResult)
         rows[label] = wsp_row(res, args, pred.throughput(plan.batch_size))
         _print(label, rows[label])
-    ddp_plan = allreduce_plan(cl, args.model, args.batch)
+    cpu = profiles_for(cl, [], args.model, args.batch)
+    ddp_plan = allreduce_plan(cl, args.model, args.batch, profiles=cpu)
     world = len(ddp_plan.virtual_workers)
     run = RunConfig(steps=args.steps * args.vws // world, seed=args.seed, progress=False)
     ddp = run_plan(ddp_plan, source, RunSpec(run, OptimizerConfig(lr=args.lr * world)))

@@ -45,10 +45,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.plan_runs import run_row, train_plan  # noqa: E402
+from hetpipe.planning import plan as plan_cluster  # noqa: E402
+from hetpipe.planning import profiles_for  # noqa: E402
 from planner.baseline import device_capacity_bytes, model_memory_bytes  # noqa: E402
 from planner.cluster import Cluster, load_cluster  # noqa: E402
 from planner.plan import Plan  # noqa: E402
-from planner.planner import PlanOptions, make_plan  # noqa: E402
+from planner.planner import PlanOptions  # noqa: E402
 from profiler.errors import PlanError, ProfileError  # noqa: E402
 from profiler.models import resolve_model  # noqa: E402
 
@@ -73,7 +75,7 @@ def hetpipe_plan(cluster: Cluster, model: str, batch: int, memory: str = "keep")
     ``memory``: ``keep`` (everything on the devices) or ``auto`` (the memory manager may
     offload to host memory or recompute, ``docs/memory.md``)."""
     try:
-        return make_plan(
+        return plan_cluster(
             cluster,
             model=model,
             batch_size=batch,
@@ -88,7 +90,7 @@ def hetpipe_plan(cluster: Cluster, model: str, batch: int, memory: str = "keep")
 
 def ddp_fits(cluster: Cluster, model: str, batch: int) -> bool:
     """Whether the whole model fits the biggest single device (the DDP baseline's rule)."""
-    need = model_memory_bytes(cluster, model, batch, "sgd")
+    need = model_memory_bytes(cluster, model, batch, "sgd", profiles_for(cluster, [], model, batch))
     return need <= max(device_capacity_bytes(d) for d in cluster.devices)
 
 
@@ -167,7 +169,7 @@ def equal_memory(cluster: Cluster, args: argparse.Namespace) -> list[dict[str, A
     Runs alternate (keep, auto, keep, auto) in one process so that the machine's load hits both.
     """
     plans = {
-        memory: make_plan(
+        memory: plan_cluster(
             cluster,
             model=args.hd_model,
             batch_size=args.hd_batch,
@@ -249,7 +251,11 @@ def main() -> None:
             "param_MiB": p_ddp / MiB,
             "params_over_biggest_cap": p_ddp / max(caps.values()),
             "whole_model_MiB": model_memory_bytes(
-                cluster, ref(h_ddp, args.depth), args.batch, "sgd"
+                cluster,
+                ref(h_ddp, args.depth),
+                args.batch,
+                "sgd",
+                profiles_for(cluster, [], ref(h_ddp, args.depth), args.batch),
             )
             / MiB,
         },

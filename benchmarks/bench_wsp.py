@@ -24,9 +24,10 @@ import logging
 import os
 from pathlib import Path
 
+from hetpipe.planning import plan as plan_cluster
+from hetpipe.planning import profiles_for
 from planner.baseline import allreduce_plan
 from planner.cluster import load_cluster
-from planner.planner import make_plan
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.launch.launcher import launch
 from runtime.results.run_result import RunResult
@@ -40,7 +41,7 @@ def _run_policy(
 ) -> list[dict[str, object]]:
     """Every D of ``args.ds`` on the plan of ``policy``; one row each."""
     n_vws = None if policy == "ed" else 2
-    plan = make_plan(
+    plan = plan_cluster(
         cluster, model=args.model, batch_size=args.batch, num_vws=n_vws, policy=policy,
         optimizer="sgd",
     )  # fmt: skip
@@ -91,7 +92,10 @@ def main() -> None:
     load_before = os.getloadavg()
     rows = [r for policy in args.policies for r in _run_policy(cluster, policy, args, opt)]
     ddp_samples = int(rows[0]["samples"])  # type: ignore[call-overload]
-    ddp_plan = allreduce_plan(cluster, args.model, args.batch, optimizer=opt.memory_class)
+    cpu = profiles_for(cluster, [], args.model, args.batch)
+    ddp_plan = allreduce_plan(
+        cluster, args.model, args.batch, profiles=cpu, optimizer=opt.memory_class
+    )
     world = len(ddp_plan.virtual_workers)
     steps = max(2, round(ddp_samples / (args.batch * world)))
     ddp_spec = RunSpec(RunConfig(steps=steps), OptimizerConfig(lr=args.lr * world))

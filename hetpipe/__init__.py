@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hetpipe.api import train
+    from hetpipe.planning import plan
     from planner.cluster import Cluster, load_cluster, parse_cluster
     from planner.plan import Plan
     from planner.plan_file import load_plan
-    from planner.planner import plan
     from profiler.errors import (
         ConfigError,
         HetPipeError,
@@ -46,7 +46,7 @@ _WHERE = {
     "parse_cluster": "planner.cluster",
     "Plan": "planner.plan",
     "load_plan": "planner.plan_file",
-    "plan": "planner.planner",
+    "plan": "hetpipe.planning",
     "ConfigError": "profiler.errors",
     "HetPipeError": "profiler.errors",
     "HetPipeRuntimeError": "profiler.errors",

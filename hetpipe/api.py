@@ -26,19 +26,19 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
+from hetpipe.planning import plan_on_the_fly
 from planner.cluster import Cluster, load_cluster
-from planner.on_the_fly import PlanRequest, plan_for_run
+from planner.on_the_fly import PlanRequest
 from planner.plan import Plan
 from planner.plan_file import load_plan
 from profiler.errors import ConfigError, shown
-from profiler.graph import ModelGraph
 from profiler.models import keyword_spec
 from profiler.precision import check_precision
 from runtime.by_value import check_guarded
 from runtime.config import LossFn, ModelSource, OptimizerConfig
 from runtime.options import OPTIONS, RENAMED, run_spec
 from runtime.run import run_plan
-from runtime.stage.model import resolve_source
+from runtime.stage.model import model_graph, resolve_source
 
 if TYPE_CHECKING:
     from runtime.results.run_result import RunResult
@@ -185,10 +185,10 @@ def train(  # long by its signature and docstring (every option, documented); th
         cl = load_cluster(cluster) if isinstance(cluster, (str, os.PathLike)) else cluster
         graph = None
         if source.module is not None:  # the user's module: cut by hand
-            graph = ModelGraph.from_spec(resolve_source(source, batch_size, meta=False))
+            graph = model_graph(source, resolve_source(source, batch_size, meta=False))
         request = PlanRequest(source.name, batch_size, nm, stages, cuts, vws=1, policy="ed",
                               precision=check_precision(precision or "fp32"))  # fmt: skip
-        given = plan_for_run(cl, request, graph)
+        given = plan_on_the_fly(cl, request, graph)
     return run_plan(given, source, spec, dataset)
 
 

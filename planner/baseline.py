@@ -36,14 +36,19 @@ def eligible_devices(cluster: Cluster, need_bytes: int) -> tuple[Device, ...]:
 
 
 def model_memory_bytes(
-    cluster: Cluster, model_ref: str, batch_size: int, optimizer: str = "momentum"
+    cluster: Cluster,
+    model_ref: str,
+    batch_size: int,
+    optimizer: str = "momentum",
+    profiles: Sequence[Profile] = (),
 ) -> int:
-    """The planner's memory estimate of the whole model on one device (bytes, ``Nm = 1``)."""
+    """The planner's memory estimate of the whole model on one device (bytes, ``Nm = 1``), from
+    ``profiles`` as for planning (an emulated cluster's ``cpu`` profile among them)."""
     from planner.costmodel import CostModel, optimizer_factor
     from planner.profiles import resolve_profiles
 
-    profiles, _, _, _ = resolve_profiles(cluster, None, model_ref, batch_size)
-    cm = CostModel(profiles, cluster.link, optimizer_factor(optimizer))
+    by_type, _, _, _ = resolve_profiles(cluster, profiles, model_ref, batch_size)
+    cm = CostModel(by_type, cluster.link, optimizer_factor(optimizer))
     return cm.model_memory_bytes(1)
 
 

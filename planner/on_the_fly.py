@@ -10,6 +10,7 @@ re-derives a default.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,7 @@ if TYPE_CHECKING:  # no torch at the CLI's start-up
     from planner.cluster import Cluster
     from planner.plan import Plan
     from profiler.graph import ModelGraph
+    from profiler.table import Profile
 
 __all__ = ["PlanRequest", "plan_for_run"]
 
@@ -63,7 +65,10 @@ class PlanRequest:
 
 
 def plan_for_run(
-    cluster: Cluster | None, request: PlanRequest, graph: ModelGraph | None = None
+    cluster: Cluster | None,
+    request: PlanRequest,
+    graph: ModelGraph | None = None,
+    profiles: Sequence[Profile] = (),
 ) -> Plan:
     """The plan a run of ``request`` trains on ``cluster`` (``None``: CPU devices, one per
     stage, for a hand cut).
@@ -73,6 +78,8 @@ def plan_for_run(
         request: what the run asks for.
         graph: the model's graph, for a user's module (a hand cut); ``None``: built from
             ``request.model`` when needed.
+        profiles: the profiles to plan on (an emulated cluster's CPU profile among them: the
+            front end asks the profiler first, :func:`hetpipe.planning.plan_on_the_fly`).
 
     Raises:
         ConfigError: ``--stages`` with ``--vws``/``--policy``, or no cluster to plan on.
@@ -84,7 +91,8 @@ def plan_for_run(
 
         if cluster is None:
             raise ConfigError("the AllReduce baseline needs a cluster to plan on; give one")
-        return allreduce_plan(cluster, r.model, r.batch_size, optimizer=r.optimizer)
+        return allreduce_plan(cluster, r.model, r.batch_size, profiles=profiles or None,
+                              optimizer=r.optimizer)  # fmt: skip
     if r.hand_cut and (r.vws > 1 or r.policy not in (None, "ed")):
         raise ConfigError("--stages hand-cuts one VW; drop --stages, or drop --vws/--policy")
     if r.hand_cut or graph is not None or cluster is None:
@@ -95,9 +103,9 @@ def plan_for_run(
         return replace(hand, precision=r.precision)
     from planner.planner import make_plan
 
-    return make_plan(cluster, model=r.model, batch_size=r.batch_size, nm=r.nm or None,
-                     num_vws=r.vws or None, policy=r.policy, D=r.D, precision=r.precision,
-                     optimizer=r.optimizer)  # fmt: skip
+    return make_plan(cluster, list(profiles), model=r.model, batch_size=r.batch_size,
+                     nm=r.nm or None, num_vws=r.vws or None, policy=r.policy, D=r.D,
+                     precision=r.precision, optimizer=r.optimizer)  # fmt: skip
 
 
 def _graph(model: str, batch_size: int) -> ModelGraph:

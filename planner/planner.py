@@ -4,7 +4,9 @@ Steps (paper Sec. 4, 7, 8.1):
 
 1. one profile per GPU type of the cluster: given ones first; missing types are filled with
    the analytic profiler (built-in or importable models) or by scaling a given profile with
-   ``profiler.analytic.scale_profile``; the plan's ``profiles`` field records the provenance;
+   ``profiler.analytic.scale_profile``, an emulated cluster's from the given ``cpu`` profile
+   (the front end measures it: :mod:`hetpipe.planning`); the plan's ``profiles`` field
+   records the provenance;
 2. the allocation policy forms the VWs (``auto`` tries every applicable allocation and keeps
    the best predicted throughput);
 3. each VW's ``nm_max`` is the largest Nm (up to ``nm_limit``) for which some GPU order and
@@ -27,11 +29,9 @@ assembly are :func:`planner.assemble.build_plan`.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 from planner.allocation import Allocation, allocate, candidate_allocations, default_policy
 from planner.assemble import build_plan
@@ -49,7 +49,7 @@ from planner.vw_solver import VWSolver
 from profiler.errors import PlanError
 from profiler.table import Profile
 
-__all__ = ["PlanOptions", "make_plan", "plan"]
+__all__ = ["PlanOptions", "make_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -324,7 +324,7 @@ def make_plan(  # long by its signature and docstring (15 options, documented); 
     original = cluster
     cluster = planning_view(cluster)
     by_type, provenance, model_name, batch = resolve_profiles(
-        cluster, profiles, model, batch_size, reference_type, precision
+        cluster, profiles, model, batch_size, reference_type
     )
     by_type = {t: prof.at_precision(precision) for t, prof in by_type.items()}
     first_measured = next(
@@ -344,37 +344,3 @@ def make_plan(  # long by its signature and docstring (15 options, documented); 
     best = _plan_auto(pl, cluster, num_vws, args, report)
     log.info("planned %s on %s in %.2f s", model_name, cluster.name, time.perf_counter() - t0)
     return replace(best, policy=f"auto:{best.policy}", precision=precision, remedy=opts.remedy)
-
-
-def plan(
-    cluster: Cluster | str | os.PathLike[str],
-    profiles: Mapping[str, Profile]
-    | Sequence[Profile]
-    | Sequence[str | os.PathLike[str]]
-    | None = None,
-    policy: str | None = None,
-    **kwargs: Any,
-) -> Plan:
-    """The Python API behind ``hetpipe plan``: ``plan("cluster.yaml", ["profiles/"], policy="ed")``.
-
-    Args:
-        cluster: a :class:`Cluster` or a cluster.yaml path.
-        profiles: profiles, or CSV files/folders of them.
-        policy: ``np``, ``ed``, ``hd`` or ``auto`` (default: ``hd`` where it applies, else ``ed``).
-        **kwargs: any other :func:`make_plan` argument (``model``, ``batch_size``, ``nm``, ``D``, ...).
-    """
-    from planner.cluster import load_cluster
-    from profiler.table import load_profile_set
-
-    cl = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
-    plist: Mapping[str, Profile] | Sequence[Profile] | None
-    if (
-        profiles is not None
-        and not isinstance(profiles, Mapping)
-        and any(not isinstance(p, Profile) for p in profiles)
-    ):
-        given = [p for p in profiles if isinstance(p, Profile)]
-        plist = given + load_profile_set([p for p in profiles if not isinstance(p, Profile)])
-    else:
-        plist = profiles  # type: ignore[assignment]
-    return make_plan(cl, plist, policy=policy, **kwargs)

@@ -6,35 +6,26 @@ without one is filled with ``profiler.analytic.analytic_profile`` when the model
 or importable model with the same layers, else by scaling a given profile with
 ``profiler.analytic.scale_profile`` (roofline ratios). An imported profile from unknown
 hardware (PipeDream's ``unknown GPU``) is taken as measured on ``reference_type``
-(default :data:`DEFAULT_REFERENCE_TYPE`, the GPU PipeDream's authors used).
+(default :data:`DEFAULT_REFERENCE_TYPE`, the GPU PipeDream's authors used). An emulated
+cluster's types are the given ``cpu`` profile divided by each node's speed; nothing here runs a
+model: the front end measures that profile first (:mod:`profiler.cpu_profile`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import platform
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 from planner.cluster import Cluster
 from profiler.catalog import lookup_gpu
 from profiler.errors import ConfigError, ModelError, ProfileError
-from profiler.table import Profile, load_profile
+from profiler.table import DEFAULT_BATCH_SIZE, Profile
 
-__all__ = [
-    "CACHE_ENV",
-    "DEFAULT_BATCH_SIZE",
-    "DEFAULT_REFERENCE_TYPE",
-    "profile_cache_dir",
-    "resolve_profiles",
-]
+__all__ = ["DEFAULT_REFERENCE_TYPE", "resolve_profiles"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_REFERENCE_TYPE = "V100"
-DEFAULT_BATCH_SIZE = 32
 
 
 def _canonical_type(name: str) -> str | None:
@@ -99,25 +90,23 @@ def _fill(
 
 
 def _emulated(
-    cluster: Cluster, given: Mapping[str, Profile], model: str, batch: int, precision: str = "fp32"
+    cluster: Cluster, given: Mapping[str, Profile], model: str
 ) -> tuple[dict[str, Profile], dict[str, str]]:
     """Profiles of an emulated cluster: a layer takes its CPU time divided by the node's speed.
 
-    The CPU profile is a given ``cpu`` profile, else one measured here on one thread (emulated
-    clusters run small models, so this takes about a second), else the analytic CPU estimate
-    for models too large to measure quickly.
+    The CPU profile is the given ``cpu`` one: the front end measures it before planning
+    (:func:`profiler.cpu_profile.emulation_profiles`); the planner never runs a model.
+
+    Raises:
+        ProfileError: no ``cpu`` profile was given.
     """
-    if "cpu" in given:
-        base, src = given["cpu"], f"cpu {given['cpu'].meta.source}"
-    else:
-        try:
-            base, src = _cpu_profile(model, batch, precision)
-        except ModelError:  # the model itself cannot be built: profiling would not help
-            raise
-        except ConfigError as exc:
-            raise ProfileError(
-                f"emulated cluster needs a cpu profile of {model!r} ({exc}); run 'hetpipe profile'"
-            ) from None
+    if "cpu" not in given:
+        raise ProfileError(
+            f"emulated cluster {cluster.name!r} is planned on a cpu profile of {model!r} and none "
+            "was given; pass profiler.cpu_profile.emulation_profiles(...) to the planner (the "
+            "hetpipe commands and API do), or --profiles with a cpu profile ('hetpipe profile')"
+        )
+    base, src = given["cpu"], f"cpu {given['cpu'].meta.source}"
     by_type: dict[str, Profile] = {}
     provenance: dict[str, str] = {}
     for node in cluster.nodes:
@@ -134,101 +123,24 @@ def _emulated(
     return by_type, provenance
 
 
-_MEASURE_LIMIT_BYTES = 64 * 2**20  # measure CPU profiles of models up to this many parameter bytes
-CACHE_ENV = "HETPIPE_CACHE_DIR"  # where measured CPU profiles are cached; "off" disables the cache
-
-
-def profile_cache_dir() -> Path | None:
-    """Folder of cached measured CPU profiles (``None`` when caching is off).
-
-    ``$HETPIPE_CACHE_DIR`` if set (``off`` disables caching), else ``$XDG_CACHE_HOME/hetpipe``
-    (``~/.cache/hetpipe``). Delete a file there to measure that model again.
-    """
-    env = os.environ.get(CACHE_ENV)
-    if env is not None:
-        return None if env.strip().lower() in ("", "off", "0", "none") else Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg) / "hetpipe"
-
-
-def _cache_path(model: str, batch: int, precision: str = "fp32") -> Path | None:
-    """Cache file of the measured CPU profile of ``model`` at ``batch`` on this machine.
-
-    The key covers the model's graph (:func:`profiler.measure.profile_key`), not only its name.
-    """
-    import torch
-
-    from profiler.measure import profile_key
-
-    root = profile_cache_dir()
-    if root is None:
-        return None
-    host = f"{platform.machine()}|{platform.processor()}|{os.cpu_count()}|{torch.__version__}"
-    key = profile_key(model, batch, "cpu", precision)
-    digest = hashlib.sha256(f"{model}|{batch}|{key}|{host}".encode()).hexdigest()[:16]
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model)[:40]
-    tag = "" if precision == "fp32" else f"-{precision}"
-    return root / "profiles" / f"cpu-{safe}-b{batch}{tag}-{digest}.csv"
-
-
-def _cpu_profile(model: str, batch: int, precision: str = "fp32") -> tuple[Profile, str]:
-    """A single-threaded measured CPU profile of a small model, else the analytic estimate.
-
-    Measured profiles are cached (:func:`profile_cache_dir`), so that plans made on the fly for
-    an emulated cluster are the same from run to run on one machine: a fresh measurement moves
-    by a few per cent, enough to change the partition or Nm.
-    """
-    import torch
-
-    from profiler.analytic import analytic_profile
-    from profiler.measure import measure_profile
-    from profiler.models import resolve_model
-
-    path = _cache_path(model, batch, precision)
-    if path is not None and path.exists():
-        try:
-            cached = load_profile(path)
-        except ProfileError as exc:
-            log.warning("ignoring unreadable cached profile %s (%s)", path, exc)
-        else:
-            if cached.meta.model == model and cached.meta.batch_size == batch:
-                log.info("using the cached CPU profile %s", path)
-                return cached, "cpu measured"
-    spec = resolve_model(model, batch)
-    if sum(p.numel() * p.element_size() for p in spec.module.parameters()) > _MEASURE_LIMIT_BYTES:
-        return analytic_profile(model, batch, "cpu"), "cpu analytic"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # emulated devices are single-threaded processes
-    try:
-        prof = measure_profile(spec, "cpu", repeats=5, warmup=2, clock="cpu", precision=precision)
-    finally:
-        torch.set_num_threads(threads)
-    if path is not None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            prof.save(path)
-        except OSError as exc:  # a read-only home must not stop planning
-            log.warning("could not cache the measured profile in %s (%s)", path, exc)
-    return prof, "cpu measured"
-
-
 def resolve_profiles(
     cluster: Cluster,
     profiles: Mapping[str, Profile] | Sequence[Profile] | None,
     model: str | None,
     batch_size: int | None,
     reference_type: str | None = None,
-    precision: str = "fp32",
 ) -> tuple[dict[str, Profile], dict[str, str], str, int]:
-    """One profile per GPU type of ``cluster`` (an emulated cluster's CPU profile is measured
-    at ``precision``; others are converted by the caller, :meth:`Profile.at_precision`).
+    """One profile per GPU type of ``cluster``: the given ones, then analytic or scaled fill-ins;
+    an emulated cluster's from the given ``cpu`` profile (the caller converts them to its
+    precision, :meth:`Profile.at_precision`).
 
     Returns:
         ``(profile by type, provenance by type, model name, batch size)``.
 
     Raises:
-        ProfileError: profiles of another model/batch size, mixed profiles, or a type that can be
-            neither profiled analytically nor scaled to.
+        ProfileError: profiles of another model/batch size, mixed profiles, a type that can be
+            neither profiled analytically nor scaled to, or an emulated cluster without a
+            ``cpu`` profile.
         ConfigError: neither profiles nor a model were given.
     """
     plist = list(profiles.values()) if isinstance(profiles, Mapping) else list(profiles or [])
@@ -248,7 +160,7 @@ def resolve_profiles(
     if "?" in given and _canonical_type(ref_type) is None:
         raise ConfigError(f"reference GPU type {ref_type!r} is not in the catalog")
     if cluster.emulated:
-        return (*_emulated(cluster, given, model_name, batch, precision), model_name, batch)
+        return (*_emulated(cluster, given, model_name), model_name, batch)
     by_type: dict[str, Profile] = {}
     provenance: dict[str, str] = {}
     for gpu_type in dict.fromkeys(d.type for d in cluster.devices):

@@ -8,7 +8,7 @@ node names then follow the same event times, and the global clock is the same wi
 of each distinct group as with all of them. So the plan is simulated with one representative
 per distinct group, and each VW takes its representative's completion times; the throughput
 is then measured over all VWs with the simulator's own definition
-(:func:`planner.sim.types.measured_throughput`). On a 10,240-GPU cluster of 1,280 HD VWs this
+(:func:`planner.throughput.measured_throughput`). On a 10,240-GPU cluster of 1,280 HD VWs this
 simulates 2 VWs instead of 1,280; :func:`simulate_distinct` equals the full simulation
 (``tests/planner/test_symmetry.py``).
 """
@@ -20,7 +20,7 @@ from dataclasses import replace
 from planner.plan import Plan
 from planner.sim.engine import simulate_pipelines
 from planner.sim.simulator import pipeline_specs
-from planner.sim.types import measured_throughput
+from planner.throughput import measured_throughput
 
 __all__ = ["simulate_distinct", "vw_groups"]
 

@@ -44,12 +44,15 @@ from profiler.units import MAX_BYTES
 
 __all__ = [
     "COLUMNS",
+    "DEFAULT_BATCH_SIZE",
     "Profile",
     "ProfileMeta",
     "check_table",
     "load_profile",
     "load_profile_set",
 ]
+
+DEFAULT_BATCH_SIZE = 32  # samples per minibatch when neither the profiles nor the user say
 
 COLUMNS: dict[str, str] = {
     "layer": "str",

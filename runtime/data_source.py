@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,9 @@ from profiler.errors import ConfigError, HetPipeError, shown
 from profiler.models import ModelSpec, import_factory
 from runtime.data import DigitsDataset, SyntheticDataset, default_dataset
 from runtime.results.evaluation import split_dataset
+
+if TYPE_CHECKING:
+    from profiler.graph import ModelGraph
 
 __all__ = [
     "SYNTHETIC",
@@ -93,15 +96,16 @@ def describe_default(dataset: Dataset[Any]) -> str:
     return f"{type(dataset).__name__} ({len(dataset)} samples)"  # type: ignore[arg-type]
 
 
-def output_classes(spec: ModelSpec) -> int | None:
+def output_classes(spec: ModelSpec, graph: ModelGraph | None = None) -> int | None:
     """The width of the model's output (its number of classes), from the shapes of one
-    sample minibatch propagated without compute; ``None``: not one tensor of scores."""
+    sample minibatch propagated without compute (``graph``: its capture, when the caller has
+    it; else captured here); ``None``: not one tensor of scores."""
     from profiler.graph import ModelGraph
 
     if spec.input_names:  # a keyword (Hugging Face) model computes its own loss
         return None
     try:
-        layers = ModelGraph.from_spec(spec).layers
+        layers = (graph if graph is not None else ModelGraph.from_spec(spec)).layers
     except HetPipeError:
         return None
     out = layers[-1]  # the graph's output node: what it returns is its one input's output
@@ -266,10 +270,12 @@ def run_data(
     spec: ModelSpec,
     batch_size: int,
     loss: object,
+    graph: ModelGraph | None = None,
 ) -> RunData:
-    """The data a run of model ``name`` (resolved as ``spec``) uses: ``dataset`` (the user's,
-    its integer targets checked against the model's output width when ``loss`` is the default
-    cross-entropy) or, ``None``, the model's built-in data (:func:`runtime.data.default_dataset`).
+    """The data a run of model ``name`` (resolved as ``spec``, captured as ``graph`` when the
+    caller has it) uses: ``dataset`` (the user's, its integer targets checked against the
+    model's output width when ``loss`` is the default cross-entropy) or, ``None``, the model's
+    built-in data (:func:`runtime.data.default_dataset`).
 
     Raises:
         ConfigError: a target out of the model's range (:func:`check_targets`), or synthetic
@@ -277,13 +283,13 @@ def run_data(
     """
     if dataset is None:
         built = default_dataset(name, spec.inputs, spec.targets, batch_size,
-                                classes=output_classes(spec))  # fmt: skip
+                                classes=output_classes(spec, graph))  # fmt: skip
         return RunData(built, None, describe_default(built))
     data = dataset
     if not isinstance(data, RunData):
         data = RunData(dataset, None, f"{type(dataset).__name__} ({len(dataset)} samples)")  # type: ignore[arg-type]
     checked = loss is F.cross_entropy and not isinstance(data.train, SyntheticDataset)
-    classes = output_classes(spec) if checked else None
+    classes = output_classes(spec, graph) if checked else None
     if classes is not None:
         check_targets(data, classes, data.origin)
     return data

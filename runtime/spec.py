@@ -20,7 +20,7 @@ from profiler.errors import ConfigError, shown
 from runtime.config import OptimizerConfig, RunConfig
 
 if TYPE_CHECKING:
-    from runtime.launch.faults import ShardFault, StageFault
+    from runtime.faults import ShardFault, StageFault
     from runtime.persist.snapshot import WriteFault
 
 __all__ = [

@@ -362,6 +362,7 @@ def plan(  # long by its typer signature (the command's options); the body is ~6
 ) -> None:
     """Plan HetPipe training (see HELP); ``rule_values``: the rule options
     (:class:`hetpipe._rules.with_rule_options`)."""
+    from hetpipe.planning import profiles_for
     from planner.costmodel import load_links
     from planner.plan_check import check_nm
     from planner.planner import PlanOptions, make_plan
@@ -394,6 +395,8 @@ def plan(  # long by its typer signature (the command's options); the body is ~6
         f"planning {model or 'the profiled model'} on {cl.name} (profiles, allocation, "
         "partition, Nm, placement, simulation)"
     ):
+        measured_at = "fp32" if sync == "allreduce" else precision  # what the planner prices
+        profs = profiles_for(cl, profs, model, batch_size, measured_at)
         kwargs = dict(model=model, batch_size=batch_size, D=staleness, placement=placement,
                       optimizer=optimizer, links=load_links(links) if links else None,
                       reference_type=profile_gpu, precision=precision)  # fmt: skip

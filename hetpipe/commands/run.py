@@ -42,17 +42,18 @@ HELP = (
 
 def _load(path: Path, request: PlanRequest) -> Plan:
     """The plan in ``path`` (checked against its model), or the planner's plan for the
-    cluster in ``path`` (:func:`planner.on_the_fly.plan_for_run`, the same defaults as
+    cluster in ``path`` (:func:`hetpipe.planning.plan_on_the_fly`: the profiler's CPU profile
+    of an emulated cluster, then :func:`planner.on_the_fly.plan_for_run`, the same defaults as
     ``hetpipe plan``); with ``--sync allreduce`` a pipeline plan file gives its cluster, model
     and batch to the AllReduce baseline's plan."""
-    from planner.on_the_fly import plan_for_run
+    from hetpipe.planning import plan_on_the_fly
 
     doc = load_plan_or_cluster(path)
     if not isinstance(doc, Plan):
-        return plan_for_run(doc, request)
+        return plan_on_the_fly(doc, request)
     if layout(request.sync) == "ddp" and layout(doc.sync) != "ddp":
         asked = replace(request, model=doc.model, batch_size=doc.batch_size)
-        return plan_for_run(doc.cluster, asked)
+        return plan_on_the_fly(doc.cluster, asked)
     _check_against_model(doc, path)
     return doc
 

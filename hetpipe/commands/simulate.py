@@ -219,7 +219,7 @@ def _pictures(
     plan: Plan, res: SimResult, title: str, waves: int, gantt: Path | None, trace: Path | None
 ) -> None:
     """``--gantt`` (the first waves) and ``--trace`` (every event, for Perfetto)."""
-    from planner.sim.gantt import write_chrome_trace, write_gantt
+    from planner.draw import write_chrome_trace, write_gantt
 
     labels = [
         [f"{vw.gpus[s.gpu].node}:{vw.gpus[s.gpu].index}" for s in vw.stages]

@@ -45,17 +45,16 @@ from collections.abc import Sequence
 from itertools import count
 from typing import Any
 
+from planner.draw import TraceEvent
 from planner.schedule import HETPIPE, Kind, Schedule, Task
 from planner.sim.state import NO_LINK, Links, VWState
 from planner.sim.types import (
     PipelineSpec,
     SimResult,
-    TraceEvent,
     busy_ms,
     idle_ms,
-    measured_throughput,
-    own_rate,
 )
+from planner.throughput import measured_throughput, own_rate
 from planner.wsp import GlobalClock, required_global_clock
 from profiler.errors import PlanError
 

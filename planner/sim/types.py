@@ -1,4 +1,5 @@
-"""Data of the simulator: what it simulates (:class:`PipelineSpec`) and what it records.
+"""Data of the simulator: what it simulates (:class:`PipelineSpec`) and what it records
+(:class:`SimResult`, its intervals :class:`planner.draw.TraceEvent`).
 
 Split from :mod:`planner.sim.engine` (the event loop), which re-exports the data classes; the
 result statistics (:func:`busy_ms`, :func:`idle_ms`) visit only the intervals a window touches.
@@ -13,16 +14,14 @@ from dataclasses import dataclass
 from itertools import chain
 from operator import sub
 
+from planner.draw import TraceEvent
 from profiler.errors import PlanError
 
 __all__ = [
     "PipelineSpec",
     "SimResult",
-    "TraceEvent",
     "busy_ms",
     "idle_ms",
-    "measured_throughput",
-    "own_rate",
 ]
 
 
@@ -153,25 +152,6 @@ class PipelineSpec:
 
 
 @dataclass(frozen=True)
-class TraceEvent:
-    """One interval of the simulated timeline.
-
-    Attributes:
-        vw, stage: where it happened (``stage`` -1 for a VW-wide interval such as ``wait``).
-        cat: ``F``, ``B``, ``FB`` (compute), ``recv`` (receiving), ``push``, ``wait`` (WSP).
-        mb: minibatch (for compute/recv) or wave (for push/wait).
-        start_ms, end_ms: simulated times in milliseconds.
-    """
-
-    vw: int
-    stage: int
-    cat: str
-    mb: int
-    start_ms: float
-    end_ms: float
-
-
-@dataclass(frozen=True)
 class SimResult:
     """What the simulator predicts (see the module docstring for the definitions).
 
@@ -211,45 +191,6 @@ class SimResult:
         return tuple(
             i / w if w > 0 else 0.0 for i, w in zip(self.idle_s, self.waiting_s, strict=True)
         )
-
-
-def measured_throughput(
-    completions_ms: Sequence[Sequence[float]], nm: int, batch_size: int
-) -> float:
-    """Samples/s over the measured window (warm-up wave 0 excluded); the runtime's definition too.
-
-    Args:
-        completions_ms: per VW, sorted end times (ms) of each minibatch's stage-0 backward;
-            every VW must have completed at least two waves (``2 * nm`` minibatches).
-        nm: minibatches per wave.
-        batch_size: samples per minibatch.
-
-    Raises:
-        PlanError: fewer than two waves completed by some VW.
-    """
-    waves = [len(c) // nm for c in completions_ms]
-    if not completions_ms or min(waves) < 2:
-        raise PlanError(
-            f"throughput needs >= 2 completed waves per virtual worker (got {waves}); raise --waves"
-        )
-    t_a = max(c[nm - 1] for c in completions_ms)
-    t_b = min(c[w * nm - 1] for c, w in zip(completions_ms, waves, strict=True))
-    if t_b <= t_a:  # VWs too far apart for a common window: use each VW's own window
-        return sum(
-            own_rate(c, w, nm, batch_size) for c, w in zip(completions_ms, waves, strict=True)
-        )
-    done = sum(_count_in(c, t_a, t_b) for c in completions_ms)
-    return batch_size * done / ((t_b - t_a) / 1e3)
-
-
-def own_rate(c: Sequence[float], waves: int, nm: int, batch_size: int) -> float:
-    """One VW's samples/s from its stage-0 backward completion times ``c`` (ms), wave 0 excluded."""
-    span = c[waves * nm - 1] - c[nm - 1]
-    return batch_size * (waves - 1) * nm / (span / 1e3) if span > 0 else float("inf")
-
-
-def _count_in(c: Sequence[float], lo: float, hi: float) -> int:
-    return bisect_right(c, hi) - bisect_right(c, lo)
 
 
 def busy_ms(starts: Sequence[float], ends: Sequence[float], lo: float, hi: float) -> float:

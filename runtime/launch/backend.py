@@ -6,13 +6,13 @@ pipeline's point-to-point tensors, the parameter-server messages, barriers). Und
 old DDP baseline did: the group is then ``cpu:gloo,cuda:nccl``, so CUDA tensors take NCCL and
 CPU tensors still take gloo (guarded: nothing else changes, and an emulated or CPU-only run
 stays on gloo). Such a process first makes its plan GPU the current CUDA device
-(:func:`cuda_index`), so NCCL's collectives (a barrier included) never put two ranks on one
+(:func:`runtime.stage.device.cuda_index`), so NCCL's collectives (a barrier included) never put two ranks on one
 GPU.
 """
 
 from __future__ import annotations
 
-__all__ = ["GLOO", "GLOO_NCCL", "cuda_index", "stage_backend"]
+__all__ = ["GLOO", "GLOO_NCCL", "stage_backend"]
 
 GLOO = "gloo"
 GLOO_NCCL = "cpu:gloo,cuda:nccl"  # per device type: CUDA tensors over NCCL, CPU over gloo
@@ -36,13 +36,3 @@ def stage_backend(layout: str, emulated: bool, cuda_available: bool) -> str:
     'gloo'
     """
     return GLOO_NCCL if layout == "ddp" and not emulated and cuda_available else GLOO
-
-
-def cuda_index(device: str, cuda_devices: int) -> int:
-    """The CUDA device of a stage whose plan device is ``device`` (``node:index``, e.g.
-    ``R:1``): its index, wrapped to the ``cuda_devices`` this host has.
-
-    >>> cuda_index("R:1", 4), cuda_index("R:5", 4)
-    (1, 1)
-    """
-    return int(device.rsplit(":", 1)[1]) % max(1, cuda_devices)

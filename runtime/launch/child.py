@@ -150,7 +150,7 @@ def run_rank(
     (file:line)")`` instead, for the launcher's :func:`watch`. ``join=False``: ``body`` builds
     its own groups (a restarted VW's rank, :mod:`runtime.launch.restart_vw`). ``hold``: a
     test fault's wait, once the heartbeats run and before the rank joins
-    (:class:`runtime.launch.faults.StageFault` ``after_s``).
+    (:class:`runtime.faults.StageFault` ``after_s``).
     """
     import torch.distributed as dist
 

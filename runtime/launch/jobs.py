@@ -25,6 +25,7 @@ from runtime.persist.run_dir import RunOwner
 from runtime.spec import RunSpec
 from runtime.stage.emulation import Calibration
 from runtime.stage.job import StageJob
+from runtime.stage.model import ship_stage
 from runtime.sync.rule import SyncSpec
 
 __all__ = [
@@ -99,7 +100,8 @@ def vw_stage_jobs(
     plan: Plan, source: ModelSource, spec: RunSpec, sync: SyncSpec, work: Work
 ) -> list[StageJob]:
     """Every stage's job, VW by VW from ``work.first_rank`` (``world_size`` left to the caller);
-    each takes only its sections of ``spec`` (run, optimizer, its test fault).
+    each takes only its sections of ``spec`` (run, optimizer, its test fault) and, of a user's
+    module, its stage alone (:func:`runtime.stage.model.ship_stage`).
 
     ``work.data[i]`` is VW ``work.vws[i]``'s training set; a rule whose data is ``global``
     (``allreduce``, ``backup``) gives every VW the same set and its slice of each global
@@ -114,21 +116,11 @@ def vw_stage_jobs(
             vw_run = dataclasses.replace(run, out_dir=run.out_dir / f"vw{k}")
         cal: Calibration | None = pacing_table(plan, source, ctxs, vw_run)
         part = data_slice(sync.rule, i, len(vws))
-        jobs += [
-            StageJob(
-                ctx,
-                source,
-                spec.optimizer,
-                run,
-                sync,
-                work.data[i],
-                part,
-                cal,
-                spec.faults.stage_fault,
-                work.init_method,
-            )
-            for ctx in ctxs
-        ]
+        for ctx in ctxs:
+            shipped = ship_stage(source, ctx.batch_size, ctx.cuts, ctx.stage)
+            job = StageJob(ctx, shipped, spec.optimizer, run, sync, work.data[i], part, cal,
+                           spec.faults.stage_fault, work.init_method)  # fmt: skip
+            jobs.append(job)
     return jobs
 
 

@@ -52,7 +52,7 @@ from runtime.results.restarts import restart_notes, whole_vws
 from runtime.results.run_result import LostVW, RunResult, evaluate, model_keys
 from runtime.results.timeline import describe_run
 from runtime.spec import RunSpec
-from runtime.stage.model import resolve_source
+from runtime.stage.model import model_graph, resolve_source
 from runtime.stage.nonfinite import REMEDY, Diverged, skip_hint
 
 __all__ = ["build_result", "complete", "launch", "one_vw_result", "prepare"]
@@ -320,7 +320,8 @@ def prepare(
     rule = effective_rule(plan.sync, len(plan.shards), len(plan.virtual_workers), spec.vw)
     model = resolve_source(source, plan.batch_size, meta=source.module is None)
     loss = source.loss if source.loss is not None else model.loss
-    data = run_data(dataset, source.name, model, plan.batch_size, loss)
+    graph = model_graph(source, model) if source.module is not None else None  # captured once
+    data = run_data(dataset, source.name, model, plan.batch_size, loss, graph)
     how = layout(rule)
     if how == "alone":  # no dataset given: each stage builds the built-in one itself
         mine = data.train if dataset is not None else None

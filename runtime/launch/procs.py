@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from runtime.config import ModelSource
 from runtime.defaults import neighbour_wait_s
-from runtime.launch.backend import cuda_index, stage_backend
+from runtime.faults import ShardFault
+from runtime.launch.backend import stage_backend
 from runtime.launch.child import run_rank, setup_child
-from runtime.launch.faults import ShardFault
 from runtime.launch.startup import ABSENT, JOINED
 from runtime.persist.checkpoint import shard_from_payload
 from runtime.persist.snapshot import load_part, read_manifest, snapshot_dir
@@ -29,6 +29,7 @@ from runtime.ps.layout import ShardSpec
 from runtime.ps.quorum import quorum_peers
 from runtime.ps.rejoin import Rejoin
 from runtime.ps.server import ShardServer
+from runtime.stage.device import cuda_index
 from runtime.stage.job import StageJob
 from runtime.stage.model import initial_weights, ship_shard
 from runtime.stage.worker import StageWorker

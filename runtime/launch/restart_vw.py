@@ -57,7 +57,7 @@ class Restart:
 
 def rejoined_job(job: StageJob, wave: int) -> StageJob:
     """``job`` for a restarted VW's stage starting at ``wave``: the same last wave, its data
-    going on at ``wave * Nm``; a test fault only if it repeats (:class:`runtime.launch.faults.StageFault`)."""
+    going on at ``wave * Nm``; a test fault only if it repeats (:class:`runtime.faults.StageFault`)."""
     nm = job.ctx.nm
     last = job.sync.first_wave + job.ctx.total_steps // nm
     ctx = dataclasses.replace(job.ctx, total_steps=max(0, last - wave) * nm)

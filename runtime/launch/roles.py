@@ -19,7 +19,7 @@ from runtime.config import ModelSource, RunConfig
 from runtime.link_pacing import NO_LINKS, StageLinks
 from runtime.stage.emulation import Calibration, calibrate
 from runtime.stage.job import StageContext
-from runtime.stage.model import resolve_source, sample_batch
+from runtime.stage.model import model_graph, resolve_source, sample_batch
 
 __all__ = [
     "emulation",
@@ -175,8 +175,6 @@ def pacing_table(
             key, [(st.fwd_ms, st.bwd_ms) for st in worker.stages], [c.speed for c in contexts]
         )
     else:  # a hand-made plan without any stage times: measure them here
-        from profiler.graph import ModelGraph
-
         log.info(
             "the plan has no stage times: calibrating %d stages (single thread)", len(contexts)
         )
@@ -186,7 +184,7 @@ def pacing_table(
         loss = source.loss if source.loss is not None else spec.loss
         inputs, targets = sample_batch(spec)
         key = f"{source.name}|batch={plan.batch_size}|cuts={list(cuts)}|measured"
-        stages = ModelGraph.from_spec(spec).build_stages(cuts)
+        stages = model_graph(source, spec).build_stages(cuts)
         cal = calibrate(stages, inputs, targets, loss, key)
     if run.out_dir is not None:
         cal.save(run.out_dir / "calibration.json")

@@ -36,7 +36,7 @@ from runtime.results.export import export_snapshot
 from runtime.results.run_result import RunResult
 from runtime.spec import RunSpec
 from runtime.stage.job import StageJob
-from runtime.stage.model import resolve_source
+from runtime.stage.model import model_graph, resolve_source
 from runtime.sync.rule import SyncSpec
 
 __all__ = [
@@ -128,7 +128,7 @@ def prepare_wsp(
     shards_data, test, vw_samples = vw_training_data(
         rule, dataset, len(plan.virtual_workers), test_fraction, run.seed
     )
-    graph = ModelGraph.from_spec(model)
+    graph = model_graph(source, model)
     shapes = {n: tuple(p.shape) for n, p in model.module.named_parameters()}
     specs, _ = shard_specs(plan, graph, shapes, D)
     horizon = wsp_steps(run, nm, 0, vw_samples, plan.batch_size)

@@ -117,7 +117,7 @@ class ShardServer:
         lag_s: float = 0.0,
     ) -> None:
         self.core, self.group, self.timeout_s = core, group, timeout_s
-        self.lag_s = lag_s  # test hook (runtime.launch.faults.ShardFault): a lagging shard
+        self.lag_s = lag_s  # test hook (runtime.faults.ShardFault): a lagging shard
         self.rejoin = rejoin
         self._events: queue.Queue[Event] = queue.Queue()
         self._pulls = [_Pulls() for _ in core.spec.clients]
@@ -389,7 +389,7 @@ class ShardServer:
 
 
 class _Delayed:
-    """Test hook (:class:`runtime.launch.faults.ShardFault` ``lag_s``): hands every event
+    """Test hook (:class:`runtime.faults.ShardFault` ``lag_s``): hands every event
     ``put`` here to ``events`` ``lag_s`` later, in order (a shard that learns the decided
     waves late, while it goes on answering pulls)."""
 

@@ -4,7 +4,7 @@ A run's result (every rule) is :class:`runtime.results.run_result.RunResult`, wh
 :class:`VWResult` per VW.
 
 Throughput is samples per second with the simulator's definition
-(:func:`planner.sim.types.measured_throughput`): stage-0 backward completions after the
+(:func:`planner.throughput.measured_throughput`): stage-0 backward completions after the
 warm-up wave, so the pipeline's fill is excluded and measured and predicted agree in meaning.
 """
 
@@ -153,7 +153,7 @@ class VWResult:
 
     @property
     def throughput(self) -> float:
-        """Samples/s with the simulator's definition (``planner.sim.types.measured_throughput``:
+        """Samples/s with the simulator's definition (``planner.throughput.measured_throughput``:
         stage-0 backward completions after warm-up wave 0); whole-run average for runs shorter
         than two waves; 0 for a VW lost in the run. A VW restarted alone: every minibatch
         it trained in all over the time from the attempt's start (the restart's gap included)."""
@@ -162,7 +162,7 @@ class VWResult:
             span = times[-1] - self.run_start
             return self.steps * self.batch_size / span if span > 0 else 0.0
         if len(times) >= 2 * self.nm:
-            from planner.sim.types import measured_throughput
+            from planner.throughput import measured_throughput
 
             start = self.stages[0].start_time
             return measured_throughput(

@@ -3,9 +3,9 @@
 Every stage logs its tasks (``F``, ``B``, the last stage's ``FB``), its WSP pull waits and its
 pushes of a wave's update with wall-clock start and end times
 (:attr:`runtime.results.metrics.StageResult.task_log`, the first :data:`runtime.results.metrics.MAX_TASK_LOG`
-entries of a run). :func:`measured_trace` turns them into the simulator's
-:class:`~planner.sim.types.TraceEvent` intervals, so one drawing code (:mod:`planner.sim.gantt`)
-shows both the predicted and the measured pipeline: ``hetpipe simulate --gantt`` next to the
+entries of a run). :func:`measured_trace` turns them into
+:class:`~planner.draw.TraceEvent` intervals, the ones the simulator records, so one drawing
+code (:mod:`planner.draw`, not the simulator's) shows both the predicted and the measured pipeline: ``hetpipe simulate --gantt`` next to the
 ``timeline.png`` a run writes into ``--out``. Transfers are not logged by the runtime (they
 overlap compute in background sends), so a measured chart has no ``recv`` lane.
 
@@ -19,9 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from planner.draw import TraceEvent, read_chrome_trace, write_chrome_trace, write_gantt
 from planner.plan import Plan
-from planner.sim.gantt import read_chrome_trace, write_chrome_trace, write_gantt
-from planner.sim.types import TraceEvent
 from profiler.errors import ConfigError
 from runtime.results.metrics import StageResult
 

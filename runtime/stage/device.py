@@ -1,7 +1,7 @@
 """Where a stage computes: the one torch device chosen per stage, and the moves to and from it.
 
 A stage on a real GPU (not emulated, not of type ``CPU``, with CUDA in its process) computes
-on ``cuda:<index>`` (:func:`runtime.launch.backend.cuda_index` of its plan device): its module
+on ``cuda:<index>`` (:func:`cuda_index` of its plan device): its module
 (parameters and buffers), its minibatches and the activations and gradients it receives.
 Everything else computes on ``cpu``, exactly as before this choice existed. Tensors leave the
 device only where a transport needs host memory (gloo's point-to-point messages, the
@@ -15,9 +15,17 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from runtime.launch.backend import cuda_index
+__all__ = ["cuda_index", "on_device", "stage_device", "to_host"]
 
-__all__ = ["on_device", "stage_device", "to_host"]
+
+def cuda_index(device: str, cuda_devices: int) -> int:
+    """The CUDA device of a stage whose plan device is ``device`` (``node:index``, e.g.
+    ``R:1``): its index, wrapped to the ``cuda_devices`` this host has.
+
+    >>> cuda_index("R:1", 4), cuda_index("R:5", 4)
+    (1, 1)
+    """
+    return int(device.rsplit(":", 1)[1]) % max(1, cuda_devices)
 
 
 def stage_device(label: str, gpu_type: str, emulated: bool, cuda_devices: int) -> str:

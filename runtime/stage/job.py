@@ -18,7 +18,7 @@ from runtime.link_pacing import NO_LINKS, StageLinks
 from runtime.sync.rule import SyncSpec
 
 if TYPE_CHECKING:
-    from runtime.launch.faults import StageFault
+    from runtime.faults import StageFault
     from runtime.stage.emulation import Calibration
     from runtime.stage.model import BuiltStage
 
@@ -97,7 +97,8 @@ class StageJob:
 
     Attributes:
         ctx: its place in the plan.
-        source: the model.
+        source: the model; of a user's module, this stage alone (the launcher ships it:
+            :func:`runtime.stage.model.ship_stage`).
         optimizer: the local optimizer and schedule.
         run: run settings.
         sync: the synchronisation rule's part (:mod:`runtime.sync.rule`).
@@ -122,17 +123,6 @@ class StageJob:
     fault: StageFault | None = None
     init_method: str = "env://"
     world_size: int = 1
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickled for the stage's process: of a user's module, only this stage
-        (:func:`runtime.stage.model.ship_stage`, split once per cut list in the launcher)."""
-        from runtime.stage.model import ship_stage
-
-        state = dict(self.__dict__)
-        state["source"] = ship_stage(
-            self.source, self.ctx.batch_size, self.ctx.cuts, self.ctx.stage
-        )
-        return state
 
     def _classes(self) -> int | None:
         """The model's output width (its classes: the range of synthetic targets), from its

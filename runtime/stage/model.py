@@ -9,8 +9,11 @@ cuts (:func:`reference_module`) has bit-identical initial weights. Models with a
 buffer owner that has no ``reset_parameters`` (e.g. a bare positional-embedding parameter)
 fall back to building the whole model on CPU under ``torch.manual_seed(seed)`` first.
 
-A user's ``nn.Module`` keeps its own initial weights: it is split as given, once per cut list,
-in the launcher (:func:`ship_stage`); each stage process receives its stage alone and each
+A user's ``nn.Module`` keeps its own initial weights. The parent captures it once per run
+(:func:`model_graph`, kept in ``ModelSource.cache`` by batch size): planning, the run's data,
+the shards' layout, pacing and shipping all read that one capture. It is split as given,
+once per cut list (:func:`ship_stage`, kept there by batch size and cuts), and the launcher
+puts each stage's piece in its job; each stage process receives its stage alone and each
 parameter-server shard its own initial weights (:func:`ship_shard`), as one ``torch.save``
 blob each (:class:`runtime.config.ModelSource`).
 """
@@ -39,6 +42,7 @@ __all__ = [
     "BuiltStage",
     "build_stage",
     "initial_weights",
+    "model_graph",
     "original_names",
     "reference_module",
     "resolve_source",
@@ -163,6 +167,26 @@ def resolve_source(source: ModelSource, batch_size: int, meta: bool) -> ModelSpe
     return resolve_model(source.ref, batch_size)
 
 
+def model_graph(source: ModelSource, spec: ModelSpec) -> ModelGraph:
+    """The captured graph of ``source``, resolved as ``spec`` (:func:`resolve_source`).
+
+    A user's module is captured once per batch size and kept in ``source.cache`` (key
+    ``("graph", batch size)``), so the parent captures it once per run however many steps
+    read it; a model reference is captured from ``spec`` each time (each process resolves
+    its own, on the meta device where it can).
+
+    Raises:
+        ModelError: the model cannot be captured.
+    """
+    if source.module is None:
+        return ModelGraph.from_spec(spec)
+    key = ("graph", spec.batch_size)
+    if key not in source.cache:
+        source.cache[key] = ModelGraph.from_spec(spec)
+    graph: ModelGraph = source.cache[key]
+    return graph
+
+
 def original_names(graph: ModelGraph, stage: nn.Module, buffers: bool = False) -> dict[str, str]:
     """Map each stage parameter name (``inner.layers_1_conv1.weight``) to the model's
     (``layers.1.conv1.weight``); with ``buffers``, each buffer name (``running_mean``)."""
@@ -199,7 +223,7 @@ def build_stage(
         return built
     if source.module is not None:
         spec = resolve_source(source, batch_size, meta=False)
-        graph = ModelGraph.from_spec(spec)
+        graph = model_graph(source, spec)
         module = graph.build_stages(cuts, only=stage)[0]
         meta_built = False
     else:
@@ -212,9 +236,10 @@ def ship_stage(
     source: ModelSource, batch_size: int, cuts: Sequence[int], stage: int
 ) -> ModelSource:
     """What the process of stage ``stage`` receives: of a user's module, that stage alone
-    (the module is split once per cut list here and the stages kept in ``source.cache``; they
-    share the module's parameters, so its initial weights are kept); a model reference as it
-    is (the process builds only its stage from it, :func:`build_stage`).
+    (the module's one capture, :func:`model_graph`, is split once per cut list here and the
+    stages kept in ``source.cache``; they share the module's parameters, so its initial
+    weights are kept); a model reference as it is (the process builds only its stage from it,
+    :func:`build_stage`). The launcher calls it once per stage, building the stage's job.
 
     Raises:
         ModelError: the module cannot be captured or split at ``cuts``.
@@ -224,7 +249,7 @@ def ship_stage(
     key = ("stages", batch_size, tuple(cuts))
     if key not in source.cache:
         spec = resolve_source(source, batch_size, meta=False)
-        graph = ModelGraph.from_spec(spec)
+        graph = model_graph(source, spec)
         loss = source.loss if source.loss is not None else spec.loss
         source.cache[key] = [
             _built(graph, spec, m, loss, cuts, s, False)

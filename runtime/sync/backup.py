@@ -12,7 +12,7 @@ The shards (:class:`runtime.ps.core.ShardCore` with ``backups = b``) close a wav
   its own data, whatever the wave's number), so a VW that fell behind trains fewer samples;
 - the stages of a VW pull at slightly different times and may see different clocks, so they
   agree on the jump through a store (first writer wins, like the time limit's stop wave,
-  :mod:`runtime.launch.stop`); a stage whose pull is older than the agreed clock pulls again;
+  :mod:`runtime.sync.stop`); a stage whose pull is older than the agreed clock pulls again;
 - the run ends at global clock ``last_wave``: stage 0 admits
   :func:`planner.backup.vw_minibatches` minibatches in all and no stage pushes a wave
   numbered ``last_wave`` or more (a wave in progress when the VW jumped that far is
@@ -28,8 +28,8 @@ from torch._C._distributed_c10d import Store
 
 from planner.backup import continue_at, vw_minibatches
 from planner.sync import param
-from runtime.launch.stop import stop_store
 from runtime.sync.rule import StageView, SyncSpec
+from runtime.sync.stop import stop_store
 from runtime.sync.wave import WaveSync
 
 __all__ = ["WaveNumbers", "create", "shard_backups"]

@@ -45,7 +45,6 @@ from planner.easgd import (
 from planner.sync import param
 from profiler.errors import ConfigError, HetPipeRuntimeError
 from runtime.defaults import vw_wait_s
-from runtime.launch.stop import LazyStop
 from runtime.persist.snapshot import (
     SnapshotSpec,
     load_part,
@@ -57,6 +56,7 @@ from runtime.persist.stage_part import restore_buffers
 from runtime.ps.client import PSClient
 from runtime.results.metrics import StageResult
 from runtime.sync.rule import Grads, StageSync, StageView, SyncSpec
+from runtime.sync.stop import LazyStop
 
 __all__ = ["ElasticSync"]
 

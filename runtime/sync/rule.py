@@ -136,7 +136,7 @@ class StageView:
         result: the stage's result (wait time, clock trace and timeline go there).
         tied: the stage's tied parameters (held by several stages of its VW), if any.
         init_method: the process group's rendezvous (a rule's own store can live beside it:
-            :func:`runtime.launch.stop.stop_store`).
+            :func:`runtime.sync.stop.stop_store`).
         group: the group of the stage's parameter-server and pipeline messages, numbered
             like the world (a restarted VW's, :mod:`runtime.ps.rejoin`; ``None``: default).
         buffers: ``(original name, buffer)`` of the stage's module (a snapshot holds them).

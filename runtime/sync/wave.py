@@ -33,7 +33,6 @@ from torch import Tensor, nn
 from planner.wsp import local_version, required_global_clock
 from profiler.errors import HetPipeRuntimeError
 from runtime.defaults import neighbour_wait_s, vw_wait_s
-from runtime.launch.stop import LazyStop
 from runtime.persist.snapshot import (
     SnapshotSpec,
     write_part,
@@ -44,6 +43,7 @@ from runtime.ps.pull import PullHandle, PullResult
 from runtime.results.metrics import StageResult
 from runtime.stage.weights import VersionedWeights
 from runtime.sync.rule import StageSync, StageView, SyncSpec
+from runtime.sync.stop import LazyStop
 from runtime.sync.tied_mirror import TiedMirror
 from runtime.sync.wave_resume import resume_part
 
@@ -76,7 +76,7 @@ class WaveSync(StageSync):
         mirror: the stage's tied parameters that another stage pushes and pulls for the VW.
         weights: given: pulls overlap the tasks until a forward needs them.
         stop: stage 0 under a time limit: where the VWs agree on the last wave
-            (:class:`runtime.launch.stop.LazyStop`; ``None``: this VW stops alone).
+            (:class:`runtime.sync.stop.LazyStop`; ``None``: this VW stops alone).
         versions: the stage's weight versions (with ``snapshots``: their master and versions
             in flight go into its part, :mod:`runtime.persist.stage_part`).
         buffers: the stage module's buffers by local name (in its part too).

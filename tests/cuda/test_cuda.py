@@ -38,7 +38,7 @@ CUDA = torch.device("cuda:0")
 
 def gpu_cluster(count: int) -> Cluster:
     """``count`` real (not emulated) GPUs on this host: on a one-GPU machine every stage
-    takes ``cuda:0`` (:func:`runtime.launch.backend.cuda_index` wraps)."""
+    takes ``cuda:0`` (:func:`runtime.stage.device.cuda_index` wraps)."""
     return parse_cluster({"name": "gpu", "nodes": [{"name": "G", "gpu": "H100", "count": count}]})
 
 

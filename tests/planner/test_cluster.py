@@ -271,12 +271,14 @@ def test_unknown_type_with_explicit_memory_is_accepted() -> None:
 
 
 def test_emulated_whimpy_devices_cannot_hold_the_default_model_alone() -> None:
+    from hetpipe.planning import profiles_for
     from planner.planner import make_plan
     from profiler.errors import PlanError
 
     c = load_cluster(EXAMPLES / "emulated_cluster.yaml")
+    cpu = profiles_for(c, [], "mlp", 32)
     with pytest.raises(PlanError, match=r"VW \d \((G|Q)\) cannot hold mlp even with Nm=1") as info:
-        make_plan(c, None, model="mlp", batch_size=32, policy="np")
+        make_plan(c, cpu, model="mlp", batch_size=32, policy="np")
     # the message says which emulate.memory to raise and to what (above today's cap)
     fixes = re.findall(r"node (\w) ([\d.]+ \w+) -> ([\d.]+ \w+)", str(info.value))
     assert "raise emulate.memory" in str(info.value) and fixes, str(info.value)

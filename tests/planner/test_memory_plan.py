@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from hetpipe.planning import profiles_for
 from planner.cluster import PCIE, Cluster, Link, load_cluster, parse_cluster
 from planner.offload import LADDER, MemoryPlacement, Place
 from planner.partition.milp import partition_milp
@@ -26,7 +27,9 @@ def _plan(memory: str, cluster: Cluster | None = None, **kw: object) -> Plan:
         model=MODEL, batch_size=32, policy="ed", num_vws=1, optimizer="sgd", options=opts
     )
     args.update(kw)
-    return make_plan(cluster or load_cluster(CLUSTER), **args)  # type: ignore[arg-type]
+    cl = cluster or load_cluster(CLUSTER)
+    cpu = profiles_for(cl, [], str(args["model"]), 32)
+    return make_plan(cl, cpu, **args)  # type: ignore[arg-type]
 
 
 def test_keep_is_the_default_and_records_keep() -> None:
@@ -93,7 +96,7 @@ def test_milp_uses_the_same_memory_model() -> None:
     from planner.profiles import resolve_profiles
 
     view = planning_view(plan_cluster)
-    by_type, *_ = resolve_profiles(view, None, MODEL, 32, None)
+    by_type, *_ = resolve_profiles(view, profiles_for(view, [], MODEL, 32), MODEL, 32, None)
     cm = CostModel(by_type, view.link, 0.0).with_placement(LADDER[-1])
     gpus = list(view.devices)
     part = partition_milp(cm, gpus, 6, time_limit_s=30)
@@ -120,7 +123,7 @@ def test_cluster_host_link_and_host_memory() -> None:
 
 
 def test_simulator_draws_the_host_transfers(tmp_path: Path) -> None:
-    from planner.sim.gantt import write_gantt
+    from planner.draw import write_gantt
     from planner.sim.simulator import simulate
 
     cluster = load_cluster(CLUSTER)

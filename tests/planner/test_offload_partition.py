@@ -15,6 +15,7 @@ from dataclasses import replace
 import pandas as pd
 import pytest
 
+from hetpipe.planning import profiles_for
 from planner.cluster import Device, Link, load_cluster
 from planner.costmodel import CostModel
 from planner.offload import LADDER, HostShare, MemoryPlacement, Place, host_link_ms
@@ -169,6 +170,7 @@ def _emulated_plan(host_memory: int, memory: str, nm: int | None = None) -> Plan
     nodes = tuple(replace(n, host_memory_bytes=host_memory) for n in EMULATED.nodes)
     return make_plan(
         replace(EMULATED, nodes=nodes),
+        profiles_for(EMULATED, [], MODEL, 32),
         model=MODEL,
         batch_size=32,
         policy="ed",

@@ -49,7 +49,7 @@ def test_hetpipe_run_asks_the_planner_for_a_cluster_file(
 
     seen: list[PlanRequest] = []
 
-    def planned(cluster: object, request: PlanRequest) -> None:
+    def planned(cluster: object, request: PlanRequest, *given: object) -> None:
         seen.append(request)
         raise ConfigError("planned")
 

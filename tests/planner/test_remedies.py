@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from hetpipe.planning import profiles_for
 from planner.cluster import Cluster, load_cluster, parse_cluster
 from planner.planner import PlanOptions, make_plan
 from profiler.errors import PlanError
@@ -63,9 +64,10 @@ def test_fewer_larger_vws_names_a_count_that_fits() -> None:
 
 def test_offloading_is_offered_when_it_fits() -> None:
     emulated = load_cluster(EXAMPLES / "emulated_cluster.yaml")
-    msg = _refusal(emulated, None, model="mlp", batch_size=32, policy="np")
+    cpu = profiles_for(emulated, [], "mlp", 32)
+    msg = _refusal(emulated, cpu, model="mlp", batch_size=32, policy="np")
     assert "let the memory manager offload or recompute (--memory auto)" in msg
     assert "raise emulate.memory" in msg and "--vws 1" in msg
     auto = PlanOptions(simulate_waves=0, memory="auto")
-    plan = make_plan(emulated, None, model="mlp", batch_size=32, policy="np", options=auto)
+    plan = make_plan(emulated, cpu, model="mlp", batch_size=32, policy="np", options=auto)
     assert any(s.memory != "keep" for vw in plan.virtual_workers for s in vw.stages)

@@ -13,7 +13,8 @@ from planner.predict import simulate_allreduce
 from planner.schedule import FLUSH, HETPIPE, SCHEDULES, Schedule, actions
 from planner.sim.engine import simulate_pipelines
 from planner.sim.simulator import allreduce_for_plan, simulate
-from planner.sim.types import PipelineSpec, measured_throughput
+from planner.sim.types import PipelineSpec
+from planner.throughput import measured_throughput
 from profiler.errors import PlanError
 from tests.planner.simplan import make_plan
 

@@ -7,9 +7,15 @@ from pathlib import Path
 
 import pytest
 
+from planner.draw import (
+    TraceEvent,
+    _chart_rows,
+    read_chrome_trace,
+    write_chrome_trace,
+    write_gantt,
+)
 from planner.sim.engine import simulate_pipelines
-from planner.sim.gantt import _chart_rows, read_chrome_trace, write_chrome_trace, write_gantt
-from planner.sim.types import PipelineSpec, TraceEvent
+from planner.sim.types import PipelineSpec
 from profiler.errors import ConfigError
 
 
@@ -71,7 +77,7 @@ def test_gantt_draws_a_window_and_rejects_an_empty_one(tmp_path: Path) -> None:
 
 
 def test_chrome_trace_names_the_wait_thread() -> None:
-    from planner.sim.gantt import chrome_trace
+    from planner.draw import chrome_trace
 
     doc = chrome_trace(_trace())
     names = {

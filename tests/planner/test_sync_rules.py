@@ -165,6 +165,7 @@ def test_easgd_meets_every_tau_waves() -> None:
 
 
 def test_predict_rule_on_a_plan_uses_the_clusters_stragglers() -> None:
+    from hetpipe.planning import profiles_for
     from planner.cluster import load_cluster
     from planner.planner import make_plan
     from planner.sim.waves import plan_slowdown, predict_rule
@@ -172,7 +173,9 @@ def test_predict_rule_on_a_plan_uses_the_clusters_stragglers() -> None:
     doc = load_cluster("examples/emulated_cluster.yaml").to_dict()
     for node in doc["nodes"]:
         node["emulate"]["straggle"] = {"p": 0.2, "factor": 3}
-    plan = make_plan(parse_cluster(doc), model="mlp", batch_size=32, num_vws=2, policy="hd")
+    cluster = parse_cluster(doc)
+    cpu = profiles_for(cluster, [], "mlp", 32)
+    plan = make_plan(cluster, cpu, model="mlp", batch_size=32, num_vws=2, policy="hd")
     slow = plan_slowdown(plan)
     assert {slow(v, c) for v in range(2) for c in range(40)} == {1.0, 3.0}
     wsp = predict_rule(plan, "wsp", 30)

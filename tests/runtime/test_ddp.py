@@ -11,13 +11,14 @@ from typing import Any
 import pytest
 import torch
 
+from hetpipe.planning import profiles_for
 from planner.baseline import allreduce_plan, device_capacity_bytes, eligible_devices
 from planner.cluster import Cluster, parse_cluster
 from planner.plan import Plan
 from profiler.errors import ConfigError, HetPipeRuntimeError
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.data import DigitsDataset, MinibatchSource
-from runtime.launch.faults import StageFault
+from runtime.faults import StageFault
 from runtime.launch.launcher import launch
 from runtime.persist.snapshot import committed_clocks, load_part, read_manifest, snapshot_dir
 from runtime.results.evaluation import accuracy, split_dataset
@@ -41,6 +42,12 @@ def _cluster(caps_mib: list[float], speed: float = 0.5) -> Cluster:
     return parse_cluster({"name": "t", "nodes": nodes})
 
 
+def _ar_plan(cluster: Cluster, memory_bytes: int) -> Plan:
+    """The AllReduce plan of ``mlp`` at batch 8 on the CPU profile a front end measures."""
+    cpu = profiles_for(cluster, [], "mlp", 8)
+    return allreduce_plan(cluster, "mlp", 8, profiles=cpu, memory_bytes=memory_bytes)
+
+
 def test_eligible_devices_filters_by_emulated_cap() -> None:
     cluster = _cluster([1, 8, 2, 16])
     devices = eligible_devices(cluster, 3 * MiB)
@@ -51,11 +58,11 @@ def test_eligible_devices_filters_by_emulated_cap() -> None:
 
 def test_no_device_holds_the_model_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="no device can hold mlp"):
-        allreduce_plan(_cluster([1, 1]), "mlp", 8, memory_bytes=2 * MiB)
+        _ar_plan(_cluster([1, 1]), memory_bytes=2 * MiB)
 
 
 def test_the_plan_has_one_whole_model_vw_per_device_that_holds_it() -> None:
-    plan = allreduce_plan(_cluster([1, 8, 2, 16]), "mlp", 8, memory_bytes=3 * MiB)
+    plan = _ar_plan(_cluster([1, 8, 2, 16]), memory_bytes=3 * MiB)
     assert plan.sync == "allreduce" and plan.shards == () and plan.nm == 1
     assert [(g.node, g.index) for v in plan.virtual_workers for g in v.gpus] == [
         ("N1", 0),
@@ -71,7 +78,7 @@ def test_the_plan_has_one_whole_model_vw_per_device_that_holds_it() -> None:
 
 
 def _plan(caps: list[float]) -> Plan:
-    return allreduce_plan(_cluster(caps), "mlp", 8, memory_bytes=MiB)
+    return _ar_plan(_cluster(caps), memory_bytes=MiB)
 
 
 def test_split_is_disjoint_and_seeded() -> None:
@@ -166,7 +173,7 @@ def test_the_backend_is_nccl_for_cuda_tensors_only_under_allreduce_on_real_gpus(
 
 
 def test_an_nccl_rank_takes_its_plan_gpu_as_cuda_device() -> None:
-    from runtime.launch.backend import cuda_index
+    from runtime.stage.device import cuda_index
 
     assert [cuda_index(d, 2) for d in ("N0:0", "N0:1", "N1:0", "my:node:3")] == [0, 1, 0, 1]
 

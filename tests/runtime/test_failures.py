@@ -10,7 +10,7 @@ from planner.manual import balanced_cuts, manual_plan
 from profiler.errors import HetPipeRuntimeError
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource, RunConfig
-from runtime.launch.faults import StageFault
+from runtime.faults import StageFault
 from runtime.launch.launcher import launch
 from runtime.stage.model import resolve_source
 from tests.runtime._spec import spec

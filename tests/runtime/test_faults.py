@@ -27,7 +27,7 @@ from planner.manual import multi_vw_plan
 from profiler.errors import ConfigError, HetPipeRuntimeError
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
-from runtime.launch.faults import StageFault
+from runtime.faults import StageFault
 from runtime.launch.launcher import launch
 from runtime.launch.liveness import _dead_forkserver_dir, rendezvous_dir
 from runtime.persist.run_dir import RunDirectory

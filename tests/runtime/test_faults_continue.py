@@ -13,7 +13,7 @@ import pytest
 
 from profiler.errors import HetPipeRuntimeError
 from runtime.config import RunConfig
-from runtime.launch.faults import ShardFault, StageFault
+from runtime.faults import ShardFault, StageFault
 from runtime.launch.launcher import launch
 from runtime.persist.checkpoint import ShardState
 from tests.runtime._spec import spec

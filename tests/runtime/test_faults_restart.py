@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from runtime.config import RunConfig
-from runtime.launch.faults import StageFault
+from runtime.faults import StageFault
 from runtime.launch.launcher import launch
 from runtime.persist.checkpoint import ShardState
 from runtime.persist.snapshot import committed_clocks, select

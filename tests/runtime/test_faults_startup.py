@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from runtime.config import RunConfig
-from runtime.launch.faults import StageFault
+from runtime.faults import StageFault
 from runtime.launch.launcher import launch
 from tests.runtime._spec import spec
 from tests.runtime.test_faults import SOURCE, _children, _plan

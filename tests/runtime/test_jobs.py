@@ -40,7 +40,7 @@ def test_with_world_counts_the_shards_before_the_stages() -> None:
 def test_a_stage_job_carries_only_its_sections_of_the_spec() -> None:
     import pickle
 
-    from runtime.launch.faults import StageFault
+    from runtime.faults import StageFault
     from runtime.spec import CheckpointConfig, TestHooks
 
     source = ModelSource(ref="mlp")

@@ -2,7 +2,7 @@
 ends it within the wave, naming the VW, stage, minibatch and the last snapshot, and is never
 restarted; ``skip`` skips that update at every stage, equal to a reference that skips it.
 
-The NaN comes from the test hook :class:`runtime.launch.faults.StageFault` (``nonfinite``), or
+The NaN comes from the test hook :class:`runtime.faults.StageFault` (``nonfinite``), or
 from a learning rate so large that the loss overflows.
 """
 
@@ -25,7 +25,7 @@ from planner.manual import multi_vw_plan
 from planner.nonfinite import Verdict
 from profiler.errors import ConfigError
 from runtime.config import OptimizerConfig, RunConfig
-from runtime.launch.faults import StageFault
+from runtime.faults import StageFault
 from runtime.launch.launcher import launch
 from runtime.persist.snapshot import committed_clocks
 from runtime.results.run_result import RunResult

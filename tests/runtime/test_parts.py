@@ -135,6 +135,7 @@ def test_pacing_table_from_a_plan_gives_back_the_planned_stage_times() -> None:
 def test_emulated_stages_and_ddp_are_paced_by_the_planners_profile() -> None:
     """One source of truth: a planned stage's table and the AllReduce baseline's whole-model
     time come from the same CPU profile the planner partitioned with."""
+    from hetpipe.planning import profiles_for
     from planner.baseline import allreduce_plan
     from planner.cluster import load_cluster
     from planner.planner import make_plan
@@ -142,8 +143,9 @@ def test_emulated_stages_and_ddp_are_paced_by_the_planners_profile() -> None:
     cluster = load_cluster(
         Path(__file__).resolve().parents[2] / "examples" / "emulated_cluster.yaml"
     )
-    plan = make_plan(cluster, model="mlp", batch_size=16, policy="ed", optimizer="sgd")
-    ddp = allreduce_plan(cluster, "mlp", 16, optimizer="sgd")
+    cpu = profiles_for(cluster, [], "mlp", 16)
+    plan = make_plan(cluster, cpu, model="mlp", batch_size=16, policy="ed", optimizer="sgd")
+    ddp = allreduce_plan(cluster, "mlp", 16, profiles=cpu, optimizer="sgd")
     worker = plan.virtual_workers[0]
     speeds = [worker.gpus[st.gpu].speed for st in worker.stages]
     cal = Calibration.from_plan("k", [(st.fwd_ms, st.bwd_ms) for st in worker.stages], speeds)

@@ -11,9 +11,9 @@ import pytest
 
 from profiler.errors import HetPipeRuntimeError
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
+from runtime.faults import StageFault
 from runtime.launch.evict import VWEvictor
 from runtime.launch.failures import watch
-from runtime.launch.faults import StageFault
 from runtime.launch.launcher import _restarting
 from runtime.launch.restart_vw import AttemptFailed, VWRestarter, rejoined_job
 from runtime.launch.startup import StartUpLoss

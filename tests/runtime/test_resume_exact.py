@@ -16,7 +16,7 @@ from planner.manual import multi_vw_plan
 from profiler.errors import ConfigError, HetPipeRuntimeError
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
-from runtime.launch.faults import StageFault
+from runtime.faults import StageFault
 from runtime.launch.launcher import launch
 from runtime.persist.snapshot import committed_clocks, load_part, read_manifest, snapshot_dir
 from runtime.results.run_result import RunResult

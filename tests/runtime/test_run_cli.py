@@ -56,12 +56,14 @@ def test_run_cluster_with_a_bad_sync_is_one_red_line(tmp_path: Path) -> None:
 def test_emulated_planned_run_is_paced_by_the_plans_stage_times(tmp_path: Path) -> None:
     """The pacing table of a planned run is the plan's own stage times (x speed = solo), not a
     fresh measurement: the simulator and the emulated devices share one source of truth."""
+    from hetpipe.planning import profiles_for
     from planner.cluster import load_cluster
     from planner.planner import make_plan
 
     root = Path(__file__).resolve().parents[2]
     cluster = load_cluster(root / "examples" / "emulated_cluster.yaml")
-    plan = make_plan(cluster, model="mlp", batch_size=16, policy="ed", optimizer="sgd")
+    cpu = profiles_for(cluster, [], "mlp", 16)
+    plan = make_plan(cluster, cpu, model="mlp", batch_size=16, policy="ed", optimizer="sgd")
     path = plan.save(tmp_path / "plan.yaml")
     out = tmp_path / "run"
     args = ["run", str(path), "--vw", "0", "--steps", "4", "--out", str(out), "--no-progress",

@@ -9,6 +9,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import hetpipe
+from hetpipe.planning import profiles_for
 from planner.baseline import allreduce_plan
 from planner.cluster import parse_cluster
 from planner.manual import cpu_cluster, manual_plan, multi_vw_plan
@@ -38,7 +39,7 @@ def test_the_plan_chooses_the_rule() -> None:
         {"name": "t", "nodes": [{"name": "A", "gpu": "TITAN V", "count": 2,
                                  "emulate": {"speed": 0.5, "memory": "8MiB"}}]}
     )  # fmt: skip
-    ar = allreduce_plan(cluster, "mlp", 8)
+    ar = allreduce_plan(cluster, "mlp", 8, profiles=profiles_for(cluster, [], "mlp", 8))
     assert rule_for(ar) == "allreduce"
     with pytest.raises(ConfigError, match="drop --vw"):
         rule_for(ar, vw=0)

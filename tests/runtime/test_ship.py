@@ -11,7 +11,15 @@ from torch import nn
 
 from profiler.errors import ModelError
 from runtime.config import ModelSource
-from runtime.stage.model import build_stage, initial_weights, ship_shard, ship_stage
+from runtime.stage.model import (
+    build_stage,
+    initial_weights,
+    model_graph,
+    reference_module,
+    resolve_source,
+    ship_shard,
+    ship_stage,
+)
 
 
 def _source() -> tuple[nn.Module, ModelSource]:
@@ -41,9 +49,69 @@ def test_a_stage_process_receives_its_stage_alone_with_the_users_weights() -> No
             assert p.data_ptr() != params[built.names[name]].data_ptr()  # a copy, not shared
     assert all(size < whole for size in sizes)
     assert sum(sizes) < 1.1 * whole  # each parameter travels once
-    assert len(source.cache) == 1  # split once for both stages
+    assert sum(key[0] == "stages" for key in source.cache) == 1  # split once for both stages
     with pytest.raises(ModelError, match="shipped the wrong stage"):
         build_stage(pickle.loads(pickle.dumps(ship_stage(source, 4, cuts, 0))), 4, cuts, 1, 0)
+
+
+def test_the_parent_captures_a_users_module_once_per_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planning, the run's data, shipping every stage and the reference model read one capture."""
+    import profiler.graph
+    from hetpipe.planning import plan_on_the_fly
+    from planner.on_the_fly import PlanRequest
+    from runtime.data_source import output_classes
+
+    captures: list[int] = []
+    real = profiler.graph.capture
+
+    def counting(module: nn.Module, *args: object, **kwargs: object) -> object:
+        captures.append(id(module))
+        return real(module, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(profiler.graph, "capture", counting)
+    model, source = _source()
+    spec = resolve_source(source, 4, meta=False)
+    request = PlanRequest(source.name, 4, nm=2, stages=2)
+    plan = plan_on_the_fly(None, request, model_graph(source, spec))  # planning (hetpipe.train)
+    assert output_classes(spec, model_graph(source, spec)) == 10  # the run's data
+    cuts = tuple(st.last_index + 1 for st in plan.virtual_workers[0].stages[:-1])
+    shipped = [ship_stage(source, 4, cuts, s) for s in range(2)]  # each stage's job
+    reference_module(source, 4, seed=0)  # the single-process reference
+    assert captures == [id(model)]
+    assert all(s.stage is not None and s.module is None for s in shipped)
+    other = ModelSource(module=model, sample_inputs=(torch.randn(8, 64),))
+    model_graph(other, resolve_source(other, 8, meta=False))  # another run: its own capture
+    assert len(captures) == 2
+
+
+def test_a_wsp_run_of_a_users_module_is_captured_once_and_shipped_by_the_launcher(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The launcher's whole preparation (data, shards' layout, pacing, every stage's job) reads
+    the capture planning made, and each stage's job already holds its stage alone."""
+    import profiler.graph
+    from planner.manual import cpu_cluster, multi_vw_plan
+    from runtime.config import RunConfig
+    from runtime.launch.jobs import Attempt, Prepared
+    from runtime.launch.launcher import prepare
+    from runtime.spec import RunSpec
+
+    captures: list[int] = []
+    real = profiler.graph.capture
+
+    def counting(module: nn.Module, *args: object, **kwargs: object) -> object:
+        captures.append(id(module))
+        return real(module, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(profiler.graph, "capture", counting)
+    model, source = _source()
+    graph = model_graph(source, resolve_source(source, 4, meta=False))
+    plan = multi_vw_plan(graph, [[2], [2]], "Sequential", 4, 1, cluster=cpu_cluster(4))
+    prep = prepare(plan, source, RunSpec(RunConfig(steps=2)), None, Attempt("file:///nonexistent"))
+    assert isinstance(prep, Prepared) and prep.shards and len(prep.stages) == 4
+    assert captures == [id(model)]
+    assert all(j.source.stage is not None and j.source.module is None for j in prep.stages)
+    assert [j.source.stage.stage for j in prep.stages] == [0, 1, 0, 1]  # type: ignore[union-attr]
 
 
 def test_a_shard_receives_only_its_initial_weights() -> None:

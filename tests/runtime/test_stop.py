@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from planner.wsp import required_global_clock, stop_wave
-from runtime.launch.stop import StopAgreement, file_store
+from runtime.sync.stop import StopAgreement, file_store
 
 
 @pytest.mark.parametrize(("nm", "D"), list(itertools.product(range(1, 5), range(5))))

@@ -19,7 +19,7 @@ from planner.easgd import elastic_difference, exchanges_after, waves_at
 from planner.manual import multi_vw_plan
 from profiler.errors import HetPipeRuntimeError
 from runtime.config import OptimizerConfig, RunConfig
-from runtime.launch.faults import ShardFault, StageFault
+from runtime.faults import ShardFault, StageFault
 from runtime.launch.launcher import launch
 from runtime.persist.snapshot import committed_clocks
 from runtime.results.run_result import RunResult

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from hetpipe.cli import app
-from planner.sim.gantt import read_chrome_trace
+from planner.draw import read_chrome_trace
 from profiler.errors import ConfigError
 from runtime.results.metrics import StageResult
 from runtime.results.timeline import draw_window, parse_window, write_timeline

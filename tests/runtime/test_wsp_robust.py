@@ -15,7 +15,7 @@ from planner.manual import multi_vw_plan
 from profiler.errors import HetPipeRuntimeError
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
-from runtime.launch.faults import StageFault
+from runtime.faults import StageFault
 from runtime.launch.launcher import launch
 from runtime.persist.snapshot import committed_clocks, read_manifest, snapshot_dir
 from runtime.results.run_result import RunResult

@@ -22,7 +22,7 @@ from profiler.errors import HetPipeRuntimeError
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource, OptimizerConfig, RunConfig
 from runtime.data import MinibatchSource, default_dataset
-from runtime.launch.faults import ShardFault, StageFault
+from runtime.faults import ShardFault, StageFault
 from runtime.launch.launcher import launch
 from runtime.launch.wsp import vw_training_data
 from runtime.persist.snapshot import committed_clocks

@@ -1,7 +1,13 @@
-"""Pictures of a simulated (or measured) run: a Gantt chart and a Chrome-trace JSON.
+"""Pictures of a pipeline's intervals, simulated or measured: a Gantt chart and a Chrome trace.
 
-Both take the :class:`~planner.sim.engine.TraceEvent` intervals of a run recorded with
-``record_trace=True``. The Gantt chart has one row per GPU (``VW v s<stage>``): forward
+The one drawing code of predicted and measured runs: the simulator (:mod:`planner.sim`, a run
+recorded with ``record_trace=True``) and the runtime's results (:mod:`runtime.results.timeline`,
+a run's task log) both record :class:`TraceEvent` intervals and draw them here, so neither
+reads the other; it sits in ``planner`` (beside the shared rules, ``schedule.py``,
+``wsp.py``) because that is the lowest package both already import, and it imports only
+``profiler``.
+
+The Gantt chart has one row per GPU (``VW v s<stage>``): forward
 (``F``), backward (``B``) and the last stage's fused ``FB`` as tall bars; receiving
 (``recv``), pushes to the parameter server (``push``), offloaded data moving over the host
 link ahead of its backward (``host``, a thin lane above) and a stage's own WSP wait in a thin lane
@@ -19,15 +25,22 @@ import json
 import os
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from planner.sim.types import TraceEvent
 from profiler.errors import ConfigError
 from profiler.files import atomic_write_bytes, atomic_write_text
 from profiler.inputs import read_text
 
-__all__ = ["COLORS", "chrome_trace", "read_chrome_trace", "write_chrome_trace", "write_gantt"]
+__all__ = [
+    "COLORS",
+    "TraceEvent",
+    "chrome_trace",
+    "read_chrome_trace",
+    "write_chrome_trace",
+    "write_gantt",
+]
 
 COLORS: dict[str, str] = {
     "F": "#f2c12e",  # forward: yellow, as in the paper's Fig. 1
@@ -39,6 +52,25 @@ COLORS: dict[str, str] = {
     "host": "#7f7f7f",  # offloaded data over the host link (planner.offload), prefetched
 }
 _LANE = ("recv", "push", "host")  # drawn thin, beneath the compute bars
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One interval of a pipeline's timeline (simulated, or measured by a run).
+
+    Attributes:
+        vw, stage: where it happened (``stage`` -1 for a VW-wide interval such as ``wait``).
+        cat: ``F``, ``B``, ``FB`` (compute), ``recv`` (receiving), ``push``, ``wait`` (WSP).
+        mb: minibatch (for compute/recv) or wave (for push/wait).
+        start_ms, end_ms: times in milliseconds (simulated, or since a run's first task).
+    """
+
+    vw: int
+    stage: int
+    cat: str
+    mb: int
+    start_ms: float
+    end_ms: float
 
 
 def _rows(

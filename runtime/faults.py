@@ -1,6 +1,11 @@
 """Test hooks that make a process fail on purpose, passed in its frozen job (never a string
 in a production signature): a stage that crashes, freezes, raises, straggles or diverges, a
-shard that dies. The snapshot writer's hook is :class:`runtime.persist.snapshot.WriteFault`."""
+shard that dies. The snapshot writer's hook is :class:`runtime.persist.snapshot.WriteFault`.
+
+Test support, not a launcher part: the run's options (:mod:`runtime.config`), the stage's job
+(:mod:`runtime.stage.job`) and the shard's job carry these, and the launcher only hands them
+on, so they sit below all three (``tests/test_layers.py``: no lower layer imports the
+launcher)."""
 
 from __future__ import annotations
 

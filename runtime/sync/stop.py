@@ -6,7 +6,8 @@ a VW that stops early leaves every other VW blocked in a pull for a wave that ne
 first VW whose time is up proposes a final wave count (``planner.wsp.stop_wave``) through a
 ``torch.distributed`` store (first writer wins: ``compare_set``); every VW's stage 0 polls the
 store and, once a value is there, runs exactly that many waves. The downstream stages learn the
-end from stage 0's stop message as usual.
+end from stage 0's stop message as usual. The rules' stage hooks (``wave``, ``backup``,
+``elastic``: ``agreed_total``) make the agreement, so it lives beside them, below the launcher.
 """
 
 from __future__ import annotations
