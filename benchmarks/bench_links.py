@@ -80,7 +80,7 @@ def plans(cluster: Cluster, batch: int) -> list[tuple[str, Plan]]:
 
 def run_one(label: str, plan: Plan, steps: int) -> dict[str, Any]:
     """Train ``plan`` (paced links and devices) and report it as one row and one line."""
-    from runtime.api import train
+    from hetpipe.api import train
 
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
