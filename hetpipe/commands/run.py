@@ -174,7 +174,8 @@ def run(  # long only by its typer signature (the command's options); the body i
     given = every is not None and every.name != "DEFAULT"
     _check_before_planning(sync, vws, spec, given)
     request = PlanRequest(model or "mlp", batch_size, nm, stages, None, vws, policy,
-                          staleness or 0, precision or "fp32", sync, remedy=spec.optimizer.remedy)  # fmt: skip
+                          staleness or 0, precision or "fp32", sync,
+                          remedy=spec.optimizer.remedy)  # fmt: skip
     if layout(sync) == "ddp":  # the baseline's memory is this run's optimizer state
         request = replace(request, optimizer=spec.optimizer.memory_class)
     resumed = spec.run.out_dir if resume is not None else None
