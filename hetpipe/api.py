@@ -187,7 +187,8 @@ def train(  # long by its signature and docstring (every option, documented); th
         if source.module is not None:  # the user's module: cut by hand
             graph = model_graph(source, resolve_source(source, batch_size, meta=False))
         request = PlanRequest(source.name, batch_size, nm, stages, cuts, vws=1, policy="ed",
-                              precision=check_precision(precision or "fp32"))  # fmt: skip
+                              precision=check_precision(precision or "fp32"),
+                              remedy=spec.optimizer.remedy)  # fmt: skip
         given = plan_on_the_fly(cl, request, graph)
     return run_plan(given, source, spec, dataset)
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from planner.cluster import Cluster, load_cluster
 from planner.plan import Plan
+from planner.rules import layout
 from profiler.cpu_profile import emulation_profiles
 from profiler.table import Profile, load_profile_set
 
@@ -54,7 +55,7 @@ def plan_on_the_fly(
     """
     from planner.on_the_fly import plan_for_run
 
-    allreduce = request.sync == "allreduce"
+    allreduce = layout(request.sync) == "ddp"
     partitions = allreduce or not (request.hand_cut or graph is not None)
     profiles: list[Profile] = []
     if cluster is not None and partitions:

@@ -50,7 +50,25 @@ from __future__ import annotations
 from collections.abc import Mapping
 from enum import IntEnum
 
-__all__ = ["Arrival", "QuorumClock", "check_backups", "continue_at", "quorum", "vw_minibatches"]
+__all__ = [
+    "Arrival",
+    "QuorumClock",
+    "backup_delays",
+    "check_backups",
+    "continue_at",
+    "quorum",
+    "vw_minibatches",
+]
+
+
+def backup_delays(params: Mapping[str, float], n_vws: int, D: int) -> tuple[int, int]:
+    """For ``--objective time`` (:data:`planner.rules.TimeDelays`): a wave sums the first
+    ``n_vws - backups`` VWs' updates, at ``D = 0``.
+
+    >>> backup_delays({"backups": 1.0}, 4, 3)
+    (3, 0)
+    """
+    return quorum(n_vws, int(params.get("backups", 0))), 0
 
 
 def quorum(n_vws: int, backups: int) -> int:

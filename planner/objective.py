@@ -29,6 +29,7 @@ from typing import Any
 
 from planner.efficiency import EfficiencyInputs, Setting, efficiency, mean_delay
 from planner.plan import Plan
+from planner.rules import get_rule, time_ranked
 from profiler.errors import ConfigError, PlanError
 
 __all__ = [
@@ -117,21 +118,21 @@ def choice_of(plan: Plan, remedy: str = "none") -> Choice:
     """The candidate a plan is under ``remedy``.
 
     Raises:
-        ConfigError: a rule the efficiency model does not cover (``easgd``).
+        ConfigError: a rule the efficiency model does not cover (no
+            :attr:`planner.rules.SyncRule.time_delays`: ``easgd``).
     """
     n, b = len(plan.virtual_workers), plan.batch_size
     tp = plan.predicted.throughput
-    if plan.sync == "allreduce":
+    rule = get_rule(plan.sync)
+    if rule.layout == "ddp":  # every device averages every minibatch: no delay
         setting = Setting(batch=n * b, base_batch=b)
-        return Choice(f"allreduce {n} devices", "allreduce", n, 1, 0, "none", tp, setting)
-    if plan.sync == "easgd":
+        return Choice(f"{rule.name} {n} devices", rule.name, n, 1, 0, "none", tp, setting)
+    if rule.time_delays is None:
         raise ConfigError(
-            "--objective time: no efficiency model for --sync easgd; use --sync wsp or "
-            "backup, or --objective throughput"
+            f"--objective time: no efficiency model for --sync {rule.name}; use --sync "
+            f"{' or '.join(time_ranked())}, or --objective throughput"
         )
-    syncing, D = n, plan.D
-    if plan.sync == "backup":  # a wave sums the first n - backups VWs' updates, D = 0
-        syncing, D = n - int(dict(plan.sync_params).get("backups", 0)), 0
+    syncing, D = rule.time_delays(dict(plan.sync_params), n, plan.D)
     local, foreign = mean_delay(plan.nm, syncing, D)
     policy = plan.policy.removeprefix("auto:")
     label = f"{plan.sync} {policy} {n} VW{'s' if n > 1 else ''} Nm {plan.nm}" + (

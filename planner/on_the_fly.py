@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from planner.rules import DEFAULT_RULE, layout
 from profiler.errors import ConfigError
 
 if TYPE_CHECKING:  # no torch at the CLI's start-up
@@ -40,10 +41,12 @@ class PlanRequest:
         policy: ``np``, ``ed``, ``hd`` or ``auto`` (``None`` = the planner's default).
         D: WSP clock-distance threshold recorded in the plan.
         precision: ``fp32`` or ``bf16``.
-        sync: ``allreduce`` asks for the AllReduce baseline's plan; any other rule a
-            pipeline plan (the rule is applied to it afterwards).
+        sync: a rule of the ``ddp`` layout (``allreduce``) asks for the AllReduce baseline's
+            plan; any other rule a pipeline plan (the rule is applied to it afterwards).
         optimizer: the optimizer-state class memory is planned for (``sgd``, ``momentum``,
             ``adam``; the planner's default ``momentum``, as ``hetpipe plan``'s).
+        remedy: the run's staleness remedy (``--remedy``): ``predict``'s extra weight copies
+            are counted in the memory model (:class:`planner.planner.PlanOptions`).
     """
 
     model: str = "mlp"
@@ -55,8 +58,9 @@ class PlanRequest:
     policy: str | None = None
     D: int = 0
     precision: str = "fp32"
-    sync: str = "wsp"
+    sync: str = DEFAULT_RULE
     optimizer: str = "momentum"
+    remedy: str = "none"
 
     @property
     def hand_cut(self) -> bool:
@@ -86,7 +90,7 @@ def plan_for_run(
         PlanError: the model fits nowhere, more stages than layers, ...
     """
     r = request
-    if r.sync == "allreduce":
+    if layout(r.sync) == "ddp":
         from planner.baseline import allreduce_plan
 
         if cluster is None:
@@ -101,11 +105,12 @@ def plan_for_run(
         graph = graph if graph is not None else _graph(r.model, r.batch_size)
         hand = hand_cut_plan(graph, r.model, r.batch_size, r.nm, cluster, r.stages, r.cuts)
         return replace(hand, precision=r.precision)
-    from planner.planner import make_plan
+    from planner.planner import PlanOptions, make_plan
 
     return make_plan(cluster, list(profiles), model=r.model, batch_size=r.batch_size,
                      nm=r.nm or None, num_vws=r.vws or None, policy=r.policy, D=r.D,
-                     precision=r.precision, optimizer=r.optimizer)  # fmt: skip
+                     precision=r.precision, optimizer=r.optimizer,
+                     options=PlanOptions(remedy=r.remedy))  # fmt: skip
 
 
 def _graph(model: str, batch_size: int) -> ModelGraph:

@@ -29,13 +29,14 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
 
-from planner.backup import check_backups
+from planner.backup import backup_delays, check_backups
 from planner.easgd import check_easgd, waves_per_exchange
 from planner.ranges import Range
 from planner.sim.waves import Player, play_backup, play_easgd, play_wsp
 from profiler.errors import ConfigError
 
 __all__ = [
+    "ALONE_RULE",
     "BUILTIN",
     "DEFAULT_RULE",
     "PLUGINS_ENV",
@@ -43,10 +44,13 @@ __all__ = [
     "RuleParam",
     "SyncParams",
     "SyncRule",
+    "TimeDelays",
+    "every_vw",
     "get_rule",
     "layout",
     "plugin_modules",
     "rules",
+    "time_ranked",
 ]
 
 SyncParams = tuple[tuple[str, float], ...]
@@ -56,9 +60,18 @@ Layout = Literal["shards", "ddp", "alone"]
 """How the launcher lays a rule out: VW pipelines and parameter-server shards, one rank per
 device of the AllReduce baseline, or one VW alone."""
 
+TimeDelays = Callable[[Mapping[str, float], int, int], tuple[int, int]]
+"""``(params, n_vws, D) -> (syncing, D)``, for ``--objective time``
+(:func:`planner.objective.choice_of`): the VWs whose updates a wave sums and the threshold the
+update delays are counted at (:func:`planner.efficiency.mean_delay`)."""
+
 DEFAULT_RULE = "wsp"
 """The rule of a plan that names none, and of ``hetpipe plan`` and ``run`` planning on the fly:
 HetPipe's own (the rule every other is compared with on whole waves)."""
+
+ALONE_RULE = "local"
+"""The rule one VW trains by alone (``hetpipe run --vw``, or one VW and no shards): nothing to
+synchronise (:func:`planner.sync.effective_rule`)."""
 
 PLUGINS_ENV = "HETPIPE_RULES"
 """The environment variable naming the modules of rules from outside the registry."""
@@ -86,6 +99,15 @@ class RuleParam:
 
 def _no_check(params: Mapping[str, float], n_vws: int) -> None:
     """A rule whose parameters need nothing of the plan."""
+
+
+def every_vw(params: Mapping[str, float], n_vws: int, D: int) -> tuple[int, int]:
+    """A wave sums every VW's update, its delays bounded by the plan's ``D`` (:data:`TimeDelays`).
+
+    >>> every_vw({}, 4, 2)
+    (4, 2)
+    """
+    return n_vws, D
 
 
 def _one_wave(params: Mapping[str, float]) -> int:
@@ -118,6 +140,11 @@ class SyncRule:
         check: ``(params, n_vws)``: raise ``ValueError`` when the plan cannot take them.
         play: its wave player for the simulator (``None``: not played on waves).
         waves_per_clock: ``(params) -> waves`` one tick of the shards' clock covers.
+        time_delays: how ``--objective time`` counts its update delays (:data:`TimeDelays`);
+            ``None``: no efficiency model, ``--objective time`` refuses it (the ``ddp``
+            layout has no delay and is always ranked as the AllReduce baseline).
+        simulated: the simulator's pipeline play (:mod:`planner.sim.simulator`) predicts its
+            runs, so ``hetpipe run`` compares a run's stages with it.
     """
 
     name: str
@@ -135,6 +162,8 @@ class SyncRule:
     check: Callable[[Mapping[str, float], int], None] = _no_check
     play: Player | None = None
     waves_per_clock: Callable[[Mapping[str, float]], int] = _one_wave
+    time_delays: TimeDelays | None = None
+    simulated: bool = False
 
     @property
     def uses_shards(self) -> bool:
@@ -163,6 +192,8 @@ BUILTIN: Mapping[str, SyncRule] = MappingProxyType(
             "WSP D={D}",
             evicts=True,
             play=play_wsp,
+            time_delays=every_vw,
+            simulated=True,
         ),
         "backup": SyncRule(
             "backup",
@@ -177,6 +208,7 @@ BUILTIN: Mapping[str, SyncRule] = MappingProxyType(
             drops=True,
             check=check_backups,
             play=play_backup,
+            time_delays=backup_delays,
         ),
         "easgd": SyncRule(
             "easgd",
@@ -213,6 +245,7 @@ BUILTIN: Mapping[str, SyncRule] = MappingProxyType(
             "WSP D={D}",  # a summary of VWs trained one by one reads like WSP
             selectable=False,
             layout="alone",
+            simulated=True,
         ),
     }
 )
@@ -281,3 +314,13 @@ def layout(name: str) -> Layout:
         ConfigError: no rule has that name.
     """
     return get_rule(name).layout
+
+
+def time_ranked() -> tuple[str, ...]:
+    """The rules ``--objective time`` ranks against the AllReduce baseline (those declaring
+    :attr:`SyncRule.time_delays`; ``--sync`` takes them).
+
+    >>> time_ranked()[:2]
+    ('wsp', 'backup')
+    """
+    return tuple(r.name for r in rules().values() if r.selectable and r.time_delays is not None)

@@ -21,7 +21,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from planner.rules import SyncParams, get_rule, rules
+from planner.rules import ALONE_RULE, SyncParams, get_rule, rules
 from profiler.errors import ConfigError, PlanError
 
 if TYPE_CHECKING:
@@ -120,7 +120,7 @@ def effective_rule(sync: str, n_shards: int, n_vws: int, vw: int = -1) -> str:
     if not info.uses_shards:
         return sync
     if vw >= 0 or (n_shards == 0 and n_vws == 1):
-        return "local"
+        return ALONE_RULE
     if n_shards == 0:
         raise ConfigError(
             f"the plan has {n_vws} VWs but no parameter-server shards to synchronise them by "

@@ -4,6 +4,7 @@ through ``$HETPIPE_RULES``) is planned, simulated and trained by the unchanged C
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,11 +13,12 @@ from typer.testing import CliRunner
 from hetpipe.cli import app
 from planner.manual import multi_vw_plan
 from planner.plan_file import load_plan
-from planner.rules import PLUGINS_ENV, rules
+from planner.rules import PLUGINS_ENV, every_vw, rules, time_ranked
 from profiler.graph import ModelGraph
 from runtime.config import ModelSource
 from runtime.stage.model import resolve_source
 from runtime.sync.registry import parts
+from tests import toy_rule
 from tests.conftest import EXAMPLES, PIPEDREAM
 
 pytestmark = pytest.mark.timeout(120)
@@ -89,3 +91,16 @@ def test_a_broken_plug_in_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(PLUGINS_ENV, "tests.conftest")  # a module, but not a rule's
     res = runner.invoke(app, ["plan", CLUSTER, "--profiles", VGG])
     assert res.exit_code == 2 and "rule module 'tests.conftest' defines no RULE" in _said(res)
+
+
+def test_objective_time_reads_the_rules_declaration(
+    toy: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The toy rule declares no ``time_delays``: ``--objective time`` refuses it (it used to
+    rank it as WSP); once declared, it is ranked with no edit outside the tests."""
+    res = runner.invoke(app, ["plan", CLUSTER, "--sync", "toy", "--objective", "time"])
+    assert res.exit_code == 2, res.output
+    assert "under --sync wsp or backup with AllReduce; drop --sync toy" in _said(res)
+    assert "toy" not in time_ranked()
+    monkeypatch.setattr(toy_rule, "RULE", replace(toy_rule.RULE, time_delays=every_vw))
+    assert time_ranked() == ("wsp", "backup", "toy")

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from hetpipe._common import console
 from planner.plan import Plan
+from planner.rules import layout
 from profiler.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -184,7 +185,7 @@ def render_objective(
         f"update {costs}; {escape(inputs.source)}[/]"
     )
     best = ranked[0].choice
-    if best.sync == "allreduce":
+    if layout(best.sync) == "ddp":
         out.print(
             f"AllReduce on {best.vws} devices is predicted faster to the target than every "
             "HetPipe plan: the plan is the AllReduce plan"

@@ -22,7 +22,7 @@ from hetpipe.commands.objective import (
 )
 from planner.cluster import Cluster, load_cluster
 from planner.plan import Plan, StagePlan, VirtualWorker
-from planner.rules import DEFAULT_RULE, get_rule
+from planner.rules import DEFAULT_RULE, get_rule, time_ranked
 from profiler.errors import ConfigError, shown
 from runtime.options import PLAN_OPTIONS, Range, check_number, check_values
 
@@ -395,7 +395,8 @@ def plan(  # long by its typer signature (the command's options); the body is ~6
         f"planning {model or 'the profiled model'} on {cl.name} (profiles, allocation, "
         "partition, Nm, placement, simulation)"
     ):
-        measured_at = "fp32" if sync == "allreduce" else precision  # what the planner prices
+        ddp = get_rule(sync).layout == "ddp"
+        measured_at = "fp32" if ddp else precision  # what the planner prices
         profs = profiles_for(cl, profs, model, batch_size, measured_at)
         kwargs = dict(model=model, batch_size=batch_size, D=staleness, placement=placement,
                       optimizer=optimizer, links=load_links(links) if links else None,
@@ -448,10 +449,10 @@ def _check_options(numbers: dict[str, float | None], sync: str, shapes_hetpipe: 
 
 def _check_objective(objective: str, sync: str, calibrate: str | None, model: str | None) -> None:
     """Refuse ``--objective time`` where it cannot rank, and calibration it cannot run."""
-    if objective == "time" and sync in ("allreduce", "easgd"):
+    if objective == "time" and sync not in (ranked := time_ranked()):
         raise ConfigError(
-            f"--objective time compares HetPipe plans under --sync wsp or backup with "
-            f"AllReduce; drop --sync {sync}, or use --objective throughput"
+            f"--objective time compares HetPipe plans under --sync {' or '.join(ranked)} "
+            f"with AllReduce; drop --sync {sync}, or use --objective throughput"
         )
     if calibrate and objective != "time":
         raise ConfigError(

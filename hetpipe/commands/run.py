@@ -18,7 +18,7 @@ from hetpipe._rules import RuleValues, apply_rule, rule_params, sync_help, with_
 from planner.on_the_fly import PlanRequest
 from planner.plan import Plan
 from planner.plan_file import load_plan, load_plan_or_cluster
-from planner.rules import DEFAULT_RULE, layout
+from planner.rules import DEFAULT_RULE, get_rule, layout
 from profiler.errors import ConfigError, shown
 from runtime.options import OPTIONS, RENAMED, Range, check_number
 
@@ -174,7 +174,8 @@ def run(  # long only by its typer signature (the command's options); the body i
     given = every is not None and every.name != "DEFAULT"
     _check_before_planning(sync, vws, spec, given)
     request = PlanRequest(model or "mlp", batch_size, nm, stages, None, vws, policy,
-                          staleness or 0, precision or "fp32", sync)  # fmt: skip
+                          staleness or 0, precision or "fp32", sync,
+                          remedy=spec.optimizer.remedy)  # fmt: skip
     if layout(sync) == "ddp":  # the baseline's memory is this run's optimizer state
         request = replace(request, optimizer=spec.optimizer.memory_class)
     resumed = spec.run.out_dir if resume is not None else None
@@ -273,7 +274,7 @@ def _train(plan: Plan, spec: RunSpec, every: bool, dataset: RunData | None = Non
     console.print(result.table())
     if (breakdown := result.breakdown_table()) is not None:
         console.print(breakdown)
-        if vw < 0 and rule_for(plan, vw) in ("wsp", "local"):  # what simulate() plays
+        if vw < 0 and get_rule(rule_for(plan, vw)).simulated:
             ran = dataclasses.replace(plan, nm=nm, D=plan.D if spec.sync.D is None else spec.sync.D)
             console.print(overhead_note(ran, result.stages, result.throughput), markup=False)
     out = run.out_dir

@@ -16,6 +16,7 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from planner.plan import Plan
+from planner.rules import ALONE_RULE
 from planner.sync import data_slice
 from profiler.errors import ConfigError
 from runtime.config import ModelSource
@@ -169,7 +170,7 @@ def prepare_local(
         )
     nm = spec.run.nm or plan.nm
     steps = total_steps(spec.run, samples // plan.batch_size)
-    sync = SyncSpec("local", plan.sync_params, timeout_s=spec.run.timeout_s)
+    sync = SyncSpec(ALONE_RULE, plan.sync_params, timeout_s=spec.run.timeout_s)
     work = Work((dataset,), steps, nm, init_method, vws=(max(spec.vw, 0),))
     jobs = vw_stage_jobs(plan, source, spec, sync, work)
     return Prepared((), with_world(jobs)[1], steps, 0, nm, 0)

@@ -30,7 +30,7 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from planner.plan import Plan
-from planner.rules import layout
+from planner.rules import ALONE_RULE, layout
 from planner.sync import effective_rule
 from profiler.errors import ConfigError, HetPipeRuntimeError
 from runtime.config import ModelSource, RunConfig
@@ -353,7 +353,7 @@ def one_vw_result(
     predicted = plan.virtual_workers[vw].throughput
     devices = tuple(j.ctx.device for j in prep.stages)
     one = VWResult(tuple(stages), plan.batch_size, prep.nm, predicted, wall_s, bound, devices)
-    result = RunResult((one,), prep.nm, 0, (), (), (), wall_s, predicted, sync="local",
+    result = RunResult((one,), prep.nm, 0, (), (), (), wall_s, predicted, sync=ALONE_RULE,
                        sync_params=plan.sync_params, keys=keys, data=prep.data,
                        remedy=_remedy(prep),
                        links=links_statement(plan.cluster, run.emulate))  # fmt: skip

@@ -13,6 +13,7 @@ import torch
 
 from planner.plan import Plan
 from planner.predict import ring_link
+from planner.rules import layout
 from planner.straggle import NO_STRAGGLE, Straggle
 from profiler.errors import ConfigError
 from runtime.config import ModelSource, RunConfig
@@ -90,7 +91,7 @@ def stage_links(plan: Plan, vw: int, stage: int) -> StageLinks:
     nodes = [worker.gpus[st.gpu].node for st in worker.stages]
     me = nodes[stage]
     ring, size = None, 1
-    if plan.sync == "allreduce" and len(plan.virtual_workers) > 1:
+    if layout(plan.sync) == "ddp" and len(plan.virtual_workers) > 1:
         copies = [w.gpus[w.stages[stage].gpu].node for w in plan.virtual_workers]
         ring, size = ring_link(cluster, copies), len(copies)
     return StageLinks(

@@ -26,6 +26,21 @@ def test_a_hand_cut_is_one_vw_of_balanced_stages() -> None:
     assert tuple(st.first_index for st in vw.stages[1:]) == balanced_cuts(graph, 2)
 
 
+def test_an_on_the_fly_plan_counts_the_remedys_weight_copies() -> None:
+    """``hetpipe run CLUSTER.yaml --remedy predict``: ``predict``'s extra weight copies are in
+    the memory model, so MODEL fits Nm 2 without it and only Nm 1 with it (as
+    tests/planner/test_memory_plan.py plans it by hand)."""
+    from hetpipe.planning import profiles_for
+    from planner.cluster import load_cluster
+
+    cluster, model = load_cluster(CLUSTER), "mlp(hidden=400,depth=8)"
+    profiles = profiles_for(cluster, [], model, 32)
+    asked = PlanRequest(model, 32, vws=1, policy="ed", optimizer="sgd")
+    none = plan_for_run(cluster, asked, profiles=profiles)
+    predict = plan_for_run(cluster, replace(asked, remedy="predict"), profiles=profiles)
+    assert (none.nm, none.remedy, predict.nm, predict.remedy) == (2, "none", 1, "predict")
+
+
 def test_stages_with_several_vws_is_refused_naming_the_flags() -> None:
     with pytest.raises(ConfigError, match=r"^--stages hand-cuts one VW; drop --stages"):
         plan_for_run(None, PlanRequest("mlp", 8, stages=2, vws=2))
@@ -40,6 +55,7 @@ def test_stages_with_several_vws_is_refused_naming_the_flags() -> None:
         (["--sync", "allreduce", "--momentum", "0.9"],
          PlanRequest("mlp", 16, sync="allreduce", optimizer="momentum")),
         (["--sync", "allreduce"], PlanRequest("mlp", 16, sync="allreduce", optimizer="sgd")),
+        (["--remedy", "predict"], PlanRequest("mlp", 16, remedy="predict")),
     ],
 )  # fmt: skip
 def test_hetpipe_run_asks_the_planner_for_a_cluster_file(
