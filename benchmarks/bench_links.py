@@ -23,6 +23,7 @@ from typing import Any
 
 from planner.cluster import Cluster, parse_cluster
 from planner.plan import Plan
+from planner.rules import layout
 
 MODEL = "mlp(hidden=512,depth=4)"  # parameters heavy enough for the AllReduce to matter
 RESULTS = Path(__file__).resolve().parent / "results" / "links.json"
@@ -54,7 +55,7 @@ def bench_cluster(scale: float) -> Cluster:
 def comm_share(plan: Plan) -> float:
     """The largest fraction of a step any VW's plan charges to links: receive times over
     stage times (WSP), the ring all-reduce over the step (AllReduce)."""
-    if plan.sync == "allreduce":
+    if layout(plan.sync) == "ddp":
         from planner.sim.simulator import allreduce_for_plan
 
         r = allreduce_for_plan(plan)

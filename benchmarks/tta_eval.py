@@ -133,6 +133,7 @@ def evaluate_run(run_dir: Path, data: str, seed: int) -> tuple[list[Point], floa
     """Every committed snapshot of the finished run in ``run_dir`` (its ``plan.json`` and
     ``checkpoints/``), evaluated on the run's test set, and the run's start-up seconds."""
     from planner.plan_file import load_plan
+    from planner.rules import layout
     from runtime.config import ModelSource
     from runtime.data_source import named_data
     from runtime.persist.snapshot import committed_clocks, read_manifest, snapshot_dir
@@ -144,8 +145,9 @@ def evaluate_run(run_dir: Path, data: str, seed: int) -> tuple[list[Point], floa
     if dataset is None:
         raise ValueError(f"--data {data!r}: the benchmark needs a data factory")
     _, test = dataset.split(0.2, seed)  # the run's own test set (RunSpec.data.test_fraction)
-    nm = 1 if plan.sync == "allreduce" else plan.nm
-    specs = _shard_specs(plan, source) if plan.sync != "allreduce" else ()
+    ddp = layout(plan.sync) == "ddp"  # one rank per device, no shards
+    nm = 1 if ddp else plan.nm
+    specs = () if ddp else _shard_specs(plan, source)
     timing = run_timing(run_dir)
     tester = _Tester(source, plan.batch_size, seed, test)
     workers = len(plan.virtual_workers)
