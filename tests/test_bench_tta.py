@@ -78,10 +78,13 @@ def test_digits_images_and_the_cnn_fit_each_other() -> None:
 
 def test_the_whimpy_devices_cannot_hold_either_model_alone() -> None:
     """The baseline trains on V and R only (two of each); HetPipe also uses G and Q."""
+    from hetpipe.planning import profiles_for
     from planner.baseline import allreduce_plan
     from planner.cluster import load_cluster
 
     for w in WORKLOADS.values():
-        plan = allreduce_plan(load_cluster(w.cluster), w.model, w.batch)
+        cluster = load_cluster(w.cluster)
+        cpu = profiles_for(cluster, [], w.model, w.batch)  # the front end measures, not the planner
+        plan = allreduce_plan(cluster, w.model, w.batch, profiles=cpu)
         held = sorted(vw.gpus[0].type for vw in plan.virtual_workers)
         assert held == ["TITAN RTX", "TITAN RTX", "TITAN V", "TITAN V"], w.name
