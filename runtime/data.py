@@ -25,7 +25,13 @@ from torch.utils.data import Dataset, Subset, TensorDataset, default_collate
 from planner.sync import global_slice
 from profiler.errors import ConfigError
 
-__all__ = ["DigitsDataset", "MinibatchSource", "SyntheticDataset", "default_dataset"]
+__all__ = [
+    "DigitsDataset",
+    "MinibatchSource",
+    "SyntheticDataset",
+    "default_dataset",
+    "stage_view",
+]
 
 # number of classes (or vocabulary size) of each built-in model's targets and integer inputs
 _BUILTIN_CLASSES = {"mlp": 10, "resnet": 10, "transformer": 256, "vgg19": 1000, "resnet152": 1000}
@@ -314,3 +320,33 @@ class MinibatchSource:
     def targets(self, mb: int) -> Tensor:
         """Targets of minibatch ``mb`` (what the last stage reads)."""
         return self.batch(mb)[1]
+
+
+def stage_view(dataset: Dataset[Any] | None, stage: int, n_stages: int) -> Dataset[Any] | None:
+    """What stage ``stage`` of an ``n_stages`` pipeline is shipped of ``dataset``: only what it
+    reads. A middle stage reads nothing (``None``; it never builds a :class:`MinibatchSource`);
+    of an in-memory tensor data set (digits, ``TensorDataset(x, y)``, a ``Subset`` of either)
+    stage 0 keeps the inputs and the last stage the targets, the other column becoming zeros
+    of one element broadcast to its shape (so indices, order and collated shapes are unchanged
+    and minibatches stay bit-identical); a one-stage pipeline, and any other data set, whole.
+    """
+    if dataset is None or n_stages == 1:
+        return dataset
+    if 0 < stage < n_stages - 1:
+        return None
+    return _keep_column(dataset, 0 if stage == 0 else 1)
+
+
+def _keep_column(dataset: Dataset[Any], keep: int) -> Dataset[Any]:
+    """``dataset`` with only column ``keep`` (0: inputs, 1: targets) of its in-memory tensors;
+    a data set of another kind unchanged."""
+    if isinstance(dataset, Subset):
+        return Subset(_keep_column(dataset.dataset, keep), dataset.indices)
+    if isinstance(dataset, DigitsDataset):
+        pair = (dataset.x, dataset.y)
+    elif isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2:
+        pair = (dataset.tensors[0], dataset.tensors[1])
+    else:
+        return dataset
+    cols = [t if i == keep else t.new_zeros(()).expand(t.shape) for i, t in enumerate(pair)]
+    return TensorDataset(*cols)

@@ -20,6 +20,7 @@ from planner.rules import ALONE_RULE
 from planner.sync import data_slice
 from profiler.errors import ConfigError
 from runtime.config import ModelSource
+from runtime.data import stage_view
 from runtime.launch.procs import ShardJob
 from runtime.launch.roles import pacing_table, stage_contexts, total_steps
 from runtime.persist.run_dir import RunOwner
@@ -104,7 +105,8 @@ def vw_stage_jobs(
     each takes only its sections of ``spec`` (run, optimizer, its test fault) and, of a user's
     module, its stage alone (:func:`runtime.stage.model.ship_stage`).
 
-    ``work.data[i]`` is VW ``work.vws[i]``'s training set; a rule whose data is ``global``
+    ``work.data[i]`` is VW ``work.vws[i]``'s training set, of which each stage gets only what
+    it reads (:func:`runtime.data.stage_view`: middle stages nothing); a rule whose data is ``global``
     (``allreduce``, ``backup``) gives every VW the same set and its slice of each global
     minibatch (:func:`planner.sync.data_slice`).
     """
@@ -119,7 +121,8 @@ def vw_stage_jobs(
         part = data_slice(sync.rule, i, len(vws))
         for ctx in ctxs:
             shipped = ship_stage(source, ctx.batch_size, ctx.cuts, ctx.stage)
-            job = StageJob(ctx, shipped, spec.optimizer, run, sync, work.data[i], part, cal,
+            data = stage_view(work.data[i], ctx.stage, ctx.n_stages)
+            job = StageJob(ctx, shipped, spec.optimizer, run, sync, data, part, cal,
                            spec.faults.stage_fault, work.init_method)  # fmt: skip
             jobs.append(job)
     return jobs

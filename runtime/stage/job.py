@@ -102,7 +102,9 @@ class StageJob:
         optimizer: the local optimizer and schedule.
         run: run settings.
         sync: the synchronisation rule's part (:mod:`runtime.sync.rule`).
-        dataset: this VW's training data (``None``: the model's built-in data set).
+        dataset: what this stage reads of its VW's training data
+            (:func:`runtime.data.stage_view`; ``None``: the model's built-in data set, or
+            nothing for a middle stage, which never reads data).
         data_slice: ``(rank, world)``: train on this slice of global minibatches of
             ``world * batch_size`` (the ``allreduce`` rule's data); ``(0, 1)``: whole ones.
         calibration: the pacing table of an emulated device (``None``: not paced).

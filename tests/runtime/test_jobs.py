@@ -56,3 +56,52 @@ def test_a_stage_job_carries_only_its_sections_of_the_spec() -> None:
     shipped = pickle.dumps(job)
     for other in (b"RunSpec", b"CheckpointConfig", b"FailurePolicy", b"TestHooks"):
         assert other not in shipped
+
+
+def test_each_stage_of_a_vw_is_shipped_only_the_data_it_reads() -> None:
+    """Stage 0 carries the inputs, the last stage the targets, a middle stage nothing, and
+    each end's minibatches equal those of the whole data set (issue #26)."""
+    import pickle
+
+    import torch
+    from torch.utils.data import Subset, TensorDataset
+
+    from runtime.data import MinibatchSource
+
+    source = ModelSource(ref="mlp")
+    graph = ModelGraph.from_spec(resolve_source(source, 8, meta=True))
+    plan = multi_vw_plan(graph, [[1, 2]], "mlp", 8, 1, cluster=cpu_cluster(3))
+    x, y = torch.randn(256, 64), torch.randint(0, 10, (256,))
+    prep = prepare(plan, source, RunSpec(RunConfig(steps=2)), TensorDataset(x, y),
+                   Attempt("file:///nonexistent"))  # fmt: skip
+    assert isinstance(prep, Prepared)
+    first, middle, last = prep.stages
+    assert middle.dataset is None and isinstance(first.dataset, Subset)
+    sizes = [len(pickle.dumps(j)) for j in prep.stages]
+    assert sizes[1] < sizes[2] < x.numel() * 4 < sizes[0]
+
+    split = first.dataset.indices  # the training split: the same samples at both ends
+    assert isinstance(last.dataset, Subset) and last.dataset.indices == split
+    whole = MinibatchSource(Subset(TensorDataset(x, y), split), 8, 0, (8,))
+    ends = [MinibatchSource(j.dataset, 8, 0, (8,)) for j in (first, last)]
+    for mb in (1, 2, 40):
+        torch.testing.assert_close(ends[0].inputs(mb), whole.inputs(mb), rtol=0, atol=0)
+        torch.testing.assert_close(ends[1].targets(mb), whole.targets(mb), rtol=0, atol=0)
+
+
+def test_stage_view_keeps_minibatches_bit_identical() -> None:
+    """Each end of a pipeline collates its half of every minibatch exactly as the whole set."""
+    import torch
+    from torch.utils.data import Subset, TensorDataset
+
+    from runtime.data import MinibatchSource, stage_view
+
+    x, y = torch.randn(100, 5), torch.randint(0, 10, (100,))
+    data = Subset(TensorDataset(x, y), list(range(3, 90)))
+    whole = MinibatchSource(data, 8, 3)
+    assert stage_view(data, 0, 1) is data  # a one-stage VW reads both
+    assert stage_view(data, 1, 3) is None
+    ends = [MinibatchSource(stage_view(data, s, 3), 8, 3) for s in (0, 2)]  # type: ignore[arg-type]
+    for mb in (1, 5, 17):
+        torch.testing.assert_close(ends[0].inputs(mb), whole.inputs(mb), rtol=0, atol=0)
+        torch.testing.assert_close(ends[1].targets(mb), whole.targets(mb), rtol=0, atol=0)
