@@ -80,11 +80,11 @@ def plans(cluster: Cluster, batch: int) -> list[tuple[str, Plan]]:
 
 def run_one(label: str, plan: Plan, steps: int) -> dict[str, Any]:
     """Train ``plan`` (paced links and devices) and report it as one row and one line."""
-    from runtime.api import train
+    from hetpipe.api import train
 
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        result = train(MODEL, plan=plan, steps=steps, out_dir=tmp, return_state=False)
+        result = train(MODEL, plan=plan, steps=steps, out=tmp, return_state=False)
         wall = time.perf_counter() - t0
     predicted, measured = plan.predicted.throughput, result.throughput
     load = os.getloadavg()

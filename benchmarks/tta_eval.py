@@ -143,7 +143,7 @@ def evaluate_run(run_dir: Path, data: str, seed: int) -> tuple[list[Point], floa
     dataset = named_data(data, plan.model, plan.batch_size, seed)
     if dataset is None:
         raise ValueError(f"--data {data!r}: the benchmark needs a data factory")
-    _, test = dataset.split(0.2, seed)  # the run's own test set (WSPConfig.test_fraction)
+    _, test = dataset.split(0.2, seed)  # the run's own test set (RunSpec.data.test_fraction)
     nm = 1 if plan.sync == "allreduce" else plan.nm
     specs = _shard_specs(plan, source) if plan.sync != "allreduce" else ()
     timing = run_timing(run_dir)

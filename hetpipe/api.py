@@ -155,9 +155,9 @@ def train(  # long by its signature and docstring (every option, documented); th
         steps, epochs, time_limit, seed, nm, vw, staleness, checkpoint_every, keep, on_failure,
             max_restarts, overwrite, lr, momentum, weight_decay, lr_schedule, remedy,
             remedy_warmup, timeout, emulate, precision, on_nonfinite, profile_runtime: the
-            run options, as ``hetpipe run --help`` describes them (``precision`` ``""``: the plan's, ``fp32``
-            for a plan made here; ``remedy`` replaces an ``OptimizerConfig``'s unless
-            ``none``).
+            run options, as ``hetpipe run --help`` describes them (``precision`` ``""``: the
+            plan's, ``fp32`` for a plan made here; ``remedy`` replaces an
+            ``OptimizerConfig``'s unless ``none``).
         renamed: the names of earlier releases (``time_limit_s``, ``out_dir``, ``timeout_s``,
             ``D``), accepted with a ``DeprecationWarning`` for one release.
 

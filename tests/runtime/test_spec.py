@@ -93,8 +93,9 @@ def test_every_entry_builds_the_same_spec_from_the_same_values(
         seen.append(spec)
         raise ConfigError("reached training")
 
-    monkeypatch.setattr("runtime.run.run_plan", reached)
+    # hetpipe.api first: importing it binds runtime.run.run_plan, which must be the real one
     monkeypatch.setattr("hetpipe.api.run_plan", reached)
+    monkeypatch.setattr("runtime.run.run_plan", reached)
     argv = ["run", str(path), *_flags(_VALUES), "--out", str(out), "--no-progress"]
     res = CliRunner().invoke(app, argv)
     assert res.exit_code == 2 and "reached training" in res.output
@@ -105,6 +106,18 @@ def test_every_entry_builds_the_same_spec_from_the_same_values(
     assert _same_but_the_hint(cli) == _same_but_the_hint(api) == _same_but_the_hint(torchrun)
     assert cli.failure == FailurePolicy(OnFailure.RESTART, 2) and cli.sync.D == 1
     assert cli.checkpoints.dir == out / "checkpoints" and cli.checkpoints.every == 2
+
+
+def test_train_takes_every_option_of_the_table_with_its_default() -> None:
+    import inspect
+
+    from hetpipe.api import train
+
+    params = inspect.signature(train).parameters
+    for name, option in OPTIONS.items():
+        if name != "data":  # hetpipe.train takes the data set itself
+            assert name in params, f"hetpipe.train has no {name}= ({option.flag})"
+            assert params[name].default == option.default, name
 
 
 def test_user_entries_cannot_set_the_test_hooks(tmp_path: Path) -> None:
