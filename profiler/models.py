@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from profiler.builtin_models import BasicBlock, Bottleneck, ResNet, TinyTransformer, mlp, vgg19
 from profiler.errors import HetPipeError, ModelError
+from profiler.host_memory import allocation_error, building, check_fits_host, is_allocation_failure
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -170,7 +171,11 @@ def _sized_builtin(ref: str, batch_size: int) -> ModelSpec | None:
                 f"use {name}({', '.join(f'{a}=N' for a in allowed)}) with N >= 1"
             )
         kwargs[key] = int(value)
-    return _mlp_spec(batch_size, name=ref.replace(" ", ""), **kwargs)
+    if torch.get_default_device().type != "meta":  # refuse before allocating: count on meta
+        with torch.device("meta"):
+            check_fits_host(ref, mlp(**kwargs))
+    with building(ref):
+        return _mlp_spec(batch_size, name=ref.replace(" ", ""), **kwargs)
 
 
 def _resnet_spec(batch_size: int) -> ModelSpec:
@@ -301,12 +306,15 @@ def resolve_model(ref: str, batch_size: int) -> ModelSpec:
 
     Raises:
         ModelError: unknown name, a factory that fails or returns the wrong thing,
-            or a non-positive batch size.
+            or a non-positive batch size; a sized built-in whose weights exceed this host's
+            memory (counted on ``meta`` first), or any build that runs out of memory
+            (:mod:`profiler.host_memory`).
     """
     if batch_size <= 0:
         raise ModelError(f"batch size must be a positive integer, got {batch_size}")
     if ref in BUILTIN_MODELS:
-        return BUILTIN_MODELS[ref](batch_size)
+        with building(ref):
+            return BUILTIN_MODELS[ref](batch_size)
     sized = _sized_builtin(ref, batch_size)
     if sized is not None:
         return sized
@@ -315,6 +323,8 @@ def resolve_model(ref: str, batch_size: int) -> ModelSpec:
         params = inspect.signature(factory).parameters
         result = factory(batch_size=batch_size) if "batch_size" in params else factory()
     except Exception as exc:  # a user factory may raise anything: report it as one line
+        if is_allocation_failure(exc):
+            raise allocation_error(ref, exc) from exc
         raise ModelError(
             f"model factory {ref!r} raised {type(exc).__name__} at {_raised_at(exc)}: "
             f"{_first_line(exc)}; fix the factory (call it alone for the traceback)"

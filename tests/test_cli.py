@@ -108,3 +108,16 @@ def test_a_run_prints_no_warning_of_torch_or_tqdm_internals(tmp_path: Path) -> N
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "leaked semaphore" not in out.stderr
+
+
+@pytest.mark.parametrize("cmd", [["run", "--steps", "1", "--no-progress"], ["plan"]])
+def test_a_model_too_large_for_any_host_is_one_line_before_allocating(cmd: list[str]) -> None:
+    """512 TB of weights, counted on the meta device: refused before anything is allocated."""
+    root = Path(__file__).resolve().parents[1]
+    ref = "mlp(hidden=1000000000000,depth=1)"
+    args = [cmd[0], str(root / "examples" / "emulated_cluster.yaml"), "--model", ref, *cmd[1:]]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2, res.output
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: model {ref!r} needs "), res.output
+    assert "bytes of weights but this host has" in lines[0] and "--profiles" in lines[0]

@@ -53,17 +53,6 @@ PLANNER_FOR_RUNTIME = (
     "planner.draw",
 )
 
-# Known debts, each one import that breaks a rule above, listed so that no new one comes in
-# unnoticed (merged from other work on 2026-11-27; move them, then delete the entry):
-KNOWN = frozenset(
-    {
-        # the stage reports with the launcher's message kind: move REPORTS below the launcher
-        "runtime.stage.worker imports runtime.launch.reports",
-        # the run's summary re-simulates the plan with the measured overhead per task
-        "runtime.results.breakdown imports planner.sim.simulator",
-    }
-)
-
 # Modules that run a model to measure it: the profiler's, called by the front ends only.
 MEASURING = ("profiler.measure", "profiler.timing", "profiler.cpu_profile")
 
@@ -115,9 +104,7 @@ def climbing_imports(root: Path) -> list[str]:
     return [
         f"{mod}:{line} imports {target}"
         for mod, target, line in imports(root, "runtime")
-        if _within(target, "runtime")
-        and _layer(target) < _layer(mod)
-        and f"{mod} imports {target}" not in KNOWN
+        if _within(target, "runtime") and _layer(target) < _layer(mod)
     ]
 
 
@@ -133,7 +120,7 @@ def test_runtime_never_reads_the_simulator() -> None:
     found = [
         f"{mod}:{line} imports {target}"
         for mod, target, line in imports(REPO, "runtime")
-        if _within(target, "planner.sim") and f"{mod} imports {target}" not in KNOWN
+        if _within(target, "planner.sim")
     ]
     assert found == []
 
@@ -143,9 +130,7 @@ def test_the_runtime_reads_the_plan_and_shared_rules_only() -> None:
     found = [
         f"{mod}:{line} imports {target}"
         for mod, target, line in imports(REPO, "runtime")
-        if _within(target, "planner")
-        and not any(_within(target, m) for m in PLANNER_FOR_RUNTIME)
-        and f"{mod} imports {target}" not in KNOWN
+        if _within(target, "planner") and not any(_within(target, m) for m in PLANNER_FOR_RUNTIME)
     ]
     assert found == []
 

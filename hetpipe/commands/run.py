@@ -250,11 +250,11 @@ def _train(plan: Plan, spec: RunSpec, every: bool, dataset: RunData | None = Non
     """Say what trains, train it (:func:`runtime.run.run_plan`) on ``dataset`` (``None``: the
     model's own), print the summary (``every``: ``--checkpoint-every`` was given, which one
     VW alone refuses)."""
+    from hetpipe.overhead import overhead_note
     from planner.plan_check import check_nm
     from planner.sync import check_time_limit
     from runtime.config import ModelSource
     from runtime.launch.jobs import check_alone
-    from runtime.results.breakdown import overhead_note
     from runtime.run import describe_training, outputs, rule_for, run_plan, steps_note
 
     run, vw = spec.run, spec.vw

@@ -13,7 +13,7 @@ The launcher's :class:`Reports` has the ``get(timeout)`` of a queue (what
 the stage worker write to).
 
 A stage sends its per-minibatch progress reports (``loss``, ``done``) a wave at a time, as one
-``(REPORTS, rank, (report, ...))`` message: each pipe write wakes the launcher up, and on a
+``(REPORTS, rank, (report, ...))`` message (:data:`runtime.messages.REPORTS`): each pipe write wakes the launcher up, and on a
 loaded machine a wake-up costs the writer about a millisecond, as much as a whole task of a
 small model. :meth:`Reports.get` hands the reports inside one by one, in order, so nothing
 reading them knows they travelled together.
@@ -28,10 +28,9 @@ from collections import deque
 from multiprocessing.connection import Connection, wait
 from typing import Any, cast
 
-__all__ = ["REPORTS", "Channel", "Reports"]
+from runtime.messages import REPORTS
 
-REPORTS = "reports"
-"""The kind of a message carrying several reports of one child, in order."""
+__all__ = ["Channel", "Reports"]
 
 
 class Channel:

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from planner.plan import Plan
     from runtime.results.metrics import StageResult
 
 __all__ = [
@@ -33,7 +32,6 @@ __all__ = [
     "breakdown_json",
     "breakdown_table",
     "mean_overhead_ms_per_task",
-    "overhead_note",
 ]
 
 CATEGORIES = (
@@ -154,17 +152,3 @@ def mean_overhead_ms_per_task(stages: Sequence[StageResult]) -> float:
     constant the simulator adds to every task (``overhead_ms_per_task``)."""
     rows = _profiled(stages)
     return sum(b.overhead_ms_per_task() for _, b in rows) / len(rows) if rows else 0.0
-
-
-def overhead_note(plan: Plan, stages: Sequence[StageResult], measured: float) -> str:
-    """One line: the plan simulated again with the measured overhead per task added, next to
-    the measured throughput (``plan``: as it ran, its Nm and D; samples/s)."""
-    from planner.sim.simulator import simulate
-
-    over = mean_overhead_ms_per_task(stages)
-    predicted = simulate(plan, overhead_ms_per_task=over).throughput
-    ratio = f", ratio {measured / predicted:.2f}" if predicted > 0 else ""
-    return (
-        f"predicted with the measured runtime overhead ({over:.3f} ms per task, mean of the "
-        f"stages): {predicted:.1f} samples/s (measured {measured:.1f}{ratio})"
-    )

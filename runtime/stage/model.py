@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from profiler.errors import ModelError
 from profiler.graph import ModelGraph
+from profiler.host_memory import building, check_fits_host
 from profiler.models import ModelSpec, output_loss, resolve_model, resolve_model_for_graph
 from profiler.stages import StageModule
 from runtime.config import LossFn, ModelSource
@@ -284,8 +285,10 @@ def _build_from_ref(
         )
         meta_ok = False
     if meta_ok:
-        module.to_empty(device="cpu")
-        _seeded_reset(module, seed)
+        check_fits_host(source.name, module)  # this stage's weights, still on meta
+        with building(source.name):
+            module.to_empty(device="cpu")
+            _seeded_reset(module, seed)
         return spec, graph, module, True
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -26,8 +26,8 @@ from profiler.errors import HetPipeRuntimeError
 from profiler.memory import cuda_peak_bytes
 from profiler.precision import autocast
 from runtime.defaults import neighbour_wait_s
-from runtime.launch.reports import REPORTS
 from runtime.link_pacing import LinkPacer, StageLinks, active_links
+from runtime.messages import REPORTS
 from runtime.results.metrics import StageResult
 from runtime.stage.comm import Channel, Event, GradReceiver, start_activation_receiver, wire_specs
 from runtime.stage.device import on_device
@@ -506,7 +506,7 @@ class StageWorker:
             self._reports.append(msg)
 
     def _send_reports(self) -> None:
-        """Send the queued reports as one message (:data:`runtime.launch.reports.REPORTS`): one
+        """Send the queued reports as one message (:data:`runtime.messages.REPORTS`): one
         write, and one wake-up of the launcher, per wave instead of one per report. A stage
         lost mid-wave loses its wave's reports; its VW recomputes that wave anyway."""
         if self._reports and self.events is not None:

@@ -12,7 +12,6 @@ from runtime.results.breakdown import (
     breakdown_json,
     breakdown_table,
     mean_overhead_ms_per_task,
-    overhead_note,
 )
 from runtime.results.metrics import StageResult
 from runtime.stage.timers import LapTimer, lap_timer
@@ -81,8 +80,10 @@ def test_summary_and_table_show_each_category_per_task() -> None:
 
 
 def test_the_note_predicts_the_plan_again_with_the_measured_overhead() -> None:
+    """The front end's note (:mod:`hetpipe.overhead`) over the runtime's measured overhead."""
     import re
 
+    from hetpipe.overhead import overhead_note
     from planner.sim.simulator import simulate
     from tests.planner.simplan import make_plan
 

@@ -195,3 +195,13 @@ def test_measured_trace_puts_stage_0_pull_waits_behind_the_whole_vw() -> None:
         (1, "wait", 2),  # another stage's wait stays on its own row
     ]
     assert trace[0].start_ms == 0.0 and trace[2].end_ms == pytest.approx(9.0)
+
+
+def test_a_stage_too_large_for_this_host_is_refused_before_it_is_materialised() -> None:
+    """A stage process builds its stage on meta first: weights larger than the host's memory
+    are one ModelError line (what the launcher reports), never an allocator traceback."""
+    from profiler.errors import ModelError
+
+    ref = "mlp(hidden=1000000000000,depth=1)"  # 256 TB in its first layer
+    with pytest.raises(ModelError, match=r"^model '.*' needs [\d,]+ bytes of weights but this"):
+        build_stage(ModelSource(ref=ref), 2, (2,), 0, seed=5)

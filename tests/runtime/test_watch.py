@@ -90,7 +90,8 @@ def test_a_waves_reports_travel_in_one_message_and_arrive_one_by_one() -> None:
     the launcher); :class:`Reports` hands them on in order, between the child's other messages."""
     import multiprocessing
 
-    from runtime.launch.reports import REPORTS, Reports
+    from runtime.launch.reports import Reports
+    from runtime.messages import REPORTS
 
     reports = Reports(multiprocessing.get_context("spawn"))
     channel, _ = reports.channel(key=3)
