@@ -69,13 +69,14 @@ def comm_share(plan: Plan) -> float:
 
 def plans(cluster: Cluster, batch: int) -> list[tuple[str, Plan]]:
     """ED (one VW of every device), HD (two VWs) and the AllReduce baseline."""
+    from hetpipe.planning import plan, profiles_for
     from planner.baseline import allreduce_plan
-    from planner.planner import plan
 
+    cpu = profiles_for(cluster, [], MODEL, batch)  # the front end measures, the planner plans
     return [
         ("ED", plan(cluster, policy="ed", model=MODEL, batch_size=batch, num_vws=1)),
         ("HD", plan(cluster, policy="hd", model=MODEL, batch_size=batch, num_vws=2)),
-        ("AllReduce", allreduce_plan(cluster, MODEL, batch)),
+        ("AllReduce", allreduce_plan(cluster, MODEL, batch, profiles=cpu)),
     ]
 
 
