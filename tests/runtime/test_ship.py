@@ -30,6 +30,21 @@ def _source() -> tuple[nn.Module, ModelSource]:
     return model, ModelSource(module=model, sample_inputs=(torch.randn(4, 64),))
 
 
+def _count_captures(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Make every capture of a module append its id to the returned list."""
+    import profiler.graph
+
+    captures: list[int] = []
+    real = profiler.graph.capture
+
+    def counting(module: nn.Module, *args: object, **kwargs: object) -> object:
+        captures.append(id(module))
+        return real(module, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(profiler.graph, "capture", counting)
+    return captures
+
+
 def test_a_stage_process_receives_its_stage_alone_with_the_users_weights() -> None:
     model, source = _source()
     whole = len(pickle.dumps(source))
@@ -56,19 +71,11 @@ def test_a_stage_process_receives_its_stage_alone_with_the_users_weights() -> No
 
 def test_the_parent_captures_a_users_module_once_per_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """Planning, the run's data, shipping every stage and the reference model read one capture."""
-    import profiler.graph
     from hetpipe.planning import plan_on_the_fly
     from planner.on_the_fly import PlanRequest
     from runtime.data_source import output_classes
 
-    captures: list[int] = []
-    real = profiler.graph.capture
-
-    def counting(module: nn.Module, *args: object, **kwargs: object) -> object:
-        captures.append(id(module))
-        return real(module, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(profiler.graph, "capture", counting)
+    captures = _count_captures(monkeypatch)
     model, source = _source()
     spec = resolve_source(source, 4, meta=False)
     request = PlanRequest(source.name, 4, nm=2, stages=2)
@@ -89,21 +96,13 @@ def test_a_wsp_run_of_a_users_module_is_captured_once_and_shipped_by_the_launche
 ) -> None:
     """The launcher's whole preparation (data, shards' layout, pacing, every stage's job) reads
     the capture planning made, and each stage's job already holds its stage alone."""
-    import profiler.graph
     from planner.manual import cpu_cluster, multi_vw_plan
     from runtime.config import RunConfig
     from runtime.launch.jobs import Attempt, Prepared
     from runtime.launch.launcher import prepare
     from runtime.spec import RunSpec
 
-    captures: list[int] = []
-    real = profiler.graph.capture
-
-    def counting(module: nn.Module, *args: object, **kwargs: object) -> object:
-        captures.append(id(module))
-        return real(module, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(profiler.graph, "capture", counting)
+    captures = _count_captures(monkeypatch)
     model, source = _source()
     graph = model_graph(source, resolve_source(source, 4, meta=False))
     plan = multi_vw_plan(graph, [[2], [2]], "Sequential", 4, 1, cluster=cpu_cluster(4))
