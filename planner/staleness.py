@@ -146,7 +146,8 @@ def remedy_weight_copies(remedy: str, nm: int, optimizer_factor: float) -> int:
     the newest minibatch runs on is a predicted copy instead of the master's storage (``Nm``
     versions beside the master, not ``Nm - 1``); without a momentum buffer (plain SGD,
     ``optimizer_factor != 1``) the last applied gradient is kept as the velocity, at every Nm.
-    ``none`` and ``pipemare`` keep nothing more.
+    ``none`` and ``pipemare`` keep nothing more. The VWs do not change it: predicting over
+    the other VWs' updates reuses the same copy, and ``Nm = 1`` predicts nothing.
 
     Example:
         >>> [remedy_weight_copies("predict", nm, 1.0) for nm in (1, 2, 4)]
