@@ -81,26 +81,35 @@ def system_plan(path: Path) -> SystemPlan:
                       plan.predicted.throughput, plan.remedy, key)  # fmt: skip
 
 
-def plan_args_of(system: str, plan_args: Sequence[str]) -> list[str]:
-    """What ``hetpipe plan`` adds for ``system`` (besides the cluster, model and optimizer).
+def plan_args_of(system: str, plan_args: Sequence[str], data: str = "") -> list[str]:
+    """What ``hetpipe plan`` adds for ``system`` (besides the cluster, model and optimizer);
+    ``hetpipe-time`` calibrates its efficiency model on ``data`` (the data the runs train on,
+    ``--calibrate-efficiency``; empty: the model's defaults).
 
-    >>> plan_args_of("ddp", ["--policy", "ed"]), plan_args_of("hetpipe-time", [])
-    (['--sync', 'allreduce'], ['--objective', 'time'])
+    >>> plan_args_of("ddp", ["--policy", "ed"]), plan_args_of("hetpipe-time", [], "pkg:data")
+    (['--sync', 'allreduce'], ['--objective', 'time', '--calibrate-efficiency', 'pkg:data'])
     """
     if system == "ddp":
         return ["--sync", "allreduce"]
     if system == "hetpipe-time":
-        return [*plan_args, "--objective", "time"]
+        calibrate = ["--calibrate-efficiency", data] if data else []
+        return [*plan_args, "--objective", "time", *calibrate]
     return list(plan_args)
 
 
 def make_plans(
-    common: Sequence[str], plan_args: Sequence[str], systems: Sequence[str], folder: Path, tag: str
+    common: Sequence[str],
+    plan_args: Sequence[str],
+    systems: Sequence[str],
+    folder: Path,
+    tag: str,
+    data: str = "",
 ) -> dict[str, SystemPlan]:
     """Each of ``systems``' plan (``hetpipe plan COMMON ...``), written to ``folder``."""
     plans = {}
     for system in systems:
         path = folder / f"{tag}_{system}.json"
-        check(hetpipe_cmd("plan", *common, *plan_args_of(system, plan_args), "-o", str(path)), 900)
+        args = plan_args_of(system, plan_args, data)
+        check(hetpipe_cmd("plan", *common, *args, "-o", str(path)), 900)
         plans[system] = system_plan(path)
     return plans
