@@ -213,4 +213,5 @@ class PSClient(PullingClient):
             self._wait(link, self._isend(link, bye, TAG_REQUEST, "close"), "close", self.timeout_s)
         self._closed = True
         self._delay.close()
+        self._arrivals.close()
         log.debug("%s parameter-server client closed", self._prefix)

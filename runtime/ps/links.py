@@ -21,6 +21,7 @@ from runtime.link_pacing import (
     NO_LINKS,
     REAL_PACE,
     Arrival,
+    ArrivalWatcher,
     DelayedWork,
     DelayLine,
     Pace,
@@ -85,6 +86,7 @@ class ShardLinks:
         self.vw, self.stage, self.group = vw, stage, group
         self._paced, self._pace = paced, pace  # emulated links (runtime.link_pacing)
         self._delay = DelayLine(pace)  # posts paced pushes when their link delivers them
+        self._arrivals = ArrivalWatcher()  # stamps when paced pull replies arrive
         self._push_free_s = float("-inf")  # when the stage's previous paced push lands
         self.timeout_s = timeout_s
         self.pull_timeout_s = timeout_s if pull_timeout_s is None else pull_timeout_s

@@ -125,7 +125,7 @@ class PullingClient(ShardLinks):
         push_s = self._charge_s(k, push_bytes)
         pull_s = self._charge_s(k, data.numel() * data.element_size())
         if pull_s > 0:  # an emulated link: learn when the reply arrives, even if waited late
-            w_hdr = Arrival(w_hdr, self._pace)
+            w_hdr = Arrival(w_hdr, self._arrivals, self._pace)
         return Posted(w_hdr, w_data, hdr, data, direct is not None, seq, start, push_s, pull_s)
 
     def _pace_pull(self, posted: Sequence[Posted]) -> None:

@@ -111,7 +111,7 @@ class StageWorker:
             tuple((self.names[n], p) for n, p in params.items()), self.weights, self.result,
             self.tied if self.tied else None, job.init_method, group,
             tuple((self.buffer_names[n], b) for n, b in self.module.named_buffers()),
-            self.links,
+            self.links, self.last,
         )  # fmt: skip
         self.sync = stage_sync(job.sync, view)  # the synchronisation rule's hooks
         self._task_mb = 1  # the minibatch of the task being paced (its wave may straggle)

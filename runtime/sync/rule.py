@@ -141,6 +141,7 @@ class StageView:
             like the world (a restarted VW's, :mod:`runtime.ps.rejoin`; ``None``: default).
         buffers: ``(original name, buffer)`` of the stage's module (a snapshot holds them).
         links: the emulated links the rule's transfers are paced to (:mod:`runtime.link_pacing`).
+        last: the pipeline's last stage (its tasks forward and update minibatches in order).
     """
 
     rank: int
@@ -156,6 +157,7 @@ class StageView:
     group: Any = None
     buffers: tuple[tuple[str, Tensor], ...] = ()
     links: StageLinks = NO_LINKS
+    last: bool = False
 
 
 class StageSync:

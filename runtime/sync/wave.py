@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from planner.wsp import local_version, required_global_clock
+from planner.wsp import required_global_clock
 from profiler.errors import HetPipeRuntimeError
 from runtime.defaults import neighbour_wait_s, vw_wait_s
 from runtime.persist.snapshot import (
@@ -83,6 +83,9 @@ class WaveSync(StageSync):
         numbers: backup workers: the VW's wave numbers when it jumps to the current clock,
             and the run's end (:class:`runtime.sync.backup.WaveNumbers`; ``None``: a wave's
             number is its data position, as WSP has it).
+        in_order: the pipeline's last stage: each task forwards, backwards and updates one
+            minibatch, in minibatch order, so with ``D = 0`` too a pull is folded by the
+            forward that needs it (:meth:`before_update`).
     """
 
     def __init__(
@@ -103,9 +106,14 @@ class WaveSync(StageSync):
         versions: VersionedWeights | None = None,
         buffers: dict[str, Tensor] | None = None,
         numbers: WaveNumbers | None = None,
+        in_order: bool = False,
     ) -> None:
         self.client, self.params, self.nm, self.D = client, list(params), nm, D
         self.numbers = numbers
+        # D = 0 folds a pull at a fixed point of the stage's task order: the first update
+        # after its push, or, on a stage whose tasks run in minibatch order, the forward
+        # that needs it (tied copies and backup workers keep the first)
+        self._fold_late = D > 0 or (in_order and mirror is None and numbers is None)
         self.result = result
         self.first_mb = first_mb
         self.optimizer = optimizer
@@ -122,7 +130,7 @@ class WaveSync(StageSync):
         self.versions = versions if versions is not None else weights
         self.buffers = buffers or {}
         self._wave_start: tuple[int, ForwardState] | None = None  # (its first minibatch, state)
-        self._pulled: list[Tensor] = []  # a pull to fold (a resumed start)
+        self._pulled: list[Tensor] = []  # a pull to fold (a resumed start of a late folder)
         self.rejoined = False  # a restarted VW: optimizer state from an earlier snapshot
 
     @classmethod
@@ -167,6 +175,7 @@ class WaveSync(StageSync):
             view.weights,
             dict(view.buffers),
             numbers,
+            view.last,
         )
         sync.rejoined = spec.rejoined
         return sync
@@ -220,7 +229,9 @@ class WaveSync(StageSync):
         if fold:
             self._pull(clock, fold=True)
             self._mirror_announce(0)  # followers: the owner's correction for version 0 follows
-            self._fold(0, self._pulled)
+            if self.D > 0 or not self._fold_late:  # a late folder folds it where the stopped
+                self._fold(0, self._pulled)  # run did: at the forward that needs it
+                self._pulled = []
             if self.mirror is not None:
                 self.mirror.before_update()
         else:
@@ -340,9 +351,12 @@ class WaveSync(StageSync):
             self._wave_start = (self.first_mb + mb, ForwardState.capture(self.buffers))
         if self.mirror is not None:
             self.mirror.before_forward(mb, self.nm)
+        if self._pulled and mb - self.nm >= 0:  # a resumed start's pull, pushed at mb 0
+            self._fold(0, self._pulled)
+            self._pulled = []
         if self._pending is None or self.weights is None:
             return
-        if local_version(mb, self.nm) >= self._pending[2]:
+        if mb - self.nm >= self._pending[2]:  # version mb - Nm holds the pushed update
             self._complete_pull()
 
     def before_update(self, mb: int) -> None:
@@ -350,10 +364,13 @@ class WaveSync(StageSync):
         folded in before the first local update after its push, so the fold always meets
         the same weights (no local update since the push): the floating-point result does not
         depend on whether the next forward or the next update came first (task order is
-        FIFO by arrival). With ``D > 0`` the fold waits for the forward that needs it."""
+        FIFO by arrival). With ``D > 0``, and on the last stage, whose tasks run in minibatch
+        order (its fold meets the same weights every run), the fold waits for the forward
+        that needs it: the last stage goes on with the wave's first ``Nm - 1`` minibatches
+        while the slower VWs finish, as the simulator has it."""
         if self.mirror is not None and self.D == 0:
             self.mirror.before_update()
-        if self._pending is not None and self.D == 0:
+        if self._pending is not None and not self._fold_late:
             self._complete_pull()
 
     def _complete_pull(self) -> None:

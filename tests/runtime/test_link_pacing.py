@@ -7,6 +7,7 @@ exactly when each transfer would end, with no sleeping and no timed assertion.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -205,3 +206,33 @@ def test_a_reply_held_for_the_global_clock_is_charged_from_its_arrival() -> None
     client = _client(StageLinks(shards=((0, link),)), 250_000, clock, [], held_s=5.0)
     client.pull(0)  # the shard answered 5 s later (slower VWs), then the reply crossed the link
     assert clock.now == pytest.approx(3.0 + 5.0 + link.time_s(1e6))
+
+
+class _Held:
+    """A transport request that completes when ``release`` is set."""
+
+    def __init__(self, release: threading.Event) -> None:
+        self.release = release
+
+    def wait(self, timeout: Any = None) -> bool:
+        return self.release.wait(10.0)
+
+
+def test_replies_in_flight_are_watched_by_one_thread() -> None:
+    # a thread per paced reply cost more than the rest of a pull on a loaded machine
+    clock, release = FakeClock(), threading.Event()
+    client = _client(StageLinks(shards=((0, Link(1e9, 1e-4)),)), 1_000, clock, [])
+    plain_irecv = client._irecv
+
+    def irecv(link: Any, tensor: torch.Tensor, tag: int, what: str) -> Any:
+        plain_irecv(link, tensor, tag, what)
+        return _Held(release) if tag == TAG_PULL_HEADER else _Done()
+
+    client._irecv = irecv  # type: ignore[method-assign,assignment]
+    before = threading.active_count()
+    handles = [client.pull_async(k) for k in range(4)]
+    watching = threading.active_count() - before
+    release.set()
+    assert [h.wait().clock for h in handles] == [1_000] * 4
+    client.close()
+    assert watching == 1

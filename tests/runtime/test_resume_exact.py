@@ -51,9 +51,11 @@ def test_resume_after_a_kill_is_bit_identical_at_nm_3(
     whole = launch(plan, SOURCE, spec(opt, run(tmp_path / "whole")))
     assert isinstance(whole, RunResult)
     out = tmp_path / "cut"
-    # stage 1 dies before minibatch 8: the snapshot at clock 2 (minibatch 6) is the last one
+    # stage 1 dies before minibatch 10: minibatch 9 waited for clock 2 (the last stage folds
+    # a pull at the forward that needs it), so the snapshot at clock 2 (minibatch 6) is the
+    # last one
     with pytest.raises(HetPipeRuntimeError):
-        launch(plan, SOURCE, spec(opt, run(out), checkpoint_every=2, stage_fault=StageFault(1, 8)))
+        launch(plan, SOURCE, spec(opt, run(out), checkpoint_every=2, stage_fault=StageFault(1, 10)))
     assert committed_clocks(out / "checkpoints") == [2]
     part = load_part(read_manifest(snapshot_dir(out / "checkpoints", 2)), "vw0-stage0")
     assert sorted(part["versions"]) == [-2, -1]  # the Nm - 1 versions in flight
@@ -76,7 +78,7 @@ def test_resume_after_a_kill_is_bit_identical_at_nm_3(
         with (out / f"vw{k}" / "metrics.csv").open(newline="", encoding="utf-8") as f:
             rows = [(int(r["attempt"]), int(r["minibatch"]), r["loss"]) for r in csv.DictReader(f)]
         killed = [mb for a, mb, _ in rows if a == 0]
-        assert killed == list(range(1, len(killed) + 1)) and 0 < len(killed) < 8
+        assert killed == list(range(1, len(killed) + 1)) and 0 < len(killed) < 10
         assert [(a, mb) for a, mb, _ in rows if a != 0] == [(1, mb) for mb in range(7, 16)]
         whole_loss = {mb: f"{loss:.6f}" for mb, loss in whole.vws[k].stages[-1].losses}
         assert all(loss == whole_loss[mb] for _, mb, loss in rows)
