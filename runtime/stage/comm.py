@@ -293,7 +293,7 @@ def _recv(layout: Layout, peer: int, group: Any, tag: int, timeout_s: float | No
 def start_activation_receiver(
     peer: int,
     specs: tuple[TensorSpec, ...],
-    inbox: queue.Queue[Event],
+    inbox: queue.SimpleQueue[Event],
     group: Any = None,
     timeout_s: float | None = None,
     pacer: LinkPacer | None = None,
@@ -334,7 +334,7 @@ class GradReceiver:
         self,
         peer: int,
         specs: tuple[TensorSpec, ...],
-        inbox: queue.Queue[Event],
+        inbox: queue.SimpleQueue[Event],
         group: Any = None,
         timeout_s: float | None = None,
         pacer: LinkPacer | None = None,
@@ -342,7 +342,7 @@ class GradReceiver:
         self._pacer = pacer
         self._layout = layout_of(tuple(s for s in specs if s.is_float))
         self._timeout_s = timeout_s
-        self._expected: queue.Queue[int] = queue.Queue()
+        self._expected: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._peer = peer
         self._group = group
         self._inbox = inbox

@@ -96,7 +96,7 @@ class StageWorker:
         )  # fmt: skip
         self.schedule = schedule_named(ctx.schedule)  # checked with the plan
         self.queue = self.schedule.queue(ctx.stage, ctx.n_stages)
-        self.inbox: queue.Queue[Event] = queue.Queue()
+        self.inbox: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self.held: dict[int, Held] = {}
         self.result = StageResult(ctx.rank, ctx.vw, ctx.stage, ctx.device)
         self.fault = job.fault.hook(ctx.vw, ctx.stage) if job.fault is not None else None

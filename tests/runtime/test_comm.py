@@ -101,7 +101,7 @@ def activations(mb: int) -> tuple[Tensor, ...]:
     )
 
 
-def drain(inbox: queue.Queue[Event]) -> list[Event]:
+def drain(inbox: queue.SimpleQueue[Event]) -> list[Event]:
     return [inbox.get(timeout=10) for _ in range(inbox.qsize())]
 
 
@@ -123,7 +123,7 @@ def test_received_tensors_are_views_of_their_message_charged_for_their_bytes(
     for mb in (1, 2):
         sender.send_activations(mb, activations(mb))
     sender.send_stop()
-    inbox: queue.Queue[Event] = queue.Queue()
+    inbox: queue.SimpleQueue[Event] = queue.SimpleQueue()
     pacer = Pacer()
     start_activation_receiver(0, SPECS, inbox, timeout_s=5, pacer=pacer).join(10)
     first, second, stop = drain(inbox)
@@ -145,7 +145,7 @@ def test_gradients_come_back_one_message_per_minibatch(wire: Wire) -> None:
     back.send_grads(1, grads)
     back.send_grads(2, [torch.full((4, 3), 2.0), torch.ones(4, 2, dtype=torch.bfloat16)])
     assert [tag for _, tag, _ in wire.sends] == [GRAD_TAG, GRAD_TAG]
-    inbox: queue.Queue[Event] = queue.Queue()
+    inbox: queue.SimpleQueue[Event] = queue.SimpleQueue()
     pacer = Pacer()
     rx = GradReceiver(1, SPECS, inbox, timeout_s=5, pacer=pacer)
     rx.expect(1)
@@ -161,7 +161,7 @@ def test_gradients_come_back_one_message_per_minibatch(wire: Wire) -> None:
 
 def test_gradients_of_another_minibatch_are_an_error_event(wire: Wire) -> None:
     Channel(0, SPECS).send_grads(2, [None, None])
-    inbox: queue.Queue[Event] = queue.Queue()
+    inbox: queue.SimpleQueue[Event] = queue.SimpleQueue()
     rx = GradReceiver(1, SPECS, inbox, timeout_s=5)
     rx.expect(1)
     (event,) = [inbox.get(timeout=10)]
@@ -171,7 +171,7 @@ def test_gradients_of_another_minibatch_are_an_error_event(wire: Wire) -> None:
 
 def test_a_failed_receive_is_an_error_event(wire: Wire) -> None:
     wire.recv_error = RuntimeError("Connection closed by peer")
-    inbox: queue.Queue[Event] = queue.Queue()
+    inbox: queue.SimpleQueue[Event] = queue.SimpleQueue()
     start_activation_receiver(0, SPECS, inbox, timeout_s=5).join(10)
     (event,) = drain(inbox)
     assert event.kind == "error" and "closed by peer" in str(event.error)
