@@ -279,15 +279,37 @@ def _post(op: Any, t: Tensor, peer: int, group: Any, tag: int) -> Any:
     return op(t, group=group, tag=tag, **{"group_dst" if op is dist.isend else "group_src": peer})
 
 
-def _recv(layout: Layout, peer: int, group: Any, tag: int, timeout_s: float | None) -> Message:
-    """Receive one message of ``layout`` from ``peer`` into a new buffer (waiting at most
-    ``timeout_s``; ``None``: the group's timeout). A new one: the stage keeps the tensors
-    it receives until the minibatch's backward is done."""
+@dataclass(frozen=True)
+class _Posted:
+    """A receive posted into a new buffer (a new one: the stage keeps the tensors it receives
+    until the minibatch's backward is done)."""
+
+    msg: Message
+    work: Any
+
+    def wait(self, timeout_s: float | None) -> Message:
+        """The message, once received (waiting at most ``timeout_s``; ``None``: the group's
+        timeout)."""
+        if self.work is not None:
+            limit = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+            self.work.wait() if limit is None else self.work.wait(limit)
+        return self.msg
+
+
+def _post_recv(layout: Layout, peer: int, group: Any, tag: int) -> _Posted:
+    """Post the receive of one message of ``layout`` from ``peer``.
+
+    A receive posted before its send lets gloo write the data at once (a send that comes
+    first only announces itself and waits for the receiver's notice), so each receiver keeps
+    the next receive posted while it paces and hands over the current message.
+    """
     msg = layout.message()
-    work = _post(dist.irecv, msg.buf, peer, group, tag)
-    if work is not None:
-        work.wait() if timeout_s is None else work.wait(datetime.timedelta(seconds=timeout_s))
-    return msg
+    return _Posted(msg, _post(dist.irecv, msg.buf, peer, group, tag))
+
+
+def _now(pacer: LinkPacer | None) -> float:
+    """Now on ``pacer``'s clock (0 when not paced)."""
+    return 0.0 if pacer is None else pacer.pace.clock()
 
 
 def start_activation_receiver(
@@ -305,14 +327,17 @@ def start_activation_receiver(
 
     def loop() -> None:
         try:
+            posted = _post_recv(layout, peer, group, ACT_TAG)
             while True:
-                msg = _recv(layout, peer, group, ACT_TAG, timeout_s)
+                msg = posted.wait(timeout_s)
                 mb = int(msg.header)
                 if mb == STOP:
                     inbox.put(Event("stop"))
                     return
+                arrived_s = _now(pacer)
+                posted = _post_recv(layout, peer, group, ACT_TAG)  # the next one, ahead
                 if pacer is not None:
-                    pacer.arrived(layout.payload_bytes)
+                    pacer.arrived(layout.payload_bytes, arrived_s)
                 inbox.put(Event("act", mb, msg.tensors))
         except Exception as exc:  # a dead peer or a timeout: hand it to the stage loop
             inbox.put(Event("error", error=exc))
@@ -359,20 +384,36 @@ class GradReceiver:
         """No more gradients: end the thread."""
         self._expected.put(STOP)
 
+    def _post(self) -> _Posted:
+        return _post_recv(self._layout, self._peer, self._group, GRAD_TAG)
+
+    def _next(self, block: bool) -> int | None:
+        """The next expected minibatch (or :data:`STOP`); ``None``: none known yet."""
+        try:
+            return self._expected.get() if block else self._expected.get_nowait()
+        except queue.Empty:
+            return None
+
     def _loop(self) -> None:
         try:
-            while True:
-                mb = self._expected.get()
-                if mb == STOP:
-                    return
-                msg = _recv(self._layout, self._peer, self._group, GRAD_TAG, self._timeout_s)
+            mb = self._next(block=True)
+            posted = None if mb == STOP else self._post()
+            while posted is not None and mb is not None:
+                msg = posted.wait(self._timeout_s)
                 if int(msg.header) != mb:
                     raise HetPipeRuntimeError(
                         f"gradients of minibatch {int(msg.header)} came from rank {self._peer} "
                         f"while minibatch {mb}'s were due; the stages disagree on the order"
                     )
+                arrived_s = _now(self._pacer)
+                nxt = self._next(block=False)  # already expected: post its receive ahead
+                posted = self._post() if nxt is not None and nxt != STOP else None
                 if self._pacer is not None:
-                    self._pacer.arrived(self._layout.payload_bytes)
+                    self._pacer.arrived(self._layout.payload_bytes, arrived_s)
                 self._inbox.put(Event("grad", mb, msg.tensors))
+                if nxt is None:
+                    nxt = self._next(block=True)
+                    posted = None if nxt == STOP else self._post()
+                mb = nxt
         except Exception as exc:  # a dead peer or a timeout: hand it to the stage loop
             self._inbox.put(Event("error", error=exc))

@@ -7,6 +7,7 @@ so the tests see every send and receive the stages would post, with no process s
 from __future__ import annotations
 
 import queue
+import threading
 from collections import defaultdict, deque
 from typing import Any
 
@@ -42,10 +43,14 @@ FLOATS = tuple(s for s in SPECS if s.is_float)
 class Work:
     """A completed transport request that records whether it was waited on."""
 
-    def __init__(self, error: BaseException | None = None) -> None:
-        self.waited, self.error = False, error
+    def __init__(
+        self, error: BaseException | None = None, gate: threading.Event | None = None
+    ) -> None:
+        self.waited, self.error, self.gate = False, error, gate
 
     def wait(self, timeout: Any = None) -> bool:
+        if self.gate is not None:  # a receive completes once the test opens the gate
+            self.gate.wait(10)
         self.waited = True
         if self.error is not None:
             raise self.error
@@ -59,18 +64,21 @@ class Wire:
         self.sent: dict[int, deque[Tensor]] = defaultdict(deque)
         self.sends: list[tuple[Tensor, int, Work]] = []  # (buffer, tag, work) as posted
         self.recv_error: BaseException | None = None
+        self.recvs = 0  # receives posted so far
+        self.gate: threading.Event | None = None
 
     def post(self, op: Any, t: Tensor, peer: int, group: Any, tag: int) -> Work:
         if op is dist.isend:
             self.sent[tag].append(t.clone())
             self.sends.append((t, tag, Work()))
             return self.sends[-1][2]
+        self.recvs += 1
         if self.recv_error is not None:
             return Work(self.recv_error)
         msg = self.sent[tag].popleft()
         assert msg.numel() == t.numel(), "gloo needs the receive to be the send's size"
         t.copy_(msg)
-        return Work()
+        return Work(gate=self.gate)
 
 
 class Pacer(LinkPacer):
@@ -205,3 +213,37 @@ def test_the_stop_is_one_message_of_the_same_size(wire: Wire) -> None:
     ((buf, tag, _),) = wire.sends
     assert tag == ACT_TAG and buf.numel() == layout_of(SPECS).nbytes
     assert int(layout_of(SPECS).message(buf).header) == STOP
+
+
+class PostedAt(LinkPacer):
+    """Records how many receives were posted when each message was paced."""
+
+    def __init__(self, wire: Wire) -> None:
+        super().__init__(None)
+        self.wire, self.posted = wire, list[int]()
+
+    def arrived(self, nbytes: float, start_s: float | None = None) -> float:
+        self.posted.append(self.wire.recvs)
+        return 0.0
+
+
+def test_the_next_receive_is_posted_before_a_message_is_paced(wire: Wire) -> None:
+    forward, back = Channel(1, SPECS), Channel(0, SPECS)
+    for mb in (1, 2):
+        forward.send_activations(mb, activations(mb))
+        back.send_grads(mb, [None, None])
+    forward.send_stop()
+    inbox: queue.SimpleQueue[Event] = queue.SimpleQueue()
+    acts = PostedAt(wire)
+    start_activation_receiver(0, SPECS, inbox, timeout_s=5, pacer=acts).join(10)
+    assert acts.posted == [2, 3]  # message 2's receive, then the stop's, already waiting
+    wire.recvs, wire.gate = 0, threading.Event()
+    grads = PostedAt(wire)
+    rx = GradReceiver(1, SPECS, inbox, timeout_s=5, pacer=grads)
+    rx.expect(1)
+    rx.expect(2)  # known before 1's gradients arrive, as when 2's activations left first
+    rx.close()
+    wire.gate.set()
+    rx.thread.join(10)
+    assert grads.posted == [2, 2]  # 2's ahead of 1; none after the last
+    assert [e.kind for e in drain(inbox)] == ["act", "act", "stop", "grad", "grad"]
