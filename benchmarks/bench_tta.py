@@ -18,12 +18,17 @@ on the run's test set (``benchmarks/tta_eval.py``), at its sample count and its 
 time, counted from the run's first finished minibatch** (start-up reported apart). HetPipe
 trains the plan ``hetpipe plan`` makes (``--plan-args`` adds to that command, e.g.
 ``--objective time`` or ``--policy ed``); the baseline is ``--sync allreduce`` on the devices
-that hold the model. Each system takes its own best learning rate from a grid (short runs,
-seed 0; the best is the one reaching the target soonest, else the best final value); the
-baseline's grid is HetPipe's times its world size (the linear-scaling rule: the same step per
-sample), so it holds HetPipe's choice scaled. Then every seed trains each system at its chosen lr; the figure is the time
-to target per seed and the ratio baseline / HetPipe (above 1: HetPipe is sooner), with mean,
-min and max over the seeds.
+that hold the model; ``--time-objective`` adds a third system, ``hetpipe-time``: the plan
+``hetpipe plan --objective time`` picks (``benchmarks/tta_plans.py``), side by side, to show
+the planner's "never slower" rule (when it picks the AllReduce plan, its runs are DDP's).
+Each system takes its own best learning rate from a grid (short runs, seed 0; the best is the
+one reaching the target soonest, else the best final value); an AllReduce plan's grid is
+HetPipe's times its world size (the linear-scaling rule: the same step per sample), so it holds
+HetPipe's choice scaled. While a system's best lr is the lowest or the highest of its grid, the
+grid is extended one step (x0.5 or x2), at most ``MAX_EXTENSIONS`` times (``grid_extended`` in
+the JSON). Then every seed trains each system at its chosen lr; the figure is the time to
+target per seed and the ratio baseline / HetPipe (above 1: HetPipe is sooner), with mean, min
+and max over the seeds.
 
 Run: ``python benchmarks/bench_tta.py`` (the full mode prints its expected duration, about
 45 min, and its progress; give it a quiet machine), or ``--quick`` (one seed, no grid, a few
@@ -37,7 +42,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,6 +55,15 @@ if str(REPO) not in sys.path:  # run as a script: ``benchmarks.*`` from the repo
     sys.path.insert(0, str(REPO))
 
 from benchmarks.tta_eval import Point, evaluate_run, time_to_target  # noqa: E402
+from benchmarks.tta_plans import (  # noqa: E402
+    SYSTEMS,
+    TITLES,
+    SystemPlan,
+    check,
+    hetpipe_cmd,
+    make_plans,
+)
+from benchmarks.tta_plot import plot  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -68,6 +81,9 @@ class Workload:
         target: the value whose time is the figure.
         momentum: SGD momentum.
         lr_grid: HetPipe's learning rates to try (the baseline's: these x its world size).
+            ``lm``'s lies 2-8x below DDP's best per VW (0.04 / 4): at 4 VWs x ``Nm = 3``
+            HetPipe collapses to the unigram loss from lr 0.005 up (docs/convergence.md, "Why HetPipe stayed
+            at the unigram loss").
         quick_lr: HetPipe's lr in ``--quick`` (no grid; the baseline at the linear rule).
         quick_target: the target in ``--quick``, one a few seconds reach (so the smoke check
             exercises the times to target and their ratio; not a figure).
@@ -99,7 +115,7 @@ WORKLOADS = {
                     32, "accuracy", 0.97, 0.9, (0.0025, 0.005, 0.01), 0.005, 0.5, 35.0),
     "lm": Workload("lm", "tiny GPT-2 on Markov tokens", "examples.gpt2_lm:tiny",
                    "benchmarks.tta_tasks:lm_data", REPO / "benchmarks/tta_cluster_lm.yaml",
-                   16, "loss", 1.6, 0.9, (0.005, 0.01, 0.02), 0.01, 4.5, 60.0),
+                   16, "loss", 1.6, 0.9, (0.00125, 0.0025, 0.005), 0.01, 4.5, 60.0),
 }  # fmt: skip
 
 
@@ -123,6 +139,7 @@ class Budget:
 
 FULL = Budget(train_s=110.0, grid_s=20.0, seeds=3, snapshots=30)
 QUICK = Budget(train_s=5.0, grid_s=0.0, seeds=1, snapshots=5)
+MAX_EXTENSIONS = 2  # lrs a grid may add beyond its edge, one step (x0.5 or x2) each
 
 
 @dataclass(frozen=True)
@@ -147,72 +164,24 @@ class Run:
         return getattr(self.points[-1], metric) if self.points else math.nan
 
 
-@dataclass(frozen=True)
-class Plans:
-    """Both systems' plan files and what sets their snapshot periods."""
-
-    hetpipe: Path
-    ddp: Path
-    samples_per_clock: dict[str, int]  # system -> training samples per global clock
-    workers: dict[str, int]  # system -> VWs (the baseline: devices)
-    predicted: dict[str, float]  # system -> predicted samples/s
-
-
-def hetpipe_cmd(*args: str) -> list[str]:
-    """``python -m hetpipe ARGS`` (this interpreter, this checkout)."""
-    return [sys.executable, "-m", "hetpipe", *args]
-
-
-def _check(cmd: list[str], timeout_s: float) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False,
-                          cwd=REPO, env=env)  # fmt: skip
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-
-
-def make_plans(w: Workload, plan_args: Sequence[str], folder: Path) -> Plans:
-    """HetPipe's plan (``hetpipe plan`` with ``plan_args``) and the baseline's (``--sync
-    allreduce``: every device that holds the model), written to ``folder``."""
-    from planner.plan_file import load_plan
-
-    common = [str(w.cluster), "--model", w.model, "--batch-size", str(w.batch)]
-    common += ["--optimizer", "momentum" if w.momentum else "sgd"]
-    het, ddp = folder / f"{w.name}_hetpipe.json", folder / f"{w.name}_ddp.json"
-    _check(hetpipe_cmd("plan", *common, *plan_args, "-o", str(het)), 900)
-    _check(hetpipe_cmd("plan", *common, "--sync", "allreduce", "-o", str(ddp)), 900)
-    per_clock, workers, predicted = {}, {}, {}
-    for system, path in (("hetpipe", het), ("ddp", ddp)):
-        plan = load_plan(path)
-        workers[system] = len(plan.virtual_workers)
-        nm = 1 if system == "ddp" else plan.nm
-        per_clock[system] = nm * plan.batch_size * workers[system]
-        predicted[system] = plan.predicted.throughput
-    return Plans(het, ddp, per_clock, workers, predicted)
-
-
 def run_one(
-    w: Workload, plans: Plans, system: str, seed: int, lr: float, train_s: float, every: int
+    w: Workload, system: str, plan: SystemPlan, seed: int, lr: float, train_s: float, every: int
 ) -> Run:
-    """Train ``system`` for ``train_s`` seconds, snapshotting every ``every`` samples, then
-    evaluate its snapshots (in this process)."""
-    per_clock = plans.samples_per_clock[system]
-    clocks = max(1, round(every / per_clock))
-    cap = math.ceil(4 * plans.predicted[system] * train_s / per_clock) + clocks  # time ends it
-    plan = plans.hetpipe if system == "hetpipe" else plans.ddp
+    """Train ``system`` (its ``plan``) for ``train_s`` seconds, snapshotting every ``every``
+    samples, then evaluate its snapshots (in this process)."""
+    clocks = max(1, round(every / plan.per_clock))
+    cap = math.ceil(4 * plan.predicted * train_s / plan.per_clock) + clocks  # time ends it
     with tempfile.TemporaryDirectory(prefix=f"tta-{w.name}-{system}-") as tmp:
         out = Path(tmp)
-        steps = cap * (1 if system == "ddp" else per_clock // (w.batch * plans.workers[system]))
-        cmd = hetpipe_cmd("run", str(plan), "--data", w.data, "--seed", str(seed),
+        cmd = hetpipe_cmd("run", str(plan.path), "--data", w.data, "--seed", str(seed),
                           "--lr", f"{lr:g}", "--momentum", f"{w.momentum:g}",
-                          "--steps", str(steps), "--time-limit", f"{train_s:g}",
+                          "--remedy", plan.remedy,  # the plan's rule and remedy
+                          "--steps", str(cap * plan.nm), "--time-limit", f"{train_s:g}",
                           "--checkpoint-every", str(clocks), "--keep", "0",
                           "--on-nonfinite", "skip",  # a grid lr that diverges loses, not stops
                           "--out", str(out), "--overwrite", "--no-progress")  # fmt: skip
-        if system == "ddp":
-            cmd += ["--sync", "allreduce"]
         t0 = time.perf_counter()
-        _check(cmd, 600 + 3 * train_s)
+        check(cmd, 600 + 3 * train_s)
         t1 = time.perf_counter()
         summary = json.loads((out / "summary.json").read_text())
         points, startup_s = evaluate_run(out, w.data, seed)
@@ -254,6 +223,24 @@ def spread(values: Sequence[float | None]) -> dict[str, float | int | None]:
     return {"n": len(got), "mean": sum(got) / len(got), "min": min(got), "max": max(got)}
 
 
+def edge_lr(tried: Sequence[float], best: float) -> float | None:
+    """The next lr to try when ``best`` is at the edge of the grid ``tried``: half the lowest,
+    twice the highest; ``None`` when it is inside (or the grid has one lr).
+
+    >>> edge_lr([0.01, 0.02, 0.04], 0.01), edge_lr([0.01, 0.02, 0.04], 0.04)
+    (0.005, 0.08)
+    >>> edge_lr([0.01, 0.02, 0.04], 0.02) is None, edge_lr([0.01], 0.01) is None
+    (True, True)
+    """
+    if len(set(tried)) < 2:
+        return None
+    if best == min(tried):
+        return min(tried) * 0.5
+    if best == max(tried):
+        return max(tried) * 2.0
+    return None
+
+
 def ratios(het: Sequence[Run], ddp: Sequence[Run]) -> list[float | None]:
     """Per seed: the baseline's time to target over HetPipe's (``None``: one never reached it)."""
     out: list[float | None] = []
@@ -277,86 +264,180 @@ class Progress:
         print(f"[{self.done}/{self.runs}] {what} (elapsed {elapsed / 60:.1f} of "
               f"~{self.expected_s / 60:.0f} min)", flush=True)  # fmt: skip
 
+    def add(self, runs: int, secs: float) -> None:
+        """Count ``runs`` more runs of ``secs`` seconds in all (a grid extended at its edge)."""
+        self.runs += runs
+        self.expected_s += secs
 
-def expected(budget: Budget, workloads: Sequence[Workload]) -> tuple[int, float]:
-    """Runs and seconds the benchmark takes: the grid (each lr, both systems) and every seed of
-    both systems, each run its training time plus the workload's ``overhead_s``."""
+
+def expected(budget: Budget, workloads: Sequence[Workload], systems: int = 2) -> tuple[int, float]:
+    """Runs and seconds the benchmark takes: the grid (each lr, each of ``systems``) and every
+    seed of every system, each run its training time plus the workload's ``overhead_s``
+    (without the grid extensions, counted when they happen, up to ``MAX_EXTENSIONS`` per
+    system)."""
     runs = secs = 0.0
     for w in workloads:
-        grid = 2 * len(w.lr_grid) if budget.grid_s > 0 else 0
-        runs += grid + 2 * budget.seeds
+        grid = systems * len(w.lr_grid) if budget.grid_s > 0 else 0
+        runs += grid + systems * budget.seeds
         secs += grid * (budget.grid_s + w.overhead_s)
-        secs += 2 * budget.seeds * (budget.train_s + w.overhead_s)
+        secs += systems * budget.seeds * (budget.train_s + w.overhead_s)
     return int(runs), secs
 
 
-def tune(
-    w: Workload, plans: Plans, budget: Budget, every: int, progress: Progress
-) -> tuple[float, float, dict[str, list[dict[str, Any]]]]:
-    """Each system's lr: the best of a grid of short seed-0 runs, HetPipe's over ``lr_grid``,
-    the baseline's over ``lr_grid`` x its world size (the linear-scaling rule: the same step
-    per sample as a HetPipe VW at that lr, so HetPipe's choice x world is always tried); in
-    ``--quick``, HetPipe's ``quick_lr`` and its linear-scaling lr. Returns both lrs and the
-    grid's runs."""
-    world = plans.workers["ddp"]
-    if budget.grid_s <= 0:
-        return w.quick_lr, w.quick_lr * world, {}
-    grid: dict[str, list[Run]] = {"hetpipe": [], "ddp": []}
-    for system, scale in (("hetpipe", 1), ("ddp", world)):
-        for lr in w.lr_grid:
-            progress.step(f"{w.name} grid: {system} lr {lr * scale:g}")
-            grid[system].append(run_one(w, plans, system, 0, lr * scale, budget.grid_s, every))
-    het_lr = choose_lr(grid["hetpipe"], w.metric).lr
-    ddp_lr = choose_lr(grid["ddp"], w.metric).lr
-    print(
-        f"{w.name}: chosen lr HetPipe {het_lr:g}, DDP {ddp_lr:g} (linear scaling {het_lr * world:g})"
-    )
-    return het_lr, ddp_lr, {k: [_record(r) for r in v] for k, v in grid.items()}
+def lr_scale(plan: SystemPlan) -> int:
+    """A system's lr over HetPipe's (per VW): the linear-scaling rule for an AllReduce plan
+    (its world size: the same step per sample), else 1."""
+    return plan.workers if plan.allreduce else 1
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """One system's lr grid, run at seed 0.
+
+    Attributes:
+        lr: the chosen lr (``choose_lr``).
+        runs: every grid run, the extensions last.
+        extended: the lrs added because the best was at the grid's edge, in order.
+    """
+
+    lr: float
+    runs: tuple[Run, ...]
+    extended: tuple[float, ...]
+
+
+def tune_system(
+    w: Workload, system: str, plan: SystemPlan, budget: Budget, every: int, progress: Progress
+) -> Tuning:
+    """``system``'s lr: the best of ``lr_grid`` x ``lr_scale`` (short seed-0 runs), the grid
+    extended one step (x0.5 below, x2 above) while the best is at its edge, at most
+    ``MAX_EXTENSIONS`` times."""
+    runs: list[Run] = []
+    lrs = [lr * lr_scale(plan) for lr in w.lr_grid]
+    extended: list[float] = []
+    while lrs:
+        lr = lrs.pop(0)
+        progress.step(f"{w.name} grid: {system} lr {lr:g}")
+        runs.append(run_one(w, system, plan, 0, lr, budget.grid_s, every))
+        if lrs or len(extended) == MAX_EXTENSIONS:
+            continue
+        more = edge_lr([r.lr for r in runs], choose_lr(runs, w.metric).lr)
+        if more is not None:
+            print(f"  {system}: best lr at the grid's edge: also lr {more:g}", flush=True)
+            progress.add(1, budget.grid_s + w.overhead_s)
+            extended.append(more)
+            lrs.append(more)
+    return Tuning(choose_lr(runs, w.metric).lr, tuple(runs), tuple(extended))
 
 
 def _record(r: Run) -> dict[str, Any]:
     return {**asdict(r), "points": [asdict(p) for p in r.points]}
 
 
-def bench_workload(
-    w: Workload, budget: Budget, plan_args: Sequence[str], progress: Progress, folder: Path
-) -> dict[str, Any]:
-    """Plan, tune, train every seed of both systems and compare their times to target."""
-    plans = make_plans(w, plan_args, folder)
-    every = max(w.batch, round(plans.predicted["hetpipe"] * budget.train_s / budget.snapshots))
-    het_lr, ddp_lr, grid = tune(w, plans, budget, every, progress)
-    runs: dict[str, list[Run]] = {"hetpipe": [], "ddp": []}
+def same_plans(plans: dict[str, SystemPlan]) -> dict[str, str]:
+    """System -> the earlier system whose plan trains the same (``SystemPlan.key``): its runs
+    are that system's, not trained twice (``--objective time`` may pick the AllReduce plan)."""
+    out: dict[str, str] = {}
+    seen: dict[str, str] = {}
+    for system, plan in plans.items():
+        if plan.key in seen:
+            out[system] = seen[plan.key]
+        else:
+            seen[plan.key] = system
+    return out
+
+
+def tune_all(
+    w: Workload, plans: dict[str, SystemPlan], budget: Budget, every: int, progress: Progress
+) -> dict[str, Tuning]:
+    """Each system's lr (:func:`tune_system`; in ``--quick``, ``quick_lr`` x ``lr_scale``)."""
+    same = same_plans(plans)
+    tunings: dict[str, Tuning] = {}
+    for system, plan in plans.items():
+        if system in same:
+            tunings[system] = tunings[same[system]]
+        elif budget.grid_s <= 0:
+            tunings[system] = Tuning(w.quick_lr * lr_scale(plan), (), ())
+        else:
+            tunings[system] = tune_system(w, system, plan, budget, every, progress)
+    chosen = ", ".join(f"{s} {t.lr:g}" for s, t in tunings.items())
+    het_lr = tunings["hetpipe"].lr
+    print(f"{w.name}: chosen lr {chosen} (DDP at HetPipe's linear scaling: "
+          f"{het_lr * lr_scale(plans['ddp']):g})", flush=True)  # fmt: skip
+    return tunings
+
+
+def train_seeds(
+    w: Workload,
+    plans: dict[str, SystemPlan],
+    tunings: dict[str, Tuning],
+    budget: Budget,
+    every: int,
+    progress: Progress,
+) -> dict[str, list[Run]]:
+    """Every seed of every system at its chosen lr (a system whose plan is another's reuses
+    that one's runs)."""
+    same = same_plans(plans)
+    runs: dict[str, list[Run]] = {s: [] for s in plans}
     for seed in range(budget.seeds):
-        for system, lr in (("hetpipe", het_lr), ("ddp", ddp_lr)):
+        for system, plan in plans.items():
+            if system in same:
+                runs[system].append(replace(runs[same[system]][seed], system=system))
+                continue
+            lr = tunings[system].lr
             progress.step(f"{w.name} seed {seed}: {system} lr {lr:g}")
-            r = run_one(w, plans, system, seed, lr, budget.train_s, every)
+            r = run_one(w, system, plan, seed, lr, budget.train_s, every)
             runs[system].append(r)
             print(f"  {system}: start-up {r.startup_s:.1f} s, {r.throughput:.0f} samples/s, "
                   f"{w.metric} {r.final(w.metric):.4f} at the end, target {w.target:g} after "
                   f"{_secs(r.time_to_target_s)}", flush=True)  # fmt: skip
-    per_seed = ratios(runs["hetpipe"], runs["ddp"])
+    return runs
+
+
+def bench_workload(
+    w: Workload,
+    budget: Budget,
+    plan_args: Sequence[str],
+    systems: Sequence[str],
+    progress: Progress,
+    folder: Path,
+) -> dict[str, Any]:
+    """Plan, tune, train every seed of every system and compare their times to target."""
+    common = [str(w.cluster), "--model", w.model, "--batch-size", str(w.batch)]
+    common += ["--optimizer", "momentum" if w.momentum else "sgd"]
+    plans = make_plans(common, plan_args, systems, folder, w.name, w.data)
+    every = max(w.batch, round(plans["hetpipe"].predicted * budget.train_s / budget.snapshots))
+    tunings = tune_all(w, plans, budget, every, progress)
+    runs = train_seeds(w, plans, tunings, budget, every, progress)
     out = {
         "workload": {**asdict(w), "cluster": str(w.cluster.relative_to(REPO))},
         "plan_args": list(plan_args),
-        "workers": plans.workers,
-        "predicted_throughput": plans.predicted,
+        "systems": list(plans),
+        "same_plan_as": same_plans(plans),
+        "plans": {k: {**asdict(p), "path": p.path.name} for k, p in plans.items()},
+        "workers": {k: p.workers for k, p in plans.items()},
+        "predicted_throughput": {k: p.predicted for k, p in plans.items()},
         "snapshot_every_samples": every,
-        "lr": {
-            "hetpipe": het_lr,
-            "ddp": ddp_lr,
-            "ddp_linear_scaling": het_lr * plans.workers["ddp"],
-        },
-        "grid": grid,
+        "lr": {k: t.lr for k, t in tunings.items()}
+        | {"ddp_linear_scaling": tunings["hetpipe"].lr * lr_scale(plans["ddp"])},
+        "grid": {k: [_record(r) for r in t.runs] for k, t in tunings.items() if t.runs},
+        "grid_extended": {k: list(t.extended) for k, t in tunings.items()},
         "runs": {k: [_record(r) for r in v] for k, v in runs.items()},
         "time_to_target_s": {k: spread([r.time_to_target_s for r in v]) for k, v in runs.items()},
         "samples_to_target": {k: spread([r.samples_to_target for r in v]) for k, v in runs.items()},
         "throughput": {k: spread([r.throughput for r in v]) for k, v in runs.items()},
         "startup_s": {k: spread([r.startup_s for r in v]) for k, v in runs.items()},
         "final": {k: spread([r.final(w.metric) for r in v]) for k, v in runs.items()},
-        "ratio_ddp_over_hetpipe": {"per_seed": per_seed, **spread(per_seed)},
     }
+    for system in plans:  # ratio_ddp_over_hetpipe, ratio_ddp_over_hetpipe_time
+        if system != "ddp":
+            per_seed = ratios(runs[system], runs["ddp"])
+            out[_ratio_key(system)] = {"per_seed": per_seed, **spread(per_seed)}
     _say(w, out)
     return out
+
+
+def _ratio_key(system: str) -> str:
+    return "ratio_ddp_over_" + system.replace("-", "_")
 
 
 def _secs(t: float | None) -> str:
@@ -364,41 +445,14 @@ def _secs(t: float | None) -> str:
 
 
 def _say(w: Workload, out: dict[str, Any]) -> None:
-    r = out["ratio_ddp_over_hetpipe"]
-    shown = "n/a (a system missed the target)" if r["mean"] is None else (
-        f"mean {r['mean']:.2f} (min {r['min']:.2f}, max {r['max']:.2f}, {r['n']} seeds)")  # fmt: skip
-    print(f"{w.name}: time to {w.metric} {w.target:g}, DDP / HetPipe: {shown}", flush=True)
-
-
-def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
-    """Per workload, the metric against training time and against samples: every seed of both
-    systems (the target dashed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(results), 2, figsize=(11, 4 * len(results)), squeeze=False)
-    colours = {"hetpipe": "tab:blue", "ddp": "tab:orange"}
-    names = {"hetpipe": "HetPipe (WSP)", "ddp": "DDP AllReduce"}
-    for row, (name, res) in zip(axes, results.items(), strict=True):
-        w = res["workload"]
-        for ax, x, xlabel in ((row[0], "train_s", "training time (s)"),
-                              (row[1], "samples", "training samples")):  # fmt: skip
-            for system, runs in res["runs"].items():
-                for k, r in enumerate(runs):
-                    ax.plot([p[x] for p in r["points"]], [p[w["metric"]] for p in r["points"]],
-                            color=colours[system], alpha=0.8, lw=1.2, marker=".",
-                            label=f"{names[system]} (lr {r['lr']:g})" if k == 0 else None)  # fmt: skip
-            ax.axhline(w["target"], color="grey", lw=0.8, ls="--")
-            ax.set_xlabel(xlabel)
-            ax.set_ylabel(f"test {w['metric']}")
-            ax.set_title(f"{name}: {w['title']}", fontsize=10)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    for system in out["systems"]:
+        if system == "ddp":
+            continue
+        r = out[_ratio_key(system)]
+        shown = "n/a (a system missed the target)" if r["mean"] is None else (
+            f"mean {r['mean']:.2f} (min {r['min']:.2f}, max {r['max']:.2f}, {r['n']} seeds)")  # fmt: skip
+        print(f"{w.name}: time to {w.metric} {w.target:g}, DDP / {TITLES[system]}: {shown}",
+              flush=True)  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -409,6 +463,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument(
         "--plan-args", default="", help="added to 'hetpipe plan', e.g. '--objective time'"
     )
+    ap.add_argument("--time-objective", action="store_true",
+                    help="also train 'hetpipe-time': the plan 'hetpipe plan --objective time' "
+                         "picks (it may be the AllReduce plan: then DDP's runs)")  # fmt: skip
     ap.add_argument("--seeds", type=int, default=0, help="seeds (0 = the mode's: 3, --quick 1)")
     ap.add_argument("--train-s", type=float, default=0.0, help="training seconds per seed's run")
     ap.add_argument("--out", type=Path, default=None, help="JSON to write (and .png beside it)")
@@ -420,14 +477,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     workloads = [WORKLOADS[n] for n in args.workloads]
     if args.quick:
         workloads = [replace(w, target=w.quick_target) for w in workloads]
-    runs, secs = expected(budget, workloads)
+    systems = SYSTEMS if args.time_objective else SYSTEMS[:2]
+    runs, secs = expected(budget, workloads, len(systems))
     print(f"{runs} runs, expected about {secs / 60:.0f} min "
           f"({'quick' if args.quick else 'full'} mode; more on a loaded machine)", flush=True)  # fmt: skip
     progress = Progress(runs, secs)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="tta-plans-") as tmp:
-        results = {w.name: bench_workload(w, budget, args.plan_args.split(), progress, Path(tmp))
-                   for w in workloads}  # fmt: skip
+        results = {w.name: bench_workload(w, budget, args.plan_args.split(), systems, progress,
+                                          Path(tmp)) for w in workloads}  # fmt: skip
     out_path = args.out or RESULTS / ("tta_quick.json" if args.quick else "tta.json")
     doc = {"mode": "quick" if args.quick else "full", "budget": asdict(budget), "results": results,
            "seconds": time.perf_counter() - t0, "loadavg": os.getloadavg()}  # fmt: skip

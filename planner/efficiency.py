@@ -24,9 +24,11 @@ it would under sequential SGD at the plan's minibatch ``b``. Two effects, multip
 
 The delay of a candidate (:func:`mean_delay`): ``Nm - 1`` local updates, plus, with ``n`` VWs
 under WSP (threshold ``D``), the other VWs' updates of the wave in progress and, on average,
-half of the ``D`` waves a VW may run ahead: ``(n - 1) Nm (1 + D / 2)`` foreign updates. A
-remedy acts on the local delay only (it predicts or damps the VW's own updates), so
-``1 / (1 + c_remedy tau_local + c_none tau_foreign)``. AllReduce has no delay.
+half of the ``D`` waves a VW may run ahead: ``(n - 1) Nm (1 + D / 2)`` foreign updates.
+PipeMare acts on the local delay only, so ``1 / (1 + c_remedy tau_local + c_none
+tau_foreign)``; weight prediction extrapolates over the whole delay, the other VWs' updates
+included (:data:`planner.staleness.COVERS_FOREIGN`), so ``1 / (1 + c_predict (tau_local +
+tau_foreign))``. AllReduce has no delay.
 
 Limits: ``phi`` grows during training (McCandlish); the model takes one value. Pollux assumes
 the learning rate is scaled with the batch (AdaScale); without it a big batch does worse. The
@@ -41,12 +43,17 @@ Example:
     0.5
     >>> efficiency(Setting(batch=32, base_batch=32, local_delay=2.0), e)
     0.5
+    >>> p = EfficiencyInputs(64.0, {"none": 0.5, "predict": 0.1}, "example")
+    >>> round(efficiency(Setting(32, 32, local_delay=2.0, foreign_delay=3.0, remedy="predict"), p), 3)
+    0.667
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+
+from planner.staleness import COVERS_FOREIGN
 
 __all__ = [
     "DEFAULT_NOISE_SCALE",
@@ -178,7 +185,8 @@ def efficiency(setting: Setting, inputs: EfficiencyInputs) -> float:
     if setting.local_delay > 0:
         slow += inputs.delay_cost[setting.remedy] * setting.local_delay
     if setting.foreign_delay > 0:
-        slow += inputs.delay_cost["none"] * setting.foreign_delay
+        covered = setting.remedy in COVERS_FOREIGN
+        slow += inputs.delay_cost[setting.remedy if covered else "none"] * setting.foreign_delay
     return e * delay_efficiency(slow, 1.0)
 
 

@@ -10,7 +10,9 @@ Each remedy is chosen per run (``hetpipe run --remedy``) and is exactly a no-op 
   PipeOptim): the forward of minibatch ``p`` runs on the weights predicted ``s`` updates
   ahead by the optimizer's own rule, ``w_hat = w - s * lr * v`` (``v``: SGD's momentum
   buffer, the last gradient for plain SGD), and its backward on the same ``w_hat`` (stashed);
-  :func:`predict_steps` is ``s``, :func:`predict_scale` the factor ``s * lr``;
+  :func:`predict_steps` is ``s``: the local staleness and, with several VWs under WSP, the
+  other VWs' updates not pulled yet (:func:`foreign_staleness`); :func:`predict_scale` is
+  the factor ``s * lr``;
 - ``pipemare``: PipeMare's learning-rate rescheduling (Yang et al., MLSys 2021, T1): each
   stage's step size is ``lr * tau ** -(1 - min(1, k / K))`` at update ``k``, i.e. divided by
   the stage's delay ``tau`` at the start and back to ``lr`` after ``K`` warm-up updates
@@ -28,11 +30,12 @@ Example:
 
 from __future__ import annotations
 
-from planner.wsp import local_version
+from planner.wsp import local_version, required_global_clock
 
 __all__ = [
     "REMEDIES",
     "check_remedy",
+    "foreign_staleness",
     "pipemare_lr",
     "predict_scale",
     "predict_steps",
@@ -42,6 +45,11 @@ __all__ = [
 ]
 
 REMEDIES = ("none", "predict", "pipemare")
+
+COVERS_FOREIGN = frozenset({"predict"})
+"""Remedies that also compensate the other VWs' updates a gradient misses (``predict``
+extrapolates over the whole delay, :func:`predict_steps`); the others act on the local
+delay only (PipeMare's rescheduling follows the stage's own delay)."""
 """Every remedy a run may choose (``none``: the default, no compensation)."""
 
 
@@ -70,24 +78,51 @@ def stage_delay(nm: int) -> int:
     return staleness(nm, nm)
 
 
-def predict_steps(mb: int, nm: int) -> int:
-    """Updates ahead the forward of minibatch ``mb`` predicts its weights (``predict``).
+def foreign_staleness(mb: int, nm: int, D: int) -> int:
+    """Updates of each *other* VW that minibatch ``mb``'s weights miss under WSP.
 
-    :func:`staleness`, except on the initial weights (version 0), which have no velocity to
-    extrapolate with: ``0`` there (the first ``nm`` minibatches run on ``w0`` as without
-    remedy).
-    """
-    return staleness(mb, nm) if local_version(mb, nm) >= 1 else 0
-
-
-def predict_scale(mb: int, nm: int, lr: float) -> float:
-    """The factor ``s * lr`` of the prediction ``w_hat = w - s * lr * v`` for minibatch ``mb``.
+    Its weights hold every VW's waves ``0 .. G - 1`` (``G``:
+    :func:`planner.wsp.required_global_clock`, what a pull at exactly that clock gives) and its
+    update lands after the other VWs' minibatches ``1 .. mb - 1``: ``mb - 1 - G * nm``. An
+    upper bound when a pull returns a newer clock (possible at ``D > 0`` only).
 
     Example:
-        >>> predict_scale(5, 3, 0.5), predict_scale(5, 1, 0.5)
-        (1.0, 0.0)
+        >>> [foreign_staleness(p, 3, 0) for p in range(1, 10)]
+        [0, 1, 2, 3, 4, 2, 3, 4, 2]
+        >>> [foreign_staleness(p, 1, 0) for p in range(1, 5)]
+        [0, 0, 0, 0]
     """
-    return predict_steps(mb, nm) * lr
+    return mb - 1 - required_global_clock(mb, nm, D) * nm
+
+
+def predict_steps(mb: int, nm: int, vws: int = 1, D: int = 0) -> int:
+    """Updates ahead the forward of minibatch ``mb`` predicts its weights (``predict``).
+
+    :func:`staleness` plus, with ``vws`` VWs under WSP, ``vws - 1`` times
+    :func:`foreign_staleness` (every VW moves the global weights about as fast as this one:
+    all the updates its gradient misses, counted in its own steps); ``0`` on the initial
+    weights (version 0), which have no velocity to extrapolate with (the first ``nm``
+    minibatches run on ``w0`` as without remedy); ``0`` at ``nm = 1``, where the master
+    itself serves the forward (no copy is kept: the foreign delay there is ``D`` at most).
+
+    Example:
+        >>> [predict_steps(p, 3, vws=4) for p in range(4, 10)]
+        [11, 14, 8, 11, 14, 8]
+    """
+    if nm == 1 or local_version(mb, nm) < 1:
+        return 0
+    return staleness(mb, nm) + (vws - 1) * foreign_staleness(mb, nm, D)
+
+
+def predict_scale(mb: int, nm: int, lr: float, vws: int = 1, D: int = 0) -> float:
+    """The factor ``s * lr`` of the prediction ``w_hat = w - s * lr * v`` for minibatch ``mb``
+    (``s``: :func:`predict_steps`).
+
+    Example:
+        >>> predict_scale(5, 3, 0.5), predict_scale(5, 1, 0.5), predict_scale(5, 1, 0.5, vws=4)
+        (1.0, 0.0, 0.0)
+    """
+    return predict_steps(mb, nm, vws, D) * lr
 
 
 def pipemare_lr(lr: float, update: int, delay: int, warmup: int) -> float:
@@ -116,7 +151,8 @@ def remedy_weight_copies(remedy: str, nm: int, optimizer_factor: float) -> int:
     the newest minibatch runs on is a predicted copy instead of the master's storage (``Nm``
     versions beside the master, not ``Nm - 1``); without a momentum buffer (plain SGD,
     ``optimizer_factor != 1``) the last applied gradient is kept as the velocity, at every Nm.
-    ``none`` and ``pipemare`` keep nothing more.
+    ``none`` and ``pipemare`` keep nothing more. The VWs do not change it: predicting over
+    the other VWs' updates reuses the same copy, and ``Nm = 1`` predicts nothing.
 
     Example:
         >>> [remedy_weight_copies("predict", nm, 1.0) for nm in (1, 2, 4)]

@@ -4,18 +4,33 @@ from __future__ import annotations
 
 import doctest
 import math
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from benchmarks import bench_tta, tta_eval
-from benchmarks.bench_tta import FULL, WORKLOADS, Run, choose_lr, expected, ratios
+from benchmarks import bench_tta, tta_eval, tta_plans
+from benchmarks.bench_tta import (
+    FULL,
+    QUICK,
+    WORKLOADS,
+    Progress,
+    Run,
+    choose_lr,
+    expected,
+    ratios,
+    same_plans,
+    tune_system,
+)
 from benchmarks.tta_eval import Point, time_to_target, timing_of
+from benchmarks.tta_plans import SystemPlan
 from benchmarks.tta_tasks import digits_cnn, digits_images
 
 
 def test_doctests() -> None:
-    for module in (bench_tta, tta_eval):
+    for module in (bench_tta, tta_eval, tta_plans):
         assert doctest.testmod(module).failed == 0
 
 
@@ -62,8 +77,63 @@ def test_ratio_is_the_baseline_over_hetpipe_per_seed() -> None:
 
 def test_full_mode_fits_the_45_minutes_it_promises() -> None:
     runs, secs = expected(FULL, list(WORKLOADS.values()))
-    assert FULL.seeds >= 3 and runs == 2 * (2 * 3 + 2 * FULL.seeds)
+    grids = sum(len(w.lr_grid) for w in WORKLOADS.values())
+    assert FULL.seeds >= 3 and runs == 2 * grids + 2 * 2 * FULL.seeds
     assert secs <= 45 * 60
+    three, _ = expected(FULL, list(WORKLOADS.values()), systems=3)  # --time-objective
+    assert three == 3 * grids + 2 * 3 * FULL.seeds
+
+
+def test_the_lm_grid_stays_below_where_stale_hetpipe_collapses() -> None:
+    # 4 VWs x Nm 3 (WSP, momentum 0.9): lr 0.01 and 0.02 ended at the unigram loss or NaN, lr
+    # 0.005 collapsed after 60 steps, 0.0025 reached 1.66 (docs/convergence.md)
+    assert max(WORKLOADS["lm"].lr_grid) <= 0.005 and min(WORKLOADS["lm"].lr_grid) < 0.0025
+
+
+def _plan(allreduce: bool, key: str, workers: int = 4) -> SystemPlan:
+    return SystemPlan(Path(key), allreduce, workers, 1 if allreduce else 3, 16, 100.0, "none", key)
+
+
+def _grid(monkeypatch: pytest.MonkeyPatch, loss_of: dict[float, float]) -> list[float]:
+    """Make every grid run end at ``loss_of[lr]`` (missing the target); return the lrs run."""
+    ran: list[float] = []
+
+    def fake_run(w: Any, system: str, plan: Any, seed: int, lr: float, *_: Any) -> Run:
+        ran.append(lr)
+        return _run(lr, loss_of[round(lr, 8)], None)
+
+    monkeypatch.setattr(bench_tta, "run_one", fake_run)
+    return ran
+
+
+def test_a_best_lr_at_the_grids_edge_extends_it_at_most_twice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    w = replace(WORKLOADS["lm"], lr_grid=(0.01, 0.02, 0.04))
+    budget = replace(FULL, grid_s=1.0)
+    progress = Progress(3, 3.0)
+    # lower is better and keeps improving below the grid: 0.005, then 0.0025, then it stops
+    ran = _grid(monkeypatch, {0.01: 3.0, 0.02: 3.5, 0.04: 4.0, 0.005: 2.5, 0.0025: 2.0})
+    got = tune_system(w, "hetpipe", _plan(False, "a"), budget, 100, progress)
+    assert ran == [0.01, 0.02, 0.04, 0.005, 0.0025]
+    assert got.extended == (0.005, 0.0025) and got.lr == 0.0025 and len(got.runs) == 5
+    assert progress.runs == 5  # the extensions are counted as they come
+    # an AllReduce plan's grid is scaled by its world (4) and extends upwards
+    ran = _grid(monkeypatch, {0.04: 3.0, 0.08: 2.5, 0.16: 2.0, 0.32: 1.9, 0.64: 2.2})
+    got = tune_system(w, "ddp", _plan(True, "b"), budget, 100, progress)
+    assert ran == [0.04, 0.08, 0.16, 0.32, 0.64] and got.extended == (0.32, 0.64)
+    assert got.lr == 0.32  # the second extension was worse: its best is inside again
+    ran = _grid(monkeypatch, {0.01: 3.0, 0.02: 2.0, 0.04: 4.0})
+    got = tune_system(w, "hetpipe", _plan(False, "a"), budget, 100, progress)
+    assert ran == [0.01, 0.02, 0.04] and got.extended == ()  # inside: no extension
+
+
+def test_a_plan_that_another_system_trains_already_is_not_trained_twice() -> None:
+    plans = {"hetpipe": _plan(False, "wsp"), "ddp": _plan(True, "ar"),
+             "hetpipe-time": _plan(True, "ar")}  # fmt: skip
+    assert same_plans(plans) == {"hetpipe-time": "ddp"}
+    assert same_plans({**plans, "hetpipe-time": _plan(False, "wsp nm 1")}) == {}
+    assert QUICK.grid_s == 0  # --quick: no grid, hence no extension
 
 
 def test_digits_images_and_the_cnn_fit_each_other() -> None:

@@ -10,14 +10,16 @@ Model (one event heap, O(log n) per event; see docs/simulator.md, *Scale*, for t
 - **Compute**: stage ``s`` runs ``F(p)`` for ``fwd_ms[s]``, ``B(p)`` for ``bwd_ms[s]``; the last
   stage runs ``FB(p)`` for ``fwd_ms + bwd_ms``. One task at a time per GPU, chosen by its
   ``StageQueue``.
-- **Transfers**: the activations of ``p`` (gradients) become available when the sender's
-  ``F(p)`` (``B(p)``) ends; the receiver's task starts by receiving them: it takes
-  ``recv_fwd_ms[s]`` (``recv_bwd_ms[s]``) of the receiving GPU (the paper's stage time counts
-  receive time, Sec. 4) and occupies the *sender's link* for that time: its own GPU link for
-  a transfer inside a node, its node's network card (shared by every GPU of that node, of
-  every VW) for a transfer to another node. A link carries one transfer at a time, first
-  come first served; when it is busy the receiver waits. Specs without ``nodes`` give every
-  GPU its own card (no sharing).
+- **Transfers**: the activations of ``p`` (gradients) leave when the sender's ``F(p)``
+  (``B(p)``) ends and travel for ``recv_fwd_ms[s]`` (``recv_bwd_ms[s]``) on the *sender's
+  link*: its own GPU link for a transfer inside a node, its node's network card (shared by
+  every GPU of that node, of every VW) for a transfer to another node. A link carries one
+  transfer at a time, first come first served. The receiver's task can start once they
+  arrived; meanwhile the receiving GPU computes other tasks, as the runtime's receive threads
+  do (``runtime/stage/comm.py``): communication overlaps computation where the runtime
+  overlaps it. (The paper's Sec. 4 stage time counts receive time; the partitioner still
+  does, :attr:`planner.plan.StagePlan.time_ms`, a bound the simulator can beat.) Specs without
+  ``nodes`` give every GPU its own card (no sharing).
 - **Admission**: a VW admits minibatch ``p`` into stage 0 when its schedule lets one more in
   (:meth:`~planner.schedule.Schedule.admissible`; ``hetpipe``: fewer than ``Nm`` in flight,
   i.e. admitted with stage-0 backward not finished) and its pulled global clock is at least
@@ -62,7 +64,7 @@ __all__ = ["simulate_pipelines"]
 
 log = logging.getLogger(__name__)
 
-_DONE, _PUSHED, _PULLED = 0, 1, 2  # event codes
+_DONE, _PUSHED, _PULLED, _ARRIVED = 0, 1, 2, 3  # event codes
 
 
 class _Sim:
@@ -106,7 +108,10 @@ class _Sim:
         while heap:
             now, _, code, w, s, t = pop(heap)
             if code != _DONE:
-                if code == _PUSHED:
+                if code == _ARRIVED:
+                    w.stages[s].queue.ready(t)
+                    dispatch(w, s, now)
+                elif code == _PUSHED:
                     self._pushed(w, t, now)
                 else:
                     self._pulled(w, t, now)
@@ -116,11 +121,22 @@ class _Sim:
             kind = t.kind
             if kind is F:
                 nxt = stages[s + 1]
-                nxt.queue.ready(Task(s + 1, nxt.forward_kind, t.mb))
-                dispatch(w, s + 1, now)
+                task = Task(s + 1, nxt.forward_kind, t.mb)
+                self.cross_bytes += nxt.f_bytes
+                if nxt.f_link == NO_LINK:
+                    nxt.queue.ready(task)
+                    dispatch(w, s + 1, now)
+                else:
+                    self._transfer(w, task, nxt.f_recv, nxt.f_link, now)
             elif s > 0:
-                stages[s - 1].queue.ready(Task(s - 1, B, t.mb))
-                dispatch(w, s - 1, now)
+                prev = stages[s - 1]
+                task = Task(s - 1, B, t.mb)
+                self.cross_bytes += prev.b_bytes
+                if prev.b_link == NO_LINK:
+                    prev.queue.ready(task)
+                    dispatch(w, s - 1, now)
+                else:
+                    self._transfer(w, task, prev.b_recv, prev.b_link, now)
             if kind is not F and t.mb % nm == 0:
                 self._push(w, s, t.mb // nm - 1, now)
             if s == 0 and (kind is B or w.n == 1):
@@ -206,8 +222,19 @@ class _Sim:
 
     # ---------------------------------------------------------------- stage execution
 
+    def _transfer(self, w: VWState, task: Task, recv: float, link: int, now: float) -> None:
+        """Send ``task``'s input over ``link`` (FIFO) for ``recv`` ms; the task becomes ready
+        on its stage when it arrived."""
+        free = self.links.free
+        start = free[link] if free[link] > now else now
+        end = start + recv
+        free[link] = end
+        if self.record:
+            self.trace.append(TraceEvent(w.v, task.stage, "recv", task.mb, start, end))
+        heapq.heappush(self.heap, (end, next(self.seq), _ARRIVED, w, task.stage, task))
+
     def _dispatch(self, w: VWState, s: int, now: float) -> None:
-        """Start stage ``s``'s next task if its queue allows one: receive, then compute."""
+        """Start stage ``s``'s next task if its queue allows one (its input has arrived)."""
         st = w.stages[s]
         q = st.queue
         t = q.next()
@@ -216,21 +243,8 @@ class _Sim:
         held = q.in_flight
         if held > st.max_in_flight:
             st.max_in_flight = held
-        if t.kind is Kind.B:
-            recv, link, comp, xbytes = st.b_recv, st.b_link, st.b_comp, st.b_bytes
-        else:
-            recv, link, comp, xbytes = st.f_recv, st.f_link, st.f_comp, st.f_bytes
-        start = now
-        if link != NO_LINK:  # the transfer waits for the sender's link (FIFO)
-            free = self.links.free
-            if free[link] > now:
-                start = free[link]
-            free[link] = start + recv
-            if self.record:
-                self.trace.append(TraceEvent(w.v, s, "recv", t.mb, start, start + recv))
-        self.cross_bytes += xbytes
-        c0 = start + recv
-        end = c0 + comp
+        c0 = now
+        end = c0 + (st.b_comp if t.kind is Kind.B else st.f_comp)
         st.starts.append(c0)
         st.ends.append(end)
         if self.record:

@@ -28,6 +28,7 @@ from runtime.spec import RunSpec
 from runtime.stage.emulation import Calibration
 from runtime.stage.job import StageJob
 from runtime.stage.model import ship_stage
+from runtime.stage.weights import predict_syncing
 from runtime.sync.rule import SyncSpec
 
 __all__ = [
@@ -112,8 +113,10 @@ def vw_stage_jobs(
     """
     vws = work.vws or tuple(range(len(plan.virtual_workers)))
     run, jobs = spec.run, list[StageJob]()
+    syncing = predict_syncing(sync, len(plan.virtual_workers))  # --remedy predict's count
     for i, k in enumerate(vws):
         ctxs = stage_contexts(plan, k, work.nm, work.steps, work.first_rank + len(jobs))
+        ctxs = [dataclasses.replace(c, syncing=syncing) for c in ctxs]
         vw_run = run
         if run.out_dir is not None and sync.layout != "alone":
             vw_run = dataclasses.replace(run, out_dir=run.out_dir / f"vw{k}")

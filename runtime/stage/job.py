@@ -50,6 +50,8 @@ class StageContext:
         schedule: the plan's pipeline schedule (:data:`planner.schedule.SCHEDULES`).
         links: the emulated links its transfers are paced to (:mod:`runtime.link_pacing`;
             none on a real cluster).
+        syncing: ``(VWs, D)`` whose updates reach the stage through the rule, for
+            ``--remedy predict`` (:func:`runtime.stage.weights.predict_syncing`).
     """
 
     rank: int
@@ -72,6 +74,7 @@ class StageContext:
     gpu_type: str = ""
     schedule: str = DEFAULT_SCHEDULE
     links: StageLinks = NO_LINKS
+    syncing: tuple[int, int] = (1, 0)
 
     @property
     def emulated(self) -> bool:

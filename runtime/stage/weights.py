@@ -18,17 +18,30 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
+from planner.rules import get_rule
 from planner.staleness import pipemare_lr, predict_scale, stage_delay
 from planner.wsp import local_version
 from profiler.errors import HetPipeRuntimeError
 from runtime.config import OptimizerConfig
 from runtime.stage.moves import ClassMoves
 
-__all__ = ["VersionedWeights", "build_optimizer", "lr_at", "predicted", "stage_lr", "velocity"]
+if TYPE_CHECKING:
+    from runtime.sync.rule import SyncSpec
+
+__all__ = [
+    "VersionedWeights",
+    "build_optimizer",
+    "lr_at",
+    "predict_syncing",
+    "predicted",
+    "stage_lr",
+    "velocity",
+]
 
 
 def lr_at(cfg: OptimizerConfig, update: int, total_updates: int = 0) -> float:
@@ -87,6 +100,17 @@ def predicted(
     return {n: t.requires_grad_() for n, t in out.items()}
 
 
+def predict_syncing(sync: SyncSpec, n_vws: int) -> tuple[int, int]:
+    """``(VWs, D)`` of a stage's :class:`VersionedWeights` under ``sync`` with ``n_vws`` VWs in
+    the plan: the rule's own count (:attr:`planner.rules.SyncRule.time_delays`) when the VWs
+    synchronise through the shards, else ``(1, 0)`` (one VW alone, AllReduce, a rule without
+    a delay count such as ``easgd``: ``predict`` counts the local staleness only)."""
+    rule = get_rule(sync.rule, sync.plugins)
+    if not rule.uses_shards or rule.time_delays is None:
+        return 1, 0
+    return rule.time_delays(dict(sync.params), n_vws, sync.D)
+
+
 def build_optimizer(params: list[nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
     """The ``torch.optim`` optimizer ``cfg`` describes, over ``params``."""
     if cfg.name == "adam":
@@ -113,6 +137,9 @@ class VersionedWeights:
         first_update: updates before this run (a resumed run's lr-schedule position).
         moves: the stage's moves of stashed versions, optimizer state and gradients to host
             memory (:mod:`runtime.stage.moves`; ``None``: all on the device).
+        syncing: ``(VWs, D)``: the VWs whose updates reach the stage through the run's
+            synchronisation rule and their threshold (:func:`predict_syncing`); ``predict``
+            counts the updates of the others its gradients miss.
     """
 
     def __init__(
@@ -123,8 +150,10 @@ class VersionedWeights:
         total_updates: int = 0,
         first_update: int = 0,
         moves: ClassMoves | None = None,
+        syncing: tuple[int, int] = (1, 0),
     ) -> None:
         self.master = params
+        self.syncing = syncing
         self.nm = nm
         self.cfg = cfg
         self.total_updates = total_updates
@@ -184,7 +213,8 @@ class VersionedWeights:
         scale = 0.0
         if self.cfg.remedy == "predict":
             lr = lr_at(self.cfg, self.first_update + k, self.total_updates)
-            scale = predict_scale(self.first_update + k + self.nm, self.nm, lr)  # whole-run count
+            mb = self.first_update + k + self.nm  # whole-run count
+            scale = predict_scale(mb, self.nm, lr, *self.syncing)
         if scale == 0.0:
             return {n: p.data.requires_grad_() for n, p in self.master.items()}
         return predicted(

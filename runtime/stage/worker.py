@@ -86,7 +86,7 @@ class StageWorker:
         copy = not run.emulate or ctx.speed <= 0
         self.weights = VersionedWeights(
             params, ctx.nm, job.optimizer, job.first_mb + ctx.total_steps, job.first_mb,
-            class_moves(ctx.memory, ctx.where, self.device, copy=copy),
+            class_moves(ctx.memory, ctx.where, self.device, copy=copy), ctx.syncing,
         )  # fmt: skip
         buffer_bytes = sum(b.numel() * b.element_size() for b in self.module.buffers())
         factor = ctx.optimizer_state_factor

@@ -122,12 +122,13 @@ def test_allreduce_wins_when_its_batch_costs_little() -> None:
 def test_a_pipeline_wins_when_big_batches_waste_samples() -> None:
     """phi = 0: AllReduce's 128-sample update is worth 32 (goodput 200); one VW at Nm 3 with
     weight prediction keeps 700 / (1 + 0.25 x 2) = 467, the best; two VWs at Nm 3 also miss
-    the other VW's 3 updates of the wave (1000 / (1 + 0.25 x 2 + 0.9 x 3) = 238)."""
+    the other VW's 3 updates of the wave, which prediction covers too (1000 / (1 + 0.25 x 5)
+    = 444) and plain delayed SGD pays in full (1000 / (1 + 0.9 x 5) = 182)."""
     ranked = rank(HAND_BUILT, _inputs(0.0))
     assert [r.choice.label for r in ranked] == [
         "wsp 1 Nm 3 predict",  # 467
+        "wsp 2 Nm 3 predict",  # 444
         "wsp 2 Nm 1 none",  # 600 / 1.9 = 316
-        "wsp 2 Nm 3 predict",  # 238
         "allreduce 4",  # 200
         "wsp 2 Nm 3 none",  # 1000 / 5.5 = 182
     ]

@@ -31,27 +31,43 @@ def stage_ms(sp: PipelineSpec) -> list[float]:
     return [sum(x) for x in zip(sp.fwd_ms, sp.bwd_ms, sp.recv_fwd_ms, sp.recv_bwd_ms, strict=True)]
 
 
-def test_one_vw_nm_ge_stages_is_bound_by_slowest_stage() -> None:
-    """Analytic check 1: throughput = 1 / slowest stage time (incl. transfers) within 1 %.
+def period_ms(sp: PipelineSpec) -> float:
+    """The steady state's time per minibatch: the busiest GPU or link. A GPU computes its
+    stage's forward and backward; GPU ``s``'s link carries the activations to ``s + 1`` and
+    the gradients to ``s - 1`` (transfers overlap computation, as in the runtime)."""
+    n = sp.n_stages
+    link = [
+        (sp.recv_fwd_ms[s + 1] if s + 1 < n else 0.0) + (sp.recv_bwd_ms[s - 1] if s > 0 else 0.0)
+        for s in range(n)
+    ]
+    return max(max(f + b for f, b in zip(sp.fwd_ms, sp.bwd_ms, strict=True)), *link)
 
-    It holds for every timing once Nm > S. With Nm = S exactly it is an upper bound that the
-    FIFO rule reaches unless two stages tie as bottlenecks (queueing then stretches a
-    minibatch's round trip beyond Nm slowest-stage times); see docs/simulator.md.
+
+def test_one_vw_enough_in_flight_is_bound_by_busiest_resource() -> None:
+    """Analytic check 1: throughput = 1 / the busiest GPU's or link's time per minibatch
+    within 1 %, once enough minibatches are in flight to cover a round trip (compute and
+    transfers); never above it.
+
+    With Nm = S it is an upper bound that the FIFO rule reaches unless two stages tie as
+    bottlenecks (queueing then stretches a minibatch's round trip beyond Nm periods); see
+    docs/simulator.md.
     """
     rng = random.Random(11)
     short = 0
     for _ in range(40):
         n = rng.randint(1, 6)
         sp = random_spec(rng, n)
-        expect = 8 * 1e3 / max(stage_ms(sp))
+        period = period_ms(sp)
+        expect = 8 * 1e3 / period
+        round_trip = sum(stage_ms(sp))
         for nm in (n, n + 1, n + 3):
             res = simulate_pipelines([sp], nm=nm, D=0, waves=40, batch_size=8)
             assert res.throughput <= expect * 1.01, (sp, nm)
-            if nm > n:
+            if nm > n and nm * period >= 1.5 * round_trip:
                 assert res.throughput == pytest.approx(expect, rel=0.01), (sp, nm)
             else:
                 short += res.throughput < expect * 0.99
-    assert short < 20
+    assert short < 40
     # a pinned case, traced by hand: stage 0 runs F1 F2 B1, then F3 (admitted when B1 ends)
     # queues behind B2 (ready earlier, FIFO) and the pipeline drains once per wave
     sp = PipelineSpec.from_times([4.78, 3.05], [8.4, 3.94])
@@ -59,13 +75,43 @@ def test_one_vw_nm_ge_stages_is_bound_by_slowest_stage() -> None:
     assert simulate_pipelines([sp], nm=3, waves=40).throughput == pytest.approx(
         1e3 / 13.18, rel=0.01
     )
-    # equal stages (the paper's Fig. 1 shape) reach the bound with Nm = S
+    # equal stages (the paper's Fig. 1 shape) reach the bound with Nm = S when transfers are
+    # free; transfers of a twelfth of a stage lengthen the round trip, so more minibatches in
+    # flight are needed (each helps, the bound is never passed)
     for n in (2, 4, 6):
+        free = PipelineSpec.from_times([2.0] * n, [4.0] * n)
+        assert simulate_pipelines([free], nm=n, waves=40, batch_size=8).throughput == (
+            pytest.approx(8 * 1e3 / 6.0, rel=0.01)
+        )
         sp = PipelineSpec.from_times(
             [2.0] * n, [4.0] * n, [0.0] + [0.5] * (n - 1), [0.5] * (n - 1) + [0.0]
         )
-        res = simulate_pipelines([sp], nm=n, waves=40, batch_size=8)
-        assert res.throughput == pytest.approx(8 * 1e3 / max(stage_ms(sp)), rel=0.01)
+        got = [
+            simulate_pipelines([sp], nm=nm, waves=40, batch_size=8).throughput
+            for nm in range(n, n + 4)
+        ]
+        assert all(b >= a * 0.999 for a, b in itertools.pairwise(got))
+        assert got[-1] <= 8 * 1e3 / 6.0 * 1.01
+        assert got[-1] == pytest.approx(8 * 1e3 / 6.0, rel=0.04)
+        assert got[0] < 8 * 1e3 / 6.0 * 0.95  # Nm = S no longer hides the transfers
+
+
+def test_transfers_overlap_compute_but_not_each_other() -> None:
+    """A transfer occupies its link, not the receiving GPU: a link slower than both stages
+    sets the pace (one transfer at a time), and a receive the GPU can hide behind other
+    work costs nothing once the pipeline is full."""
+    hidden = PipelineSpec.from_times([3.0, 3.0], [6.0, 6.0], [0.0, 2.0], [2.0, 0.0])
+    assert simulate_pipelines([hidden], nm=4, waves=40, batch_size=8).throughput == (
+        pytest.approx(8 * 1e3 / 9.0, rel=0.01)
+    )
+    slow = PipelineSpec.from_times([3.0, 3.0], [6.0, 6.0], [0.0, 12.0], [12.0, 0.0])
+    res = simulate_pipelines([slow], nm=10, waves=40, batch_size=8, record_trace=True)
+    assert res.throughput == pytest.approx(8 * 1e3 / 12.0, rel=0.01)
+    for stage in (0, 1):  # the receives into one stage never overlap each other
+        recv = sorted(
+            (e.start_ms, e.end_ms) for e in res.trace if e.cat == "recv" and e.stage == stage
+        )
+        assert recv and all(a[1] <= b[0] + 1e-9 for a, b in itertools.pairwise(recv))
 
 
 def test_one_vw_nm1_is_bound_by_sum_of_stages() -> None:
@@ -183,8 +229,12 @@ def test_simulate_plan_matches_stage_times_and_counts_bytes() -> None:
         shards=False,
     )
     res = simulate(plan, waves=20)
-    slowest = max(s.time_ms for s in plan.virtual_workers[0].stages)
-    assert res.throughput == pytest.approx(32 * 1e3 / slowest, rel=0.01)
+    stages = plan.virtual_workers[0].stages
+    # between the paper's stage time (receives included) and the compute alone: the
+    # receives overlap computation, but 4 in flight cannot hide all of their latency
+    slowest = max(s.time_ms for s in stages)
+    compute = max(s.fwd_ms + s.bwd_ms for s in stages)
+    assert 32 * 1e3 / slowest < res.throughput <= 32 * 1e3 / compute * 1.001
     # 3 cross-node cuts, 1 MB each way per minibatch, 80 minibatches
     assert res.cross_node_bytes == 3 * 2 * 1_000_000 * 80
 
@@ -194,7 +244,9 @@ def test_local_placement_moves_fewer_bytes_than_default() -> None:
     default = simulate(make_plan(ed, nm=4, D=0, placement="default"), waves=10)
     local = simulate(make_plan(ed, nm=4, D=0, placement="local"), waves=10)
     assert local.cross_node_bytes < default.cross_node_bytes
-    assert local.throughput >= default.throughput * 0.999
+    # its pushes share each GPU's own link with the activations (FIFO) instead of the
+    # node's card: within 2 %
+    assert local.throughput >= default.throughput * 0.98
 
 
 def test_allreduce_formula() -> None:

@@ -2,7 +2,8 @@
 
 ``GOLDEN`` holds, per case, the SHA-256 of ``repr(SimResult)`` (every float, count and trace
 interval) recorded with the event loop as it was before its rewrite for scale (commit
-6c48df6). Any change of a prediction, however small, changes the digest. If a change of the
+6c48df6; re-recorded when transfers began to overlap computation as the runtime's receive
+threads overlap them). Any change of a prediction, however small, changes the digest. If a change of the
 model is intended, re-record with ``python -m tests.planner.test_simulator_golden`` and say
 why in the commit.
 """
@@ -87,14 +88,14 @@ CASES = {
 }
 
 GOLDEN = {
-    "random-1": "1322ecfc3ff6cd5899dca364ed450d0119e5c1850306206ed5ee891b72bde8e3",
-    "random-2": "318c87bf7d6f3e4adb739594b9f166a8ee3b75e07aacbb8f41b3373c551bf1d7",
-    "random-3": "d40c514d3200dd6072a23e89ab2663ee4d76f28a06d8547df77b6e4071e67f36",
-    "random-4": "5cf9c7e6cbc7812b21ad0bdc08db2bc166d878fbe01490ec7b7c37ef77ad53dc",
-    "random-5": "3f18ea361b2e3629a7939cba69eab3084ca9dfe2246e14cbd27ab68ad408cdf5",
-    "plan-default": "417bc32fc8e4cdb6fa3bb65af588a464a1ec722d9a6d76844359a63a43d48f25",
-    "plan-local-d1": "e359927112d441d9aeb68dfc300653b50923f2356cd3ac0d2560712578cdcb03",
-    "many-vws": "b1608cae6c68f843ca9dbd210fcce0e092440fe806a0fbeb6e419808e88eeaa4",
+    "random-1": "385f6596b995ee2f0577735ef68aa8c6b7a287e4213eec8a15007f0ac5317d72",
+    "random-2": "266dfc368fb422ddf9388eff15619f21ed7f3c4953505064ab646aaac7257ba7",
+    "random-3": "29e958a48fa6083959eca16cfa1ffe5705f7966f873b5146e4e219760e63148d",
+    "random-4": "c23babd5e0d394cfbe09dc859b52ffe6319b25233ec7202d0cde32bb5bc16137",
+    "random-5": "6accee16f4adf826ea413d9f58ac6f806242b291e650a0b8af391d0c6b00a5fb",
+    "plan-default": "c50f7df36952929a9234f8f129852aa0af228b3e235dfbbbe886901831ffc53c",
+    "plan-local-d1": "a1e1925a6915d3df0fbdfd7ea6444f20f011bc447bfe111d444e403903f7c875",
+    "many-vws": "fdc8fa4b78411a24a9528e88f1d07cb2a5c82a7008116550c61a2d035408cd5a",
 }
 
 

@@ -7,7 +7,7 @@ import doctest
 import pytest
 
 import planner.staleness as rules
-from planner.wsp import local_version
+from planner.wsp import local_version, required_global_clock
 
 
 def test_doctests() -> None:
@@ -23,8 +23,27 @@ def test_staleness_counts_the_updates_between_forward_and_update(nm: int) -> Non
     assert rules.stage_delay(nm) == nm - 1
 
 
+@pytest.mark.parametrize("nm", [1, 2, 3, 4])
+@pytest.mark.parametrize("D", [0, 1, 3])
+def test_foreign_staleness_counts_the_other_vws_updates_not_pulled(nm: int, D: int) -> None:
+    for mb in range(1, 8 * nm):
+        pulled = set(range(1, required_global_clock(mb, nm, D) * nm + 1))  # waves < G
+        missed = [q for q in range(1, mb) if q not in pulled]
+        assert rules.foreign_staleness(mb, nm, D) == len(missed)
+
+
+@pytest.mark.parametrize("nm", [1, 2, 3, 5])
+def test_predict_steps_of_one_vw_is_the_local_staleness_rule(nm: int) -> None:
+    for mb in range(1, 6 * nm):
+        one = rules.staleness(mb, nm) if local_version(mb, nm) >= 1 else 0
+        assert rules.predict_steps(mb, nm) == one == rules.predict_steps(mb, nm, 1, 3)
+        whole = one + 3 * rules.foreign_staleness(mb, nm, 1)
+        assert rules.predict_steps(mb, nm, 4, 1) == (whole if one and nm > 1 else 0)
+
+
 def test_remedies_are_no_ops_at_nm1() -> None:
     assert all(rules.predict_scale(mb, 1, 0.3) == 0.0 for mb in range(1, 20))
+    assert all(rules.predict_scale(mb, 1, 0.3, 4, 2) == 0.0 for mb in range(1, 20))
     assert all(rules.pipemare_lr(0.3, k, rules.stage_delay(1), 10) == 0.3 for k in range(20))
 
 
