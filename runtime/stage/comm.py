@@ -1,15 +1,17 @@
 """Point-to-point transport of the tensors crossing a cut (skip connections included).
 
-Stage ``s`` sends each forward message to stage ``s+1`` as a header (the 1-based minibatch
-number, or ``-1`` = no more minibatches) followed by every crossing tensor, each on its own
-tag, always in the same order; stage ``s+1`` sends back one gradient per floating-point
-crossing tensor (zeros when it does not depend on it), in backward order. Sends are
-asynchronous (``isend``) so they overlap the next task; receives are posted by one thread
-per direction, which hands complete messages to the stage's inbox, so the scheduler sees
+Stage ``s`` sends minibatch ``p``'s crossing tensors to stage ``s+1`` as one message: one
+flat byte buffer holding a header (``p``, or ``-1`` = no more minibatches) and every crossing
+tensor, always in the same order (:class:`Layout`); stage ``s+1`` sends back one message of
+``p`` and a gradient per floating-point crossing tensor (zeros when it does not depend on
+it). One send per minibatch per direction: each gloo message wakes the peer's process, which
+on a loaded host costs more than the bytes. Sends are asynchronous (``isend``) so they
+overlap the next task; receives are posted by one thread per direction, which hands the
+message's tensors (views of its buffer, no copy) to the stage's inbox, so the scheduler sees
 arrivals in order and never polls. Shapes and dtypes come from the traced graph, so no
 metadata travels. On an emulated cluster each receive thread holds a message back until its
-link's charged time has passed (:class:`runtime.link_pacing.LinkPacer`): the stage computes
-meanwhile, and the sender never waits for it.
+link's charged time for the tensors' bytes has passed (:class:`runtime.link_pacing.LinkPacer`):
+the stage computes meanwhile, and the sender never waits for it.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import math
 import queue
 import threading
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,19 +31,20 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from profiler.errors import ModelError
+from profiler.errors import HetPipeRuntimeError, ModelError
 from profiler.graph import ModelGraph
 from profiler.precision import wire_dtype
 from runtime.link_pacing import LinkPacer
-from runtime.stage.device import to_host
 
 __all__ = [
     "Channel",
     "Event",
     "GradReceiver",
+    "Layout",
+    "Message",
     "TensorSpec",
     "cut_specs",
-    "message_bytes",
+    "layout_of",
     "start_activation_receiver",
     "wire_specs",
 ]
@@ -56,6 +61,11 @@ class TensorSpec:
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor."""
+        return math.prod(self.shape) * self.dtype.itemsize
 
     @property
     def is_float(self) -> bool:
@@ -115,10 +125,96 @@ class Event:
 
 
 MAX_PENDING_SENDS = 64  # posted sends a Channel keeps before waiting on the oldest
+ACT_TAG, GRAD_TAG = 0, 1  # forward messages / gradient messages (opposite directions)
+HEADER_BYTES = 8  # the int64 minibatch number that opens every message
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the header and each tensor of one message lie in its flat byte buffer.
+
+    Attributes:
+        specs: the message's tensors, in order.
+        offsets: byte offset of each tensor, a multiple of its element size (so a typed view
+            of the buffer can start there).
+        nbytes: bytes of the whole buffer: header, padding and tensors.
+        payload_bytes: bytes of the tensors alone (what the link is charged for).
+
+    >>> lay = layout_of((TensorSpec("h", (2, 3), torch.float32), TensorSpec("m", (2,), torch.bool)))
+    >>> lay.offsets, lay.nbytes, lay.payload_bytes
+    ((8, 32), 34, 26)
+    """
+
+    specs: tuple[TensorSpec, ...]
+    offsets: tuple[int, ...]
+    nbytes: int
+    payload_bytes: int
+
+    def message(self, buf: Tensor | None = None) -> Message:
+        """Typed views of ``buf`` (``None``: a new buffer) laid out like this."""
+        if buf is None:
+            buf = torch.empty(self.nbytes, dtype=torch.uint8)
+        views = tuple(
+            buf[o : o + s.nbytes].view(s.dtype).view(s.shape)
+            for o, s in zip(self.offsets, self.specs, strict=True)
+        )
+        return Message(self, buf, buf[:HEADER_BYTES].view(torch.int64), views)
+
+
+def layout_of(specs: tuple[TensorSpec, ...]) -> Layout:
+    """The :class:`Layout` of a message of ``specs``: the header, then each tensor at the next
+    multiple of its element size."""
+    offsets, end = [], HEADER_BYTES
+    for s in specs:
+        size = s.dtype.itemsize
+        end = -(-end // size) * size
+        offsets.append(end)
+        end += s.nbytes
+    return Layout(specs, tuple(offsets), end, sum(s.nbytes for s in specs))
+
+
+@dataclass(frozen=True)
+class Message:
+    """One message's flat byte buffer and its typed views (no copies: they share ``buf``).
+
+    Attributes:
+        layout: where everything lies in ``buf``.
+        buf: the ``uint8`` buffer that travels.
+        header: its int64 minibatch number (a one-element view).
+        tensors: a view of each tensor of ``layout.specs``.
+    """
+
+    layout: Layout
+    buf: Tensor
+    header: Tensor
+    tensors: tuple[Tensor, ...]
+
+    def fill(self, mb: int, tensors: Iterable[Tensor | None]) -> None:
+        """Copy minibatch number ``mb`` and ``tensors`` (``None`` -> zeros) into the buffer.
+
+        Raises:
+            HetPipeRuntimeError: a tensor's shape is not its spec's.
+        """
+        self.header.fill_(mb)
+        with torch.no_grad():  # the copy must not join (and keep alive) the sender's graph
+            for dst, t, spec in zip(self.tensors, tensors, self.layout.specs, strict=True):
+                if t is None:
+                    dst.zero_()
+                elif t.shape != dst.shape:
+                    raise HetPipeRuntimeError(
+                        f"tensor {spec.name!r} crossing the cut has shape {tuple(t.shape)}, "
+                        f"the traced graph's is {spec.shape}; keep every minibatch at the "
+                        "traced batch size"
+                    )
+                else:
+                    dst.copy_(t)  # from any device and layout, to the wire dtype
 
 
 class Channel:
     """Sending side towards one peer, with the asynchronous sends still in flight.
+
+    Each message is one send of one flat buffer (:class:`Layout`): the header and every
+    tensor; the buffer of a send already waited on is reused for a later message.
 
     Args:
         peer: global rank of the peer.
@@ -130,43 +226,43 @@ class Channel:
         self.peer = peer
         self.specs = specs
         self.group = group
-        self._pending: deque[tuple[Any, Tensor]] = deque()
+        self.acts = layout_of(specs)
+        self.grads = layout_of(tuple(s for s in specs if s.is_float))
+        self._pending: deque[tuple[Any, Message]] = deque()
 
-    def _isend(self, t: Tensor, tag: int) -> None:
-        t = to_host(t.detach()).contiguous()  # gloo's point-to-point takes host tensors
-        work = _post(dist.isend, t, self.peer, self.group, tag)
-        self._pending.append((work, t))  # keep the buffer alive until the send completes
+    def _buffer(self, layout: Layout) -> Message:
+        """A message buffer of ``layout``: the oldest send's once more than
+        ``MAX_PENDING_SENDS`` are in flight (after waiting on it), else a new one.
 
-    def _prune(self) -> None:
-        """Retire the oldest sends by waiting on them, keeping at most ``MAX_PENDING_SENDS``.
-
-        gloo's ``Work.is_completed()`` stays ``False`` until ``wait()`` is called, so polling
-        it never retires anything: the list (and every tensor it keeps alive) would grow for the
-        whole run and each prune would cost O(sends so far). The peer's receiver thread always
-        posts the next receive, so an old send is complete and its ``wait`` returns at once.
+        gloo's ``Work.is_completed()`` stays ``False`` until ``wait()`` is called, so only a
+        waited send frees its buffer; the peer's receiver thread always posts the next
+        receive, so a send that old is complete and its ``wait`` returns at once.
         """
-        while len(self._pending) > MAX_PENDING_SENDS:
-            work, _ = self._pending.popleft()
-            work.wait()
+        if len(self._pending) < MAX_PENDING_SENDS:
+            return layout.message()
+        work, msg = self._pending.popleft()
+        work.wait()
+        return msg if msg.layout is layout else layout.message()
+
+    def _send(self, layout: Layout, mb: int, tensors: Iterable[Tensor | None], tag: int) -> None:
+        msg = self._buffer(layout)
+        msg.fill(mb, tensors)
+        work = _post(dist.isend, msg.buf, self.peer, self.group, tag)
+        self._pending.append((work, msg))  # the buffer lives until the send completes
 
     def send_activations(self, mb: int, tensors: tuple[Tensor, ...]) -> None:
-        """Post the header and the crossing tensors of minibatch ``mb``."""
-        self._prune()
-        self._isend(torch.tensor([mb], dtype=torch.int64), 0)
-        for i, t in enumerate(tensors):
-            self._isend(t, i + 1)
+        """Post minibatch ``mb``'s crossing tensors as one message."""
+        self._send(self.acts, mb, tensors, ACT_TAG)
 
     def send_stop(self) -> None:
-        """Tell the next stage no more minibatches come (a full message with zero tensors, so
-        the receiver's pre-posted receives all complete)."""
-        self.send_activations(STOP, tuple(s.empty().zero_() for s in self.specs))
+        """Tell the next stage no more minibatches come (a forward message whose header is
+        :data:`STOP`; its tensors are zeros)."""
+        self._send(self.acts, STOP, (None,) * len(self.specs), ACT_TAG)
 
-    def send_grads(self, grads: list[Tensor | None]) -> None:
-        """Post one gradient per floating-point crossing tensor (``None`` -> zeros)."""
-        self._prune()
-        floats = [s for s in self.specs if s.is_float]
-        for i, (spec, g) in enumerate(zip(floats, grads, strict=True)):
-            self._isend(g if g is not None else torch.zeros(spec.shape, dtype=spec.dtype), i + 1)
+    def send_grads(self, mb: int, grads: list[Tensor | None]) -> None:
+        """Post minibatch ``mb``'s gradient of each floating-point crossing tensor as one
+        message (``None`` -> zeros)."""
+        self._send(self.grads, mb, grads, GRAD_TAG)
 
     def flush(self) -> None:
         """Wait for every posted send."""
@@ -183,48 +279,66 @@ def _post(op: Any, t: Tensor, peer: int, group: Any, tag: int) -> Any:
     return op(t, group=group, tag=tag, **{"group_dst" if op is dist.isend else "group_src": peer})
 
 
-def _recv(
-    buffers: list[Tensor], peer: int, group: Any, first_tag: int = 1, timeout_s: float | None = None
-) -> None:
-    """Post every receive of one message at once (one round trip, not one per tensor), then
-    wait (at most ``timeout_s`` each; ``None``: the group's timeout)."""
-    works = [_post(dist.irecv, buf, peer, group, first_tag + i) for i, buf in enumerate(buffers)]
-    limit = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-    for work in works:
-        if work is not None:
-            work.wait() if limit is None else work.wait(limit)
+@dataclass(frozen=True)
+class _Posted:
+    """A receive posted into a new buffer (a new one: the stage keeps the tensors it receives
+    until the minibatch's backward is done)."""
+
+    msg: Message
+    work: Any
+
+    def wait(self, timeout_s: float | None) -> Message:
+        """The message, once received (waiting at most ``timeout_s``; ``None``: the group's
+        timeout)."""
+        if self.work is not None:
+            limit = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+            self.work.wait() if limit is None else self.work.wait(limit)
+        return self.msg
 
 
-def message_bytes(tensors: list[Tensor]) -> int:
-    """Bytes of one message's tensors (what its link is charged for)."""
-    return sum(t.numel() * t.element_size() for t in tensors)
+def _post_recv(layout: Layout, peer: int, group: Any, tag: int) -> _Posted:
+    """Post the receive of one message of ``layout`` from ``peer``.
+
+    A receive posted before its send lets gloo write the data at once (a send that comes
+    first only announces itself and waits for the receiver's notice), so each receiver keeps
+    the next receive posted while it paces and hands over the current message.
+    """
+    msg = layout.message()
+    return _Posted(msg, _post(dist.irecv, msg.buf, peer, group, tag))
+
+
+def _now(pacer: LinkPacer | None) -> float:
+    """Now on ``pacer``'s clock (0 when not paced)."""
+    return 0.0 if pacer is None else pacer.pace.clock()
 
 
 def start_activation_receiver(
     peer: int,
     specs: tuple[TensorSpec, ...],
-    inbox: queue.Queue[Event],
+    inbox: queue.SimpleQueue[Event],
     group: Any = None,
     timeout_s: float | None = None,
     pacer: LinkPacer | None = None,
 ) -> threading.Thread:
     """Receive forward messages from ``peer`` until the stop header, into ``inbox`` (waiting
     at most ``timeout_s`` for each; ``None``: the group's timeout), each held back until
-    ``pacer``'s link charge has passed (``None``: not paced)."""
+    ``pacer``'s link charge for its tensors' bytes has passed (``None``: not paced)."""
+    layout = layout_of(specs)
 
     def loop() -> None:
         try:
+            posted = _post_recv(layout, peer, group, ACT_TAG)
             while True:
-                header = torch.empty(1, dtype=torch.int64)
-                bufs = [s.empty() for s in specs]
-                _recv([header, *bufs], peer, group, first_tag=0, timeout_s=timeout_s)
-                mb = int(header.item())
+                msg = posted.wait(timeout_s)
+                mb = int(msg.header)
                 if mb == STOP:
                     inbox.put(Event("stop"))
                     return
+                arrived_s = _now(pacer)
+                posted = _post_recv(layout, peer, group, ACT_TAG)  # the next one, ahead
                 if pacer is not None:
-                    pacer.arrived(message_bytes(bufs))
-                inbox.put(Event("act", mb, tuple(bufs)))
+                    pacer.arrived(layout.payload_bytes, arrived_s)
+                inbox.put(Event("act", mb, msg.tensors))
         except Exception as exc:  # a dead peer or a timeout: hand it to the stage loop
             inbox.put(Event("error", error=exc))
 
@@ -238,22 +352,22 @@ class GradReceiver:
 
     Call :meth:`expect` after each forward send and :meth:`close` when no more come; each
     message is awaited at most ``timeout_s`` (``None``: the group's timeout) and held back
-    until ``pacer``'s link charge has passed (``None``: not paced).
+    until ``pacer``'s link charge for its tensors' bytes has passed (``None``: not paced).
     """
 
     def __init__(
         self,
         peer: int,
         specs: tuple[TensorSpec, ...],
-        inbox: queue.Queue[Event],
+        inbox: queue.SimpleQueue[Event],
         group: Any = None,
         timeout_s: float | None = None,
         pacer: LinkPacer | None = None,
     ):
         self._pacer = pacer
-        self._floats = [s for s in specs if s.is_float]
+        self._layout = layout_of(tuple(s for s in specs if s.is_float))
         self._timeout_s = timeout_s
-        self._expected: queue.Queue[int] = queue.Queue()
+        self._expected: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._peer = peer
         self._group = group
         self._inbox = inbox
@@ -270,16 +384,36 @@ class GradReceiver:
         """No more gradients: end the thread."""
         self._expected.put(STOP)
 
+    def _post(self) -> _Posted:
+        return _post_recv(self._layout, self._peer, self._group, GRAD_TAG)
+
+    def _next(self, block: bool) -> int | None:
+        """The next expected minibatch (or :data:`STOP`); ``None``: none known yet."""
+        try:
+            return self._expected.get() if block else self._expected.get_nowait()
+        except queue.Empty:
+            return None
+
     def _loop(self) -> None:
         try:
-            while True:
-                mb = self._expected.get()
-                if mb == STOP:
-                    return
-                bufs = [s.empty() for s in self._floats]
-                _recv(bufs, self._peer, self._group, timeout_s=self._timeout_s)
+            mb = self._next(block=True)
+            posted = None if mb == STOP else self._post()
+            while posted is not None and mb is not None:
+                msg = posted.wait(self._timeout_s)
+                if int(msg.header) != mb:
+                    raise HetPipeRuntimeError(
+                        f"gradients of minibatch {int(msg.header)} came from rank {self._peer} "
+                        f"while minibatch {mb}'s were due; the stages disagree on the order"
+                    )
+                arrived_s = _now(self._pacer)
+                nxt = self._next(block=False)  # already expected: post its receive ahead
+                posted = self._post() if nxt is not None and nxt != STOP else None
                 if self._pacer is not None:
-                    self._pacer.arrived(message_bytes(bufs))
-                self._inbox.put(Event("grad", mb, tuple(bufs)))
+                    self._pacer.arrived(self._layout.payload_bytes, arrived_s)
+                self._inbox.put(Event("grad", mb, msg.tensors))
+                if nxt is None:
+                    nxt = self._next(block=True)
+                    posted = None if nxt == STOP else self._post()
+                mb = nxt
         except Exception as exc:  # a dead peer or a timeout: hand it to the stage loop
             self._inbox.put(Event("error", error=exc))

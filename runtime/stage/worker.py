@@ -96,7 +96,7 @@ class StageWorker:
         )  # fmt: skip
         self.schedule = schedule_named(ctx.schedule)  # checked with the plan
         self.queue = self.schedule.queue(ctx.stage, ctx.n_stages)
-        self.inbox: queue.Queue[Event] = queue.Queue()
+        self.inbox: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self.held: dict[int, Held] = {}
         self.result = StageResult(ctx.rank, ctx.vw, ctx.stage, ctx.device)
         self.fault = job.fault.hook(ctx.vw, ctx.stage) if job.fault is not None else None
@@ -372,7 +372,7 @@ class StageWorker:
         timer.lap("bookkeeping")
         if not self._paced:  # the gradients leave first: the previous stage waits on them
             if to_prev is not None:
-                to_prev.send_grads(grads_x)
+                to_prev.send_grads(mb, grads_x)
             timer.lap("send_recv")
             self._update(mb, grads_w, judged)
             return
@@ -386,7 +386,7 @@ class StageWorker:
         # deadline is the runtime's cost (on a GPU it is microseconds), not a slow device
         self.result.overrun_s += max(0.0, time.perf_counter() - deadline)
         if self.tied and to_prev is not None:  # the tied exchange waits on earlier stages
-            to_prev.send_grads(grads_x)
+            to_prev.send_grads(mb, grads_x)
             to_prev = None
             timer.lap("send_recv")
         waited = self.result.wait_s
@@ -394,7 +394,7 @@ class StageWorker:
         pace_until(deadline + (self.result.wait_s - waited))
         timer.lap("paced")
         if to_prev is not None:
-            to_prev.send_grads(grads_x)
+            to_prev.send_grads(mb, grads_x)
             timer.lap("send_recv")
 
     def _judge(
