@@ -92,6 +92,9 @@ class Workload:
             offline evaluation. Each run records its own (``process_s`` - ``wall_s``,
             ``eval_s``); under a load of 11-13 they reached 60 s (cnn) and 180-280 s (lm: every
             process captures GPT-2 with ``torch.export``).
+        calibrate: ``hetpipe-time`` calibrates the efficiency model on ``data``
+            (``--calibrate-efficiency`` takes ``(input, target)`` samples: not ``lm``'s dicts,
+            which plan with the model's defaults).
     """
 
     name: str
@@ -107,6 +110,7 @@ class Workload:
     quick_lr: float
     quick_target: float
     overhead_s: float
+    calibrate: bool = True
 
 
 WORKLOADS = {
@@ -115,7 +119,7 @@ WORKLOADS = {
                     32, "accuracy", 0.97, 0.9, (0.0025, 0.005, 0.01), 0.005, 0.5, 35.0),
     "lm": Workload("lm", "tiny GPT-2 on Markov tokens", "examples.gpt2_lm:tiny",
                    "benchmarks.tta_tasks:lm_data", REPO / "benchmarks/tta_cluster_lm.yaml",
-                   16, "loss", 1.6, 0.9, (0.00125, 0.0025, 0.005), 0.01, 4.5, 60.0),
+                   16, "loss", 1.6, 0.9, (0.00125, 0.0025, 0.005), 0.01, 4.5, 60.0, False),
 }  # fmt: skip
 
 
@@ -404,7 +408,7 @@ def bench_workload(
     """Plan, tune, train every seed of every system and compare their times to target."""
     common = [str(w.cluster), "--model", w.model, "--batch-size", str(w.batch)]
     common += ["--optimizer", "momentum" if w.momentum else "sgd"]
-    plans = make_plans(common, plan_args, systems, folder, w.name, w.data)
+    plans = make_plans(common, plan_args, systems, folder, w.name, w.data if w.calibrate else "")
     every = max(w.batch, round(plans["hetpipe"].predicted * budget.train_s / budget.snapshots))
     tunings = tune_all(w, plans, budget, every, progress)
     runs = train_seeds(w, plans, tunings, budget, every, progress)
