@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from planner.cluster import Cluster, Link, allreduce_s
 
@@ -54,6 +54,8 @@ __all__ = [
     "links_statement",
     "pace_since",
 ]
+
+T = TypeVar("T")
 
 Waiter = Callable[[float, Callable[[], float]], float]
 """Waits until ``clock() >= deadline``; returns how late it came (:func:`pace_until`)."""
@@ -201,7 +203,36 @@ class Arrival:
         return self._done.wait(timeout)
 
 
-class ArrivalWatcher:
+class _SerialThread(Generic[T]):
+    """Handles queued items one after another on one daemon thread, started on first use;
+    :meth:`close` ends it after the items already queued."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._queue: queue.SimpleQueue[T | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def _put(self, item: T) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+            self._thread.start()
+        self._queue.put(item)
+
+    def close(self) -> None:
+        """End the thread after the items already queued."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            self._handle(item)
+
+    def _handle(self, item: T) -> None:
+        raise NotImplementedError
+
+
+class ArrivalWatcher(_SerialThread[Arrival]):
     """Waits for :class:`Arrival` receives one after another on one thread, started on first
     use: a thread per receive cost more than the rest of a pull (its start waits until the
     new thread runs, milliseconds on a loaded machine).
@@ -212,25 +243,14 @@ class ArrivalWatcher:
     """
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[Arrival | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        super().__init__("paced-arrivals")
 
     def watch(self, arrival: Arrival) -> None:
         """Stamp ``arrival`` once its receive (and every one watched before it) completed."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="paced-arrivals", daemon=True)
-            self._thread.start()
-        self._queue.put(arrival)
+        self._put(arrival)
 
-    def close(self) -> None:
-        """End the thread after the receives already watched."""
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread = None
-
-    def _loop(self) -> None:
-        while (arrival := self._queue.get()) is not None:
-            arrival._watch()
+    def _handle(self, item: Arrival) -> None:
+        item._watch()
 
 
 class _Done:
@@ -243,7 +263,7 @@ class _Done:
 _DONE = _Done()
 
 
-class DelayLine:
+class DelayLine(_SerialThread[tuple[float, Callable[[], Any], DelayedWork]]):
     """Posts sends at their deadlines, in order, on one thread: a paced message lands when
     its emulated link would deliver it, while its sender goes on computing.
 
@@ -252,35 +272,23 @@ class DelayLine:
     """
 
     def __init__(self, pace: Pace = REAL_PACE) -> None:
+        super().__init__("paced-sends")
         self.pace = pace
-        self._queue: queue.SimpleQueue[tuple[float, Callable[[], Any], DelayedWork] | None]
-        self._queue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
 
     def post(self, deadline_s: float, send: Callable[[], Any]) -> DelayedWork:
         """Call ``send`` (which posts the send and returns its work) at ``deadline_s``."""
         work = DelayedWork()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="paced-sends", daemon=True)
-            self._thread.start()
-        self._queue.put((deadline_s, send, work))
+        self._put((deadline_s, send, work))
         return work
 
-    def close(self) -> None:
-        """End the thread after the sends already queued."""
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread = None
-
-    def _loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            deadline, send, work = item
-            if self.pace.clock() < deadline:
-                self.pace.wait(deadline, self.pace.clock)
-            try:
-                work._set(send(), None)
-            except BaseException as exc:  # handed to whoever waits for the send
-                work._set(None, exc)
+    def _handle(self, item: tuple[float, Callable[[], Any], DelayedWork]) -> None:
+        deadline, send, work = item
+        if self.pace.clock() < deadline:
+            self.pace.wait(deadline, self.pace.clock)
+        try:
+            work._set(send(), None)
+        except BaseException as exc:  # handed to whoever waits for the send
+            work._set(None, exc)
 
 
 @dataclass(frozen=True)
