@@ -45,12 +45,12 @@ __all__ = [
 ]
 
 REMEDIES = ("none", "predict", "pipemare")
+"""Every remedy a run may choose (``none``: the default, no compensation)."""
 
 COVERS_FOREIGN = frozenset({"predict"})
 """Remedies that also compensate the other VWs' updates a gradient misses (``predict``
 extrapolates over the whole delay, :func:`predict_steps`); the others act on the local
 delay only (PipeMare's rescheduling follows the stage's own delay)."""
-"""Every remedy a run may choose (``none``: the default, no compensation)."""
 
 
 def check_remedy(name: str) -> str:
