@@ -370,5 +370,16 @@ def collect_wsp(plan: Plan, out: Path, nm: int = 0, D: int | None = None) -> Run
     return dataclasses.replace(result, keys=state_keys(spec.module))  # every state_dict name
 
 
+def _exit(code: int) -> None:
+    """End the rank with ``code`` once its outputs and logs are flushed, without interpreter
+    teardown: a torchrun rank of a 4-step run was seen to abort there ("terminate called
+    without an active exception", SIGABRT) after its work was done, gloo's threads racing the
+    module cleanup (pytorch#65231); torchrun reads only the exit code."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())
