@@ -160,7 +160,7 @@ class PSClient(PullingClient):
         # the pull's receives are posted before the push leaves: the shard's reply never waits
         posted = (
             [
-                self._post_pull(k, pull[0], pull[2], self._links[k].numel * 4)  # float32 push
+                self._post_pull(k, pull[0], pull[2], self._links[k].numel * 4, wave)  # float32
                 for k in range(len(self._links))
             ]
             if pull is not None
@@ -191,8 +191,10 @@ class PSClient(PullingClient):
 
     def _send_message(self, k: int, wave: int, msg: Message, pull: int, seq: int) -> None:
         link, what = self._links[k], f"push of wave {wave}"
-        ack = torch.zeros(HEADER_LEN, dtype=torch.int64)
-        ack_work = self._irecv(link, ack, TAG_ACK, what)
+        ack, ack_work = None, None  # a push with a pull: the pull's reply acknowledges it
+        if pull == NO_PULL:
+            ack = torch.zeros(HEADER_LEN, dtype=torch.int64)
+            ack_work = self._irecv(link, ack, TAG_ACK, what)
         msg.header.copy_(torch.tensor([wave, pull, seq, 0], dtype=torch.int64))
         send = self._send_paced(k, msg, what)
         self._inflight.append(Push(k, wave, ack_work, ack, send, msg))

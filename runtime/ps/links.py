@@ -54,12 +54,13 @@ class Message:
 
 @dataclass(frozen=True)
 class Push:
-    """A push in flight: its send and the receive of its acknowledgement."""
+    """A push in flight: its send and the receive of its acknowledgement (``None``: the push
+    carries a pull, whose reply acknowledges it: :meth:`PullingClient._finish_pull`)."""
 
     link: int
     wave: int
-    ack_work: dist.Work
-    ack: torch.Tensor
+    ack_work: dist.Work | None
+    ack: torch.Tensor | None
     send: dist.Work | DelayedWork  # delayed: posted when its emulated link delivers it
     msg: Message
 
@@ -199,17 +200,23 @@ class ShardLinks:
             push = self._inflight[0]
             link, what = self._links[push.link], f"push of wave {push.wave}"
             self._wait(link, push.send, what, self.timeout_s)
-            self._wait(link, push.ack_work, f"{what} (acknowledgement)", self.timeout_s)
             self._inflight.pop(0)
-            status = Status(int(push.ack[0]))
-            if status == Status.DROPPED:  # backup workers: the wave closed without this VW
-                self.dropped.append((link.spec.id, push.wave))
+            if push.ack_work is None or push.ack is None:  # acknowledged by its pull's reply
                 continue
-            if status != Status.OK:
-                raise HetPipeRuntimeError(
-                    f"{self._prefix} shard {link.spec.id} rejected the push of wave {push.wave}: {status.name} "
-                    f"(global clock {int(push.ack[2])}); see the shard's log"
-                )
+            self._wait(link, push.ack_work, f"{what} (acknowledgement)", self.timeout_s)
+            self._acknowledged(push.link, push.wave, int(push.ack[0]), int(push.ack[2]))
+
+    def _acknowledged(self, k: int, wave: int, status: int, clock: int) -> None:
+        """Record shard ``k``'s status of the push of ``wave`` (``clock``: its global clock);
+        raise if it rejected it."""
+        link = self._links[k]
+        if status == Status.DROPPED:  # backup workers: the wave closed without this VW
+            self.dropped.append((link.spec.id, wave))
+        elif status != Status.OK:
+            raise HetPipeRuntimeError(
+                f"{self._prefix} shard {link.spec.id} rejected the push of wave {wave}: "
+                f"{Status(status).name} (global clock {clock}); see the shard's log"
+            )
 
     def flush(self) -> None:
         """Wait until every push was delivered and acknowledged.

@@ -20,7 +20,14 @@ from profiler.errors import HetPipeRuntimeError
 from runtime.link_pacing import Arrival
 from runtime.ps.links import ShardLinks
 from runtime.ps.outcome import Status
-from runtime.ps.wire import HEADER_LEN, TAG_PULL_DATA, TAG_PULL_HEADER, TAG_REQUEST, Op
+from runtime.ps.wire import (
+    HEADER_LEN,
+    NO_PULL,
+    TAG_PULL_DATA,
+    TAG_PULL_HEADER,
+    TAG_REQUEST,
+    Op,
+)
 
 __all__ = ["PullHandle", "PullResult", "PullingClient"]
 
@@ -53,6 +60,7 @@ class Posted:
     start_s: float = 0.0  # when it was posted (clock seconds)
     push_s: float = 0.0  # the emulated link's charge of the push it rides on (0: none)
     pull_s: float = 0.0  # the emulated link's charge of the reply (0: not paced)
+    rides: int = NO_PULL  # the wave of the push it rides on, acknowledged by the reply
 
 
 def flat_alias(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -105,10 +113,16 @@ class PullingClient(ShardLinks):
             )
 
     def _post_pull(
-        self, k: int, min_clock: int, out: Sequence[torch.Tensor] | None, push_bytes: int = 0
+        self,
+        k: int,
+        min_clock: int,
+        out: Sequence[torch.Tensor] | None,
+        push_bytes: int = 0,
+        rides: int = NO_PULL,
     ) -> Posted:
-        """Post the receives of shard ``k``'s reply to this client's next pull (riding on a
-        push of ``push_bytes``, charged before the reply on an emulated link)."""
+        """Post the receives of shard ``k``'s reply to this client's next pull (riding on the
+        push of wave ``rides`` of ``push_bytes``, charged before the reply on an emulated
+        link; :data:`NO_PULL`: on none)."""
         link, what = self._links[k], f"pull of clock {min_clock}"
         direct = flat_alias([out[i] for i in link.order]) if out is not None else None
         if direct is not None:
@@ -126,7 +140,9 @@ class PullingClient(ShardLinks):
         pull_s = self._charge_s(k, data.numel() * data.element_size())
         if pull_s > 0:  # an emulated link: learn when the reply arrives, even if waited late
             w_hdr = Arrival(w_hdr, self._arrivals, self._pace)
-        return Posted(w_hdr, w_data, hdr, data, direct is not None, seq, start, push_s, pull_s)
+        return Posted(
+            w_hdr, w_data, hdr, data, direct is not None, seq, start, push_s, pull_s, rides
+        )
 
     def _pace_pull(self, posted: Sequence[Posted]) -> None:
         """On an emulated link: return no sooner than the shards' pushes and replies, one after
@@ -188,6 +204,8 @@ class PullingClient(ShardLinks):
             self._wait(link, post.w_data, what, self.timeout_s)
             hdr, data = post.hdr, post.data
             clock = int(hdr[1])
+            if post.rides != NO_PULL:  # the reply acknowledges the push the pull rode on
+                self._acknowledged(k, post.rides, int(hdr[2]), clock)
             if int(hdr[0]) != Status.OK or clock < min_clock or int(hdr[3]) != post.seq:
                 raise HetPipeRuntimeError(
                     f"{self._prefix} shard {link.spec.id} answered the {what} (pull {post.seq}) "

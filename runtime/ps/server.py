@@ -55,6 +55,7 @@ from runtime.ps.rejoin import Rejoin
 from runtime.ps.wire import (
     HEADER_BYTES,
     NO_PULL,
+    NO_PUSH,
     TAG_ACK,
     TAG_PULL_DATA,
     TAG_PULL_HEADER,
@@ -68,10 +69,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Pulls:
-    """One client's pull requests not answered yet: ``seq -> min clock``, and the next seq."""
+    """One client's pull requests not answered yet: ``seq -> min clock``, the next seq, and
+    ``seq -> status`` of the push each pull rode on (acknowledged in the pull's reply)."""
 
     waiting: dict[int, int] = field(default_factory=dict)
     next: int = 0
+    rode: dict[int, int] = field(default_factory=dict)
 
 
 class ShardServer:
@@ -286,11 +289,13 @@ class ShardServer:
             payload = ev.message[HEADER_BYTES:].view(torch.float32)
             res = core.push(c.vw, c.stage, ev.arg, payload, copy=False)
             self._recycle(ev.client, ev.arg, ev.message, res.status == Status.OK)
-            if ev.pull != NO_PULL:
+            if ev.pull != NO_PULL:  # acknowledged by the pull's reply: no message of its own
                 pulls[ev.client].waiting[ev.seq] = ev.pull
+                pulls[ev.client].rode[ev.seq] = int(res.status)
             self._answer_pulls(pulls)  # replies first: a client may be blocked on one
-            ack = torch.tensor([int(res.status), ev.arg, core.clock, 0], dtype=torch.int64)
-            self._send(ack, c, TAG_ACK)
+            if ev.pull == NO_PULL:
+                ack = torch.tensor([int(res.status), ev.arg, core.clock, 0], dtype=torch.int64)
+                self._send(ack, c, TAG_ACK)
             if res.applied:
                 self._maybe_checkpoint(res.applied)
         elif ev.kind == "pull":
@@ -353,13 +358,18 @@ class ShardServer:
 
         A pull request travels on its own or inside a push message (two readers), so requests
         may arrive out of order; the client numbers them and replies go out strictly in that
-        order, matching the receives the client posted."""
+        order, matching the receives the client posted. A pull riding on a rejected push is
+        answered at once (the clock it waits for may never come): the client raises."""
         for i, q in enumerate(pulls):
             c = self.core.spec.clients[i]
-            while q.next in q.waiting and self.core.can_pull(q.waiting[q.next]):
-                min_clock = q.waiting.pop(q.next)
+            while q.next in q.waiting and (
+                self.core.can_pull(q.waiting[q.next])
+                or q.rode.get(q.next, Status.OK) not in (Status.OK, Status.DROPPED)
+            ):
+                del q.waiting[q.next]
+                push = q.rode.pop(q.next, NO_PUSH)
                 hdr = torch.tensor(
-                    [int(Status.OK), self.core.clock, min_clock, q.next], dtype=torch.int64
+                    [int(Status.OK), self.core.clock, push, q.next], dtype=torch.int64
                 )
                 self._send(hdr, c, TAG_PULL_HEADER)
                 self._send(self.core.read(c.vw, c.stage, copy=False), c, TAG_PULL_DATA)

@@ -3,8 +3,10 @@
 A client and a shard exchange torch.distributed point-to-point messages (gloo) on tags far
 from the pipeline's. A push is one message: an int64 header then the float32 update
 (:func:`push_message`); it may carry the client's next pull request. Standalone requests
-(``PULL``, ``BYE``) travel on ``TAG_REQUEST``; each push is acknowledged on ``TAG_ACK``; a pull
-is answered by a header and the client's flat slice of the weights.
+(``PULL``, ``BYE``) travel on ``TAG_REQUEST``; a pull is answered by a header and the
+client's flat slice of the weights. A push that carries no pull is acknowledged on ``TAG_ACK``;
+one that carries a pull is acknowledged by that pull's reply header (its status rides there),
+which saves a message, a posted receive and a wake-up of the client per shard per wave.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ TAG_BASE = 7_000_000  # far from any tag the pipeline runtime uses between stage
 TAG_REQUEST = TAG_BASE + 1  # client -> shard: int64 [op, arg, seq, 0] (PULL, BYE)
 TAG_PUSH = TAG_BASE + 2  # client -> shard: one push message, see push_message()
 TAG_ACK = TAG_BASE + 3  # shard -> client: int64 [status, wave, global clock, 0] per push
-TAG_PULL_HEADER = TAG_BASE + 4  # shard -> client: int64 [status, global clock, min_clock, seq]
+TAG_PULL_HEADER = TAG_BASE + 4  # shard -> client: int64 [status, global clock, push, seq]
+# (push: the status of the push the pull rode on, which gets no TAG_ACK; NO_PUSH: none)
 TAG_PULL_DATA = TAG_BASE + 5  # shard -> client: the client's flat slice of the weights
 HEADER_LEN = 4
 HEADER_BYTES = HEADER_LEN * 8
 NO_PULL = -1  # a push header's pull clock when the push asks for no pull
+NO_PUSH = -1  # a pull header's push status when the pull came alone (not riding on a push)
 LAST_PUSH = 1  # push header flag: no more pushes follow (the client is closing), no update
 
 
