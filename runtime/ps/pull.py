@@ -27,6 +27,8 @@ from runtime.ps.wire import (
     TAG_PULL_HEADER,
     TAG_REQUEST,
     Op,
+    one_message_pull,
+    pull_message,
 )
 
 __all__ = ["PullHandle", "PullResult", "PullingClient"]
@@ -52,7 +54,7 @@ class Posted:
     """One shard's reply to a pull, posted: header and data receives and their buffers."""
 
     w_hdr: dist.Work | Arrival  # an Arrival on an emulated link: when the reply came
-    w_data: dist.Work
+    w_data: dist.Work | None  # None: a one-message reply (``hdr`` and ``data`` are its views)
     hdr: torch.Tensor
     data: torch.Tensor
     direct: bool  # ``data`` aliases the caller's ``out`` tensors (no copy when it arrives)
@@ -124,16 +126,22 @@ class PullingClient(ShardLinks):
         push of wave ``rides`` of ``push_bytes``, charged before the reply on an emulated
         link; :data:`NO_PULL`: on none)."""
         link, what = self._links[k], f"pull of clock {min_clock}"
-        direct = flat_alias([out[i] for i in link.order]) if out is not None else None
-        if direct is not None:
-            data = direct  # the reply lands in the caller's tensors: no copy
-        else:
-            spare = self._recv_spare[k]
-            data = spare.pop() if out is not None and spare else torch.empty(link.numel)
-        hdr = torch.zeros(HEADER_LEN, dtype=torch.int64)
         start = self._pace.clock()
-        w_hdr: dist.Work | Arrival = self._irecv(link, hdr, TAG_PULL_HEADER, what)
-        w_data = self._irecv(link, data, TAG_PULL_DATA, what)
+        w_data: dist.Work | None = None
+        if one_message_pull(link.numel):  # header and values in one message: one receive
+            msg, hdr, data = pull_message(link.numel)
+            direct = None
+            w_hdr: dist.Work | Arrival = self._irecv(link, msg, TAG_PULL_HEADER, what)
+        else:
+            direct = flat_alias([out[i] for i in link.order]) if out is not None else None
+            if direct is not None:
+                data = direct  # the reply lands in the caller's tensors: no copy
+            else:
+                spare = self._recv_spare[k]
+                data = spare.pop() if out is not None and spare else torch.empty(link.numel)
+            hdr = torch.zeros(HEADER_LEN, dtype=torch.int64)
+            w_hdr = self._irecv(link, hdr, TAG_PULL_HEADER, what)
+            w_data = self._irecv(link, data, TAG_PULL_DATA, what)
         seq = self._seq[k]
         self._seq[k] += 1
         push_s = self._charge_s(k, push_bytes)
@@ -201,7 +209,8 @@ class PullingClient(ShardLinks):
         for k, (link, post) in enumerate(zip(self._links, posted, strict=True)):
             what = f"pull of clock {min_clock}"
             self._wait(link, post.w_hdr, what, self.pull_timeout_s)
-            self._wait(link, post.w_data, what, self.timeout_s)
+            if post.w_data is not None:
+                self._wait(link, post.w_data, what, self.timeout_s)
             hdr, data = post.hdr, post.data
             clock = int(hdr[1])
             if post.rides != NO_PULL:  # the reply acknowledges the push the pull rode on
@@ -235,7 +244,12 @@ class PullingClient(ShardLinks):
                 else:
                     result[i] = piece
                 pos += n
-            if out is not None and not post.direct and len(self._recv_spare[k]) < 2:
+            if (
+                out is not None
+                and post.w_data is not None
+                and not post.direct
+                and len(self._recv_spare[k]) < 2
+            ):
                 self._recv_spare[k].append(data)
         self._pace_pull(posted)
         tensors = tuple(t if t is not None else torch.zeros(0) for t in result)

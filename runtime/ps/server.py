@@ -60,6 +60,8 @@ from runtime.ps.wire import (
     TAG_PULL_DATA,
     TAG_PULL_HEADER,
     isend,
+    one_message_pull,
+    pull_message,
 )
 
 __all__ = ["ShardServer"]
@@ -368,11 +370,16 @@ class ShardServer:
             ):
                 del q.waiting[q.next]
                 push = q.rode.pop(q.next, NO_PUSH)
-                hdr = torch.tensor(
-                    [int(Status.OK), self.core.clock, push, q.next], dtype=torch.int64
-                )
-                self._send(hdr, c, TAG_PULL_HEADER)
-                self._send(self.core.read(c.vw, c.stage, copy=False), c, TAG_PULL_DATA)
+                head = (int(Status.OK), self.core.clock, push, q.next)
+                weights = self.core.read(c.vw, c.stage, copy=False)
+                if one_message_pull(weights.numel()):
+                    msg, hdr, payload = pull_message(weights.numel())
+                    hdr.copy_(torch.tensor(head, dtype=torch.int64))
+                    payload.copy_(weights)
+                    self._send(msg, c, TAG_PULL_HEADER)
+                else:
+                    self._send(torch.tensor(head, dtype=torch.int64), c, TAG_PULL_HEADER)
+                    self._send(weights, c, TAG_PULL_DATA)
                 q.next += 1
 
     def _maybe_checkpoint(self, applied: int) -> None:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from profiler.errors import HetPipeRuntimeError
 
-__all__ = ["Op", "irecv", "isend", "push_message"]
+__all__ = ["Op", "irecv", "isend", "one_message_pull", "pull_message", "push_message"]
 
 TAG_BASE = 7_000_000  # far from any tag the pipeline runtime uses between stages
 TAG_REQUEST = TAG_BASE + 1  # client -> shard: int64 [op, arg, seq, 0] (PULL, BYE)
@@ -32,6 +32,24 @@ HEADER_LEN = 4
 HEADER_BYTES = HEADER_LEN * 8
 NO_PULL = -1  # a push header's pull clock when the push asks for no pull
 NO_PUSH = -1  # a pull header's push status when the pull came alone (not riding on a push)
+ONE_MESSAGE_PULL_BYTES = 1 << 20  # a pull reply of at most this payload is one message
+
+
+def one_message_pull(numel: int) -> bool:
+    """Whether the reply to a pull of ``numel`` float32 values is **one** message on
+    ``TAG_PULL_HEADER`` (the header, then the values: :func:`pull_message`) instead of a
+    header and a payload on ``TAG_PULL_DATA``. Small replies go as one: a message costs a
+    posted receive and a wake-up of the stage's process, more than the shard's copy of a
+    small slice; large ones go as two, sent straight from the global weights (no copy)."""
+    return 4 * numel <= ONE_MESSAGE_PULL_BYTES
+
+
+def pull_message(numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A one-message pull reply buffer: ``(message, header, payload)`` views, laid out like
+    :func:`push_message` (an int64 header of ``HEADER_LEN`` values, then float32 values)."""
+    return push_message(numel)
+
+
 LAST_PUSH = 1  # push header flag: no more pushes follow (the client is closing), no update
 
 

@@ -29,7 +29,7 @@ from runtime.link_pacing import (
 )
 from runtime.ps.client import PSClient
 from runtime.ps.layout import make_shard_specs
-from runtime.ps.wire import TAG_PULL_HEADER, TAG_PUSH
+from runtime.ps.wire import HEADER_BYTES, TAG_PULL_HEADER, TAG_PUSH
 from runtime.results.metrics import StageResult
 from runtime.sync.allreduce import AllReduceSync
 from tests.conftest import EXAMPLES
@@ -135,8 +135,9 @@ def _client(
     client = PSClient(0, 0, [("w", (numel,))], specs, paced=plan_links, pace=clock.pace)
 
     def irecv(link: Any, tensor: torch.Tensor, tag: int, what: str) -> _Done:
-        if tag == TAG_PULL_HEADER:  # [status OK, global clock, min clock, seq]
-            tensor.copy_(torch.tensor([0, 1_000, 0, client._seq[0]]))
+        if tag == TAG_PULL_HEADER:  # [status OK, global clock, push status, seq]
+            head = tensor[:HEADER_BYTES].view(torch.int64)  # a one-message reply: its head
+            head.copy_(torch.tensor([0, 1_000, 0, client._seq[0]]))
             return _Done(clock, held_s)
         return _Done()
 

@@ -1,5 +1,6 @@
-"""A push that carries a pull is acknowledged by the pull's reply (no acknowledgement message
-of its own); one process, the client's transport faked."""
+"""Messages a wave costs: a push that carries a pull is acknowledged by the pull's reply (no
+acknowledgement message of its own), and a small pull reply is one message; one process, the
+client's transport faked."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import pytest
 import torch
 
 from profiler.errors import HetPipeRuntimeError
+from runtime.ps import wire
 from runtime.ps.client import PSClient
 from runtime.ps.layout import make_shard_specs
 from runtime.ps.outcome import Status
-from runtime.ps.wire import NO_PUSH, TAG_ACK, TAG_PULL_HEADER
+from runtime.ps.wire import HEADER_BYTES, NO_PUSH, TAG_ACK, TAG_PULL_DATA, TAG_PULL_HEADER
 
 
 class _Done:
@@ -31,7 +33,9 @@ def _client(push_status: int, posted: list[int]) -> PSClient:
     def irecv(link: Any, tensor: torch.Tensor, tag: int, what: str) -> _Done:
         posted.append(tag)
         if tag == TAG_PULL_HEADER:  # [status, global clock, push status, seq]
-            tensor.copy_(torch.tensor([Status.OK, 1, push_status, client._seq[0]]))
+            tensor.zero_()
+            head = tensor[:HEADER_BYTES].view(torch.int64)  # a one-message reply: its head
+            head.copy_(torch.tensor([Status.OK, 1, push_status, client._seq[0]]))
         elif tag == TAG_ACK:  # [status, wave, global clock, 0]
             tensor.copy_(torch.tensor([Status.OK, 0, 0, 0]))
         return _Done()
@@ -68,3 +72,14 @@ def test_the_pull_reply_reports_a_dropped_push() -> None:
 def test_a_pull_alone_ignores_the_push_field() -> None:
     client = _client(NO_PUSH, [])
     assert client.pull(1).clock == 1 and client.dropped == []
+
+
+def test_a_small_pull_reply_is_one_message_a_large_one_two(monkeypatch: pytest.MonkeyPatch) -> None:
+    posted: list[int] = []
+    client = _client(Status.OK, posted)
+    torch.testing.assert_close(client.pull(1).tensors[0], torch.zeros(4))  # the fake's values
+    assert posted == [TAG_PULL_HEADER]  # header and values: one receive
+    monkeypatch.setattr(wire, "ONE_MESSAGE_PULL_BYTES", 8)  # 4 float32 values are 16 bytes
+    posted.clear()
+    client.pull(1)
+    assert posted == [TAG_PULL_HEADER, TAG_PULL_DATA]
