@@ -9,17 +9,17 @@ Hugging Face model's own ``loss``):
 - the gradient noise scale ``phi``: mean squared norms of minibatch gradients at the initial
   weights at batch ``b`` and ``4 b`` (:func:`planner.efficiency.simple_noise_scale`);
 - each remedy's delay cost ``c``: SGD at ``Nm = 1`` (sequential, :data:`STEPS` / 2 updates)
-  and at ``Nm = 2, 3`` (delay 1, 2; :data:`STEPS` updates at most); the target is the
-  lowest held-out loss sequential SGD reaches in its :data:`STEPS` / 2 updates; ``c`` is
-  fitted to ``steps(tau) / steps(0) = 1 + c tau`` (:func:`planner.efficiency.fit_delay_cost`;
+  and at ``Nm = 2, 3`` (delay 1, 2; :data:`STEPS` updates at most); the target is
+  :data:`TARGET_SLACK` above the lowest held-out loss sequential SGD reaches in its
+  :data:`STEPS` / 2 updates; ``c`` is fitted to ``steps(tau) / steps(0) = 1 + c tau`` (:func:`planner.efficiency.fit_delay_cost`;
   a run that never reaches it counts as :data:`STEPS`, so ``c`` is then a lower bound).
 
 Step size (:class:`Recipe`): ``tuned`` (the default) runs every setting at its own best of
 ``lr x`` :data:`LR_FACTORS` (:func:`best_lr`: fewest updates to the target, ties by the last
 held-out loss), as the systems compared are run (each tuned to its best step size: at one fixed
 lr the delayed runs of a model tuned for sequential SGD diverge, and ``c`` only says so);
-``fixed`` runs every setting at ``lr``. The search walks the grid down from the previous
-setting's best (a delay lowers the stable step size: delayed SGD's best lr is not above the
+``fixed`` runs every setting at ``lr``. Sequential SGD runs every lr of the grid; a delayed
+setting's search walks the grid down from the previous setting's best (a delay lowers the stable step size: delayed SGD's best lr is not above the
 less-delayed one's) and stops at the first lr that does no better; a run stops once it reached
 the target, can no longer beat the best lr's count, or diverged (:data:`DIVERGED`).
 """
@@ -70,7 +70,12 @@ LR_FACTORS = (1.0, 0.5, 0.25, 0.125)
 """``tuned``: the lr grid, the given lr times these (an octave either side of a best lr)."""
 
 DIVERGED = 3.0
-"""A run whose held-out loss is not finite or above this multiple of its first stops."""
+"""A run whose held-out loss is not finite or above this multiple of the initial one stops."""
+
+TARGET_SLACK = 0.05
+"""The target lies this share of the way from the lowest held-out loss sequential SGD reached
+back to the initial loss: above a noisy minimum (a noise floor's lucky low is no target), on
+the descent every setting crosses."""
 
 Params = dict[str, Tensor]
 LossAt = Callable[[Params, Sequence[int]], Tensor]
@@ -104,13 +109,14 @@ class Recipe:
 @dataclass(frozen=True)
 class _Job:
     """What every calibration run shares: the loss, initial weights, minibatches, held-out
-    loss and momentum."""
+    loss, momentum and the held-out loss at the initial weights."""
 
     loss_at: LossAt
     w0: Params
     batches: list[list[int]]
     evaluate: Callable[[Params], float]
     momentum: float
+    initial: float
 
 
 @dataclass(frozen=True)
@@ -169,7 +175,7 @@ def _run(job: _Job, nm: int, remedy: str, lr: float, updates: int,
         history.pop(p - nm, None)
         if p % EVAL_EVERY == 0:
             curve.append(job.evaluate(w))
-            if not math.isfinite(curve[-1]) or curve[-1] > DIVERGED * curve[0] or stop(curve):
+            if not math.isfinite(curve[-1]) or curve[-1] > DIVERGED * job.initial or stop(curve):
                 break
     return curve
 
@@ -184,12 +190,9 @@ def steps_to(curve: Sequence[float], target: float) -> int | None:
     return next((k + 1 for k, loss in enumerate(curve) if loss <= target), None)
 
 
-def _score(curve: Sequence[float], target: float | None) -> tuple[float, float]:
-    """Lower is better: evaluations to ``target`` (``inf``: never), then the last held-out loss;
-    no target (sequential runs): the lowest loss."""
-    finite = [x for x in curve if math.isfinite(x)]
-    if target is None:
-        return (0.0, min(finite, default=math.inf))
+def _score(curve: Sequence[float], target: float) -> tuple[float, float]:
+    """Lower is better: evaluations to ``target`` (``inf``: never), then the last held-out
+    loss (``inf``: not finite)."""
     steps = steps_to(curve, target)
     last = curve[-1] if curve and math.isfinite(curve[-1]) else math.inf
     return (math.inf if steps is None else float(steps), last)
@@ -209,22 +212,32 @@ def best_lr(curves: Mapping[float, Sequence[float]], target: float) -> float:
     return min(curves, key=lambda lr: _score(curves[lr], target))
 
 
+def _sequential(job: _Job, grid: Sequence[float], say: Progress) -> tuple[_Found, float]:
+    """Sequential SGD at every lr of ``grid`` for :data:`STEPS` / 2 updates: the target
+    (:data:`TARGET_SLACK` above the lowest loss any reached) and the lr reaching it soonest."""
+    curves = []
+    for lr in grid:
+        say(f"sequential lr {lr:g}")
+        curves.append(_run(job, 1, "none", lr, STEPS // 2, lambda _: False))
+    floor = min((x for c in curves for x in c if math.isfinite(x)), default=job.initial)
+    target = floor + TARGET_SLACK * max(0.0, job.initial - floor)
+    k = min(range(len(grid)), key=lambda i: _score(curves[i], target))
+    return _Found(k, grid[k], curves[k]), target
+
+
 def _search(job: _Job, nm: int, remedy: str, grid: Sequence[float], start: int,
-            target: float | None, say: Progress) -> _Found:  # fmt: skip
+            target: float, say: Progress) -> _Found:  # fmt: skip
     """The best lr of ``grid[start:]`` for ``Nm``/``remedy`` (:func:`best_lr`), walking down
-    the grid while each lr does better than the one before (sequential, ``target`` ``None``:
-    the lowest loss of :data:`STEPS` / 2 updates)."""
-    updates = STEPS // 2 if target is None else STEPS
+    the grid while each lr does better than the one before."""
 
     def attempt(k: int, best: _Found | None) -> _Found:
-        say(f"{'sequential' if nm == 1 else f'{remedy} delay {nm - 1}'} lr {grid[k]:g}")
-        bar = None if best is None or target is None else steps_to(best.curve, target)
+        say(f"{remedy} delay {nm - 1} lr {grid[k]:g}")
+        bar = None if best is None else steps_to(best.curve, target)
 
         def stop(curve: list[float]) -> bool:
-            reached = target is not None and curve[-1] <= target
-            return reached or (bar is not None and len(curve) >= bar)
+            return curve[-1] <= target or (bar is not None and len(curve) >= bar)
 
-        return _Found(k, grid[k], _run(job, nm, remedy, grid[k], updates, stop))
+        return _Found(k, grid[k], _run(job, nm, remedy, grid[k], STEPS, stop))
 
     best = attempt(start, None)
     for k in range(start + 1, len(grid)):
@@ -344,7 +357,7 @@ def _calibrate(dataset: Dataset[Any], spec: ModelSpec, batch: int, recipe: Recip
         with torch.no_grad():
             return float(loss_at(w, held))
 
-    job = _Job(loss_at, params, batches, evaluate, recipe.momentum)
+    job = _Job(loss_at, params, batches, evaluate, recipe.momentum, evaluate(params))
     costs, bounds, lrs = _delay_costs(job, recipe, say)
     return EfficiencyInputs(phi, costs, _source(n, recipe, lrs, bounds), _record(recipe, lrs))
 
@@ -353,8 +366,7 @@ def _delay_costs(job: _Job, recipe: Recipe, say: Progress) -> tuple[dict[str, fl
     """Each remedy's ``c``, the remedies whose ``c`` is a lower bound, and the lr each setting
     ran at (``sequential``, ``none 1``, ``none 2``, ...)."""
     grid = recipe.grid
-    seq = _search(job, 1, "none", grid, 0, None, say)
-    target = min(x for x in seq.curve if math.isfinite(x)) if seq.curve else math.inf
+    seq, target = _sequential(job, grid, say)
     seq_steps = steps_to(seq.curve, target) or 1
     lrs = {"sequential": seq.lr}
     found: dict[tuple[str, int], _Found] = {}
