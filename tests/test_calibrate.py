@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -150,3 +151,44 @@ def test_doctests(module: str) -> None:
 
     res = doctest.testmod(importlib.import_module(module))
     assert res.attempted > 0 and res.failed == 0
+
+
+_RATES = {  # held-out loss drop per evaluation (from 10, floor 2): a hand-built tuning case
+    (1, "none"): {0.4: -1.0, 0.2: 0.8, 0.1: 0.4, 0.05: 0.2},  # 0.4 diverges
+    (2, "none"): {0.2: 0.5, 0.1: 0.6, 0.05: 0.3},  # delayed: 0.1 beats 0.2
+    (3, "none"): {0.1: 0.4, 0.05: 0.2},
+    (2, "predict"): {0.2: 0.8, 0.1: 0.4},
+    (3, "predict"): {0.2: 0.8, 0.1: 0.4},
+    (3, "pipemare"): {0.1: 0.5, 0.05: 0.25},
+}
+
+
+def test_tuned_calibration_fits_c_from_each_settings_soonest_lr(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each setting at the lr of the grid that reaches the target (5 % above sequential's
+    lowest loss: 2.4) soonest; the search walks down from the less-delayed setting's best and
+    stops at the first lr that does no better; PipeMare at Nm 2 reuses plain SGD's runs."""
+    from hetpipe import calibrate as cal
+
+    calls: list[tuple[int, str, float]] = []
+
+    def fake_run(job: object, nm: int, remedy: str, lr: float, updates: int,
+                 stop: Callable[[list[float]], bool]) -> list[float]:  # fmt: skip
+        calls.append((nm, remedy, lr))
+        curve: list[float] = []
+        for k in range(1, updates // cal.EVAL_EVERY + 1):
+            curve.append(max(2.0, 10.0 - _RATES[nm, remedy][lr] * k))
+            if stop(curve):
+                break
+        return curve
+
+    monkeypatch.setattr(cal, "_run", fake_run)
+    job = cal._Job(lambda w, i: torch.zeros(()), {}, [], lambda w: 0.0, 0.0, initial=10.0)
+    costs, bounds, lrs = cal._delay_costs(job, Recipe(0.4, 0.0), lambda _: None)
+    assert lrs == {"sequential": 0.2, "none 1": 0.1, "none 2": 0.1, "predict 1": 0.2,
+                   "predict 2": 0.2, "pipemare 1": 0.1, "pipemare 2": 0.1}  # fmt: skip
+    # sequential 10 evaluations; none 13 and 19; predict 10 and 10; pipemare 13 and 16
+    assert costs == {"none": 0.42, "predict": 0.0, "pipemare": 0.3} and bounds == []
+    assert (2, "pipemare", 0.1) not in calls and (3, "none", 0.2) not in calls
+    assert (2, "predict", 0.05) not in calls  # 0.1 did worse than 0.2: the walk stopped
