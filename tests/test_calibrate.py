@@ -62,10 +62,8 @@ def test_calibration_of_a_small_classifier_is_fast_and_complete() -> None:
     assert got.source.startswith("calibrated on the given data (512 samples, SGD momentum 0.9, lr")
     record = got.calibration
     assert record["lr_mode"] == "tuned" and record["lr_grid"] == [0.05 * f for f in LR_FACTORS]
-    assert set(record["lr_of"]) == {
-        "sequential",
-        *(f"{r} {t}" for r in got.delay_cost for t in (1, 2)),
-    }  # type: ignore[arg-type]
+    settings = {"sequential", *(f"{r} {t}" for r in got.delay_cost for t in (1, 2))}
+    assert set(record["lr_of"]) == settings  # type: ignore[call-overload]
     assert got.to_dict()["calibration"] == record
     adam = calibrate(
         TensorDataset(x, y), spec, 16, Recipe(0.05, 0.9, remedies=("none", "pipemare"))
