@@ -75,6 +75,7 @@ def test_calibrated_inputs_reach_the_table_and_the_plan(
     def fake(dataset: object, spec: object, batch: int, recipe: Recipe,
              progress: object) -> EfficiencyInputs:  # fmt: skip
         seen.update(n=len(dataset), batch=batch, recipe=recipe)  # type: ignore[arg-type]
+        progress("sequential lr 0.02")  # type: ignore[operator]
         record = {"lr": recipe.lr, "lr_mode": "fixed"}
         return EfficiencyInputs(1e9, {"none": 5.0, "predict": 5.0}, "calibrated (stand-in)", record)
 
@@ -88,7 +89,7 @@ def test_calibrated_inputs_reach_the_table_and_the_plan(
     recipe = Recipe(0.02, 0.9, tuned=False)  # --optimizer momentum: momentum 0.9 by default
     assert seen == {"n": 1797, "batch": 32, "recipe": recipe}
     assert "calibrated (stand-in)" in res.output and "default (no data)" not in res.output
-    assert "calibration: 0 runs in" in res.output
+    assert "calibration: 1 run in" in res.output
     plan = load_plan(out)  # phi 1e9: big batches are free, delay costs 5 per update
     assert plan.sync == "allreduce" and plan.objective["source"] == "calibrated (stand-in)"
     assert plan.objective["calibration"] == {"lr": 0.02, "lr_mode": "fixed"}

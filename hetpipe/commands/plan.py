@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # heavy (torch, pandas, PuLP): imported when a plan is made
     from rich.console import Console
 
     from planner.auto_search import Candidate
+    from planner.efficiency import EfficiencyInputs
     from profiler.table import Profile
 
 HELP = (
@@ -122,6 +123,7 @@ class _Calibrating:
 
         self._clock = time.perf_counter
         self._start, self._update, self.runs = self._clock(), update, 0
+        self.took: float | None = None
 
     def __call__(self, what: str) -> None:
         self.runs += 1
@@ -133,6 +135,21 @@ class _Calibrating:
     def seconds(self) -> float:
         """Seconds since the calibration started."""
         return self._clock() - self._start
+
+    def inputs(
+        self, calibration: Calibration, model: str | None, batch: int, optimizer: str
+    ) -> EfficiencyInputs:
+        """:func:`hetpipe.commands.objective.efficiency_inputs`, progress shown here and the
+        calibration's time noted."""
+        inputs = efficiency_inputs(calibration, model, batch, optimizer, self)
+        self.took = self.seconds if self.runs else None
+        return inputs
+
+    def report(self, out: Console) -> None:
+        """The runs and seconds a calibration took (nothing without one)."""
+        if self.took is not None:
+            runs = f"{self.runs} run{'s' if self.runs > 1 else ''}"
+            out.print(f"[dim]calibration: {runs} in {self.took:.1f} s[/]")
 
 
 SUMMARY_VWS = 8
@@ -406,9 +423,8 @@ def plan(  # long by its typer signature (the command's options); the body is ~6
     _check_options(numbers, sync, bool(policy or vws or nm or staleness))
     check_values({"objective": objective, "target_samples": target_samples, "remedy": remedy,
                   "calibrate_lr": calibrate_lr}, PLAN_OPTIONS)  # fmt: skip
-    _check_objective(objective, sync, calibrate, model)
     calibration = Calibration(calibrate, lr, momentum, calibrate_lr)
-    calibration.check(optimizer)
+    _check_objective(objective, sync, calibration, model, optimizer)
     cl = load_cluster(cluster)
     out = err_console if as_json else console  # what is not the plan itself
     _pacing_note(cl, out)
@@ -448,8 +464,7 @@ def plan(  # long by its typer signature (the command's options); the body is ~6
         return
     with out.status("ranking plans by time to target") as status:
         said = _Calibrating(status.update)
-        inputs = efficiency_inputs(calibration, model, result.batch_size, optimizer, said)
-        took = f"calibration: {said.runs} runs in {said.seconds:.1f} s"
+        inputs = said.inputs(calibration, model, result.batch_size, optimizer)
         result, ranked = choose_for_time(
             result,
             partial(make_plan, cl, profs, **kwargs),  # type: ignore[arg-type]
@@ -463,8 +478,7 @@ def plan(  # long by its typer signature (the command's options); the body is ~6
         )
     _emit(result, output, as_json, candidates, auto_budget, full)
     render_objective(ranked, inputs, target_samples, out)
-    if calibrate:
-        out.print(f"[dim]{took}[/]")
+    said.report(out)
 
 
 _RANGES = {
@@ -486,8 +500,12 @@ def _check_options(numbers: dict[str, float | None], sync: str, shapes_hetpipe: 
         )
 
 
-def _check_objective(objective: str, sync: str, calibrate: str | None, model: str | None) -> None:
-    """Refuse ``--objective time`` where it cannot rank, and calibration it cannot run."""
+def _check_objective(
+    objective: str, sync: str, calibration: Calibration, model: str | None, optimizer: str
+) -> None:
+    """Refuse ``--objective time`` where it cannot rank, and calibration it cannot run
+    (:meth:`hetpipe.commands.objective.Calibration.check`)."""
+    calibrate = calibration.data
     if objective == "time" and sync not in (ranked := time_ranked()):
         raise ConfigError(
             f"--objective time compares HetPipe plans under --sync {' or '.join(ranked)} "
@@ -503,6 +521,7 @@ def _check_objective(objective: str, sync: str, calibrate: str | None, model: st
             f"--calibrate-efficiency {shown(calibrate, 40)} trains the model, so needs --model; "
             "give it, or drop --calibrate-efficiency for the defaults"
         )
+    calibration.check(optimizer)
 
 
 def _pacing_note(cl: Cluster, out: Console) -> None:
