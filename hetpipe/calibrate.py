@@ -50,6 +50,8 @@ __all__ = [
     "best_lr",
     "calibrate",
     "delay_cost",
+    "feed",
+    "fit_steps",
     "noise_scale",
     "steps_to",
 ]
@@ -393,6 +395,8 @@ def _source(n: int, recipe: Recipe, lrs: Mapping[str, float], bounds: Sequence[s
         each = ", ".join(f"{k} {v:g}" for k, v in lrs.items())
         factors = "/".join(f"{f:g}" for f in LR_FACTORS)
         kind += f", lr tuned per setting: best of {recipe.lr:g} x {factors}: {each}"
+        if lrs.get("sequential") == recipe.lr:  # the reference may do better above it
+            kind += "; sequential's best is the grid's top: a larger --lr may be faster"
     else:
         kind += f", lr {recipe.lr:g} fixed"
     note = f"; lower bounds ({', '.join(bounds)}: a delayed run never got there)" if bounds else ""

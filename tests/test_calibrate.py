@@ -190,3 +190,6 @@ def test_tuned_calibration_fits_c_from_each_settings_soonest_lr(
     assert costs == {"none": 0.42, "predict": 0.0, "pipemare": 0.3} and bounds == []
     assert (2, "pipemare", 0.1) not in calls and (3, "none", 0.2) not in calls
     assert (2, "predict", 0.05) not in calls  # 0.1 did worse than 0.2: the walk stopped
+    assert "grid's top" not in cal._source(1, Recipe(0.4, 0.0), lrs, bounds)
+    top = cal._source(1, Recipe(0.4, 0.0), {**lrs, "sequential": 0.4}, bounds)
+    assert "sequential's best is the grid's top: a larger --lr may be faster" in top
