@@ -30,16 +30,25 @@ def test_time_objective_ranks_candidates_and_records_the_pick(tmp_path: Path) ->
     assert plan.objective["objective"] == "time" and plan.objective["candidates"] > 3
     assert plan.objective["target_samples"] == 46080 and plan.objective["seconds_to_target"] > 0
     label = chosen[0].split("│")[1].strip()
-    assert label.startswith(f"{plan.sync} ") and f"Nm {plan.nm}" in label
+    assert label.startswith(f"{plan.sync} ")
+    pipelined = plan.sync != "allreduce"  # the baseline's label names its devices, not an Nm
+    assert (f"Nm {plan.nm}" in label) == pipelined
     assert (plan.remedy != "none") == (f"--remedy {plan.remedy}" in res.output)
 
 
 def test_throughput_is_the_default_and_is_recorded(tmp_path: Path) -> None:
     out = tmp_path / "plan.yaml"
-    res = CliRunner().invoke(app, ["plan", CLUSTER, "--model", "mlp", "-o", str(out)])
+    res = CliRunner().invoke(
+        app, ["plan", CLUSTER, "--model", "mlp", "-o", str(out)], env={"COLUMNS": "200"}
+    )
     assert res.exit_code == 0, res.output
     assert "objective time" not in res.output
-    assert load_plan(out).objective == {"objective": "throughput"}
+    plan = load_plan(out)
+    assert plan.objective == {"objective": "throughput"}
+    pr = plan.predicted  # the example cluster's runtime_overhead, charged and shown
+    assert pr.overhead_ms_per_task > 0 and pr.throughput < pr.throughput_without_overhead
+    shown = f"{pr.overhead_ms_per_task:.2f} ms per task (the cluster's runtime_overhead)"
+    assert shown in res.output and f"without it {pr.throughput_without_overhead:.1f}" in res.output
 
 
 def test_time_objective_refuses_rules_it_does_not_model() -> None:

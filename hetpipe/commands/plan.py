@@ -231,6 +231,11 @@ def render(plan: Plan, full: bool = True) -> None:
     console.print(
         f"predicted throughput: [bold]{pr.throughput:.1f}[/] samples/s (WSP, straggler-bound, {pr.method})"
     )
+    if pr.overhead_ms_per_task > 0:
+        console.print(
+            f"  with the runtime's own cost, {pr.overhead_ms_per_task:.2f} ms per task (the "
+            f"cluster's runtime_overhead); without it {pr.throughput_without_overhead:.1f}"
+        )
     if pr.allreduce_gpus:
         console.print(
             f"AllReduce data-parallel baseline: {pr.allreduce_throughput:.1f} samples/s on {pr.allreduce_gpus} GPUs"
