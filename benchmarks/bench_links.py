@@ -21,12 +21,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-from planner.cluster import Cluster, parse_cluster
+from planner.cluster import Cluster, load_cluster, parse_cluster
 from planner.plan import Plan
 from planner.rules import layout
 
 MODEL = "mlp(hidden=512,depth=4)"  # parameters heavy enough for the AllReduce to matter
 RESULTS = Path(__file__).resolve().parent / "results" / "links.json"
+
+
+def example_overhead() -> dict[str, Any]:
+    """The runtime-overhead model of ``examples/emulated_cluster.yaml`` (this host's fit)."""
+    example = load_cluster(
+        Path(__file__).resolve().parents[1] / "examples" / "emulated_cluster.yaml"
+    )
+    ro = example.runtime_overhead
+    return {"ms_per_task": ro.ms_per_task, "cores": ro.cores}
 
 
 def bench_cluster(scale: float) -> Cluster:
@@ -47,6 +56,7 @@ def bench_cluster(scale: float) -> Cluster:
                 "inter_node": {"bandwidth": "1GB/s", "latency": "80us"},
                 "scale": scale,
             },
+            "runtime_overhead": example_overhead(),
         },
         "bench_links",
     )  # fmt: skip

@@ -93,8 +93,8 @@ class Workload:
             ``eval_s``); under a load of 11-13 they reached 60 s (cnn) and 180-280 s (lm: every
             process captures GPT-2 with ``torch.export``).
         calibrate: ``hetpipe-time`` calibrates the efficiency model on ``data``
-            (``--calibrate-efficiency`` takes ``(input, target)`` samples: not ``lm``'s dicts,
-            which plan with the model's defaults).
+            (``--calibrate-efficiency``, each setting at its best step size; ``False``: the
+            model's defaults).
     """
 
     name: str
@@ -119,7 +119,7 @@ WORKLOADS = {
                     32, "accuracy", 0.97, 0.9, (0.0025, 0.005, 0.01), 0.005, 0.5, 35.0),
     "lm": Workload("lm", "tiny GPT-2 on Markov tokens", "examples.gpt2_lm:tiny",
                    "benchmarks.tta_tasks:lm_data", REPO / "benchmarks/tta_cluster_lm.yaml",
-                   16, "loss", 1.6, 0.9, (0.00125, 0.0025, 0.005), 0.01, 4.5, 60.0, False),
+                   16, "loss", 1.6, 0.9, (0.00125, 0.0025, 0.005), 0.01, 4.5, 60.0),
 }  # fmt: skip
 
 

@@ -1,25 +1,35 @@
 """``--calibrate-efficiency``: measure the efficiency model's inputs on the user's model and data.
 
 Short single-process references (seconds on a CPU for a small model), the same rules the
-stages apply (:mod:`planner.staleness`, :mod:`planner.wsp`):
+stages apply (:mod:`planner.staleness`, :mod:`planner.wsp`) on the samples the runtime trains
+on, fed and scored as the runtime does (:func:`runtime.data.model_inputs`: ``(input, target)``
+pairs, or dict samples whose keys go to the forward by name; the model spec's loss, e.g. a
+Hugging Face model's own ``loss``):
 
 - the gradient noise scale ``phi``: mean squared norms of minibatch gradients at the initial
   weights at batch ``b`` and ``4 b`` (:func:`planner.efficiency.simple_noise_scale`);
-- each remedy's delay cost ``c``: SGD at ``Nm = 1`` (sequential) and at ``Nm = 2, 3`` (delay
-  1, 2) for :data:`STEPS` updates; the target is the held-out loss sequential SGD reaches
-  halfway; ``c`` is fitted to ``steps(tau) / steps(0) = 1 + c tau``
-  (:func:`planner.efficiency.fit_delay_cost`; a run that never reaches it counts as
-  :data:`STEPS`, so ``c`` is then a lower bound).
+- each remedy's delay cost ``c``: SGD at ``Nm = 1`` (sequential, :data:`STEPS` / 2 updates)
+  and at ``Nm = 2, 3`` (delay 1, 2; :data:`STEPS` updates at most); the target is
+  :data:`TARGET_SLACK` above the lowest held-out loss sequential SGD reaches in its
+  :data:`STEPS` / 2 updates; ``c`` is fitted to ``steps(tau) / steps(0) = 1 + c tau`` (:func:`planner.efficiency.fit_delay_cost`;
+  a run that never reaches it counts as :data:`STEPS`, so ``c`` is then a lower bound).
 
-The learning rate is the runs' default (``runtime.options.OPTIONS['lr']``) with momentum 0.9
-for ``--optimizer momentum`` and ``adam``, 0 for ``sgd``: a run at another step size has
-another ``c``.
+Step size (:class:`Recipe`): ``tuned`` (the default) runs every setting at its own best of
+``lr x`` :data:`LR_FACTORS` (:func:`best_lr`: fewest updates to the target, ties by the last
+held-out loss), as the systems compared are run (each tuned to its best step size: at one fixed
+lr the delayed runs of a model tuned for sequential SGD diverge, and ``c`` only says so);
+``fixed`` runs every setting at ``lr``. Sequential SGD runs every lr of the grid; a delayed
+setting's search walks the grid down from the previous setting's best (a delay lowers the stable step size: delayed SGD's best lr is not above the
+less-delayed one's) and stops at the first lr that does no better; a run stops once it reached
+the target, can no longer beat the best lr's count, or diverged (:data:`DIVERGED`).
 """
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,22 +39,95 @@ from torch.utils.data import Dataset, default_collate
 from planner.efficiency import EfficiencyInputs, fit_delay_cost, simple_noise_scale
 from planner.staleness import pipemare_lr, predict_scale, stage_delay
 from planner.wsp import local_version
-from profiler.errors import ConfigError
+from profiler.errors import ConfigError, shown
+from profiler.models import ModelSpec
+from runtime.data import model_inputs
 
-__all__ = ["STEPS", "calibrate", "delay_cost", "noise_scale"]
+__all__ = [
+    "LR_FACTORS",
+    "STEPS",
+    "Recipe",
+    "best_lr",
+    "calibrate",
+    "delay_cost",
+    "feed",
+    "fit_steps",
+    "noise_scale",
+    "steps_to",
+]
 
 STEPS = 160
-"""Updates of each calibration run."""
+"""Updates of each delayed calibration run (sequential runs: half)."""
 
 MAX_SAMPLES = 4096
 """Samples drawn from the data set (collated once)."""
 
+HELD_OUT = 64
+"""Samples of the held-out loss (of :data:`MAX_SAMPLES`)."""
+
 EVAL_EVERY = 8
 """Updates between two held-out loss measurements."""
+
+LR_FACTORS = (1.0, 0.5, 0.25, 0.125)
+"""``tuned``: the lr grid, the given lr times these (an octave either side of a best lr)."""
+
+DIVERGED = 3.0
+"""A run whose held-out loss is not finite or above this multiple of the initial one stops."""
+
+TARGET_SLACK = 0.05
+"""The target lies this share of the way from the lowest held-out loss sequential SGD reached
+back to the initial loss: above a noisy minimum (a noise floor's lucky low is no target), on
+the descent every setting crosses."""
 
 Params = dict[str, Tensor]
 LossAt = Callable[[Params, Sequence[int]], Tensor]
 """The loss of the samples at these indices with these weights (differentiable)."""
+Progress = Callable[[str], None]
+"""Told what the calibration does next (one short line)."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How the calibration runs train (recorded in the plan).
+
+    Attributes:
+        lr: the run's learning rate (``--lr``; ``tuned``: the top of the grid).
+        momentum: SGD momentum of every run.
+        tuned: each setting at its best lr of ``lr x`` :data:`LR_FACTORS`; else all at ``lr``.
+        remedies: the remedies whose delay cost is measured.
+    """
+
+    lr: float
+    momentum: float
+    tuned: bool = True
+    remedies: tuple[str, ...] = ("none", "predict", "pipemare")
+
+    @property
+    def grid(self) -> tuple[float, ...]:
+        """The learning rates tried, largest first."""
+        return tuple(self.lr * f for f in LR_FACTORS) if self.tuned else (self.lr,)
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What every calibration run shares: the loss, initial weights, minibatches, held-out
+    loss, momentum and the held-out loss at the initial weights."""
+
+    loss_at: LossAt
+    w0: Params
+    batches: list[list[int]]
+    evaluate: Callable[[Params], float]
+    momentum: float
+    initial: float
+
+
+@dataclass(frozen=True)
+class _Found:
+    """A setting's best lr: its grid index, lr and held-out loss curve."""
+
+    index: int
+    lr: float
+    curve: list[float]
 
 
 def noise_scale(loss_at: LossAt, params: Params, n: int, batch: int, draws: int = 8) -> float:
@@ -70,113 +153,262 @@ def noise_scale(loss_at: LossAt, params: Params, n: int, batch: int, draws: int 
     return simple_noise_scale(batch, big, mean_sq(batch), mean_sq(big))
 
 
-def _run(loss_at: LossAt, w0: Params, batches: list[list[int]], nm: int, remedy: str,
-         lr: float, momentum: float, evaluate: Callable[[Params], float]) -> list[float]:  # fmt: skip
+def _run(job: _Job, nm: int, remedy: str, lr: float, updates: int,
+         stop: Callable[[list[float]], bool]) -> list[float]:  # fmt: skip
     """One VW's delayed SGD (``Nm`` in flight, :func:`planner.wsp.local_version`) under
-    ``remedy``; the held-out loss every :data:`EVAL_EVERY` updates."""
-    w = {k: v.detach().clone() for k, v in w0.items()}
+    ``remedy`` for at most ``updates``; the held-out loss every :data:`EVAL_EVERY` updates,
+    until ``stop(curve)`` or divergence."""
+    w = {k: v.detach().clone() for k, v in job.w0.items()}
     vel = {k: torch.zeros_like(v) for k, v in w.items()}
     history = {0: (w, vel)}
-    curve = []
-    for p, idx in enumerate(batches, 1):
+    curve: list[float] = []
+    for p, idx in enumerate(job.batches[:updates], 1):
         w_v, vel_v = history[local_version(p, nm)]
         scale = predict_scale(p, nm, lr) if remedy == "predict" else 0.0
         at = {k: (w_v[k] - scale * vel_v[k]).requires_grad_() for k in w_v}
-        grads = torch.autograd.grad(loss_at(at, idx), list(at.values()))
-        step = (
-            pipemare_lr(lr, p - 1, stage_delay(nm), len(batches) // 4)
-            if remedy == "pipemare"
-            else lr
-        )
+        grads = torch.autograd.grad(job.loss_at(at, idx), list(at.values()))
+        step = pipemare_lr(lr, p - 1, stage_delay(nm), STEPS // 4) if remedy == "pipemare" else lr
         vel = {
-            k: momentum * vel[k] + g if momentum and p > 1 else g
+            k: job.momentum * vel[k] + g if job.momentum and p > 1 else g
             for k, g in zip(w, grads, strict=True)
         }
         w = {k: w[k] - step * vel[k] for k in w}
         history[p] = (w, vel)
         history.pop(p - nm, None)
         if p % EVAL_EVERY == 0:
-            curve.append(evaluate(w))
+            curve.append(job.evaluate(w))
+            if not math.isfinite(curve[-1]) or curve[-1] > DIVERGED * job.initial or stop(curve):
+                break
     return curve
 
 
+def steps_to(curve: Sequence[float], target: float) -> int | None:
+    """Evaluations until ``curve`` is at or below ``target`` (``None``: never).
+
+    Example:
+        >>> steps_to([4.0, 2.5, 2.0], 2.5), steps_to([4.0, float("nan")], 3.0)
+        (2, None)
+    """
+    return next((k + 1 for k, loss in enumerate(curve) if loss <= target), None)
+
+
+def _score(curve: Sequence[float], target: float) -> tuple[float, float]:
+    """Lower is better: evaluations to ``target`` (``inf``: never), then the last held-out
+    loss (``inf``: not finite)."""
+    steps = steps_to(curve, target)
+    last = curve[-1] if curve and math.isfinite(curve[-1]) else math.inf
+    return (math.inf if steps is None else float(steps), last)
+
+
+def best_lr(curves: Mapping[float, Sequence[float]], target: float) -> float:
+    """The lr whose held-out loss curve reaches ``target`` in the fewest evaluations; ties (or
+    when none reaches it): the lowest last loss (a diverged curve's is ``inf``).
+
+    Example:
+        >>> nan = float("nan")
+        >>> best_lr({0.2: [3.0, nan], 0.1: [3.0, 2.0, 1.4], 0.05: [3.0, 1.5]}, 1.5)
+        0.05
+        >>> best_lr({0.2: [3.0, 2.9], 0.1: [3.0, 1.9], 0.05: [3.0, 2.0]}, 1.5)
+        0.1
+    """
+    return min(curves, key=lambda lr: _score(curves[lr], target))
+
+
+def _sequential(job: _Job, grid: Sequence[float], say: Progress) -> tuple[_Found, float]:
+    """Sequential SGD at every lr of ``grid`` for :data:`STEPS` / 2 updates: the target
+    (:data:`TARGET_SLACK` above the lowest loss any reached) and the lr reaching it soonest."""
+    curves = []
+    for lr in grid:
+        say(f"sequential lr {lr:g}")
+        curves.append(_run(job, 1, "none", lr, STEPS // 2, lambda _: False))
+    floor = min((x for c in curves for x in c if math.isfinite(x)), default=job.initial)
+    target = floor + TARGET_SLACK * max(0.0, job.initial - floor)
+    k = min(range(len(grid)), key=lambda i: _score(curves[i], target))
+    return _Found(k, grid[k], curves[k]), target
+
+
+def _search(job: _Job, nm: int, remedy: str, grid: Sequence[float], start: int,
+            target: float, say: Progress) -> _Found:  # fmt: skip
+    """The best lr of ``grid[start:]`` for ``Nm``/``remedy`` (:func:`best_lr`), walking down
+    the grid while each lr does better than the one before."""
+
+    def attempt(k: int, best: _Found | None) -> _Found:
+        say(f"{remedy} delay {nm - 1} lr {grid[k]:g}")
+        bar = None if best is None else steps_to(best.curve, target)
+
+        def stop(curve: list[float]) -> bool:
+            return curve[-1] <= target or (bar is not None and len(curve) >= bar)
+
+        return _Found(k, grid[k], _run(job, nm, remedy, grid[k], STEPS, stop))
+
+    best = attempt(start, None)
+    for k in range(start + 1, len(grid)):
+        found = attempt(k, best)
+        if _score(found.curve, target) >= _score(best.curve, target):
+            break
+        best = found
+    return best
+
+
+def fit_steps(seq_steps: int, delayed: Mapping[int, int | None], length: int) -> tuple[float, bool]:
+    """``c`` from the evaluations sequential SGD (``seq_steps``) and each delay needed to the
+    target (``None``: never within ``length``, counted as ``length``: ``c`` is then a lower
+    bound, the second value).
+
+    Example:
+        >>> fit_steps(2, {1: 3, 2: None}, 4)
+        (0.5, True)
+    """
+    points = [(float(tau), float(length if s is None else s)) for tau, s in delayed.items()]
+    censored = any(s is None for s in delayed.values())
+    return fit_delay_cost(float(seq_steps), points), censored
+
+
 def delay_cost(curves: dict[int, list[float]]) -> tuple[float, bool]:
-    """``c`` from held-out loss curves by delay (``0``: sequential): updates to the loss
-    sequential SGD reaches halfway (the run's length when never reached), and whether a run
-    never reached it (``c`` is then a lower bound).
+    """``c`` from held-out loss curves by delay (``0``: sequential, of half the delayed runs'
+    length or as long): updates to the loss sequential SGD reaches in its first half, and
+    whether a delayed run never reached it (:func:`fit_steps`).
 
     Example:
         >>> delay_cost({0: [4.0, 3.0, 2.0, 1.0], 1: [4.0, 3.5, 3.0, 2.5], 2: [4.0] * 4})
         (0.5, True)
     """
     seq = curves[0]
-    half = max(1, len(seq) // 2)
-    target = min(seq[:half])
-    first = seq.index(target) + 1
-
-    def reached(curve: list[float]) -> int:
-        return next((k + 1 for k, loss in enumerate(curve) if loss <= target), len(curve))
-
-    points = [(float(tau), float(reached(c))) for tau, c in curves.items() if tau > 0]
-    censored = any(min(c) > target for tau, c in curves.items() if tau > 0)
-    return fit_delay_cost(float(first), points), censored
+    target = min(seq[: max(1, len(seq) // 2)])
+    length = max(len(c) for tau, c in curves.items() if tau > 0)
+    delayed = {tau: steps_to(c, target) for tau, c in curves.items() if tau > 0}
+    return fit_steps(steps_to(seq, target) or 1, delayed, length)
 
 
-def calibrate(dataset: Dataset[Any], model: torch.nn.Module, loss: Callable[..., Tensor],
-              batch: int, optimizer: str, lr: float) -> EfficiencyInputs:  # fmt: skip
-    """The efficiency inputs measured on ``model`` over ``dataset`` (``(input, target)``
-    samples) with ``loss``.
+def calibrate(dataset: Dataset[Any], spec: ModelSpec, batch: int, recipe: Recipe,
+              progress: Progress | None = None) -> EfficiencyInputs:  # fmt: skip
+    """The efficiency inputs measured on ``spec``'s model and loss over ``dataset`` (the
+    samples the runtime trains on: ``(input, target)`` pairs or dicts), trained by ``recipe``.
 
     Raises:
-        ConfigError: too few samples, or samples that are not ``(input, target)`` pairs.
+        ConfigError: too few samples, or samples neither pairs nor dicts.
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small steps: more threads only contend (50x slower under load)
     try:
-        return _calibrate(dataset, model, loss, batch, optimizer, lr)
+        return _calibrate(dataset, spec, batch, recipe, progress or (lambda _: None))
     finally:
         torch.set_num_threads(threads)
 
 
-def _calibrate(dataset: Dataset[Any], model: torch.nn.Module, loss: Callable[..., Tensor],
-               batch: int, optimizer: str, lr: float) -> EfficiencyInputs:  # fmt: skip
-    """:func:`calibrate`'s measurements (on one thread)."""
-    torch.manual_seed(0)
+def _take(batch: Any, at: Tensor) -> Any:
+    """The rows ``at`` of every tensor of a collated ``batch`` (a tensor, tuple or dict)."""
+    if isinstance(batch, Tensor):
+        return batch[at]
+    if isinstance(batch, Mapping):
+        return {k: _take(v, at) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_take(v, at) for v in batch)
+    return batch
+
+
+def feed(dataset: Dataset[Any], spec: ModelSpec, batch: int) -> tuple[LossAt, int]:
+    """The loss of ``spec``'s model at given weights on given samples of ``dataset`` (at most
+    :data:`MAX_SAMPLES` of them, collated once), fed and scored as the runtime does
+    (:func:`runtime.data.model_inputs`; keyword inputs by name), and how many samples.
+
+    Raises:
+        ConfigError: samples neither ``(input, target)`` pairs nor dicts.
+    """
     n = len(dataset)  # type: ignore[arg-type]
     sample = dataset[0]
-    if not isinstance(sample, (tuple, list)) or len(sample) != 2:
+    if not isinstance(sample, Mapping) and not (
+        isinstance(sample, (tuple, list)) and len(sample) == 2
+    ):
+        kind = type(sample).__name__
+        kind += f" of {len(sample)}" if isinstance(sample, (tuple, list)) else ""
         raise ConfigError(
-            "--calibrate-efficiency takes (input, target) samples; this data gives "
-            f"{type(sample).__name__}: drop --calibrate-efficiency for the defaults"
+            "--calibrate-efficiency takes (input, target) or dict samples; this data gives a "
+            f"{shown(kind)}: fix the data, or drop --calibrate-efficiency"
         )
-    params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
     keep = random.Random(2).sample(range(n), min(n, MAX_SAMPLES))
-    xs, ys = default_collate([dataset[i] for i in keep])  # (n, ...) once: indexing is cheap
-    n = len(keep)
+    collated = default_collate([dataset[i] for i in keep])  # (n, ...) once: indexing is cheap
+    rows = spec.targets.shape[0] if spec.targets.dim() else 0
+    per_sample = rows // batch if rows and rows % batch == 0 else 0
 
     def loss_at(w: Params, idx: Sequence[int]) -> Tensor:
         at = torch.as_tensor(idx)
-        return loss(torch.func.functional_call(model, w, (xs[at],)), ys[at])
+        shape = (per_sample * len(idx), *spec.targets.shape[1:]) if per_sample else ()
+        inputs, y = model_inputs(_take(collated, at), spec.input_names, len(idx), shape)
+        if spec.input_names:  # the user's module: keyword inputs by name
+            kwargs = dict(zip(spec.input_names, inputs, strict=True))
+            return spec.loss(torch.func.functional_call(spec.module, w, (), kwargs), y)
+        return spec.loss(torch.func.functional_call(spec.module, w, inputs), y)
 
+    return loss_at, len(keep)
+
+
+def _calibrate(dataset: Dataset[Any], spec: ModelSpec, batch: int, recipe: Recipe,
+               say: Progress) -> EfficiencyInputs:  # fmt: skip
+    """:func:`calibrate`'s measurements (on one thread)."""
+    torch.manual_seed(0)
+    loss_at, n = feed(dataset, spec, batch)
+    params = {k: v.detach().clone().requires_grad_() for k, v in spec.module.named_parameters()}
+    say("noise scale")
     phi = noise_scale(loss_at, params, n, batch)
     rng = random.Random(1)
     batches = [rng.sample(range(n), batch) for _ in range(STEPS)]
-    held = rng.sample(range(n), min(n, 256))
+    held = rng.sample(range(n), min(n, HELD_OUT))
 
     def evaluate(w: Params) -> float:
         with torch.no_grad():
             return float(loss_at(w, held))
 
-    momentum = 0.0 if optimizer == "sgd" else 0.9
-    remedies = ("none", "pipemare") if optimizer == "adam" else ("none", "predict", "pipemare")
-    seq = _run(loss_at, params, batches, 1, "none", lr, momentum, evaluate)
+    job = _Job(loss_at, params, batches, evaluate, recipe.momentum, evaluate(params))
+    costs, bounds, lrs = _delay_costs(job, recipe, say)
+    return EfficiencyInputs(phi, costs, _source(n, recipe, lrs, bounds), _record(recipe, lrs))
+
+
+def _delay_costs(job: _Job, recipe: Recipe, say: Progress) -> tuple[dict[str, float], list[str], dict[str, float]]:  # fmt: skip
+    """Each remedy's ``c``, the remedies whose ``c`` is a lower bound, and the lr each setting
+    ran at (``sequential``, ``none 1``, ``none 2``, ...)."""
+    grid = recipe.grid
+    seq, target = _sequential(job, grid, say)
+    seq_steps = steps_to(seq.curve, target) or 1
+    lrs = {"sequential": seq.lr}
+    found: dict[tuple[str, int], _Found] = {}
     costs, bounds = {}, []
-    for remedy in remedies:
-        curves = {0: seq, **{nm - 1: _run(loss_at, params, batches, nm, remedy, lr, momentum,
-                                          evaluate) for nm in (2, 3)}}  # fmt: skip
-        cost, censored = delay_cost(curves)
+    for remedy in recipe.remedies:
+        start = seq.index
+        for tau in (1, 2):
+            same = "none" if remedy == "pipemare" and stage_delay(tau + 1) <= 1 else remedy
+            if (same, tau) not in found:  # pipemare at Nm 2 is plain SGD: its runs are none's
+                found[same, tau] = _search(job, tau + 1, same, grid, start, target, say)
+            found[remedy, tau] = found[same, tau]
+            start, lrs[f"{remedy} {tau}"] = found[remedy, tau].index, found[remedy, tau].lr
+        steps = {tau: steps_to(found[remedy, tau].curve, target) for tau in (1, 2)}
+        cost, censored = fit_steps(seq_steps, steps, STEPS // EVAL_EVERY)
         costs[remedy] = round(cost, 3)
         bounds += [remedy] if censored else []
-    kind = f"SGD lr {lr:g}" + (f" momentum {momentum:g}" if momentum else "")
+    return costs, bounds, lrs
+
+
+def _source(n: int, recipe: Recipe, lrs: Mapping[str, float], bounds: Sequence[str]) -> str:
+    """The source line of calibrated inputs: data, optimizer, step sizes, censoring."""
+    kind = "SGD" + (f" momentum {recipe.momentum:g}" if recipe.momentum else "")
+    if recipe.tuned:
+        each = ", ".join(f"{k} {v:g}" for k, v in lrs.items())
+        factors = "/".join(f"{f:g}" for f in LR_FACTORS)
+        kind += f", lr tuned per setting: best of {recipe.lr:g} x {factors}: {each}"
+        if lrs.get("sequential") == recipe.lr:  # the reference may do better above it
+            kind += "; sequential's best is the grid's top: a larger --lr may be faster"
+    else:
+        kind += f", lr {recipe.lr:g} fixed"
     note = f"; lower bounds ({', '.join(bounds)}: a delayed run never got there)" if bounds else ""
-    return EfficiencyInputs(phi, costs, f"calibrated on the given data ({n} samples, {kind}{note})")
+    return f"calibrated on the given data ({n} samples, {kind}{note})"
+
+
+def _record(recipe: Recipe, lrs: Mapping[str, float]) -> dict[str, object]:
+    """What the plan records of the calibration's step sizes."""
+    return {
+        "lr": recipe.lr,
+        "momentum": recipe.momentum,
+        "lr_mode": "tuned" if recipe.tuned else "fixed",
+        "lr_grid": list(recipe.grid),
+        "lr_of": dict(lrs),
+    }

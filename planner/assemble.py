@@ -102,23 +102,31 @@ def _node_traffic(
 
 
 def _simulated(plan: Plan, waves: int) -> Prediction | None:
-    """The discrete-event simulator's prediction (``None`` when it refuses the plan or waves < 2)."""
+    """The discrete-event simulator's prediction with the runtime overhead the cluster's model
+    gives the plan (:func:`planner.overhead.plan_overhead_ms`), recorded next to the
+    prediction without it (``None`` when the simulator refuses the plan or waves < 2)."""
     if waves < 2:
         return None
+    from planner.overhead import plan_overhead_ms
     from planner.symmetry import simulate_distinct
 
+    p = plan.predicted
+    over = plan_overhead_ms(plan)
+    charged = replace(plan, predicted=replace(p, overhead_ms_per_task=over))
     try:
-        throughput, per_vw = simulate_distinct(plan, waves)
+        throughput, per_vw = simulate_distinct(charged, waves)
+        without = simulate_distinct(plan, waves)[0] if over > 0 else throughput
     except PlanError as exc:
         log.warning("simulator refused the plan (%s); keeping the analytic prediction", exc)
         return None
-    p = plan.predicted
     return Prediction(
         throughput,
         per_vw,
         p.allreduce_throughput,
         p.allreduce_gpus,
         "simulated",
+        over,
+        without,
     )
 
 

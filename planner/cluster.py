@@ -19,6 +19,9 @@ crosses (:mod:`planner.offload`; PCIe 3.0 x16 by default). ``emulate: {speed: 0.
 runs the node's GPUs as CPU processes whose layers are paced to ``calibrated CPU time / speed``
 and whose memory is capped; ``straggle: {p: 0.05, factor: 3}`` inside it makes 5 % of the
 (VW, wave)s 3x slower (:mod:`planner.straggle`, reproducible: ``seed`` defaults to 0).
+``runtime_overhead: {ms_per_task: 0.4, cores: 2}`` is the runtime's own cost per task the
+planner predicts with (:mod:`planner.overhead`; fitted by ``benchmarks/fit_overhead.py``;
+absent: none).
 The file is validated with pydantic (the schema: :mod:`planner.cluster_schema`) and turned
 into frozen dataclasses; every error is one line naming the file, the field and the fix. Values are range-checked: sizes, bandwidths
 and latencies finite (bandwidth positive), an emulated memory cap at most the GPU's own memory,
@@ -38,6 +41,7 @@ from pydantic import (
 
 from planner.cluster_schema import PCIE_BPS, ClusterIn, LinkIn, pydantic_error
 from planner.offload import HostShare
+from planner.overhead import NO_OVERHEAD, RuntimeOverhead
 from planner.straggle import NO_STRAGGLE, Straggle
 from profiler.catalog import lookup_gpu
 from profiler.errors import ConfigError, shown
@@ -198,6 +202,7 @@ class Cluster:
     source: str = "<memory>"
     host_link: Link = PCIE
     link_scale: float = 1.0  # emulated clusters: every link transfer takes this many times longer
+    runtime_overhead: RuntimeOverhead = NO_OVERHEAD  # the runtime's own cost (planner.overhead)
 
     @cached_property
     def devices(self) -> tuple[Device, ...]:
@@ -280,7 +285,11 @@ class Cluster:
         }
         if self.link_scale != 1.0:  # absent = 1: older plan files load unchanged
             links["scale"] = self.link_scale
-        return {"name": self.name, "nodes": nodes, "links": links}
+        out = {"name": self.name, "nodes": nodes, "links": links}
+        if self.runtime_overhead != NO_OVERHEAD:  # absent = none: older plan files load unchanged
+            ro = self.runtime_overhead
+            out["runtime_overhead"] = {"ms_per_task": ro.ms_per_task, "cores": ro.cores}
+        return out
 
 
 def parse_cluster(data: object, source: str = "<memory>") -> Cluster:
@@ -347,6 +356,7 @@ def parse_cluster(data: object, source: str = "<memory>") -> Cluster:
         source,
         Link(links.host_link.bandwidth, links.host_link.latency),
         links.scale,
+        RuntimeOverhead(parsed.runtime_overhead.ms_per_task, parsed.runtime_overhead.cores),
     )
 
 

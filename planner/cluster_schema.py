@@ -115,10 +115,16 @@ class _NodeIn(_Strict):
         return m
 
 
+class _RuntimeOverheadIn(_Strict):
+    ms_per_task: float = Field(default=0.0, ge=0, le=1e6)  # planner.overhead.RuntimeOverhead
+    cores: int = Field(default=0, ge=0, le=1_000_000)  # host cores shared (0: one per process)
+
+
 class ClusterIn(_Strict):
     name: _Name = "cluster"
     nodes: list[_NodeIn] = Field(min_length=1, max_length=100_000)
     links: _LinksIn = _LinksIn()
+    runtime_overhead: _RuntimeOverheadIn = _RuntimeOverheadIn()
 
 
 def _loc(loc: tuple[int | str, ...]) -> str:

@@ -106,11 +106,14 @@ class EfficiencyInputs:
         delay_cost: ``c`` of :func:`delay_efficiency` per remedy (``none``, ``predict``,
             ``pipemare``); a remedy missing here is not a candidate.
         source: where the values come from (shown in the table and recorded in the plan).
+        calibration: how a calibration trained (``lr``, ``momentum``, ``lr_mode`` tuned or
+            fixed, ``lr_grid``, ``lr_of`` each setting); empty for the defaults.
     """
 
     noise_scale: float
     delay_cost: Mapping[str, float] = field(default_factory=dict)
     source: str = ""
+    calibration: Mapping[str, object] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
         """Plain data for the plan file."""
@@ -118,6 +121,7 @@ class EfficiencyInputs:
             "noise_scale": self.noise_scale,
             "delay_cost": dict(self.delay_cost),
             "source": self.source,
+            **({"calibration": dict(self.calibration)} if self.calibration else {}),
         }
 
 

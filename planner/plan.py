@@ -198,6 +198,11 @@ class Prediction:
             the whole model (0.0 when none can).
         allreduce_gpus: how many GPUs that baseline uses.
         method: ``analytic`` or ``simulated``.
+        overhead_ms_per_task: the runtime's own cost per task the planner assumed
+            (:mod:`planner.overhead`) and ``throughput`` includes when simulated; 0: none
+            (compute and links only, as plans before the model).
+        throughput_without_overhead: ``throughput`` with no runtime overhead (samples/s; 0:
+            the same as ``throughput``).
     """
 
     throughput: float
@@ -205,6 +210,8 @@ class Prediction:
     allreduce_throughput: float = 0.0
     allreduce_gpus: int = 0
     method: str = "analytic"
+    overhead_ms_per_task: float = 0.0
+    throughput_without_overhead: float = 0.0
 
 
 def _sync(value: Any, source: str) -> str:
@@ -377,6 +384,8 @@ def _prediction(pred: dict[str, Any]) -> Prediction:
         float(pred.get("allreduce_throughput", 0.0)),
         int(pred.get("allreduce_gpus", 0)),
         str(pred.get("method", "analytic")),
+        float(pred.get("overhead_ms_per_task", 0.0)),
+        float(pred.get("throughput_without_overhead", 0.0)),
     )
 
 

@@ -30,6 +30,7 @@ __all__ = [
     "MinibatchSource",
     "SyntheticDataset",
     "default_dataset",
+    "model_inputs",
     "stage_view",
 ]
 
@@ -289,29 +290,7 @@ class MinibatchSource:
         idx = self.indices(mb)
         fast = _gather(self.dataset, idx)
         batch: Any = fast if fast is not None else default_collate([self.dataset[i] for i in idx])
-        xs: Any
-        y: Any
-        if isinstance(batch, Mapping):  # {"input_ids", "attention_mask", "labels"}
-            xs, y = batch, batch.get("labels")
-        else:
-            xs, y = batch
-        if isinstance(xs, Mapping):
-            missing = [k for k in self.input_names if k not in xs]
-            if missing:
-                raise ConfigError(
-                    f"data set samples have keys {sorted(xs)}; the model takes {missing} too: "
-                    "add them to each sample"
-                )
-            inputs = (
-                tuple(xs[k] for k in self.input_names) if self.input_names else tuple(xs.values())
-            )
-        else:
-            inputs = tuple(xs) if isinstance(xs, (tuple, list)) else (xs,)
-        if y is None:  # the loss comes from the model's output
-            y = torch.zeros(self.batch_size)
-        elif self.target_shape and y.numel() == math.prod(self.target_shape):
-            y = y.reshape(self.target_shape)
-        return inputs, y
+        return model_inputs(batch, self.input_names, self.batch_size, self.target_shape)
 
     def inputs(self, mb: int) -> tuple[Tensor, ...]:
         """Inputs of minibatch ``mb`` (what the first stage reads)."""
@@ -320,6 +299,47 @@ class MinibatchSource:
     def targets(self, mb: int) -> Tensor:
         """Targets of minibatch ``mb`` (what the last stage reads)."""
         return self.batch(mb)[1]
+
+
+def model_inputs(
+    batch: Any, input_names: tuple[str, ...], batch_size: int, target_shape: tuple[int, ...] = ()
+) -> tuple[tuple[Tensor, ...], Tensor]:
+    """A collated minibatch as the model's positional inputs and the loss's targets: what the
+    first and the last stage read (and ``hetpipe.calibrate``'s reference steps).
+
+    Args:
+        batch: collated samples: ``(inputs, targets)`` (inputs a tensor, a tuple or a dict of
+            tensors) or a dict of tensors (``labels``, when present, is the target).
+        input_names: for dict inputs, the keys in the order the model takes them (``()``: the
+            dict's order).
+        batch_size: samples in ``batch`` (the targets of a model that computes its own loss are
+            ``batch_size`` zeros).
+        target_shape: shape the targets are reshaped to when the sizes agree (``()``: kept).
+
+    Raises:
+        ConfigError: dict samples without a key the model takes.
+    """
+    xs: Any
+    y: Any
+    if isinstance(batch, Mapping):  # {"input_ids", "attention_mask", "labels"}
+        xs, y = batch, batch.get("labels")
+    else:
+        xs, y = batch
+    if isinstance(xs, Mapping):
+        missing = [k for k in input_names if k not in xs]
+        if missing:
+            raise ConfigError(
+                f"data set samples have keys {sorted(xs)}; the model takes {missing} too: "
+                "add them to each sample"
+            )
+        inputs = tuple(xs[k] for k in input_names) if input_names else tuple(xs.values())
+    else:
+        inputs = tuple(xs) if isinstance(xs, (tuple, list)) else (xs,)
+    if y is None:  # the loss comes from the model's output
+        y = torch.zeros(batch_size)
+    elif target_shape and y.numel() == math.prod(target_shape):
+        y = y.reshape(target_shape)
+    return inputs, y
 
 
 def stage_view(dataset: Dataset[Any] | None, stage: int, n_stages: int) -> Dataset[Any] | None:

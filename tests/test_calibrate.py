@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from torch import nn
+from torch import Tensor, nn
 from torch.nn import functional as F
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 from typer.testing import CliRunner
 
-from hetpipe.calibrate import STEPS, calibrate, delay_cost
+from hetpipe.calibrate import LR_FACTORS, STEPS, Recipe, best_lr, calibrate, delay_cost
 from hetpipe.cli import app
 from planner.efficiency import simple_noise_scale
+from profiler.errors import ConfigError
+from profiler.models import ModelSpec, keyword_spec
 from tests.conftest import EXAMPLES
 
 
@@ -38,20 +41,94 @@ def test_delay_cost_is_zero_when_delay_changes_nothing() -> None:
     assert delay_cost({0: curve, 1: curve, 2: curve}) == (0.0, False)
 
 
-def test_calibration_of_a_small_classifier_is_fast_and_complete() -> None:
+def _classifier() -> tuple[Tensor, Tensor, nn.Module]:
     torch.manual_seed(0)
     x = torch.randn(512, 8)
     y = (x[:, 0] + 0.5 * torch.randn(512) > 0).long()  # noisy labels: a finite noise scale
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    return x, y, nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+
+
+def test_calibration_of_a_small_classifier_is_fast_and_complete() -> None:
+    x, y, model = _classifier()
+    spec = ModelSpec("m", model, (x[:16],), y[:16], batch_size=16)
     before = torch.get_num_threads()
-    got = calibrate(TensorDataset(x, y), model, F.cross_entropy, 16, "momentum", 0.05)
+    said: list[str] = []
+    got = calibrate(TensorDataset(x, y), spec, 16, Recipe(0.05, 0.9), said.append)
     assert torch.get_num_threads() == before
+    assert said[0] == "noise scale" and said[1] == "sequential lr 0.05"
     assert 0 < got.noise_scale < math.inf
     assert set(got.delay_cost) == {"none", "predict", "pipemare"}
     assert all(0 <= c <= STEPS for c in got.delay_cost.values())
-    assert got.source.startswith("calibrated on the given data (512 samples, SGD lr 0.05")
-    adam = calibrate(TensorDataset(x, y), model, F.cross_entropy, 16, "adam", 0.05)
+    assert got.source.startswith("calibrated on the given data (512 samples, SGD momentum 0.9, lr")
+    record = got.calibration
+    assert record["lr_mode"] == "tuned" and record["lr_grid"] == [0.05 * f for f in LR_FACTORS]
+    settings = {"sequential", *(f"{r} {t}" for r in got.delay_cost for t in (1, 2))}
+    assert set(record["lr_of"]) == settings  # type: ignore[call-overload]
+    assert got.to_dict()["calibration"] == record
+    adam = calibrate(
+        TensorDataset(x, y), spec, 16, Recipe(0.05, 0.9, remedies=("none", "pipemare"))
+    )
     assert "predict" not in adam.delay_cost
+
+
+class _KeywordNet(nn.Module):
+    """A Hugging Face-like module: keyword inputs, its own loss given ``labels``."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, features: Tensor, labels: Tensor) -> dict[str, Tensor]:
+        logits = self.inner(features)
+        return {"logits": logits, "loss": F.cross_entropy(logits, labels)}
+
+
+class _Dicts(Dataset[dict[str, Tensor]]):
+    def __init__(self, x: Tensor, y: Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, Tensor]:
+        return {"features": self.x[i], "labels": self.y[i]}
+
+
+def test_dict_samples_calibrate_like_the_pairs_of_the_same_model() -> None:
+    """A keyword model on dict samples (its own loss) measures what the same weights measure
+    on ``(input, target)`` pairs with cross-entropy: one feed for both."""
+    x, y, model = _classifier()
+    pairs = ModelSpec("m", model, (x[:16],), y[:16], batch_size=16)
+    wrapped = _KeywordNet(model)
+    dicts = keyword_spec("k", wrapped, {"features": x[:16], "labels": y[:16]})
+    assert dicts.input_names == ("features", "labels")
+    recipe = Recipe(0.05, 0.9, tuned=False)
+    a = calibrate(TensorDataset(x, y), pairs, 16, recipe)
+    b = calibrate(_Dicts(x, y), dicts, 16, recipe)
+    assert b.noise_scale == pytest.approx(a.noise_scale, rel=1e-4)
+    assert b.delay_cost == a.delay_cost
+    assert "lr 0.05 fixed" in a.source and "lr 0.05 fixed" in b.source
+
+
+def test_samples_neither_pairs_nor_dicts_are_one_line() -> None:
+    x, y, model = _classifier()
+    spec = ModelSpec("m", model, (x[:16],), y[:16], batch_size=16)
+    with pytest.raises(ConfigError, match=r"takes \(input, target\) or dict samples.*tuple of 1"):
+        calibrate(TensorDataset(x), spec, 16, Recipe(0.05, 0.9))
+
+
+def test_tuned_mode_picks_the_lr_that_reaches_the_target_soonest() -> None:
+    nan = float("nan")
+    curves = {0.4: [5.0, nan], 0.2: [5.0, 3.0, 1.9], 0.1: [5.0, 2.5, 2.0], 0.05: [5.0, 4.0, 3.0]}
+    assert best_lr(curves, target=2.5) == 0.1  # 2 evaluations, though 0.2 ends lower
+    assert best_lr(curves, target=2.0) == 0.2  # 3 evaluations each: the lower last loss
+    assert best_lr(curves, target=1.0) == 0.2  # none reaches it: the lowest last loss
+    assert best_lr({0.4: [5.0, nan], 0.2: [5.0, 9.0]}, target=1.0) == 0.2  # diverged loses
+
+
+def test_fixed_and_tuned_recipes_grid() -> None:
+    assert Recipe(0.08, 0.0, tuned=False).grid == (0.08,)
+    assert Recipe(0.08, 0.0).grid == (0.08, 0.04, 0.02, 0.01)
 
 
 @pytest.mark.parametrize(
@@ -72,3 +149,47 @@ def test_doctests(module: str) -> None:
 
     res = doctest.testmod(importlib.import_module(module))
     assert res.attempted > 0 and res.failed == 0
+
+
+_RATES = {  # held-out loss drop per evaluation (from 10, floor 2): a hand-built tuning case
+    (1, "none"): {0.4: -1.0, 0.2: 0.8, 0.1: 0.4, 0.05: 0.2},  # 0.4 diverges
+    (2, "none"): {0.2: 0.5, 0.1: 0.6, 0.05: 0.3},  # delayed: 0.1 beats 0.2
+    (3, "none"): {0.1: 0.4, 0.05: 0.2},
+    (2, "predict"): {0.2: 0.8, 0.1: 0.4},
+    (3, "predict"): {0.2: 0.8, 0.1: 0.4},
+    (3, "pipemare"): {0.1: 0.5, 0.05: 0.25},
+}
+
+
+def test_tuned_calibration_fits_c_from_each_settings_soonest_lr(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each setting at the lr of the grid that reaches the target (5 % above sequential's
+    lowest loss: 2.4) soonest; the search walks down from the less-delayed setting's best and
+    stops at the first lr that does no better; PipeMare at Nm 2 reuses plain SGD's runs."""
+    from hetpipe import calibrate as cal
+
+    calls: list[tuple[int, str, float]] = []
+
+    def fake_run(job: object, nm: int, remedy: str, lr: float, updates: int,
+                 stop: Callable[[list[float]], bool]) -> list[float]:  # fmt: skip
+        calls.append((nm, remedy, lr))
+        curve: list[float] = []
+        for k in range(1, updates // cal.EVAL_EVERY + 1):
+            curve.append(max(2.0, 10.0 - _RATES[nm, remedy][lr] * k))
+            if stop(curve):
+                break
+        return curve
+
+    monkeypatch.setattr(cal, "_run", fake_run)
+    job = cal._Job(lambda w, i: torch.zeros(()), {}, [], lambda w: 0.0, 0.0, initial=10.0)
+    costs, bounds, lrs = cal._delay_costs(job, Recipe(0.4, 0.0), lambda _: None)
+    assert lrs == {"sequential": 0.2, "none 1": 0.1, "none 2": 0.1, "predict 1": 0.2,
+                   "predict 2": 0.2, "pipemare 1": 0.1, "pipemare 2": 0.1}  # fmt: skip
+    # sequential 10 evaluations; none 13 and 19; predict 10 and 10; pipemare 13 and 16
+    assert costs == {"none": 0.42, "predict": 0.0, "pipemare": 0.3} and bounds == []
+    assert (2, "pipemare", 0.1) not in calls and (3, "none", 0.2) not in calls
+    assert (2, "predict", 0.05) not in calls  # 0.1 did worse than 0.2: the walk stopped
+    assert "grid's top" not in cal._source(1, Recipe(0.4, 0.0), lrs, bounds)
+    top = cal._source(1, Recipe(0.4, 0.0), {**lrs, "sequential": 0.4}, bounds)
+    assert "sequential's best is the grid's top: a larger --lr may be faster" in top

@@ -30,16 +30,25 @@ def test_time_objective_ranks_candidates_and_records_the_pick(tmp_path: Path) ->
     assert plan.objective["objective"] == "time" and plan.objective["candidates"] > 3
     assert plan.objective["target_samples"] == 46080 and plan.objective["seconds_to_target"] > 0
     label = chosen[0].split("│")[1].strip()
-    assert label.startswith(f"{plan.sync} ") and f"Nm {plan.nm}" in label
+    assert label.startswith(f"{plan.sync} ")
+    pipelined = plan.sync != "allreduce"  # the baseline's label names its devices, not an Nm
+    assert (f"Nm {plan.nm}" in label) == pipelined
     assert (plan.remedy != "none") == (f"--remedy {plan.remedy}" in res.output)
 
 
 def test_throughput_is_the_default_and_is_recorded(tmp_path: Path) -> None:
     out = tmp_path / "plan.yaml"
-    res = CliRunner().invoke(app, ["plan", CLUSTER, "--model", "mlp", "-o", str(out)])
+    res = CliRunner().invoke(
+        app, ["plan", CLUSTER, "--model", "mlp", "-o", str(out)], env={"COLUMNS": "200"}
+    )
     assert res.exit_code == 0, res.output
     assert "objective time" not in res.output
-    assert load_plan(out).objective == {"objective": "throughput"}
+    plan = load_plan(out)
+    assert plan.objective == {"objective": "throughput"}
+    pr = plan.predicted  # the example cluster's runtime_overhead, charged and shown
+    assert pr.overhead_ms_per_task > 0 and pr.throughput < pr.throughput_without_overhead
+    shown = f"{pr.overhead_ms_per_task:.2f} ms per task (the cluster's runtime_overhead)"
+    assert shown in res.output and f"without it {pr.throughput_without_overhead:.1f}" in res.output
 
 
 def test_time_objective_refuses_rules_it_does_not_model() -> None:
@@ -67,23 +76,49 @@ def test_calibrated_inputs_reach_the_table_and_the_plan(
 ) -> None:
     """``--calibrate-efficiency builtin`` calibrates on the model's own data (digits for mlp);
     the measurement itself is tests/test_calibrate.py's, replaced here by a stand-in."""
+    from hetpipe.calibrate import Recipe
     from planner.efficiency import EfficiencyInputs
 
     seen: dict[str, object] = {}
 
-    def fake(dataset: object, model: object, loss: object, batch: int, optimizer: str,
-             lr: float) -> EfficiencyInputs:  # fmt: skip
-        seen.update(n=len(dataset), batch=batch, optimizer=optimizer)  # type: ignore[arg-type]
-        return EfficiencyInputs(1e9, {"none": 5.0, "predict": 5.0}, "calibrated (stand-in)")
+    def fake(dataset: object, spec: object, batch: int, recipe: Recipe,
+             progress: object) -> EfficiencyInputs:  # fmt: skip
+        seen.update(n=len(dataset), batch=batch, recipe=recipe)  # type: ignore[arg-type]
+        progress("sequential lr 0.02")  # type: ignore[operator]
+        record = {"lr": recipe.lr, "lr_mode": "fixed"}
+        return EfficiencyInputs(1e9, {"none": 5.0, "predict": 5.0}, "calibrated (stand-in)", record)
 
     monkeypatch.setattr("hetpipe.calibrate.calibrate", fake)
     out = tmp_path / "plan.yaml"
     args = ["plan", CLUSTER, "--model", "mlp", "--vws", "1", "--policy", "ed", "--nm", "2",
-            "--objective", "time", "--calibrate-efficiency", "builtin", "-o", str(out)]  # fmt: skip
+            "--objective", "time", "--calibrate-efficiency", "builtin", "--lr", "0.02",
+            "--calibrate-lr", "fixed", "-o", str(out)]  # fmt: skip
     res = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.output
-    assert seen == {"n": 1797, "batch": 32, "optimizer": "momentum"}
+    recipe = Recipe(0.02, 0.9, tuned=False)  # --optimizer momentum: momentum 0.9 by default
+    assert seen == {"n": 1797, "batch": 32, "recipe": recipe}
     assert "calibrated (stand-in)" in res.output and "default (no data)" not in res.output
+    assert "calibration: 1 run in" in res.output
     plan = load_plan(out)  # phi 1e9: big batches are free, delay costs 5 per update
     assert plan.sync == "allreduce" and plan.objective["source"] == "calibrated (stand-in)"
+    assert plan.objective["calibration"] == {"lr": 0.02, "lr_mode": "fixed"}
     assert "AllReduce on" in res.output
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [(["--lr", "0"], "--lr 0.0: must be"),
+     (["--momentum", "1.5"], "--momentum 1.5: must be"),
+     (["--calibrate-lr", "best"], "--calibrate-lr"),
+     (["--lr", "0.01"], "--lr 0.01 sets the efficiency calibration's step size; add "
+                        "--calibrate-efficiency DATA, or drop --lr"),
+     (["--calibrate-lr", "fixed"], "drop --calibrate-lr"),
+     (["--calibrate-efficiency", "builtin", "--optimizer", "sgd", "--momentum", "0.9"],
+      "--momentum 0.9 with --optimizer sgd: plain SGD keeps no velocity; give --optimizer "
+      "momentum, or drop --momentum")],
+)  # fmt: skip
+def test_calibration_step_size_options_are_one_line(args: list[str], fragment: str) -> None:
+    base = ["plan", CLUSTER, "--model", "mlp", "--objective", "time"]
+    res = CliRunner().invoke(app, [*base, *args], env={"COLUMNS": "300"})
+    assert res.exit_code == 2 and fragment in res.output, res.output
+    assert len(res.output.strip().splitlines()) == 1, res.output

@@ -67,6 +67,8 @@ PLANNING_BAD = [
     ("plan", "--max-cuts", "-1", ">= 0"),
     ("plan", "--tau", "0", ">= 1"),
     ("plan", "--target-samples", "-1", ">= 0"),
+    ("plan", "--lr", "0", "> 0"),
+    ("plan", "--momentum", "1.5", "in [0, 1)"),
     ("simulate", "--waves", "1", ">= 2"),
     ("simulate", "--waves", "-5", ">= 2"),
 ]

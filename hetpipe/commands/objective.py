@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -14,7 +14,7 @@ from rich.table import Table
 from hetpipe._common import console
 from planner.plan import Plan
 from planner.rules import layout
-from profiler.errors import ConfigError
+from profiler.errors import ConfigError, shown
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "NM_CANDIDATES",
+    "Calibration",
     "choose_for_time",
     "efficiency_inputs",
     "nm_values",
@@ -56,23 +57,69 @@ def nm_values(plan: Plan, cap: int | None = None) -> list[int]:
     return sorted({*range(1, max(1, top) + 1), min(plan.nm, cap or plan.nm)})
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """``hetpipe plan``'s calibration options (:mod:`hetpipe.calibrate`).
+
+    Attributes:
+        data: ``--calibrate-efficiency`` (``builtin``, ``synthetic`` or ``pkg.mod:factory``;
+            ``None``: the defaults, no calibration).
+        lr: ``--lr``, the run's learning rate (``None``: the run's default).
+        momentum: ``--momentum`` (``None``: 0.9 for ``--optimizer momentum`` and ``adam``, 0
+            for ``sgd``).
+        lr_mode: ``--calibrate-lr``: ``tuned`` (each setting at its best of a grid below
+            ``lr``) or ``fixed`` (every setting at ``lr``).
+    """
+
+    data: str | None = None
+    lr: float | None = None
+    momentum: float | None = None
+    lr_mode: str = "tuned"
+
+    def check(self, optimizer: str) -> None:
+        """Refuse step-size options without calibration, and momentum plain SGD cannot have.
+
+        Raises:
+            ConfigError: one line naming the flag, the value and the fix.
+        """
+        mode = None if self.lr_mode == "tuned" else self.lr_mode
+        given = {"--lr": self.lr, "--momentum": self.momentum, "--calibrate-lr": mode}
+        for flag, value in given.items():
+            if value is not None and not self.data:
+                raise ConfigError(
+                    f"{flag} {shown(value)} sets the efficiency calibration's step size; add "
+                    f"--calibrate-efficiency DATA, or drop {flag}"
+                )
+        if self.momentum and optimizer == "sgd":
+            raise ConfigError(
+                f"--momentum {self.momentum:g} with --optimizer sgd: plain SGD keeps no velocity; "
+                "give --optimizer momentum, or drop --momentum"
+            )
+
+
 def efficiency_inputs(
-    data: str | None, model: str | None, batch: int, optimizer: str
+    calibration: Calibration,
+    model: str | None,
+    batch: int,
+    optimizer: str,
+    progress: Callable[[str], None] | None = None,
 ) -> EfficiencyInputs:
-    """The efficiency model's inputs: measured on ``--calibrate-efficiency DATA`` (``builtin``:
-    the model's own data, ``synthetic`` or ``pkg.mod:factory``; :mod:`hetpipe.calibrate`),
-    else the defaults for ``optimizer`` (:func:`planner.efficiency.default_inputs`).
+    """The efficiency model's inputs: measured on ``calibration.data`` (``builtin``: the model's
+    own data, ``synthetic`` or ``pkg.mod:factory``; :mod:`hetpipe.calibrate`, told
+    ``progress``), else the defaults for ``optimizer``
+    (:func:`planner.efficiency.default_inputs`).
 
     Raises:
         ConfigError: calibration without ``--model``, or data it cannot use (one line).
     """
     from planner.efficiency import default_inputs
 
+    data = calibration.data
     if not data:
         return default_inputs(optimizer)
     if model is None:  # hetpipe plan refuses it before planning
         raise ConfigError("--calibrate-efficiency needs --model; give it")
-    from hetpipe.calibrate import calibrate
+    from hetpipe.calibrate import Recipe, calibrate
     from profiler.models import resolve_model
     from runtime.data_source import named_data, run_data
     from runtime.options import OPTIONS
@@ -80,7 +127,14 @@ def efficiency_inputs(
     spec = resolve_model(model, batch)
     given = named_data("" if data == "builtin" else data, model, batch)
     train = run_data(given, model, spec, batch, spec.loss).train
-    return calibrate(train, spec.module, spec.loss, batch, optimizer, OPTIONS["lr"].default)
+    default_momentum = 0.0 if optimizer == "sgd" else 0.9
+    recipe = Recipe(
+        OPTIONS["lr"].default if calibration.lr is None else calibration.lr,
+        default_momentum if calibration.momentum is None else calibration.momentum,
+        tuned=calibration.lr_mode == "tuned",
+        remedies=("none", "pipemare") if optimizer == "adam" else ("none", "predict", "pipemare"),
+    )
+    return calibrate(train, spec, batch, recipe, progress)
 
 
 def choose_for_time(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -14,6 +15,7 @@ from rich.table import Table
 from hetpipe._common import console, err_console, handle_errors
 from hetpipe._rules import RuleValues, apply_rule, rule_params, sync_help, with_rule_options
 from hetpipe.commands.objective import (
+    Calibration,
     choose_for_time,
     efficiency_inputs,
     other_allocations,
@@ -24,12 +26,13 @@ from planner.cluster import Cluster, load_cluster
 from planner.plan import Plan, StagePlan, VirtualWorker
 from planner.rules import DEFAULT_RULE, get_rule, time_ranked
 from profiler.errors import ConfigError, shown
-from runtime.options import PLAN_OPTIONS, Range, check_number, check_values
+from runtime.options import OPTIONS, PLAN_OPTIONS, Range, check_number, check_values
 
 if TYPE_CHECKING:  # heavy (torch, pandas, PuLP): imported when a plan is made
     from rich.console import Console
 
     from planner.auto_search import Candidate
+    from planner.efficiency import EfficiencyInputs
     from profiler.table import Profile
 
 HELP = (
@@ -105,6 +108,48 @@ def _opt(name: str) -> typer.models.OptionInfo:
     """The typer option of planning option ``name`` (:data:`runtime.options.PLAN_OPTIONS`)."""
     o = PLAN_OPTIONS[name]
     return typer.Option(o.flag, help=o.help)
+
+
+_CAL_LR = "--calibrate-efficiency: the run's learning rate (default: the run's, 0.05)"
+_CAL_MOMENTUM = "--calibrate-efficiency: the run's SGD momentum (default: 0.9, sgd: 0)"
+
+
+class _Calibrating:
+    """Progress of ``--calibrate-efficiency`` on the status line (each run and the seconds so
+    far), and its total time."""
+
+    def __init__(self, update: Callable[[str], object]) -> None:
+        import time
+
+        self._clock = time.perf_counter
+        self._start, self._update, self.runs = self._clock(), update, 0
+        self.took: float | None = None
+
+    def __call__(self, what: str) -> None:
+        self.runs += 1
+        self._update(
+            f"calibrating efficiency ({self.seconds:.0f} s, run {self.runs}): {escape(what)}"
+        )
+
+    @property
+    def seconds(self) -> float:
+        """Seconds since the calibration started."""
+        return self._clock() - self._start
+
+    def inputs(
+        self, calibration: Calibration, model: str | None, batch: int, optimizer: str
+    ) -> EfficiencyInputs:
+        """:func:`hetpipe.commands.objective.efficiency_inputs`, progress shown here and the
+        calibration's time noted."""
+        inputs = efficiency_inputs(calibration, model, batch, optimizer, self)
+        self.took = self.seconds if self.runs else None
+        return inputs
+
+    def report(self, out: Console) -> None:
+        """The runs and seconds a calibration took (nothing without one)."""
+        if self.took is not None:
+            runs = f"{self.runs} run{'s' if self.runs > 1 else ''}"
+            out.print(f"[dim]calibration: {runs} in {self.took:.1f} s[/]")
 
 
 SUMMARY_VWS = 8
@@ -186,6 +231,11 @@ def render(plan: Plan, full: bool = True) -> None:
     console.print(
         f"predicted throughput: [bold]{pr.throughput:.1f}[/] samples/s (WSP, straggler-bound, {pr.method})"
     )
+    if pr.overhead_ms_per_task > 0:
+        console.print(
+            f"  with the runtime's own cost, {pr.overhead_ms_per_task:.2f} ms per task (the "
+            f"cluster's runtime_overhead); without it {pr.throughput_without_overhead:.1f}"
+        )
     if pr.allreduce_gpus:
         console.print(
             f"AllReduce data-parallel baseline: {pr.allreduce_throughput:.1f} samples/s on {pr.allreduce_gpus} GPUs"
@@ -358,6 +408,9 @@ def plan(  # long by its typer signature (the command's options); the body is ~6
     ].default,
     remedy: Annotated[str, _opt("remedy")] = PLAN_OPTIONS["remedy"].default,
     calibrate: Annotated[str | None, _opt("calibrate")] = None,
+    lr: Annotated[float | None, typer.Option("--lr", help=_CAL_LR)] = None,
+    momentum: Annotated[float | None, typer.Option("--momentum", help=_CAL_MOMENTUM)] = None,
+    calibrate_lr: Annotated[str, _opt("calibrate_lr")] = PLAN_OPTIONS["calibrate_lr"].default,
     rule_values: RuleValues | None = None,
 ) -> None:
     """Plan HetPipe training (see HELP); ``rule_values``: the rule options
@@ -369,12 +422,14 @@ def plan(  # long by its typer signature (the command's options); the body is ~6
 
     numbers = {"--batch-size": batch_size, "--nm": nm, "-D": staleness, "--vws": vws,
                "--time-limit": time_limit, "--auto-budget": auto_budget,
-               "--auto-max-vw-gpus": auto_max_vw_gpus, "--max-cuts": max_cuts}  # fmt: skip
+               "--auto-max-vw-gpus": auto_max_vw_gpus, "--max-cuts": max_cuts,
+               "--lr": lr, "--momentum": momentum}  # fmt: skip
     rule = rule_params(sync, rule_values or {})
     _check_options(numbers, sync, bool(policy or vws or nm or staleness))
-    check_values({"objective": objective, "target_samples": target_samples, "remedy": remedy},
-                 PLAN_OPTIONS)  # fmt: skip
-    _check_objective(objective, sync, calibrate, model)
+    check_values({"objective": objective, "target_samples": target_samples, "remedy": remedy,
+                  "calibrate_lr": calibrate_lr}, PLAN_OPTIONS)  # fmt: skip
+    calibration = Calibration(calibrate, lr, momentum, calibrate_lr)
+    _check_objective(objective, sync, calibration, model, optimizer)
     cl = load_cluster(cluster)
     out = err_console if as_json else console  # what is not the plan itself
     _pacing_note(cl, out)
@@ -412,8 +467,9 @@ def plan(  # long by its typer signature (the command's options); the body is ~6
     if objective != "time":
         _emit(result, output, as_json, candidates, auto_budget, full)
         return
-    with out.status("ranking plans by time to target"):
-        inputs = efficiency_inputs(calibrate, model, result.batch_size, optimizer)
+    with out.status("ranking plans by time to target") as status:
+        said = _Calibrating(status.update)
+        inputs = said.inputs(calibration, model, result.batch_size, optimizer)
         result, ranked = choose_for_time(
             result,
             partial(make_plan, cl, profs, **kwargs),  # type: ignore[arg-type]
@@ -427,12 +483,14 @@ def plan(  # long by its typer signature (the command's options); the body is ~6
         )
     _emit(result, output, as_json, candidates, auto_budget, full)
     render_objective(ranked, inputs, target_samples, out)
+    said.report(out)
 
 
 _RANGES = {
     "--batch-size": Range(1), "--nm": Range(1), "-D": Range(0), "--vws": Range(1),
     "--time-limit": Range(0, open_low=True), "--auto-budget": Range(0),
     "--auto-max-vw-gpus": Range(1), "--max-cuts": Range(0),
+    **{OPTIONS[k].flag: r for k in ("lr", "momentum") if (r := OPTIONS[k].range)},  # as run's
 }  # fmt: skip
 """The values each numeric option of ``hetpipe plan`` takes (``None``: not given)."""
 
@@ -447,8 +505,12 @@ def _check_options(numbers: dict[str, float | None], sync: str, shapes_hetpipe: 
         )
 
 
-def _check_objective(objective: str, sync: str, calibrate: str | None, model: str | None) -> None:
-    """Refuse ``--objective time`` where it cannot rank, and calibration it cannot run."""
+def _check_objective(
+    objective: str, sync: str, calibration: Calibration, model: str | None, optimizer: str
+) -> None:
+    """Refuse ``--objective time`` where it cannot rank, and calibration it cannot run
+    (:meth:`hetpipe.commands.objective.Calibration.check`)."""
+    calibrate = calibration.data
     if objective == "time" and sync not in (ranked := time_ranked()):
         raise ConfigError(
             f"--objective time compares HetPipe plans under --sync {' or '.join(ranked)} "
@@ -464,6 +526,7 @@ def _check_objective(objective: str, sync: str, calibrate: str | None, model: st
             f"--calibrate-efficiency {shown(calibrate, 40)} trains the model, so needs --model; "
             "give it, or drop --calibrate-efficiency for the defaults"
         )
+    calibration.check(optimizer)
 
 
 def _pacing_note(cl: Cluster, out: Console) -> None:

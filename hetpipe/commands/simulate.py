@@ -61,13 +61,14 @@ def simulate(
         ),
     ] = False,
     overhead_ms_per_task: Annotated[
-        float,
+        float | None,
         typer.Option(
             "--overhead-ms-per-task",
             help="the runtime's own cost of every task, added to it (what 'hetpipe run "
-            "--profile-runtime' reports as overhead ms/task; 0: none)",
+            "--profile-runtime' reports as overhead ms/task; 0: none; default: the plan's "
+            "predicted.overhead_ms_per_task)",
         ),
-    ] = 0.0,
+    ] = None,
     sync: Annotated[
         str | None,
         typer.Option(help=sync_help() + "; simulate the plan under this rule (default: its own)"),
@@ -79,7 +80,8 @@ def simulate(
     from planner.sim.simulator import simulate as run_simulation
 
     check_number("--waves", waves, Range(2), 20)
-    check_number("--overhead-ms-per-task", overhead_ms_per_task, Range(0), 0.0)
+    if overhead_ms_per_task is not None:
+        check_number("--overhead-ms-per-task", overhead_ms_per_task, Range(0), 0.0)
     if baseline not in (None, "allreduce"):
         raise ConfigError(f"--baseline {baseline!r}: the only baseline is 'allreduce'")
     if gantt is not None and gantt.suffix.lower() not in (".png", ".svg"):

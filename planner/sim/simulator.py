@@ -83,14 +83,17 @@ def shard_ms(links: LinkTable, node: str, shard_node: str, nbytes: float) -> flo
 
 
 def pipeline_specs(
-    plan: Plan, profile: Profile | None = None, overhead_ms_per_task: float = 0.0
+    plan: Plan, profile: Profile | None = None, overhead_ms_per_task: float | None = None
 ) -> list[PipelineSpec]:
     """One simulator spec per virtual worker of ``plan`` (times in ms, as planned; every task
-    costs ``overhead_ms_per_task`` more, the runtime's own cost: :class:`PipelineSpec`).
+    costs ``overhead_ms_per_task`` more, the runtime's own cost: :class:`PipelineSpec`;
+    ``None``: the overhead the plan's prediction assumed, ``predicted.overhead_ms_per_task``).
 
     Raises:
         PlanError: a VW has no stage or a stage points at a missing GPU.
     """
+    if overhead_ms_per_task is None:
+        overhead_ms_per_task = plan.predicted.overhead_ms_per_task
     specs = []
     for vw in plan.virtual_workers:
         if not vw.stages:
@@ -150,7 +153,7 @@ def simulate(
     waves: int = 20,
     profile: Profile | None = None,
     record_trace: bool = False,
-    overhead_ms_per_task: float = 0.0,
+    overhead_ms_per_task: float | None = None,
 ) -> SimResult:
     """Simulate ``plan`` for ``waves`` waves per virtual worker.
 
@@ -160,7 +163,8 @@ def simulate(
         profile: optional profile of the model (any GPU type) for exact shard traffic.
         record_trace: keep every interval for Gantt charts and Chrome traces.
         overhead_ms_per_task: the runtime's own cost of every task (``hetpipe run
-            --profile-runtime`` measures it), added to each task; 0: none.
+            --profile-runtime`` measures it), added to each task; 0: none; ``None``: the
+            plan's own assumption (``predicted.overhead_ms_per_task``, :mod:`planner.overhead`).
 
     Raises:
         PlanError: invalid plan, ``waves < 2`` or a negative or non-finite overhead.

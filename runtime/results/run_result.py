@@ -124,6 +124,8 @@ class RunResult:
             ``mydata:make (train 400, test 100)``; empty: not known).
         links: the plan's links and whether the run paced them, with the factor
             (:func:`runtime.link_pacing.links_statement`; empty: not known).
+        predicted_without_overhead: the plan's prediction without the runtime overhead its
+            planner assumed (compute and links only, samples/s; 0: it assumed none).
     """
 
     vws: tuple[VWResult, ...]
@@ -148,6 +150,7 @@ class RunResult:
     data: str = ""
     remedy: str = "none"
     links: str = ""
+    predicted_without_overhead: float = 0.0
 
     @staticmethod
     def build(
@@ -178,6 +181,7 @@ class RunResult:
             plan.predicted.throughput,
             sync=sync or plan.sync,
             sync_params=plan.sync_params,
+            predicted_without_overhead=_without_overhead(plan),
         )
 
     @property
@@ -276,6 +280,7 @@ class RunResult:
         summary = {
             "throughput": self.throughput,
             "predicted_throughput": self.predicted_throughput,
+            "predicted_without_overhead": self.predicted_without_overhead,
             "nm": self.nm,
             "D": self.D,
             "remedy": self.remedy,
@@ -330,6 +335,11 @@ class RunResult:
         title = f"{len(self.vws)} VWs, Nm={self.nm}, {rule}: {self.throughput:.1f} samples/s"
         if self.predicted_throughput > 0:
             title += f" (predicted {self.predicted_throughput:.1f}, ratio {self.throughput / self.predicted_throughput:.2f})"
+        if self.predicted_without_overhead > 0:
+            without = self.predicted_without_overhead
+            title += (
+                f"; without the runtime overhead {without:.1f} ({self.throughput / without:.2f})"
+            )
         one_loss = layout(self.sync) == "ddp"  # the VWs train slices of one global minibatch
         table = Table(title=title)
         columns = ["VW", "devices", "minibatches", "samples/s", "predicted", "waiting s", "idle s"]
@@ -442,3 +452,9 @@ def evaluate(
         {by_orig[k]: v for k, v in state.items() if k in by_orig}, strict=False
     )
     return evaluate_module(built.module, test, batch_size, built.loss)
+
+
+def _without_overhead(plan: Plan) -> float:
+    """The plan's prediction without the runtime overhead (0: its planner assumed none)."""
+    p = plan.predicted
+    return p.throughput_without_overhead if p.overhead_ms_per_task > 0 else 0.0

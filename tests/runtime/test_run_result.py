@@ -73,3 +73,20 @@ def test_the_public_api_names_resolve(name: str) -> None:
 
     assert getattr(hetpipe, name) is not None
     assert name in hetpipe.__all__
+
+
+def test_the_summary_shows_both_predictions(tmp_path: Path) -> None:
+    """A plan whose planner assumed a runtime overhead: measured against the prediction with
+    it and against compute and links alone (``predicted_without_overhead``)."""
+    vws = (_vw(0, [1.0, 2.0]), _vw(1, [3.0, 6.0]))
+    result = RunResult(
+        vws, 1, 0, (), (), (), 1.0, 10.0, sync="wsp", predicted_without_overhead=20.0
+    )
+    ratio = result.throughput
+    title = str(result.table().title)
+    assert f"(predicted 10.0, ratio {ratio / 10:.2f})" in title
+    assert f"without the runtime overhead 20.0 ({ratio / 20:.2f})" in title
+    result.save(tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["predicted_without_overhead"] == 20.0
+    assert "without the runtime" not in str(_result(vws, "wsp").table().title)
