@@ -372,9 +372,15 @@ def collect_wsp(plan: Plan, out: Path, nm: int = 0, D: int | None = None) -> Run
 
 def _exit(code: int) -> None:
     """End the rank with ``code`` once its outputs and logs are flushed, without interpreter
-    teardown: a torchrun rank of a 4-step run was seen to abort there ("terminate called
-    without an active exception", SIGABRT) after its work was done, gloo's threads racing the
-    module cleanup (pytorch#65231); torchrun reads only the exit code."""
+    teardown (torchrun reads only the exit code; the one-host launcher's forkserver children
+    end the same way).
+
+    A daemon thread that frees a gloo work while the interpreter finalizes aborts the process
+    (freeing it releases and retakes the GIL; Python ends the thread inside a C++ destructor:
+    "terminate called without an active exception", SIGABRT). A stage's receivers no longer
+    outlive its run (:func:`runtime.stage.comm.join_receivers`), but a shard's reader threads
+    wait in receives that only the group's teardown ends, and a failed rank's may too.
+    """
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

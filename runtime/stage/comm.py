@@ -44,6 +44,7 @@ __all__ = [
     "Message",
     "TensorSpec",
     "cut_specs",
+    "join_receivers",
     "layout_of",
     "start_activation_receiver",
     "wire_specs",
@@ -322,7 +323,14 @@ def start_activation_receiver(
 ) -> threading.Thread:
     """Receive forward messages from ``peer`` until the stop header, into ``inbox`` (waiting
     at most ``timeout_s`` for each; ``None``: the group's timeout), each held back until
-    ``pacer``'s link charge for its tensors' bytes has passed (``None``: not paced)."""
+    ``pacer``'s link charge for its tensors' bytes has passed (``None``: not paced).
+
+    The thread drops its last receive's work before it hands over the stop: a daemon thread
+    that frees a gloo work once the interpreter is finalizing aborts the process (freeing
+    it releases and retakes the GIL; Python ends the thread there, unwinding through a C++
+    destructor: "terminate called without an active exception"). The stage joins the
+    thread too (:func:`join_receivers`).
+    """
     layout = layout_of(specs)
 
     def loop() -> None:
@@ -332,6 +340,7 @@ def start_activation_receiver(
                 msg = posted.wait(timeout_s)
                 mb = int(msg.header)
                 if mb == STOP:
+                    del posted  # its gloo work dies here, before the stage can reach exit
                     inbox.put(Event("stop"))
                     return
                 arrived_s = _now(pacer)
@@ -417,3 +426,21 @@ class GradReceiver:
                 mb = nxt
         except Exception as exc:  # a dead peer or a timeout: hand it to the stage loop
             self._inbox.put(Event("error", error=exc))
+
+
+def join_receivers(threads: Iterable[threading.Thread], timeout_s: float, where: str) -> None:
+    """Wait until every receiver thread of a stage whose run ended has ended: a daemon thread
+    still alive when the process exits may free a gloo work during interpreter teardown,
+    which aborts the process (:func:`start_activation_receiver`). Their last messages are in,
+    so each ends at once; ``timeout_s`` only turns a bug into an error.
+
+    Raises:
+        HetPipeRuntimeError: a thread still runs after ``timeout_s``.
+    """
+    for thread in threads:
+        thread.join(timeout_s)
+        if thread.is_alive():
+            raise HetPipeRuntimeError(
+                f"[{where}] receiver thread {thread.name} still runs {timeout_s:.0f} s after "
+                "the stage's last message; the stages disagree on the number of minibatches"
+            )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import queue
+import threading
 import time
 from typing import Any
 
@@ -29,7 +30,14 @@ from runtime.defaults import neighbour_wait_s
 from runtime.link_pacing import LinkPacer, StageLinks, active_links
 from runtime.messages import REPORTS
 from runtime.results.metrics import StageResult
-from runtime.stage.comm import Channel, Event, GradReceiver, start_activation_receiver, wire_specs
+from runtime.stage.comm import (
+    Channel,
+    Event,
+    GradReceiver,
+    join_receivers,
+    start_activation_receiver,
+    wire_specs,
+)
 from runtime.stage.device import on_device
 from runtime.stage.emulation import pace_until
 from runtime.stage.grads import Held, backward_grads, outputs_backward
@@ -143,14 +151,7 @@ class StageWorker:
         nxt, prev, group = ctx.next_rank, ctx.prev_rank, self.group
         to_next = Channel(nxt, self.out_specs, group) if nxt is not None else None
         to_prev = Channel(prev, self.in_specs, group) if prev is not None else None
-        grad_rx = None
-        links = self.links  # emulated links: receives held back to their charge
-        if nxt is not None:
-            pace = LinkPacer(links.next)
-            grad_rx = GradReceiver(nxt, self.out_specs, self.inbox, group, self._wait_s, pace)
-        if prev is not None:
-            pace = LinkPacer(links.prev)
-            start_activation_receiver(prev, self.in_specs, self.inbox, group, self._wait_s, pace)
+        grad_rx, receivers = self._start_receivers(nxt, prev, group)
         self._received = 0  # forward messages received (stage 0: minibatches admitted)
         self._stop_in = ctx.stage == 0  # whether the number of minibatches is final
         self._f_done = self._b_done = 0  # forwards / backwards done here
@@ -164,6 +165,7 @@ class StageWorker:
         finally:
             if grad_rx is not None:
                 grad_rx.close()
+        join_receivers(receivers, self._wait_s, ctx.where)  # none outlives the run (comm.py)
         self.result.breakdown = self.timer.result()
         self.result.wall_s = time.time() - start_time
         self.result.peak_bytes = self.memory.peak_bytes
@@ -181,6 +183,25 @@ class StageWorker:
         }
         self.sync.close()
         return self.result
+
+    def _start_receivers(
+        self, nxt: int | None, prev: int | None, group: Any
+    ) -> tuple[GradReceiver | None, list[threading.Thread]]:
+        """Start the threads that receive from the neighbours: the gradient receiver (when
+        there is a next stage) and every receiver thread, to join once the run ended."""
+        grad_rx, receivers = None, list[threading.Thread]()
+        links = self.links  # emulated links: receives held back to their charge
+        if nxt is not None:
+            pace = LinkPacer(links.next)
+            grad_rx = GradReceiver(nxt, self.out_specs, self.inbox, group, self._wait_s, pace)
+            receivers.append(grad_rx.thread)
+        if prev is not None:
+            pace = LinkPacer(links.prev)
+            act = start_activation_receiver(
+                prev, self.in_specs, self.inbox, group, self._wait_s, pace
+            )
+            receivers.append(act)
+        return grad_rx, receivers
 
     def _loop(
         self,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections import defaultdict, deque
 from typing import Any
 
@@ -247,3 +248,55 @@ def test_the_next_receive_is_posted_before_a_message_is_paced(wire: Wire) -> Non
     rx.thread.join(10)
     assert grads.posted == [2, 2]  # 2's ahead of 1; none after the last
     assert [e.kind for e in drain(inbox)] == ["act", "act", "stop", "grad", "grad"]
+
+
+class StopWatch(queue.SimpleQueue[Event]):
+    """An inbox that records, when the stop is handed over, whether any receive's work is
+    still alive (a work freed later may be freed by the thread during interpreter teardown)."""
+
+    def __init__(self, works: list[weakref.ref[Work]]) -> None:
+        self.works, self.alive_at_stop = works, -1
+
+    def put(self, item: Event, block: bool = True, timeout: float | None = None) -> None:
+        if item.kind == "stop":
+            self.alive_at_stop = sum(w() is not None for w in self.works)
+        super().put(item, block, timeout)
+
+
+def test_the_activation_receiver_frees_its_works_before_it_hands_over_the_stop(
+    wire: Wire, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A torchrun rank aborted at exit ("terminate called without an active exception"): the
+    receiver thread still held the stop's gloo work when the stage, handed the stop, finished
+    and the interpreter began its teardown; freeing the work there ended the thread inside a
+    C++ destructor. The thread now frees it first, and the stage joins it."""
+    works: list[weakref.ref[Work]] = []
+
+    def post(op: Any, t: Tensor, peer: int, group: Any, tag: int) -> Work:
+        work = wire.post(op, t, peer, group, tag)
+        if op is dist.irecv:
+            works.append(weakref.ref(work))
+        return work
+
+    monkeypatch.setattr(comm, "_post", post)
+    forward = Channel(1, SPECS)
+    forward.send_activations(1, activations(1))
+    forward.send_stop()
+    inbox = StopWatch(works)
+    thread = start_activation_receiver(0, SPECS, inbox, timeout_s=5)
+    comm.join_receivers([thread], 10, "vw 0 | stage 1 | rank 1")
+    assert not thread.is_alive() and len(works) == 2
+    assert inbox.alive_at_stop == 0
+    assert [e.kind for e in drain(inbox)] == ["act", "stop"]
+
+
+def test_a_receiver_that_does_not_end_is_an_error_naming_it() -> None:
+    release = threading.Event()
+    thread = threading.Thread(target=release.wait, name="recv-act-from-0", daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(HetPipeRuntimeError, match=r"\[stage 1\] receiver thread recv-act"):
+            comm.join_receivers([thread], 0.01, "stage 1")
+    finally:
+        release.set()
+        thread.join(10)
