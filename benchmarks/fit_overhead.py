@@ -45,8 +45,14 @@ WAVES = 20  # simulated waves per VW for every prediction
 
 
 def _predict(plan: Plan, overhead_ms: float) -> float:
+    """``plan``'s throughput with ``overhead_ms`` per task; an AllReduce plan's is its own
+    prediction (the collective's model, which the pipeline simulator does not play, and no
+    overhead: :func:`planner.overhead.plan_overhead_ms`)."""
+    from planner.rules import layout
     from planner.sim.simulator import simulate
 
+    if layout(plan.sync) == "ddp":
+        return plan.predicted.throughput
     return simulate(plan, waves=WAVES, overhead_ms_per_task=overhead_ms).throughput
 
 
@@ -193,6 +199,7 @@ def report(rows: list[dict[str, Any]], model: dict[str, Any]) -> None:
     fitted = RuntimeOverhead(ms_per_task=model["ms_per_task"], cores=model["cores"])
     for r in rows:
         plan = Plan.from_dict(r["plan"])
+        r["predicted_without"] = _predict(plan, 0.0)  # again: rows of older --out files too
         plan = replace(plan, cluster=replace(plan.cluster, runtime_overhead=fitted))
         over = plan_overhead_ms(plan)
         r["model_overhead_ms"] = over
