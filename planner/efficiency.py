@@ -53,7 +53,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from planner.staleness import COVERS_FOREIGN
+from planner.staleness import COVERS_FOREIGN, remedies_for
 
 __all__ = [
     "DEFAULT_NOISE_SCALE",
@@ -219,7 +219,7 @@ def default_inputs(optimizer: str) -> EfficiencyInputs:
     costs = {
         remedy: round(fit_delay_cost(SEQUENTIAL_TO_TARGET[kind], points), 3)
         for remedy, points in MEASURED_TO_TARGET[kind].items()
-        if not (optimizer == "adam" and remedy == "predict")
+        if remedy in remedies_for(optimizer)
     }
     return EfficiencyInputs(
         DEFAULT_NOISE_SCALE,

@@ -39,6 +39,7 @@ __all__ = [
     "pipemare_lr",
     "predict_scale",
     "predict_steps",
+    "remedies_for",
     "remedy_weight_copies",
     "stage_delay",
     "staleness",
@@ -51,6 +52,17 @@ COVERS_FOREIGN = frozenset({"predict"})
 """Remedies that also compensate the other VWs' updates a gradient misses (``predict``
 extrapolates over the whole delay, :func:`predict_steps`); the others act on the local
 delay only (PipeMare's rescheduling follows the stage's own delay)."""
+
+
+def remedies_for(optimizer: str) -> tuple[str, ...]:
+    """The remedies of :data:`REMEDIES` a run with ``optimizer`` (``sgd``, ``momentum``,
+    ``adam``) can apply: all but ``predict`` with Adam (the prediction follows SGD's velocity;
+    the runtime refuses it).
+
+    >>> remedies_for("momentum"), remedies_for("adam")
+    (('none', 'predict', 'pipemare'), ('none', 'pipemare'))
+    """
+    return tuple(r for r in REMEDIES if not (optimizer == "adam" and r == "predict"))
 
 
 def check_remedy(name: str) -> str:

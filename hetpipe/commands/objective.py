@@ -120,6 +120,7 @@ def efficiency_inputs(
     if model is None:  # hetpipe plan refuses it before planning
         raise ConfigError("--calibrate-efficiency needs --model; give it")
     from hetpipe.calibrate import Recipe, calibrate
+    from planner.staleness import remedies_for
     from profiler.models import resolve_model
     from runtime.data_source import named_data, run_data
     from runtime.options import OPTIONS
@@ -132,7 +133,7 @@ def efficiency_inputs(
         OPTIONS["lr"].default if calibration.lr is None else calibration.lr,
         default_momentum if calibration.momentum is None else calibration.momentum,
         tuned=calibration.lr_mode == "tuned",
-        remedies=("none", "pipemare") if optimizer == "adam" else ("none", "predict", "pipemare"),
+        remedies=remedies_for(optimizer),
     )
     return calibrate(train, spec, batch, recipe, progress)
 
