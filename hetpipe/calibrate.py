@@ -37,7 +37,7 @@ from torch import Tensor
 from torch.utils.data import Dataset, default_collate
 
 from planner.efficiency import EfficiencyInputs, fit_delay_cost, simple_noise_scale
-from planner.staleness import pipemare_lr, predict_scale, stage_delay
+from planner.staleness import REMEDIES, pipemare_lr, predict_scale, stage_delay
 from planner.wsp import local_version
 from profiler.errors import ConfigError, shown
 from profiler.models import ModelSpec
@@ -49,7 +49,6 @@ __all__ = [
     "Recipe",
     "best_lr",
     "calibrate",
-    "delay_cost",
     "feed",
     "fit_steps",
     "noise_scale",
@@ -100,7 +99,7 @@ class Recipe:
     lr: float
     momentum: float
     tuned: bool = True
-    remedies: tuple[str, ...] = ("none", "predict", "pipemare")
+    remedies: tuple[str, ...] = REMEDIES
 
     @property
     def grid(self) -> tuple[float, ...]:
@@ -262,22 +261,6 @@ def fit_steps(seq_steps: int, delayed: Mapping[int, int | None], length: int) ->
     points = [(float(tau), float(length if s is None else s)) for tau, s in delayed.items()]
     censored = any(s is None for s in delayed.values())
     return fit_delay_cost(float(seq_steps), points), censored
-
-
-def delay_cost(curves: dict[int, list[float]]) -> tuple[float, bool]:
-    """``c`` from held-out loss curves by delay (``0``: sequential, of half the delayed runs'
-    length or as long): updates to the loss sequential SGD reaches in its first half, and
-    whether a delayed run never reached it (:func:`fit_steps`).
-
-    Example:
-        >>> delay_cost({0: [4.0, 3.0, 2.0, 1.0], 1: [4.0, 3.5, 3.0, 2.5], 2: [4.0] * 4})
-        (0.5, True)
-    """
-    seq = curves[0]
-    target = min(seq[: max(1, len(seq) // 2)])
-    length = max(len(c) for tau, c in curves.items() if tau > 0)
-    delayed = {tau: steps_to(c, target) for tau, c in curves.items() if tau > 0}
-    return fit_steps(steps_to(seq, target) or 1, delayed, length)
 
 
 def calibrate(dataset: Dataset[Any], spec: ModelSpec, batch: int, recipe: Recipe,

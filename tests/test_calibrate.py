@@ -14,7 +14,7 @@ from torch.nn import functional as F
 from torch.utils.data import Dataset, TensorDataset
 from typer.testing import CliRunner
 
-from hetpipe.calibrate import LR_FACTORS, STEPS, Recipe, best_lr, calibrate, delay_cost
+from hetpipe.calibrate import LR_FACTORS, STEPS, Recipe, best_lr, calibrate, fit_steps, steps_to
 from hetpipe.cli import app
 from planner.efficiency import simple_noise_scale
 from profiler.errors import ConfigError
@@ -38,7 +38,9 @@ def test_noise_scale_estimator_without_signal_is_infinite() -> None:
 
 def test_delay_cost_is_zero_when_delay_changes_nothing() -> None:
     curve = [4.0, 3.0, 2.0, 1.0]
-    assert delay_cost({0: curve, 1: curve, 2: curve}) == (0.0, False)
+    steps = steps_to(curve, 2.0)
+    assert steps == 3
+    assert fit_steps(steps, {1: steps, 2: steps}, len(curve)) == (0.0, False)
 
 
 def _classifier() -> tuple[Tensor, Tensor, nn.Module]:
