@@ -57,6 +57,7 @@ class StageState:
         "host",
         "max_in_flight",
         "own_link",
+        "pulls",
         "push_card",
         "queue",
         "starts",
@@ -110,6 +111,8 @@ class StageState:
         self.starts = array("d")
         self.ends = array("d")
         self.max_in_flight = 0
+        # this stage's own pulls, oldest first: (global clock pulled, when it arrived, ms)
+        self.pulls: list[tuple[int, float]] = []
 
 
 class VWState:

@@ -34,7 +34,8 @@ class PipelineSpec:
         recv_fwd_ms: time to receive the activations crossing each stage's first cut (0 for stage 0).
         recv_bwd_ms: time to receive the gradients crossing each stage's last cut (0 for the last).
         push_ms: time for each stage to push its update per wave to shards on its own node.
-        pull_ms: time for each stage to pull its global weights (pulls run in parallel).
+        pull_ms: time for each stage to pull its global weights (pulls run in parallel; each
+            stage waits for its own).
         cross_recv_bytes: bytes crossing each stage's first cut when the previous stage sits
             on another node (counted once forward and once backward per minibatch), else 0.
         cross_sync_bytes: bytes each stage moves across nodes per push (the same again per pull).
