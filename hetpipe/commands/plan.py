@@ -231,10 +231,16 @@ def render(plan: Plan, full: bool = True) -> None:
     console.print(
         f"predicted throughput: [bold]{pr.throughput:.1f}[/] samples/s (WSP, straggler-bound, {pr.method})"
     )
-    if pr.overhead_ms_per_task > 0:
+    if pr.charges_overhead:
+        waves = (
+            f", and {pr.overhead_ms_per_wave:.2f} ms + {pr.overhead_ms_per_mb:.2f} ms per MB of "
+            "its parameters per stage per wave"
+            if pr.overhead_ms_per_wave or pr.overhead_ms_per_mb
+            else ""
+        )
         console.print(
             f"  with the runtime's own cost, {pr.overhead_ms_per_task:.2f} ms per task (the "
-            f"cluster's runtime_overhead); without it {pr.throughput_without_overhead:.1f}"
+            f"cluster's runtime_overhead){waves}; without it {pr.throughput_without_overhead:.1f}"
         )
     if pr.allreduce_gpus:
         console.print(
