@@ -278,20 +278,24 @@ def residuals(rows: list[dict[str, Any]], model: dict[str, float]) -> list[float
 
 
 def fit_shape(
-    rows: list[dict[str, Any]], terms: tuple[str, ...], rounds: int = 30
+    rows: list[dict[str, Any]], terms: tuple[str, ...], rounds: int = 500
 ) -> dict[str, float]:
     """The terms' relative sizes, free of the load: each run gets its own scale (how much the
-    machine's load stretched it), the terms are shared (alternating non-negative least squares;
-    normalised to ``ms_per_task`` = 1 when it is fitted)."""
+    machine's load stretched it), the terms are shared (alternating non-negative least squares
+    until the ratios settle; normalised to ``ms_per_task`` = 1 when it is fitted)."""
     model = fit_model(rows, terms)
     keep = [TERMS.index(t) for t in terms]
+    shape: dict[str, float] = {}
     for _ in range(rounds):
         pairs = [(r, st, _scale(r, model)) for r in rows for st in r["stages"]]
         xs = [[a * features(r, st)[j] for j in keep] for r, st, a in pairs]
         coef = nnls(xs, [st["overhead_ms_per_task"] for _, st, _ in pairs])
         model = {t: coef[keep.index(TERMS.index(t))] if t in terms else 0.0 for t in TERMS}
-    norm = model["ms_per_task"] or max(model.values()) or 1.0
-    return {t: v / norm for t, v in model.items()}
+        norm = model["ms_per_task"] or max(model.values()) or 1.0
+        before, shape = shape, {t: v / norm for t, v in model.items()}
+        if before and max(abs(shape[t] - before[t]) for t in TERMS) < 1e-12:
+            break
+    return shape
 
 
 def _scale(row: dict[str, Any], model: dict[str, float]) -> float:
