@@ -49,6 +49,8 @@ def test_throughput_is_the_default_and_is_recorded(tmp_path: Path) -> None:
     assert pr.overhead_ms_per_task > 0 and pr.throughput < pr.throughput_without_overhead
     shown = f"{pr.overhead_ms_per_task:.2f} ms per task (the cluster's runtime_overhead)"
     assert shown in res.output and f"without it {pr.throughput_without_overhead:.1f}" in res.output
+    waves = f"{pr.overhead_ms_per_wave:.2f} ms + {pr.overhead_ms_per_mb:.2f} ms per MB of its"
+    assert pr.overhead_ms_per_wave > 0 and waves in res.output  # the per-wave terms too
 
 
 def test_time_objective_refuses_rules_it_does_not_model() -> None:

@@ -23,7 +23,7 @@ from hetpipe.commands.objective import (
     with_objective,
 )
 from planner.cluster import Cluster, load_cluster
-from planner.plan import Plan, StagePlan, VirtualWorker
+from planner.plan import Plan, Prediction, StagePlan, VirtualWorker
 from planner.rules import DEFAULT_RULE, get_rule, time_ranked
 from profiler.errors import ConfigError, shown
 from runtime.options import OPTIONS, PLAN_OPTIONS, Range, check_number, check_values
@@ -168,6 +168,20 @@ def _kinds(plan: Plan) -> list[tuple[VirtualWorker, int]]:
     return [(vws[0], len(vws)) for vws in kinds.values()]
 
 
+def _overhead_line(pr: Prediction) -> str:
+    """The runtime's own cost the prediction includes, and the prediction without it."""
+    waves = (
+        f", and {pr.overhead_ms_per_wave:.2f} ms + {pr.overhead_ms_per_mb:.2f} ms per MB of "
+        "its parameters per stage per wave"
+        if pr.overhead_ms_per_wave or pr.overhead_ms_per_mb
+        else ""
+    )
+    return (
+        f"  with the runtime's own cost, {pr.overhead_ms_per_task:.2f} ms per task (the "
+        f"cluster's runtime_overhead){waves}; without it {pr.throughput_without_overhead:.1f}"
+    )
+
+
 def render(plan: Plan, full: bool = True) -> None:
     """Print the VW/stage table and the predictions with rich (``full``: every VW; else, above
     :data:`SUMMARY_VWS` VWs, one VW of each kind with its count)."""
@@ -232,16 +246,7 @@ def render(plan: Plan, full: bool = True) -> None:
         f"predicted throughput: [bold]{pr.throughput:.1f}[/] samples/s (WSP, straggler-bound, {pr.method})"
     )
     if pr.charges_overhead:
-        waves = (
-            f", and {pr.overhead_ms_per_wave:.2f} ms + {pr.overhead_ms_per_mb:.2f} ms per MB of "
-            "its parameters per stage per wave"
-            if pr.overhead_ms_per_wave or pr.overhead_ms_per_mb
-            else ""
-        )
-        console.print(
-            f"  with the runtime's own cost, {pr.overhead_ms_per_task:.2f} ms per task (the "
-            f"cluster's runtime_overhead){waves}; without it {pr.throughput_without_overhead:.1f}"
-        )
+        console.print(_overhead_line(pr))
     if pr.allreduce_gpus:
         console.print(
             f"AllReduce data-parallel baseline: {pr.allreduce_throughput:.1f} samples/s on {pr.allreduce_gpus} GPUs"

@@ -95,12 +95,7 @@ def pipeline_specs(
     Raises:
         PlanError: a VW has no stage or a stage points at a missing GPU.
     """
-    pred = plan.predicted
-    per_wave, per_mb = (pred.overhead_ms_per_wave, pred.overhead_ms_per_mb)
-    if overhead_ms_per_task is None:
-        overhead_ms_per_task = pred.overhead_ms_per_task
-    else:
-        per_wave = per_mb = 0.0
+    overhead_ms_per_task, wave_ms = _overheads(plan, overhead_ms_per_task)
     specs = []
     for vw in plan.virtual_workers:
         if not vw.stages:
@@ -150,14 +145,27 @@ def pipeline_specs(
                 ),
                 host_exposed_ms=tuple(s.transfer_ms for s in vw.stages),
                 overhead_ms_per_task=overhead_ms_per_task,
-                wave_overhead_ms=tuple(
-                    wave_overhead_ms(per_wave, per_mb, s.param_bytes) for s in vw.stages
-                )
-                if per_wave or per_mb
-                else (),
+                wave_overhead_ms=wave_ms(vw),
             ).validated()
         )
     return specs
+
+
+def _overheads(
+    plan: Plan, overhead_ms_per_task: float | None
+) -> tuple[float, Callable[[VirtualWorker], tuple[float, ...]]]:
+    """The overhead per task to charge and, per VW, each stage's per-wave overhead (``()``:
+    none): the plan's own terms, or ``overhead_ms_per_task`` alone when one is given."""
+    pred = plan.predicted
+    per_wave, per_mb = pred.overhead_ms_per_wave, pred.overhead_ms_per_mb
+    if overhead_ms_per_task is not None or not (per_wave or per_mb):
+        return (
+            pred.overhead_ms_per_task if overhead_ms_per_task is None else overhead_ms_per_task,
+            lambda vw: (),
+        )
+    return pred.overhead_ms_per_task, lambda vw: tuple(
+        wave_overhead_ms(per_wave, per_mb, s.param_bytes) for s in vw.stages
+    )
 
 
 def simulate(
