@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -250,3 +252,26 @@ def test_a_wave_term_alone_is_an_overhead_the_summary_shows() -> None:
     p = plan.predicted
     assert p.overhead_ms_per_task == 0.0 and p.charges_overhead
     assert _without_overhead(plan) == p.throughput_without_overhead > p.throughput
+
+
+@pytest.mark.parametrize(
+    ("where", "value", "said"),
+    [("predicted", -1.0, "predicted.overhead_ms_per_wave: -1.0 must be at least 0"),
+     ("cluster", float("nan"), "runtime_overhead.ms_per_wave: ")],
+)  # fmt: skip
+def test_a_plan_file_with_a_bad_wave_term_is_one_line(
+    tmp_path: Path, where: str, value: float, said: str
+) -> None:
+    from planner.plan_file import load_plan
+    from profiler.errors import HetPipeError
+
+    doc = _plan({"ms_per_task": 0.5, "cores": 2, "ms_per_wave": 1.0}).to_dict()
+    if where == "predicted":
+        doc["predicted"]["overhead_ms_per_wave"] = value
+    else:
+        doc["cluster"]["runtime_overhead"]["ms_per_wave"] = value
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(HetPipeError) as exc:
+        load_plan(path)
+    assert said in str(exc.value) and "\n" not in str(exc.value)
