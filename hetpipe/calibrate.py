@@ -455,6 +455,8 @@ def _source(n: int, recipe: Recipe, lrs: Mapping[str, float], bounds: Sequence[s
         kind += f", lr tuned per setting: best of {recipe.lr:g} x {factors}: {each}"
         if lrs.get("sequential") == recipe.lr:  # the reference may do better above it
             kind += "; sequential's best is the grid's top: a larger --lr may be faster"
+        elif lrs.get("sequential") == recipe.grid[-1]:  # or below it (Adam at SGD's 0.05)
+            kind += "; sequential's best is the grid's bottom: a smaller --lr may be faster"
     else:
         kind += f", lr {recipe.lr:g} fixed"
     note = f"; lower bounds ({', '.join(bounds)}: a delayed run never got there)" if bounds else ""

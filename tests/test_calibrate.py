@@ -298,3 +298,6 @@ def test_tuned_calibration_fits_c_from_each_settings_soonest_lr(
     assert "grid's top" not in cal._source(1, recipe, lrs, bounds)
     top = cal._source(1, recipe, {**lrs, "sequential": 0.4}, bounds)
     assert "sequential's best is the grid's top: a larger --lr may be faster" in top
+    assert "grid's bottom" not in top and "grid's bottom" not in cal._source(1, recipe, lrs, [])
+    bottom = cal._source(1, recipe, {**lrs, "sequential": 0.05}, bounds)
+    assert "sequential's best is the grid's bottom: a smaller --lr may be faster" in bottom
