@@ -107,11 +107,12 @@ def test_calibrated_inputs_reach_the_table_and_the_plan(
     assert "AllReduce on" in res.output
 
 
-def test_an_adam_plan_is_calibrated_with_adam_at_the_given_seed(
+def test_an_adam_plan_is_calibrated_with_adam_at_the_given_seed_and_decay(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``--optimizer adam --seed 7``: the calibration trains Adam (no SGD momentum, no
-    ``predict``) from the weights a run with ``--seed 7`` starts from."""
+    """``--optimizer adam --seed 7 --weight-decay 0.01``: the calibration trains Adam (no SGD
+    momentum, no ``predict``) with that weight decay from the weights a run with ``--seed 7``
+    starts from."""
     from hetpipe.calibrate import Recipe
     from planner.efficiency import EfficiencyInputs
     from runtime.config import OptimizerConfig
@@ -126,10 +127,10 @@ def test_an_adam_plan_is_calibrated_with_adam_at_the_given_seed(
     monkeypatch.setattr("hetpipe.calibrate.calibrate", fake)
     args = ["plan", CLUSTER, "--model", "mlp", "--vws", "1", "--policy", "ed", "--nm", "2",
             "--objective", "time", "--optimizer", "adam", "--calibrate-efficiency", "builtin",
-            "--lr", "0.01", "--seed", "7"]  # fmt: skip
+            "--lr", "0.01", "--seed", "7", "--weight-decay", "0.01"]  # fmt: skip
     res = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.output
-    assert seen == [Recipe(OptimizerConfig("adam", lr=0.01), seed=7)]
+    assert seen == [Recipe(OptimizerConfig("adam", lr=0.01, weight_decay=0.01), seed=7)]
     assert seen[0].remedies == ("none", "pipemare")
 
 
@@ -141,6 +142,8 @@ def test_an_adam_plan_is_calibrated_with_adam_at_the_given_seed(
      (["--lr", "0.01"], "--lr 0.01 sets how the efficiency calibration trains; add "
                         "--calibrate-efficiency DATA, or drop --lr"),
      (["--seed", "3"], "--seed 3 sets how the efficiency calibration trains"),
+     (["--weight-decay", "0.1"], "--weight-decay 0.1 sets how the efficiency calibration "
+                                 "trains"),
      (["--seed", "-1"], "--seed -1: must be"),
      (["--calibrate-efficiency", "builtin", "--optimizer", "adam", "--momentum", "0.9"],
       "--momentum 0.9 with --optimizer adam: Adam's moments follow its betas, not SGD's "

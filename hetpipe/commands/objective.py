@@ -72,6 +72,7 @@ class Calibration:
             ``lr``) or ``fixed`` (every setting at ``lr``).
         seed: ``--seed``, the run's (``None``: the run's default, 0): the model's initial
             weights, a ``--data`` factory's ``seed=`` and the torch RNG (dropout).
+        weight_decay: ``--weight-decay``, the run's (``None``: the run's default, 0).
     """
 
     data: str | None = None
@@ -79,6 +80,7 @@ class Calibration:
     momentum: float | None = None
     lr_mode: str = "tuned"
     seed: int | None = None
+    weight_decay: float | None = None
 
     def check(self, optimizer: str) -> None:
         """Refuse calibration options without calibration, and momentum plain SGD or Adam
@@ -89,7 +91,7 @@ class Calibration:
         """
         mode = None if self.lr_mode == "tuned" else self.lr_mode
         given = {"--lr": self.lr, "--momentum": self.momentum, "--calibrate-lr": mode,
-                 "--seed": self.seed}  # fmt: skip
+                 "--seed": self.seed, "--weight-decay": self.weight_decay}  # fmt: skip
         for flag, value in given.items():
             if value is not None and not self.data:
                 raise ConfigError(
@@ -110,7 +112,8 @@ class Calibration:
     def optimizer(self, optimizer: str) -> OptimizerConfig:
         """The run's optimizer for ``hetpipe plan --optimizer`` (``sgd``, ``momentum``,
         ``adam``): the stages' settings (:class:`runtime.config.OptimizerConfig`, the run's
-        defaults where no flag sets them) at :attr:`lr` with :attr:`momentum`.
+        defaults where no flag sets them) at :attr:`lr` with :attr:`momentum` and
+        :attr:`weight_decay`.
 
         Example:
             >>> Calibration("builtin", lr=0.02).optimizer("momentum").momentum
@@ -123,10 +126,12 @@ class Calibration:
         from runtime.options import OPTIONS
 
         default = 0.9 if optimizer == "momentum" else 0.0
+        decay = OPTIONS["weight_decay"].default if self.weight_decay is None else self.weight_decay
         return OptimizerConfig(
             "adam" if optimizer == "adam" else "sgd",
             lr=OPTIONS["lr"].default if self.lr is None else self.lr,
             momentum=default if self.momentum is None else self.momentum,
+            weight_decay=decay,
         )
 
 
