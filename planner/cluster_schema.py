@@ -118,6 +118,8 @@ class _NodeIn(_Strict):
 class _RuntimeOverheadIn(_Strict):
     ms_per_task: float = Field(default=0.0, ge=0, le=1e6)  # planner.overhead.RuntimeOverhead
     cores: int = Field(default=0, ge=0, le=1_000_000)  # host cores shared (0: one per process)
+    ms_per_wave: float = Field(default=0.0, ge=0, le=1e6)  # per stage per wave through shards
+    ms_per_mb: float = Field(default=0.0, ge=0, le=1e6)  # per MB of the stage's params per wave
 
 
 class ClusterIn(_Strict):
@@ -145,7 +147,10 @@ def pydantic_error(exc: ValidationError, source: str) -> ConfigError:
     err = exc.errors()[0]
     msg = str(err["msg"]).removeprefix("Value error, ")
     hint = ""
-    if err["type"] == "missing":
+    if err["type"] in ("model_type", "dict_type"):  # pydantic's words name our private class
+        msg = f"{shown(err.get('input'), 40)} is not a mapping"
+        hint = " (give its keys as `key: value` lines indented under it)"
+    elif err["type"] == "missing":
         hint = " (add it)"
     elif err["type"] == "extra_forbidden":
         hint = " (unknown field: remove it or fix its spelling)"

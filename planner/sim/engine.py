@@ -27,7 +27,8 @@ Model (one event heap, O(log n) per event; see docs/simulator.md, *Scale*, for t
 - **WSP**: when stage ``s`` finishes the backward of a wave's last minibatch it pushes its
   aggregated update to the parameter-server shards: ``push_ms[s]`` (shards on its node) on
   its own link, then ``push_inter_ms[s]`` (shards on other nodes) on its node's card, FIFO
-  with the activation traffic. The VW's local clock advances when all its stages' pushes arrived;
+  with the activation traffic; that backward costs ``wave_overhead_ms[s]`` more (the runtime's
+  own push and pull work, :mod:`planner.overhead`). The VW's local clock advances when all its stages' pushes arrived;
   the global clock is the minimum over VWs. A VW that needs a newer global clock waits for
   it, then every stage pulls its own parameters (``pull_ms[s]``, in parallel; shard-side
   contention is not modelled) and each waits for its own pull only, as the runtime's stages
@@ -269,6 +270,8 @@ class _Sim:
             if need > 0:
                 c0 = self._pulled_by(st, need, now)
         end = c0 + (st.b_comp if t.kind is Kind.B else st.f_comp)
+        if st.wave_comp and t.kind is not Kind.F and t.mb % self.nm == 0:  # it ends a wave
+            end += st.wave_comp
         st.starts.append(c0)
         st.ends.append(end)
         if self.record:

@@ -61,6 +61,7 @@ class StageState:
         "push_card",
         "queue",
         "starts",
+        "wave_comp",
     )
 
     def __init__(
@@ -100,6 +101,8 @@ class StageState:
         self.b_link = NO_LINK if last else sender(s + 1, self.b_recv)
         self.b_comp = 0.0 if last else bwd[s] + over
         self.b_bytes = 0 if last else xb[s + 1]
+        # the runtime's cost of the wave's push and pull, on the task that ends the wave
+        self.wave_comp = spec.wave_overhead_ms[s] if spec.wave_overhead_ms else 0.0
         # offloaded data per minibatch: host-link ms and the part exposed in bwd_ms (drawn only)
         self.host = (
             (spec.host_ms[s], spec.host_exposed_ms[s] if spec.host_exposed_ms else 0.0)
