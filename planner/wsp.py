@@ -26,6 +26,7 @@ from collections import deque
 __all__ = [
     "GlobalClock",
     "first_minibatch_needing",
+    "folds_at_update",
     "local_version",
     "may_admit",
     "required_global_clock",
@@ -99,6 +100,26 @@ def first_minibatch_needing(wave: int, nm: int, D: int) -> int:
     if wave < 0:
         raise ValueError(f"waves are numbered from 0, got {wave}")
     return (wave + D + 2) * nm
+
+
+def folds_at_update(D: int, in_order: bool, tied: bool = False, backup: bool = False) -> bool:
+    """Whether a stage folds the pull that follows its wave's push before its first local
+    update after that push (``True``), rather than at the forward that needs it.
+
+    With ``D = 0`` the fold must meet the same weights in every run (bit-reproducible): the
+    first update after the push is such a point on every stage; the forward that needs the
+    pull is one only on a stage whose tasks run in minibatch order (``in_order``: the
+    pipeline's last stage) without tied copies or backup workers. So such a stage cannot
+    update minibatch ``(c + 1) * Nm + 1`` before the pull after wave ``c``'s push arrived;
+    the runtime (``runtime/sync/wave.py``) and the simulator both follow this rule.
+
+    >>> folds_at_update(0, in_order=False), folds_at_update(0, in_order=True)
+    (True, False)
+    >>> folds_at_update(0, in_order=True, tied=True), folds_at_update(1, in_order=False)
+    (True, False)
+    """
+    _check(1, D)
+    return D == 0 and not (in_order and not tied and not backup)
 
 
 def s_local(nm: int) -> int:

@@ -61,7 +61,7 @@ from planner.sim.types import (
     idle_ms,
 )
 from planner.throughput import measured_throughput, own_rate
-from planner.wsp import GlobalClock, required_global_clock
+from planner.wsp import GlobalClock, folds_at_update, required_global_clock
 from profiler.errors import PlanError
 
 __all__ = ["simulate_pipelines"]
@@ -86,6 +86,9 @@ class _Sim:
         self.links = Links()
         self.schedule = schedule
         self.vws = [VWState(s.validated(), v, self.links, schedule) for v, s in enumerate(specs)]
+        for w in self.vws:  # the last stage runs in minibatch order (no tied copies here)
+            for s, st in enumerate(w.stages):
+                st.folds = folds_at_update(D, in_order=s == w.n - 1)
         self.nm, self.D, self.total = nm, D, waves * nm
         self.clock = GlobalClock(len(self.vws))
         # (time ms, sequence number, event code, VW, stage, task/wave/version): ties in time
@@ -184,21 +187,34 @@ class _Sim:
         version = self.clock.global_clock
         for s, st in enumerate(w.stages):
             st.pulls.append((version, now + w.spec.pull_ms[s]))
+            t = st.parked
+            if t is not None and version >= self._fold_need(t.mb):
+                st.parked = None
+                self._begin(w, s, t, now + w.spec.pull_ms[s])
         heapq.heappush(
             self.heap, (now + w.spec.pull_ms[0], next(self.seq), _PULLED, w, -1, version)
         )
 
     @staticmethod
     def _pulled_by(st: StageState, need: int, now: float) -> float:
-        """When stage ``st`` holds global clock ``need``: when its pull of it arrives (the
-        VW started that pull before it admitted the minibatch that needs it)."""
+        """When stage ``st`` holds global clock ``need``: when its pull of it arrives (a
+        forward: the VW started that pull before it admitted the minibatch that needs it),
+        or ``-1`` when no pull of it started yet."""
         pulls = st.pulls
         while len(pulls) > 1 and pulls[1][1] <= now:  # superseded by a newer pull, arrived
             del pulls[0]
         for version, arrives in pulls:
             if version >= need:
                 return arrives if arrives > now else now
-        return now
+        return -1.0
+
+    def _fold_need(self, mb: int) -> int:
+        """The clock the update of ``mb`` waits for on a stage that folds at its update:
+        the pull after the previous wave's push (0: none, ``mb`` is not the first update
+        after a push)."""
+        if mb <= self.nm or (mb - 1) % self.nm:
+            return 0
+        return required_global_clock(mb - 1 + self.nm, self.nm, self.D)
 
     def _pulled(self, w: VWState, version: int, now: float) -> None:
         w.pulling = False
@@ -268,7 +284,20 @@ class _Sim:
         if t.kind is not Kind.B and st.pulls:  # a forward runs on the weights it pulled
             need = required_global_clock(t.mb, self.nm, self.D)
             if need > 0:
+                c0 = max(now, self._pulled_by(st, need, now))
+        elif st.folds and t.kind is Kind.B:  # D = 0: the first update after a push folds
+            need = self._fold_need(t.mb)  # the pull in first (runtime/sync/wave.py)
+            if need > 0:
                 c0 = self._pulled_by(st, need, now)
+                if c0 < 0:  # not started yet: _start_pull begins it
+                    st.parked = t
+                    return
+        self._begin(w, s, t, c0)
+
+    def _begin(self, w: VWState, s: int, t: Task, c0: float) -> None:
+        """Run task ``t`` on stage ``s`` from ``c0`` (ms): its compute interval and the
+        event of its end."""
+        st = w.stages[s]
         end = c0 + (st.b_comp if t.kind is Kind.B else st.f_comp)
         if st.wave_comp and t.kind is not Kind.F and t.mb % self.nm == 0:  # it ends a wave
             end += st.wave_comp

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from array import array
 
-from planner.schedule import Schedule
+from planner.schedule import Schedule, Task
 from planner.sim.types import PipelineSpec
 
 __all__ = ["NO_LINK", "Links", "StageState", "VWState"]
@@ -53,10 +53,12 @@ class StageState:
         "f_comp",
         "f_link",
         "f_recv",
+        "folds",
         "forward_kind",
         "host",
         "max_in_flight",
         "own_link",
+        "parked",
         "pulls",
         "push_card",
         "queue",
@@ -116,6 +118,10 @@ class StageState:
         self.max_in_flight = 0
         # this stage's own pulls, oldest first: (global clock pulled, when it arrived, ms)
         self.pulls: list[tuple[int, float]] = []
+        # D = 0: whether the first update after a push waits for the pull that follows it
+        # (:func:`planner.wsp.folds_at_update`), and the update waiting for a pull not started
+        self.folds = False
+        self.parked: Task | None = None
 
 
 class VWState:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from planner.wsp import required_global_clock
+from planner.wsp import folds_at_update, required_global_clock
 from profiler.errors import HetPipeRuntimeError
 from runtime.defaults import neighbour_wait_s, vw_wait_s
 from runtime.persist.snapshot import (
@@ -113,7 +113,7 @@ class WaveSync(StageSync):
         # D = 0 folds a pull at a fixed point of the stage's task order: the first update
         # after its push, or, on a stage whose tasks run in minibatch order, the forward
         # that needs it (tied copies and backup workers keep the first)
-        self._fold_late = D > 0 or (in_order and mirror is None and numbers is None)
+        self._fold_late = not folds_at_update(D, in_order, mirror is not None, numbers is not None)
         self.result = result
         self.first_mb = first_mb
         self.optimizer = optimizer

@@ -14,7 +14,7 @@ from planner.predict import simulate_allreduce
 from planner.schedule import FLUSH, HETPIPE, SCHEDULES, Schedule, actions
 from planner.sim.engine import simulate_pipelines
 from planner.sim.simulator import allreduce_for_plan, simulate
-from planner.sim.types import PipelineSpec
+from planner.sim.types import PipelineSpec, SimResult
 from planner.throughput import measured_throughput
 from profiler.errors import PlanError
 from tests.planner.simplan import make_plan
@@ -51,7 +51,8 @@ def test_one_vw_enough_in_flight_is_bound_by_busiest_resource() -> None:
 
     With Nm = S it is an upper bound that the FIFO rule reaches unless two stages tie as
     bottlenecks (queueing then stretches a minibatch's round trip beyond Nm periods); see
-    docs/simulator.md.
+    docs/simulator.md. ``D = 1``: with ``D = 0`` a stage's first update after a push also
+    waits for the VW's whole wave (the fold wait, :func:`test_d0_update_waits_for_its_pull`).
     """
     rng = random.Random(11)
     short = 0
@@ -62,7 +63,7 @@ def test_one_vw_enough_in_flight_is_bound_by_busiest_resource() -> None:
         expect = 8 * 1e3 / period
         round_trip = sum(stage_ms(sp))
         for nm in (n, n + 1, n + 3):
-            res = simulate_pipelines([sp], nm=nm, D=0, waves=40, batch_size=8)
+            res = simulate_pipelines([sp], nm=nm, D=1, waves=40, batch_size=8)
             assert res.throughput <= expect * 1.01, (sp, nm)
             if nm > n and nm * period >= 1.5 * round_trip:
                 assert res.throughput == pytest.approx(expect, rel=0.01), (sp, nm)
@@ -72,8 +73,8 @@ def test_one_vw_enough_in_flight_is_bound_by_busiest_resource() -> None:
     # a pinned case, traced by hand: stage 0 runs F1 F2 B1, then F3 (admitted when B1 ends)
     # queues behind B2 (ready earlier, FIFO) and the pipeline drains once per wave
     sp = PipelineSpec.from_times([4.78, 3.05], [8.4, 3.94])
-    assert simulate_pipelines([sp], nm=2, waves=40).throughput < 0.95 * 1e3 / 13.18
-    assert simulate_pipelines([sp], nm=3, waves=40).throughput == pytest.approx(
+    assert simulate_pipelines([sp], nm=2, D=1, waves=40).throughput < 0.95 * 1e3 / 13.18
+    assert simulate_pipelines([sp], nm=3, D=1, waves=40).throughput == pytest.approx(
         1e3 / 13.18, rel=0.01
     )
     # equal stages (the paper's Fig. 1 shape) reach the bound with Nm = S when transfers are
@@ -81,14 +82,14 @@ def test_one_vw_enough_in_flight_is_bound_by_busiest_resource() -> None:
     # flight are needed (each helps, the bound is never passed)
     for n in (2, 4, 6):
         free = PipelineSpec.from_times([2.0] * n, [4.0] * n)
-        assert simulate_pipelines([free], nm=n, waves=40, batch_size=8).throughput == (
+        assert simulate_pipelines([free], nm=n, D=1, waves=40, batch_size=8).throughput == (
             pytest.approx(8 * 1e3 / 6.0, rel=0.01)
         )
         sp = PipelineSpec.from_times(
             [2.0] * n, [4.0] * n, [0.0] + [0.5] * (n - 1), [0.5] * (n - 1) + [0.0]
         )
         got = [
-            simulate_pipelines([sp], nm=nm, waves=40, batch_size=8).throughput
+            simulate_pipelines([sp], nm=nm, D=1, waves=40, batch_size=8).throughput
             for nm in range(n, n + 4)
         ]
         assert all(b >= a * 0.999 for a, b in itertools.pairwise(got))
@@ -127,17 +128,41 @@ def test_transfers_overlap_compute_but_not_each_other() -> None:
     sets the pace (one transfer at a time), and a receive the GPU can hide behind other
     work costs nothing once the pipeline is full."""
     hidden = PipelineSpec.from_times([3.0, 3.0], [6.0, 6.0], [0.0, 2.0], [2.0, 0.0])
-    assert simulate_pipelines([hidden], nm=4, waves=40, batch_size=8).throughput == (
+    assert simulate_pipelines([hidden], nm=4, D=1, waves=40, batch_size=8).throughput == (
         pytest.approx(8 * 1e3 / 9.0, rel=0.01)
     )
     slow = PipelineSpec.from_times([3.0, 3.0], [6.0, 6.0], [0.0, 12.0], [12.0, 0.0])
-    res = simulate_pipelines([slow], nm=10, waves=40, batch_size=8, record_trace=True)
+    res = simulate_pipelines([slow], nm=10, D=1, waves=40, batch_size=8, record_trace=True)
     assert res.throughput == pytest.approx(8 * 1e3 / 12.0, rel=0.01)
     for stage in (0, 1):  # the receives into one stage never overlap each other
         recv = sorted(
             (e.start_ms, e.end_ms) for e in res.trace if e.cat == "recv" and e.stage == stage
         )
         assert recv and all(a[1] <= b[0] + 1e-9 for a, b in itertools.pairwise(recv))
+
+
+def _start_ms(res: SimResult, stage: int, cat: str, mb: int) -> float:
+    return next(e.start_ms for e in res.trace if (e.stage, e.cat, e.mb) == (stage, cat, mb))
+
+
+def test_d0_update_waits_for_its_pull() -> None:
+    """With D = 0 a stage other than the last folds the pull after its wave's push before
+    its next update (planner.wsp.folds_at_update): that backward starts once its own pull
+    arrived, as the runtime's stage waits in ``before_update``. Nm = 2, traced by hand."""
+    # stage 0 pulls in 5 ms: wave 0's push leaves when B2 ends (9); B3, ready at 10, waits
+    # for the pull (14), F4 follows it; the last stage never waits (it folds at F4)
+    sp = dataclasses.replace(PipelineSpec.from_times([1.0, 1.0], [2.0, 2.0]), pull_ms=(5.0, 0.0))
+    res = simulate_pipelines([sp], nm=2, waves=2, record_trace=True)
+    assert (_start_ms(res, 0, "B", 3), _start_ms(res, 0, "F", 4)) == (14.0, 16.0)
+    assert _start_ms(res, 1, "FB", 4) == 17.0
+    # a slow gradient link into stage 0 (10 ms): stage 1's B3 is ready at 24 (FB3 ends),
+    # before the wave's last push (stage 0's B2, 27-29) started the pull: it waits until 29
+    sp = PipelineSpec.from_times([1.0] * 3, [2.0] * 3, [0.0] * 3, [10.0, 0.0, 0.0])
+    res = simulate_pipelines([sp], nm=2, waves=2, record_trace=True)
+    assert _start_ms(res, 1, "B", 3) == 29.0
+    assert _start_ms(res, 1, "F", 4) == 31.0  # arrived at 30, behind the update
+    res = simulate_pipelines([sp], nm=2, D=1, waves=2, record_trace=True)
+    assert _start_ms(res, 1, "B", 3) == 24.0  # D = 1 folds at the forward that needs it
 
 
 def test_one_vw_nm1_is_bound_by_sum_of_stages() -> None:
@@ -251,7 +276,7 @@ def test_simulate_plan_matches_stage_times_and_counts_bytes() -> None:
     plan = make_plan(
         [[("V", 2.0, 4.0), ("R", 2.0, 4.0), ("G", 3.0, 6.0), ("Q", 3.0, 6.0)]],
         nm=4,
-        D=0,
+        D=1,  # D = 0 adds the fold wait (test_d0_update_waits_for_its_pull)
         shards=False,
     )
     res = simulate(plan, waves=20)

@@ -3,7 +3,8 @@
 ``GOLDEN`` holds, per case, the SHA-256 of ``repr(SimResult)`` (every float, count and trace
 interval) recorded with the event loop as it was before its rewrite for scale (commit
 6c48df6; re-recorded when transfers began to overlap computation as the runtime's receive
-threads overlap them, and when each stage began to wait for its own pull alone). Any change
+threads overlap them, when each stage began to wait for its own pull alone, and when a
+stage began to wait at D = 0 for the pull it folds at its update). Any change
 of a prediction, however small, changes the digest. If a change of the model is intended,
 re-record with ``python -m tests.planner.test_simulator_golden`` and say why in the commit.
 """
@@ -88,14 +89,14 @@ CASES = {
 }
 
 GOLDEN = {
-    "random-1": "7faf765bae923cd5e2aece9d62d7ffce3574660690b31049d610aad0031d6ae6",
+    "random-1": "a1e39ce452083efcb6f6111c1cf0c803ba309e8b0a89fb93fcde0b9776093c21",
     "random-2": "3c4a4d581556c4250e519fb168a1b3559c7aaa27ecba0e1c2884f974b09ace75",
     "random-3": "1c07623ae1b64a9b436c056a9e5beec5fca150576be7270c9387e294158e3d07",
-    "random-4": "02bc2ae07c955f4a38aa8d0479e60e47ff10dfa7e4197c224fbb823cea06cbea",
-    "random-5": "91cdfb9f17578ac0674b9f5031c2d41d0cb5551bdcb893fe7b6e805ffa35222f",
-    "plan-default": "c50f7df36952929a9234f8f129852aa0af228b3e235dfbbbe886901831ffc53c",
+    "random-4": "d50af1dd4d66b98460c6deb21c309499d22a9defe897a5a33c219e9afc5adfb2",
+    "random-5": "3adbf4c923c0d6198d9db64fbd6611e3ca1eb33cb0cf4b110d339684a1b90994",
+    "plan-default": "d800b31fdea28e6396311fd12d51159a6415b89dad8c9c1270bf4f23f97706ed",
     "plan-local-d1": "a1e1925a6915d3df0fbdfd7ea6444f20f011bc447bfe111d444e403903f7c875",
-    "many-vws": "fdc8fa4b78411a24a9528e88f1d07cb2a5c82a7008116550c61a2d035408cd5a",
+    "many-vws": "76767cc753dd5b92d1937715310f5990b57f845ebeeb1fb98345de2804fe0701",
 }
 
 
