@@ -396,11 +396,13 @@ class StageWorker:
                 to_prev.send_grads(mb, grads_x)
             timer.lap("send_recv")
             self._update(mb, grads_w, judged)
+            self._post(mb)
             return
         # An emulated device: the optimizer step and the wave's bookkeeping are device work (on
         # a GPU a few passes over the weights at memory bandwidth, ~1 % of a step), so they run
         # inside the task's paced window, not on top of it at CPU speed; a WSP pull the update
-        # blocks on is not device time. The gradients leave when the emulated backward ends.
+        # blocks on is not device time. The gradients, then the wave's push, leave when the
+        # emulated backward ends: a GPU can send neither earlier.
         deadline = self._deadline(t0, task.kind)
         timer.planned(deadline - t0)
         # only the computation can make the device late: the update's CPU time past the
@@ -417,6 +419,7 @@ class StageWorker:
         if to_prev is not None:
             to_prev.send_grads(mb, grads_x)
             timer.lap("send_recv")
+        self._post(mb)
 
     def _judge(
         self, mb: int, grads_w: dict[str, Tensor | None], grads_x: list[Tensor | None]
@@ -450,6 +453,12 @@ class StageWorker:
         waited = self.result.wait_s
         self.sync.after_update(mb)
         timer.lap("ps", self.result.wait_s - waited)
+
+    def _post(self, mb: int) -> None:
+        """Send what the rule prepared at the update of ``mb`` (WSP: the wave's push)."""
+        waited = self.result.wait_s
+        self.sync.post_update(mb)
+        self.timer.lap("ps", self.result.wait_s - waited)
 
     def _load(self, mb: int) -> None:
         """Stage 0: fetch minibatch ``mb`` of this worker's data."""

@@ -110,6 +110,7 @@ class ElasticSync(StageSync):
         self.optimizer = optimizer
         self._written = first_wave // tau  # the centre clock of the last part written
         self._waves = first_wave  # waves done (global numbering)
+        self._prepared: tuple[int, list[torch.Tensor], float] | None = None  # to push
 
     @classmethod
     def create(cls, spec: SyncSpec, view: StageView) -> ElasticSync:
@@ -205,7 +206,8 @@ class ElasticSync(StageSync):
         return list(res.tensors)
 
     def after_update(self, mb: int) -> None:
-        """Call after the update of minibatch ``mb`` (1-based, this run's numbering)."""
+        """Call after the update of minibatch ``mb`` (1-based, this run's numbering): at an
+        exchange, pull the centre and move the weights; :meth:`post_update` pushes."""
         if mb % self.nm:
             return
         wave = self.first_wave + mb // self.nm - 1
@@ -225,10 +227,18 @@ class ElasticSync(StageSync):
                 p.sub_(d)
         if self.snapshots is not None and (k + 1) % max(1, self.snapshots.every) == 0:
             self._checkpoint(k + 1)  # before the push: an exchange the shards hold has its part
-        self.client.push(k, diffs)
-        self.result.log_interval("push", k, t_push, time.time())
+        self._prepared = (k, diffs, t_push)
         self.exchanges += 1
         log.debug("exchange %d after minibatch %d", k, mb)
+
+    def post_update(self, mb: int) -> None:
+        """Push the exchange's difference :meth:`after_update` computed (none: nothing)."""
+        if self._prepared is None:
+            return
+        k, diffs, t_push = self._prepared
+        self._prepared = None
+        self.client.push(k, diffs)
+        self.result.log_interval("push", k, t_push, time.time())
 
     def before_forward(self, mb: int) -> None:
         """Nothing to wait for: the exchange happens inside :meth:`after_update`."""

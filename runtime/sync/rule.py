@@ -40,7 +40,8 @@ Who calls what (nothing else in the launcher or the worker knows the rule):
   ``before_forward(mb)`` before each forward of minibatch ``mb``; ``reduce_grads(mb, grads)``
   after each backward, before the update (returns the gradients to apply);
   ``before_update(mb)`` / ``after_update(mb)`` around each local update -- a *wave boundary*
-  is ``mb % nm == 0``; stage 0 asks ``rule_total(total, admitted)`` how many minibatches
+  is ``mb % nm == 0`` --, then ``post_update(mb)`` to send what ``after_update`` prepared
+  (after the update's paced window on an emulated device, as a GPU sends after its step); stage 0 asks ``rule_total(total, admitted)`` how many minibatches
   the rule runs in all (backup workers: fewer for a VW that skipped waves) and, under a time
   limit, ``agreed_total(admitted, time_up)``; ``close()`` after the last task;
 - a shard process folds each complete wave with the rule's :class:`WaveFold` (``None``: the
@@ -183,6 +184,12 @@ class StageSync:
 
     def after_update(self, mb: int) -> None:
         """After the local update of ``mb`` (a wave ends when ``mb % nm == 0``)."""
+
+    def post_update(self, mb: int) -> None:
+        """After :meth:`after_update` of ``mb``, once the update is over on the device (an
+        emulated device: when its paced window ends; a real one: right away): send the
+        messages :meth:`after_update` prepared (WSP: the wave's push). A rule that sends
+        nothing does nothing here."""
 
     def agreed_total(self, admitted: int, time_up: bool) -> int | None:
         """Stage 0 under a time limit, between tasks: the minibatches this VW runs in all, or

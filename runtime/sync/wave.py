@@ -124,6 +124,7 @@ class WaveSync(StageSync):
         self._snapshot: list[Tensor] = []
         self.weights = weights  # given: pulls overlap the tasks until a forward needs them
         self._pending: tuple[PullHandle, int, int] | None = None  # (pull, needed clock, version)
+        self._prepared: tuple[int, list[Tensor], int] | None = None  # (wave, delta, mb) to push
         self.names = None if names is None else list(names)
         self.mirror = mirror
         self._stop = stop
@@ -299,7 +300,9 @@ class WaveSync(StageSync):
             self.mirror.receive()
 
     def after_update(self, mb: int) -> None:
-        """Call after the update of minibatch ``mb`` (this run's numbering, 1-based)."""
+        """Call after the update of minibatch ``mb`` (this run's numbering, 1-based): at a
+        wave's end, its update into the push messages and the snapshot part (device work);
+        :meth:`post_update` sends it."""
         if mb % self.nm:
             return
         total_mb = self.first_mb + mb
@@ -318,6 +321,16 @@ class WaveSync(StageSync):
                     d.copy_(p.detach() - s)
         self._checkpoint(wave + 1)  # before the push: a wave the shards hold has its file
         self.last_clock = wave + 1
+        self._prepared = (wave, delta, mb)
+
+    def post_update(self, mb: int) -> None:
+        """Push the wave :meth:`after_update` prepared (none: nothing), with the pull WSP
+        needs next: on an emulated device once the update's paced window ended, as a GPU's
+        push can only leave after its backward and optimizer step."""
+        if self._prepared is None:
+            return
+        wave, delta, mb = self._prepared
+        self._prepared = None
         need = required_global_clock((wave + 2) * self.nm, self.nm, self.D)
         t_push = time.time()
         self.result.pushes.append((wave, t_push))

@@ -82,5 +82,6 @@ def test_d0_pull_is_folded_at_a_fixed_point_of_the_task_order(
         log.append(f"update {mb}")
         sync.before_update(mb)
         sync.after_update(mb)
+        sync.post_update(mb)
     assert log[log.index("wait") - 1] == waits_at
     assert log[log.index("wait") + 1] == "fold from 2"  # the version its push left
