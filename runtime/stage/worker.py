@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 from torch.func import functional_call
 
+from planner.cluster import Link
 from planner.nonfinite import Verdict
 from planner.schedule import Kind, Task, schedule_named
 from planner.wsp import wave_of
@@ -30,6 +31,7 @@ from runtime.defaults import neighbour_wait_s
 from runtime.link_pacing import LinkPacer, StageLinks, active_links
 from runtime.messages import REPORTS
 from runtime.results.metrics import StageResult
+from runtime.send_queues import Route, SendQueues
 from runtime.stage.comm import (
     Channel,
     Event,
@@ -114,12 +116,14 @@ class StageWorker:
         )
         self._loss = 0.0  # the last stage's loss of the minibatch being judged
         self.first_wave = job.sync.first_wave
+        links = self.links  # on one host, sends queue on the sender's queues (send_queues)
+        self.queues = SendQueues(links.card_file) if links.sender_queued else None
         view = StageView(
             ctx.rank, ctx.vw, ctx.stage, ctx.nm, f"vw{ctx.vw}-stage{ctx.stage}",
             tuple((self.names[n], p) for n, p in params.items()), self.weights, self.result,
             self.tied if self.tied else None, job.init_method, group,
             tuple((self.buffer_names[n], b) for n, b in self.module.named_buffers()),
-            self.links, self.last,
+            links, self.last, self.queues,
         )  # fmt: skip
         self.sync = stage_sync(job.sync, view)  # the synchronisation rule's hooks
         self._task_mb = 1  # the minibatch of the task being paced (its wave may straggle)
@@ -149,8 +153,17 @@ class StageWorker:
         self.result.start_time = start_time
         self.timer = lap_timer(self.run_cfg.profile_runtime)
         nxt, prev, group = ctx.next_rank, ctx.prev_rank, self.group
-        to_next = Channel(nxt, self.out_specs, group) if nxt is not None else None
-        to_prev = Channel(prev, self.in_specs, group) if prev is not None else None
+        links, queues = self.links, self.queues
+        to_next = (
+            Channel(nxt, self.out_specs, group, _route(queues, links.next, links.next_queue))
+            if nxt is not None
+            else None
+        )
+        to_prev = (
+            Channel(prev, self.in_specs, group, _route(queues, links.prev, links.prev_queue))
+            if prev is not None
+            else None
+        )
         grad_rx, receivers = self._start_receivers(nxt, prev, group)
         self._received = 0  # forward messages received (stage 0: minibatches admitted)
         self._stop_in = ctx.stage == 0  # whether the number of minibatches is final
@@ -182,6 +195,8 @@ class StageWorker:
             for n, b in self.module.named_buffers()
         }
         self.sync.close()
+        if self.queues is not None:
+            self.queues.close()
         return self.result
 
     def _start_receivers(
@@ -533,3 +548,9 @@ class StageWorker:
         if self._reports and self.events is not None:
             self.events.put((REPORTS, self.ctx.rank, tuple(self._reports)))
             self._reports.clear()
+
+
+def _route(queues: SendQueues | None, link: Link | None, queue: str) -> Route | None:
+    """Where a channel's sends over ``link`` are charged (``None``: the receiver paces them,
+    or nothing is paced)."""
+    return None if queues is None or link is None else Route(queues, link, queue)

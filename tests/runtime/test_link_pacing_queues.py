@@ -1,0 +1,242 @@
+"""Sender-side link queues: the runtime charges each transfer on the queue the simulator does.
+
+One process, an injected clock (:class:`tests.runtime.test_link_pacing.FakeClock`): stages of
+"other processes" are other :class:`SendQueues` over the same card file, so the tests see
+every window exactly, with no sleeping and no timed assertion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import queue
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from planner.cluster import NODE_CARD, OWN_LINK, Link, sender_queue
+from planner.schedule import Kind, Task, schedule_named
+from planner.sim.engine import _Sim
+from planner.sim.simulator import pipeline_specs, stage_shard_bytes
+from runtime.launch.jobs import Prepared, with_cards
+from runtime.launch.roles import stage_contexts, stage_links
+from runtime.link_pacing import NO_LINKS, LinkPacer, StageLinks
+from runtime.ps.client import PSClient
+from runtime.ps.layout import make_shard_specs
+from runtime.ps.wire import TAG_PUSH
+from runtime.send_queues import Route, SendQueues, make_card
+from runtime.stage import comm
+from runtime.stage.comm import Channel, Event, TensorSpec, start_activation_receiver
+from runtime.stage.job import StageJob
+from tests.planner.simplan import make_plan
+from tests.runtime.test_link_pacing import FakeClock, _Done, emulated
+
+LINK = Link(1e9, 1e-5)  # 1 GB/s + 10 us: 1 MB takes 1.01 ms
+SPECS = (TensorSpec("h", (250_000,), torch.float32),)  # 1 MB a message
+
+
+class _Wire:
+    """What ``comm._post`` would hand gloo: the buffers sent, in order; a receive takes the
+    oldest one sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[Tensor] = []
+
+    def post(self, op: Any, t: Tensor, peer: int, group: Any, tag: int) -> _Done:
+        if op is dist.isend:
+            self.sent.append(t.clone())
+        else:
+            t.copy_(self.sent.pop(0))
+        return _Done()
+
+
+@pytest.fixture
+def wire(monkeypatch: pytest.MonkeyPatch) -> _Wire:
+    w = _Wire()
+    monkeypatch.setattr(comm, "_post", w.post)
+    return w
+
+
+def deadlines(wire: _Wire) -> list[float]:
+    """The delivery deadline each message sent carries."""
+    return [float(comm.layout_of(SPECS).message(buf).deadline) for buf in wire.sent]
+
+
+def queues(tmp_path: Path, clock: FakeClock, node: str = "V") -> SendQueues:
+    card = tmp_path / f"card-{node}"
+    if not card.exists():
+        make_card(card)
+    return SendQueues(str(card), clock.pace)
+
+
+def test_a_stages_forward_and_backward_sends_queue_on_its_own_link(
+    wire: _Wire, tmp_path: Path
+) -> None:
+    clock = FakeClock()
+    mine = queues(tmp_path, clock)
+    to_next = Channel(2, SPECS, route=Route(mine, LINK, OWN_LINK))
+    to_prev = Channel(0, SPECS, route=Route(mine, LINK, OWN_LINK))
+    charge = LINK.time_s(1e6)
+    to_next.send_activations(1, (torch.ones(250_000),))
+    to_prev.send_grads(1, [torch.ones(250_000)])  # posted at once: waits for the activations
+    clock.now += 10 * charge  # the link has been idle since
+    to_next.send_activations(2, (torch.ones(250_000),))
+    assert deadlines(wire) == pytest.approx([3.0 + charge, 3.0 + 2 * charge, 3.0 + 11 * charge])
+
+
+def test_the_receiver_holds_a_message_until_its_senders_deadline(
+    wire: _Wire, tmp_path: Path
+) -> None:
+    clock = FakeClock()
+    mine = queues(tmp_path, clock)
+    to_next = Channel(1, SPECS, route=Route(mine, LINK, OWN_LINK))
+    for mb in (1, 2):
+        to_next.send_activations(mb, (torch.ones(250_000),))
+    to_next.send_stop()  # no transfer of the model's: no window, not held
+    assert math.isnan(deadlines(wire)[2])
+    inbox: queue.SimpleQueue[Event] = queue.SimpleQueue()
+    pacer = LinkPacer(LINK, clock.pace)
+    start_activation_receiver(0, SPECS, inbox, timeout_s=5, pacer=pacer).join(10)
+    charge = LINK.time_s(1e6)
+    # each is held until its window on the sender's queue ends, not paced again on arrival
+    assert clock.waits == pytest.approx([3.0 + charge, 3.0 + 2 * charge])
+
+
+def test_stages_of_one_node_share_its_card_across_processes(wire: _Wire, tmp_path: Path) -> None:
+    clock = FakeClock()
+    a, b = queues(tmp_path, clock), queues(tmp_path, clock)  # two processes of node V
+    other = queues(tmp_path, clock, node="R")
+    charge = LINK.time_s(1e6)
+    Channel(5, SPECS, route=Route(a, LINK, NODE_CARD)).send_activations(1, (torch.ones(250_000),))
+    Channel(6, SPECS, route=Route(b, LINK, NODE_CARD)).send_activations(1, (torch.ones(250_000),))
+    Channel(7, SPECS, route=Route(b, LINK, OWN_LINK)).send_activations(1, (torch.ones(250_000),))
+    Channel(8, SPECS, route=Route(other, LINK, NODE_CARD)).send_grads(1, [torch.ones(250_000)])
+    got = deadlines(wire)
+    # b's cross-node send waits for a's on V's card; its own link and R's card are free
+    assert got == pytest.approx([3.0 + charge, 3.0 + 2 * charge, 3.0 + charge, 3.0 + charge])
+    a.close()
+
+
+def _two_shard_client(links: StageLinks, mine: SendQueues, pushed: list[tuple[int, float]]) -> Any:
+    """A PS client of one stage with parameter ``r`` on shard 0 and ``v`` on shard 1 (250,000
+    floats each) whose transport completes at once; ``(shard rank, clock)`` of each push part
+    posted goes to ``pushed``."""
+    shapes = {"r": (250_000,), "v": (250_000,)}
+    specs = make_shard_specs(shapes, {"r": 0, "v": 1}, [10, 11], [(0, 0, 0, ["r", "v"])])
+    client = PSClient(0, 0, list(shapes.items()), specs, paced=links, pace=mine.pace, queues=mine)
+    client._irecv = lambda link, tensor, tag, what: _Done()  # type: ignore[method-assign]
+
+    def isend(link: Any, tensor: Tensor, tag: int, what: str) -> _Done:
+        if tag == TAG_PUSH:
+            pushed.append((link.spec.rank, mine.pace.clock()))
+        return _Done()
+
+    client._isend = isend  # type: ignore[method-assign,assignment]
+    return client
+
+
+def test_a_pushs_parts_queue_on_the_own_link_then_the_card(tmp_path: Path) -> None:
+    clock = FakeClock()
+    mine, neighbour = queues(tmp_path, clock), queues(tmp_path, clock)
+    inter, intra = Link(1e9, 1e-5), Link(2e9, 5e-6)
+    # shard 0 on another node (the card), shard 1 on the stage's node (its own link)
+    links = StageLinks(
+        shards=((0, inter), (1, intra)), shard_queues=((0, NODE_CARD), (1, OWN_LINK))
+    )
+    pushed: list[tuple[int, float]] = []
+    client = _two_shard_client(links, mine, pushed)
+    act_end = mine.deadline(OWN_LINK, LINK.time_s(1e6))  # activations ahead on the own link
+    card_end = neighbour.deadline(NODE_CARD, 0.5e-3)  # another process of the node on the card
+    client.push(0, [torch.zeros(250_000), torch.zeros(250_000)])
+    client.flush()
+    local_end = act_end + intra.time_s(1e6)
+    # the local part first, after the activations; then the card part, after it and the
+    # neighbour's transfer
+    assert pushed == [
+        (11, pytest.approx(local_end)),
+        (10, pytest.approx(max(local_end, card_end) + inter.time_s(1e6))),
+    ]
+    client.close()
+
+
+def test_the_runtimes_windows_are_the_simulators_for_the_same_transfers(tmp_path: Path) -> None:
+    # VW 0 runs V -> R, VW 1 runs V -> R too: V's card carries both VWs' activations
+    plan = make_plan(
+        [[("V", 1.0, 2.0), ("R", 1.0, 2.0)], [("V", 1.0, 2.0), ("R", 1.0, 2.0)]],
+        nm=2,
+        cluster=emulated(),
+    )
+    specs = pipeline_specs(plan, overhead_ms_per_task=0.0)
+    sim = _Sim(specs, plan.nm, plan.D, 2, False, schedule_named(plan.schedule))
+    clock = FakeClock(now=0.0)
+    procs = {(v, s): queues(tmp_path, clock, "VR"[s]) for v in (0, 1) for s in (0, 1)}
+    nbytes = plan.virtual_workers[0].stages[1].recv_bytes
+
+    def runtime_send(v: int, s: int, to: int) -> float:
+        links = stage_links(plan, v, s)
+        link, q = (links.next, links.next_queue) if to > s else (links.prev, links.prev_queue)
+        assert link is not None
+        return Route(procs[v, s], link, q).deadline(nbytes) * 1e3
+
+    def sim_send(v: int, s: int, to: int, now_ms: float) -> float:
+        w = sim.vws[v]
+        receiver = w.stages[to]
+        forward = to > s  # activations; else gradients (the receiver's b_* are from to + 1)
+        recv, link = (
+            (receiver.f_recv, receiver.f_link) if forward else (receiver.b_recv, receiver.b_link)
+        )
+        kind = Kind.F if forward else Kind.B
+        sim._transfer(w, Task(to, kind, 1), recv, link, now_ms)
+        return sim.links.free[link]
+
+    def runtime_push(v: int, s: int) -> float:
+        links, vw = stage_links(plan, v, s), plan.virtual_workers[v]
+        parts = stage_shard_bytes(plan, vw, vw.stages[s], None)
+        ends = []
+        for shard_node, b in sorted(parts, key=lambda p: p[0] != "VR"[s]):  # local first
+            sid = next(sh.id for sh in plan.shards if sh.node == shard_node)
+            link = links.shard(sid)
+            assert link is not None
+            ends.append(procs[v, s].push_deadline(links.shard_queue(sid), link.time_s(b)))
+        return max(ends) * 1e3
+
+    def sim_push(v: int, s: int, now_ms: float) -> float:
+        sim._push(sim.vws[v], s, 0, now_ms)
+        return max(sim.heap, key=lambda e: e[1])[0]  # the event scheduled last: its arrival
+
+    events = [  # (ms, what, vw, stage, to): one order of posts, the same on both sides
+        (0.0, "send", 0, 0, 1),
+        (0.1, "push", 0, 0, 0),
+        (0.2, "send", 1, 0, 1),
+        (0.3, "send", 0, 1, 0),
+        (0.3, "push", 0, 1, 1),
+        (0.4, "send", 1, 1, 0),
+        (9.0, "send", 0, 0, 1),
+    ]
+    for t_ms, what, v, s, to in events:
+        clock.now = t_ms / 1e3
+        if what == "send":
+            assert sender_queue("VR"[s], "VR"[to]) == NODE_CARD  # every send leaves its node
+            want, got = sim_send(v, s, to, t_ms), runtime_send(v, s, to)
+        else:
+            want, got = sim_push(v, s, t_ms), runtime_push(v, s)
+        assert got == pytest.approx(want), (t_ms, what, v, s)
+
+
+def test_the_launcher_gives_each_node_one_card_file(tmp_path: Path) -> None:
+    plan = make_plan(
+        [[("V", 1.0, 2.0), ("R", 1.0, 2.0)], [("V", 1.0, 2.0)]], nm=2, cluster=emulated()
+    )
+    ctxs = [c for v in (0, 1) for c in stage_contexts(plan, v, 2, 4)]
+    ctxs.append(dataclasses.replace(ctxs[0], links=NO_LINKS))  # not paced (a real cluster)
+    jobs = tuple(StageJob(c, None, None, None) for c in ctxs)  # type: ignore[arg-type]
+    prep = with_cards(Prepared((), jobs, 4, 0, 2, 0), tmp_path)
+    files = [j.ctx.links.card_file for j in prep.stages]
+    assert files[0] == files[2] != files[1] and files[3] == ""
+    assert prep.stages[3].ctx.links == NO_LINKS
+    assert all(Path(f).stat().st_size == 8 for f in files[:3])
+    assert all(j.ctx.links.sender_queued for j in prep.stages[:3])
