@@ -109,12 +109,8 @@ class SendQueues:
     def deadline(self, queue: str, charge_s: float) -> float:
         """When a transfer of ``charge_s`` seconds posted now on ``queue``
         (:func:`planner.cluster.sender_queue`) ends."""
-        now = self.pace.clock()
-        return (
-            self.own.reserve(charge_s, now)
-            if queue == OWN_LINK
-            else self.card.reserve(charge_s, now)
-        )
+        fifo = self.own if queue == OWN_LINK else self.card
+        return fifo.reserve(charge_s, self.pace.clock())
 
     def push_deadline(self, queue: str, charge_s: float) -> float:
         """When one part of a push posted now ends: a part to a shard on the stage's node on

@@ -93,6 +93,8 @@ def test_the_receiver_holds_a_message_until_its_senders_deadline(
 ) -> None:
     clock = FakeClock()
     mine = queues(tmp_path, clock)
+    charge = LINK.time_s(1e6)
+    mine.deadline(OWN_LINK, 2 * charge)  # the sender's gradients to its previous stage, first
     to_next = Channel(1, SPECS, route=Route(mine, LINK, OWN_LINK))
     for mb in (1, 2):
         to_next.send_activations(mb, (torch.ones(250_000),))
@@ -101,9 +103,9 @@ def test_the_receiver_holds_a_message_until_its_senders_deadline(
     inbox: queue.SimpleQueue[Event] = queue.SimpleQueue()
     pacer = LinkPacer(LINK, clock.pace)
     start_activation_receiver(0, SPECS, inbox, timeout_s=5, pacer=pacer).join(10)
-    charge = LINK.time_s(1e6)
-    # each is held until its window on the sender's queue ends, not paced again on arrival
-    assert clock.waits == pytest.approx([3.0 + charge, 3.0 + 2 * charge])
+    # each is held until its window on the sender's queue ends (behind the gradients), not
+    # paced on its own link from its arrival
+    assert clock.waits == pytest.approx([3.0 + 3 * charge, 3.0 + 4 * charge])
 
 
 def test_stages_of_one_node_share_its_card_across_processes(wire: _Wire, tmp_path: Path) -> None:
