@@ -116,10 +116,7 @@ class ShardLinks:
                 f"vw {vw} stage {stage}: parameters {orphans} are on no parameter-server shard; fix the shard assignment"
             )
         self._links = tuple(links)
-        # a push's parts to shards on the stage's node leave first, then those to other nodes
-        # (the simulator charges the local part on the own link, then the rest on the card)
-        local = [paced.shard_queue(link.spec.id) == OWN_LINK for link in links]
-        self._push_order = tuple(sorted(range(len(links)), key=lambda k: not local[k]))
+        self._push_order = _push_order(self._links, paced)
         self._prefix = (
             f"[vw {vw} | stage {stage} | rank {dist.get_rank() if dist.is_initialized() else '?'}]"
         )
@@ -242,3 +239,10 @@ class ShardLinks:
     def _check_open(self) -> None:
         if self._closed:
             raise HetPipeRuntimeError(f"{self._prefix} the parameter-server client is closed")
+
+
+def _push_order(links: Sequence[Link], paced: StageLinks) -> tuple[int, ...]:
+    """The order a push's parts leave in: to shards on the stage's node first, then to other
+    nodes (the simulator charges the local part on the own link, then the rest on the card)."""
+    local = [paced.shard_queue(link.spec.id) == OWN_LINK for link in links]
+    return tuple(sorted(range(len(links)), key=lambda k: not local[k]))

@@ -116,7 +116,7 @@ class StageWorker:
         )
         self._loss = 0.0  # the last stage's loss of the minibatch being judged
         self.first_wave = job.sync.first_wave
-        links = self.links  # on one host, sends queue on the sender's queues (send_queues)
+        links = self.links  # on one host, sends wait in sender-side queues (send_queues.py)
         self.queues = SendQueues(links.card_file) if links.sender_queued else None
         view = StageView(
             ctx.rank, ctx.vw, ctx.stage, ctx.nm, f"vw{ctx.vw}-stage{ctx.stage}",
@@ -153,17 +153,7 @@ class StageWorker:
         self.result.start_time = start_time
         self.timer = lap_timer(self.run_cfg.profile_runtime)
         nxt, prev, group = ctx.next_rank, ctx.prev_rank, self.group
-        links, queues = self.links, self.queues
-        to_next = (
-            Channel(nxt, self.out_specs, group, _route(queues, links.next, links.next_queue))
-            if nxt is not None
-            else None
-        )
-        to_prev = (
-            Channel(prev, self.in_specs, group, _route(queues, links.prev, links.prev_queue))
-            if prev is not None
-            else None
-        )
+        to_next, to_prev = self._channels(nxt, prev, group)
         grad_rx, receivers = self._start_receivers(nxt, prev, group)
         self._received = 0  # forward messages received (stage 0: minibatches admitted)
         self._stop_in = ctx.stage == 0  # whether the number of minibatches is final
@@ -198,6 +188,21 @@ class StageWorker:
         if self.queues is not None:
             self.queues.close()
         return self.result
+
+    def _channels(
+        self, nxt: int | None, prev: int | None, group: Any
+    ) -> tuple[Channel | None, Channel | None]:
+        """The sending sides towards the next and the previous stage (``None``: no such
+        stage), charged on the stage's sender-side queues where it has them."""
+        links, queues = self.links, self.queues
+        return (
+            Channel(nxt, self.out_specs, group, _route(queues, links.next, links.next_queue))
+            if nxt is not None
+            else None,
+            Channel(prev, self.in_specs, group, _route(queues, links.prev, links.prev_queue))
+            if prev is not None
+            else None,
+        )
 
     def _start_receivers(
         self, nxt: int | None, prev: int | None, group: Any

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from planner.cluster import NODE_CARD, OWN_LINK, Link, sender_queue
+from planner.plan import Plan
 from planner.schedule import Kind, Task, schedule_named
 from planner.sim.engine import _Sim
 from planner.sim.simulator import pipeline_specs, stage_shard_bytes
@@ -130,7 +131,7 @@ def _two_shard_client(links: StageLinks, mine: SendQueues, pushed: list[tuple[in
     shapes = {"r": (250_000,), "v": (250_000,)}
     specs = make_shard_specs(shapes, {"r": 0, "v": 1}, [10, 11], [(0, 0, 0, ["r", "v"])])
     client = PSClient(0, 0, list(shapes.items()), specs, paced=links, pace=mine.pace, queues=mine)
-    client._irecv = lambda link, tensor, tag, what: _Done()  # type: ignore[method-assign]
+    client._irecv = lambda link, tensor, tag, what: _Done()  # type: ignore[method-assign,assignment,return-value]
 
     def isend(link: Any, tensor: Tensor, tag: int, what: str) -> _Done:
         if tag == TAG_PUSH:
@@ -158,11 +159,63 @@ def test_a_pushs_parts_queue_on_the_own_link_then_the_card(tmp_path: Path) -> No
     local_end = act_end + intra.time_s(1e6)
     # the local part first, after the activations; then the card part, after it and the
     # neighbour's transfer
-    assert pushed == [
-        (11, pytest.approx(local_end)),
-        (10, pytest.approx(max(local_end, card_end) + inter.time_s(1e6))),
-    ]
+    assert [rank for rank, _ in pushed] == [11, 10]
+    want = [local_end, max(local_end, card_end) + inter.time_s(1e6)]
+    assert [t for _, t in pushed] == pytest.approx(want)
     client.close()
+
+
+class _Replay:
+    """The same transfers posted to the simulator's model (``_Sim._transfer``/``_push`` on its
+    links) and to the runtime's queues (one :class:`SendQueues` per stage process, a card file
+    per node), each returning when the transfer ends (ms)."""
+
+    def __init__(self, plan: Plan, clock: FakeClock, folder: Path) -> None:
+        self.plan = plan
+        specs = pipeline_specs(plan, overhead_ms_per_task=0.0)
+        self.sim = _Sim(specs, plan.nm, plan.D, 2, False, schedule_named(plan.schedule))
+        vws = plan.virtual_workers
+        self.nodes = {
+            (v, s): vw.gpus[st.gpu].node
+            for v, vw in enumerate(vws)
+            for s, st in enumerate(vw.stages)
+        }
+        self.procs = {key: queues(folder, clock, node) for key, node in self.nodes.items()}
+
+    def runtime_send(self, v: int, s: int, to: int) -> float:
+        links = stage_links(self.plan, v, s)
+        link, q = (links.next, links.next_queue) if to > s else (links.prev, links.prev_queue)
+        assert link is not None
+        nbytes = self.plan.virtual_workers[v].stages[max(s, to)].recv_bytes
+        return Route(self.procs[v, s], link, q).deadline(nbytes) * 1e3
+
+    def sim_send(self, v: int, s: int, to: int, now_ms: float) -> float:
+        w = self.sim.vws[v]
+        receiver, forward = w.stages[to], to > s  # gradients: the receiver's b_* (from to + 1)
+        recv, link = (
+            (receiver.f_recv, receiver.f_link) if forward else (receiver.b_recv, receiver.b_link)
+        )
+        self.sim._transfer(w, Task(to, Kind.F if forward else Kind.B, 1), recv, link, now_ms)
+        return self.sim.links.free[link]
+
+    def runtime_push(self, v: int, s: int) -> float:
+        links, vw, node = (
+            stage_links(self.plan, v, s),
+            self.plan.virtual_workers[v],
+            self.nodes[v, s],
+        )
+        parts = stage_shard_bytes(self.plan, vw, vw.stages[s], None)
+        ends = []
+        for shard_node, b in sorted(parts, key=lambda p: p[0] != node):  # local parts first
+            sid = next(sh.id for sh in self.plan.shards if sh.node == shard_node)
+            link = links.shard(sid)
+            assert link is not None
+            ends.append(self.procs[v, s].push_deadline(links.shard_queue(sid), link.time_s(b)))
+        return max(ends) * 1e3
+
+    def sim_push(self, v: int, s: int, now_ms: float) -> float:
+        self.sim._push(self.sim.vws[v], s, 0, now_ms)
+        return max(self.sim.heap, key=lambda e: e[1])[0]  # the event scheduled last: its arrival
 
 
 def test_the_runtimes_windows_are_the_simulators_for_the_same_transfers(tmp_path: Path) -> None:
@@ -172,44 +225,8 @@ def test_the_runtimes_windows_are_the_simulators_for_the_same_transfers(tmp_path
         nm=2,
         cluster=emulated(),
     )
-    specs = pipeline_specs(plan, overhead_ms_per_task=0.0)
-    sim = _Sim(specs, plan.nm, plan.D, 2, False, schedule_named(plan.schedule))
     clock = FakeClock(now=0.0)
-    procs = {(v, s): queues(tmp_path, clock, "VR"[s]) for v in (0, 1) for s in (0, 1)}
-    nbytes = plan.virtual_workers[0].stages[1].recv_bytes
-
-    def runtime_send(v: int, s: int, to: int) -> float:
-        links = stage_links(plan, v, s)
-        link, q = (links.next, links.next_queue) if to > s else (links.prev, links.prev_queue)
-        assert link is not None
-        return Route(procs[v, s], link, q).deadline(nbytes) * 1e3
-
-    def sim_send(v: int, s: int, to: int, now_ms: float) -> float:
-        w = sim.vws[v]
-        receiver = w.stages[to]
-        forward = to > s  # activations; else gradients (the receiver's b_* are from to + 1)
-        recv, link = (
-            (receiver.f_recv, receiver.f_link) if forward else (receiver.b_recv, receiver.b_link)
-        )
-        kind = Kind.F if forward else Kind.B
-        sim._transfer(w, Task(to, kind, 1), recv, link, now_ms)
-        return sim.links.free[link]
-
-    def runtime_push(v: int, s: int) -> float:
-        links, vw = stage_links(plan, v, s), plan.virtual_workers[v]
-        parts = stage_shard_bytes(plan, vw, vw.stages[s], None)
-        ends = []
-        for shard_node, b in sorted(parts, key=lambda p: p[0] != "VR"[s]):  # local first
-            sid = next(sh.id for sh in plan.shards if sh.node == shard_node)
-            link = links.shard(sid)
-            assert link is not None
-            ends.append(procs[v, s].push_deadline(links.shard_queue(sid), link.time_s(b)))
-        return max(ends) * 1e3
-
-    def sim_push(v: int, s: int, now_ms: float) -> float:
-        sim._push(sim.vws[v], s, 0, now_ms)
-        return max(sim.heap, key=lambda e: e[1])[0]  # the event scheduled last: its arrival
-
+    replay = _Replay(plan, clock, tmp_path)
     events = [  # (ms, what, vw, stage, to): one order of posts, the same on both sides
         (0.0, "send", 0, 0, 1),
         (0.1, "push", 0, 0, 0),
@@ -223,9 +240,9 @@ def test_the_runtimes_windows_are_the_simulators_for_the_same_transfers(tmp_path
         clock.now = t_ms / 1e3
         if what == "send":
             assert sender_queue("VR"[s], "VR"[to]) == NODE_CARD  # every send leaves its node
-            want, got = sim_send(v, s, to, t_ms), runtime_send(v, s, to)
+            want, got = replay.sim_send(v, s, to, t_ms), replay.runtime_send(v, s, to)
         else:
-            want, got = sim_push(v, s, t_ms), runtime_push(v, s)
+            want, got = replay.sim_push(v, s, t_ms), replay.runtime_push(v, s)
         assert got == pytest.approx(want), (t_ms, what, v, s)
 
 
