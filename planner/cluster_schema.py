@@ -145,7 +145,10 @@ def pydantic_error(exc: ValidationError, source: str) -> ConfigError:
     err = exc.errors()[0]
     msg = str(err["msg"]).removeprefix("Value error, ")
     hint = ""
-    if err["type"] == "missing":
+    if err["type"] in ("model_type", "dict_type"):  # pydantic's words name our private class
+        msg = f"{shown(err.get('input'), 40)} is not a mapping"
+        hint = " (give its keys as `key: value` lines indented under it)"
+    elif err["type"] == "missing":
         hint = " (add it)"
     elif err["type"] == "extra_forbidden":
         hint = " (unknown field: remove it or fix its spelling)"

@@ -121,6 +121,18 @@ BAD = [
         "nodes[0].colour: Extra inputs are not permitted (unknown field",
     ),
     (
+        "nodes:\n  - {name: a, gpu: TITAN V, count: 1}\nruntime_overhead: 5\n",
+        "runtime_overhead: 5 is not a mapping (give its keys as `key: value` lines",
+    ),
+    (
+        "nodes:\n  - {name: a, gpu: TITAN V, count: 1, emulate: [1]}\n",
+        "nodes[0].emulate: [1] is not a mapping",
+    ),
+    (
+        "nodes:\n  - 5\n",
+        "nodes[0]: 5 is not a mapping",
+    ),
+    (
         "nodes:\n  - {name: a, gpu: TITAN V, count: 1}\nlinks:\n  inter_node: {bandwidth: 56 furlongs}\n",
         "links.inter_node.bandwidth: unknown unit 'furlongs'",
     ),
