@@ -21,6 +21,7 @@ pair on its own, :class:`runtime.link_pacing.LinkPacer.arrived`).
 from __future__ import annotations
 
 import fcntl
+import math
 import os
 import struct
 import threading
@@ -106,11 +107,12 @@ class SendQueues:
         self.card = CardQueue(card_file)
         self.pace = pace
 
-    def deadline(self, queue: str, charge_s: float) -> float:
+    def deadline(self, queue: str, charge_s: float, not_before_s: float = -math.inf) -> float:
         """When a transfer of ``charge_s`` seconds posted now on ``queue``
-        (:func:`planner.cluster.sender_queue`) ends."""
+        (:func:`planner.cluster.sender_queue`), beginning no sooner than ``not_before_s``,
+        ends."""
         fifo = self.own if queue == OWN_LINK else self.card
-        return fifo.reserve(charge_s, self.pace.clock())
+        return fifo.reserve(charge_s, max(self.pace.clock(), not_before_s))
 
     def push_deadline(self, queue: str, charge_s: float) -> float:
         """When one part of a push posted now ends: a part to a shard on the stage's node on
@@ -140,6 +142,7 @@ class Route:
     link: Link
     queue: str
 
-    def deadline(self, nbytes: float) -> float:
-        """When a message of ``nbytes`` posted now is delivered (:meth:`SendQueues.deadline`)."""
-        return self.queues.deadline(self.queue, self.link.time_s(nbytes))
+    def deadline(self, nbytes: float, not_before_s: float = -math.inf) -> float:
+        """When a message of ``nbytes`` posted now (its transfer beginning no sooner than
+        ``not_before_s``) is delivered (:meth:`SendQueues.deadline`)."""
+        return self.queues.deadline(self.queue, self.link.time_s(nbytes), not_before_s)

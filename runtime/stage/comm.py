@@ -261,11 +261,19 @@ class Channel:
         work.wait()
         return msg if msg.layout is layout else layout.message()
 
-    def _send(self, layout: Layout, mb: int, tensors: Iterable[Tensor | None], tag: int) -> None:
+    def _send(
+        self,
+        layout: Layout,
+        mb: int,
+        tensors: Iterable[Tensor | None],
+        tag: int,
+        not_before_s: float = -math.inf,
+    ) -> None:
         msg = self._buffer(layout)
         msg.fill(mb, tensors)
         route = self.route if mb != STOP else None  # the stop is no transfer of the model's
-        msg.deadline.fill_(math.nan if route is None else route.deadline(layout.payload_bytes))
+        nbytes = layout.payload_bytes
+        msg.deadline.fill_(math.nan if route is None else route.deadline(nbytes, not_before_s))
         work = _post(dist.isend, msg.buf, self.peer, self.group, tag)
         self._pending.append((work, msg))  # the buffer lives until the send completes
 
@@ -278,10 +286,13 @@ class Channel:
         :data:`STOP`; its tensors are zeros)."""
         self._send(self.acts, STOP, (None,) * len(self.specs), ACT_TAG)
 
-    def send_grads(self, mb: int, grads: list[Tensor | None]) -> None:
+    def send_grads(
+        self, mb: int, grads: list[Tensor | None], not_before_s: float = -math.inf
+    ) -> None:
         """Post minibatch ``mb``'s gradient of each floating-point crossing tensor as one
-        message (``None`` -> zeros)."""
-        self._send(self.grads, mb, grads, GRAD_TAG)
+        message (``None`` -> zeros); on a sender-side queue its transfer begins no sooner than
+        ``not_before_s`` (``time.perf_counter``: when the emulated backward ends)."""
+        self._send(self.grads, mb, grads, GRAD_TAG, not_before_s)
 
     def flush(self) -> None:
         """Wait for every posted send."""

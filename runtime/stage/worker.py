@@ -426,8 +426,10 @@ class StageWorker:
         # only the computation can make the device late: the update's CPU time past the
         # deadline is the runtime's cost (on a GPU it is microseconds), not a slow device
         self.result.overrun_s += max(0.0, time.perf_counter() - deadline)
-        if self.tied and to_prev is not None:  # the tied exchange waits on earlier stages
-            to_prev.send_grads(mb, grads_x)
+        # the tied exchange waits on earlier stages; a queued send (send_queues.py) takes its
+        # window from the backward's end, ahead of the update's push: the simulator's order
+        if to_prev is not None and (self.tied or to_prev.route is not None):
+            to_prev.send_grads(mb, grads_x, not_before_s=deadline)
             to_prev = None
             timer.lap("send_recv")
         waited = self.result.wait_s

@@ -29,6 +29,7 @@ from runtime.link_pacing import NO_LINKS, LinkPacer, StageLinks
 from runtime.ps.client import PSClient
 from runtime.ps.layout import make_shard_specs
 from runtime.ps.wire import TAG_PUSH
+from runtime.results.metrics import StageResult
 from runtime.send_queues import Route, SendQueues, make_card
 from runtime.stage import comm
 from runtime.stage.comm import Channel, Event, TensorSpec, start_activation_receiver
@@ -86,7 +87,9 @@ def test_a_stages_forward_and_backward_sends_queue_on_its_own_link(
     to_prev.send_grads(1, [torch.ones(250_000)])  # posted at once: waits for the activations
     clock.now += 10 * charge  # the link has been idle since
     to_next.send_activations(2, (torch.ones(250_000),))
-    assert deadlines(wire) == pytest.approx([3.0 + charge, 3.0 + 2 * charge, 3.0 + 11 * charge])
+    to_prev.send_grads(2, [torch.ones(250_000)], not_before_s=3.0 + 30 * charge)  # posted early
+    want = [3.0 + charge, 3.0 + 2 * charge, 3.0 + 11 * charge, 3.0 + 31 * charge]
+    assert deadlines(wire) == pytest.approx(want)
 
 
 def test_the_receiver_holds_a_message_until_its_senders_deadline(
@@ -259,3 +262,45 @@ def test_the_launcher_gives_each_node_one_card_file(tmp_path: Path) -> None:
     assert prep.stages[3].ctx.links == NO_LINKS
     assert all(Path(f).stat().st_size == 8 for f in files[:3])
     assert all(j.ctx.links.sender_queued for j in prep.stages[:3])
+
+
+class _Grads:
+    """A channel to the previous stage that records each gradient send (and its earliest
+    window start) in ``log``."""
+
+    def __init__(self, log: list[tuple[str, float]], route: Route | None) -> None:
+        self.log, self.route = log, route
+
+    def send_grads(self, mb: int, grads: Any, not_before_s: float = -math.inf) -> None:
+        self.log.append(("grads", not_before_s))
+
+
+@pytest.mark.parametrize("queued", [True, False])
+def test_an_emulated_backward_queues_its_gradients_before_its_updates_push(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, queued: bool
+) -> None:
+    # the simulator posts a backward's gradients, then the wave's push, at the backward's end:
+    # on a shared queue the gradients must hold the earlier window
+    from runtime.stage import worker as stage_worker
+    from runtime.stage.timers import lap_timer
+
+    log: list[tuple[str, float]] = []
+    w = stage_worker.StageWorker.__new__(stage_worker.StageWorker)
+    w.timer, w.offload, w.fault = lap_timer(False), None, None
+    w.tied = None  # type: ignore[assignment]
+    w.result = StageResult(1, 0, 1, "V:0")
+    w.ctx = stage_contexts(
+        make_plan([[("V", 1.0, 2.0), ("R", 1.0, 2.0)]], 2, cluster=emulated()), 0, 2, 4
+    )[1]
+    monkeypatch.setattr(w, "_backward", lambda mb: ({}, [None]), raising=False)
+    monkeypatch.setattr(w, "_judge", lambda mb, gw, gx: None, raising=False)
+    monkeypatch.setattr(w, "_deadline", lambda t0, kind: 42.0, raising=False)
+    monkeypatch.setattr(w, "_update", lambda *a: log.append(("push", 0.0)), raising=False)
+    monkeypatch.setattr(stage_worker.StageWorker, "_paced", True)
+    monkeypatch.setattr(stage_worker, "pace_until", lambda deadline: 0.0)
+    route = Route(queues(tmp_path, FakeClock()), LINK, OWN_LINK) if queued else None
+    w._execute(Task(1, Kind.B, 3), None, _Grads(log, route), None)  # type: ignore[arg-type]
+    if queued:  # its window begins when the emulated backward ends
+        assert log == [("grads", 42.0), ("push", 0.0)]
+    else:  # receivers pace on arrival: the gradients leave when the backward ends, as before
+        assert log == [("push", 0.0), ("grads", -math.inf)]
