@@ -14,6 +14,7 @@ samples/s and the load average (a loaded machine paces late: compare ratios, not
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import tempfile
@@ -34,8 +35,7 @@ def example_overhead() -> dict[str, Any]:
     example = load_cluster(
         Path(__file__).resolve().parents[1] / "examples" / "emulated_cluster.yaml"
     )
-    ro = example.runtime_overhead
-    return {"ms_per_task": ro.ms_per_task, "cores": ro.cores}
+    return dataclasses.asdict(example.runtime_overhead)
 
 
 def bench_cluster(scale: float) -> Cluster:

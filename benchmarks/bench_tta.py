@@ -408,7 +408,8 @@ def bench_workload(
     """Plan, tune, train every seed of every system and compare their times to target."""
     common = [str(w.cluster), "--model", w.model, "--batch-size", str(w.batch)]
     common += ["--optimizer", "momentum" if w.momentum else "sgd"]
-    plans = make_plans(common, plan_args, systems, folder, w.name, w.data if w.calibrate else "")
+    data = w.data if w.calibrate else ""
+    plans = make_plans(common, plan_args, systems, folder, w.name, data, w.momentum)
     every = max(w.batch, round(plans["hetpipe"].predicted * budget.train_s / budget.snapshots))
     tunings = tune_all(w, plans, budget, every, progress)
     runs = train_seeds(w, plans, tunings, budget, every, progress)

@@ -81,18 +81,23 @@ def system_plan(path: Path) -> SystemPlan:
                       plan.predicted.throughput, plan.remedy, key)  # fmt: skip
 
 
-def plan_args_of(system: str, plan_args: Sequence[str], data: str = "") -> list[str]:
+def plan_args_of(
+    system: str, plan_args: Sequence[str], data: str = "", momentum: float = 0.9
+) -> list[str]:
     """What ``hetpipe plan`` adds for ``system`` (besides the cluster, model and optimizer);
     ``hetpipe-time`` calibrates its efficiency model on ``data`` (the data the runs train on,
-    ``--calibrate-efficiency``; empty: the model's defaults).
+    ``--calibrate-efficiency``; empty: the model's defaults) with the runs' ``momentum``.
 
     >>> plan_args_of("ddp", ["--policy", "ed"]), plan_args_of("hetpipe-time", [], "pkg:data")
-    (['--sync', 'allreduce'], ['--objective', 'time', '--calibrate-efficiency', 'pkg:data'])
+    (['--sync', 'allreduce'], ['--objective', 'time', '--calibrate-efficiency', 'pkg:data', \
+'--momentum', '0.9'])
     """
     if system == "ddp":
         return ["--sync", "allreduce"]
     if system == "hetpipe-time":
         calibrate = ["--calibrate-efficiency", data] if data else []
+        if data and momentum:  # plain SGD (--optimizer sgd) takes no --momentum
+            calibrate += ["--momentum", f"{momentum:g}"]
         return [*plan_args, "--objective", "time", *calibrate]
     return list(plan_args)
 
@@ -104,12 +109,14 @@ def make_plans(
     folder: Path,
     tag: str,
     data: str = "",
+    momentum: float = 0.9,
 ) -> dict[str, SystemPlan]:
-    """Each of ``systems``' plan (``hetpipe plan COMMON ...``), written to ``folder``."""
+    """Each of ``systems``' plan (``hetpipe plan COMMON ...``), written to ``folder``;
+    ``hetpipe-time`` calibrated on ``data`` with the runs' ``momentum``."""
     plans = {}
     for system in systems:
         path = folder / f"{tag}_{system}.json"
-        args = plan_args_of(system, plan_args, data)
+        args = plan_args_of(system, plan_args, data, momentum)
         check(hetpipe_cmd("plan", *common, *args, "-o", str(path)), 900)
         plans[system] = system_plan(path)
     return plans

@@ -8,11 +8,16 @@ Hugging Face model's own ``loss``):
 
 - the gradient noise scale ``phi``: mean squared norms of minibatch gradients at the initial
   weights at batch ``b`` and ``4 b`` (:func:`planner.efficiency.simple_noise_scale`);
-- each remedy's delay cost ``c``: SGD at ``Nm = 1`` (sequential, :data:`STEPS` / 2 updates)
-  and at ``Nm = 2, 3`` (delay 1, 2; :data:`STEPS` updates at most); the target is
-  :data:`TARGET_SLACK` above the lowest held-out loss sequential SGD reaches in its
-  :data:`STEPS` / 2 updates; ``c`` is fitted to ``steps(tau) / steps(0) = 1 + c tau`` (:func:`planner.efficiency.fit_delay_cost`;
+- each remedy's delay cost ``c``: the run's optimizer (:attr:`Recipe.optimizer`: SGD, momentum
+  SGD or Adam, stepped by the stages' own :class:`runtime.stage.weights.VersionedWeights`) at
+  ``Nm = 1`` (sequential, :data:`STEPS` / 2 updates) and at ``Nm = 2, 3`` (delay 1, 2;
+  :data:`STEPS` updates at most); the target is :data:`TARGET_SLACK` above the lowest held-out
+  loss the sequential runs reach in their :data:`STEPS` / 2 updates; ``c`` is fitted to ``steps(tau) / steps(0) = 1 + c tau`` (:func:`planner.efficiency.fit_delay_cost`;
   a run that never reaches it counts as :data:`STEPS`, so ``c`` is then a lower bound).
+
+Every run starts from the weights a run with the recipe's seed starts from
+(:func:`seeded_model`) with the torch RNG seeded by it, leaving the caller's RNG state as it
+was: two calibrations of the same inputs give the same figures bit for bit.
 
 Step size (:class:`Recipe`): ``tuned`` (the default) runs every setting at its own best of
 ``lr x`` :data:`LR_FACTORS` (:func:`best_lr`: fewest updates to the target, ties by the last
@@ -29,19 +34,20 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils.data import Dataset, default_collate
 
 from planner.efficiency import EfficiencyInputs, fit_delay_cost, simple_noise_scale
-from planner.staleness import REMEDIES, pipemare_lr, predict_scale, stage_delay
-from planner.wsp import local_version
+from planner.staleness import remedies_for, stage_delay
 from profiler.errors import ConfigError, shown
-from profiler.models import ModelSpec
+from profiler.models import ModelSpec, resolve_model
+from runtime.config import OptimizerConfig
 from runtime.data import model_inputs
+from runtime.stage.weights import VersionedWeights
 
 __all__ = [
     "LR_FACTORS",
@@ -49,9 +55,11 @@ __all__ = [
     "Recipe",
     "best_lr",
     "calibrate",
+    "describe",
     "feed",
     "fit_steps",
     "noise_scale",
+    "seeded_model",
     "steps_to",
 ]
 
@@ -90,33 +98,69 @@ class Recipe:
     """How the calibration runs train (recorded in the plan).
 
     Attributes:
-        lr: the run's learning rate (``--lr``; ``tuned``: the top of the grid).
-        momentum: SGD momentum of every run.
+        optimizer: the run's optimizer (``sgd`` with its momentum, or ``adam`` with its betas;
+            weight decay), the stages' own update rule; its ``lr`` is the run's learning rate
+            (``--lr``; ``tuned``: the top of the grid).
         tuned: each setting at its best lr of ``lr x`` :data:`LR_FACTORS`; else all at ``lr``.
-        remedies: the remedies whose delay cost is measured.
+        remedies: the remedies whose delay cost is measured (empty, the default: all the
+            optimizer allows, :func:`planner.staleness.remedies_for`).
+        seed: the run's seed (``--seed``): the torch RNG of the runs (dropout), as the model's
+            initial weights were built with it (:func:`seeded_model`).
+
+    Raises:
+        ConfigError: a remedy the optimizer cannot apply (``predict`` with Adam).
     """
 
-    lr: float
-    momentum: float
+    optimizer: OptimizerConfig
     tuned: bool = True
-    remedies: tuple[str, ...] = REMEDIES
+    remedies: tuple[str, ...] = field(default=())
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        allowed = remedies_for(self.kind)
+        if not self.remedies:
+            object.__setattr__(self, "remedies", allowed)
+        bad = [r for r in self.remedies if r not in allowed]
+        if bad:
+            raise ConfigError(
+                f"calibration remedy {shown(bad[0])} cannot run with {self.optimizer.name}: "
+                f"use one of {', '.join(allowed)}"
+            )
+
+    @property
+    def lr(self) -> float:
+        """The run's learning rate (``tuned``: the top of the grid)."""
+        return self.optimizer.lr
+
+    @property
+    def kind(self) -> str:
+        """The optimizer as ``hetpipe plan --optimizer`` names it: ``sgd``, ``momentum``,
+        ``adam``."""
+        if self.optimizer.name == "adam":
+            return "adam"
+        return "momentum" if self.optimizer.momentum else "sgd"
 
     @property
     def grid(self) -> tuple[float, ...]:
         """The learning rates tried, largest first."""
         return tuple(self.lr * f for f in LR_FACTORS) if self.tuned else (self.lr,)
 
+    def config(self, lr: float, remedy: str) -> OptimizerConfig:
+        """The stages' optimizer settings of one run: at ``lr`` under ``remedy`` (PipeMare's
+        warm-up a quarter of a delayed run, :data:`STEPS` / 4 updates)."""
+        return replace(self.optimizer, lr=lr, remedy=remedy, remedy_warmup=STEPS // 4)
+
 
 @dataclass(frozen=True)
 class _Job:
     """What every calibration run shares: the loss, initial weights, minibatches, held-out
-    loss, momentum and the held-out loss at the initial weights."""
+    loss, the recipe and the held-out loss at the initial weights."""
 
     loss_at: LossAt
     w0: Params
     batches: list[list[int]]
     evaluate: Callable[[Params], float]
-    momentum: float
+    recipe: Recipe
     initial: float
 
 
@@ -154,28 +198,19 @@ def noise_scale(loss_at: LossAt, params: Params, n: int, batch: int, draws: int 
 
 def _run(job: _Job, nm: int, remedy: str, lr: float, updates: int,
          stop: Callable[[list[float]], bool]) -> list[float]:  # fmt: skip
-    """One VW's delayed SGD (``Nm`` in flight, :func:`planner.wsp.local_version`) under
-    ``remedy`` for at most ``updates``; the held-out loss every :data:`EVAL_EVERY` updates,
-    until ``stop(curve)`` or divergence."""
-    w = {k: v.detach().clone() for k, v in job.w0.items()}
-    vel = {k: torch.zeros_like(v) for k, v in w.items()}
-    history = {0: (w, vel)}
+    """One VW's delayed training (``Nm`` in flight) under ``remedy`` for at most ``updates``,
+    stepped as a stage steps (:class:`runtime.stage.weights.VersionedWeights`: weight
+    stashing, the run's optimizer, the remedy's prediction or step size); the held-out loss
+    every :data:`EVAL_EVERY` updates, until ``stop(curve)`` or divergence."""
+    master = {k: nn.Parameter(v.detach().clone()) for k, v in job.w0.items()}
+    weights = VersionedWeights(master, nm, job.recipe.config(lr, remedy), total_updates=updates)
     curve: list[float] = []
     for p, idx in enumerate(job.batches[:updates], 1):
-        w_v, vel_v = history[local_version(p, nm)]
-        scale = predict_scale(p, nm, lr) if remedy == "predict" else 0.0
-        at = {k: (w_v[k] - scale * vel_v[k]).requires_grad_() for k in w_v}
+        at = weights.acquire(p)
         grads = torch.autograd.grad(job.loss_at(at, idx), list(at.values()))
-        step = pipemare_lr(lr, p - 1, stage_delay(nm), STEPS // 4) if remedy == "pipemare" else lr
-        vel = {
-            k: job.momentum * vel[k] + g if job.momentum and p > 1 else g
-            for k, g in zip(w, grads, strict=True)
-        }
-        w = {k: w[k] - step * vel[k] for k in w}
-        history[p] = (w, vel)
-        history.pop(p - nm, None)
+        weights.update(p, dict(zip(at, grads, strict=True)))
         if p % EVAL_EVERY == 0:
-            curve.append(job.evaluate(w))
+            curve.append(job.evaluate({k: v.detach() for k, v in master.items()}))
             if not math.isfinite(curve[-1]) or curve[-1] > DIVERGED * job.initial or stop(curve):
                 break
     return curve
@@ -274,9 +309,33 @@ def calibrate(dataset: Dataset[Any], spec: ModelSpec, batch: int, recipe: Recipe
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small steps: more threads only contend (50x slower under load)
     try:
-        return _calibrate(dataset, spec, batch, recipe, progress or (lambda _: None))
+        with torch.random.fork_rng(devices=[]):  # the caller's RNG state is left as it was
+            torch.manual_seed(recipe.seed)
+            return _calibrate(dataset, spec, batch, recipe, progress or (lambda _: None))
     finally:
         torch.set_num_threads(threads)
+
+
+def seeded_model(ref: str, batch: int, seed: int) -> ModelSpec:
+    """Model ``ref`` (:func:`profiler.models.resolve_model`) holding the initial weights a run
+    with ``--seed seed`` starts from (:func:`runtime.stage.model.initial_weights`), built
+    under ``seed`` without touching the caller's RNG state: two calibrations of one model
+    start alike, as its runs do.
+
+    Raises:
+        ModelError: the model cannot be built.
+    """
+    from runtime.config import ModelSource
+    from runtime.stage.model import initial_weights
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        spec = resolve_model(ref, batch)
+        w0 = initial_weights(ModelSource(ref=ref), batch, seed)
+    with torch.no_grad():
+        for name, p in spec.module.named_parameters():
+            p.copy_(w0[name])
+    return spec
 
 
 def _take(batch: Any, at: Tensor) -> Any:
@@ -328,8 +387,7 @@ def feed(dataset: Dataset[Any], spec: ModelSpec, batch: int) -> tuple[LossAt, in
 
 def _calibrate(dataset: Dataset[Any], spec: ModelSpec, batch: int, recipe: Recipe,
                say: Progress) -> EfficiencyInputs:  # fmt: skip
-    """:func:`calibrate`'s measurements (on one thread)."""
-    torch.manual_seed(0)
+    """:func:`calibrate`'s measurements (on one thread, the torch RNG seeded)."""
     loss_at, n = feed(dataset, spec, batch)
     params = {k: v.detach().clone().requires_grad_() for k, v in spec.module.named_parameters()}
     say("noise scale")
@@ -342,7 +400,7 @@ def _calibrate(dataset: Dataset[Any], spec: ModelSpec, batch: int, recipe: Recip
         with torch.no_grad():
             return float(loss_at(w, held))
 
-    job = _Job(loss_at, params, batches, evaluate, recipe.momentum, evaluate(params))
+    job = _Job(loss_at, params, batches, evaluate, recipe, evaluate(params))
     costs, bounds, lrs = _delay_costs(job, recipe, say)
     return EfficiencyInputs(phi, costs, _source(n, recipe, lrs, bounds), _record(recipe, lrs))
 
@@ -371,15 +429,34 @@ def _delay_costs(job: _Job, recipe: Recipe, say: Progress) -> tuple[dict[str, fl
     return costs, bounds, lrs
 
 
+def describe(optimizer: OptimizerConfig) -> str:
+    """The optimizer and its hyper-parameters, in words (not the lr: each setting has its own).
+
+    Example:
+        >>> describe(OptimizerConfig("sgd", momentum=0.9)), describe(OptimizerConfig("sgd"))
+        ('SGD momentum 0.9', 'SGD')
+        >>> describe(OptimizerConfig("adam", weight_decay=1e-4))
+        'Adam betas 0.9/0.999 eps 1e-08, weight decay 0.0001'
+    """
+    if optimizer.name == "adam":
+        b1, b2 = optimizer.betas
+        kind = f"Adam betas {b1:g}/{b2:g} eps {optimizer.eps:g}"
+    else:
+        kind = "SGD" + (f" momentum {optimizer.momentum:g}" if optimizer.momentum else "")
+    return kind + (f", weight decay {optimizer.weight_decay:g}" if optimizer.weight_decay else "")
+
+
 def _source(n: int, recipe: Recipe, lrs: Mapping[str, float], bounds: Sequence[str]) -> str:
-    """The source line of calibrated inputs: data, optimizer, step sizes, censoring."""
-    kind = "SGD" + (f" momentum {recipe.momentum:g}" if recipe.momentum else "")
+    """The source line of calibrated inputs: data, optimizer, seed, step sizes, censoring."""
+    kind = f"{describe(recipe.optimizer)}, seed {recipe.seed}"
     if recipe.tuned:
         each = ", ".join(f"{k} {v:g}" for k, v in lrs.items())
         factors = "/".join(f"{f:g}" for f in LR_FACTORS)
         kind += f", lr tuned per setting: best of {recipe.lr:g} x {factors}: {each}"
         if lrs.get("sequential") == recipe.lr:  # the reference may do better above it
             kind += "; sequential's best is the grid's top: a larger --lr may be faster"
+        elif lrs.get("sequential") == recipe.grid[-1]:  # or below it (Adam at SGD's 0.05)
+            kind += "; sequential's best is the grid's bottom: a smaller --lr may be faster"
     else:
         kind += f", lr {recipe.lr:g} fixed"
     note = f"; lower bounds ({', '.join(bounds)}: a delayed run never got there)" if bounds else ""
@@ -387,10 +464,20 @@ def _source(n: int, recipe: Recipe, lrs: Mapping[str, float], bounds: Sequence[s
 
 
 def _record(recipe: Recipe, lrs: Mapping[str, float]) -> dict[str, object]:
-    """What the plan records of the calibration's step sizes."""
+    """What the plan records of the calibration: the optimizer, its hyper-parameters, the seed
+    and the step sizes."""
+    opt = recipe.optimizer
+    hyper: dict[str, object] = (
+        {"betas": list(opt.betas), "eps": opt.eps}
+        if opt.name == "adam"
+        else {"momentum": opt.momentum}
+    )
     return {
+        "optimizer": recipe.kind,
         "lr": recipe.lr,
-        "momentum": recipe.momentum,
+        **hyper,
+        "weight_decay": opt.weight_decay,
+        "seed": recipe.seed,
         "lr_mode": "tuned" if recipe.tuned else "fixed",
         "lr_grid": list(recipe.grid),
         "lr_of": dict(lrs),

@@ -107,27 +107,24 @@ def _simulated(plan: Plan, waves: int) -> Prediction | None:
     prediction without it (``None`` when the simulator refuses the plan or waves < 2)."""
     if waves < 2:
         return None
-    from planner.overhead import plan_overhead_ms
+    from planner.overhead import plan_overhead_ms, plan_wave_overhead_ms
     from planner.symmetry import simulate_distinct
 
     p = plan.predicted
     over = plan_overhead_ms(plan)
-    charged = replace(plan, predicted=replace(p, overhead_ms_per_task=over))
+    per_wave, per_mb = plan_wave_overhead_ms(plan)
+    assumed = replace(
+        p, overhead_ms_per_task=over, overhead_ms_per_wave=per_wave, overhead_ms_per_mb=per_mb
+    )
+    charged = replace(plan, predicted=assumed)
     try:
         throughput, per_vw = simulate_distinct(charged, waves)
-        without = simulate_distinct(plan, waves)[0] if over > 0 else throughput
+        without = simulate_distinct(plan, waves)[0] if assumed.charges_overhead else throughput
     except PlanError as exc:
         log.warning("simulator refused the plan (%s); keeping the analytic prediction", exc)
         return None
-    return Prediction(
-        throughput,
-        per_vw,
-        p.allreduce_throughput,
-        p.allreduce_gpus,
-        "simulated",
-        over,
-        without,
-    )
+    return replace(assumed, throughput=throughput, per_vw=per_vw, method="simulated",
+                   throughput_without_overhead=without)  # fmt: skip
 
 
 def build_plan(

@@ -19,9 +19,10 @@ crosses (:mod:`planner.offload`; PCIe 3.0 x16 by default). ``emulate: {speed: 0.
 runs the node's GPUs as CPU processes whose layers are paced to ``calibrated CPU time / speed``
 and whose memory is capped; ``straggle: {p: 0.05, factor: 3}`` inside it makes 5 % of the
 (VW, wave)s 3x slower (:mod:`planner.straggle`, reproducible: ``seed`` defaults to 0).
-``runtime_overhead: {ms_per_task: 0.4, cores: 2}`` is the runtime's own cost per task the
-planner predicts with (:mod:`planner.overhead`; fitted by ``benchmarks/fit_overhead.py``;
-absent: none).
+``runtime_overhead: {ms_per_task: 0.4, cores: 2, ms_per_wave: 1.0, ms_per_mb: 2.0}`` is the
+runtime's own cost per task, and per stage per wave through parameter servers (plus per MB of
+the stage's parameters), the planner predicts with (:mod:`planner.overhead`; fitted by
+``benchmarks/fit_overhead.py``; absent: none).
 The file is validated with pydantic (the schema: :mod:`planner.cluster_schema`) and turned
 into frozen dataclasses; every error is one line naming the file, the field and the fix. Values are range-checked: sizes, bandwidths
 and latencies finite (bandwidth positive), an emulated memory cap at most the GPU's own memory,
@@ -308,7 +309,10 @@ class Cluster:
         out = {"name": self.name, "nodes": nodes, "links": links}
         if self.runtime_overhead != NO_OVERHEAD:  # absent = none: older plan files load unchanged
             ro = self.runtime_overhead
-            out["runtime_overhead"] = {"ms_per_task": ro.ms_per_task, "cores": ro.cores}
+            model: dict[str, float] = {"ms_per_task": ro.ms_per_task, "cores": ro.cores}
+            if ro.ms_per_wave or ro.ms_per_mb:  # absent = 0: older plan files load unchanged
+                model |= {"ms_per_wave": ro.ms_per_wave, "ms_per_mb": ro.ms_per_mb}
+            out["runtime_overhead"] = model
         return out
 
 
@@ -376,7 +380,7 @@ def parse_cluster(data: object, source: str = "<memory>") -> Cluster:
         source,
         Link(links.host_link.bandwidth, links.host_link.latency),
         links.scale,
-        RuntimeOverhead(parsed.runtime_overhead.ms_per_task, parsed.runtime_overhead.cores),
+        RuntimeOverhead(**parsed.runtime_overhead.model_dump()),
     )
 
 

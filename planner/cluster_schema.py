@@ -118,6 +118,8 @@ class _NodeIn(_Strict):
 class _RuntimeOverheadIn(_Strict):
     ms_per_task: float = Field(default=0.0, ge=0, le=1e6)  # planner.overhead.RuntimeOverhead
     cores: int = Field(default=0, ge=0, le=1_000_000)  # host cores shared (0: one per process)
+    ms_per_wave: float = Field(default=0.0, ge=0, le=1e6)  # per stage per wave through shards
+    ms_per_mb: float = Field(default=0.0, ge=0, le=1e6)  # per MB of the stage's params per wave
 
 
 class ClusterIn(_Strict):

@@ -106,8 +106,9 @@ class EfficiencyInputs:
         delay_cost: ``c`` of :func:`delay_efficiency` per remedy (``none``, ``predict``,
             ``pipemare``); a remedy missing here is not a candidate.
         source: where the values come from (shown in the table and recorded in the plan).
-        calibration: how a calibration trained (``lr``, ``momentum``, ``lr_mode`` tuned or
-            fixed, ``lr_grid``, ``lr_of`` each setting); empty for the defaults.
+        calibration: how a calibration trained (``optimizer``, ``lr``, ``momentum`` or
+            ``betas`` and ``eps``, ``weight_decay``, ``seed``, ``lr_mode`` tuned or fixed,
+            ``lr_grid``, ``lr_of`` each setting); empty for the defaults.
     """
 
     noise_scale: float

@@ -203,6 +203,9 @@ class Prediction:
             (compute and links only, as plans before the model).
         throughput_without_overhead: ``throughput`` with no runtime overhead (samples/s; 0:
             the same as ``throughput``).
+        overhead_ms_per_wave, overhead_ms_per_mb: the runtime's own cost per stage per wave
+            through parameter servers the planner assumed, and per MB of the stage's
+            parameters (:func:`planner.overhead.wave_overhead_ms`); 0: none (older plans).
     """
 
     throughput: float
@@ -212,6 +215,15 @@ class Prediction:
     method: str = "analytic"
     overhead_ms_per_task: float = 0.0
     throughput_without_overhead: float = 0.0
+    overhead_ms_per_wave: float = 0.0
+    overhead_ms_per_mb: float = 0.0
+
+    @property
+    def charges_overhead(self) -> bool:
+        """Whether ``throughput`` includes a runtime overhead (any term above 0)."""
+        return (
+            max(self.overhead_ms_per_task, self.overhead_ms_per_wave, self.overhead_ms_per_mb) > 0
+        )
 
 
 def _sync(value: Any, source: str) -> str:
@@ -386,6 +398,8 @@ def _prediction(pred: dict[str, Any]) -> Prediction:
         str(pred.get("method", "analytic")),
         float(pred.get("overhead_ms_per_task", 0.0)),
         float(pred.get("throughput_without_overhead", 0.0)),
+        float(pred.get("overhead_ms_per_wave", 0.0)),
+        float(pred.get("overhead_ms_per_mb", 0.0)),
     )
 
 

@@ -14,12 +14,30 @@ from torch.nn import functional as F
 from torch.utils.data import Dataset, TensorDataset
 from typer.testing import CliRunner
 
-from hetpipe.calibrate import LR_FACTORS, STEPS, Recipe, best_lr, calibrate, fit_steps, steps_to
+from hetpipe.calibrate import (
+    EVAL_EVERY,
+    LR_FACTORS,
+    STEPS,
+    Recipe,
+    best_lr,
+    calibrate,
+    feed,
+    fit_steps,
+    seeded_model,
+    steps_to,
+)
 from hetpipe.cli import app
+from hetpipe.commands.objective import Calibration, efficiency_inputs
 from planner.efficiency import simple_noise_scale
 from profiler.errors import ConfigError
 from profiler.models import ModelSpec, keyword_spec
+from runtime.config import OptimizerConfig
 from tests.conftest import EXAMPLES
+
+
+def _momentum(lr: float, momentum: float = 0.9, **kwargs: object) -> Recipe:
+    """A recipe of SGD at ``lr`` with ``momentum``."""
+    return Recipe(OptimizerConfig("sgd", lr=lr, momentum=momentum), **kwargs)  # type: ignore[arg-type]
 
 
 @given(st.floats(1e-3, 1e3), st.floats(0.0, 1e4), st.integers(1, 512), st.integers(2, 8))
@@ -55,22 +73,106 @@ def test_calibration_of_a_small_classifier_is_fast_and_complete() -> None:
     spec = ModelSpec("m", model, (x[:16],), y[:16], batch_size=16)
     before = torch.get_num_threads()
     said: list[str] = []
-    got = calibrate(TensorDataset(x, y), spec, 16, Recipe(0.05, 0.9), said.append)
+    got = calibrate(TensorDataset(x, y), spec, 16, _momentum(0.05), said.append)
     assert torch.get_num_threads() == before
     assert said[0] == "noise scale" and said[1] == "sequential lr 0.05"
     assert 0 < got.noise_scale < math.inf
     assert set(got.delay_cost) == {"none", "predict", "pipemare"}
     assert all(0 <= c <= STEPS for c in got.delay_cost.values())
-    assert got.source.startswith("calibrated on the given data (512 samples, SGD momentum 0.9, lr")
+    assert got.source.startswith(
+        "calibrated on the given data (512 samples, SGD momentum 0.9, seed 0, lr"
+    )
     record = got.calibration
     assert record["lr_mode"] == "tuned" and record["lr_grid"] == [0.05 * f for f in LR_FACTORS]
+    assert (record["optimizer"], record["momentum"], record["seed"]) == ("momentum", 0.9, 0)
     settings = {"sequential", *(f"{r} {t}" for r in got.delay_cost for t in (1, 2))}
     assert set(record["lr_of"]) == settings  # type: ignore[call-overload]
     assert got.to_dict()["calibration"] == record
-    adam = calibrate(
-        TensorDataset(x, y), spec, 16, Recipe(0.05, 0.9, remedies=("none", "pipemare"))
-    )
-    assert "predict" not in adam.delay_cost
+
+
+def test_adam_calibrates_with_adam_and_without_predict() -> None:
+    """An Adam run's recipe measures Adam's delay costs (no ``predict``: it follows SGD's
+    velocity) and says so in the source and the record."""
+    x, y, model = _classifier()
+    spec = ModelSpec("m", model, (x[:16],), y[:16], batch_size=16)
+    adam = Recipe(OptimizerConfig("adam", lr=0.01), tuned=False, seed=4)
+    assert adam.remedies == ("none", "pipemare")
+    got = calibrate(TensorDataset(x, y), spec, 16, adam)
+    assert set(got.delay_cost) == {"none", "pipemare"}
+    assert "(512 samples, Adam betas 0.9/0.999 eps 1e-08, seed 4, lr 0.01 fixed" in got.source
+    record = got.calibration
+    assert (record["optimizer"], record["betas"], record["seed"]) == ("adam", [0.9, 0.999], 4)
+    assert "momentum" not in record
+    with pytest.raises(ConfigError, match="remedy 'predict' cannot run with adam"):
+        Recipe(OptimizerConfig("adam"), remedies=("none", "predict"))
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "nm"), [(OptimizerConfig("adam", lr=0.01, weight_decay=0.01), 2),
+                          (OptimizerConfig("sgd", lr=0.05, momentum=0.9), 3)],
+)  # fmt: skip
+def test_references_step_with_the_runs_optimizer(optimizer: OptimizerConfig, nm: int) -> None:
+    """A calibration run is the run's optimizer (``torch.optim``, the stages' settings) applied
+    to gradients at the weights ``Nm - 1`` updates old (weight stashing): a plain loop over
+    the same minibatches gives the same held-out losses."""
+    from hetpipe import calibrate as cal
+
+    x, y, model = _classifier()
+    spec = ModelSpec("m", model, (x[:16],), y[:16], batch_size=16)
+    loss_at, _ = feed(TensorDataset(x, y), spec, 16)
+    w0 = {k: v.detach().clone() for k, v in model.named_parameters()}
+    batches = [list(range(16 * i, 16 * i + 16)) for i in range(4 * EVAL_EVERY)]
+
+    def evaluate(w: dict[str, Tensor]) -> float:
+        return float(loss_at(w, range(64)).detach())
+
+    job = cal._Job(loss_at, w0, batches, evaluate, Recipe(optimizer), evaluate(w0))
+    got = cal._run(job, nm, "none", optimizer.lr, len(batches), lambda _: False)
+    params = {k: nn.Parameter(v.clone()) for k, v in w0.items()}
+    if optimizer.name == "adam":
+        opt: torch.optim.Optimizer = torch.optim.Adam(
+            params.values(), lr=optimizer.lr, weight_decay=optimizer.weight_decay
+        )
+    else:
+        opt = torch.optim.SGD(params.values(), lr=optimizer.lr, momentum=optimizer.momentum)
+    versions, want = [w0], []
+    for p, idx in enumerate(batches, 1):
+        at = {k: v.clone().requires_grad_() for k, v in versions[max(0, p - nm)].items()}
+        grads = torch.autograd.grad(loss_at(at, idx), list(at.values()))
+        for param, g in zip(params.values(), grads, strict=True):
+            param.grad = g
+        opt.step()
+        versions.append({k: v.detach().clone() for k, v in params.items()})
+        if p % EVAL_EVERY == 0:
+            want.append(evaluate(versions[-1]))
+    assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_two_calibrations_of_one_model_give_the_same_figures() -> None:
+    """The model is built from the run's seed (its initial weights are a run's): whatever the
+    caller's RNG state, the figures repeat bit for bit, and that state is left as it was."""
+    cal = Calibration("tests.calib_toy:data", lr=0.05, lr_mode="fixed", seed=3)
+    figures = []
+    for caller_seed in (1, 2):
+        torch.manual_seed(caller_seed)
+        state = torch.random.get_rng_state()
+        figures.append(efficiency_inputs(cal, "tests.calib_toy:model", 16, "momentum").to_dict())
+        assert torch.equal(torch.random.get_rng_state(), state)
+    assert figures[0] == figures[1]
+    assert figures[0]["calibration"]["seed"] == 3  # type: ignore[index]
+    assert "seed 3" in figures[0]["source"]  # type: ignore[operator]
+
+
+def test_the_seeded_model_holds_the_runs_initial_weights() -> None:
+    from runtime.config import ModelSource
+    from runtime.stage.model import initial_weights
+
+    ref = "tests.calib_toy:model"
+    got = dict(seeded_model(ref, 16, seed=5).module.named_parameters())
+    run = initial_weights(ModelSource(ref=ref), 16, 5)
+    assert set(got) == set(run) and all(torch.equal(got[k], run[k]) for k in run)
+    other = dict(seeded_model(ref, 16, seed=6).module.named_parameters())
+    assert not all(torch.equal(other[k], run[k]) for k in run)
 
 
 class _KeywordNet(nn.Module):
@@ -104,7 +206,7 @@ def test_dict_samples_calibrate_like_the_pairs_of_the_same_model() -> None:
     wrapped = _KeywordNet(model)
     dicts = keyword_spec("k", wrapped, {"features": x[:16], "labels": y[:16]})
     assert dicts.input_names == ("features", "labels")
-    recipe = Recipe(0.05, 0.9, tuned=False)
+    recipe = _momentum(0.05, tuned=False)
     a = calibrate(TensorDataset(x, y), pairs, 16, recipe)
     b = calibrate(_Dicts(x, y), dicts, 16, recipe)
     assert b.noise_scale == pytest.approx(a.noise_scale, rel=1e-4)
@@ -116,7 +218,7 @@ def test_samples_neither_pairs_nor_dicts_are_one_line() -> None:
     x, y, model = _classifier()
     spec = ModelSpec("m", model, (x[:16],), y[:16], batch_size=16)
     with pytest.raises(ConfigError, match=r"takes \(input, target\) or dict samples.*tuple of 1"):
-        calibrate(TensorDataset(x), spec, 16, Recipe(0.05, 0.9))
+        calibrate(TensorDataset(x), spec, 16, _momentum(0.05))
 
 
 def test_tuned_mode_picks_the_lr_that_reaches_the_target_soonest() -> None:
@@ -129,8 +231,8 @@ def test_tuned_mode_picks_the_lr_that_reaches_the_target_soonest() -> None:
 
 
 def test_fixed_and_tuned_recipes_grid() -> None:
-    assert Recipe(0.08, 0.0, tuned=False).grid == (0.08,)
-    assert Recipe(0.08, 0.0).grid == (0.08, 0.04, 0.02, 0.01)
+    assert _momentum(0.08, 0.0, tuned=False).grid == (0.08,)
+    assert _momentum(0.08, 0.0).grid == (0.08, 0.04, 0.02, 0.01)
 
 
 @pytest.mark.parametrize(
@@ -184,14 +286,18 @@ def test_tuned_calibration_fits_c_from_each_settings_soonest_lr(
         return curve
 
     monkeypatch.setattr(cal, "_run", fake_run)
-    job = cal._Job(lambda w, i: torch.zeros(()), {}, [], lambda w: 0.0, 0.0, initial=10.0)
-    costs, bounds, lrs = cal._delay_costs(job, Recipe(0.4, 0.0), lambda _: None)
+    recipe = _momentum(0.4, 0.0)
+    job = cal._Job(lambda w, i: torch.zeros(()), {}, [], lambda w: 0.0, recipe, initial=10.0)
+    costs, bounds, lrs = cal._delay_costs(job, recipe, lambda _: None)
     assert lrs == {"sequential": 0.2, "none 1": 0.1, "none 2": 0.1, "predict 1": 0.2,
                    "predict 2": 0.2, "pipemare 1": 0.1, "pipemare 2": 0.1}  # fmt: skip
     # sequential 10 evaluations; none 13 and 19; predict 10 and 10; pipemare 13 and 16
     assert costs == {"none": 0.42, "predict": 0.0, "pipemare": 0.3} and bounds == []
     assert (2, "pipemare", 0.1) not in calls and (3, "none", 0.2) not in calls
     assert (2, "predict", 0.05) not in calls  # 0.1 did worse than 0.2: the walk stopped
-    assert "grid's top" not in cal._source(1, Recipe(0.4, 0.0), lrs, bounds)
-    top = cal._source(1, Recipe(0.4, 0.0), {**lrs, "sequential": 0.4}, bounds)
+    assert "grid's top" not in cal._source(1, recipe, lrs, bounds)
+    top = cal._source(1, recipe, {**lrs, "sequential": 0.4}, bounds)
     assert "sequential's best is the grid's top: a larger --lr may be faster" in top
+    assert "grid's bottom" not in top and "grid's bottom" not in cal._source(1, recipe, lrs, [])
+    bottom = cal._source(1, recipe, {**lrs, "sequential": 0.05}, bounds)
+    assert "sequential's best is the grid's bottom: a smaller --lr may be faster" in bottom

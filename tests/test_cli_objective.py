@@ -49,6 +49,8 @@ def test_throughput_is_the_default_and_is_recorded(tmp_path: Path) -> None:
     assert pr.overhead_ms_per_task > 0 and pr.throughput < pr.throughput_without_overhead
     shown = f"{pr.overhead_ms_per_task:.2f} ms per task (the cluster's runtime_overhead)"
     assert shown in res.output and f"without it {pr.throughput_without_overhead:.1f}" in res.output
+    waves = f"{pr.overhead_ms_per_wave:.2f} ms + {pr.overhead_ms_per_mb:.2f} ms per MB of its"
+    assert pr.overhead_ms_per_wave > 0 and waves in res.output  # the per-wave terms too
 
 
 def test_time_objective_refuses_rules_it_does_not_model() -> None:
@@ -78,6 +80,7 @@ def test_calibrated_inputs_reach_the_table_and_the_plan(
     the measurement itself is tests/test_calibrate.py's, replaced here by a stand-in."""
     from hetpipe.calibrate import Recipe
     from planner.efficiency import EfficiencyInputs
+    from runtime.config import OptimizerConfig
 
     seen: dict[str, object] = {}
 
@@ -95,7 +98,8 @@ def test_calibrated_inputs_reach_the_table_and_the_plan(
             "--calibrate-lr", "fixed", "-o", str(out)]  # fmt: skip
     res = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.output
-    recipe = Recipe(0.02, 0.9, tuned=False)  # --optimizer momentum: momentum 0.9 by default
+    # --optimizer momentum: momentum 0.9 by default; the run's default seed
+    recipe = Recipe(OptimizerConfig("sgd", lr=0.02, momentum=0.9), tuned=False, seed=0)
     assert seen == {"n": 1797, "batch": 32, "recipe": recipe}
     assert "calibrated (stand-in)" in res.output and "default (no data)" not in res.output
     assert "calibration: 1 run in" in res.output
@@ -105,13 +109,47 @@ def test_calibrated_inputs_reach_the_table_and_the_plan(
     assert "AllReduce on" in res.output
 
 
+def test_an_adam_plan_is_calibrated_with_adam_at_the_given_seed_and_decay(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--optimizer adam --seed 7 --weight-decay 0.01``: the calibration trains Adam (no SGD
+    momentum, no ``predict``) with that weight decay from the weights a run with ``--seed 7``
+    starts from."""
+    from hetpipe.calibrate import Recipe
+    from planner.efficiency import EfficiencyInputs
+    from runtime.config import OptimizerConfig
+
+    seen: list[Recipe] = []
+
+    def fake(dataset: object, spec: object, batch: int, recipe: Recipe,
+             progress: object) -> EfficiencyInputs:  # fmt: skip
+        seen.append(recipe)
+        return EfficiencyInputs(64.0, {"none": 0.5, "pipemare": 0.5}, "calibrated (stand-in)")
+
+    monkeypatch.setattr("hetpipe.calibrate.calibrate", fake)
+    args = ["plan", CLUSTER, "--model", "mlp", "--vws", "1", "--policy", "ed", "--nm", "2",
+            "--objective", "time", "--optimizer", "adam", "--calibrate-efficiency", "builtin",
+            "--lr", "0.01", "--seed", "7", "--weight-decay", "0.01"]  # fmt: skip
+    res = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert seen == [Recipe(OptimizerConfig("adam", lr=0.01, weight_decay=0.01), seed=7)]
+    assert seen[0].remedies == ("none", "pipemare")
+
+
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [(["--lr", "0"], "--lr 0.0: must be"),
      (["--momentum", "1.5"], "--momentum 1.5: must be"),
      (["--calibrate-lr", "best"], "--calibrate-lr"),
-     (["--lr", "0.01"], "--lr 0.01 sets the efficiency calibration's step size; add "
+     (["--lr", "0.01"], "--lr 0.01 sets how the efficiency calibration trains; add "
                         "--calibrate-efficiency DATA, or drop --lr"),
+     (["--seed", "3"], "--seed 3 sets how the efficiency calibration trains"),
+     (["--weight-decay", "0.1"], "--weight-decay 0.1 sets how the efficiency calibration "
+                                 "trains"),
+     (["--seed", "-1"], "--seed -1: must be"),
+     (["--calibrate-efficiency", "builtin", "--optimizer", "adam", "--momentum", "0.9"],
+      "--momentum 0.9 with --optimizer adam: Adam's moments follow its betas, not SGD's "
+      "momentum; drop --momentum, or give --optimizer momentum"),
      (["--calibrate-lr", "fixed"], "drop --calibrate-lr"),
      (["--calibrate-efficiency", "builtin", "--optimizer", "sgd", "--momentum", "0.9"],
       "--momentum 0.9 with --optimizer sgd: plain SGD keeps no velocity; give --optimizer "

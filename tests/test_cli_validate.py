@@ -69,6 +69,8 @@ PLANNING_BAD = [
     ("plan", "--target-samples", "-1", ">= 0"),
     ("plan", "--lr", "0", "> 0"),
     ("plan", "--momentum", "1.5", "in [0, 1)"),
+    ("plan", "--seed", "-1", "in [0, "),
+    ("plan", "--weight-decay", "-1", ">= 0"),
     ("simulate", "--waves", "1", ">= 2"),
     ("simulate", "--waves", "-5", ">= 2"),
 ]

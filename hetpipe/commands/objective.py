@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from planner.efficiency import EfficiencyInputs
     from planner.objective import Ranked
     from planner.planner import PlanOptions
+    from runtime.config import OptimizerConfig
 
 __all__ = [
     "NM_CANDIDATES",
@@ -65,29 +66,36 @@ class Calibration:
         data: ``--calibrate-efficiency`` (``builtin``, ``synthetic`` or ``pkg.mod:factory``;
             ``None``: the defaults, no calibration).
         lr: ``--lr``, the run's learning rate (``None``: the run's default).
-        momentum: ``--momentum`` (``None``: 0.9 for ``--optimizer momentum`` and ``adam``, 0
-            for ``sgd``).
+        momentum: ``--momentum`` (``None``: 0.9 for ``--optimizer momentum``, 0 for ``sgd``;
+            ``adam`` has none).
         lr_mode: ``--calibrate-lr``: ``tuned`` (each setting at its best of a grid below
             ``lr``) or ``fixed`` (every setting at ``lr``).
+        seed: ``--seed``, the run's (``None``: the run's default, 0): the model's initial
+            weights, a ``--data`` factory's ``seed=`` and the torch RNG (dropout).
+        weight_decay: ``--weight-decay``, the run's (``None``: the run's default, 0).
     """
 
     data: str | None = None
     lr: float | None = None
     momentum: float | None = None
     lr_mode: str = "tuned"
+    seed: int | None = None
+    weight_decay: float | None = None
 
     def check(self, optimizer: str) -> None:
-        """Refuse step-size options without calibration, and momentum plain SGD cannot have.
+        """Refuse calibration options without calibration, and momentum plain SGD or Adam
+        cannot have.
 
         Raises:
             ConfigError: one line naming the flag, the value and the fix.
         """
         mode = None if self.lr_mode == "tuned" else self.lr_mode
-        given = {"--lr": self.lr, "--momentum": self.momentum, "--calibrate-lr": mode}
+        given = {"--lr": self.lr, "--momentum": self.momentum, "--calibrate-lr": mode,
+                 "--seed": self.seed, "--weight-decay": self.weight_decay}  # fmt: skip
         for flag, value in given.items():
             if value is not None and not self.data:
                 raise ConfigError(
-                    f"{flag} {shown(value)} sets the efficiency calibration's step size; add "
+                    f"{flag} {shown(value)} sets how the efficiency calibration trains; add "
                     f"--calibrate-efficiency DATA, or drop {flag}"
                 )
         if self.momentum and optimizer == "sgd":
@@ -95,6 +103,36 @@ class Calibration:
                 f"--momentum {self.momentum:g} with --optimizer sgd: plain SGD keeps no velocity; "
                 "give --optimizer momentum, or drop --momentum"
             )
+        if self.momentum is not None and optimizer == "adam":
+            raise ConfigError(
+                f"--momentum {self.momentum:g} with --optimizer adam: Adam's moments follow its "
+                "betas, not SGD's momentum; drop --momentum, or give --optimizer momentum"
+            )
+
+    def optimizer(self, optimizer: str) -> OptimizerConfig:
+        """The run's optimizer for ``hetpipe plan --optimizer`` (``sgd``, ``momentum``,
+        ``adam``): the stages' settings (:class:`runtime.config.OptimizerConfig`, the run's
+        defaults where no flag sets them) at :attr:`lr` with :attr:`momentum` and
+        :attr:`weight_decay`.
+
+        Example:
+            >>> Calibration("builtin", lr=0.02).optimizer("momentum").momentum
+            0.9
+            >>> adam = Calibration("builtin").optimizer("adam")
+            >>> adam.name, adam.lr, adam.momentum, adam.betas
+            ('adam', 0.05, 0.0, (0.9, 0.999))
+        """
+        from runtime.config import OptimizerConfig
+        from runtime.options import OPTIONS
+
+        default = 0.9 if optimizer == "momentum" else 0.0
+        decay = OPTIONS["weight_decay"].default if self.weight_decay is None else self.weight_decay
+        return OptimizerConfig(
+            "adam" if optimizer == "adam" else "sgd",
+            lr=OPTIONS["lr"].default if self.lr is None else self.lr,
+            momentum=default if self.momentum is None else self.momentum,
+            weight_decay=decay,
+        )
 
 
 def efficiency_inputs(
@@ -119,22 +157,15 @@ def efficiency_inputs(
         return default_inputs(optimizer)
     if model is None:  # hetpipe plan refuses it before planning
         raise ConfigError("--calibrate-efficiency needs --model; give it")
-    from hetpipe.calibrate import Recipe, calibrate
-    from planner.staleness import remedies_for
-    from profiler.models import resolve_model
+    from hetpipe.calibrate import Recipe, calibrate, seeded_model
     from runtime.data_source import named_data, run_data
     from runtime.options import OPTIONS
 
-    spec = resolve_model(model, batch)
-    given = named_data("" if data == "builtin" else data, model, batch)
+    seed = OPTIONS["seed"].default if calibration.seed is None else calibration.seed
+    spec = seeded_model(model, batch, seed)
+    given = named_data("" if data == "builtin" else data, model, batch, seed)
     train = run_data(given, model, spec, batch, spec.loss).train
-    default_momentum = 0.0 if optimizer == "sgd" else 0.9
-    recipe = Recipe(
-        OPTIONS["lr"].default if calibration.lr is None else calibration.lr,
-        default_momentum if calibration.momentum is None else calibration.momentum,
-        tuned=calibration.lr_mode == "tuned",
-        remedies=remedies_for(optimizer),
-    )
+    recipe = Recipe(calibration.optimizer(optimizer), calibration.lr_mode == "tuned", seed=seed)
     return calibrate(train, spec, batch, recipe, progress)
 
 

@@ -23,7 +23,7 @@ from hetpipe.commands.objective import (
     with_objective,
 )
 from planner.cluster import Cluster, load_cluster
-from planner.plan import Plan, StagePlan, VirtualWorker
+from planner.plan import Plan, Prediction, StagePlan, VirtualWorker
 from planner.rules import DEFAULT_RULE, get_rule, time_ranked
 from profiler.errors import ConfigError, shown
 from runtime.options import OPTIONS, PLAN_OPTIONS, Range, check_number, check_values
@@ -112,6 +112,8 @@ def _opt(name: str) -> typer.models.OptionInfo:
 
 _CAL_LR = "--calibrate-efficiency: the run's learning rate (default: the run's, 0.05)"
 _CAL_MOMENTUM = "--calibrate-efficiency: the run's SGD momentum (default: 0.9, sgd: 0)"
+_CAL_SEED = "--calibrate-efficiency: the run's seed (its initial weights; default: the run's, 0)"
+_CAL_DECAY = "--calibrate-efficiency: the run's weight decay (default: the run's, 0)"
 
 
 class _Calibrating:
@@ -166,6 +168,20 @@ def _kinds(plan: Plan) -> list[tuple[VirtualWorker, int]]:
         )
         kinds.setdefault(key, []).append(vw)
     return [(vws[0], len(vws)) for vws in kinds.values()]
+
+
+def _overhead_line(pr: Prediction) -> str:
+    """The runtime's own cost the prediction includes, and the prediction without it."""
+    waves = (
+        f", and {pr.overhead_ms_per_wave:.2f} ms + {pr.overhead_ms_per_mb:.2f} ms per MB of "
+        "its parameters per stage per wave"
+        if pr.overhead_ms_per_wave or pr.overhead_ms_per_mb
+        else ""
+    )
+    return (
+        f"  with the runtime's own cost, {pr.overhead_ms_per_task:.2f} ms per task (the "
+        f"cluster's runtime_overhead){waves}; without it {pr.throughput_without_overhead:.1f}"
+    )
 
 
 def render(plan: Plan, full: bool = True) -> None:
@@ -231,11 +247,8 @@ def render(plan: Plan, full: bool = True) -> None:
     console.print(
         f"predicted throughput: [bold]{pr.throughput:.1f}[/] samples/s (WSP, straggler-bound, {pr.method})"
     )
-    if pr.overhead_ms_per_task > 0:
-        console.print(
-            f"  with the runtime's own cost, {pr.overhead_ms_per_task:.2f} ms per task (the "
-            f"cluster's runtime_overhead); without it {pr.throughput_without_overhead:.1f}"
-        )
+    if pr.charges_overhead:
+        console.print(_overhead_line(pr))
     if pr.allreduce_gpus:
         console.print(
             f"AllReduce data-parallel baseline: {pr.allreduce_throughput:.1f} samples/s on {pr.allreduce_gpus} GPUs"
@@ -410,6 +423,8 @@ def plan(  # long by its typer signature (the command's options); the body is ~6
     calibrate: Annotated[str | None, _opt("calibrate")] = None,
     lr: Annotated[float | None, typer.Option("--lr", help=_CAL_LR)] = None,
     momentum: Annotated[float | None, typer.Option("--momentum", help=_CAL_MOMENTUM)] = None,
+    seed: Annotated[int | None, typer.Option("--seed", help=_CAL_SEED)] = None,
+    weight_decay: Annotated[float | None, typer.Option("--weight-decay", help=_CAL_DECAY)] = None,
     calibrate_lr: Annotated[str, _opt("calibrate_lr")] = PLAN_OPTIONS["calibrate_lr"].default,
     rule_values: RuleValues | None = None,
 ) -> None:
@@ -423,12 +438,13 @@ def plan(  # long by its typer signature (the command's options); the body is ~6
     numbers = {"--batch-size": batch_size, "--nm": nm, "-D": staleness, "--vws": vws,
                "--time-limit": time_limit, "--auto-budget": auto_budget,
                "--auto-max-vw-gpus": auto_max_vw_gpus, "--max-cuts": max_cuts,
-               "--lr": lr, "--momentum": momentum}  # fmt: skip
+               "--lr": lr, "--momentum": momentum, "--seed": seed,
+               "--weight-decay": weight_decay}  # fmt: skip
     rule = rule_params(sync, rule_values or {})
     _check_options(numbers, sync, bool(policy or vws or nm or staleness))
     check_values({"objective": objective, "target_samples": target_samples, "remedy": remedy,
                   "calibrate_lr": calibrate_lr}, PLAN_OPTIONS)  # fmt: skip
-    calibration = Calibration(calibrate, lr, momentum, calibrate_lr)
+    calibration = Calibration(calibrate, lr, momentum, calibrate_lr, seed, weight_decay)
     _check_objective(objective, sync, calibration, model, optimizer)
     cl = load_cluster(cluster)
     out = err_console if as_json else console  # what is not the plan itself
@@ -486,11 +502,14 @@ def plan(  # long by its typer signature (the command's options); the body is ~6
     said.report(out)
 
 
+_RUN_NUMBERS = ("lr", "momentum", "seed", "weight_decay")
+"""The run options ``hetpipe plan`` takes for ``--calibrate-efficiency``."""
+
 _RANGES = {
     "--batch-size": Range(1), "--nm": Range(1), "-D": Range(0), "--vws": Range(1),
     "--time-limit": Range(0, open_low=True), "--auto-budget": Range(0),
     "--auto-max-vw-gpus": Range(1), "--max-cuts": Range(0),
-    **{OPTIONS[k].flag: r for k in ("lr", "momentum") if (r := OPTIONS[k].range)},  # as run's
+    **{OPTIONS[k].flag: r for k in _RUN_NUMBERS if (r := OPTIONS[k].range)},  # as run's
 }  # fmt: skip
 """The values each numeric option of ``hetpipe plan`` takes (``None``: not given)."""
 

@@ -27,11 +27,15 @@ Model (one event heap, O(log n) per event; see docs/simulator.md, *Scale*, for t
 - **WSP**: when stage ``s`` finishes the backward of a wave's last minibatch it pushes its
   aggregated update to the parameter-server shards: ``push_ms[s]`` (shards on its node) on
   its own link, then ``push_inter_ms[s]`` (shards on other nodes) on its node's card, FIFO
-  with the activation traffic. The VW's local clock advances when all its stages' pushes arrived;
+  with the activation traffic; that backward costs ``wave_overhead_ms[s]`` more (the runtime's
+  own push and pull work, :mod:`planner.overhead`). The VW's local clock advances when all its stages' pushes arrived;
   the global clock is the minimum over VWs. A VW that needs a newer global clock waits for
-  it, then pulls (``pull_ms``: the slowest stage's pull, all stages pulling in parallel;
-  shard-side contention is not modelled) and only then admits. Waiting = admission blocked
-  by WSP (waiting for the clock plus the pull); idle = waiting while no GPU of the VW computes.
+  it, then every stage pulls its own parameters (``pull_ms[s]``, in parallel; shard-side
+  contention is not modelled) and each waits for its own pull only, as the runtime's stages
+  do (``runtime/sync/wave.py``): stage 0 admits once its pull arrived, a later stage starts
+  the first forward that runs on the pulled weights once its pull arrived. Waiting =
+  admission blocked by WSP (waiting for the clock plus stage 0's pull); idle = waiting while
+  no GPU of the VW computes.
 - **Throughput** (:func:`measured_throughput`, the runtime uses the same function): wave 0
   is warm-up. ``t_a`` = the latest end of wave 0 over VWs, ``t_b`` = the earliest end of the
   last wave; throughput = batch size x minibatches whose stage-0 backward ended in
@@ -49,7 +53,7 @@ from typing import Any
 
 from planner.draw import TraceEvent
 from planner.schedule import HETPIPE, Kind, Schedule, Task
-from planner.sim.state import NO_LINK, Links, VWState
+from planner.sim.state import NO_LINK, Links, StageState, VWState
 from planner.sim.types import (
     PipelineSpec,
     SimResult,
@@ -171,13 +175,30 @@ class _Sim:
         self._dispatch(w, 0, now)
 
     def _start_pull(self, w: VWState, now: float) -> None:
+        """Every stage pulls the global clock now, each its own parameters; stage 0 admits
+        when its own pull arrived, a later stage waits for its own at the forward that needs
+        it (:meth:`_dispatch`), as the runtime's stages do (``runtime/sync/wave.py``)."""
         w.pulling = True
         self.blocked.discard(w.v)
         self.cross_bytes += sum(w.spec.cross_sync_bytes)
+        version = self.clock.global_clock
+        for s, st in enumerate(w.stages):
+            st.pulls.append((version, now + w.spec.pull_ms[s]))
         heapq.heappush(
-            self.heap,
-            (now + max(w.spec.pull_ms), next(self.seq), _PULLED, w, -1, self.clock.global_clock),
+            self.heap, (now + w.spec.pull_ms[0], next(self.seq), _PULLED, w, -1, version)
         )
+
+    @staticmethod
+    def _pulled_by(st: StageState, need: int, now: float) -> float:
+        """When stage ``st`` holds global clock ``need``: when its pull of it arrives (the
+        VW started that pull before it admitted the minibatch that needs it)."""
+        pulls = st.pulls
+        while len(pulls) > 1 and pulls[1][1] <= now:  # superseded by a newer pull, arrived
+            del pulls[0]
+        for version, arrives in pulls:
+            if version >= need:
+                return arrives if arrives > now else now
+        return now
 
     def _pulled(self, w: VWState, version: int, now: float) -> None:
         w.pulling = False
@@ -244,7 +265,13 @@ class _Sim:
         if held > st.max_in_flight:
             st.max_in_flight = held
         c0 = now
+        if t.kind is not Kind.B and st.pulls:  # a forward runs on the weights it pulled
+            need = required_global_clock(t.mb, self.nm, self.D)
+            if need > 0:
+                c0 = self._pulled_by(st, need, now)
         end = c0 + (st.b_comp if t.kind is Kind.B else st.f_comp)
+        if st.wave_comp and t.kind is not Kind.F and t.mb % self.nm == 0:  # it ends a wave
+            end += st.wave_comp
         st.starts.append(c0)
         st.ends.append(end)
         if self.record:

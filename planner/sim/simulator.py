@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from planner.cluster import LinkTable
 from planner.offload import host_link_ms
+from planner.overhead import wave_overhead_ms
 from planner.plan import Plan, StagePlan, VirtualWorker
 from planner.predict import AllReduceResult, ring_link, simulate_allreduce
 from planner.rules import layout
@@ -87,13 +88,14 @@ def pipeline_specs(
 ) -> list[PipelineSpec]:
     """One simulator spec per virtual worker of ``plan`` (times in ms, as planned; every task
     costs ``overhead_ms_per_task`` more, the runtime's own cost: :class:`PipelineSpec`;
-    ``None``: the overhead the plan's prediction assumed, ``predicted.overhead_ms_per_task``).
+    ``None``: the overhead the plan's prediction assumed, ``predicted.overhead_ms_per_task``,
+    and its per-wave terms, :func:`planner.overhead.wave_overhead_ms`; a number given, as
+    ``--profile-runtime`` measures it, already holds the per-wave cost: none is added).
 
     Raises:
         PlanError: a VW has no stage or a stage points at a missing GPU.
     """
-    if overhead_ms_per_task is None:
-        overhead_ms_per_task = plan.predicted.overhead_ms_per_task
+    overhead_ms_per_task, wave_ms = _overheads(plan, overhead_ms_per_task)
     specs = []
     for vw in plan.virtual_workers:
         if not vw.stages:
@@ -143,9 +145,27 @@ def pipeline_specs(
                 ),
                 host_exposed_ms=tuple(s.transfer_ms for s in vw.stages),
                 overhead_ms_per_task=overhead_ms_per_task,
+                wave_overhead_ms=wave_ms(vw),
             ).validated()
         )
     return specs
+
+
+def _overheads(
+    plan: Plan, overhead_ms_per_task: float | None
+) -> tuple[float, Callable[[VirtualWorker], tuple[float, ...]]]:
+    """The overhead per task to charge and, per VW, each stage's per-wave overhead (``()``:
+    none): the plan's own terms, or ``overhead_ms_per_task`` alone when one is given."""
+    pred = plan.predicted
+    per_wave, per_mb = pred.overhead_ms_per_wave, pred.overhead_ms_per_mb
+    if overhead_ms_per_task is not None or not (per_wave or per_mb):
+        return (
+            pred.overhead_ms_per_task if overhead_ms_per_task is None else overhead_ms_per_task,
+            lambda vw: (),
+        )
+    return pred.overhead_ms_per_task, lambda vw: tuple(
+        wave_overhead_ms(per_wave, per_mb, s.param_bytes) for s in vw.stages
+    )
 
 
 def simulate(

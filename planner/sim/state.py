@@ -58,9 +58,11 @@ class StageState:
         "host",
         "max_in_flight",
         "own_link",
+        "pulls",
         "push_card",
         "queue",
         "starts",
+        "wave_comp",
     )
 
     def __init__(
@@ -102,6 +104,8 @@ class StageState:
         self.b_link = NO_LINK if last else sender(s + 1, self.b_recv)
         self.b_comp = 0.0 if last else bwd[s] + over
         self.b_bytes = 0 if last else xb[s + 1]
+        # the runtime's cost of the wave's push and pull, on the task that ends the wave
+        self.wave_comp = spec.wave_overhead_ms[s] if spec.wave_overhead_ms else 0.0
         # offloaded data per minibatch: host-link ms and the part exposed in bwd_ms (drawn only)
         self.host = (
             (spec.host_ms[s], spec.host_exposed_ms[s] if spec.host_exposed_ms else 0.0)
@@ -113,6 +117,8 @@ class StageState:
         self.starts = array("d")
         self.ends = array("d")
         self.max_in_flight = 0
+        # this stage's own pulls, oldest first: (global clock pulled, when it arrived, ms)
+        self.pulls: list[tuple[int, float]] = []
 
 
 class VWState:

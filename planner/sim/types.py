@@ -34,7 +34,8 @@ class PipelineSpec:
         recv_fwd_ms: time to receive the activations crossing each stage's first cut (0 for stage 0).
         recv_bwd_ms: time to receive the gradients crossing each stage's last cut (0 for the last).
         push_ms: time for each stage to push its update per wave to shards on its own node.
-        pull_ms: time for each stage to pull its global weights (pulls run in parallel).
+        pull_ms: time for each stage to pull its global weights (pulls run in parallel; each
+            stage waits for its own).
         cross_recv_bytes: bytes crossing each stage's first cut when the previous stage sits
             on another node (counted once forward and once backward per minibatch), else 0.
         cross_sync_bytes: bytes each stage moves across nodes per push (the same again per pull).
@@ -50,6 +51,9 @@ class PipelineSpec:
         overhead_ms_per_task: the runtime's own cost of every task (messages, optimizer step,
             Python, bookkeeping: what ``hetpipe run --profile-runtime`` reports as
             ``overhead_ms_per_task``), added to each task's compute time; 0: none.
+        wave_overhead_ms: the runtime's own cost of each stage's wave through parameter
+            servers (:func:`planner.overhead.wave_overhead_ms`), added to the stage's task that
+            ends the wave (its backward of minibatch ``k * Nm``, where it pushes). Empty: zero.
     """
 
     fwd_ms: tuple[float, ...]
@@ -66,6 +70,7 @@ class PipelineSpec:
     host_ms: tuple[float, ...] = ()
     host_exposed_ms: tuple[float, ...] = ()
     overhead_ms_per_task: float = 0.0
+    wave_overhead_ms: tuple[float, ...] = ()
 
     @property
     def n_stages(self) -> int:
@@ -125,8 +130,9 @@ class PipelineSpec:
             "push_inter_ms",
             "host_ms",
             "host_exposed_ms",
+            "wave_overhead_ms",
         ):
-            optional = ("nodes", "push_inter_ms", "host_ms", "host_exposed_ms")
+            optional = ("nodes", "push_inter_ms", "host_ms", "host_exposed_ms", "wave_overhead_ms")
             if len(getattr(self, name)) != n and not (name in optional and not getattr(self, name)):
                 raise PlanError(
                     f"PipelineSpec.{name} has {len(getattr(self, name))} entries, expected {n} (one per stage)"
@@ -139,6 +145,7 @@ class PipelineSpec:
             "push_ms",
             "pull_ms",
             "push_inter_ms",
+            "wave_overhead_ms",
         ):
             for s, v in enumerate(getattr(self, name)):
                 if not v >= 0.0:

@@ -457,4 +457,4 @@ def evaluate(
 def _without_overhead(plan: Plan) -> float:
     """The plan's prediction without the runtime overhead (0: its planner assumed none)."""
     p = plan.predicted
-    return p.throughput_without_overhead if p.overhead_ms_per_task > 0 else 0.0
+    return p.throughput_without_overhead if p.charges_overhead else 0.0

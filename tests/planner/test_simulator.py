@@ -9,6 +9,7 @@ import random
 import pytest
 
 from planner.cluster import Link
+from planner.draw import TraceEvent
 from planner.predict import simulate_allreduce
 from planner.schedule import FLUSH, HETPIPE, SCHEDULES, Schedule, actions
 from planner.sim.engine import simulate_pipelines
@@ -94,6 +95,31 @@ def test_one_vw_enough_in_flight_is_bound_by_busiest_resource() -> None:
         assert got[-1] <= 8 * 1e3 / 6.0 * 1.01
         assert got[-1] == pytest.approx(8 * 1e3 / 6.0, rel=0.04)
         assert got[0] < 8 * 1e3 / 6.0 * 0.95  # Nm = S no longer hides the transfers
+
+
+def test_each_stage_waits_for_its_own_pull() -> None:
+    """A stage's pull holds up that stage's forward that runs on the pulled weights, not the
+    VW's admission: the runtime's stages each wait for their own pull (runtime/sync/wave.py).
+    The cnn benchmark's `GR` plan, whose last stage holds most of the parameters, ran 1.15x
+    the prediction that made admission wait for the slowest stage's pull."""
+
+    def run(pull_ms: tuple[float, float]) -> list[TraceEvent]:
+        sp = PipelineSpec.from_times([10.0, 10.0], [20.0, 20.0], pull_ms=pull_ms)
+        res = simulate_pipelines([sp], nm=3, D=0, waves=6, batch_size=1, record_trace=True)
+        return list(res.trace)
+
+    trace = run((1.0, 40.0))
+    waits = [e.end_ms - e.start_ms for e in trace if e.cat == "wait"]
+    assert len(waits) == 5 and waits == pytest.approx([1.0] * 5)  # stage 0's own pull
+    # wave 0 is pushed when B3 ends (no push time): the clock is 1, stage 1 pulls for 40 ms
+    # and its first forward on those weights (minibatch 6, Nm = 3, D = 0) waits for it
+    b3 = next(e for e in trace if (e.stage, e.cat, e.mb) == (0, "B", 3))
+    fb6 = next(e for e in trace if (e.stage, e.cat, e.mb) == (1, "FB", 6))
+    assert fb6.start_ms == pytest.approx(b3.end_ms + 40.0)
+    # a first stage's long pull does hold up admission
+    assert [e.end_ms - e.start_ms for e in run((40.0, 1.0)) if e.cat == "wait"] == pytest.approx(
+        [40.0] * 5
+    )
 
 
 def test_transfers_overlap_compute_but_not_each_other() -> None:

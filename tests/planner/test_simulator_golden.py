@@ -3,9 +3,9 @@
 ``GOLDEN`` holds, per case, the SHA-256 of ``repr(SimResult)`` (every float, count and trace
 interval) recorded with the event loop as it was before its rewrite for scale (commit
 6c48df6; re-recorded when transfers began to overlap computation as the runtime's receive
-threads overlap them). Any change of a prediction, however small, changes the digest. If a change of the
-model is intended, re-record with ``python -m tests.planner.test_simulator_golden`` and say
-why in the commit.
+threads overlap them, and when each stage began to wait for its own pull alone). Any change
+of a prediction, however small, changes the digest. If a change of the model is intended,
+re-record with ``python -m tests.planner.test_simulator_golden`` and say why in the commit.
 """
 
 from __future__ import annotations
@@ -88,11 +88,11 @@ CASES = {
 }
 
 GOLDEN = {
-    "random-1": "385f6596b995ee2f0577735ef68aa8c6b7a287e4213eec8a15007f0ac5317d72",
-    "random-2": "266dfc368fb422ddf9388eff15619f21ed7f3c4953505064ab646aaac7257ba7",
-    "random-3": "29e958a48fa6083959eca16cfa1ffe5705f7966f873b5146e4e219760e63148d",
-    "random-4": "c23babd5e0d394cfbe09dc859b52ffe6319b25233ec7202d0cde32bb5bc16137",
-    "random-5": "6accee16f4adf826ea413d9f58ac6f806242b291e650a0b8af391d0c6b00a5fb",
+    "random-1": "7faf765bae923cd5e2aece9d62d7ffce3574660690b31049d610aad0031d6ae6",
+    "random-2": "3c4a4d581556c4250e519fb168a1b3559c7aaa27ecba0e1c2884f974b09ace75",
+    "random-3": "1c07623ae1b64a9b436c056a9e5beec5fca150576be7270c9387e294158e3d07",
+    "random-4": "02bc2ae07c955f4a38aa8d0479e60e47ff10dfa7e4197c224fbb823cea06cbea",
+    "random-5": "91cdfb9f17578ac0674b9f5031c2d41d0cb5551bdcb893fe7b6e805ffa35222f",
     "plan-default": "c50f7df36952929a9234f8f129852aa0af228b3e235dfbbbe886901831ffc53c",
     "plan-local-d1": "a1e1925a6915d3df0fbdfd7ea6444f20f011bc447bfe111d444e403903f7c875",
     "many-vws": "fdc8fa4b78411a24a9528e88f1d07cb2a5c82a7008116550c61a2d035408cd5a",
