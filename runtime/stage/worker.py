@@ -116,8 +116,7 @@ class StageWorker:
         )
         self._loss = 0.0  # the last stage's loss of the minibatch being judged
         self.first_wave = job.sync.first_wave
-        links = self.links  # on one host, sends wait in sender-side queues (send_queues.py)
-        self.queues = SendQueues(links.card_file) if links.sender_queued else None
+        links, self.queues = self.links, _queues(self.links)
         view = StageView(
             ctx.rank, ctx.vw, ctx.stage, ctx.nm, f"vw{ctx.vw}-stage{ctx.stage}",
             tuple((self.names[n], p) for n, p in params.items()), self.weights, self.result,
@@ -426,8 +425,7 @@ class StageWorker:
         # only the computation can make the device late: the update's CPU time past the
         # deadline is the runtime's cost (on a GPU it is microseconds), not a slow device
         self.result.overrun_s += max(0.0, time.perf_counter() - deadline)
-        # the tied exchange waits on earlier stages; a queued send (send_queues.py) takes its
-        # window from the backward's end, ahead of the update's push: the simulator's order
+        # tied: waits on earlier stages; queued: its window ahead of the push (send_queues.py)
         if to_prev is not None and (self.tied or to_prev.route is not None):
             to_prev.send_grads(mb, grads_x, not_before_s=deadline)
             to_prev = None
@@ -561,3 +559,9 @@ def _route(queues: SendQueues | None, link: Link | None, queue: str) -> Route | 
     """Where a channel's sends over ``link`` are charged (``None``: the receiver paces them,
     or nothing is paced)."""
     return None if queues is None or link is None else Route(queues, link, queue)
+
+
+def _queues(links: StageLinks) -> SendQueues | None:
+    """A stage's sender-side queues where its sends wait in them (one host; ``None``: each
+    receiver paces its own link, or nothing is paced)."""
+    return SendQueues(links.card_file) if links.sender_queued else None
