@@ -49,6 +49,8 @@ from profiler.errors import ConfigError, shown
 from profiler.inputs import load_document
 
 __all__ = [
+    "NODE_CARD",
+    "OWN_LINK",
     "Cluster",
     "Device",
     "Emulation",
@@ -59,6 +61,7 @@ __all__ = [
     "load_cluster",
     "parse_cluster",
     "parse_links",
+    "sender_queue",
 ]
 
 
@@ -118,6 +121,23 @@ def allreduce_s(link: Link, param_bytes: float, n: int) -> float:
 
 PCIE = Link(PCIE_BPS, 10e-6)
 """The default host link (GPU <-> host memory; offloaded data moves over it)."""
+
+
+OWN_LINK = "own"  # a GPU's own link: one queue per GPU
+NODE_CARD = "card"  # a node's network card: one queue shared by every GPU of the node
+
+
+def sender_queue(src_node: str, dst_node: str) -> str:
+    """The sender's queue a transfer from a GPU of ``src_node`` to one of ``dst_node`` waits
+    in (each queue carries one transfer at a time, first come first served): the sending
+    GPU's own link inside a node (:data:`OWN_LINK`), its node's network card, shared by
+    every GPU of that node, to another node (:data:`NODE_CARD`). The simulator charges and
+    the runtime paces each transfer on this queue (activations, gradients, a push's parts).
+
+    >>> sender_queue("V", "V"), sender_queue("V", "R")
+    ('own', 'card')
+    """
+    return OWN_LINK if src_node == dst_node else NODE_CARD
 
 
 @dataclass(frozen=True)

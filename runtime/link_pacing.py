@@ -30,6 +30,7 @@ slow by the real loopback time (tens of microseconds), never fast. Real clusters
 from __future__ import annotations
 
 import datetime
+import math
 import queue
 import threading
 import time
@@ -37,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from planner.cluster import Cluster, Link, allreduce_s
+from planner.cluster import OWN_LINK, Cluster, Link, allreduce_s
 
 __all__ = [
     "NO_LINKS",
@@ -145,6 +146,22 @@ class LinkPacer:
         charge = self.charge_s(nbytes)
         self._free_s = begin + charge
         return self.pace.since(begin, charge)
+
+    def delivered(self, nbytes: float, arrived_s: float, deadline_s: float) -> float:
+        """A message of ``nbytes`` that arrived at ``arrived_s``: wait until ``deadline_s``,
+        when its sender's queue delivers it (:mod:`runtime.send_queues`), or, without one
+        (NaN: the sender does not queue its sends), pace it here (:meth:`arrived`).
+
+        Returns:
+            Seconds waited.
+        """
+        if math.isnan(deadline_s):
+            return self.arrived(nbytes, arrived_s)
+        now = self.pace.clock()
+        if now >= deadline_s:
+            return 0.0
+        self.pace.wait(deadline_s, self.pace.clock)
+        return deadline_s - now
 
 
 class DelayedWork:
@@ -301,6 +318,12 @@ class StageLinks:
         shards: ``(shard id, link)`` between this stage and each parameter-server shard.
         ring: the AllReduce ring's slowest link over this stage position's copies.
         ring_size: copies on that ring (the AllReduce baseline's VWs).
+        prev_queue, next_queue: the sender's queue (:func:`planner.cluster.sender_queue`) the
+            stage's sends to the previous (gradients) and next (activations) stage wait in.
+        shard_queues: ``(shard id, queue)``: where the stage's push part to each shard waits.
+        card_file: the file of its node card's queue, shared by every process of the node
+            (:mod:`runtime.send_queues`; set by the launcher on one host); ``""``: the run
+            cannot share one (torchrun): transfers are paced on the receiving side.
     """
 
     prev: Link | None = None
@@ -308,6 +331,10 @@ class StageLinks:
     shards: tuple[tuple[int, Link], ...] = ()
     ring: Link | None = None
     ring_size: int = 1
+    prev_queue: str = OWN_LINK
+    next_queue: str = OWN_LINK
+    shard_queues: tuple[tuple[int, str], ...] = ()
+    card_file: str = ""
 
     @property
     def paced(self) -> bool:
@@ -317,6 +344,16 @@ class StageLinks:
     def shard(self, shard_id: int) -> Link | None:
         """The link to shard ``shard_id`` (``None``: not paced)."""
         return dict(self.shards).get(shard_id)
+
+    def shard_queue(self, shard_id: int) -> str:
+        """The sender's queue the stage's push part to shard ``shard_id`` waits in."""
+        return dict(self.shard_queues).get(shard_id, OWN_LINK)
+
+    @property
+    def sender_queued(self) -> bool:
+        """Whether the stage charges its sends on its sender-side queues
+        (:mod:`runtime.send_queues`) rather than each receiver pacing its own link."""
+        return self.paced and bool(self.card_file)
 
     def allreduce_charge_s(self, nbytes: float) -> float:
         """Seconds the ring all-reduce of ``nbytes`` is charged (0 when not paced)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from array import array
 
+from planner.cluster import NODE_CARD, sender_queue
 from planner.schedule import Schedule, Task
 from planner.sim.types import PipelineSpec
 
@@ -81,7 +82,9 @@ class StageState:
             """The link a transfer from stage ``src`` to this stage occupies."""
             if not recv > 0.0:
                 return NO_LINK
-            return links.card(nodes[src]) if nodes and nodes[src] != nodes[s] else own[src]
+            if nodes and sender_queue(nodes[src], nodes[s]) == NODE_CARD:
+                return links.card(nodes[src])
+            return own[src]
 
         self.queue = schedule.queue(s, n)
         self.forward_kind = self.queue.forward_kind

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from torch.utils.data import Dataset
@@ -24,6 +25,7 @@ from runtime.data import stage_view
 from runtime.launch.procs import ShardJob
 from runtime.launch.roles import pacing_table, stage_contexts, total_steps
 from runtime.persist.run_dir import RunOwner
+from runtime.send_queues import make_card
 from runtime.spec import RunSpec
 from runtime.stage.emulation import Calibration
 from runtime.stage.job import StageJob
@@ -38,6 +40,7 @@ __all__ = [
     "check_alone",
     "prepare_local",
     "vw_stage_jobs",
+    "with_cards",
     "with_world",
 ]
 
@@ -136,6 +139,26 @@ def with_world(jobs: list[StageJob], n_shards: int = 0) -> tuple[int, tuple[Stag
     with it set (shards take ranks ``0..n_shards-1``)."""
     world = n_shards + len(jobs)
     return world, tuple(dataclasses.replace(j, world_size=world) for j in jobs)
+
+
+def with_cards(prep: Prepared, folder: Path) -> Prepared:
+    """``prep`` with each paced stage given its node card's queue file in ``folder`` (one per
+    node, made here; ``folder`` is the launch's, removed with it): the processes of one
+    host then charge their sends on the queues the simulator charges
+    (:mod:`runtime.send_queues`)."""
+    files: dict[str, str] = {}
+    stages = []
+    for job in prep.stages:
+        links = job.ctx.links
+        if links.paced:
+            node = job.ctx.device.rpartition(":")[0]  # the device label is NODE:INDEX
+            if node not in files:
+                files[node] = str(folder / f"card-{len(files)}")
+                make_card(Path(files[node]))
+            links = dataclasses.replace(links, card_file=files[node])
+            job = dataclasses.replace(job, ctx=dataclasses.replace(job.ctx, links=links))
+        stages.append(job)
+    return dataclasses.replace(prep, stages=tuple(stages))
 
 
 def check_alone(spec: RunSpec, every_given: bool = False) -> None:

@@ -37,7 +37,7 @@ from runtime.config import ModelSource, RunConfig
 from runtime.data_source import RunData, run_data
 from runtime.launch.allreduce import prepare_allreduce
 from runtime.launch.failures import Interrupted
-from runtime.launch.jobs import Attempt, Prepared, check_alone, prepare_local
+from runtime.launch.jobs import Attempt, Prepared, check_alone, prepare_local, with_cards
 from runtime.launch.liveness import rendezvous_dir
 from runtime.launch.restart_vw import AttemptFailed
 from runtime.launch.startup import StartUpLoss
@@ -238,6 +238,7 @@ def _attempt(job: _Job, spec: RunSpec, absent: dict[int, str] | None = None) -> 
         prep = prepare(plan, job.source, spec, job.dataset, where)
         if isinstance(prep, RunResult):  # a resume with nothing left: written from the snapshot
             return prep
+        prep = with_cards(prep, tmp)  # one host: sends queue on the simulator's queues
         n_vws = len({j.ctx.vw for j in prep.stages})
         restart_vw = bool(prep.shards) and prep.shards[0].rejoin is not None
         stages, states, lost, restarted = spawn_and_watch(

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from planner.cluster import OWN_LINK, sender_queue
 from planner.plan import Plan
 from planner.predict import ring_link
 from planner.rules import layout
@@ -100,6 +101,9 @@ def stage_links(plan: Plan, vw: int, stage: int) -> StageLinks:
         shards=tuple((sh.id, links.between(me, sh.node)) for sh in plan.shards),
         ring=ring,
         ring_size=size,
+        prev_queue=sender_queue(me, nodes[stage - 1]) if stage > 0 else OWN_LINK,
+        next_queue=sender_queue(me, nodes[stage + 1]) if stage + 1 < len(nodes) else OWN_LINK,
+        shard_queues=tuple((sh.id, sender_queue(me, sh.node)) for sh in plan.shards),
     )
 
 

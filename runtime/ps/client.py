@@ -166,7 +166,8 @@ class PSClient(PullingClient):
             if pull is not None
             else []
         )
-        for k, link in enumerate(self._links):
+        for k in self._push_order:
+            link = self._links[k]
             msg = self._reserved[k] or self._take_message(k)
             self._reserved[k] = None
             base, pos = msg.payload.data_ptr(), 0

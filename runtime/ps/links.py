@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from planner.cluster import OWN_LINK
 from profiler.errors import ConfigError, HetPipeRuntimeError
 from runtime.link_pacing import (
     NO_LINKS,
@@ -30,6 +31,7 @@ from runtime.link_pacing import (
 from runtime.ps.layout import ShardSpec
 from runtime.ps.outcome import Status
 from runtime.ps.wire import TAG_PUSH, irecv, isend, push_message
+from runtime.send_queues import SendQueues
 
 __all__ = ["Link", "Message", "Push", "ShardLinks"]
 
@@ -83,9 +85,11 @@ class ShardLinks:
         pull_timeout_s: float | None = None,
         paced: StageLinks = NO_LINKS,
         pace: Pace = REAL_PACE,
+        queues: SendQueues | None = None,
     ) -> None:
         self.vw, self.stage, self.group = vw, stage, group
         self._paced, self._pace = paced, pace  # emulated links (runtime.link_pacing)
+        self._queues = queues  # the stage's sender-side queues (runtime.send_queues)
         self._delay = DelayLine(pace)  # posts paced pushes when their link delivers them
         self._arrivals = ArrivalWatcher()  # stamps when paced pull replies arrive
         self._push_free_s = float("-inf")  # when the stage's previous paced push lands
@@ -112,6 +116,7 @@ class ShardLinks:
                 f"vw {vw} stage {stage}: parameters {orphans} are on no parameter-server shard; fix the shard assignment"
             )
         self._links = tuple(links)
+        self._push_order = _push_order(self._links, paced)
         self._prefix = (
             f"[vw {vw} | stage {stage} | rank {dist.get_rank() if dist.is_initialized() else '?'}]"
         )
@@ -170,16 +175,20 @@ class ShardLinks:
         return 0.0 if link is None else link.time_s(nbytes)
 
     def _send_paced(self, k: int, msg: Message, what: str) -> dist.Work | DelayedWork:
-        """Send push ``msg`` to shard ``k``: at once, or on an emulated link when its charge
-        has passed since the stage's previous push landed (one push at a time, as simulated)."""
+        """Send push ``msg`` to shard ``k``: at once, or on an emulated link when its window on
+        the stage's sender-side queue ends (its own link's for a shard on its node, its node
+        card's for another, :mod:`runtime.send_queues`), else (no shared queues: torchrun)
+        when its charge has passed since the stage's previous push landed."""
         link = self._links[k]
         charge = self._charge_s(k, msg.payload.numel() * msg.payload.element_size())
         if charge <= 0:
             return self._isend(link, msg.message, TAG_PUSH, what)
-        self._push_free_s = max(self._pace.clock(), self._push_free_s) + charge
-        return self._delay.post(
-            self._push_free_s, lambda: self._isend(link, msg.message, TAG_PUSH, what)
-        )
+        if self._queues is not None:
+            queue = self._paced.shard_queue(link.spec.id)
+            deadline = self._queues.push_deadline(queue, charge)
+        else:
+            deadline = self._push_free_s = max(self._pace.clock(), self._push_free_s) + charge
+        return self._delay.post(deadline, lambda: self._isend(link, msg.message, TAG_PUSH, what))
 
     def _take_message(self, k: int) -> Message:
         """A push message for shard ``k``: a recycled one, else a fresh one."""
@@ -230,3 +239,10 @@ class ShardLinks:
     def _check_open(self) -> None:
         if self._closed:
             raise HetPipeRuntimeError(f"{self._prefix} the parameter-server client is closed")
+
+
+def _push_order(links: Sequence[Link], paced: StageLinks) -> tuple[int, ...]:
+    """The order a push's parts leave in: to shards on the stage's node first, then to other
+    nodes (the simulator charges the local part on the own link, then the rest on the card)."""
+    local = [paced.shard_queue(link.spec.id) == OWN_LINK for link in links]
+    return tuple(sorted(range(len(links)), key=lambda k: not local[k]))

@@ -10,8 +10,11 @@ overlap the next task; receives are posted by one thread per direction, which ha
 message's tensors (views of its buffer, no copy) to the stage's inbox, so the scheduler sees
 arrivals in order and never polls. Shapes and dtypes come from the traced graph, so no
 metadata travels. On an emulated cluster each receive thread holds a message back until its
-link's charged time for the tensors' bytes has passed (:class:`runtime.link_pacing.LinkPacer`):
-the stage computes meanwhile, and the sender never waits for it.
+link would deliver it (:class:`runtime.link_pacing.LinkPacer`): on one host until the
+deadline the message carries, its window on the sender's queue (own link or node card,
+:mod:`runtime.send_queues`, reserved when the send is posted), else (torchrun) until its
+link's charge for the tensors' bytes has passed since it arrived. The stage computes
+meanwhile, and the sender never waits for it.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from profiler.errors import HetPipeRuntimeError, ModelError
 from profiler.graph import ModelGraph
 from profiler.precision import wire_dtype
 from runtime.link_pacing import LinkPacer
+from runtime.send_queues import Route
 
 __all__ = [
     "Channel",
@@ -127,7 +131,8 @@ class Event:
 
 MAX_PENDING_SENDS = 64  # posted sends a Channel keeps before waiting on the oldest
 ACT_TAG, GRAD_TAG = 0, 1  # forward messages / gradient messages (opposite directions)
-HEADER_BYTES = 8  # the int64 minibatch number that opens every message
+HEADER_BYTES = 16  # every message opens with its int64 minibatch number, then its float64
+# delivery deadline (runtime.send_queues; NaN: the receiver paces it)
 
 
 @dataclass(frozen=True)
@@ -143,7 +148,7 @@ class Layout:
 
     >>> lay = layout_of((TensorSpec("h", (2, 3), torch.float32), TensorSpec("m", (2,), torch.bool)))
     >>> lay.offsets, lay.nbytes, lay.payload_bytes
-    ((8, 32), 34, 26)
+    ((16, 40), 42, 26)
     """
 
     specs: tuple[TensorSpec, ...]
@@ -159,7 +164,8 @@ class Layout:
             buf[o : o + s.nbytes].view(s.dtype).view(s.shape)
             for o, s in zip(self.offsets, self.specs, strict=True)
         )
-        return Message(self, buf, buf[:HEADER_BYTES].view(torch.int64), views)
+        header, deadline = buf[:8].view(torch.int64), buf[8:HEADER_BYTES].view(torch.float64)
+        return Message(self, buf, header, views, deadline)
 
 
 def layout_of(specs: tuple[TensorSpec, ...]) -> Layout:
@@ -183,12 +189,15 @@ class Message:
         buf: the ``uint8`` buffer that travels.
         header: its int64 minibatch number (a one-element view).
         tensors: a view of each tensor of ``layout.specs``.
+        deadline: when its sender's queue delivers it (a one-element float64 view, seconds
+            of ``time.perf_counter``; NaN: the receiver paces it, :mod:`runtime.send_queues`).
     """
 
     layout: Layout
     buf: Tensor
     header: Tensor
     tensors: tuple[Tensor, ...]
+    deadline: Tensor
 
     def fill(self, mb: int, tensors: Iterable[Tensor | None]) -> None:
         """Copy minibatch number ``mb`` and ``tensors`` (``None`` -> zeros) into the buffer.
@@ -223,10 +232,17 @@ class Channel:
         group: process group numbered like the world (``None``: the default group).
     """
 
-    def __init__(self, peer: int, specs: tuple[TensorSpec, ...], group: Any = None) -> None:
+    def __init__(
+        self,
+        peer: int,
+        specs: tuple[TensorSpec, ...],
+        group: Any = None,
+        route: Route | None = None,
+    ) -> None:
         self.peer = peer
         self.specs = specs
         self.group = group
+        self.route = route
         self.acts = layout_of(specs)
         self.grads = layout_of(tuple(s for s in specs if s.is_float))
         self._pending: deque[tuple[Any, Message]] = deque()
@@ -245,9 +261,19 @@ class Channel:
         work.wait()
         return msg if msg.layout is layout else layout.message()
 
-    def _send(self, layout: Layout, mb: int, tensors: Iterable[Tensor | None], tag: int) -> None:
+    def _send(
+        self,
+        layout: Layout,
+        mb: int,
+        tensors: Iterable[Tensor | None],
+        tag: int,
+        not_before_s: float = -math.inf,
+    ) -> None:
         msg = self._buffer(layout)
         msg.fill(mb, tensors)
+        route = self.route if mb != STOP else None  # the stop is no transfer of the model's
+        nbytes = layout.payload_bytes
+        msg.deadline.fill_(math.nan if route is None else route.deadline(nbytes, not_before_s))
         work = _post(dist.isend, msg.buf, self.peer, self.group, tag)
         self._pending.append((work, msg))  # the buffer lives until the send completes
 
@@ -260,10 +286,13 @@ class Channel:
         :data:`STOP`; its tensors are zeros)."""
         self._send(self.acts, STOP, (None,) * len(self.specs), ACT_TAG)
 
-    def send_grads(self, mb: int, grads: list[Tensor | None]) -> None:
+    def send_grads(
+        self, mb: int, grads: list[Tensor | None], not_before_s: float = -math.inf
+    ) -> None:
         """Post minibatch ``mb``'s gradient of each floating-point crossing tensor as one
-        message (``None`` -> zeros)."""
-        self._send(self.grads, mb, grads, GRAD_TAG)
+        message (``None`` -> zeros); on a sender-side queue its transfer begins no sooner than
+        ``not_before_s`` (``time.perf_counter``: when the emulated backward ends)."""
+        self._send(self.grads, mb, grads, GRAD_TAG, not_before_s)
 
     def flush(self) -> None:
         """Wait for every posted send."""
@@ -346,7 +375,7 @@ def start_activation_receiver(
                 arrived_s = _now(pacer)
                 posted = _post_recv(layout, peer, group, ACT_TAG)  # the next one, ahead
                 if pacer is not None:
-                    pacer.arrived(layout.payload_bytes, arrived_s)
+                    pacer.delivered(layout.payload_bytes, arrived_s, float(msg.deadline))
                 inbox.put(Event("act", mb, msg.tensors))
         except Exception as exc:  # a dead peer or a timeout: hand it to the stage loop
             inbox.put(Event("error", error=exc))
@@ -418,7 +447,9 @@ class GradReceiver:
                 nxt = self._next(block=False)  # already expected: post its receive ahead
                 posted = self._post() if nxt is not None and nxt != STOP else None
                 if self._pacer is not None:
-                    self._pacer.arrived(self._layout.payload_bytes, arrived_s)
+                    self._pacer.delivered(
+                        self._layout.payload_bytes, arrived_s, float(msg.deadline)
+                    )
                 self._inbox.put(Event("grad", mb, msg.tensors))
                 if nxt is None:
                     nxt = self._next(block=True)

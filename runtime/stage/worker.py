@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 from torch.func import functional_call
 
+from planner.cluster import Link
 from planner.nonfinite import Verdict
 from planner.schedule import Kind, Task, schedule_named
 from planner.wsp import wave_of
@@ -30,6 +31,7 @@ from runtime.defaults import neighbour_wait_s
 from runtime.link_pacing import LinkPacer, StageLinks, active_links
 from runtime.messages import REPORTS
 from runtime.results.metrics import StageResult
+from runtime.send_queues import Route, SendQueues
 from runtime.stage.comm import (
     Channel,
     Event,
@@ -114,12 +116,13 @@ class StageWorker:
         )
         self._loss = 0.0  # the last stage's loss of the minibatch being judged
         self.first_wave = job.sync.first_wave
+        links, self.queues = self.links, _queues(self.links)
         view = StageView(
             ctx.rank, ctx.vw, ctx.stage, ctx.nm, f"vw{ctx.vw}-stage{ctx.stage}",
             tuple((self.names[n], p) for n, p in params.items()), self.weights, self.result,
             self.tied if self.tied else None, job.init_method, group,
             tuple((self.buffer_names[n], b) for n, b in self.module.named_buffers()),
-            self.links, self.last,
+            links, self.last, self.queues,
         )  # fmt: skip
         self.sync = stage_sync(job.sync, view)  # the synchronisation rule's hooks
         self._task_mb = 1  # the minibatch of the task being paced (its wave may straggle)
@@ -149,8 +152,7 @@ class StageWorker:
         self.result.start_time = start_time
         self.timer = lap_timer(self.run_cfg.profile_runtime)
         nxt, prev, group = ctx.next_rank, ctx.prev_rank, self.group
-        to_next = Channel(nxt, self.out_specs, group) if nxt is not None else None
-        to_prev = Channel(prev, self.in_specs, group) if prev is not None else None
+        to_next, to_prev = self._channels(nxt, prev, group)
         grad_rx, receivers = self._start_receivers(nxt, prev, group)
         self._received = 0  # forward messages received (stage 0: minibatches admitted)
         self._stop_in = ctx.stage == 0  # whether the number of minibatches is final
@@ -182,7 +184,24 @@ class StageWorker:
             for n, b in self.module.named_buffers()
         }
         self.sync.close()
+        if self.queues is not None:
+            self.queues.close()
         return self.result
+
+    def _channels(
+        self, nxt: int | None, prev: int | None, group: Any
+    ) -> tuple[Channel | None, Channel | None]:
+        """The sending sides towards the next and the previous stage (``None``: no such
+        stage), charged on the stage's sender-side queues where it has them."""
+        links, queues = self.links, self.queues
+        return (
+            Channel(nxt, self.out_specs, group, _route(queues, links.next, links.next_queue))
+            if nxt is not None
+            else None,
+            Channel(prev, self.in_specs, group, _route(queues, links.prev, links.prev_queue))
+            if prev is not None
+            else None,
+        )
 
     def _start_receivers(
         self, nxt: int | None, prev: int | None, group: Any
@@ -408,8 +427,9 @@ class StageWorker:
         # only the computation can make the device late: the update's CPU time past the
         # deadline is the runtime's cost (on a GPU it is microseconds), not a slow device
         self.result.overrun_s += max(0.0, time.perf_counter() - deadline)
-        if self.tied and to_prev is not None:  # the tied exchange waits on earlier stages
-            to_prev.send_grads(mb, grads_x)
+        # tied: waits on earlier stages; queued: its window ahead of the push (send_queues.py)
+        if to_prev is not None and (self.tied or to_prev.route is not None):
+            to_prev.send_grads(mb, grads_x, not_before_s=deadline)
             to_prev = None
             timer.lap("send_recv")
         waited = self.result.wait_s
@@ -542,3 +562,15 @@ class StageWorker:
         if self._reports and self.events is not None:
             self.events.put((REPORTS, self.ctx.rank, tuple(self._reports)))
             self._reports.clear()
+
+
+def _route(queues: SendQueues | None, link: Link | None, queue: str) -> Route | None:
+    """Where a channel's sends over ``link`` are charged (``None``: the receiver paces them,
+    or nothing is paced)."""
+    return None if queues is None or link is None else Route(queues, link, queue)
+
+
+def _queues(links: StageLinks) -> SendQueues | None:
+    """A stage's sender-side queues where its sends wait in them (one host; ``None``: each
+    receiver paces its own link, or nothing is paced)."""
+    return SendQueues(links.card_file) if links.sender_queued else None

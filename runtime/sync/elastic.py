@@ -125,6 +125,7 @@ class ElasticSync(StageSync):
             timeout_s=vw_wait_s(spec.timeout_s),  # a live shard may be busy (a lost VW's
             pull_timeout_s=vw_wait_s(spec.timeout_s),  # connections, a snapshot): not a hang
             paced=view.links,
+            queues=view.queues,
         )
         tau, alpha = int(param(spec.params, "tau", 1.0)), param(spec.params, "alpha")
         if spec.first_wave % tau:

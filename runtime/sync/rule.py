@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from runtime.persist.snapshot import SnapshotSpec
     from runtime.ps.layout import ShardSpec
     from runtime.results.metrics import StageResult
+    from runtime.send_queues import SendQueues
     from runtime.stage.tied import TiedGrads
     from runtime.stage.weights import VersionedWeights
 
@@ -143,6 +144,8 @@ class StageView:
         buffers: ``(original name, buffer)`` of the stage's module (a snapshot holds them).
         links: the emulated links the rule's transfers are paced to (:mod:`runtime.link_pacing`).
         last: the pipeline's last stage (its tasks forward and update minibatches in order).
+        queues: the stage's sender-side link queues its pushes are charged on (``None``: each
+            push paced on its own, :mod:`runtime.send_queues`).
     """
 
     rank: int
@@ -159,6 +162,7 @@ class StageView:
     buffers: tuple[tuple[str, Tensor], ...] = ()
     links: StageLinks = NO_LINKS
     last: bool = False
+    queues: SendQueues | None = None
 
 
 class StageSync:

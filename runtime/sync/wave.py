@@ -158,6 +158,7 @@ class WaveSync(StageSync):
             timeout_s=vw_wait_s(spec.timeout_s),  # a live shard may be busy (a lost VW's
             pull_timeout_s=vw_wait_s(spec.timeout_s),  # connections, a snapshot): not a hang
             paced=view.links,
+            queues=view.queues,
         )
         sync = cls(
             client,
