@@ -82,13 +82,14 @@ class _Sim:
         waves: int,
         record: bool,
         schedule: Schedule,
+        alone: bool = False,
     ) -> None:
         self.links = Links()
         self.schedule = schedule
         self.vws = [VWState(s.validated(), v, self.links, schedule) for v, s in enumerate(specs)]
         for w in self.vws:  # the last stage runs in minibatch order (no tied copies here)
-            for s, st in enumerate(w.stages):
-                st.folds = folds_at_update(D, in_order=s == w.n - 1)
+            for s, st in enumerate(w.stages):  # alone: no pull to fold (planner.sync)
+                st.folds = not alone and folds_at_update(D, in_order=s == w.n - 1)
         self.nm, self.D, self.total = nm, D, waves * nm
         self.clock = GlobalClock(len(self.vws))
         # (time ms, sequence number, event code, VW, stage, task/wave/version): ties in time
@@ -360,6 +361,7 @@ def simulate_pipelines(
     batch_size: int = 1,
     record_trace: bool = False,
     schedule: Schedule = HETPIPE,
+    alone: bool = False,
 ) -> SimResult:
     """Simulate virtual workers given as plain per-stage times (the low-level entry).
 
@@ -371,6 +373,8 @@ def simulate_pipelines(
         batch_size: samples per minibatch (throughput is in samples/s).
         record_trace: keep every interval in ``SimResult.trace`` (for Gantt charts).
         schedule: the pipeline schedule every VW runs.
+        alone: one VW trained by the ``local`` rule (no shards: nothing pulled, so no update
+            waits to fold a pull; :func:`planner.sync.effective_rule`).
 
     Raises:
         PlanError: no VW, ``nm < 1``, ``D < 0``, ``waves < 2`` or an invalid spec.
@@ -379,7 +383,7 @@ def simulate_pipelines(
         raise PlanError("nothing to simulate: the plan has no virtual workers")
     if nm < 1 or D < 0 or waves < 2:
         raise PlanError(f"need nm >= 1, D >= 0 and waves >= 2 (got nm={nm}, D={D}, waves={waves})")
-    sim = _Sim(specs, nm, D, waves, record_trace, schedule)
+    sim = _Sim(specs, nm, D, waves, record_trace, schedule, alone)
     sim.run()
     res = sim.result(batch_size)
     log.debug(

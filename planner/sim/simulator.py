@@ -24,10 +24,11 @@ from planner.offload import host_link_ms
 from planner.overhead import wave_overhead_ms
 from planner.plan import Plan, StagePlan, VirtualWorker
 from planner.predict import AllReduceResult, ring_link, simulate_allreduce
-from planner.rules import layout
+from planner.rules import ALONE_RULE, layout
 from planner.schedule import schedule_named
 from planner.sim.engine import simulate_pipelines
 from planner.sim.types import PipelineSpec, SimResult
+from planner.sync import effective_rule
 from profiler.errors import PlanError
 from profiler.table import Profile
 
@@ -191,8 +192,9 @@ def simulate(
     """
     specs = pipeline_specs(plan, profile, overhead_ms_per_task)
     schedule = schedule_named(plan.schedule)
+    alone = len(specs) == 1 and effective_rule(plan.sync, len(plan.shards), 1) == ALONE_RULE
     return simulate_pipelines(
-        specs, plan.nm, plan.D, waves, plan.batch_size, record_trace, schedule
+        specs, plan.nm, plan.D, waves, plan.batch_size, record_trace, schedule, alone
     )
 
 

@@ -13,7 +13,7 @@ from planner.draw import TraceEvent
 from planner.predict import simulate_allreduce
 from planner.schedule import FLUSH, HETPIPE, SCHEDULES, Schedule, actions
 from planner.sim.engine import simulate_pipelines
-from planner.sim.simulator import allreduce_for_plan, simulate
+from planner.sim.simulator import allreduce_for_plan, pipeline_specs, simulate
 from planner.sim.types import PipelineSpec, SimResult
 from planner.throughput import measured_throughput
 from profiler.errors import PlanError
@@ -163,6 +163,18 @@ def test_d0_update_waits_for_its_pull() -> None:
     assert _start_ms(res, 1, "F", 4) == 31.0  # arrived at 30, behind the update
     res = simulate_pipelines([sp], nm=2, D=1, waves=2, record_trace=True)
     assert _start_ms(res, 1, "B", 3) == 24.0  # D = 1 folds at the forward that needs it
+    res = simulate_pipelines([sp], nm=2, waves=2, record_trace=True, alone=True)
+    assert _start_ms(res, 1, "B", 3) == 24.0  # one VW alone (no shards) pulls nothing
+
+
+def test_a_vw_without_shards_folds_no_pull() -> None:
+    """A plan of one VW and no shards trains by the ``local`` rule (planner.sync): nothing is
+    pulled, so no update waits for a pull at D = 0, as in the runtime."""
+    plan = make_plan([[("V", 2.0, 4.0), ("G", 3.0, 6.0), ("Q", 3.0, 6.0)]], nm=4, shards=False)
+    specs = pipeline_specs(plan)
+    alone = simulate_pipelines(specs, 4, 0, 20, plan.batch_size, alone=True).throughput
+    assert simulate(plan, waves=20).throughput == alone
+    assert alone > simulate_pipelines(specs, 4, 0, 20, plan.batch_size).throughput
 
 
 def test_one_vw_nm1_is_bound_by_sum_of_stages() -> None:
@@ -276,8 +288,7 @@ def test_simulate_plan_matches_stage_times_and_counts_bytes() -> None:
     plan = make_plan(
         [[("V", 2.0, 4.0), ("R", 2.0, 4.0), ("G", 3.0, 6.0), ("Q", 3.0, 6.0)]],
         nm=4,
-        D=1,  # D = 0 adds the fold wait (test_d0_update_waits_for_its_pull)
-        shards=False,
+        shards=False,  # one VW alone: no pull, no fold wait (at D = 0 too)
     )
     res = simulate(plan, waves=20)
     stages = plan.virtual_workers[0].stages
