@@ -90,10 +90,17 @@ def plans(cluster: Cluster, batch: int) -> list[tuple[str, Plan]]:
     ]
 
 
+MIN_WAVES = 8
+"""Waves every run trains at least: the plan predicts the steady state, and a run of 2 waves
+(60 minibatches at Nm 32) is mostly warm-up and drain."""
+
+
 def run_one(label: str, plan: Plan, steps: int) -> dict[str, Any]:
-    """Train ``plan`` (paced links and devices) and report it as one row and one line."""
+    """Train ``plan`` (paced links and devices) for ``steps`` minibatches per VW, at least
+    :data:`MIN_WAVES` waves, and report it as one row and one line."""
     from hetpipe.api import train
 
+    steps = max(steps, MIN_WAVES * plan.nm)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         result = train(MODEL, plan=plan, steps=steps, out=tmp, return_state=False)
@@ -103,6 +110,7 @@ def run_one(label: str, plan: Plan, steps: int) -> dict[str, Any]:
     row = {
         "policy": label,
         "vws": len(plan.virtual_workers),
+        "steps": steps,
         "comm_share": comm_share(plan),
         "predicted": predicted,
         "measured": measured,
@@ -121,7 +129,7 @@ def run_one(label: str, plan: Plan, steps: int) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scale", type=float, default=50.0, help="links.scale of the cluster")
-    ap.add_argument("--steps", type=int, default=60, help="minibatches per VW")
+    ap.add_argument("--steps", type=int, default=60, help="minibatches per VW (at least 8 waves)")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--out", type=Path, default=RESULTS, help="JSON file to write")
     args = ap.parse_args()

@@ -55,19 +55,36 @@ from planner.plan import Plan  # noqa: E402
 from planner.plan_file import load_plan  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "overhead_fit.json"
-WAVES = 20  # simulated waves per VW for every prediction
+WAVES = 20  # simulated waves per VW when a row does not say how many waves its run had
 
 
-def _predict(plan: Plan, overhead_ms: float | None) -> float:
-    """``plan``'s throughput with ``overhead_ms`` per task (``None``: the terms its prediction
-    records, :func:`charged`); an AllReduce plan's is its own prediction (the collective's model, which the pipeline simulator does not play, and no
+def run_waves(row: dict[str, Any]) -> int:
+    """The waves a row's run trained (its last stage's tasks over Nm; at least 2), so that
+    measured and predicted throughput cover the same waves: a run of 64 minibatches at
+    Nm 32 is 2 waves, whose warm-up and drain the 20-wave steady state does not have
+    (:func:`planner.throughput.measured_throughput`). Rows without stages: :data:`WAVES`.
+
+    >>> run_waves({"stages": [{"nm": 32, "last": False, "tasks": 128},
+    ...                        {"nm": 32, "last": True, "tasks": 64}]})
+    2
+    """
+    last = [s for s in row.get("stages") or () if s.get("last")]
+    if not last:
+        return WAVES
+    return max(2, min(s["tasks"] for s in last) // max(1, last[0]["nm"]))
+
+
+def _predict(plan: Plan, overhead_ms: float | None, waves: int = WAVES) -> float:
+    """``plan``'s throughput over ``waves`` waves with ``overhead_ms`` per task (``None``: the
+    terms its prediction records, :func:`charged`); an AllReduce plan's is its own
+    prediction (the collective's model, which the pipeline simulator does not play, and no
     overhead: :func:`planner.overhead.plan_overhead_ms`)."""
     from planner.rules import layout
     from planner.sim.simulator import simulate
 
     if layout(plan.sync) == "ddp":
         return plan.predicted.throughput
-    return simulate(plan, waves=WAVES, overhead_ms_per_task=overhead_ms).throughput
+    return simulate(plan, waves=waves, overhead_ms_per_task=overhead_ms).throughput
 
 
 def _backfilled(row: dict[str, Any]) -> dict[str, Any]:
@@ -120,6 +137,7 @@ def _row(label: str, plan: Plan, measured: float, stages: list[dict[str, Any]]) 
     over = [s["overhead_ms_per_task"] for s in stages]
     tasks = [sum(s["tasks"].values()) for s in stages]
     mean = sum(o * n for o, n in zip(over, tasks, strict=True)) / max(1, sum(tasks))
+    waves = run_waves({"stages": _stage_rows(plan, stages)})
     return {
         "label": label,
         "family": label.split("-nm")[0],
@@ -131,8 +149,9 @@ def _row(label: str, plan: Plan, measured: float, stages: list[dict[str, Any]]) 
         "real_ms_per_task": sum(s["ms"]["real_compute"] for s in stages) / max(1, sum(tasks)),
         "planned_ms_per_task": sum(s["planned_ms"] for s in stages) / max(1, sum(tasks)),
         "measured": measured,
-        "predicted_without": _predict(plan, 0.0),
-        "predicted_with_measured": _predict(plan, mean),
+        "waves": waves,
+        "predicted_without": _predict(plan, 0.0, waves),
+        "predicted_with_measured": _predict(plan, mean, waves),
         "loadavg": os.getloadavg()[0],
         "plan": plan.to_dict(),
     }
@@ -407,12 +426,13 @@ def report(rows: list[dict[str, Any]], fitted: dict[str, Any]) -> None:
               for n, m in fitted["models"].items() if n in ("task", "task+wave+mb")}  # fmt: skip
     for r in rows:
         plan = Plan.from_dict(r["plan"])
-        r["predicted_without"] = _predict(plan, 0.0)  # again: rows of older --out files too
+        waves = r["waves"] = run_waves(r)  # the run's own waves (older rows: none recorded)
+        r["predicted_without"] = _predict(plan, 0.0, waves)  # again: older --out files too
         ratios = []
         for name, model in models.items():
-            r[f"predicted_{name}"] = _predict(charged(plan, model), None)
+            r[f"predicted_{name}"] = _predict(charged(plan, model), None, waves)
             ratios.append(f"{r['measured'] / r[f'predicted_{name}']:.2f} ({name})")
-        print(f"  {r['label']:12s} round {r['round']}: load {r['loadavg']:.1f}; measured/predicted "
+        print(f"  {r['label']:12s} round {r['round']}: {waves} waves, load {r['loadavg']:.1f}; measured/predicted "
               f"{r['measured'] / r['predicted_without']:.2f} without, " + ", ".join(ratios))  # fmt: skip
 
 
