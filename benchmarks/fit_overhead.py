@@ -353,20 +353,24 @@ def fit(rows: list[dict[str, Any]], max_load: float) -> dict[str, Any]:
         raise SystemExit(f"--max-load {max_load}: no pipelined run was that quiet; raise it")
     families = sorted({r["family"] for r in rows})
     out: dict[str, Any] = {"runs": len(rows), "stages": len(_stages(rows)), "models": {}}
-    for name, terms in MODELS.items():
-        model = fit_model(rows, terms)
+
+    def held_out(
+        fit: Callable[..., Any], resid: Callable[..., list[float]], terms: Any
+    ) -> dict[str, float]:
+        """rms on each family left out of a fit on the others (one family: none)."""
         held = {}
         for fam in families if len(families) > 1 else []:
             train = [r for r in rows if r["family"] != fam]
             test = [r for r in rows if r["family"] == fam]
-            held[fam] = _rms(residuals(test, fit_model(train, terms)))
+            held[fam] = _rms(resid(test, fit(train, terms)))
+        return held
+
+    for name, terms in MODELS.items():
+        model = fit_model(rows, terms)
+        held = held_out(fit_model, residuals, terms)
         res = residuals(rows, model)
         shape = fit_shape(rows, terms)
-        held_shape = {}
-        for fam in families if len(families) > 1 else []:
-            train = [r for r in rows if r["family"] != fam]
-            test = [r for r in rows if r["family"] == fam]
-            held_shape[fam] = _rms(shape_residuals(test, fit_shape(train, terms)))
+        held_shape = held_out(fit_shape, shape_residuals, terms)
         out["models"][name] = {**model, "rms_ms": _rms(res), "residual_ms": res, "held_out_rms_ms": held,
                                "shape": shape, "shape_rms": _rms(shape_residuals(rows, shape)),
                                "held_out_shape_rms": held_shape}  # fmt: skip
