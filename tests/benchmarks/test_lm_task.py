@@ -73,3 +73,16 @@ def test_the_chain_variants_load_as_keyword_samples_of_their_chain() -> None:
         want = markov_tokens(LM_TEST, 1, CHAINS[chain]).tensors[0]
         assert torch.equal(test.ids, want) and train[0]["input_ids"].shape == (32,)
     assert not torch.equal(lm_data()[0].ids, lm_wide_data()[0].ids)
+
+
+def test_the_noise_scale_at_the_start_is_small_only_with_unused_ids() -> None:
+    from torch.utils.data import Subset
+
+    from benchmarks.lm_staleness import Trainer, trained_noise
+
+    phi = {}
+    for name in ("default", "wide"):
+        train, test = markov_tokens(512, 0, CHAINS[name]), markov_tokens(8, 1, CHAINS[name])
+        tr = Trainer(16, 0, test)
+        phi[name] = trained_noise(tr, tr.w0, Subset(train, list(range(512))), 16, draws=4)
+    assert 0 < phi["default"] < 20 < phi["wide"]  # measured 3 and 104 (docs/convergence.md)
