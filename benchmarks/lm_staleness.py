@@ -119,7 +119,7 @@ def run(setting: str, lr: float, train: Subset[Any], test: Any, args: argparse.N
         return tr, *adam_wsp(
             tr, srcs, nm, lr, argparse.Namespace(**{**vars(args), "eval_every": every})
         )
-    ns = argparse.Namespace(steps=args.samples // batch, lr=lr, momentum=0.9, d=args.d,
+    ns = argparse.Namespace(steps=args.samples // batch, lr=lr, momentum=args.momentum, d=args.d,
                             eval_every=every, warmup_updates=100)  # fmt: skip
     remedy = "none" if ddp else args.remedy
     if n == 1:
@@ -165,6 +165,7 @@ def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--optimizer", choices=("momentum", "adam"), default="momentum")
     ap.add_argument("--remedy", choices=("none", "predict"), default="predict")
+    ap.add_argument("--momentum", type=float, default=0.9, help="momentum SGD's (not Adam)")
     ap.add_argument("--chain", choices=sorted(CHAINS), default="default")
     ap.add_argument("--gaps", type=float, nargs="+", default=list(GAPS))
     ap.add_argument("--samples", type=int, default=24000)
