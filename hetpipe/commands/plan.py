@@ -17,6 +17,7 @@ from hetpipe._rules import RuleValues, apply_rule, rule_params, sync_help, with_
 from hetpipe.commands.objective import (
     Calibration,
     choose_for_time,
+    d_values,
     efficiency_inputs,
     other_allocations,
     render_objective,
@@ -341,7 +342,9 @@ def plan(  # long by its typer signature (the command's options); the body is ~6
             "--nm", help="cap on concurrent minibatches per VW (at most what memory allows)"
         ),
     ] = None,
-    staleness: Annotated[int, typer.Option("-D", help="WSP clock-distance threshold D")] = 0,
+    staleness: Annotated[
+        int | None, typer.Option("-D", help="WSP clock-distance threshold D (default 0)")
+    ] = None,
     placement: Annotated[str, typer.Option("--placement", help="default | local")] = "default",
     vws: Annotated[int | None, typer.Option("--vws", help="number of virtual workers")] = None,
     optimizer: Annotated[
@@ -420,6 +423,7 @@ def plan(  # long by its typer signature (the command's options); the body is ~6
         "target_samples"
     ].default,
     remedy: Annotated[str, _opt("remedy")] = PLAN_OPTIONS["remedy"].default,
+    d_text: Annotated[str, _opt("d_values")] = PLAN_OPTIONS["d_values"].default,
     calibrate: Annotated[str | None, _opt("calibrate")] = None,
     lr: Annotated[float | None, typer.Option("--lr", help=_CAL_LR)] = None,
     momentum: Annotated[float | None, typer.Option("--momentum", help=_CAL_MOMENTUM)] = None,
@@ -446,6 +450,7 @@ def plan(  # long by its typer signature (the command's options); the body is ~6
                   "calibrate_lr": calibrate_lr}, PLAN_OPTIONS)  # fmt: skip
     calibration = Calibration(calibrate, lr, momentum, calibrate_lr, seed, weight_decay)
     _check_objective(objective, sync, calibration, model, optimizer)
+    compared_d = d_values(d_text, staleness, objective)
     cl = load_cluster(cluster)
     out = err_console if as_json else console  # what is not the plan itself
     _pacing_note(cl, out)
@@ -469,7 +474,7 @@ def plan(  # long by its typer signature (the command's options); the body is ~6
         ddp = get_rule(sync).layout == "ddp"
         measured_at = "fp32" if ddp else precision  # what the planner prices
         profs = profiles_for(cl, profs, model, batch_size, measured_at)
-        kwargs = dict(model=model, batch_size=batch_size, D=staleness, placement=placement,
+        kwargs = dict(model=model, batch_size=batch_size, D=staleness or 0, placement=placement,
                       optimizer=optimizer, links=load_links(links) if links else None,
                       reference_type=profile_gpu, precision=precision)  # fmt: skip
         if get_rule(sync).layout == "ddp":
@@ -496,6 +501,7 @@ def plan(  # long by its typer signature (the command's options); the body is ~6
             target_samples,
             others=other_allocations(candidates, vws_given=vws is not None),
             nm_cap=nm,
+            d_candidates=compared_d,
         )
     _emit(result, output, as_json, candidates, auto_budget, full)
     render_objective(ranked, inputs, target_samples, out)
