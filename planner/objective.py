@@ -211,7 +211,9 @@ def plan_for_time(
         inputs: the efficiency model's inputs.
         target_samples: samples sequential SGD needs to the target (0: relative times only).
         d_values: the WSP thresholds compared (each candidate planned and simulated at each;
-            a plan ``D`` does not act on, :func:`takes_d`, only at the first).
+            a plan ``D`` does not act on, :func:`takes_d`, only at the first). The record's
+            ``d_values`` lists those some candidate was compared at where ``D`` acts (empty:
+            nowhere, e.g. ``backup`` or one VW without shards).
 
     Raises:
         PlanError: no candidate could be planned.
@@ -228,7 +230,8 @@ def plan_for_time(
         raise PlanError("--objective time: no candidate plan fits; try --objective throughput")
     ranked = rank(list(plans), inputs, target_samples)
     best = ranked[0]
-    record = _record(best, inputs, target_samples, len(ranked), d_values)
+    compared = sorted({c.D for c, p in plans.items() if takes_d(p)})  # where D acts
+    record = _record(best, inputs, target_samples, len(ranked), compared)
     return replace(plans[best.choice], objective=record), ranked
 
 

@@ -263,6 +263,7 @@ def test_d_is_planned_once_where_it_does_not_act() -> None:
     plan, ranked = plan_for_time([(replan, [1, 2])], None, e, d_values=(0, 1, 2))
     assert calls == [(1, 0), (2, 0)]
     assert [r.choice.label for r in ranked] == ["wsp manual 1 VW Nm 1"]
+    assert plan.objective["d_values"] == []  # D acted on no candidate
     assert not takes_d(plan) and takes_d(_two_vws_with_shards(1, 0, 1.0))
     assert not takes_d(replace(_two_vws_with_shards(1, 0, 1.0), sync="backup"))
 
