@@ -96,7 +96,7 @@ OPTIONS: Mapping[str, Option] = MappingProxyType(
 
 PLAN_OPTIONS: Mapping[str, Option] = MappingProxyType(
     {
-        "objective": Option("--objective", "throughput", "what the plan is chosen for: throughput (fastest samples/s) or time (fastest predicted time to target: throughput x statistical efficiency, AllReduce and each Nm and remedy compared; docs/planner.md)", choices=("throughput", "time")),
+        "objective": Option("--objective", "throughput", "what the plan is chosen for: throughput (fastest samples/s) or time (fastest predicted time to target: throughput x statistical efficiency, AllReduce and each Nm, remedy and D compared; docs/planner.md)", choices=("throughput", "time")),
         "target_samples": Option("--target-samples", 0.0, "--objective time: samples sequential SGD needs to the target (0: relative times only)", Range(0)),
         "remedy": Option("--remedy", "none", "the run's staleness remedy, for the memory model (predict keeps more weight copies) and --objective time", choices=("none", "predict", "pipemare")),
         "d_values": Option("--d-values", "", "--objective time: the WSP thresholds D compared, whole numbers separated by commas (default: 0,1,2, or -D alone when given; docs/planner.md)"),

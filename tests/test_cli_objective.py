@@ -193,6 +193,7 @@ def test_an_explicit_d_is_the_only_one_compared(tmp_path: Path) -> None:
     [(["--objective", "time", "--d-values", "0,x"],
       "--d-values '0,x': 'x' is not a whole number >= 0; give thresholds such as 0,1,2"),
      (["--objective", "time", "--d-values", "0,-1"], "'-1' is not a whole number >= 0"),
+     (["--objective", "time", "--d-values", "1,\u00b2"], "'\u00b2' is not a whole number"),
      (["--objective", "time", "--d-values", "0,1", "-D", "1"],
       "--d-values '0,1' and -D 1 both set D; give one of them"),
      (["--d-values", "0,1"], "--d-values '0,1' sets the D values --objective time compares; "

@@ -73,7 +73,7 @@ def d_values(text: str, staleness: int | None, objective: str) -> tuple[int, ...
                           "--objective time, or drop --d-values")  # fmt: skip
     if staleness is not None:
         raise ConfigError(f"{flag} and -D {staleness} both set D; give one of them")
-    bad = next((v for v in given if not v.isdigit()), None)
+    bad = next((v for v in given if not v.isdecimal()), None)
     if bad is not None:
         raise ConfigError(
             f"{flag}: {shown(bad, 20)} is not a whole number >= 0; give thresholds such as 0,1,2"
