@@ -36,6 +36,7 @@ from runtime.stage.comm import (
     Channel,
     Event,
     GradReceiver,
+    TensorSpec,
     join_receivers,
     start_activation_receiver,
     wire_specs,
@@ -193,15 +194,24 @@ class StageWorker:
     ) -> tuple[Channel | None, Channel | None]:
         """The sending sides towards the next and the previous stage (``None``: no such
         stage), charged on the stage's sender-side queues where it has them."""
-        links, queues = self.links, self.queues
+        links = self.links
         return (
-            Channel(nxt, self.out_specs, group, _route(queues, links.next, links.next_queue))
-            if nxt is not None
-            else None,
-            Channel(prev, self.in_specs, group, _route(queues, links.prev, links.prev_queue))
-            if prev is not None
-            else None,
+            self._channel(nxt, self.out_specs, group, links.next, links.next_queue),
+            self._channel(prev, self.in_specs, group, links.prev, links.prev_queue),
         )
+
+    def _channel(
+        self,
+        peer: int | None,
+        specs: tuple[TensorSpec, ...],
+        group: Any,
+        link: Link | None,
+        queue: str,
+    ) -> Channel | None:
+        """The sending side towards ``peer`` over ``link`` (``None``: no such stage)."""
+        if peer is None:
+            return None
+        return Channel(peer, specs, group, _route(self.queues, link, queue))
 
     def _start_receivers(
         self, nxt: int | None, prev: int | None, group: Any
