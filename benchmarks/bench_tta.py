@@ -21,8 +21,10 @@ trains the plan ``hetpipe plan`` makes (``--plan-args`` adds to that command, e.
 that hold the model; ``--time-objective`` adds a third system, ``hetpipe-time``: the plan
 ``hetpipe plan --objective time`` picks (``benchmarks/tta_plans.py``), side by side, to show
 the planner's "never slower" rule (when it picks the AllReduce plan, its runs are DDP's).
-Each system takes its own best learning rate from a grid (short runs, seed 0; the best is the
-one reaching the target soonest, else the best final value); an AllReduce plan's grid is
+Each system takes its own best learning rate from a grid (short runs at seeds ``0 ..
+grid_seeds - 1``, 2 by default; the best is the lr reaching the target on every grid seed
+soonest on average, else the best mean final value: one lucky seed does not pick an unstable
+lr); an AllReduce plan's grid is
 HetPipe's times its world size (the linear-scaling rule: the same step per sample), so it holds
 HetPipe's choice scaled. While a system's best lr is the lowest or the highest of its grid, the
 grid is extended one step (x0.5 or x2), at most ``MAX_EXTENSIONS`` times (``grid_extended`` in
@@ -31,7 +33,7 @@ target per seed and the ratio baseline / HetPipe (above 1: HetPipe is sooner), w
 and max over the seeds.
 
 Run: ``python benchmarks/bench_tta.py`` (the full mode prints its expected duration, about
-45 min, and its progress; give it a quiet machine), or ``--quick`` (one seed, no grid, a few
+an hour, and its progress; give it a quiet machine), or ``--quick`` (one seed, no grid, a few
 seconds of training per run: a smoke check, not a figure). Writes
 ``benchmarks/results/tta.json`` and ``tta.png`` (``tta_quick.*`` with ``--quick``).
 """
@@ -131,6 +133,8 @@ class Budget:
         train_s: ``--time-limit`` of a seed's run (training seconds).
         grid_s: ``--time-limit`` of a grid run (no grid: 0).
         seeds: seeds ``0 .. seeds-1``.
+        grid_seeds: seeds ``0 .. grid_seeds-1`` each lr of a grid runs at (its choice is
+            judged on their mean: :func:`choose_lr`).
         snapshots: snapshots a seed's run should take (sets the snapshot period in samples
             from the plan's predicted throughput; a grid run keeps the same period).
     """
@@ -139,10 +143,11 @@ class Budget:
     grid_s: float
     seeds: int
     snapshots: int
+    grid_seeds: int = 2
 
 
 FULL = Budget(train_s=110.0, grid_s=20.0, seeds=3, snapshots=30)
-QUICK = Budget(train_s=5.0, grid_s=0.0, seeds=1, snapshots=5)
+QUICK = Budget(train_s=5.0, grid_s=0.0, seeds=1, snapshots=5, grid_seeds=1)
 MAX_EXTENSIONS = 2  # lrs a grid may add beyond its edge, one step (x0.5 or x2) each
 
 
@@ -196,23 +201,39 @@ def run_one(
                time_to_target(points, w.target, w.metric, "samples"))  # fmt: skip
 
 
-def choose_lr(runs: Sequence[Run], metric: str) -> Run:
-    """The grid run to keep: the soonest to reach the target; if none did, the best final
-    value (accuracy: highest; loss: lowest; a NaN loss: never).
+def choose_lr(runs: Sequence[Run], metric: str) -> float:
+    """The grid's lr: among the lrs whose every run (one per grid seed) reached the target, the
+    soonest on average; if none did, the best mean final value (accuracy: highest; loss:
+    lowest; a NaN final makes the lr's mean NaN: never chosen while another is finite).
 
     >>> p = lambda v: (Point(1, 1, 1.0, v, 1 - v),)
-    >>> a, b, c = (Run("x", 0, lr, 0, 0, 0, p(v), t) for lr, v, t in
-    ...            ((0.1, 0.9, None), (0.2, 0.95, 30.0), (0.4, 0.97, 20.0)))
-    >>> choose_lr([a, b, c], "accuracy").lr, choose_lr([a], "accuracy").lr
-    (0.4, 0.1)
+    >>> r = lambda lr, v, t, seed=0: Run("x", seed, lr, 0, 0, 0, p(v), t)
+    >>> choose_lr([r(0.1, 0.9, None), r(0.2, 0.95, 30.0), r(0.4, 0.97, 20.0)], "accuracy")
+    0.4
+    >>> choose_lr([r(0.1, 0.9, None)], "accuracy")
+    0.1
+    >>> # 0.4 is soonest on seed 0 but misses on seed 1: 0.2 reached on both
+    >>> choose_lr([r(0.2, 0.97, 30.0), r(0.4, 0.97, 10.0), r(0.2, 0.97, 30.0, 1),
+    ...            r(0.4, 0.9, None, 1)], "accuracy")
+    0.2
     """
-    reached = [r for r in runs if r.time_to_target_s is not None]
+    by_lr: dict[float, list[Run]] = {}
+    for run in runs:
+        by_lr.setdefault(run.lr, []).append(run)
+    reached = {
+        lr: sum(r.time_to_target_s or 0.0 for r in rs) / len(rs)
+        for lr, rs in by_lr.items()
+        if all(r.time_to_target_s is not None for r in rs)
+    }
     if reached:
-        return min(reached, key=lambda r: r.time_to_target_s or 0.0)
+        return min(reached, key=lambda lr: reached[lr])
     sign = 1.0 if metric == "accuracy" else -1.0
-    return max(
-        runs, key=lambda r: -math.inf if math.isnan(r.final(metric)) else sign * r.final(metric)
-    )
+
+    def mean_final(lr: float) -> float:
+        value = sum(r.final(metric) for r in by_lr[lr]) / len(by_lr[lr])
+        return -math.inf if math.isnan(value) else sign * value
+
+    return max(by_lr, key=mean_final)
 
 
 def spread(values: Sequence[float | None]) -> dict[str, float | int | None]:
@@ -281,7 +302,7 @@ def expected(budget: Budget, workloads: Sequence[Workload], systems: int = 2) ->
     system)."""
     runs = secs = 0.0
     for w in workloads:
-        grid = systems * len(w.lr_grid) if budget.grid_s > 0 else 0
+        grid = systems * len(w.lr_grid) * budget.grid_seeds if budget.grid_s > 0 else 0
         runs += grid + systems * budget.seeds
         secs += grid * (budget.grid_s + w.overhead_s)
         secs += systems * budget.seeds * (budget.train_s + w.overhead_s)
@@ -296,7 +317,7 @@ def lr_scale(plan: SystemPlan) -> int:
 
 @dataclass(frozen=True)
 class Tuning:
-    """One system's lr grid, run at seed 0.
+    """One system's lr grid, each lr run at every grid seed.
 
     Attributes:
         lr: the chosen lr (``choose_lr``).
@@ -312,25 +333,26 @@ class Tuning:
 def tune_system(
     w: Workload, system: str, plan: SystemPlan, budget: Budget, every: int, progress: Progress
 ) -> Tuning:
-    """``system``'s lr: the best of ``lr_grid`` x ``lr_scale`` (short seed-0 runs), the grid
-    extended one step (x0.5 below, x2 above) while the best is at its edge, at most
-    ``MAX_EXTENSIONS`` times."""
+    """``system``'s lr: the best of ``lr_grid`` x ``lr_scale`` (:func:`choose_lr` over short
+    runs at each grid seed), the grid extended one step (x0.5 below, x2 above) while the best
+    is at its edge, at most ``MAX_EXTENSIONS`` times."""
     runs: list[Run] = []
     lrs = [lr * lr_scale(plan) for lr in w.lr_grid]
     extended: list[float] = []
     while lrs:
         lr = lrs.pop(0)
-        progress.step(f"{w.name} grid: {system} lr {lr:g}")
-        runs.append(run_one(w, system, plan, 0, lr, budget.grid_s, every))
+        for seed in range(budget.grid_seeds):
+            progress.step(f"{w.name} grid: {system} lr {lr:g} seed {seed}")
+            runs.append(run_one(w, system, plan, seed, lr, budget.grid_s, every))
         if lrs or len(extended) == MAX_EXTENSIONS:
             continue
-        more = edge_lr([r.lr for r in runs], choose_lr(runs, w.metric).lr)
+        more = edge_lr([r.lr for r in runs], choose_lr(runs, w.metric))
         if more is not None:
             print(f"  {system}: best lr at the grid's edge: also lr {more:g}", flush=True)
-            progress.add(1, budget.grid_s + w.overhead_s)
+            progress.add(budget.grid_seeds, budget.grid_seeds * (budget.grid_s + w.overhead_s))
             extended.append(more)
             lrs.append(more)
-    return Tuning(choose_lr(runs, w.metric).lr, tuple(runs), tuple(extended))
+    return Tuning(choose_lr(runs, w.metric), tuple(runs), tuple(extended))
 
 
 def _record(r: Run) -> dict[str, Any]:
@@ -473,11 +495,16 @@ def main(argv: Sequence[str] | None = None) -> None:
                          "picks (it may be the AllReduce plan: then DDP's runs)")  # fmt: skip
     ap.add_argument("--seeds", type=int, default=0, help="seeds (0 = the mode's: 3, --quick 1)")
     ap.add_argument("--train-s", type=float, default=0.0, help="training seconds per seed's run")
+    ap.add_argument("--grid-seeds", type=int, default=0,
+                    help="seeds each grid lr runs at, its choice judged on their mean (0 = 2)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="JSON to write (and .png beside it)")
     args = ap.parse_args(argv)
     budget = QUICK if args.quick else FULL
     budget = replace(
-        budget, seeds=args.seeds or budget.seeds, train_s=args.train_s or budget.train_s
+        budget,
+        seeds=args.seeds or budget.seeds,
+        train_s=args.train_s or budget.train_s,
+        grid_seeds=args.grid_seeds or budget.grid_seeds,
     )
     workloads = [WORKLOADS[n] for n in args.workloads]
     if args.quick:

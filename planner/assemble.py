@@ -119,6 +119,10 @@ def _simulated(plan: Plan, waves: int) -> Prediction | None:
     charged = replace(plan, predicted=assumed)
     try:
         throughput, per_vw = simulate_distinct(charged, waves)
+        # A second run on purpose, of other inputs: ``plan`` carries the analytic prediction,
+        # which charges no overhead, so it gives ``throughput_without_overhead`` (what the run
+        # summary shows beside the charged figure). Without an overhead model both runs
+        # would be the same simulation, and the first one's result is reused.
         without = simulate_distinct(plan, waves)[0] if assumed.charges_overhead else throughput
     except PlanError as exc:
         log.warning("simulator refused the plan (%s); keeping the analytic prediction", exc)

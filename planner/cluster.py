@@ -58,6 +58,7 @@ __all__ = [
     "LinkTable",
     "Node",
     "allreduce_s",
+    "fifo_slot",
     "load_cluster",
     "parse_cluster",
     "parse_links",
@@ -138,6 +139,19 @@ def sender_queue(src_node: str, dst_node: str) -> str:
     ('own', 'card')
     """
     return OWN_LINK if src_node == dst_node else NODE_CARD
+
+
+def fifo_slot(free: float, ready: float, charge: float) -> tuple[float, float]:
+    """The ``(begin, end)`` of a transfer of ``charge`` ready at ``ready`` on a queue that is
+    free at ``free`` (one transfer at a time, first come first served): it begins when both
+    hold and ends ``charge`` later, when the queue is free again. The one rule of every link
+    queue: the simulator's (ms) and the runtime's (:mod:`runtime.link_pacing`, seconds).
+
+    >>> fifo_slot(free=2.0, ready=1.0, charge=0.5), fifo_slot(free=0.0, ready=1.0, charge=0.5)
+    ((2.0, 2.5), (1.0, 1.5))
+    """
+    begin = free if free > ready else ready
+    return begin, begin + charge
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from planner.cluster import OWN_LINK, Cluster, Link, allreduce_s
+from planner.cluster import OWN_LINK, Cluster, Link, allreduce_s, fifo_slot
 
 __all__ = [
     "NO_LINKS",
@@ -48,6 +48,7 @@ __all__ = [
     "DelayLine",
     "DelayedWork",
     "LinkPacer",
+    "LocalQueue",
     "Pace",
     "StageLinks",
     "Waiter",
@@ -113,6 +114,32 @@ REAL_PACE = Pace()
 """Wall-clock pacing (``time.perf_counter``, sleep then spin)."""
 
 
+class LocalQueue:
+    """One process's link queue (a stage's own link, one direction of a paced link): when
+    its last charged transfer ends; transfers take their slots by
+    :func:`planner.cluster.fifo_slot`, the simulator's rule."""
+
+    def __init__(self) -> None:
+        self._free_s = float("-inf")
+        self._lock = threading.Lock()
+
+    @property
+    def free_s(self) -> float:
+        """When the last transfer charged on the queue ends."""
+        return self._free_s
+
+    def slot(self, charge_s: float, ready_s: float) -> tuple[float, float]:
+        """Charge a transfer of ``charge_s`` seconds that can begin at ``ready_s``; returns
+        when it begins (once the queue's previous transfer ended) and ends."""
+        with self._lock:
+            begin, self._free_s = fifo_slot(self._free_s, ready_s, charge_s)
+            return begin, self._free_s
+
+    def reserve(self, charge_s: float, ready_s: float) -> float:
+        """:meth:`slot`'s end: when the transfer ends."""
+        return self.slot(charge_s, ready_s)[1]
+
+
 class LinkPacer:
     """Paces the messages of one direction of one link, one transfer at a time.
 
@@ -123,7 +150,7 @@ class LinkPacer:
 
     def __init__(self, link: Link | None, pace: Pace = REAL_PACE) -> None:
         self.link, self.pace = link, pace
-        self._free_s = float("-inf")  # when the previous transfer's charge ended
+        self._queue = LocalQueue()  # the link carries one transfer at a time
 
     def charge_s(self, nbytes: float) -> float:
         """Seconds a transfer of ``nbytes`` is charged (0 when not paced)."""
@@ -141,10 +168,8 @@ class LinkPacer:
         """
         if self.link is None:
             return 0.0
-        begin = self.pace.clock() if start_s is None else start_s
-        begin = max(begin, self._free_s)  # the link carries one transfer at a time
         charge = self.charge_s(nbytes)
-        self._free_s = begin + charge
+        begin, _ = self._queue.slot(charge, self.pace.clock() if start_s is None else start_s)
         return self.pace.since(begin, charge)
 
     def delivered(self, nbytes: float, arrived_s: float, deadline_s: float) -> float:

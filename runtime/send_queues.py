@@ -28,32 +28,12 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.cluster import OWN_LINK, Link
-from runtime.link_pacing import REAL_PACE, Pace
+from planner.cluster import OWN_LINK, Link, fifo_slot
+from runtime.link_pacing import REAL_PACE, LocalQueue, Pace
 
-__all__ = ["CardQueue", "LocalQueue", "Route", "SendQueues", "make_card"]
+__all__ = ["CardQueue", "Route", "SendQueues", "make_card"]
 
 _FREE = struct.Struct("d")  # the card file: when its last charged transfer ends (seconds)
-
-
-class LocalQueue:
-    """One process's queue (a stage's own link): when its last charged transfer ends."""
-
-    def __init__(self) -> None:
-        self._free_s = float("-inf")
-        self._lock = threading.Lock()
-
-    @property
-    def free_s(self) -> float:
-        """When the last transfer charged on the queue ends."""
-        return self._free_s
-
-    def reserve(self, charge_s: float, now_s: float) -> float:
-        """Charge a transfer of ``charge_s`` seconds that can begin at ``now_s``; returns
-        when it ends (it begins once the queue's previous transfer ended)."""
-        with self._lock:
-            self._free_s = max(now_s, self._free_s) + charge_s
-            return self._free_s
 
 
 def make_card(path: Path) -> None:
@@ -73,14 +53,15 @@ class CardQueue:
         self._lock = threading.Lock()
 
     def reserve(self, charge_s: float, now_s: float) -> float:
-        """:meth:`LocalQueue.reserve` on the card, atomically across processes."""
+        """:meth:`runtime.link_pacing.LocalQueue.reserve` on the card, atomically across
+        processes."""
         with self._lock:
             if self._fd < 0:
                 self._fd = os.open(self.path, os.O_RDWR)
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
                 (free,) = _FREE.unpack(os.pread(self._fd, _FREE.size, 0))
-                end = max(now_s, free) + charge_s
+                end = fifo_slot(free, now_s, charge_s)[1]
                 os.pwrite(self._fd, _FREE.pack(end), 0)
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)

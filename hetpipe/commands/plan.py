@@ -6,7 +6,7 @@ import sys
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -17,6 +17,7 @@ from hetpipe._rules import RuleValues, apply_rule, rule_params, sync_help, with_
 from hetpipe.commands.objective import (
     Calibration,
     choose_for_time,
+    d_values,
     efficiency_inputs,
     other_allocations,
     render_objective,
@@ -102,6 +103,27 @@ def _allreduce_plan(
     from planner.baseline import allreduce_plan
 
     return allreduce_plan(cluster, model, batch, profiles=profiles or None, optimizer=opt)
+
+
+def _plan_once(
+    cl: Cluster,
+    profs: list[Profile],
+    sync: str,
+    kwargs: dict[str, Any],
+    by_policy: Callable[[Cluster, list[Profile]], Plan],
+) -> tuple[list[Profile], Plan]:
+    """The profiles the planner prices (``kwargs``' model, batch size and precision; fp32
+    under a ``ddp`` rule) and the plan: the AllReduce baseline's under a ``ddp`` rule, else
+    ``by_policy``'s (the allocation policy's)."""
+    from hetpipe.planning import profiles_for
+
+    ddp = get_rule(sync).layout == "ddp"
+    model, batch = kwargs["model"], kwargs["batch_size"]
+    measured_at = "fp32" if ddp else kwargs["precision"]  # what the planner prices
+    profs = profiles_for(cl, profs, model, batch, measured_at)
+    if ddp:
+        return profs, _allreduce_plan(cl, profs, model, batch, kwargs["optimizer"])
+    return profs, by_policy(cl, profs)
 
 
 def _opt(name: str) -> typer.models.OptionInfo:
@@ -191,6 +213,21 @@ def render(plan: Plan, full: bool = True) -> None:
     shown_vws = [(vw, 1) for vw in plan.virtual_workers]
     if not full and n > SUMMARY_VWS:
         shown_vws = _kinds(plan)
+    console.print(_stage_table(plan, shown_vws))
+    if len(shown_vws) < n:
+        console.print(
+            f"{n} VWs of {len(shown_vws)} kind{'s' if len(shown_vws) > 1 else ''}: one of each shown "
+            "(xN: VWs alike); "
+            "--full lists every VW"
+        )
+    cl = plan.cluster
+    console.print(escape(cl.links.describe(cl.emulated)))  # what the runtime paces transfers to
+    _render_predictions(plan)
+
+
+def _stage_table(plan: Plan, shown_vws: list[tuple[VirtualWorker, int]]) -> Table:
+    """The table of ``shown_vws`` (each VW with how many VWs alike it stands for): a row per
+    stage (its GPU, layers, time and memory), then the VW's Nm cap and throughput."""
     table = Table(
         title=f"{plan.model} (batch {plan.batch_size}) on {plan.cluster.name}: policy {plan.policy}"
     )
@@ -221,15 +258,13 @@ def render(plan: Plan, full: bool = True) -> None:
             "",
             end_section=True,
         )
-    console.print(table)
-    if len(shown_vws) < n:
-        console.print(
-            f"{n} VWs of {len(shown_vws)} kind{'s' if len(shown_vws) > 1 else ''}: one of each shown "
-            "(xN: VWs alike); "
-            "--full lists every VW"
-        )
-    cl = plan.cluster
-    console.print(escape(cl.links.describe(cl.emulated)))  # what the runtime paces transfers to
+    return table
+
+
+def _render_predictions(plan: Plan) -> None:
+    """Print what the plan predicts: the AllReduce plan's throughput, or the pipeline's Nm,
+    staleness, synchronisation, throughput (with the overhead it charges) and its AllReduce
+    baseline; then a note per profile that was estimated rather than measured."""
     pr = plan.predicted
     if get_rule(plan.sync).layout == "ddp":
         console.print(
@@ -314,7 +349,7 @@ def render_candidates(rows: list[Candidate], budget_s: float) -> None:
 
 @with_rule_options
 @handle_errors
-def plan(  # long by its typer signature (the command's options); the body is ~60 lines
+def plan(  # long by its typer signature (the command's options); the body is under 60 lines
     cluster: Annotated[Path, typer.Argument(help="cluster.yaml")],
     model: Annotated[
         str | None, typer.Option("--model", "-m", help="built-in model or package.module:factory")
@@ -341,7 +376,9 @@ def plan(  # long by its typer signature (the command's options); the body is ~6
             "--nm", help="cap on concurrent minibatches per VW (at most what memory allows)"
         ),
     ] = None,
-    staleness: Annotated[int, typer.Option("-D", help="WSP clock-distance threshold D")] = 0,
+    staleness: Annotated[
+        int | None, typer.Option("-D", help="WSP clock-distance threshold D (default 0)")
+    ] = None,
     placement: Annotated[str, typer.Option("--placement", help="default | local")] = "default",
     vws: Annotated[int | None, typer.Option("--vws", help="number of virtual workers")] = None,
     optimizer: Annotated[
@@ -420,6 +457,7 @@ def plan(  # long by its typer signature (the command's options); the body is ~6
         "target_samples"
     ].default,
     remedy: Annotated[str, _opt("remedy")] = PLAN_OPTIONS["remedy"].default,
+    d_text: Annotated[str, _opt("d_values")] = PLAN_OPTIONS["d_values"].default,
     calibrate: Annotated[str | None, _opt("calibrate")] = None,
     lr: Annotated[float | None, typer.Option("--lr", help=_CAL_LR)] = None,
     momentum: Annotated[float | None, typer.Option("--momentum", help=_CAL_MOMENTUM)] = None,
@@ -430,7 +468,6 @@ def plan(  # long by its typer signature (the command's options); the body is ~6
 ) -> None:
     """Plan HetPipe training (see HELP); ``rule_values``: the rule options
     (:class:`hetpipe._rules.with_rule_options`)."""
-    from hetpipe.planning import profiles_for
     from planner.costmodel import load_links
     from planner.plan_check import check_nm
     from planner.planner import PlanOptions, make_plan
@@ -446,37 +483,26 @@ def plan(  # long by its typer signature (the command's options); the body is ~6
                   "calibrate_lr": calibrate_lr}, PLAN_OPTIONS)  # fmt: skip
     calibration = Calibration(calibrate, lr, momentum, calibrate_lr, seed, weight_decay)
     _check_objective(objective, sync, calibration, model, optimizer)
+    compared_d = d_values(d_text, staleness, objective)
     cl = load_cluster(cluster)
     out = err_console if as_json else console  # what is not the plan itself
     _pacing_note(cl, out)
     profs = load_profiles(profiles, profile_gpu) if profiles else []
     candidates: list[Candidate] = []
-    options = PlanOptions(
-        partitioner=partitioner,
-        solver=solver,
-        max_cuts=max_cuts,
-        nm_choice=nm_choice,
-        memory=memory,
-        time_limit_s=time_limit,
-        auto_max_vw_gpus=auto_max_vw_gpus,
-        auto_budget_s=auto_budget,
-        remedy=remedy,
-    )
+    options = PlanOptions(partitioner=partitioner, solver=solver, max_cuts=max_cuts,
+                          nm_choice=nm_choice, memory=memory, time_limit_s=time_limit,
+                          auto_max_vw_gpus=auto_max_vw_gpus, auto_budget_s=auto_budget,
+                          remedy=remedy)  # fmt: skip
     with out.status(
         f"planning {model or 'the profiled model'} on {cl.name} (profiles, allocation, "
         "partition, Nm, placement, simulation)"
     ):
-        ddp = get_rule(sync).layout == "ddp"
-        measured_at = "fp32" if ddp else precision  # what the planner prices
-        profs = profiles_for(cl, profs, model, batch_size, measured_at)
-        kwargs = dict(model=model, batch_size=batch_size, D=staleness, placement=placement,
+        kwargs = dict(model=model, batch_size=batch_size, D=staleness or 0, placement=placement,
                       optimizer=optimizer, links=load_links(links) if links else None,
                       reference_type=profile_gpu, precision=precision)  # fmt: skip
-        if get_rule(sync).layout == "ddp":
-            result = _allreduce_plan(cl, profs, model, batch_size, optimizer)
-        else:
-            result = make_plan(cl, profs, policy=policy, nm=nm, num_vws=vws, options=options,
-                               report=candidates, **kwargs)  # type: ignore[arg-type]  # fmt: skip
+        by_policy = partial(make_plan, policy=policy, nm=nm, num_vws=vws, options=options,
+                            report=candidates, **kwargs)  # type: ignore[arg-type]  # fmt: skip
+        profs, result = _plan_once(cl, profs, sync, kwargs, by_policy)
     if nm is not None:
         check_nm(result, nm)  # the planner caps Nm at what memory allows: say so, do not write
     result = with_objective(apply_rule(result, sync, rule), objective, remedy)
@@ -496,6 +522,7 @@ def plan(  # long by its typer signature (the command's options); the body is ~6
             target_samples,
             others=other_allocations(candidates, vws_given=vws is not None),
             nm_cap=nm,
+            d_candidates=compared_d,
         )
     _emit(result, output, as_json, candidates, auto_budget, full)
     render_objective(ranked, inputs, target_samples, out)

@@ -51,6 +51,7 @@ from collections.abc import Sequence
 from itertools import count
 from typing import Any
 
+from planner.cluster import fifo_slot
 from planner.draw import TraceEvent
 from planner.schedule import HETPIPE, Kind, Schedule, Task
 from planner.sim.state import NO_LINK, Links, StageState, VWState
@@ -230,12 +231,11 @@ class _Sim:
         free = self.links.free
         st = w.stages[s]
         own = st.own_link
-        start = free[own] if free[own] > now else now
-        end = start + w.spec.push_ms[s]
+        start, end = fifo_slot(free[own], now, w.spec.push_ms[s])
         free[own] = end
         card = st.push_card
-        if card != NO_LINK:
-            end = (free[card] if free[card] > end else end) + w.spec.push_inter_ms[s]
+        if card != NO_LINK:  # the part to other nodes, on the card once the own link is free
+            end = fifo_slot(free[card], end, w.spec.push_inter_ms[s])[1]
             free[card] = end
         self.cross_bytes += w.spec.cross_sync_bytes[s]
         if self.record and end > start:
@@ -264,8 +264,7 @@ class _Sim:
         """Send ``task``'s input over ``link`` (FIFO) for ``recv`` ms; the task becomes ready
         on its stage when it arrived."""
         free = self.links.free
-        start = free[link] if free[link] > now else now
-        end = start + recv
+        start, end = fifo_slot(free[link], now, recv)
         free[link] = end
         if self.record:
             self.trace.append(TraceEvent(w.v, task.stage, "recv", task.mb, start, end))

@@ -2,8 +2,9 @@
 
 A rank that is alive but frozen (``SIGSTOP``, a wedged machine) is found by its missing
 heartbeats (:class:`Heartbeats`) before its peers time out. The launcher's rendezvous folder
-carries its pid (``hetpipe-rdzv-<pid>-*``); folders of dead launchers are removed by the next
-launch (:func:`rendezvous_dir`).
+carries its pid (``hetpipe-rdzv-<pid>-*``); folders of dead launchers (with the node card
+files of :mod:`runtime.send_queues` in them) are removed by the next launch
+(:func:`rendezvous_dir`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
@@ -96,15 +98,38 @@ def _dead_forkserver_dir(d: Path) -> bool:
     )
 
 
+STALE_AFTER_S = 5.0
+"""A rendezvous folder younger than this (s, by its mtime) is never removed, whatever its pid
+says (a launcher in another pid namespace sharing the temp folder looks dead from here)."""
+
+
+def _dead_launchers_dir(d: Path, uid: int, now_s: float) -> bool:
+    """Whether ``d`` (a ``hetpipe-rdzv-<pid>-*`` name) is a rendezvous folder a dead launcher
+    left: a folder itself (a link is never followed), ours, older than
+    :data:`STALE_AFTER_S`, and its launcher's pid no longer runs."""
+    pid = d.name.split("-")[2]
+    try:
+        st = d.lstat()
+    except OSError:
+        return False  # gone: another launch reaped it meanwhile
+    return (
+        pid.isdigit()
+        and stat.S_ISDIR(st.st_mode)
+        and st.st_uid == uid
+        and now_s - st.st_mtime > STALE_AFTER_S
+        and not alive(int(pid))
+    )
+
+
 def _sweep_temp(base: Path) -> None:
-    """Remove what killed launchers left in the temp folder: their rendezvous folders (their
-    pid is dead) and their multiprocessing ``pymp-*`` folders (forkserver socket unbound)."""
-    uid = os.getuid()
+    """Remove what killed launchers left in the temp folder: their rendezvous folders
+    (:func:`_dead_launchers_dir`) and their multiprocessing ``pymp-*`` folders (forkserver
+    socket unbound). Another launch may sweep at the same time: what it removed first is
+    skipped."""
+    uid, now = os.getuid(), time.time()
     for d in base.glob("hetpipe-rdzv-*-*"):
-        pid = d.name.split("-")[2]
-        with contextlib.suppress(OSError):
-            if pid.isdigit() and d.stat().st_uid == uid and not alive(int(pid)):
-                shutil.rmtree(d, ignore_errors=True)
+        if _dead_launchers_dir(d, uid, now):
+            shutil.rmtree(d, ignore_errors=True)  # never follows links inside either
     for d in base.glob("pymp-*"):
         with contextlib.suppress(OSError):
             if d.stat().st_uid == uid and _dead_forkserver_dir(d):

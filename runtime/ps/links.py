@@ -25,6 +25,7 @@ from runtime.link_pacing import (
     ArrivalWatcher,
     DelayedWork,
     DelayLine,
+    LocalQueue,
     Pace,
     StageLinks,
 )
@@ -92,7 +93,7 @@ class ShardLinks:
         self._queues = queues  # the stage's sender-side queues (runtime.send_queues)
         self._delay = DelayLine(pace)  # posts paced pushes when their link delivers them
         self._arrivals = ArrivalWatcher()  # stamps when paced pull replies arrive
-        self._push_free_s = float("-inf")  # when the stage's previous paced push lands
+        self._push_queue = LocalQueue()  # paced pushes without sender-side queues
         self.timeout_s = timeout_s
         self.pull_timeout_s = timeout_s if pull_timeout_s is None else pull_timeout_s
         self._shapes = [tuple(int(d) for d in shape) for _, shape in params]
@@ -187,7 +188,7 @@ class ShardLinks:
             queue = self._paced.shard_queue(link.spec.id)
             deadline = self._queues.push_deadline(queue, charge)
         else:
-            deadline = self._push_free_s = max(self._pace.clock(), self._push_free_s) + charge
+            deadline = self._push_queue.reserve(charge, self._pace.clock())
         return self._delay.post(deadline, lambda: self._isend(link, msg.message, TAG_PUSH, what))
 
     def _take_message(self, k: int) -> Message:

@@ -36,6 +36,7 @@ from runtime.stage.comm import (
     Channel,
     Event,
     GradReceiver,
+    TensorSpec,
     join_receivers,
     start_activation_receiver,
     wire_specs,
@@ -52,7 +53,7 @@ from runtime.stage.tied import TiedGrads
 from runtime.stage.timers import lap_timer
 from runtime.stage.weights import VersionedWeights
 from runtime.sync.registry import stage_sync
-from runtime.sync.rule import StageView
+from runtime.sync.rule import StageSync, StageView
 
 __all__ = ["StageWorker"]
 
@@ -92,18 +93,7 @@ class StageWorker:
         params = dict(self.module.named_parameters())
         local = {orig: name for name, orig in self.names.items()}
         self.tied = TiedGrads(ctx.stage, ctx.rank - ctx.stage, built.tied, local, self._wait_s)
-        # a resumed run's lr schedule goes on where it stopped (cosine horizon included)
-        copy = not run.emulate or ctx.speed <= 0
-        self.weights = VersionedWeights(
-            params, ctx.nm, job.optimizer, job.first_mb + ctx.total_steps, job.first_mb,
-            class_moves(ctx.memory, ctx.where, self.device, copy=copy), ctx.syncing,
-        )  # fmt: skip
-        buffer_bytes = sum(b.numel() * b.element_size() for b in self.module.buffers())
-        factor = ctx.optimizer_state_factor
-        self.offload, self.memory = memory_manager(
-            ctx.memory, ctx.where, ctx.cap_bytes, ctx.host_cap_bytes,
-            self.weights.param_bytes, buffer_bytes, factor, list(self.module.buffers()),
-        )  # fmt: skip
+        self._place_weights(job, params)
         self.schedule = schedule_named(ctx.schedule)  # checked with the plan
         self.queue = self.schedule.queue(ctx.stage, ctx.n_stages)
         self.inbox: queue.SimpleQueue[Event] = queue.SimpleQueue()
@@ -116,7 +106,36 @@ class StageWorker:
         )
         self._loss = 0.0  # the last stage's loss of the minibatch being judged
         self.first_wave = job.sync.first_wave
-        links, self.queues = self.links, _queues(self.links)
+        self.sync = self._start_sync(job, params, group)  # the synchronisation rule's hooks
+        self._task_mb = 1  # the minibatch of the task being paced (its wave may straggle)
+        self._task_wall0 = 0.0  # wall-clock start of the task being executed (the timeline)
+        self._reports: list[tuple[Any, ...]] = []  # progress reports of the wave in progress
+        self.timer = lap_timer(False)  # --profile-runtime: started with the run
+
+    def _place_weights(self, job: StageJob, params: dict[str, torch.nn.Parameter]) -> None:
+        """The stage's versioned weights (:class:`VersionedWeights`) and where its memory
+        lives (:func:`runtime.stage.offload.memory_manager`)."""
+        ctx = job.ctx
+        # a resumed run's lr schedule goes on where it stopped (cosine horizon included)
+        copy = not job.run.emulate or ctx.speed <= 0
+        self.weights = VersionedWeights(
+            params, ctx.nm, job.optimizer, job.first_mb + ctx.total_steps, job.first_mb,
+            class_moves(ctx.memory, ctx.where, self.device, copy=copy), ctx.syncing,
+        )  # fmt: skip
+        buffer_bytes = sum(b.numel() * b.element_size() for b in self.module.buffers())
+        factor = ctx.optimizer_state_factor
+        self.offload, self.memory = memory_manager(
+            ctx.memory, ctx.where, ctx.cap_bytes, ctx.host_cap_bytes,
+            self.weights.param_bytes, buffer_bytes, factor, list(self.module.buffers()),
+        )  # fmt: skip
+
+    def _start_sync(
+        self, job: StageJob, params: dict[str, torch.nn.Parameter], group: Any
+    ) -> StageSync:
+        """The stage's sender-side queues (:attr:`queues`) and its synchronisation rule's
+        hooks over the stage's view."""
+        ctx, links = job.ctx, self.links
+        self.queues = _queues(links)
         view = StageView(
             ctx.rank, ctx.vw, ctx.stage, ctx.nm, f"vw{ctx.vw}-stage{ctx.stage}",
             tuple((self.names[n], p) for n, p in params.items()), self.weights, self.result,
@@ -124,11 +143,7 @@ class StageWorker:
             tuple((self.buffer_names[n], b) for n, b in self.module.named_buffers()),
             links, self.last, self.queues,
         )  # fmt: skip
-        self.sync = stage_sync(job.sync, view)  # the synchronisation rule's hooks
-        self._task_mb = 1  # the minibatch of the task being paced (its wave may straggle)
-        self._task_wall0 = 0.0  # wall-clock start of the task being executed (the timeline)
-        self._reports: list[tuple[Any, ...]] = []  # progress reports of the wave in progress
-        self.timer = lap_timer(False)  # --profile-runtime: started with the run
+        return stage_sync(job.sync, view)
 
     @property
     def links(self) -> StageLinks:
@@ -193,15 +208,24 @@ class StageWorker:
     ) -> tuple[Channel | None, Channel | None]:
         """The sending sides towards the next and the previous stage (``None``: no such
         stage), charged on the stage's sender-side queues where it has them."""
-        links, queues = self.links, self.queues
+        links = self.links
         return (
-            Channel(nxt, self.out_specs, group, _route(queues, links.next, links.next_queue))
-            if nxt is not None
-            else None,
-            Channel(prev, self.in_specs, group, _route(queues, links.prev, links.prev_queue))
-            if prev is not None
-            else None,
+            self._channel(nxt, self.out_specs, group, links.next, links.next_queue),
+            self._channel(prev, self.in_specs, group, links.prev, links.prev_queue),
         )
+
+    def _channel(
+        self,
+        peer: int | None,
+        specs: tuple[TensorSpec, ...],
+        group: Any,
+        link: Link | None,
+        queue: str,
+    ) -> Channel | None:
+        """The sending side towards ``peer`` over ``link`` (``None``: no such stage)."""
+        if peer is None:
+            return None
+        return Channel(peer, specs, group, _route(self.queues, link, queue))
 
     def _start_receivers(
         self, nxt: int | None, prev: int | None, group: Any
@@ -378,14 +402,8 @@ class StageWorker:
     ) -> None:
         mb = self._task_mb = task.mb
         timer = self.timer
-        if task.kind is not Kind.B:  # neither loading a minibatch (a host-side data loader's
-            # job) nor waiting for a WSP pull is device time: pace from after them
-            if self.ctx.stage == 0:
-                self._load(mb)
-                timer.lap("data")
-            waited = self.result.wait_s
-            self.sync.before_forward(mb)
-            timer.lap("ps", self.result.wait_s - waited)
+        if task.kind is not Kind.B:
+            self._before_forward(mb)
         t0, self._task_wall0 = time.perf_counter(), time.time()
         log.debug("[%s] task %s", self.ctx.where, task)
         if self.offload is not None:  # offloaded data comes back one task ahead
@@ -417,11 +435,37 @@ class StageWorker:
             self._update(mb, grads_w, judged)
             self._post(mb)
             return
-        # An emulated device: the optimizer step and the wave's bookkeeping are device work (on
-        # a GPU a few passes over the weights at memory bandwidth, ~1 % of a step), so they run
-        # inside the task's paced window, not on top of it at CPU speed; a WSP pull the update
-        # blocks on is not device time. The gradients, then the wave's push, leave when the
-        # emulated backward ends: a GPU can send neither earlier.
+        self._end_paced_backward(task, t0, grads_w, grads_x, judged, to_prev)
+
+    def _before_forward(self, mb: int) -> None:
+        """Load ``mb`` (stage 0) and wait for the pull its forward needs: neither loading a
+        minibatch (a host-side data loader's job) nor waiting for a WSP pull is device time,
+        so a forward is paced from after them."""
+        if self.ctx.stage == 0:
+            self._load(mb)
+            self.timer.lap("data")
+        waited = self.result.wait_s
+        self.sync.before_forward(mb)
+        self.timer.lap("ps", self.result.wait_s - waited)
+
+    def _end_paced_backward(
+        self,
+        task: Task,
+        t0: float,
+        grads_w: dict[str, Tensor | None],
+        grads_x: list[Tensor | None],
+        judged: Verdict,
+        to_prev: Channel | None,
+    ) -> None:
+        """After an emulated device's backward ``task`` (started at ``t0``) computed: update, send
+        the gradients and post the update's push, each when the paced window allows.
+
+        The optimizer step and the wave's bookkeeping are device work (on a GPU a few passes
+        over the weights at memory bandwidth, ~1 % of a step), so they run inside the task's
+        paced window, not on top of it at CPU speed; a WSP pull the update blocks on is not
+        device time. The gradients, then the wave's push, leave when the emulated backward
+        ends: a GPU can send neither earlier."""
+        mb, timer = task.mb, self.timer
         deadline = self._deadline(t0, task.kind)
         timer.planned(deadline - t0)
         # only the computation can make the device late: the update's CPU time past the
