@@ -19,14 +19,17 @@ Every setting runs over its own lr grid (``--lrs``; ``ddp``: ``--ddp-lrs``); the
 target loss, the fewest samples any lr needed (``None``: no lr reached it within ``--samples``).
 The targets lie ``--gaps`` nats above the chain's entropy (the best loss possible), so chains
 of different entropy (``--chain``: ``benchmarks/lm_task.py``'s :data:`CHAINS`) compare alike.
-``--nm 3 4`` runs the WSP setting at each ``Nm``. The gradient noise scale is reported too:
+``--data text`` trains on real text instead (``tta_tasks.lm_text_data``: the standard library's
+source, character by character), whose entropy is unknown: its targets lie ``--gaps`` nats
+above the best DDP run's best test loss (default 0.3 and 0.15). ``--nm 3 4`` runs the WSP
+setting at each ``Nm``. The gradient noise scale is reported too:
 the calibration's measurement (:func:`hetpipe.calibrate.noise_scale` on the run's seeded
 weights, what ``hetpipe plan --calibrate-efficiency`` prints) and the same estimator at the
 end of the best DDP run (the noise scale grows as training goes on).
 
 Usage: ``python benchmarks/lm_staleness.py [--optimizer momentum|adam] [--chain wide]
 [--nm 3 4] [--samples 24000]``; writes ``benchmarks/results/lm_staleness_<optimizer>.json``
-(``_<chain>`` appended for a chain other than the default). A setting takes 1-3 min of one
+(``_<chain>`` appended for a chain other than the default, ``_text`` with ``--data text``). A setting takes 1-3 min of one
 core per lr (the tiny GPT-2's gradients).
 """
 
@@ -48,12 +51,12 @@ if str(REPO) not in sys.path:  # run as a script: ``benchmarks.*`` from the repo
 
 import torch  # noqa: E402
 from torch import Tensor  # noqa: E402
-from torch.utils.data import Subset  # noqa: E402
+from torch.utils.data import Subset, TensorDataset  # noqa: E402
 
 from benchmarks import remedy_convergence as rc  # noqa: E402
 from benchmarks.convergence import RESULTS, shards_of, vw_sources  # noqa: E402
 from benchmarks.lm_task import CHAINS, Chain, LMTrainer, markov_tokens  # noqa: E402
-from benchmarks.tta_tasks import LM_TEST, LM_TRAIN, Keyword  # noqa: E402
+from benchmarks.tta_tasks import LM_TEST, LM_TRAIN, Keyword, lm_text_data  # noqa: E402
 from planner.efficiency import simple_noise_scale  # noqa: E402
 from planner.wsp import local_version, required_global_clock  # noqa: E402
 from runtime.data import MinibatchSource  # noqa: E402
@@ -61,6 +64,8 @@ from runtime.data import MinibatchSource  # noqa: E402
 GAPS = (0.4, 0.2, 0.1, 0.05)
 """Target test losses, in nats per token above the chain's entropy (default chain: 1.578, so
 1.98 / 1.78 / 1.68 / 1.63; ``bench_tta``'s lm target 1.6 is 0.022 above it)."""
+TEXT_GAPS = (0.3, 0.15)
+"""``--data text``'s targets, in nats per character above the best DDP run's best test loss."""
 
 Curve = list[tuple[int, float]]
 
@@ -132,13 +137,12 @@ def reach(curve: Curve, targets: dict[str, float]) -> dict[str, int | None]:
     return {k: next((s for s, m in curve if -m <= t), None) for k, t in targets.items()}
 
 
-def calibration_noise(chain: Chain, batch: int, seed: int) -> float:
-    """The gradient noise scale ``hetpipe plan --calibrate-efficiency`` measures on this
-    chain's ``LM_TRAIN`` sequences (``tta_tasks`` keyword samples), batch ``batch`` and
-    ``4 batch``, at the weights a run with ``--seed seed`` starts from."""
+def calibration_noise(data: Keyword, batch: int, seed: int) -> float:
+    """The gradient noise scale ``hetpipe plan --calibrate-efficiency`` measures on ``data``
+    (the ``LM_TRAIN`` ``tta_tasks`` keyword samples), batch ``batch`` and ``4 batch``, at the
+    weights a run with ``--seed seed`` starts from."""
     from hetpipe.calibrate import feed, noise_scale, seeded_model
 
-    data = Keyword(markov_tokens(LM_TRAIN, 0, chain).tensors[0])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         spec = seeded_model("examples.gpt2_lm:tiny", batch, seed)
@@ -167,7 +171,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--remedy", choices=("none", "predict"), default="predict")
     ap.add_argument("--momentum", type=float, default=0.9, help="momentum SGD's (not Adam)")
     ap.add_argument("--chain", choices=sorted(CHAINS), default="default")
-    ap.add_argument("--gaps", type=float, nargs="+", default=list(GAPS))
+    ap.add_argument("--data", choices=("chain", "text"), default="chain",
+                    help="text: the standard library's source (targets above DDP's best)")  # fmt: skip
+    ap.add_argument("--gaps", type=float, nargs="+", default=None)
     ap.add_argument("--samples", type=int, default=24000)
     ap.add_argument("--batch", type=int, default=16, help="per device / per VW (bench_tta's)")
     ap.add_argument("--world", type=int, default=4, help="devices of the AllReduce baseline")
@@ -183,44 +189,66 @@ def parse() -> argparse.Namespace:
     adam = args.optimizer == "adam"
     args.lrs = args.lrs or ([0.0003, 0.001, 0.003] if adam else [0.0025, 0.005, 0.01])
     args.ddp_lrs = args.ddp_lrs or ([0.001, 0.003, 0.01] if adam else [0.04, 0.08, 0.16])
-    suffix = "" if args.chain == "default" else f"_{args.chain}"
+    text = args.data == "text"
+    args.gaps = args.gaps or list(TEXT_GAPS if text else GAPS)
+    suffix = "_text" if text else ("" if args.chain == "default" else f"_{args.chain}")
     args.out = args.out or RESULTS / f"lm_staleness_{args.optimizer}{suffix}.json"
     return args
+
+
+def task(args: argparse.Namespace) -> tuple[Subset[Any], TensorDataset, Keyword, float | None]:
+    """The training split, test set, calibration samples and entropy (``None``: real text)."""
+    if args.data == "text":
+        keyed, held = lm_text_data(args.seed)
+        full, test, floor = (
+            TensorDataset(keyed.ids, keyed.ids),
+            TensorDataset(held.ids, held.ids),
+            None,
+        )
+    else:
+        chain = CHAINS[args.chain]
+        full, test = markov_tokens(LM_TRAIN, 0, chain), markov_tokens(LM_TEST, 1, chain)
+        keyed, floor = Keyword(full.tensors[0]), chain.entropy_nats()
+    return Subset(full, list(range(len(full)))), test, keyed, floor
 
 
 def main() -> None:
     """Every setting at every lr; print and write the fewest samples per target."""
     args = parse()
     torch.set_num_threads(1)
-    chain = CHAINS[args.chain]
-    floor = chain.entropy_nats()
-    targets = {f"{g:g}": floor + g for g in args.gaps}
-    train = Subset(markov_tokens(LM_TRAIN, 0, chain), list(range(LM_TRAIN)))
-    test = markov_tokens(LM_TEST, 1, chain)
+    chain: Chain | None = CHAINS[args.chain] if args.data == "chain" else None
+    train, test, keyed, floor = task(args)
     t0, load0 = time.perf_counter(), os.getloadavg()
-    phi0 = calibration_noise(chain, args.batch, args.seed)
-    print(f"chain {args.chain} {chain}: entropy {floor:.3f} nats, "
-          f"targets {targets}, noise scale at the start {phi0:.1f}", flush=True)  # fmt: skip
+    phi0 = calibration_noise(keyed, args.batch, args.seed)
+    print(f"data {args.data} {chain or ''}: entropy {floor}, gaps {args.gaps}, "
+          f"noise scale at the start {phi0:.1f}", flush=True)  # fmt: skip
     settings = [("ddp", args.ddp_lrs)] + [(f"wsp {nm}", args.lrs) for nm in args.nm]
     rows, trained = [], {}
     for setting, lrs in settings:
         for lr in lrs:
             tr, w, curve = run(setting, lr, train, test, args)
-            rows.append({"setting": setting, "lr": lr, "reach": reach(curve, targets),
-                         "best_loss": -max(m for _, m in curve), "curve": curve})  # fmt: skip
+            rows.append({"setting": setting, "lr": lr, "best_loss": -max(m for _, m in curve),
+                         "curve": curve})  # fmt: skip
             if setting == "ddp":
                 trained[lr] = (tr, w)
-            print(f"{setting} lr {lr:g}: samples to {rows[-1]['reach']}, best loss "
-                  f"{rows[-1]['best_loss']:.3f}", flush=True)  # fmt: skip
+            print(f"{setting} lr {lr:g}: best loss {rows[-1]['best_loss']:.3f}", flush=True)
+    ddp_lr = min((r for r in rows if r["setting"] == "ddp"), key=lambda r: r["best_loss"])["lr"]
+    base = (
+        floor if floor is not None else min(r["best_loss"] for r in rows if r["setting"] == "ddp")
+    )
+    targets = {f"{g:g}": base + g for g in args.gaps}
+    for r in rows:
+        r["reach"] = reach(r["curve"], targets)
+        print(f"{r['setting']} lr {r['lr']:g}: samples to {r['reach']}")
     best = {s: {k: min((r["reach"][k] for r in rows if r["setting"] == s
                         and r["reach"][k] is not None), default=None)
                 for k in targets} for s, _ in settings}  # fmt: skip
-    ddp_lr = min((r for r in rows if r["setting"] == "ddp"), key=lambda r: r["best_loss"])["lr"]
     phi1 = trained_noise(*trained[ddp_lr], train, args.batch)
-    print(f"fewest samples per target: {best}; noise scale after DDP (lr {ddp_lr:g}): {phi1:.1f}")
+    print(f"targets {targets}; fewest samples per target: {best}; noise scale after DDP "
+          f"(lr {ddp_lr:g}): {phi1:.1f}")  # fmt: skip
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    out = {"config": config, "chain": asdict(chain), "entropy_nats": floor, "targets": targets,
-           "noise_scale": {"start": phi0, "after_ddp": phi1, "ddp_lr": ddp_lr},
+    out = {"config": config, "chain": asdict(chain) if chain else None, "entropy_nats": floor,
+           "targets": targets, "noise_scale": {"start": phi0, "after_ddp": phi1, "ddp_lr": ddp_lr},
            "best": best, "rows": rows, "seconds": time.perf_counter() - t0,
            "loadavg": {"start": load0, "end": os.getloadavg()}}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -4,18 +4,24 @@
 on scikit-learn's digits as 1 x 8 x 8 images (``digits_images``); ``lm_data`` is
 ``benchmarks/lm_task.py``'s Markov-chain token data for ``examples.gpt2_lm:tiny``, as keyword
 samples (``lm_wide_data`` and ``lm_branchy_data``: the chain variants of the same name, whose
-gradient noise scale is 30-200x the default's; docs/convergence.md). Named on the
+gradient noise scale is 30-200x the default's; docs/convergence.md); ``lm_text_data`` is
+real text of the same shape: the Python standard library's source, character by character
+(:data:`TEXT_TRAIN_FILES`, :data:`TEXT_TEST_FILES`). Named on the
 command line as ``benchmarks.tta_tasks:digits_cnn`` and ``--data benchmarks.tta_tasks:...``
 from the repository root.
 """
 
 from __future__ import annotations
 
+import sysconfig
+from pathlib import Path
+
 import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset, TensorDataset
 
 from profiler.builtin_models import BasicBlock
+from profiler.errors import ConfigError
 
 __all__ = [
     "DIGITS_TEST",
@@ -24,11 +30,23 @@ __all__ = [
     "digits_images",
     "lm_branchy_data",
     "lm_data",
+    "lm_text_data",
     "lm_wide_data",
 ]
 
 DIGITS_TEST = 0.2  # share of the 1,797 digits held out as the test set
 LM_TRAIN, LM_TEST = 8192, 512  # token sequences (32 tokens each)
+TEXT_SEQ = 32  # characters per sequence (the tiny model's context, as the lm task's)
+TEXT_IDS = 128  # ids of ``lm_text_data``: ASCII codes; any other byte becomes TEXT_UNKNOWN
+TEXT_UNKNOWN = 0  # NUL, which Python source does not contain
+TEXT_TRAIN_FILES = (
+    "argparse.py", "calendar.py", "configparser.py", "contextlib.py", "dataclasses.py",
+    "difflib.py", "enum.py", "fractions.py", "functools.py", "inspect.py",
+)  # fmt: skip
+"""Standard-library modules (top level, in every CPython 3.7+) whose sequences train, in this
+order until ``LM_TRAIN`` (about 263 kB: the first five on 3.11)."""
+TEXT_TEST_FILES = ("shlex.py", "textwrap.py")
+"""Modules whose sequences test (``LM_TEST``): disjoint from the training files (no leakage)."""
 
 
 class DigitsResNet(nn.Module):
@@ -117,3 +135,40 @@ def lm_branchy_data(seed: int = 0) -> tuple[Keyword, Keyword]:
     """:func:`lm_data` over 512 ids with 8 rule successors (chain ``branchy``: 2.81 nats)."""
     del seed  # the data are fixed; the run's seed orders them
     return _lm_chain_data("branchy")
+
+
+def _text_ids(names: tuple[str, ...], n: int, root: Path) -> Tensor:
+    """The first ``n`` sequences of ``TEXT_SEQ`` characters of the files ``names`` under
+    ``root``, each file cut on its own (no sequence spans two files), as ids ``(n, TEXT_SEQ)``."""
+    rows: list[Tensor] = []
+    for name in names:
+        path = root / name
+        if not path.is_file():
+            raise ConfigError(
+                f"lm_text_data file {path}: not found; run on a CPython with its standard "
+                "library's source (not a stripped install)"
+            )
+        raw = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8).long()
+        ids = torch.where(raw < TEXT_IDS, raw, TEXT_UNKNOWN)  # (bytes,)
+        rows.append(ids[: len(ids) // TEXT_SEQ * TEXT_SEQ].view(-1, TEXT_SEQ))
+        if sum(len(r) for r in rows) >= n:
+            return torch.cat(rows)[:n]
+    raise ConfigError(
+        f"lm_text_data files {', '.join(names)}: {sum(len(r) for r in rows)} sequences of "
+        f"{TEXT_SEQ} characters, {n} needed; run on a CPython whose standard library has them"
+    )
+
+
+def lm_text_data(seed: int = 0) -> tuple[Keyword, Keyword]:
+    """``LM_TRAIN`` training and ``LM_TEST`` test sequences of real text: the running Python's
+    standard-library source (``sysconfig``'s ``stdlib``), character by character as ASCII ids
+    below ``TEXT_IDS`` (other bytes: ``TEXT_UNKNOWN``); training and test from disjoint files
+    (:data:`TEXT_TRAIN_FILES`, :data:`TEXT_TEST_FILES`), in file order.
+
+    Raises:
+        ConfigError: a file is missing or the files hold too few sequences.
+    """
+    del seed  # the data are fixed; the run's seed orders them
+    root = Path(sysconfig.get_paths()["stdlib"])
+    train = _text_ids(TEXT_TRAIN_FILES, LM_TRAIN, root)
+    return Keyword(train), Keyword(_text_ids(TEXT_TEST_FILES, LM_TEST, root))
