@@ -35,7 +35,9 @@ Model (one event heap, O(log n) per event; see docs/simulator.md, *Scale*, for t
   do (``runtime/sync/wave.py``): stage 0 admits once its pull arrived, a later stage starts
   the first forward that runs on the pulled weights once its pull arrived. At D = 0 a stage
   other than the last folds that pull at its first update after the push: that backward
-  computes and sends its gradients when ready, only the stage's end waits for the pull. Waiting =
+  computes and sends its gradients when ready, only the stage's end waits for the pull
+  (on stage 0 the backward waits when it became ready after the next wave's first forward
+  was due: the runtime admitted that forward first and waits for the pull there). Waiting =
   admission blocked by WSP (waiting for the clock plus stage 0's pull); idle = waiting while
   no GPU of the VW computes.
 - **Throughput** (:func:`measured_throughput`, the runtime uses the same function): wave 0
@@ -200,7 +202,11 @@ class _Sim:
             if parked is not None and version >= self._fold_need(parked[0].mb):
                 st.parked = None
                 t, computed = parked
-                self._fold(w, s, t, max(computed, now + w.spec.pull_ms[s]))
+                arrives = now + w.spec.pull_ms[s]
+                if computed < 0.0:  # waits for the pull before it computes (_dispatch)
+                    self._begin(w, s, t, arrives)
+                else:
+                    self._fold(w, s, t, max(computed, arrives))
         heapq.heappush(
             self.heap, (now + w.spec.pull_ms[0], next(self.seq), _PULLED, w, -1, version)
         )
@@ -296,8 +302,17 @@ class _Sim:
         elif st.folds and t.kind is Kind.B:  # D = 0: the first update after a push folds
             need = self._fold_need(t.mb)  # the pull in first (runtime/sync/wave.py)
             if need > 0:
-                self._begin_fold(w, s, t, now, self._pulled_by(st, need, now))
-                return
+                pulled = self._pulled_by(st, need, now)
+                if s > 0 or not 0.0 <= w.wait_start < now:
+                    self._begin_fold(w, s, t, now, pulled)
+                    return
+                # stage 0, ready after the next wave's first forward was due: the runtime
+                # admitted that forward first, and it waits for the same pull (StageWorker._loop,
+                # WaveSync.before_forward), so this backward runs after the pull
+                if pulled < 0.0:  # _start_pull begins it
+                    st.parked = (t, -1.0)
+                    return
+                c0 = pulled
         self._begin(w, s, t, c0)
 
     def _begin_fold(self, w: VWState, s: int, t: Task, c0: float, pulled: float) -> None:

@@ -150,15 +150,16 @@ def test_d0_update_waits_for_its_pull() -> None:
     """With D = 0 a stage other than the last folds the pull after its wave's push before
     its next update (planner.wsp.folds_at_update). As on a GPU, only the update waits: the
     backward computes when it is ready, its gradients leave when it ends, and the stage is
-    free once the pull arrived too (the runtime's stage waits in ``before_update``). Nm = 2,
-    traced by hand."""
-    # stage 0 pulls in 5 ms: wave 0's push leaves when B2 ends (9); B3, ready at 10, computes
-    # until 12, its update waits for the pull (14), F4 follows it; the last stage never
-    # waits (it folds at F4)
+    free once the pull arrived too (the runtime's stage waits in ``before_update``), except
+    on stage 0 when the backward became ready after the next wave's first forward was due:
+    the runtime admitted that forward first and waits for the pull there. Nm = 2, traced
+    by hand."""
+    # stage 0 pulls in 5 ms: wave 0's push leaves when B2 ends (9), when F4 is due; B3, ready
+    # at 10, runs after the pull (14), F4 after it; the last stage never waits (it folds at F4)
     sp = dataclasses.replace(PipelineSpec.from_times([1.0, 1.0], [2.0, 2.0]), pull_ms=(5.0, 0.0))
     res = simulate_pipelines([sp], nm=2, waves=2, record_trace=True)
-    assert (_start_ms(res, 0, "B", 3), _start_ms(res, 0, "F", 4)) == (10.0, 14.0)
-    assert _start_ms(res, 1, "FB", 4) == 15.0
+    assert (_start_ms(res, 0, "B", 3), _start_ms(res, 0, "F", 4)) == (14.0, 16.0)
+    assert _start_ms(res, 1, "FB", 4) == 17.0
     # a slow gradient link into stage 0 (10 ms): stage 1's B3 is ready at 24 (FB3 ends),
     # before the wave's last push (stage 0's B2, 27-29) started the pull: it computes 24-26,
     # its gradients leave at 26, its update waits for the pull (29); F4 arrived at 30
