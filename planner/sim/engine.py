@@ -36,8 +36,8 @@ Model (one event heap, O(log n) per event; see docs/simulator.md, *Scale*, for t
   the first forward that runs on the pulled weights once its pull arrived. At D = 0 a stage
   other than the last folds that pull at its first update after the push: that backward
   computes and sends its gradients when ready, only the stage's end waits for the pull
-  (on stage 0 the backward waits when it became ready after the next wave's first forward
-  was due: the runtime admitted that forward first and waits for the pull there). Waiting =
+  (on stage 0 the whole backward follows the pull: the runtime admitted the next wave's
+  first forward ahead of it, and that forward waits for the pull). Waiting =
   admission blocked by WSP (waiting for the clock plus stage 0's pull); idle = waiting while
   no GPU of the VW computes.
 - **Throughput** (:func:`measured_throughput`, the runtime uses the same function): wave 0
@@ -303,12 +303,12 @@ class _Sim:
             need = self._fold_need(t.mb)  # the pull in first (runtime/sync/wave.py)
             if need > 0:
                 pulled = self._pulled_by(st, need, now)
-                if s > 0 or not 0.0 <= w.wait_start < now:
+                if s > 0:
                     self._begin_fold(w, s, t, now, pulled)
                     return
-                # stage 0, ready after the next wave's first forward was due: the runtime
-                # admitted that forward first, and it waits for the same pull (StageWorker._loop,
-                # WaveSync.before_forward), so this backward runs after the pull
+                # stage 0: the runtime admits the next wave's first forward when the wave's
+                # last backward ends, and that forward waits for the same pull, ahead of this
+                # backward (StageWorker._loop, WaveSync.before_forward): it runs after the pull
                 if pulled < 0.0:  # _start_pull begins it
                     st.parked = (t, -1.0)
                     return

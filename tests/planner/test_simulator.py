@@ -151,9 +151,8 @@ def test_d0_update_waits_for_its_pull() -> None:
     its next update (planner.wsp.folds_at_update). As on a GPU, only the update waits: the
     backward computes when it is ready, its gradients leave when it ends, and the stage is
     free once the pull arrived too (the runtime's stage waits in ``before_update``), except
-    on stage 0 when the backward became ready after the next wave's first forward was due:
-    the runtime admitted that forward first and waits for the pull there. Nm = 2, traced
-    by hand."""
+    on stage 0: the runtime admitted the next wave's first forward ahead of that backward,
+    and the forward waits for the pull. Nm = 2, traced by hand."""
     # stage 0 pulls in 5 ms: wave 0's push leaves when B2 ends (9), when F4 is due; B3, ready
     # at 10, runs after the pull (14), F4 after it; the last stage never waits (it folds at F4)
     sp = dataclasses.replace(PipelineSpec.from_times([1.0, 1.0], [2.0, 2.0]), pull_ms=(5.0, 0.0))
