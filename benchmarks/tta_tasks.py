@@ -3,7 +3,8 @@
 ``digits_cnn`` is a small ResNet-like CNN (3x3 convolutions, batch norm, residual blocks)
 on scikit-learn's digits as 1 x 8 x 8 images (``digits_images``); ``lm_data`` is
 ``benchmarks/lm_task.py``'s Markov-chain token data for ``examples.gpt2_lm:tiny``, as keyword
-samples. Named on the
+samples (``lm_wide_data`` and ``lm_branchy_data``: the chain variants of the same name, whose
+gradient noise scale is 30-200x the default's; docs/convergence.md). Named on the
 command line as ``benchmarks.tta_tasks:digits_cnn`` and ``--data benchmarks.tta_tasks:...``
 from the repository root.
 """
@@ -16,7 +17,15 @@ from torch.utils.data import Dataset, TensorDataset
 
 from profiler.builtin_models import BasicBlock
 
-__all__ = ["DIGITS_TEST", "Keyword", "digits_cnn", "digits_images", "lm_data"]
+__all__ = [
+    "DIGITS_TEST",
+    "Keyword",
+    "digits_cnn",
+    "digits_images",
+    "lm_branchy_data",
+    "lm_data",
+    "lm_wide_data",
+]
 
 DIGITS_TEST = 0.2  # share of the 1,797 digits held out as the test set
 LM_TRAIN, LM_TEST = 8192, 512  # token sequences (32 tokens each)
@@ -87,3 +96,24 @@ def lm_data(seed: int = 0) -> tuple[Keyword, Keyword]:
     del seed  # the data are fixed; the run's seed orders them
     train, test = markov_tokens(LM_TRAIN, 0), markov_tokens(LM_TEST, 1)
     return Keyword(train.tensors[0]), Keyword(test.tensors[0])
+
+
+def _lm_chain_data(chain: str) -> tuple[Keyword, Keyword]:
+    """:func:`lm_data` drawn from ``benchmarks/lm_task.py``'s chain ``CHAINS[chain]``."""
+    from benchmarks.lm_task import CHAINS, markov_tokens
+
+    train = markov_tokens(LM_TRAIN, 0, CHAINS[chain])
+    test = markov_tokens(LM_TEST, 1, CHAINS[chain])
+    return Keyword(train.tensors[0]), Keyword(test.tensors[0])
+
+
+def lm_wide_data(seed: int = 0) -> tuple[Keyword, Keyword]:
+    """:func:`lm_data` over all 512 ids of the vocabulary (chain ``wide``: entropy 2.12 nats)."""
+    del seed  # the data are fixed; the run's seed orders them
+    return _lm_chain_data("wide")
+
+
+def lm_branchy_data(seed: int = 0) -> tuple[Keyword, Keyword]:
+    """:func:`lm_data` over 512 ids with 8 rule successors (chain ``branchy``: 2.81 nats)."""
+    del seed  # the data are fixed; the run's seed orders them
+    return _lm_chain_data("branchy")

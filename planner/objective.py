@@ -6,8 +6,9 @@ SGD needs (``--target-samples``; relative times need none) divided by the plan's
 ``throughput x efficiency`` (:mod:`planner.efficiency`, Pollux's goodput). The candidates:
 the throughput plan's allocation (and others given: ``hetpipe plan`` adds ``auto``'s best
 and, when the user chose no VW count, one VW of every device) at each Nm in turn, under each remedy that acts there (``predict`` from Nm 2,
-``pipemare`` from Nm 3; a remedy whose memory does not fit is left out), and the AllReduce
-baseline on the devices that hold the model. The ranking is pure:
+``pipemare`` from Nm 3; a remedy whose memory does not fit is left out), at each WSP
+threshold ``D`` given (only where ``D`` acts: a WSP plan through shards, :func:`takes_d`),
+and the AllReduce baseline on the devices that hold the model. The ranking is pure:
 :func:`rank` over :class:`Choice` rows, tested on hand-built candidates; :func:`plan_for_time`
 builds the rows from plans made by injected functions.
 
@@ -23,23 +24,26 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from planner.efficiency import EfficiencyInputs, Setting, efficiency, mean_delay
 from planner.plan import Plan
 from planner.rules import get_rule, time_ranked
+from planner.sync import effective_rule
 from profiler.errors import ConfigError, PlanError
 
 __all__ = [
     "OBJECTIVES",
     "Choice",
     "Ranked",
+    "Replan",
     "choice_of",
     "plan_for_time",
     "rank",
     "remedies_at",
+    "takes_d",
 ]
 
 OBJECTIVES = ("throughput", "time")
@@ -135,11 +139,40 @@ def choice_of(plan: Plan, remedy: str = "none") -> Choice:
     syncing, D = rule.time_delays(dict(plan.sync_params), n, plan.D)
     local, foreign = mean_delay(plan.nm, syncing, D)
     policy = plan.policy.removeprefix("auto:")
-    label = f"{plan.sync} {policy} {n} VW{'s' if n > 1 else ''} Nm {plan.nm}" + (
-        f" {remedy}" if remedy != "none" else ""
+    shown_d = D if takes_d(plan) else 0
+    label = (
+        f"{plan.sync} {policy} {n} VW{'s' if n > 1 else ''} Nm {plan.nm}"
+        + (f" D {shown_d}" if shown_d > 0 else "")
+        + (f" {remedy}" if remedy != "none" else "")
     )
     setting = Setting(b, b, local, foreign, remedy)
-    return Choice(label, plan.sync, n, plan.nm, plan.D, remedy, tp, setting)
+    return Choice(label, plan.sync, n, plan.nm, shown_d, remedy, tp, setting)
+
+
+def takes_d(plan: Plan) -> bool:
+    """Whether the WSP threshold ``D`` acts on ``plan``: its rule keeps ``D`` (not backup or
+    EASGD) and trains through parameter-server shards (not one VW without shards, the
+    ``local`` rule, nor AllReduce). Where it acts, ``D > 0`` lets a stage update without
+    waiting for its pull (:func:`planner.wsp.folds_at_update`) and, with several VWs, adds
+    foreign delay (:func:`planner.efficiency.mean_delay`); where not, candidates at other
+    ``D`` would be the same plan.
+
+    Example:
+        >>> from types import SimpleNamespace as NS
+        >>> one = NS(sync="wsp", shards=(), virtual_workers=(0,))
+        >>> takes_d(one), takes_d(NS(sync="wsp", shards=(0,), virtual_workers=(0,)))
+        (False, True)
+        >>> takes_d(NS(sync="backup", shards=(0,), virtual_workers=(0, 1)))
+        False
+    """
+    rule = get_rule(plan.sync)
+    if not rule.keeps_D or not rule.uses_shards:
+        return False
+    try:
+        alone = effective_rule(plan.sync, len(plan.shards), len(plan.virtual_workers))
+    except ConfigError:  # several VWs without shards: not a runnable plan, D moot
+        return False
+    return alone == plan.sync
 
 
 def remedies_at(nm: int, inputs: EfficiencyInputs) -> list[str]:
@@ -155,59 +188,94 @@ def remedies_at(nm: int, inputs: EfficiencyInputs) -> list[str]:
     return [r for r, low in acts.items() if nm >= low and r in inputs.delay_cost]
 
 
+Replan = Callable[[int, str, int], Plan]
+"""An allocation's planner for ``--objective time``: ``(nm, memory, D) -> plan`` at exactly Nm
+``nm``, with remedy ``memory``'s memory counted, at WSP threshold ``D``."""
+
+
 def plan_for_time(
-    allocations: Sequence[tuple[Callable[[int, str], Plan], Sequence[int]]],
+    allocations: Sequence[tuple[Replan, Sequence[int]]],
     allreduce: Callable[[], Plan] | None,
     inputs: EfficiencyInputs,
     target_samples: float = 0.0,
+    d_values: Sequence[int] = (0,),
 ) -> tuple[Plan, list[Ranked]]:
     """The plan of the fastest predicted time to target and every candidate ranked.
 
     Args:
-        allocations: per allocation, ``replan`` (its plan at exactly this Nm with this
-            remedy's memory; may raise :class:`PlanError` or :class:`ConfigError`, or come
-            back with a smaller Nm: not a candidate) and the Nm values to compare.
+        allocations: per allocation, ``replan`` (:data:`Replan`; may raise
+            :class:`PlanError` or :class:`ConfigError`, or come back with a smaller Nm: not a
+            candidate) and the Nm values to compare.
         allreduce: the AllReduce baseline's plan (may raise :class:`ConfigError`: no device
             holds the model), or ``None``.
         inputs: the efficiency model's inputs.
         target_samples: samples sequential SGD needs to the target (0: relative times only).
+        d_values: the WSP thresholds compared (each candidate planned and simulated at each;
+            a plan ``D`` does not act on, :func:`takes_d`, only at the first). The record's
+            ``d_values`` lists those some candidate was compared at where ``D`` acts (empty:
+            nowhere, e.g. ``backup`` or one VW without shards).
 
     Raises:
         PlanError: no candidate could be planned.
     """
-    plans: dict[str, Plan] = {}
-    choices: list[Choice] = []
-    for replan, nm_values in allocations:
-        for nm in nm_values:
-            for remedy in remedies_at(nm, inputs):
-                memory = "predict" if remedy == "predict" else "none"  # pipemare keeps no more
-                try:
-                    plan = replan(nm, memory)
-                except (PlanError, ConfigError):
-                    continue
-                c = choice_of(plan, remedy)
-                if plan.nm != nm or c.label in plans:
-                    continue
-                plans[c.label] = replace(plan, remedy=remedy)
-                choices.append(c)
+    plans = _candidates(allocations, inputs, d_values)
     if allreduce is not None:
         try:
             ar = allreduce()
         except ConfigError:
             ar = None
         if ar is not None:
-            c = choice_of(ar)
-            plans[c.label] = ar
-            choices.append(c)
-    if not choices:
+            plans[choice_of(ar)] = ar
+    if not plans:
         raise PlanError("--objective time: no candidate plan fits; try --objective throughput")
-    ranked = rank(choices, inputs, target_samples)
+    ranked = rank(list(plans), inputs, target_samples)
     best = ranked[0]
-    record = _record(best, inputs, target_samples, len(ranked))
-    return replace(plans[best.choice.label], objective=record), ranked
+    compared = sorted({c.D for c, p in plans.items() if takes_d(p)})  # where D acts
+    record = _record(best, inputs, target_samples, len(ranked), compared)
+    return replace(plans[best.choice], objective=record), ranked
 
 
-def _record(best: Ranked, inputs: EfficiencyInputs, target: float, n: int) -> dict[str, Any]:
+def _candidates(
+    allocations: Sequence[tuple[Replan, Sequence[int]]],
+    inputs: EfficiencyInputs,
+    d_values: Sequence[int],
+) -> dict[Choice, Plan]:
+    """Every pipelined candidate (allocation x Nm x remedy x D) with its plan (remedy set),
+    in planning order; one per label. ``D`` changes neither the memory model nor so the Nm
+    that fits (:mod:`planner.offload`), only the simulated throughput and the delay."""
+    out: dict[Choice, Plan] = {}
+    labels: set[str] = set()
+    for replan, nm_values in allocations:
+        for nm in nm_values:
+            for remedy in remedies_at(nm, inputs):
+                for plan in _at_each_d(replan, nm, remedy, d_values):
+                    c = choice_of(plan, remedy)
+                    if c.label not in labels:
+                        labels.add(c.label)
+                        out[c] = replace(plan, remedy=remedy)
+    return out
+
+
+def _at_each_d(replan: Replan, nm: int, remedy: str, d_values: Sequence[int]) -> Iterator[Plan]:
+    """``replan``'s plans at exactly ``nm`` with ``remedy``'s memory, at each of ``d_values``
+    (the first only where ``D`` does not act, :func:`takes_d`; none where Nm ``nm`` does not
+    fit, which no ``D`` changes)."""
+    memory = "predict" if remedy == "predict" else "none"  # pipemare keeps no more
+    for D in d_values:
+        try:
+            plan = replan(nm, memory, D)
+        except (PlanError, ConfigError):
+            return
+        if plan.nm != nm:
+            return
+        yield plan
+        if not takes_d(plan):  # the same plan at every D: plan it once
+            return
+
+
+def _record(
+    best: Ranked, inputs: EfficiencyInputs, target: float, n: int, d_values: Sequence[int]
+) -> dict[str, Any]:
     """The plan file's ``objective`` section: what was ranked, how, and the winner's figures."""
     return {
         "objective": "time",
@@ -216,5 +284,6 @@ def _record(best: Ranked, inputs: EfficiencyInputs, target: float, n: int) -> di
         "target_samples": target,
         "seconds_to_target": best.seconds,
         "candidates": n,
+        "d_values": [int(d) for d in d_values],
         **inputs.to_dict(),
     }

@@ -96,9 +96,10 @@ OPTIONS: Mapping[str, Option] = MappingProxyType(
 
 PLAN_OPTIONS: Mapping[str, Option] = MappingProxyType(
     {
-        "objective": Option("--objective", "throughput", "what the plan is chosen for: throughput (fastest samples/s) or time (fastest predicted time to target: throughput x statistical efficiency, AllReduce and each Nm and remedy compared; docs/planner.md)", choices=("throughput", "time")),
+        "objective": Option("--objective", "throughput", "what the plan is chosen for: throughput (fastest samples/s) or time (fastest predicted time to target: throughput x statistical efficiency, AllReduce and each Nm, remedy and D compared; docs/planner.md)", choices=("throughput", "time")),
         "target_samples": Option("--target-samples", 0.0, "--objective time: samples sequential SGD needs to the target (0: relative times only)", Range(0)),
         "remedy": Option("--remedy", "none", "the run's staleness remedy, for the memory model (predict keeps more weight copies) and --objective time", choices=("none", "predict", "pipemare")),
+        "d_values": Option("--d-values", "", "--objective time: the WSP thresholds D compared, whole numbers separated by commas (default: 0,1,2, or -D alone when given; docs/planner.md)"),
         "calibrate": Option("--calibrate-efficiency", "", "--objective time: measure the efficiency model's inputs (gradient noise scale, delay cost per remedy) in seconds of single-process SGD on DATA: builtin (the model's own data), synthetic or pkg.mod:factory (default: the defaults, said in the table)"),
         "calibrate_lr": Option("--calibrate-lr", "tuned", "--calibrate-efficiency's step size: tuned (each setting at its best of --lr x 1, 1/2, 1/4, 1/8, as systems tuned each to its best lr are compared) or fixed (every setting at --lr)", choices=("tuned", "fixed")),
     }

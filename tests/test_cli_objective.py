@@ -160,3 +160,47 @@ def test_calibration_step_size_options_are_one_line(args: list[str], fragment: s
     res = CliRunner().invoke(app, [*base, *args], env={"COLUMNS": "300"})
     assert res.exit_code == 2 and fragment in res.output, res.output
     assert len(res.output.strip().splitlines()) == 1, res.output
+
+
+def test_d_values_reach_the_table_and_the_plan(tmp_path: Path) -> None:
+    """``--d-values 0,1``: the one VW through shards is planned at each D (D = 1 drops the
+    fold wait), the table shows each candidate's D and the plan records what was compared."""
+    out = tmp_path / "plan.yaml"
+    args = ["plan", CLUSTER, "--model", "mlp", "--vws", "1", "--policy", "ed", "--nm", "2",
+            "--objective", "time", "--d-values", "1, 0", "-o", str(out)]  # fmt: skip
+    res = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip()
+            for line in res.output.splitlines() if "│ wsp ed" in line}  # fmt: skip
+    assert rows["wsp ed 1 VW Nm 2 D 1"] == "1" and rows["wsp ed 1 VW Nm 2"] == "0"
+    plan = load_plan(out)
+    assert plan.objective["d_values"] == [0, 1]
+
+
+def test_an_explicit_d_is_the_only_one_compared(tmp_path: Path) -> None:
+    out = tmp_path / "plan.yaml"
+    args = ["plan", CLUSTER, "--model", "mlp", "--vws", "1", "--policy", "ed", "--nm", "1",
+            "--objective", "time", "-D", "2", "-o", str(out)]  # fmt: skip
+    res = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    labels = [line.split("│")[1].strip() for line in res.output.splitlines() if "│ wsp" in line]
+    assert labels == ["wsp ed 1 VW Nm 1 D 2"]  # not at D 0, 1
+    assert load_plan(out).objective["d_values"] == [2]
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [(["--objective", "time", "--d-values", "0,x"],
+      "--d-values '0,x': 'x' is not a whole number >= 0; give thresholds such as 0,1,2"),
+     (["--objective", "time", "--d-values", "0,-1"], "'-1' is not a whole number >= 0"),
+     (["--objective", "time", "--d-values", "1,\u00b2"], "'\u00b2' is not a whole number"),
+     (["--objective", "time", "--d-values", "0,1", "-D", "1"],
+      "--d-values '0,1' and -D 1 both set D; give one of them"),
+     (["--d-values", "0,1"], "--d-values '0,1' sets the D values --objective time compares; "
+                             "add --objective time, or drop --d-values")],
+)  # fmt: skip
+def test_bad_d_values_are_one_line(args: list[str], fragment: str) -> None:
+    res = CliRunner().invoke(app, ["plan", CLUSTER, "--model", "mlp", *args],
+                             env={"COLUMNS": "300"})  # fmt: skip
+    assert res.exit_code == 2 and fragment in res.output, res.output
+    assert len(res.output.strip().splitlines()) == 1, res.output

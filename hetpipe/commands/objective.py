@@ -26,9 +26,11 @@ if TYPE_CHECKING:
     from runtime.config import OptimizerConfig
 
 __all__ = [
+    "D_CANDIDATES",
     "NM_CANDIDATES",
     "Calibration",
     "choose_for_time",
+    "d_values",
     "efficiency_inputs",
     "nm_values",
     "other_allocations",
@@ -41,6 +43,42 @@ NM_CANDIDATES = 8
 
 AUTO_ALLOCATIONS = 3
 """Most allocations of policy ``auto``'s table that ``--objective time`` compares."""
+
+D_CANDIDATES = (0, 1, 2)
+"""The WSP thresholds ``--objective time`` compares when neither ``-D`` nor ``--d-values`` is
+given: ``D = 0`` (a stage's update waits for its pull), ``1`` (it no longer waits: the most
+throughput ``D`` buys when VWs run at one pace) and ``2`` (room for VWs of uneven pace); each
+step adds ``(n - 1) Nm / 2`` foreign updates of delay (:func:`planner.efficiency.mean_delay`)."""
+
+
+def d_values(text: str, staleness: int | None, objective: str) -> tuple[int, ...]:
+    """The WSP thresholds ``--objective time`` compares: ``--d-values`` (``text``, whole
+    numbers >= 0 separated by commas or spaces), else ``-D`` alone when given (``staleness``),
+    else :data:`D_CANDIDATES`.
+
+    Example:
+        >>> d_values("", None, "time"), d_values("", 3, "time"), d_values("2, 0 2", None, "time")
+        ((0, 1, 2), (3,), (0, 2))
+
+    Raises:
+        ConfigError: a value that is not a whole number >= 0, ``--d-values`` with ``-D`` or
+            without ``--objective time`` (one line naming the flag, the value and the fix).
+    """
+    given = text.replace(",", " ").split()
+    if not given:
+        return D_CANDIDATES if staleness is None else (staleness,)
+    flag = f"--d-values {shown(text, 40)}"
+    if objective != "time":
+        raise ConfigError(f"{flag} sets the D values --objective time compares; add "
+                          "--objective time, or drop --d-values")  # fmt: skip
+    if staleness is not None:
+        raise ConfigError(f"{flag} and -D {staleness} both set D; give one of them")
+    bad = next((v for v in given if not v.isdecimal()), None)
+    if bad is not None:
+        raise ConfigError(
+            f"{flag}: {shown(bad, 20)} is not a whole number >= 0; give thresholds such as 0,1,2"
+        )
+    return tuple(sorted({int(v) for v in given}))
 
 
 def nm_values(plan: Plan, cap: int | None = None) -> list[int]:
@@ -179,14 +217,15 @@ def choose_for_time(
     target_samples: float,
     others: Sequence[tuple[str, int]] = (),
     nm_cap: int | None = None,
+    d_candidates: Sequence[int] = (0,),
 ) -> tuple[Plan, list[Ranked]]:
     """The plan ``--objective time`` picks (:func:`planner.objective.plan_for_time`) among
-    ``fastest``'s allocation at every Nm of :func:`nm_values` and remedy, and AllReduce.
+    ``fastest``'s allocation at every Nm of :func:`nm_values`, remedy and ``D``, and AllReduce.
 
     Args:
         fastest: the throughput plan (its policy and VW count are kept).
         make: :func:`planner.planner.make_plan` with the cluster, profiles and the user's
-            options bound; called with ``policy``, ``nm``, ``num_vws`` and ``options``.
+            options bound; called with ``policy``, ``nm``, ``num_vws``, ``options`` and ``D``.
         options: the user's planner options (Nm is then exact and the remedy's memory counted).
         rule: applies the user's synchronisation rule to a plan.
         allreduce: the AllReduce baseline's plan.
@@ -194,21 +233,22 @@ def choose_for_time(
         target_samples: samples sequential SGD needs to the target (0: relative times).
         others: more allocations to compare, ``(policy, VW count)`` (:func:`other_allocations`).
         nm_cap: the user's ``--nm``: no candidate has more in flight.
+        d_candidates: the WSP thresholds compared (:func:`d_values`).
     """
     from planner.objective import plan_for_time
 
     policy, vws = fastest.policy.removeprefix("auto:"), len(fastest.virtual_workers)
 
-    def replan(policy: str, vws: int, nm: int, memory: str) -> Plan:  # at exactly Nm nm
+    def replan(policy: str, vws: int, nm: int, memory: str, D: int) -> Plan:  # exactly Nm nm
         opts = replace(options, nm_choice="max", remedy=memory)
-        return rule(make(policy=policy, nm=nm, num_vws=vws, options=opts))
+        return rule(make(policy=policy, nm=nm, num_vws=vws, options=opts, D=D))
 
     allocations = [(partial(replan, policy, vws), nm_values(fastest, nm_cap))]
     top = min(NM_CANDIDATES, nm_cap or NM_CANDIDATES)
     for other in others:
         if other != (policy, vws):
             allocations.append((partial(replan, *other), list(range(1, top + 1))))
-    return plan_for_time(allocations, allreduce, inputs, target_samples)
+    return plan_for_time(allocations, allreduce, inputs, target_samples, d_candidates)
 
 
 def other_allocations(
@@ -250,12 +290,14 @@ def render_objective(
     ``out``: stderr under ``--json``)."""
     title = "objective time: candidates by predicted time to target (throughput x efficiency)"
     table = Table(title=title)
-    cols = ["candidate", "samples/s", "efficiency", "goodput/s", "time vs best"]
+    cols = ["candidate", "D", "samples/s", "efficiency", "goodput/s", "time vs best"]
     for col in [*cols, *(["seconds"] if target > 0 else []), ""]:
-        table.add_column(col, justify="left" if col == "candidate" else "right", no_wrap=True)
+        table.add_column(col, justify="left" if col == "candidate" else "right", no_wrap=True,
+                         min_width=len(col) if col == "D" else None)  # fmt: skip
     for k, r in enumerate(ranked):
         table.add_row(
             escape(r.choice.label),
+            "-" if layout(r.choice.sync) == "ddp" else str(r.choice.D),
             f"{r.choice.throughput:.1f}",
             f"{r.efficiency:.3f}",
             f"{r.goodput:.1f}",

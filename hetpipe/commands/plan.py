@@ -17,6 +17,7 @@ from hetpipe._rules import RuleValues, apply_rule, rule_params, sync_help, with_
 from hetpipe.commands.objective import (
     Calibration,
     choose_for_time,
+    d_values,
     efficiency_inputs,
     other_allocations,
     render_objective,
@@ -375,7 +376,9 @@ def plan(  # long by its typer signature (the command's options); the body is un
             "--nm", help="cap on concurrent minibatches per VW (at most what memory allows)"
         ),
     ] = None,
-    staleness: Annotated[int, typer.Option("-D", help="WSP clock-distance threshold D")] = 0,
+    staleness: Annotated[
+        int | None, typer.Option("-D", help="WSP clock-distance threshold D (default 0)")
+    ] = None,
     placement: Annotated[str, typer.Option("--placement", help="default | local")] = "default",
     vws: Annotated[int | None, typer.Option("--vws", help="number of virtual workers")] = None,
     optimizer: Annotated[
@@ -454,6 +457,7 @@ def plan(  # long by its typer signature (the command's options); the body is un
         "target_samples"
     ].default,
     remedy: Annotated[str, _opt("remedy")] = PLAN_OPTIONS["remedy"].default,
+    d_text: Annotated[str, _opt("d_values")] = PLAN_OPTIONS["d_values"].default,
     calibrate: Annotated[str | None, _opt("calibrate")] = None,
     lr: Annotated[float | None, typer.Option("--lr", help=_CAL_LR)] = None,
     momentum: Annotated[float | None, typer.Option("--momentum", help=_CAL_MOMENTUM)] = None,
@@ -479,6 +483,7 @@ def plan(  # long by its typer signature (the command's options); the body is un
                   "calibrate_lr": calibrate_lr}, PLAN_OPTIONS)  # fmt: skip
     calibration = Calibration(calibrate, lr, momentum, calibrate_lr, seed, weight_decay)
     _check_objective(objective, sync, calibration, model, optimizer)
+    compared_d = d_values(d_text, staleness, objective)
     cl = load_cluster(cluster)
     out = err_console if as_json else console  # what is not the plan itself
     _pacing_note(cl, out)
@@ -492,7 +497,7 @@ def plan(  # long by its typer signature (the command's options); the body is un
         f"planning {model or 'the profiled model'} on {cl.name} (profiles, allocation, "
         "partition, Nm, placement, simulation)"
     ):
-        kwargs = dict(model=model, batch_size=batch_size, D=staleness, placement=placement,
+        kwargs = dict(model=model, batch_size=batch_size, D=staleness or 0, placement=placement,
                       optimizer=optimizer, links=load_links(links) if links else None,
                       reference_type=profile_gpu, precision=precision)  # fmt: skip
         by_policy = partial(make_plan, policy=policy, nm=nm, num_vws=vws, options=options,
@@ -517,6 +522,7 @@ def plan(  # long by its typer signature (the command's options); the body is un
             target_samples,
             others=other_allocations(candidates, vws_given=vws is not None),
             nm_cap=nm,
+            d_candidates=compared_d,
         )
     _emit(result, output, as_json, candidates, auto_budget, full)
     render_objective(ranked, inputs, target_samples, out)

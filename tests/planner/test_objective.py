@@ -19,7 +19,7 @@ from planner.efficiency import (
     fit_delay_cost,
     mean_delay,
 )
-from planner.objective import Choice, choice_of, plan_for_time, rank
+from planner.objective import Choice, choice_of, plan_for_time, rank, takes_d
 from planner.plan import Plan
 from profiler.errors import ConfigError, PlanError
 
@@ -166,7 +166,7 @@ def _at(nm: int, tp: float, **kw: object) -> Plan:
 def test_plan_for_time_picks_allreduce_and_records_why() -> None:
     calls: list[tuple[int, str]] = []
 
-    def replan(nm: int, memory: str) -> Plan:
+    def replan(nm: int, memory: str, D: int) -> Plan:
         calls.append((nm, memory))
         if memory == "predict" and nm == 3:
             raise PlanError("does not fit")
@@ -184,19 +184,92 @@ def test_plan_for_time_picks_allreduce_and_records_why() -> None:
 
 
 def test_plan_for_time_keeps_the_winning_remedy() -> None:
-    def two_vws(nm: int, memory: str) -> Plan:
+    def two_vws(nm: int, memory: str, D: int) -> Plan:
         base = _at(nm, 150.0 * nm)
         return replace(base, virtual_workers=base.virtual_workers * 2)
 
-    allocations = [(lambda nm, _: _at(nm, 100.0 * nm), [1, 2, 3]), (two_vws, [1, 2, 3])]
+    allocations = [(lambda nm, _, D: _at(nm, 100.0 * nm), [1, 2, 3]), (two_vws, [1, 2, 3])]
     plan, ranked = plan_for_time(allocations, None, _inputs(0))
     assert len(ranked) == 12 and any(r.choice.vws == 2 for r in ranked)  # 6 per allocation
     assert ranked[0].choice.label == "wsp manual 1 VW Nm 3 predict"
     assert (plan.nm, plan.remedy) == (3, "predict")
 
 
+def _two_vws_with_shards(nm: int, D: int, tp: float) -> Plan:
+    """Two VWs synchronised through a shard (``D`` acts), at ``D``, ``tp`` samples/s."""
+    from planner.plan import ShardPlan
+
+    base = _at(nm, tp, D=D)
+    node = base.virtual_workers[0].gpus[0].node
+    return replace(base, virtual_workers=base.virtual_workers * 2,
+                   shards=(ShardPlan(0, node, (), 0),))  # fmt: skip
+
+
+@pytest.mark.parametrize(("cost", "winner"), [(0.02, 1), (0.9, 0)])
+def test_d_1_wins_on_throughput_only_when_delay_is_cheap(cost: float, winner: int) -> None:
+    """Two VWs at Nm 2: D = 1 stops the fold wait (650 against 600 samples/s) but adds half a
+    wave of the other VW's updates (foreign delay 2 -> 3). At 0.02 per update D = 1 is sooner
+    (650 / 1.08 = 602 against 600 / 1.06 = 566); at 0.9 it is later (650 / 4.6 = 141 against
+    600 / 3.7 = 162)."""
+    e = EfficiencyInputs(0.0, {"none": cost})
+    choices = [choice_of(_two_vws_with_shards(2, 0, 600.0)),
+               choice_of(_two_vws_with_shards(2, 1, 650.0))]  # fmt: skip
+    assert [c.setting.foreign_delay for c in choices] == [2.0, 3.0]
+    ranked = rank(choices, e)
+    labels = ["wsp manual 2 VWs Nm 2", "wsp manual 2 VWs Nm 2 D 1"]
+    assert [r.choice.label for r in ranked] == (labels[::-1] if winner else labels)
+    assert [r.choice.D for r in ranked] == [winner, 1 - winner]
+    d0 = next(r for r in ranked if r.choice.D == 0)
+    assert d0.goodput == pytest.approx(600.0 / (1 + cost * 3))
+
+
+@pytest.mark.parametrize(("cost", "winner"), [(0.02, 1), (0.9, 0)])
+def test_plan_for_time_plans_each_d_and_keeps_the_winners(cost: float, winner: int) -> None:
+    """Each D of ``d_values`` is planned (its simulated throughput: more at D = 1, little more
+    at 2); the winner's D reaches the plan, the label and the record."""
+    tp = {0: 600.0, 1: 650.0, 2: 655.0}
+    calls: list[int] = []
+
+    def replan(nm: int, memory: str, D: int) -> Plan:
+        calls.append(D)
+        return _two_vws_with_shards(nm, D, tp[D])
+
+    e = EfficiencyInputs(0.0, {"none": cost})
+    plan, ranked = plan_for_time([(replan, [2])], None, e, d_values=(0, 1, 2))
+    assert calls == [0, 1, 2] and len(ranked) == 3
+    assert {r.choice.D: r.choice.label for r in ranked} == {
+        0: "wsp manual 2 VWs Nm 2",
+        1: "wsp manual 2 VWs Nm 2 D 1",
+        2: "wsp manual 2 VWs Nm 2 D 2",
+    }
+    chosen_d = (ranked[0].choice.D, plan.D)  # the table's pick and the plan's threshold
+    assert chosen_d == (winner, winner)
+    assert plan.predicted.throughput == tp[winner]
+    assert plan.objective["d_values"] == [0, 1, 2]
+
+
+def test_d_is_planned_once_where_it_does_not_act() -> None:
+    """One VW without shards (the ``local`` rule): every D is the same plan, planned once;
+    a Nm that does not fit at the first D is not tried at the others."""
+    calls: list[tuple[int, int]] = []
+
+    def replan(nm: int, memory: str, D: int) -> Plan:
+        calls.append((nm, D))
+        if nm == 2:
+            raise PlanError("does not fit")
+        return _at(nm, 100.0, D=D)
+
+    e = EfficiencyInputs(0.0, {"none": 0.5})
+    plan, ranked = plan_for_time([(replan, [1, 2])], None, e, d_values=(0, 1, 2))
+    assert calls == [(1, 0), (2, 0)]
+    assert [r.choice.label for r in ranked] == ["wsp manual 1 VW Nm 1"]
+    assert plan.objective["d_values"] == []  # D acted on no candidate
+    assert not takes_d(plan) and takes_d(_two_vws_with_shards(1, 0, 1.0))
+    assert not takes_d(replace(_two_vws_with_shards(1, 0, 1.0), sync="backup"))
+
+
 def test_no_candidate_and_easgd_are_one_line_errors() -> None:
-    def never(nm: int, memory: str) -> Plan:
+    def never(nm: int, memory: str, D: int) -> Plan:
         raise PlanError("no")
 
     with pytest.raises(PlanError, match="no candidate plan fits"):
