@@ -33,7 +33,11 @@ Model (one event heap, O(log n) per event; see docs/simulator.md, *Scale*, for t
   it, then every stage pulls its own parameters (``pull_ms[s]``, in parallel; shard-side
   contention is not modelled) and each waits for its own pull only, as the runtime's stages
   do (``runtime/sync/wave.py``): stage 0 admits once its pull arrived, a later stage starts
-  the first forward that runs on the pulled weights once its pull arrived. Waiting =
+  the first forward that runs on the pulled weights once its pull arrived. At D = 0 a stage
+  other than the last folds that pull at its first update after the push: that backward
+  computes and sends its gradients when ready, only the stage's end waits for the pull
+  (on stage 0 the whole backward follows the pull: the runtime admitted the next wave's
+  first forward ahead of it, and that forward waits for the pull). Waiting =
   admission blocked by WSP (waiting for the clock plus stage 0's pull); idle = waiting while
   no GPU of the VW computes.
 - **Throughput** (:func:`measured_throughput`, the runtime uses the same function): wave 0
@@ -69,7 +73,9 @@ __all__ = ["simulate_pipelines"]
 
 log = logging.getLogger(__name__)
 
-_DONE, _PUSHED, _PULLED, _ARRIVED = 0, 1, 2, 3  # event codes
+# event codes: a task ended; a folding backward's gradients left (its stage still waits for
+# the pull to fold); a folding backward's stage ended (its gradients already left); others
+_DONE, _GRADS, _FOLDED, _PUSHED, _PULLED, _ARRIVED = 0, 1, 2, 3, 4, 5
 
 
 class _Sim:
@@ -116,7 +122,7 @@ class _Sim:
         F, B = Kind.F, Kind.B
         while heap:
             now, _, code, w, s, t = pop(heap)
-            if code != _DONE:
+            if code > _FOLDED:
                 if code == _ARRIVED:
                     w.stages[s].queue.ready(t)
                     dispatch(w, s, now)
@@ -126,7 +132,8 @@ class _Sim:
                     self._pulled(w, t, now)
                 continue
             stages = w.stages
-            stages[s].queue.done(t)
+            if code != _GRADS:
+                stages[s].queue.done(t)
             kind = t.kind
             if kind is F:
                 nxt = stages[s + 1]
@@ -137,7 +144,7 @@ class _Sim:
                     dispatch(w, s + 1, now)
                 else:
                     self._transfer(w, task, nxt.f_recv, nxt.f_link, now)
-            elif s > 0:
+            elif s > 0 and code != _FOLDED:
                 prev = stages[s - 1]
                 task = Task(s - 1, B, t.mb)
                 self.cross_bytes += prev.b_bytes
@@ -146,6 +153,8 @@ class _Sim:
                     dispatch(w, s - 1, now)
                 else:
                     self._transfer(w, task, prev.b_recv, prev.b_link, now)
+                if code == _GRADS:
+                    continue
             if kind is not F and t.mb % nm == 0:
                 self._push(w, s, t.mb // nm - 1, now)
             if s == 0 and (kind is B or w.n == 1):
@@ -189,10 +198,15 @@ class _Sim:
         version = self.clock.global_clock
         for s, st in enumerate(w.stages):
             st.pulls.append((version, now + w.spec.pull_ms[s]))
-            t = st.parked
-            if t is not None and version >= self._fold_need(t.mb):
+            parked = st.parked
+            if parked is not None and version >= self._fold_need(parked[0].mb):
                 st.parked = None
-                self._begin(w, s, t, now + w.spec.pull_ms[s])
+                t, computed = parked
+                arrives = now + w.spec.pull_ms[s]
+                if computed < 0.0:  # waits for the pull before it computes (_dispatch)
+                    self._begin(w, s, t, arrives)
+                else:
+                    self._fold(w, s, t, max(computed, arrives))
         heapq.heappush(
             self.heap, (now + w.spec.pull_ms[0], next(self.seq), _PULLED, w, -1, version)
         )
@@ -288,19 +302,57 @@ class _Sim:
         elif st.folds and t.kind is Kind.B:  # D = 0: the first update after a push folds
             need = self._fold_need(t.mb)  # the pull in first (runtime/sync/wave.py)
             if need > 0:
-                c0 = self._pulled_by(st, need, now)
-                if c0 < 0:  # not started yet: _start_pull begins it
-                    st.parked = t
+                pulled = self._pulled_by(st, need, now)
+                if s > 0:
+                    self._begin_fold(w, s, t, now, pulled)
                     return
+                # stage 0: the runtime admits the next wave's first forward when the wave's
+                # last backward ends, and that forward waits for the same pull, ahead of this
+                # backward (StageWorker._loop, WaveSync.before_forward): it runs after the pull
+                if pulled < 0.0:  # _start_pull begins it
+                    st.parked = (t, -1.0)
+                    return
+                c0 = pulled
         self._begin(w, s, t, c0)
 
-    def _begin(self, w: VWState, s: int, t: Task, c0: float) -> None:
-        """Run task ``t`` on stage ``s`` from ``c0`` (ms): its compute interval and the
-        event of its end."""
+    def _begin_fold(self, w: VWState, s: int, t: Task, c0: float, pulled: float) -> None:
+        """Run backward ``t``, whose update folds a pull arriving at ``pulled`` (ms; ``-1``:
+        not started yet), from ``c0``: as on a GPU, the backward does not wait for the pull;
+        its gradients leave for stage ``s - 1`` when it ends, only its update waits
+        (:meth:`_fold`)."""
+        st = w.stages[s]
+        if 0.0 <= pulled <= c0 + st.b_comp:  # arrived before the update: nothing waits
+            self._begin(w, s, t, c0)
+            return
+        computed = self._begin(w, s, t, c0, _GRADS if s > 0 else -1)
+        if pulled < 0.0:  # _start_pull ends it
+            st.parked = (t, computed)
+        else:
+            self._fold(w, s, t, pulled)
+
+    def _fold(self, w: VWState, s: int, t: Task, ready: float) -> None:
+        """End folding backward ``t`` (its gradients already left) with its update, from
+        ``ready`` (ms: its backward computed and its pull arrived): the wave term, where ``t``
+        ends a wave, is charged after the fold, as the runtime's update and push work follow
+        its wait; then the stage is free (event :data:`_FOLDED`)."""
+        st = w.stages[s]
+        end = ready
+        if st.wave_comp and t.mb % self.nm == 0:
+            end += st.wave_comp
+            st.starts.append(ready)
+            st.ends.append(end)
+            if self.record:
+                self.trace.append(TraceEvent(w.v, s, t.kind.value, t.mb, ready, end))
+        heapq.heappush(self.heap, (end, next(self.seq), _FOLDED, w, s, t))
+
+    def _begin(self, w: VWState, s: int, t: Task, c0: float, code: int = _DONE) -> float:
+        """Run task ``t`` on stage ``s`` from ``c0`` (ms): its compute interval and the event
+        ``code`` at its end (``_GRADS``: a folding backward's, whose wave term comes after the
+        fold, :meth:`_fold`; ``-1``: none); returns when it ends."""
         st = w.stages[s]
         end = c0 + (st.b_comp if t.kind is Kind.B else st.f_comp)
-        if st.wave_comp and t.kind is not Kind.F and t.mb % self.nm == 0:  # it ends a wave
-            end += st.wave_comp
+        if code == _DONE and st.wave_comp and t.kind is not Kind.F and t.mb % self.nm == 0:
+            end += st.wave_comp  # it ends a wave
         st.starts.append(c0)
         st.ends.append(end)
         if self.record:
@@ -310,7 +362,9 @@ class _Sim:
                 self.trace.append(
                     TraceEvent(w.v, s, "host", t.mb, c0 + exposed - host, c0 + exposed)
                 )
-        heapq.heappush(self.heap, (end, next(self.seq), _DONE, w, s, t))
+        if code >= 0:
+            heapq.heappush(self.heap, (end, next(self.seq), code, w, s, t))
+        return end
 
     # ---------------------------------------------------------------- results
 

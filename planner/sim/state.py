@@ -122,9 +122,10 @@ class StageState:
         # this stage's own pulls, oldest first: (global clock pulled, when it arrived, ms)
         self.pulls: list[tuple[int, float]] = []
         # D = 0: whether the first update after a push waits for the pull that follows it
-        # (:func:`planner.wsp.folds_at_update`), and the update waiting for a pull not started
+        # (:func:`planner.wsp.folds_at_update`), and the backward whose update waits for a
+        # pull not started yet, with when it computed (ms; -1: it computes after the pull)
         self.folds = False
-        self.parked: Task | None = None
+        self.parked: tuple[Task, float] | None = None
 
 
 class VWState:

@@ -14,6 +14,7 @@ import math
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -476,9 +477,15 @@ class StageWorker:
             to_prev.send_grads(mb, grads_x, not_before_s=deadline)
             to_prev = None
             timer.lap("send_recv")
+        elif to_prev is not None and self.sync.update_may_wait(mb):  # paced on arrival: sent
+            pace_until(deadline)  # at the deadline, not after a fold's wait (the update's
+            timer.lap("paced")  # CPU time then follows the deadline: once a wave)
+            to_prev.send_grads(mb, grads_x)
+            to_prev = None
+            timer.lap("send_recv")
         waited = self.result.wait_s
-        self._update(mb, grads_w, judged)
-        pace_until(deadline + (self.result.wait_s - waited))
+        fold = self._update(mb, grads_w, judged)
+        pace_until(self._update_end(deadline, waited, fold))
         timer.lap("paced")
         if to_prev is not None:
             to_prev.send_grads(mb, grads_x)
@@ -499,12 +506,32 @@ class StageWorker:
         loss = self._loss if self.last else 0.0
         return self.judge.local(mb, loss, self.held[mb].grads_in, grads_w.values(), grads_x)
 
-    def _update(self, mb: int, grads_w: dict[str, Tensor | None], judged: Verdict) -> None:
+    def _update_end(self, deadline: float, waited: float, fold: _FoldWait | None) -> float:
+        """When an emulated device's update ends (``time.perf_counter``): its backward's
+        ``deadline`` plus the waits since ``wait_s`` was ``waited`` (a collective after the
+        backward), except a pull the update folds: the backward computed meanwhile, as a
+        GPU's does, so the update starts at the later of its end and the pull's arrival."""
+        waits = self.result.wait_s - waited
+        if fold is None:
+            return deadline + waits
+        after = waits - fold.before_s - fold.wait_s  # waits after the fold (in the update)
+        return max(deadline + fold.before_s, fold.end) + after
+
+    def _update(
+        self, mb: int, grads_w: dict[str, Tensor | None], judged: Verdict
+    ) -> _FoldWait | None:
+        """Update with the gradients of ``mb`` through the rule's hooks; returns the wait for
+        a pull folded before it (``None``: none)."""
         timer, waited = self.timer, self.result.wait_s
         parked = self.weights.park_grads(grads_w)
         timer.lap("optimizer")
         grads_w = self.sync.reduce_grads(mb, parked)
+        before = self.result.wait_s
         self.sync.before_update(mb)
+        fold = None
+        if self.result.wait_s > before:
+            end = time.perf_counter()
+            fold = _FoldWait(before - waited, self.result.wait_s - before, end)
         timer.lap("ps", self.result.wait_s - waited)
         if self.tied:  # a parameter held by several stages: every copy takes the summed step
             grads_w = self.tied.exchange(grads_w, self.weights.master)
@@ -517,6 +544,7 @@ class StageWorker:
         waited = self.result.wait_s
         self.sync.after_update(mb)
         timer.lap("ps", self.result.wait_s - waited)
+        return fold
 
     def _post(self, mb: int) -> None:
         """Send what the rule prepared at the update of ``mb`` (WSP: the wave's push)."""
@@ -606,6 +634,15 @@ class StageWorker:
         if self._reports and self.events is not None:
             self.events.put((REPORTS, self.ctx.rank, tuple(self._reports)))
             self._reports.clear()
+
+
+@dataclass(frozen=True)
+class _FoldWait:
+    """An update's wait for a pull it folds in first (WSP, D = 0: ``before_update``)."""
+
+    before_s: float  # waited in the update before it (a collective's), s
+    wait_s: float  # its length, s
+    end: float  # when it ended (time.perf_counter)
 
 
 def _route(queues: SendQueues | None, link: Link | None, queue: str) -> Route | None:

@@ -40,7 +40,7 @@ Who calls what (nothing else in the launcher or the worker knows the rule):
   ``before_forward(mb)`` before each forward of minibatch ``mb``; ``reduce_grads(mb, grads)``
   after each backward, before the update (returns the gradients to apply);
   ``before_update(mb)`` / ``after_update(mb)`` around each local update -- a *wave boundary*
-  is ``mb % nm == 0`` --, then ``post_update(mb)`` to send what ``after_update`` prepared
+  is ``mb % nm == 0``; ``update_may_wait(mb)`` says whether ``before_update`` may block --, then ``post_update(mb)`` to send what ``after_update`` prepared
   (after the update's paced window on an emulated device, as a GPU sends after its step); stage 0 asks ``rule_total(total, admitted)`` how many minibatches
   the rule runs in all (backup workers: fewer for a VW that skipped waves) and, under a time
   limit, ``agreed_total(admitted, time_up)``; ``close()`` after the last task;
@@ -185,6 +185,11 @@ class StageSync:
 
     def before_update(self, mb: int) -> None:
         """Before the local update of ``mb``."""
+
+    def update_may_wait(self, mb: int) -> bool:
+        """Whether :meth:`before_update` of ``mb`` may block (WSP, D = 0: on a pull in flight
+        that it folds in): an emulated device then sends ``mb``'s gradients first."""
+        return False
 
     def after_update(self, mb: int) -> None:
         """After the local update of ``mb`` (a wave ends when ``mb % nm == 0``)."""

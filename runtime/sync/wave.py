@@ -384,8 +384,12 @@ class WaveSync(StageSync):
         while the slower VWs finish, as the simulator has it."""
         if self.mirror is not None and self.D == 0:
             self.mirror.before_update()
-        if self._pending is not None and not self._fold_late:
+        if self.update_may_wait(mb):
             self._complete_pull()
+
+    def update_may_wait(self, mb: int) -> bool:
+        """Whether :meth:`before_update` of ``mb`` folds a pull in flight (it may wait)."""
+        return self._pending is not None and not self._fold_late
 
     def _complete_pull(self) -> None:
         if self._pending is None:

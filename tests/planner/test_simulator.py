@@ -12,6 +12,7 @@ from planner.cluster import Link
 from planner.draw import TraceEvent
 from planner.predict import simulate_allreduce
 from planner.schedule import FLUSH, HETPIPE, SCHEDULES, Schedule, actions
+from planner.sim import simulator as simulator_module
 from planner.sim.engine import simulate_pipelines
 from planner.sim.simulator import allreduce_for_plan, pipeline_specs, simulate
 from planner.sim.types import PipelineSpec, SimResult
@@ -147,34 +148,65 @@ def _start_ms(res: SimResult, stage: int, cat: str, mb: int) -> float:
 
 def test_d0_update_waits_for_its_pull() -> None:
     """With D = 0 a stage other than the last folds the pull after its wave's push before
-    its next update (planner.wsp.folds_at_update): that backward starts once its own pull
-    arrived, as the runtime's stage waits in ``before_update``. Nm = 2, traced by hand."""
-    # stage 0 pulls in 5 ms: wave 0's push leaves when B2 ends (9); B3, ready at 10, waits
-    # for the pull (14), F4 follows it; the last stage never waits (it folds at F4)
+    its next update (planner.wsp.folds_at_update). As on a GPU, only the update waits: the
+    backward computes when it is ready, its gradients leave when it ends, and the stage is
+    free once the pull arrived too (the runtime's stage waits in ``before_update``), except
+    on stage 0: the runtime admitted the next wave's first forward ahead of that backward,
+    and the forward waits for the pull. Nm = 2, traced by hand."""
+    # stage 0 pulls in 5 ms: wave 0's push leaves when B2 ends (9), when F4 is due; B3, ready
+    # at 10, runs after the pull (14), F4 after it; the last stage never waits (it folds at F4)
     sp = dataclasses.replace(PipelineSpec.from_times([1.0, 1.0], [2.0, 2.0]), pull_ms=(5.0, 0.0))
     res = simulate_pipelines([sp], nm=2, waves=2, record_trace=True)
     assert (_start_ms(res, 0, "B", 3), _start_ms(res, 0, "F", 4)) == (14.0, 16.0)
     assert _start_ms(res, 1, "FB", 4) == 17.0
     # a slow gradient link into stage 0 (10 ms): stage 1's B3 is ready at 24 (FB3 ends),
-    # before the wave's last push (stage 0's B2, 27-29) started the pull: it waits until 29
+    # before the wave's last push (stage 0's B2, 27-29) started the pull: it computes 24-26,
+    # its gradients leave at 26, its update waits for the pull (29); F4 arrived at 30
     sp = PipelineSpec.from_times([1.0] * 3, [2.0] * 3, [0.0] * 3, [10.0, 0.0, 0.0])
     res = simulate_pipelines([sp], nm=2, waves=2, record_trace=True)
-    assert _start_ms(res, 1, "B", 3) == 29.0
-    assert _start_ms(res, 1, "F", 4) == 31.0  # arrived at 30, behind the update
+    assert _start_ms(res, 1, "B", 3) == 24.0
+    # its gradients, sent at 26, wait for the link (B2's until 27), not for the pull (31)
+    assert _start_ms(res, 0, "recv", 3) == 27.0
+    assert _start_ms(res, 1, "F", 4) == 30.0
     res = simulate_pipelines([sp], nm=2, D=1, waves=2, record_trace=True)
     assert _start_ms(res, 1, "B", 3) == 24.0  # D = 1 folds at the forward that needs it
     res = simulate_pipelines([sp], nm=2, waves=2, record_trace=True, alone=True)
     assert _start_ms(res, 1, "B", 3) == 24.0  # one VW alone (no shards) pulls nothing
 
 
-def test_a_vw_without_shards_folds_no_pull() -> None:
+def test_d0_fold_sends_the_gradients_before_the_pull_arrives() -> None:
+    """A folding backward whose pull has not even started: it computes when ready, its
+    gradients leave for the previous stage when it ends, long before the pull arrives, and
+    its stage is free at the pull's arrival (its next task starts then), not a backward
+    later. Nm = 2, 3 stages, traced by hand."""
+    # forwards 1 ms, backwards 2 ms, a 10 ms gradient link into stage 0, stage 1 pulls in
+    # 5 ms. Stage 1's B3 is ready at 24 (FB3 ends); the pull it folds starts only at 29
+    # (wave 0's last push: stage 0's B2, 27-29) and arrives at 34
+    sp = PipelineSpec.from_times([1.0] * 3, [2.0] * 3, [0.0] * 3, [10.0, 0.0, 0.0])
+    sp = dataclasses.replace(sp, pull_ms=(0.0, 5.0, 0.0))
+    res = simulate_pipelines([sp], nm=2, waves=2, record_trace=True)
+    b3 = [(e.start_ms, e.end_ms) for e in res.trace if (e.stage, e.cat, e.mb) == (1, "B", 3)]
+    assert b3 == [(24.0, 26.0)]  # main: 34-36, after the pull
+    assert _start_ms(res, 0, "recv", 3) == 27.0  # once B2's gradients left the link (main: 36)
+    assert _start_ms(res, 1, "F", 4) == 34.0  # free at the pull (main: 36)
+
+
+def test_a_vw_without_shards_folds_no_pull(monkeypatch: pytest.MonkeyPatch) -> None:
     """A plan of one VW and no shards trains by the ``local`` rule (planner.sync): nothing is
-    pulled, so no update waits for a pull at D = 0, as in the runtime."""
+    pulled, so no update waits for a pull at D = 0, as in the runtime. (Its pulls are free, so
+    the fold, which holds the update alone, costs nothing here: the simulator must be told.)"""
     plan = make_plan([[("V", 2.0, 4.0), ("G", 3.0, 6.0), ("Q", 3.0, 6.0)]], nm=4, shards=False)
     specs = pipeline_specs(plan)
     alone = simulate_pipelines(specs, 4, 0, 20, plan.batch_size, alone=True).throughput
+    told: list[bool] = []
+
+    def spy(*args: object) -> SimResult:
+        told.append(bool(args[-1]))
+        return simulate_pipelines(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(simulator_module, "simulate_pipelines", spy)
     assert simulate(plan, waves=20).throughput == alone
-    assert alone > simulate_pipelines(specs, 4, 0, 20, plan.batch_size).throughput
+    assert told == [True]
 
 
 def test_one_vw_nm1_is_bound_by_sum_of_stages() -> None:

@@ -34,6 +34,7 @@ from runtime.send_queues import Route, SendQueues, make_card
 from runtime.stage import comm
 from runtime.stage.comm import Channel, Event, TensorSpec, start_activation_receiver
 from runtime.stage.job import StageJob
+from runtime.sync.rule import StageSync
 from tests.planner.simplan import make_plan
 from tests.runtime.test_link_pacing import FakeClock, _Done, emulated
 
@@ -288,6 +289,7 @@ def test_an_emulated_backward_queues_its_gradients_before_its_updates_push(
     w = stage_worker.StageWorker.__new__(stage_worker.StageWorker)
     w.timer, w.offload, w.fault = lap_timer(False), None, None
     w.tied = None  # type: ignore[assignment]
+    w.sync = StageSync()  # no update waits for a pull
     w.result = StageResult(1, 0, 1, "V:0")
     w.ctx = stage_contexts(
         make_plan([[("V", 1.0, 2.0), ("R", 1.0, 2.0)]], 2, cluster=emulated()), 0, 2, 4

@@ -43,7 +43,7 @@ class _Weights:
 
 
 class _Channel:
-    route = None  # the receiver paces it
+    route: Any = None  # the receiver paces it
 
     def __init__(self, log: list[str]) -> None:
         self.log = log
@@ -94,3 +94,76 @@ def test_push_leaves_after_the_update_s_paced_window(
     w = _worker(log, emulate)
     w._execute(Task(1, Kind.B, MB), None, _Channel(log), None)  # type: ignore[arg-type]
     assert log == order
+
+
+class _Clock:
+    """``time`` for the worker: ``perf_counter`` moves only when a fake wait moves it."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return self.now
+
+
+class _FoldSync(_Sync):
+    """D = 0: the update of the first minibatch after a push waits for the pull it folds,
+    arriving at ``arrives`` (``before_update``, as ``WaveSync`` does)."""
+
+    def __init__(self, log: list[str], clock: _Clock, result: StageResult, arrives: float):
+        super().__init__(log)
+        self.clock, self.result, self.arrives = clock, result, arrives
+
+    def update_may_wait(self, mb: int) -> bool:
+        return True
+
+    def before_update(self, mb: int) -> None:
+        waited = max(0.0, self.arrives - self.clock.now)
+        self.clock.now += waited
+        self.result.wait_s += waited
+        self.log.append(f"folded {mb}")
+
+
+class _Queued(_Channel):
+    route: Any = object()  # a sender-side queue: the slot starts at ``not_before_s``
+
+    def send_grads(self, mb: int, grads: Any, not_before_s: float = 0.0) -> None:
+        self.log.append(f"grads {mb} from {not_before_s:.2f}")
+
+
+@pytest.mark.parametrize(
+    ("arrives", "queued", "order"),
+    [
+        # the pull arrives after the backward's 50 ms: the stage ends with the wait (100.08),
+        # not the wait after the backward (100.13); the gradients leave at the deadline
+        (100.08, True, ["grads 3 from 100.05", "folded 3", "step 3", "after_update 3", "paced 100.08"]),
+        # the pull arrives within the backward: the stage ends at the deadline (not 100.07)
+        (100.02, True, ["grads 3 from 100.05", "folded 3", "step 3", "after_update 3", "paced 100.05"]),
+        # paced by the receiver: the gradients are sent at the deadline, before the wait
+        (100.08, False, ["paced 100.05", "grads 3", "folded 3", "step 3", "after_update 3", "paced 100.08"]),
+    ],
+)  # fmt: skip
+def test_a_fold_wait_overlaps_the_emulated_backward(
+    monkeypatch: pytest.MonkeyPatch, arrives: float, queued: bool, order: list[str]
+) -> None:
+    """D = 0: an emulated stage's update that waits for the pull it folds ends at the later
+    of the backward's end and the wait's (a GPU computes its backward meanwhile), and its
+    gradients leave at the backward's end."""
+    log: list[str] = []
+    clock = _Clock()
+
+    def pace_until(deadline: float, clock_: Any = None) -> float:
+        log.append(f"paced {deadline:.2f}")
+        clock.now = max(clock.now, deadline)
+        return 0.0
+
+    monkeypatch.setattr(worker_module, "pace_until", pace_until)
+    monkeypatch.setattr(worker_module, "time", clock)
+    w = _worker(log, emulate=True)
+    w.sync = _FoldSync(log, clock, w.result, arrives)
+    channel = _Queued(log) if queued else _Channel(log)
+    w._execute(Task(1, Kind.B, 3), None, channel, None)  # type: ignore[arg-type]
+    assert log == [*order, "push 3"]
