@@ -102,13 +102,15 @@ def _node_traffic(
 
 
 def _simulated(plan: Plan, waves: int) -> Prediction | None:
-    """The discrete-event simulator's prediction with the runtime overhead the cluster's model
+    """The discrete-event simulator's steady-state prediction
+    (:func:`planner.throughput.steady_throughput`) with the runtime overhead the cluster's model
     gives the plan (:func:`planner.overhead.plan_overhead_ms`), recorded next to the
     prediction without it (``None`` when the simulator refuses the plan or waves < 2)."""
     if waves < 2:
         return None
     from planner.overhead import plan_overhead_ms, plan_wave_overhead_ms
     from planner.symmetry import simulate_distinct
+    from planner.throughput import steady_throughput
 
     p = plan.predicted
     over = plan_overhead_ms(plan)
@@ -118,12 +120,16 @@ def _simulated(plan: Plan, waves: int) -> Prediction | None:
     )
     charged = replace(plan, predicted=assumed)
     try:
-        throughput, per_vw = simulate_distinct(charged, waves)
+        throughput, per_vw = simulate_distinct(charged, waves, steady_throughput)
         # A second run on purpose, of other inputs: ``plan`` carries the analytic prediction,
         # which charges no overhead, so it gives ``throughput_without_overhead`` (what the run
         # summary shows beside the charged figure). Without an overhead model both runs
         # would be the same simulation, and the first one's result is reused.
-        without = simulate_distinct(plan, waves)[0] if assumed.charges_overhead else throughput
+        without = (
+            simulate_distinct(plan, waves, steady_throughput)[0]
+            if assumed.charges_overhead
+            else throughput
+        )
     except PlanError as exc:
         log.warning("simulator refused the plan (%s); keeping the analytic prediction", exc)
         return None

@@ -76,8 +76,10 @@ class PlanOptions:
             such that performance is maximized"; ties go to the smaller Nm, less staleness);
             ``max`` takes the largest feasible Nm (the minimum over VWs of their ``nm_max``).
         simulate_waves: when >= 2, the prediction (and ``auto``'s ranking) comes from the
-            discrete-event simulator (``planner.sim.simulator``) over this many waves; the analytic
-            estimate is the fallback.
+            discrete-event simulator (``planner.sim.simulator``) over this many waves, read at
+            steady state (:func:`planner.throughput.steady_throughput`: every VW at the slowest
+            VW's rate; within ~0.5 % of a 1,000-wave run at 32 waves, docs/simulator.md); the
+            analytic estimate is the fallback.
         memory: the memory manager (:mod:`planner.offload`): ``keep`` (default: everything on
             the device), ``auto`` (per Nm, each VW is partitioned under every placement of
             :data:`planner.offload.LADDER` that fits, each stage then takes its fastest fitting
@@ -96,7 +98,7 @@ class PlanOptions:
     auto_max_vw_gpus: int = 16
     auto_budget_s: float = 120.0
     nm_choice: str = "best"
-    simulate_waves: int = 8
+    simulate_waves: int = 32
     memory: str = "keep"
     remedy: str = "none"
 

@@ -15,6 +15,7 @@ simulates 2 VWs instead of 1,280; :func:`simulate_distinct` equals the full simu
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from planner.plan import Plan
@@ -23,6 +24,9 @@ from planner.sim.simulator import pipeline_specs
 from planner.throughput import measured_throughput
 
 __all__ = ["simulate_distinct", "vw_groups"]
+
+Rate = Callable[[Sequence[Sequence[float]], int, int], float]
+"""Samples/s from per-VW completion times (ms), Nm and the batch size."""
 
 
 def vw_groups(plan: Plan) -> list[list[int]]:
@@ -68,9 +72,13 @@ def _shape(plan: Plan, group: list[int]) -> tuple[object, ...]:
     return (tuple(vws), tuple(shards))
 
 
-def simulate_distinct(plan: Plan, waves: int) -> tuple[float, tuple[float, ...]]:
+def simulate_distinct(
+    plan: Plan, waves: int, rate: Rate = measured_throughput
+) -> tuple[float, tuple[float, ...]]:
     """``plan``'s simulated throughput (samples/s) and per-VW throughput, simulating one copy of
-    each distinct group of VWs (module doc).
+    each distinct group of VWs (module doc). ``rate`` turns every VW's completion times into
+    the throughput: the window a run of ``waves`` measures (default), or
+    :func:`planner.throughput.steady_throughput` (the planner's prediction).
 
     Raises:
         PlanError: the simulator refuses the plan.
@@ -88,8 +96,6 @@ def simulate_distinct(plan: Plan, waves: int) -> tuple[float, tuple[float, ...]]
     reduced = replace(plan, virtual_workers=tuple(plan.virtual_workers[v] for v in picked))
     specs = pipeline_specs(reduced)
     res = simulate_pipelines(specs, plan.nm, plan.D, waves, plan.batch_size)
-    if len(picked) == len(plan.virtual_workers):
-        return res.throughput, res.per_vw_throughput
     completions = [res.completions_ms[i] for i in of_vw]
-    throughput = measured_throughput(completions, plan.nm, plan.batch_size)
+    throughput = rate(completions, plan.nm, plan.batch_size)
     return throughput, tuple(res.per_vw_throughput[i] for i in of_vw)
