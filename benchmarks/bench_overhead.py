@@ -33,7 +33,9 @@ _TITLE = re.compile(r"([\d.]+) samples/s \(predicted ([\d.]+), ratio ([\d.]+)\)"
 
 
 def _cpu_s() -> float:
-    """CPU seconds (user + system) of every finished child process so far."""
+    """CPU seconds (user + system) of every finished child process so far that was waited
+    for: the ``hetpipe run`` launcher, not its stage and shard processes (started from a
+    forkserver, they are never this process's waited-for descendants)."""
     used = resource.getrusage(resource.RUSAGE_CHILDREN)
     return used.ru_utime + used.ru_stime
 
@@ -50,7 +52,8 @@ def _hetpipe(tree: Path, *args: str) -> str:
 
 def _run(tree: Path, *extra: str) -> dict[str, Any]:
     """One README main job from ``tree``: throughput, prediction, ratio, load before/after and
-    the CPU seconds of the whole job (every process: less sensitive to the load than wall time)."""
+    the launcher's CPU seconds (:func:`_cpu_s`: start-up, planning and data, not the stages'
+    per-task work; measured 7 s against 24-31 s for every process of the job)."""
     load0, cpu0 = os.getloadavg()[0], _cpu_s()
     out = _hetpipe(tree, "run", CLUSTER, "--no-progress", *extra)
     cpu_s = _cpu_s() - cpu0
